@@ -1,0 +1,111 @@
+"""Tile sizes and launch settings: one frozen, validated dataclass with heuristic defaults.
+
+Names follow the paper (§3.1, Alg. 1 and 2): ``B_r`` (rows of Q per block) is ``block_q`` and ``B_c``
+(rows of K/V per block) is ``block_k``. The forward kernel, the dK/dV kernel and the separate dQ kernel
+each have their own pair because their best tiles differ (the backward keeps more tiles live).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and (x & (x - 1)) == 0
+
+
+# Triton needs power-of-two tile sides; 16 is the smallest side its tensor-core dots accept and 256 the
+# largest that fits a [block, head_dim<=256] f32 accumulator in registers with room to spare.
+_MIN_BLOCK, _MAX_BLOCK = 16, 256
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles and launch parameters of the Triton kernels.
+
+  Attributes:
+    block_q, block_k: forward tiles (``B_r``, ``B_c`` of Alg. 1).
+    block_q_dkv, block_k_dkv: tiles of the dK/dV kernel (Alg. 2): each program owns ``block_k_dkv`` keys
+      and loops over query blocks of ``block_q_dkv`` rows.
+    block_q_dq, block_k_dq: tiles of the separate (deterministic) dQ kernel.
+    num_warps_fwd, num_stages_fwd: Triton launch settings of the forward kernel.
+    num_warps_bwd, num_stages_bwd: the same for both backward kernels.
+  """
+
+  block_q: int = 128
+  block_k: int = 64
+  block_q_dkv: int = 64
+  block_k_dkv: int = 64
+  block_q_dq: int = 64
+  block_k_dq: int = 64
+  num_warps_fwd: int = 8
+  num_stages_fwd: int = 3
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"BlockSizes.{f.name} must be an int, got {type(v).__name__} {v!r}")
+      if f.name.startswith("block_"):
+        if not _is_pow2(v) or not _MIN_BLOCK <= v <= _MAX_BLOCK:
+          raise ValueError(
+              f"BlockSizes.{f.name} must be a power of two in [{_MIN_BLOCK}, {_MAX_BLOCK}], got {v}")
+      elif f.name.startswith("num_warps"):
+        if v not in (1, 2, 4, 8, 16):
+          raise ValueError(f"BlockSizes.{f.name} must be one of 1, 2, 4, 8, 16, got {v}")
+      elif f.name.startswith("num_stages"):
+        if not 1 <= v <= 8:
+          raise ValueError(f"BlockSizes.{f.name} must be in [1, 8], got {v}")
+
+  @property
+  def max_block_q(self) -> int:
+    """Largest query tile: lse/delta/dQ buffers are padded to a multiple of it."""
+    return max(self.block_q, self.block_q_dkv, self.block_q_dq)
+
+  def clamp(self, seq_q: int, seq_k: int) -> "BlockSizes":
+    """Shrink tiles for short sequences (no tile larger than the next power of two of the length)."""
+    cq = max(_MIN_BLOCK, 1 << max(0, math.ceil(math.log2(max(seq_q, 1)))))
+    ck = max(_MIN_BLOCK, 1 << max(0, math.ceil(math.log2(max(seq_k, 1)))))
+    return dataclasses.replace(
+        self,
+        block_q=min(self.block_q, cq), block_k=min(self.block_k, ck),
+        block_q_dkv=min(self.block_q_dkv, cq), block_k_dkv=min(self.block_k_dkv, ck),
+        block_q_dq=min(self.block_q_dq, cq), block_k_dq=min(self.block_k_dq, ck),
+    )
+
+  @classmethod
+  def default(cls, head_dim: int, dtype=jnp.bfloat16, gpu: str | None = None) -> "BlockSizes":
+    """Heuristic default per (GPU generation, head_dim, dtype).
+
+    Args:
+      head_dim: H of the call (the kernels pad it to a power of two).
+      dtype: input dtype; float32 halves the tiles (twice the bytes per element, f32 dots).
+      gpu: ``"sm90"`` (Hopper), ``"sm80"`` (Ampere) or None (unknown; Hopper settings).
+    """
+    del gpu  # Hopper and Ampere share these settings until measured otherwise.
+    hp = max(16, 1 << math.ceil(math.log2(head_dim)))
+    f32 = jnp.dtype(dtype) == jnp.float32
+    if hp <= 64:
+      cfg = cls(block_q=128, block_k=64, num_warps_fwd=4, num_stages_fwd=3,
+                block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
+                num_warps_bwd=4, num_stages_bwd=2)
+    elif hp <= 128:
+      cfg = cls(block_q=128, block_k=64, num_warps_fwd=8, num_stages_fwd=3,
+                block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
+                num_warps_bwd=4, num_stages_bwd=2)
+    else:  # 256: registers and shared memory halve the tiles
+      cfg = cls(block_q=64, block_k=32, num_warps_fwd=4, num_stages_fwd=2,
+                block_q_dkv=32, block_k_dkv=32, block_q_dq=32, block_k_dq=32,
+                num_warps_bwd=4, num_stages_bwd=1)
+    if f32:
+      cfg = dataclasses.replace(
+          cfg, block_q=max(_MIN_BLOCK, cfg.block_q // 2), block_k=max(_MIN_BLOCK, cfg.block_k // 2),
+          block_q_dkv=max(_MIN_BLOCK, cfg.block_q_dkv // 2),
+          block_k_dkv=max(_MIN_BLOCK, cfg.block_k_dkv // 2),
+          block_q_dq=max(_MIN_BLOCK, cfg.block_q_dq // 2),
+          block_k_dq=max(_MIN_BLOCK, cfg.block_k_dq // 2), num_stages_fwd=2, num_stages_bwd=1)
+    return cfg

@@ -1,0 +1,257 @@
+"""FlashAttention-2 backward pass (paper Alg. 2) as Pallas kernels on the Triton backend.
+
+1. ``delta = rowsum(dO ∘ O)`` (Alg. 2 line 4, the ``D_i`` of eq. 4) is a memory-bound row reduction;
+   the wrapper computes it with one fused XLA op before the kernels.
+2. dK/dV kernel: grid ``(key block j, batch b, KV head)``. Each program keeps ``K_j, V_j`` and the f32
+   accumulators ``dK_j, dV_j`` on chip and loops over the query blocks ``i`` (and, for GQA/MQA, over the
+   ``G`` query heads that share this KV head, so dK/dV are summed over the group on chip without any
+   atomics or repeated K/V in HBM), recomputing ``P_ij = exp(S_ij - L_i)`` from the saved logsumexp:
+       dV_j += P_ij^T dO_i,   dP_ij = dO_i V_j^T,   dS_ij = P_ij ∘ (dP_ij - D_i),   dK_j += dS_ij^T Q_i.
+3. dQ_i = sum_j dS_ij K_j receives a contribution from every key block. Default (the paper's scheme):
+   the dK/dV kernel atomically adds ``dS_ij K_j`` into an f32 buffer. ``deterministic=True``: a separate
+   kernel with grid ``(query block i, batch, head)`` loops over key blocks and accumulates dQ_i on chip
+   (recomputing P and dS), with no atomics, so results are bit-identical across runs.
+
+Causal: for key block ``j`` the query blocks wholly above the diagonal (``i < j*B_c // B_r``) are skipped;
+only blocks that straddle the diagonal (or hold the ragged key tail) run the masked body.
+The softmax scale is applied once to dK_j and dQ at the end (dS is left unscaled in the loop).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ...masking import allowed
+from .common import LOG2E, compiler_params, dot, load_tile, padded_head_dim, round_up, store_tile
+from .forward import kv_block_ranges
+
+
+def q_block_ranges(j, *, block_q: int, block_k: int, seq_q: int, seq_k: int, is_causal: bool):
+  """Query-block ranges for key block ``j``: ``[i_start, i_full)`` masked, ``[i_full, nq)`` unmasked.
+
+  Causal: query block ``i`` meets key block ``j`` when its last row ``(i+1)*B_r - 1 >= j*B_c``, i.e.
+  ``i >= j*B_c // B_r``; it needs no mask when its first row is at or past the block's last key,
+  ``i*B_r >= j*B_c + B_c - 1``. The key block holding the ragged tail of the keys is masked throughout.
+  """
+  nq = pl.cdiv(seq_q, block_q)
+  tail = seq_k % block_k != 0
+  is_tail = j == pl.cdiv(seq_k, block_k) - 1
+  if is_causal:
+    i_start = jnp.minimum((j * block_k) // block_q, nq)
+    i_full = jnp.minimum(pl.cdiv(j * block_k + block_k - 1, block_q), nq)
+  else:
+    i_start, i_full = 0, 0
+  if tail:
+    i_full = jnp.where(is_tail, nq, i_full)
+  return i_start, i_full, nq
+
+
+def _row_lse2(lse_ref, head, start, size):
+  """Load ``size`` logsumexp values and turn them into base-2 units for ``exp2``.
+
+  A row with no key (lse = -inf) maps to +inf so that its recomputed P is 0, not NaN.
+  """
+  lse = plgpu.load(lse_ref.at[head, pl.ds(start, size)])  # [size] f32, natural log
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: float,
+                 is_causal: bool, seq_q: int, seq_k: int, head_dim: int, group: int, block_q: int,
+                 block_k: int, f32: bool, atomic_dq: bool):
+  # q_ref, do_ref: [T, G, hp] (the G query heads of this KV head); k_ref, v_ref: [S, hp];
+  # lse_ref, delta_ref: [G, Tp] f32; outputs dk_ref, dv_ref: [S, hp]; dq_ref (atomic): [Tp, G, hp] f32.
+  if atomic_dq:
+    dq_in_ref, dk_ref, dv_ref, dq_ref = rest
+    del dq_in_ref  # aliased with dq_ref
+  else:
+    dk_ref, dv_ref = rest
+    dq_ref = None
+  hp = k_ref.shape[-1]
+  c = scale * LOG2E
+  j = pl.program_id(0)
+  k_start = j * block_k
+  kv_limit = None if seq_k % block_k == 0 else seq_k
+  q_limit = None if seq_q % block_q == 0 else seq_q
+  k = load_tile(k_ref, k_start, block_k, kv_limit, head_dim)  # K_j [block_k, hp], stays on chip
+  v = load_tile(v_ref, k_start, block_k, kv_limit, head_dim)  # V_j [block_k, hp]
+  k_pos = k_start + jnp.arange(block_k)[None, :]  # [1, block_k]
+  i_start, i_full, nq = q_block_ranges(j, block_q=block_q, block_k=block_k, seq_q=seq_q,
+                                       seq_k=seq_k, is_causal=is_causal)
+
+  def body(i, carry, g, masked: bool):
+    dk, dv = carry  # [block_k, hp] f32 each
+    start = i * block_q
+    q = load_tile(q_ref, start, block_q, q_limit, head_dim, head=g)  # Q_i [block_q, hp]
+    do = load_tile(do_ref, start, block_q, q_limit, head_dim, head=g)  # dO_i [block_q, hp]
+    lse2 = _row_lse2(lse_ref, g, start, block_q)  # L_i in base 2, [block_q]
+    delta = plgpu.load(delta_ref.at[g, pl.ds(start, block_q)])  # D_i [block_q]
+    s = dot(q, k, trans_b=True, f32=f32)  # S_ij [block_q, block_k]
+    p = jnp.exp2(s * c - lse2[:, None])  # P_ij = exp(scale*S_ij - L_i), recomputed (Alg. 2 line 11)
+    if masked:
+      q_pos = start + jnp.arange(block_q)[:, None]
+      keep = allowed(q_pos, k_pos, is_causal=is_causal, seq_k=kv_limit)
+      if keep is not None:
+        p = jnp.where(keep, p, 0.0)
+    dv = dv + dot(p.astype(do.dtype), do, trans_a=True, f32=f32)  # dV_j += P^T dO_i
+    dp = dot(do, v, trans_b=True, f32=f32)  # dP_ij = dO_i V_j^T
+    ds = p * (dp - delta[:, None])  # dS_ij = P_ij ∘ (dP_ij − D_i)   (eq. 4, unscaled)
+    ds_lo = ds.astype(q.dtype)
+    dk = dk + dot(ds_lo, q, trans_a=True, f32=f32)  # dK_j += dS^T Q_i
+    if atomic_dq:
+      # dQ_i += dS_ij K_j: the paper's atomic adds, into an f32 buffer padded so no mask is needed.
+      plgpu.atomic_add(dq_ref, (pl.ds(start, block_q), g, pl.ds(0, hp)),
+                       dot(ds_lo, k, f32=f32))
+    return dk, dv
+
+  def over_queries(g, carry):
+    carry = lax.fori_loop(i_start, i_full, functools.partial(body, g=g, masked=True), carry)
+    return lax.fori_loop(i_full, nq, functools.partial(body, g=g, masked=False), carry)
+
+  carry = (jnp.zeros((block_k, hp), jnp.float32), jnp.zeros((block_k, hp), jnp.float32))
+  if group == 1:
+    dk, dv = over_queries(jnp.int32(0), carry)
+  else:
+    dk, dv = lax.fori_loop(0, group, over_queries, carry)  # GQA: sum over the query-head group
+  store_tile(dk_ref, k_start, dk * scale, kv_limit, head_dim)
+  store_tile(dv_ref, k_start, dv, kv_limit, head_dim)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale: float,
+               is_causal: bool, seq_q: int, seq_k: int, head_dim: int, block_q: int, block_k: int,
+               f32: bool):
+  # q_ref, do_ref, dq_ref: [T, hp]; k_ref, v_ref: [S, hp] (KV head h // G); lse_ref, delta_ref: [1, Tp].
+  hp = q_ref.shape[-1]
+  c = scale * LOG2E
+  i = pl.program_id(0)
+  start = i * block_q
+  q_limit = None if seq_q % block_q == 0 else seq_q
+  q = load_tile(q_ref, start, block_q, q_limit, head_dim)  # Q_i [block_q, hp]
+  do = load_tile(do_ref, start, block_q, q_limit, head_dim)  # dO_i
+  lse2 = _row_lse2(lse_ref, jnp.int32(0), start, block_q)
+  delta = plgpu.load(delta_ref.at[jnp.int32(0), pl.ds(start, block_q)])
+  q_pos = start + jnp.arange(block_q)[:, None]
+
+  def body(j, dq, masked: bool):
+    k_start = j * block_k
+    k = load_tile(k_ref, k_start, block_k, seq_k if masked else None, head_dim)
+    v = load_tile(v_ref, k_start, block_k, seq_k if masked else None, head_dim)
+    s = dot(q, k, trans_b=True, f32=f32)
+    p = jnp.exp2(s * c - lse2[:, None])
+    if masked:
+      k_pos = k_start + jnp.arange(block_k)[None, :]
+      keep = allowed(q_pos, k_pos, is_causal=is_causal,
+                     seq_k=seq_k if seq_k % block_k else None)
+      if keep is not None:
+        p = jnp.where(keep, p, 0.0)
+    dp = dot(do, v, trans_b=True, f32=f32)
+    ds = p * (dp - delta[:, None])
+    return dq + dot(ds.astype(k.dtype), k, f32=f32)  # dQ_i += dS_ij K_j
+
+  n_full, n_end = kv_block_ranges(i, block_q=block_q, block_k=block_k, seq_k=seq_k,
+                                  is_causal=is_causal)
+  dq = jnp.zeros((block_q, hp), jnp.float32)
+  dq = lax.fori_loop(0, n_full, functools.partial(body, masked=False), dq)
+  dq = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), dq)
+  store_tile(dq_ref, start, dq * scale, q_limit, head_dim)
+
+
+def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool, block_q_dkv: int,
+             block_k_dkv: int, block_q_dq: int, block_k_dq: int, num_warps: int, num_stages: int,
+             deterministic: bool, interpret: bool):
+  """Gradients of attention w.r.t. q, k, v.
+
+  Args:
+    q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; lse: ``[B, N, T]`` f32 from the forward.
+    dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
+      ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
+    deterministic: use the separate dQ kernel instead of atomic adds.
+
+  Returns:
+    ``dq, dk, dv`` in the dtypes of q, k, v.
+  """
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  group = n // kh
+  hp = padded_head_dim(h)
+  f32 = q.dtype == jnp.float32
+  tp = round_up(t, max(block_q_dkv, block_q_dq))
+  # D_i = rowsum(dO_i ∘ O_i) (Alg. 2 line 4), in f32; lse and delta padded to Tp with zeros so that the
+  # kernels read whole tiles without masks (padded rows have Q = dO = 0, hence dS = 0).
+  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
+  if dlse is not None:
+    delta = delta - dlse
+  pad = ((0, 0), (0, 0), (0, tp - t))
+  lse_p = jnp.pad(lse, pad)
+  delta_p = jnp.pad(delta, pad)
+  params = compiler_params(num_warps, num_stages)
+
+  # --- dK, dV (and atomic dQ) -----------------------------------------------------------------
+  nk = pl.cdiv(s, block_k_dkv)
+  in_specs = [
+      pl.BlockSpec((None, t, group, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # q
+      pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # k
+      pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # v
+      pl.BlockSpec((None, t, group, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # do
+      pl.BlockSpec((None, group, tp), lambda j, bi, hk: (bi, hk, 0)),  # lse
+      pl.BlockSpec((None, group, tp), lambda j, bi, hk: (bi, hk, 0)),  # delta
+  ]
+  out_specs = [
+      pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # dk
+      pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # dv
+  ]
+  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  args = [q, k, v, do, lse_p, delta_p]
+  aliases = {}
+  atomic = not deterministic
+  if atomic:
+    dq_acc = jnp.zeros((b, tp, n, hp), jnp.float32)
+    dq_spec = pl.BlockSpec((None, tp, group, hp), lambda j, bi, hk: (bi, 0, hk, 0))
+    in_specs.append(dq_spec)
+    out_specs.append(dq_spec)
+    out_shape.append(jax.ShapeDtypeStruct(dq_acc.shape, dq_acc.dtype))
+    args.append(dq_acc)
+    aliases = {len(args) - 1: 2}
+  res = pl.pallas_call(
+      functools.partial(_dkdv_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=s,
+                        head_dim=h, group=group, block_q=block_q_dkv, block_k=block_k_dkv,
+                        f32=f32, atomic_dq=atomic),
+      grid=(nk, b, kh),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=params,
+      interpret=interpret,
+      name="fa2_backward_dkdv",
+  )(*args)
+  if atomic:
+    dk, dv, dq_acc = res
+    dq = (dq_acc[:, :t, :, :h] * scale).astype(q.dtype)
+    return dq, dk, dv
+  dk, dv = res
+
+  # --- dQ, deterministic ------------------------------------------------------------------------
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=s,
+                        head_dim=h, block_q=block_q_dq, block_k=block_k_dq, f32=f32),
+      grid=(pl.cdiv(t, block_q_dq), b, n),
+      in_specs=[
+          pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),  # q
+          pl.BlockSpec((None, s, None, hp), lambda i, bi, hi: (bi, 0, hi // group, 0)),  # k
+          pl.BlockSpec((None, s, None, hp), lambda i, bi, hi: (bi, 0, hi // group, 0)),  # v
+          pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),  # do
+          pl.BlockSpec((None, 1, tp), lambda i, bi, hi: (bi, hi, 0)),  # lse
+          pl.BlockSpec((None, 1, tp), lambda i, bi, hi: (bi, hi, 0)),  # delta
+      ],
+      out_specs=pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=params,
+      interpret=interpret,
+      name="fa2_backward_dq",
+  )(q, k, v, do, lse_p, delta_p)
+  return dq, dk, dv

@@ -1,0 +1,176 @@
+"""FlashAttention-2 forward pass (paper Alg. 1) as a Pallas kernel on the Triton backend.
+
+Grid: ``(query block i, batch b, head h)`` — the paper's §3.2 "parallelism over the sequence length":
+with batch 1 and 16 heads at 8k tokens there are still 64 x 16 = 1024 programs for 132 SMs. Each program
+keeps its ``Q_i`` tile on chip, streams the ``K_j, V_j`` tiles of its KV head (GQA: head ``h // G``, never
+copied in HBM) and keeps the online-softmax state ``m_i, l_i`` and the *unscaled* accumulator ``acc``
+(§3.1.1: one division by ``l_i`` at the end instead of a rescale per step). It writes ``O_i`` and
+``lse_i = m_i + log(l_i)`` (one float per row, the only residual the backward needs besides Q, K, V, O).
+
+Causal (§3.1.1 "causal masking"): the key blocks wholly above the diagonal are never loaded (the loop
+stops early) and only blocks that straddle the diagonal — or hold the ragged tail of the keys — pay for
+a mask; the others run an unmasked loop body.
+
+Triton splits the ``[block_q, ...]`` tiles across ``num_warps`` warps by rows, so each warp owns whole
+query rows and needs no cross-warp reduction (§3.3, "split-Q").
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from ...masking import allowed
+from .common import LN2, LOG2E, compiler_params, dot, load_tile, padded_head_dim, store_tile
+
+
+def kv_block_ranges(i, *, block_q: int, block_k: int, seq_k: int, is_causal: bool):
+  """Key-block ranges for query block ``i``: ``[0, n_full)`` unmasked, ``[n_full, n_end)`` masked.
+
+  A key block ``j`` needs no mask when all its keys are in range (``(j+1)*block_k <= seq_k``) and, if
+  causal, when its last key is at or below the first query row of the block
+  (``j*block_k + block_k - 1 <= i*block_q``). Blocks past ``n_end`` lie wholly above the diagonal.
+  """
+  nk = pl.cdiv(seq_k, block_k)
+  nk_full = seq_k // block_k
+  if not is_causal:
+    return nk_full, nk
+  n_full = jnp.minimum((i * block_q + 1) // block_k, nk_full)
+  n_end = jnp.minimum(pl.cdiv((i + 1) * block_q, block_k), nk)
+  return n_full, n_end
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, is_causal: bool, seq_q: int,
+                seq_k: int, head_dim: int, block_q: int, block_k: int, f32: bool,
+                normalize_each_step: bool, seq_parallel: bool):
+  # q_ref, o_ref: [T, hp] (this batch, head); k_ref, v_ref: [S, hp] (its KV head); lse_ref: [T] f32.
+  hp = q_ref.shape[-1]
+  # scale > 0: track the running max on raw logits and fold scale*log2(e) into one FMA inside exp2,
+  # p = exp2(s*c - m*c). Otherwise (scale <= 0, rare) scale the logits first.
+  c = scale * LOG2E
+  fold = scale > 0
+  q_limit = None if seq_q % block_q == 0 else seq_q
+
+  def one_query_block(i):
+    q = load_tile(q_ref, i * block_q, block_q, q_limit, head_dim)  # [block_q, hp]
+    q_pos = i * block_q + jnp.arange(block_q)[:, None]  # [block_q, 1]
+
+    def body(j, carry, masked: bool):
+      acc, m_i, l_i = carry  # [block_q, hp] f32, [block_q] f32, [block_q] f32
+      start = j * block_k
+      k = load_tile(k_ref, start, block_k, seq_k if masked else None, head_dim)  # [block_k, hp]
+      v = load_tile(v_ref, start, block_k, seq_k if masked else None, head_dim)  # [block_k, hp]
+      s = dot(q, k, trans_b=True, f32=f32)  # S_ij = Q_i K_j^T, [block_q, block_k] f32
+      if not fold:
+        s = s * c
+      if masked:
+        k_pos = start + jnp.arange(block_k)[None, :]
+        keep = allowed(q_pos, k_pos, is_causal=is_causal,
+                       seq_k=seq_k if seq_k % block_k else None)
+        if keep is not None:
+          s = jnp.where(keep, s, -jnp.inf)
+      # Online softmax (Alg. 1 lines 9-10): m_new = max(m_old, rowmax(S_ij)), P~ = exp(S_ij - m_new).
+      m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+      # A row whose keys so far are all masked keeps m = -inf; use 0 there so exp2 gives 0, not NaN.
+      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+      mc = m_use * c if fold else m_use
+      alpha = jnp.exp2((m_i * c if fold else m_i) - mc)  # e^{m_old - m_new}: rescales old state
+      p = jnp.exp2((s * c if fold else s) - mc[:, None])  # [block_q, block_k] f32
+      l_new = alpha * l_i + jnp.sum(p, axis=1)
+      pv = dot(p.astype(v.dtype), v, f32=f32)  # P~_ij V_j, [block_q, hp]
+      if normalize_each_step:
+        # Ablation: FlashAttention-1's rescaling, acc kept normalised by l at every step
+        # (diag(l_new)^-1 (diag(l_old) e^{m_old-m_new} acc + P~ V)): one divide per element per step.
+        inv = 1.0 / jnp.where(l_new == 0.0, 1.0, l_new)
+        acc = (acc * (alpha * l_i * inv)[:, None]) + pv * inv[:, None]
+      else:
+        acc = acc * alpha[:, None] + pv  # unscaled accumulator (§3.1.1 tweak 1)
+      return acc, m_new, l_new
+
+    acc = jnp.zeros((block_q, hp), jnp.float32)
+    m_i = jnp.full((block_q,), -jnp.inf, jnp.float32)
+    l_i = jnp.zeros((block_q,), jnp.float32)
+    n_full, n_end = kv_block_ranges(i, block_q=block_q, block_k=block_k, seq_k=seq_k,
+                                    is_causal=is_causal)
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), (acc, m_i, l_i))
+    acc, m_i, l_i = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), carry)
+
+    # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. A row with no key (not reachable with today's
+    # masks) returns zeros and lse = -inf.
+    empty = l_i == 0.0
+    l_safe = jnp.where(empty, 1.0, l_i)
+    out = acc if normalize_each_step else acc / l_safe[:, None]
+    store_tile(o_ref, i * block_q, out, q_limit, head_dim)
+    # Alg. 1 line 13: L_i = m_i + log(l_i), stored in natural log (as jax.nn reports it).
+    m_nat = (m_i * c if fold else m_i) * LN2
+    lse = jnp.where(empty, -jnp.inf, m_nat + jnp.log(l_safe))
+    rows = lse_ref.at[pl.ds(i * block_q, block_q)]
+    if q_limit is None:
+      plgpu.store(rows, lse)
+    else:
+      plgpu.store(rows, lse, mask=i * block_q + jnp.arange(block_q) < q_limit)
+
+  if seq_parallel:
+    one_query_block(pl.program_id(0))
+  else:
+    # Ablation: FlashAttention-1's parallelisation, one program per (batch, head) looping over Q blocks.
+    @pl.loop(0, pl.cdiv(seq_q, block_q))
+    def _(i):
+      one_query_block(i)
+
+
+def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: int, num_warps: int,
+            num_stages: int, interpret: bool, normalize_each_step: bool = False,
+            seq_parallel: bool = True):
+  """Run the forward kernel.
+
+  Args:
+    q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` with ``N % K == 0``.
+
+  Returns:
+    ``out [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, natural log.
+  """
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  group = n // kh
+  hp = padded_head_dim(h)
+  nq = pl.cdiv(t, block_q)
+  kernel = functools.partial(
+      _fwd_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=s, head_dim=h,
+      block_q=block_q, block_k=block_k, f32=q.dtype == jnp.float32,
+      normalize_each_step=normalize_each_step, seq_parallel=seq_parallel)
+  if seq_parallel:
+    grid = (nq, b, n)
+    qmap = lambda i, bi, hi: (bi, 0, hi, 0)
+    kvmap = lambda i, bi, hi: (bi, 0, hi // group, 0)
+    lsemap = lambda i, bi, hi: (bi, hi, 0)
+  else:
+    grid = (b, n)
+    qmap = lambda bi, hi: (bi, 0, hi, 0)
+    kvmap = lambda bi, hi: (bi, 0, hi // group, 0)
+    lsemap = lambda bi, hi: (bi, hi, 0)
+  out, lse = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=[
+          pl.BlockSpec((None, t, None, hp), qmap),
+          pl.BlockSpec((None, s, None, hp), kvmap),
+          pl.BlockSpec((None, s, None, hp), kvmap),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, t, None, hp), qmap),
+          pl.BlockSpec((None, None, t), lsemap),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct(q.shape, q.dtype),
+          jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+      ],
+      compiler_params=compiler_params(num_warps, num_stages),
+      interpret=interpret,
+      name="fa2_forward",
+  )(q, k, v)
+  return out, lse
