@@ -196,10 +196,14 @@ def flash_attention_ablation(query, key, value, *, scale=None, is_causal=False, 
 def _forward(q, k, v, st: _Static):
   from .kernels import triton as tk
   bs = st.blocks
-  out, lse = tk.forward(q, k, v, scale=st.scale, is_causal=st.is_causal, block_q=bs.block_q,
-                        block_k=bs.block_k, num_warps=bs.num_warps_fwd,
-                        num_stages=bs.num_stages_fwd, interpret=st.interpret,
-                        normalize_each_step=st.normalize_each_step, seq_parallel=st.seq_parallel)
+  # The kernels index with int32 (program ids are int32); tracing them with x64 on would mix int64
+  # Python constants into their index arithmetic, so they are always traced with x64 off.
+  with jax.enable_x64(False):
+    out, lse = tk.forward(q, k, v, scale=st.scale, is_causal=st.is_causal, block_q=bs.block_q,
+                          block_k=bs.block_k, num_warps=bs.num_warps_fwd,
+                          num_stages=bs.num_stages_fwd, interpret=st.interpret,
+                          normalize_each_step=st.normalize_each_step,
+                          seq_parallel=st.seq_parallel)
   return out, lse  # lse: [B, N, T]
 
 
@@ -221,11 +225,12 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   bs = st.blocks
   # d lse_i / d S_ij = P_ij, so a cotangent on lse enters dS = P ∘ (dP − D + dlse): fold it into D.
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
-  dq, dk, dv = tk.backward(
-      q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale, is_causal=st.is_causal,
-      block_q_dkv=bs.block_q_dkv, block_k_dkv=bs.block_k_dkv, block_q_dq=bs.block_q_dq,
-      block_k_dq=bs.block_k_dq, num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd,
-      deterministic=st.deterministic, interpret=st.interpret)
+  with jax.enable_x64(False):  # see _forward
+    dq, dk, dv = tk.backward(
+        q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
+        is_causal=st.is_causal, block_q_dkv=bs.block_q_dkv, block_k_dkv=bs.block_k_dkv,
+        block_q_dq=bs.block_q_dq, block_k_dq=bs.block_k_dq, num_warps=bs.num_warps_bwd,
+        num_stages=bs.num_stages_bwd, deterministic=st.deterministic, interpret=st.interpret)
   return dq, dk, dv
 
 

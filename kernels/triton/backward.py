@@ -27,7 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...masking import allowed
-from .common import LOG2E, compiler_params, dot, load_tile, padded_head_dim, round_up, store_tile
+from .common import (LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim, round_up,
+                     store_tile)
 from .forward import kv_block_ranges
 
 
@@ -42,8 +43,8 @@ def q_block_ranges(j, *, block_q: int, block_k: int, seq_q: int, seq_k: int, is_
   tail = seq_k % block_k != 0
   is_tail = j == pl.cdiv(seq_k, block_k) - 1
   if is_causal:
-    i_start = jnp.minimum((j * block_k) // block_q, nq)
-    i_full = jnp.minimum(pl.cdiv(j * block_k + block_k - 1, block_q), nq)
+    i_start = jnp.minimum(div(j * block_k, block_q), nq)
+    i_full = jnp.minimum(cdiv(j * block_k + block_k - 1, block_q), nq)
   else:
     i_start, i_full = 0, 0
   if tail:
@@ -242,8 +243,8 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
       grid=(pl.cdiv(t, block_q_dq), b, n),
       in_specs=[
           pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),  # q
-          pl.BlockSpec((None, s, None, hp), lambda i, bi, hi: (bi, 0, hi // group, 0)),  # k
-          pl.BlockSpec((None, s, None, hp), lambda i, bi, hi: (bi, 0, hi // group, 0)),  # v
+          pl.BlockSpec((None, s, None, hp), lambda i, bi, hi: (bi, 0, div(hi, group), 0)),  # k
+          pl.BlockSpec((None, s, None, hp), lambda i, bi, hi: (bi, 0, div(hi, group), 0)),  # v
           pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),  # do
           pl.BlockSpec((None, 1, tp), lambda i, bi, hi: (bi, hi, 0)),  # lse
           pl.BlockSpec((None, 1, tp), lambda i, bi, hi: (bi, hi, 0)),  # delta

@@ -69,6 +69,19 @@ def dot(a, b, *, trans_a=False, trans_b=False, f32: bool = False):
                    precision=jax.lax.Precision.HIGHEST if f32 else None)
 
 
+def div(x, m: int):
+  """``x // m`` for non-negative x (a traced int32 or a Python int): one integer division, no
+  floor-division sign fix-up in the kernel."""
+  if isinstance(x, int):
+    return x // m
+  return jax.lax.div(x, jnp.asarray(m, x.dtype))
+
+
+def cdiv(x, m: int):
+  """``ceil(x / m)`` for non-negative x."""
+  return div(x + (m - 1), m)
+
+
 def round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 

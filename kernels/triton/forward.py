@@ -25,7 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...masking import allowed
-from .common import LN2, LOG2E, compiler_params, dot, load_tile, padded_head_dim, store_tile
+from .common import (LN2, LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim,
+                     store_tile)
 
 
 def kv_block_ranges(i, *, block_q: int, block_k: int, seq_k: int, is_causal: bool):
@@ -39,8 +40,8 @@ def kv_block_ranges(i, *, block_q: int, block_k: int, seq_k: int, is_causal: boo
   nk_full = seq_k // block_k
   if not is_causal:
     return nk_full, nk
-  n_full = jnp.minimum((i * block_q + 1) // block_k, nk_full)
-  n_end = jnp.minimum(pl.cdiv((i + 1) * block_q, block_k), nk)
+  n_full = jnp.minimum(div(i * block_q + 1, block_k), nk_full)
+  n_end = jnp.minimum(cdiv((i + 1) * block_q, block_k), nk)
   return n_full, n_end
 
 
@@ -146,12 +147,12 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
   if seq_parallel:
     grid = (nq, b, n)
     qmap = lambda i, bi, hi: (bi, 0, hi, 0)
-    kvmap = lambda i, bi, hi: (bi, 0, hi // group, 0)
+    kvmap = lambda i, bi, hi: (bi, 0, div(hi, group), 0)
     lsemap = lambda i, bi, hi: (bi, hi, 0)
   else:
     grid = (b, n)
     qmap = lambda bi, hi: (bi, 0, hi, 0)
-    kvmap = lambda bi, hi: (bi, 0, hi // group, 0)
+    kvmap = lambda bi, hi: (bi, 0, div(hi, group), 0)
     lsemap = lambda bi, hi: (bi, hi, 0)
   out, lse = pl.pallas_call(
       kernel,

@@ -1,0 +1,114 @@
+"""A nanoGPT-like decoder in flax.linen whose attention is fa2_jax FlashAttention.
+
+Pre-LayerNorm blocks ``x + attn(ln(x))``, ``x + mlp(ln(x))``; learned or rotary positions; grouped-
+query attention when ``n_kv_head < n_head``; optionally tied input/output embeddings. Parameters are
+float32, matmuls run in ``config.dtype`` (bfloat16 on GPU), logits and the loss in float32.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import fa2_jax.flax as fa2_flax
+
+from .config import GPTConfig
+
+INIT_STD = 0.02  # GPT-2's initializer standard deviation for weights and embeddings
+
+
+def attention_core(config: GPTConfig) -> Callable[..., jax.Array]:
+  """The attention function ``f(q, k, v, is_causal=True)`` named by ``config.attention``.
+
+  ``flash`` is fa2_jax (Triton kernels on GPU; on CPU its XLA formula, or the kernels in Pallas
+  interpret mode with ``flash_interpret``); ``xla`` and ``cudnn`` are ``jax.nn.dot_product_attention``.
+
+  Raises:
+    ValueError: ``cudnn`` without a GPU.
+  """
+  if config.attention == "flash":
+    return fa2_flax.make_attention_fn(interpret=True if config.flash_interpret else None)
+  if config.attention == "cudnn" and jax.default_backend() != "gpu":
+    raise ValueError(f"--attention cudnn needs an NVIDIA GPU, but JAX's backend is "
+                     f"{jax.default_backend()!r}; use --attention flash or xla")
+  return functools.partial(jax.nn.dot_product_attention, implementation=config.attention)
+
+
+class MLP(nn.Module):
+  """``Dense(mlp_ratio * d) -> GELU -> Dense(d)``."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c = self.config
+    dense = functools.partial(nn.Dense, dtype=c.dtype, param_dtype=jnp.float32)
+    h = dense(c.mlp_ratio * c.n_embd, kernel_init=nn.initializers.normal(INIT_STD), name="fc")(x)
+    h = nn.gelu(h)
+    return dense(c.n_embd, kernel_init=_residual_init(c), name="proj")(h)
+
+
+def _residual_init(config: GPTConfig):
+  """GPT-2 scales the projections into the residual stream by 1/sqrt(2 * n_layer)."""
+  return nn.initializers.normal(INIT_STD / math.sqrt(2 * config.n_layer))
+
+
+class Block(nn.Module):
+  """One pre-LayerNorm transformer block."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c = self.config
+    attn = fa2_flax.CausalSelfAttention(
+        num_heads=c.n_head, num_kv_heads=c.kv_heads, head_dim=c.head_dim,
+        rotary=c.position == "rotary", use_bias=True, dtype=c.dtype, param_dtype=jnp.float32,
+        kernel_init=nn.initializers.normal(INIT_STD), out_kernel_init=_residual_init(c),
+        attention_fn=attention_core(c), name="attn")
+    x = x + attn(nn.LayerNorm(dtype=c.dtype, name="ln_1")(x))
+    return x + MLP(c, name="mlp")(nn.LayerNorm(dtype=c.dtype, name="ln_2")(x))
+
+
+class GPT(nn.Module):
+  """``tokens [B, T] int -> logits [B, T, vocab] float32``."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    c = self.config
+    if tokens.shape[-1] > c.seq_len:
+      raise ValueError(f"sequence length {tokens.shape[-1]} exceeds seq_len={c.seq_len}")
+    wte = nn.Embed(c.vocab_size, c.n_embd, embedding_init=nn.initializers.normal(INIT_STD),
+                   dtype=c.dtype, name="wte")
+    x = wte(tokens)
+    if c.position == "learned":
+      wpe = nn.Embed(c.seq_len, c.n_embd, embedding_init=nn.initializers.normal(INIT_STD),
+                     dtype=c.dtype, name="wpe")
+      x = x + wpe(jnp.arange(tokens.shape[-1]))
+    block = nn.remat(Block) if c.remat else Block
+    for i in range(c.n_layer):
+      x = block(c, name=f"h_{i}")(x)
+    x = nn.LayerNorm(dtype=c.dtype, name="ln_f")(x)
+    if c.tie_embeddings:
+      logits = wte.attend(x)
+    else:
+      logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype,
+                        kernel_init=nn.initializers.normal(INIT_STD), name="lm_head")(x)
+    return logits.astype(jnp.float32)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy (nats) in float32."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+
+def count_params(params) -> int:
+  """Every parameter, embeddings included (the convention of the FLOP formula in train.py)."""
+  return sum(x.size for x in jax.tree.leaves(params))

@@ -1,0 +1,378 @@
+"""Flax integration: an ``attention_fn`` for flax's attention layers and ready causal modules.
+
+Flax is an optional dependency; importing :mod:`fa2_jax` does not import it, this module does::
+
+    import flax.linen as nn
+    from flax import nnx
+    import fa2_jax.flax as fa2_flax
+
+    # Drop-in for flax's own layers (same arguments, same layout [batch..., length, heads, head_dim]):
+    nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=fa2_flax.attention_fn)
+    nnx.MultiHeadAttention(8, 512, attention_fn=fa2_flax.attention_fn, rngs=nnx.Rngs(0))
+    # linen's layer has no ``is_causal`` argument, so ask for causal attention in the function:
+    nn.MultiHeadDotProductAttention(num_heads=8,
+                                    attention_fn=fa2_flax.make_attention_fn(is_causal=True))
+
+    # Or a causal self-attention block with GQA and rotary embeddings:
+    fa2_flax.CausalSelfAttention(num_heads=8, num_kv_heads=2, head_dim=64, rotary=True)
+    fa2_flax.NnxCausalSelfAttention(512, num_heads=8, num_kv_heads=2, head_dim=64, rngs=nnx.Rngs(0))
+
+The kernel takes causal masking only as the ``is_causal`` flag: it never sees a dense ``[T, S]``
+mask. Calls the kernel cannot honour exactly (a dense ``mask``, a ``bias``, attention dropout,
+``sow_weights``, custom einsums, a value head_dim different from the query's, float64) are computed
+with flax's own ``dot_product_attention`` instead, after a one-time
+:class:`FlashAttentionFallbackWarning`: the math never changes silently.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .attention import flash_attention
+from .config import BlockSizes
+
+__all__ = [
+    "attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning", "rotary_embedding",
+    "CausalSelfAttention", "NnxCausalSelfAttention",
+]
+
+# Mirrors fa2_jax.flash_attention's accepted values; checked here so that a typo fails when the
+# function is made, not at the first traced call.
+_IMPLEMENTATIONS = (None, "triton", "mosaic", "xla")
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+class FlashAttentionFallbackWarning(UserWarning):
+  """A call to :func:`attention_fn` was computed with flax's formula instead of the kernel."""
+
+
+_warned: set[str] = set()  # fallback reasons already reported (one warning per reason per process)
+
+
+def _warn_once(reason: str) -> None:
+  if reason in _warned:
+    return
+  _warned.add(reason)
+  warnings.warn(
+      f"fa2_jax.flax.attention_fn: {reason}; the FlashAttention kernel cannot honour this, so the "
+      "call uses flax's dot_product_attention formula (the same math, with O(T*S) memory). For "
+      "causal attention pass is_causal=True (nnx), make_attention_fn(is_causal=True) (linen) or "
+      "use fa2_jax.flax.CausalSelfAttention instead of a dense causal mask.",
+      FlashAttentionFallbackWarning, stacklevel=3)
+
+
+def _fallback_reason(query, value, dtype, bias, mask, dropout_rate, deterministic, module, einsums,
+                     extra) -> str | None:
+  """Why this call cannot run on the kernel, or None when it can."""
+  if mask is not None:
+    return "a dense `mask` was passed"
+  if bias is not None:
+    return "an attention `bias` was passed"
+  if dropout_rate > 0.0 and not deterministic:
+    return f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) was asked for"
+  if module is not None:
+    return "the attention weights are to be sown (sow_weights=True / module=...)"
+  if any(e is not None for e in einsums):
+    return "custom attention einsums were passed"
+  if extra:
+    return f"unsupported arguments {sorted(extra)} were passed"
+  if value.shape[-1] != query.shape[-1]:
+    return (f"value head_dim {value.shape[-1]} differs from the query/key head_dim "
+            f"{query.shape[-1]}")
+  if jnp.dtype(dtype) not in _KERNEL_DTYPES:
+    return f"dtype {jnp.dtype(dtype)} is not bfloat16, float16 or float32"
+  if query.ndim < 3:
+    return f"query has rank {query.ndim}, not [batch..., length, heads, head_dim]"
+  return None
+
+
+def _causal_mask(t: int, s: int):
+  """Top-left aligned causal mask ``[1, t, s]`` (query i sees keys j <= i), as flax's is_causal."""
+  return jnp.tril(jnp.ones((t, s), dtype=jnp.bool_))[None]
+
+
+def _flax_formula(query, key, value, *, linen_caller: bool, is_causal: bool, promote_dtype,
+                  force_fp32_for_softmax, qk_attn_weights_einsum, attn_weights_value_einsum,
+                  extra, **common):
+  """Exactly what flax's own ``dot_product_attention`` computes for this call.
+
+  ``flax.linen.MultiHeadDotProductAttention`` passes ``force_fp32_for_softmax``, so its presence
+  (``linen_caller``) selects linen's function; otherwise nnx's (which also knows GQA and
+  ``is_causal``).
+  """
+  if not linen_caller:
+    if promote_dtype is not None:
+      extra = {**extra, "promote_dtype": promote_dtype}
+    return nnx.dot_product_attention(query, key, value, is_causal=is_causal, **common, **extra)
+  # linen's function has neither ``is_causal`` nor GQA: fold them in without changing the math.
+  if is_causal:
+    causal = _causal_mask(query.shape[-3], key.shape[-3])
+    common["mask"] = causal if common["mask"] is None else nn.combine_masks(common["mask"], causal)
+  groups = query.shape[-2] // key.shape[-2]
+  if groups > 1:
+    key, value = (jnp.repeat(x, groups, axis=-2) for x in (key, value))
+  return nn.dot_product_attention(
+      query, key, value, force_fp32_for_softmax=bool(force_fp32_for_softmax),
+      qk_attn_weights_einsum=qk_attn_weights_einsum,
+      attn_weights_value_einsum=attn_weights_value_einsum, **common, **extra)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+  if not isinstance(value, bool):
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+  return value
+
+
+def make_attention_fn(implementation: str | None = None, block_sizes: BlockSizes | None = None,
+                      deterministic: bool = False, interpret: bool | None = None, *,
+                      is_causal: bool = False) -> Callable[..., jax.Array]:
+  """Returns an ``attention_fn`` for flax's attention layers that runs :func:`fa2_jax.flash_attention`.
+
+  Args:
+    implementation: passed to :func:`fa2_jax.flash_attention`: None (the kernels on GPU, the XLA
+      formula on CPU), ``"triton"`` or ``"xla"``.
+    block_sizes: a :class:`fa2_jax.BlockSizes` or None for the default heuristic.
+    deterministic: the kernel's *backward* determinism (no atomics). Not to be confused with the
+      ``deterministic`` argument flax passes to the returned function, which switches dropout.
+    interpret: True runs the Pallas kernels in interpret mode (CPU tests).
+    is_causal: always attend causally (query i sees keys j <= i, top-left aligned). For
+      ``flax.linen.MultiHeadDotProductAttention``, which has no ``is_causal`` argument; nnx's layer
+      passes ``is_causal`` per call and the two are OR-ed.
+
+  Raises:
+    ValueError: unknown ``implementation``.
+    TypeError: ``block_sizes`` not a BlockSizes, or a flag that is not a bool.
+  """
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of None, 'triton', 'mosaic', 'xla', got "
+                     f"{implementation!r}")
+  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+    raise TypeError(f"block_sizes must be a fa2_jax.BlockSizes or None, got "
+                    f"{type(block_sizes).__name__}")
+  deterministic = _check_bool("deterministic", deterministic)
+  always_causal = _check_bool("is_causal", is_causal)
+  if interpret is not None:
+    interpret = _check_bool("interpret", interpret)
+  kernel = functools.partial(flash_attention, implementation=implementation,
+                             block_sizes=block_sizes, deterministic=deterministic,
+                             interpret=interpret)
+
+  # The parameter names are the ones flax's layers pass (linen passes only the names listed here).
+  def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
+                   mask: jax.Array | None = None, broadcast_dropout: bool = True,
+                   dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
+                   deterministic: bool = False, dtype: Any = None, precision: Any = None,
+                   module: Any = None, is_causal: bool = False,
+                   force_fp32_for_softmax: bool | None = None,
+                   qk_attn_weights_einsum: Callable | None = None,
+                   attn_weights_value_einsum: Callable | None = None,
+                   promote_dtype: Callable | None = None, **kwargs) -> jax.Array:
+    """FlashAttention with the signature of flax's ``dot_product_attention``.
+
+    Args:
+      query: ``[batch..., q_length, num_heads, head_dim]``.
+      key, value: ``[batch..., kv_length, num_kv_heads, head_dim]``, ``num_heads % num_kv_heads
+        == 0`` (grouped-query attention when smaller).
+      bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, module: as in flax;
+        a mask, a bias, active dropout or a module to sow weights into fall back to flax's formula.
+      dtype: compute dtype (default: the promoted input dtype), as in flax.
+      precision: ignored by the kernel (it accumulates in float32); honoured on fallbacks.
+      is_causal: top-left causal attention, reaching the kernel as a flag.
+      force_fp32_for_softmax: the kernel's softmax is always float32; passed on on fallbacks.
+      qk_attn_weights_einsum, attn_weights_value_einsum, promote_dtype: flax's hooks; custom
+        einsums fall back, ``promote_dtype`` is used to promote the inputs.
+      **kwargs: future flax arguments: ``None`` values are ignored, others fall back to flax.
+
+    Returns:
+      ``[batch..., q_length, num_heads, head_dim]`` in the compute dtype.
+    """
+    causal = always_causal or bool(is_causal)
+    extra = {k: v for k, v in kwargs.items() if v is not None}
+    einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
+    if promote_dtype is not None:
+      query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    else:
+      query, key, value = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
+    reason = _fallback_reason(query, value, query.dtype, bias, mask, dropout_rate, deterministic,
+                              module, einsums, extra)
+    if reason is not None:
+      _warn_once(reason)
+      return _flax_formula(
+          query, key, value, linen_caller=force_fp32_for_softmax is not None, is_causal=causal,
+          promote_dtype=promote_dtype, force_fp32_for_softmax=force_fp32_for_softmax,
+          qk_attn_weights_einsum=qk_attn_weights_einsum,
+          attn_weights_value_einsum=attn_weights_value_einsum, extra=extra, bias=bias, mask=mask,
+          broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+          dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
+          precision=precision, module=module)
+    return _flash_any_batch(kernel, query, key, value, causal)
+
+  return attention_fn
+
+
+def _flash_any_batch(kernel, query, key, value, is_causal: bool):
+  """Calls the kernel on ``[batch..., T, N, H]`` inputs by folding the batch dims into one."""
+  batch = query.shape[:-3]
+  if len(batch) <= 1:
+    return kernel(query, key, value, is_causal=is_causal)
+  if key.shape[:-3] != batch or value.shape[:-3] != batch:
+    raise ValueError(f"query, key and value batch dims must match, got {query.shape}, "
+                     f"{key.shape}, {value.shape}")
+  fold = lambda x: x.reshape(math.prod(batch), *x.shape[-3:])
+  out = kernel(fold(query), fold(key), fold(value), is_causal=is_causal)
+  return out.reshape(*batch, *out.shape[1:])
+
+
+# The default attention_fn: implementation=None (kernels on GPU, XLA formula on CPU).
+attention_fn = make_attention_fn()
+
+
+# --- rotary position embeddings -------------------------------------------------------------------
+
+def rotary_embedding(x: jax.Array, positions: jax.Array | None = None, *,
+                     base: float = 10000.0) -> jax.Array:
+  """Rotary position embedding (RoPE, Su et al. 2021), "rotate half" convention as nnx.RoPE.
+
+  Channel ``i`` and ``i + H/2`` of each head are rotated by the angle ``pos * base**(-2i/H)``.
+  Computed in float32 and cast back to ``x.dtype``.
+
+  Args:
+    x: ``[batch..., length, heads, head_dim]`` with an even head_dim.
+    positions: integer positions ``[batch..., length]`` or ``[length]``; default ``arange(length)``.
+    base: the wavelength base (10000 in the paper).
+
+  Raises:
+    ValueError: odd head_dim, or positions whose length differs from x's.
+  """
+  t, h = x.shape[-3], x.shape[-1]
+  if h % 2:
+    raise ValueError(f"rotary embeddings need an even head_dim, got {h}")
+  if positions is None:
+    positions = jnp.arange(t)
+  elif positions.shape[-1] != t:
+    raise ValueError(f"positions must have length {t} (x's length axis), got shape "
+                     f"{positions.shape}")
+  half = h // 2
+  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, H/2]
+  cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # broadcast over heads
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+# --- causal self-attention modules ----------------------------------------------------------------
+
+def _check_heads(num_heads: int, num_kv_heads: int | None, head_dim: int, rotary: bool) -> int:
+  """Validates the head counts; returns num_kv_heads (default: num_heads, plain multi-head)."""
+  kv = num_heads if num_kv_heads is None else num_kv_heads
+  for name, v in (("num_heads", num_heads), ("num_kv_heads", kv), ("head_dim", head_dim)):
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  if num_heads % kv:
+    raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv}) "
+                     "(num_kv_heads < num_heads is grouped-query attention)")
+  if rotary and head_dim % 2:
+    raise ValueError(f"rotary=True needs an even head_dim, got head_dim={head_dim}")
+  return kv
+
+
+def _split_heads(qkv: jax.Array, num_heads: int, num_kv_heads: int):
+  """``[..., T, N + 2K, H]`` from the fused projection -> q ``[..., T, N, H]``, k, v ``[..., T, K, H]``."""
+  return jnp.split(qkv, [num_heads, num_heads + num_kv_heads], axis=-2)
+
+
+def _attend(q, k, v, attend_fn, rotary: bool, base: float, positions):
+  if rotary:
+    q, k = rotary_embedding(q, positions, base=base), rotary_embedding(k, positions, base=base)
+  return attend_fn(q, k, v, is_causal=True)
+
+
+class CausalSelfAttention(nn.Module):
+  """Causal self-attention (linen) with GQA and optional rotary embeddings, on FlashAttention.
+
+  ``x [batch..., T, features] -> [batch..., T, out_features or features]``. One fused projection
+  makes ``num_heads`` query and ``num_kv_heads`` key/value heads of ``head_dim``; attention runs
+  through ``attention_fn(q, k, v, is_causal=True)`` (any function with that call form, e.g.
+  ``functools.partial(jax.nn.dot_product_attention, implementation="xla")``).
+
+  Attributes:
+    num_heads: query heads.
+    head_dim: channels per head.
+    num_kv_heads: key/value heads (default num_heads); must divide num_heads.
+    out_features: output width (default: the input width).
+    rotary: apply rotary position embeddings to q and k.
+    rotary_base: RoPE wavelength base.
+    use_bias: biases in the projections.
+    dtype: compute dtype (e.g. bfloat16); None infers from inputs and params.
+    param_dtype: parameter dtype.
+    kernel_init: initializer of the qkv projection.
+    out_kernel_init: initializer of the output projection (default kernel_init).
+    attention_fn: the attention core, default :data:`fa2_jax.flax.attention_fn`.
+  """
+
+  num_heads: int
+  head_dim: int
+  num_kv_heads: int | None = None
+  out_features: int | None = None
+  rotary: bool = False
+  rotary_base: float = 10000.0
+  use_bias: bool = False
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = nn.linear.default_kernel_init
+  out_kernel_init: Callable | None = None
+  attention_fn: Callable[..., jax.Array] = attention_fn  # the module-level default above
+
+  def __post_init__(self):
+    _check_heads(self.num_heads, self.num_kv_heads, self.head_dim, self.rotary)
+    super().__post_init__()
+
+  @nn.compact
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """x: ``[batch..., T, features]``; positions: ``[batch..., T]`` for rotary (default arange)."""
+    kv = self.num_kv_heads or self.num_heads
+    dense = functools.partial(nn.DenseGeneral, use_bias=self.use_bias, dtype=self.dtype,
+                              param_dtype=self.param_dtype)
+    qkv = dense(features=(self.num_heads + 2 * kv, self.head_dim), kernel_init=self.kernel_init,
+                name="qkv")(x)
+    q, k, v = _split_heads(qkv, self.num_heads, kv)
+    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions)
+    return dense(features=self.out_features or x.shape[-1], axis=(-2, -1),
+                 kernel_init=self.out_kernel_init or self.kernel_init, name="out")(y)
+
+
+class NnxCausalSelfAttention(nnx.Module):
+  """The nnx twin of :class:`CausalSelfAttention` (same arguments, plus in_features and rngs)."""
+
+  def __init__(self, in_features: int, num_heads: int, head_dim: int, *,
+               num_kv_heads: int | None = None, out_features: int | None = None,
+               rotary: bool = False, rotary_base: float = 10000.0, use_bias: bool = False,
+               dtype: Any = None, param_dtype: Any = jnp.float32,
+               kernel_init: Callable = nnx.nn.linear.default_kernel_init,
+               out_kernel_init: Callable | None = None,
+               attention_fn: Callable[..., jax.Array] = attention_fn, rngs: nnx.Rngs):
+    self.num_heads, self.head_dim = num_heads, head_dim
+    self.num_kv_heads = _check_heads(num_heads, num_kv_heads, head_dim, rotary)
+    self.rotary, self.rotary_base = rotary, rotary_base
+    self.attention_fn = attention_fn
+    linear = functools.partial(nnx.LinearGeneral, use_bias=use_bias, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
+    self.qkv = linear(in_features, (num_heads + 2 * self.num_kv_heads, head_dim),
+                      kernel_init=kernel_init)
+    self.out = linear((num_heads, head_dim), out_features or in_features, axis=(-2, -1),
+                      kernel_init=out_kernel_init or kernel_init)
+
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    """x: ``[batch..., T, in_features]``; positions: ``[batch..., T]`` for rotary (default arange)."""
+    q, k, v = _split_heads(self.qkv(x), self.num_heads, self.num_kv_heads)
+    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions)
+    return self.out(y)

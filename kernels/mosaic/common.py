@@ -1,0 +1,329 @@
+"""Pure-Python parts of the Mosaic GPU (Hopper) backend: config, support check, block ranges, padding.
+
+Nothing here touches a GPU, so all of it is unit-testable on CPU:
+
+* :class:`MosaicConfig` — tiles, pipeline depth, warpgroup counts, with per-head_dim defaults and a
+  shared-memory budget check.
+* :func:`supports` — None when a call can run on this backend, else a one-line reason (the dispatcher
+  raises it or falls back to Triton).
+* :func:`kv_block_ranges` / :func:`q_block_ranges` — which key (query) blocks a CTA visits and which of
+  them need a mask (FA2 §3.1 causal block skipping). They accept Python ints or traced int32 scalars.
+* :func:`plan_lengths` — how ragged sequence lengths are handled (TMA bounds or an HBM pad).
+
+Vocabulary: a *warpgroup* (WG) is 4 warps = 128 threads, the unit that issues one ``wgmma``; a CTA of
+these kernels runs ``num_wgs`` consumer WGs (tensor-core math) plus one producer WG (TMA loads).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+# exp(x) = exp2(x * log2 e): the kernels use exp2 with the softmax scale folded into the same multiply
+# (FA2 §3.1: fewer non-matmul FLOPs; exp2 is a single MUFU instruction).
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+# Hopper (sm90) opt-in shared memory per block is 227 KiB; keep a little for barriers and the
+# cross-warp reduction scratch Mosaic GPU reserves (CompilerParams.reduction_scratch_bytes).
+SMEM_BYTES = 227 * 1024
+SMEM_RESERVE = 4 * 1024
+
+# wgmma's M is 64 rows per warpgroup; every tile side here is a multiple of 64 so that one swizzled
+# (8, 64)-tiled SMEM layout serves all operands (64 elements of a 16-bit dtype = the 128-byte swizzle).
+WG_ROWS = 64
+_TILE_SIDES = (64, 128, 192, 256)
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_HEAD_DIMS = (64, 128, 192, 256)
+RAGGED_MODES = ("tma", "pad")
+
+
+def cdiv(a, b):
+  """Ceil division for Python ints and traced int32 scalars alike."""
+  return (a + b - 1) // b
+
+
+def round_up(x: int, m: int) -> int:
+  return cdiv(x, m) * m
+
+
+def _min(a, b):
+  if isinstance(a, int) and isinstance(b, int):
+    return min(a, b)
+  return jnp.minimum(a, b)
+
+
+# --- configuration -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+  """Tiles and pipeline settings of the Mosaic GPU kernels (paper names: ``B_r`` = block_q, ``B_c`` =
+  block_k).
+
+  Forward (Alg. 1): a CTA owns ``num_wgs * block_q`` query rows, ``block_q`` (= 64) per consumer
+  warpgroup, and streams ``block_k``-key tiles of K and V through a ``num_stages``-deep SMEM ring.
+
+  dK/dV (Alg. 2): a CTA owns ``num_wgs_dkv * block_k_dkv`` keys, ``block_k_dkv`` (= 64) per consumer
+  warpgroup, and streams ``block_q_dkv``-row tiles of Q, dO, lse, delta (``num_stages_dkv`` deep).
+  ``dkv_split`` runs dV and dK as two passes, each keeping one f32 accumulator in registers instead of
+  two (needed for head_dim > 128: two 64 x 256 f32 accumulators are 256 registers per thread).
+  ``num_wgs_dk`` is the consumer count of the dK pass when split (its SMEM holds K, V, Q, dO).
+
+  dQ (deterministic, separate pass): a CTA owns ``num_wgs_dq * block_q_dq`` query rows and streams
+  ``block_k_dq``-key tiles of K and V.
+
+  ``pingpong``: the forward's two consumer warpgroups take turns on the tensor cores through a shared
+  barrier, so one's softmax overlaps the other's matmuls (FlashAttention-3's inter-warpgroup schedule,
+  as in JAX's ``attention_mgpu.py``). ``ragged``: ``"tma"`` lets TMA zero-fill out-of-bounds loads and
+  clip out-of-bounds stores; ``"pad"`` pads T and S to whole tiles in HBM first (one extra copy of
+  q/k/v (and do/out) and a slice of the outputs). Both mask padded keys inside the kernels.
+  """
+
+  block_q: int = 64
+  block_k: int = 128
+  num_stages: int = 2
+  num_wgs: int = 2
+  pingpong: bool = True
+  block_q_dkv: int = 64
+  block_k_dkv: int = 64
+  num_stages_dkv: int = 2
+  num_wgs_dkv: int = 2
+  dkv_split: bool = False
+  num_wgs_dk: int = 1
+  block_q_dq: int = 64
+  block_k_dq: int = 64
+  num_stages_dq: int = 2
+  num_wgs_dq: int = 2
+  ragged: str = "tma"
+  compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
+  memory_registers: int = 40
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.name == "ragged":
+        if v not in RAGGED_MODES:
+          raise ValueError(f"MosaicConfig.ragged must be one of {RAGGED_MODES}, got {v!r}")
+        continue
+      if f.name in ("pingpong", "dkv_split"):
+        if not isinstance(v, bool):
+          raise TypeError(f"MosaicConfig.{f.name} must be a bool, got {v!r}")
+        continue
+      if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"MosaicConfig.{f.name} must be an int, got {type(v).__name__} {v!r}")
+    for name in ("block_q", "block_k_dkv", "block_q_dq"):
+      if getattr(self, name) != WG_ROWS:
+        raise ValueError(f"MosaicConfig.{name} must be {WG_ROWS} (the rows of one warpgroup's "
+                         f"wgmma), got {getattr(self, name)}")
+    for name in ("block_k", "block_q_dkv", "block_k_dq"):
+      if getattr(self, name) not in _TILE_SIDES:
+        raise ValueError(f"MosaicConfig.{name} must be one of {_TILE_SIDES}, got "
+                         f"{getattr(self, name)}")
+    for name in ("num_stages", "num_stages_dkv", "num_stages_dq"):
+      if not 1 <= getattr(self, name) <= 6:
+        raise ValueError(f"MosaicConfig.{name} must be in [1, 6], got {getattr(self, name)}")
+    for name in ("num_wgs", "num_wgs_dkv", "num_wgs_dk", "num_wgs_dq"):
+      if getattr(self, name) not in (1, 2):
+        raise ValueError(f"MosaicConfig.{name} must be 1 or 2, got {getattr(self, name)}")
+    if self.pingpong and self.num_wgs != 2:
+      raise ValueError("MosaicConfig.pingpong needs num_wgs=2")
+    if self.compute_registers and (self.compute_registers % 8 or
+                                   not 24 <= self.compute_registers <= 256):
+      raise ValueError("MosaicConfig.compute_registers must be 0 or a multiple of 8 in [24, 256]")
+    if self.memory_registers % 8 or not 24 <= self.memory_registers <= 256:
+      raise ValueError("MosaicConfig.memory_registers must be a multiple of 8 in [24, 256]")
+
+  replace = dataclasses.replace
+
+  def registers(self, num_wgs: int) -> int:
+    """setmaxnreg of the consumer warpgroups (the producer gets ``memory_registers``).
+
+    65536 registers per SM: 2 x 128 x 232 + 128 x 40 = 64512 fits; one consumer can take 240.
+    """
+    if self.compute_registers:
+      return self.compute_registers
+    return 232 if num_wgs == 2 else 240
+
+  @classmethod
+  def default(cls, head_dim: int, dtype=jnp.bfloat16, is_causal: bool = False) -> "MosaicConfig":
+    """Per-head_dim defaults for H100/H200 (bf16/fp16).
+
+    head_dim 64: 128-key tiles, 3-deep ring (3 x 2 x 16 KiB K/V). 128: 128-key tiles, 2-deep ring
+    (2 x 2 x 32 KiB + 32 KiB of Q). 192/256: 64-key tiles; the backward splits dK and dV into two
+    passes and runs the dK pass and the dQ kernel with one consumer warpgroup (SMEM/registers).
+    """
+    del dtype, is_causal  # same settings for bf16/fp16 and both mask modes until measured otherwise
+    if head_dim <= 64:
+      return cls(block_k=128, num_stages=3, num_stages_dkv=2, num_stages_dq=2)
+    if head_dim <= 128:
+      return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2)
+    return cls(block_k=64, num_stages=2, dkv_split=True, num_wgs_dkv=2, num_wgs_dk=1,
+               num_stages_dkv=2, num_wgs_dq=1, num_stages_dq=2)
+
+  # --- shared-memory budget (bytes), one function per kernel ---------------------------------------
+  def smem_forward(self, head_dim: int, itemsize: int = 2) -> int:
+    q_o = self.num_wgs * self.block_q * head_dim * itemsize  # Q tile, reused for O
+    kv = self.num_stages * 2 * self.block_k * head_dim * itemsize
+    return q_o + kv + self.num_wgs * self.block_q * 4
+
+  def smem_dkv(self, head_dim: int, itemsize: int = 2, *, want_dk=True, want_dv=True,
+               num_wgs: int | None = None) -> int:
+    nwg = self.num_wgs_dkv if num_wgs is None else num_wgs
+    tile_k = self.block_k_dkv * head_dim * itemsize
+    tile_q = self.block_q_dkv * head_dim * itemsize
+    resident = nwg * tile_k * (2 if want_dk else 1)  # K (and V for dP)
+    ring = self.num_stages_dkv * (2 * tile_q + self.block_q_dkv * 4 * (2 if want_dk else 1))
+    return resident + ring
+
+  def smem_dq(self, head_dim: int, itemsize: int = 2) -> int:
+    resident = self.num_wgs_dq * (2 * self.block_q_dq * head_dim * itemsize + 2 * self.block_q_dq * 4)
+    ring = self.num_stages_dq * 2 * self.block_k_dq * head_dim * itemsize
+    return resident + ring
+
+  def check(self, head_dim: int, itemsize: int = 2) -> str | None:
+    """None if every kernel's tiles fit in shared memory for this head_dim, else a reason."""
+    limit = SMEM_BYTES - SMEM_RESERVE
+    need = {"forward": self.smem_forward(head_dim, itemsize), "dQ": self.smem_dq(head_dim, itemsize)}
+    if self.dkv_split:
+      need["dV pass"] = self.smem_dkv(head_dim, itemsize, want_dk=False)
+      need["dK pass"] = self.smem_dkv(head_dim, itemsize, want_dv=False, num_wgs=self.num_wgs_dk)
+    else:
+      need["dK/dV"] = self.smem_dkv(head_dim, itemsize)
+    for name, b in need.items():
+      if b > limit:
+        return (f"MosaicConfig {name} kernel needs {b // 1024} KiB of shared memory for "
+                f"head_dim={head_dim}, more than the {limit // 1024} KiB available: use fewer stages "
+                f"or smaller tiles")
+    return None
+
+
+# --- support check -----------------------------------------------------------------------------------
+
+def supports(q_shape, k_shape, dtype, head_dim: int, is_causal: bool) -> str | None:
+  """None when ``forward``/``backward`` of this backend can run the call, else a one-line reason.
+
+  Shapes are ``[B, T, N, H]`` / ``[B, S, K, H]``. Sequence lengths may be any positive length (ragged
+  tails are handled by TMA bounds or an HBM pad, see :func:`plan_lengths`).
+  """
+  del is_causal  # both mask modes are supported
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    return f"unsupported dtype {dtype!r}"
+  if dt not in _DTYPES:
+    return (f"the Mosaic GPU backend supports bfloat16 and float16 (wgmma with f32 accumulators), "
+            f"got {dt.name}")
+  if len(q_shape) != 4 or len(k_shape) != 4:
+    return f"expected rank-4 q [B, T, N, H] and k [B, S, K, H], got {q_shape} and {k_shape}"
+  b, t, n, h = q_shape
+  bk, s, kh, hk = k_shape
+  if h != head_dim or hk != head_dim:
+    return f"head_dim {head_dim} does not match q/k shapes {q_shape}, {k_shape}"
+  if head_dim not in _HEAD_DIMS:
+    return (f"the Mosaic GPU backend supports head_dim in {_HEAD_DIMS} (multiples of the 64-element "
+            f"swizzled tile), got {head_dim}")
+  if bk != b:
+    return f"batch mismatch: q {b}, k {bk}"
+  if min(b, t, n, s, kh) < 1:
+    return f"empty dimension in q {q_shape} / k {k_shape}"
+  if n % kh:
+    return f"query heads N={n} must be a multiple of key/value heads K={kh}"
+  if b > 65535 or n > 65535:
+    return f"batch and head counts must be <= 65535 (CUDA grid y/z), got B={b}, N={n}"
+  cfg = MosaicConfig.default(head_dim, dt)
+  return cfg.check(head_dim, dt.itemsize)
+
+
+# --- block ranges (FA2 §3.1 causal block skipping) ---------------------------------------------------
+
+def kv_block_ranges(q_start, rows: int, *, block_k: int, seq_k: int, is_causal: bool):
+  """Key blocks seen by query rows ``[q_start, q_start + rows)``.
+
+  Returns ``(n_full, n_end)``: blocks ``[0, n_full)`` need no mask, ``[n_full, n_end)`` need one
+  (they straddle the causal diagonal for some row, or hold the ragged key tail); blocks from
+  ``n_end`` on lie wholly above the diagonal for every row and are never loaded.
+  Causal is top-left: row ``i`` attends keys ``j <= i``. Block ``j`` is unmasked for every row when
+  ``j*block_k + block_k - 1 <= q_start``, i.e. ``j < (q_start + 1) // block_k``.
+  """
+  nk = cdiv(seq_k, block_k)
+  nk_full = seq_k // block_k
+  if is_causal:
+    n_end = _min(cdiv(q_start + rows, block_k), nk)
+    n_full = _min((q_start + 1) // block_k, nk_full)
+  else:
+    n_end, n_full = nk, nk_full
+  return _min(n_full, n_end), n_end
+
+
+def q_block_ranges(k_start, cols: int, *, block_q: int, seq_q: int, is_causal: bool):
+  """Query blocks that see keys ``[k_start, k_start + cols)`` (the dK/dV kernel's loop).
+
+  Returns ``(i_start, i_full, nq)``: blocks ``[i_start, i_full)`` straddle the diagonal (masked),
+  ``[i_full, nq)`` need no mask. Block ``i`` has a row at or below key ``k_start`` when
+  ``(i+1)*block_q - 1 >= k_start`` (``i >= k_start // block_q``) and needs no mask when its first row
+  is at or past the last key, ``i*block_q >= k_start + cols - 1``. Padded query rows (past ``seq_q``)
+  need no mask: their Q, dO, lse and delta are zero, so they add nothing to dK and dV.
+  """
+  nq = cdiv(seq_q, block_q)
+  if not is_causal:
+    return 0, 0, nq
+  i_start = _min(k_start // block_q, nq)
+  i_full = _min(cdiv(k_start + cols - 1, block_q), nq)
+  return i_start, i_full, nq
+
+
+# --- ragged lengths ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LengthPlan:
+  """How the wrapper lays out the sequence axes in HBM before calling a kernel.
+
+  ``t_hbm``/``s_hbm``: lengths of the arrays handed to the kernels (``t``/``s`` unless padded).
+  ``t_lse``: length of the f32 lse/delta rows (a whole number of query tiles, so every 1-D TMA of
+  them is in bounds and 16-byte aligned). The kernels always mask keys ``>= s``.
+  """
+
+  t: int
+  s: int
+  t_hbm: int
+  s_hbm: int
+  t_lse: int
+
+  @property
+  def pad_t(self) -> int:
+    return self.t_hbm - self.t
+
+  @property
+  def pad_s(self) -> int:
+    return self.s_hbm - self.s
+
+
+def plan_lengths(t: int, s: int, *, q_tile: int, k_tile: int, mode: str) -> LengthPlan:
+  """Decide the HBM lengths for a call.
+
+  ``q_tile``/``k_tile``: the largest query/key extent one CTA covers in any kernel of the call.
+  ``mode="tma"``: arrays stay as they are; TMA zero-fills the rows of a tile past the end on load and
+  drops them on store, so the only costs are the masked tail tile and the f32 lse/delta padding. Arrays
+  shorter than one tile are still padded (tiny, and it keeps every TMA box inside one array extent).
+  ``mode="pad"``: T and S are padded to whole tiles in HBM (cost: a copy of q/k/v — and do/out in the
+  backward — plus slicing the outputs, i.e. about 2x the bytes of the inputs, only when ragged).
+  """
+  if mode not in RAGGED_MODES:
+    raise ValueError(f"ragged mode must be one of {RAGGED_MODES}, got {mode!r}")
+  if mode == "pad":
+    t_hbm, s_hbm = round_up(t, q_tile), round_up(s, k_tile)
+  else:
+    t_hbm = t if t >= q_tile else q_tile
+    s_hbm = s if s >= k_tile else k_tile
+  return LengthPlan(t=t, s=s, t_hbm=t_hbm, s_hbm=s_hbm, t_lse=round_up(t, q_tile))
+
+
+def pad_axis(x, axis: int, new_len: int):
+  """Zero-pad ``x`` along ``axis`` up to ``new_len`` (no-op if already that long)."""
+  extra = new_len - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
