@@ -30,6 +30,10 @@ class _Static:
   # Ablation switches (benchmarks/ablation): FlashAttention-1 behaviour, not for normal use.
   normalize_each_step: bool = False
   seq_parallel: bool = True
+  # dQ by atomic adds inside the dK/dV kernel (the paper's scheme) instead of a separate dQ pass.
+  # Off by default: on an H200 the separate pass measured 367 TFLOP/s backward against 62 with
+  # atomics (seq 8k, head_dim 128, bf16; benchmarks/results/h200/), and it is deterministic too.
+  atomic_dq: bool = False
 
 
 def _on_gpu() -> bool:
@@ -141,7 +145,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     return_residual: also return ``lse`` ``[B, T, N]`` float32, the natural-log logsumexp of each
       row's scaled logits (differentiable).
     block_sizes: a :class:`fa2_jax.BlockSizes`, or None for the per-head_dim heuristic.
-    deterministic: backward without atomics (a separate dQ kernel): bit-identical across runs.
+    deterministic: guarantee a backward without atomics, bit-identical across runs. The default
+      backward (a separate dQ pass, faster than the paper's atomic adds on H200) already is.
     interpret: True runs the Pallas kernels in interpret mode on any platform (CPU tests).
 
   Returns:
@@ -172,23 +177,27 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
 
 
 def flash_attention_ablation(query, key, value, *, scale=None, is_causal=False, block_sizes=None,
-                             deterministic=False, interpret=None, normalize_each_step=False,
-                             seq_parallel=True):
+                             interpret=None, normalize_each_step=False, seq_parallel=True,
+                             atomic_dq=False, return_residual=False):
   """The Triton kernels with the paper's ideas switched off one by one (for benchmarks/ablation).
 
   ``normalize_each_step=True`` rescales the accumulator by ``l`` every step (FlashAttention-1),
   ``seq_parallel=False`` runs one forward program per (batch, head) looping over query blocks, and
-  ``deterministic`` picks the separate dQ pass instead of atomic adds. Rank-4 inputs only.
+  ``atomic_dq=True`` accumulates dQ with atomic adds (the paper's scheme) instead of the separate dQ
+  pass. Rank-4 inputs only.
   """
-  _validate(query, key, value, scale, is_causal, "triton", False, block_sizes, deterministic,
-            interpret)
+  _validate(query, key, value, scale, is_causal, "triton", False, block_sizes, False, interpret)
+  for name, flag in (("normalize_each_step", normalize_each_step), ("seq_parallel", seq_parallel),
+                     ("atomic_dq", atomic_dq)):
+    _check_bool(name, flag)
   h = query.shape[-1]
   blocks = (block_sizes or BlockSizes.default(h, query.dtype)).clamp(query.shape[1], key.shape[1])
   static = _Static(scale=1.0 / math.sqrt(h) if scale is None else float(scale),
-                   is_causal=bool(is_causal), blocks=blocks, deterministic=bool(deterministic),
+                   is_causal=bool(is_causal), blocks=blocks, deterministic=not atomic_dq,
                    interpret=bool(interpret), normalize_each_step=bool(normalize_each_step),
-                   seq_parallel=bool(seq_parallel))
-  return _flash(query, key, value, static)[0]
+                   seq_parallel=bool(seq_parallel), atomic_dq=bool(atomic_dq))
+  out, lse = _flash(query, key, value, static)
+  return (out, lse) if return_residual else out
 
 
 # --- custom_vjp core ------------------------------------------------------------------------------
@@ -230,7 +239,8 @@ def _flash_bwd(st: _Static, residuals, cotangents):
         q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
         is_causal=st.is_causal, block_q_dkv=bs.block_q_dkv, block_k_dkv=bs.block_k_dkv,
         block_q_dq=bs.block_q_dq, block_k_dq=bs.block_k_dq, num_warps=bs.num_warps_bwd,
-        num_stages=bs.num_stages_bwd, deterministic=st.deterministic, interpret=st.interpret)
+        num_stages=bs.num_stages_bwd, atomic_dq=st.atomic_dq and not st.deterministic,
+        interpret=st.interpret)
   return dq, dk, dv
 
 

@@ -103,15 +103,17 @@ def main():
     for h in (128, 64):
       base = fa2_jax.BlockSizes.default(h)
       n = 16 if h == 128 else 32
-      for bq, bk, w, st in [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (128, 32, 4, 4),
-                            (64, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 4)]:
+      for causal in (False, True):
+        for bq, bk, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 128, 8, 2),
+                              (32, 128, 4, 2), (128, 128, 8, 1), (64, 32, 4, 3)]:
+          if h == 128 and bq * bk >= 128 * 128 and st > 1:
+            continue
+          blk = dataclasses.replace(base, block_q_dkv=bq, block_k_dkv=bk, block_q_dq=bk,
+                                    block_k_dq=bq, num_warps_bwd=w, num_stages_bwd=st)
+          run(f"bwd q{bq} k{bk} w{w} s{st}", impl_ours(blk), 2, 8192, n, h, causal)
+      for bq, bk, w, st in [(128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2), (128, 128, 8, 2)]:
         blk = dataclasses.replace(base, block_q=bq, block_k=bk, num_warps_fwd=w, num_stages_fwd=st)
-        run(f"fwd bq{bq} bk{bk} w{w} s{st}", impl_ours(blk), 2, 8192, n, h, False)
-      for bq, bk, w, st in [(64, 64, 4, 2), (64, 128, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3),
-                            (32, 64, 4, 2), (64, 128, 4, 2), (128, 128, 8, 2), (32, 128, 4, 2)]:
-        blk = dataclasses.replace(base, block_q_dkv=bq, block_k_dkv=bk, num_warps_bwd=w,
-                                  num_stages_bwd=st)
-        run(f"bwd bq{bq} bk{bk} w{w} s{st}", impl_ours(blk), 2, 8192, n, h, False)
+        run(f"fwd q{bq} k{bk} w{w} s{st}", impl_ours(blk), 2, 8192, n, h, True)
 
   print("\nlabel | B T N H causal | fwd / bwd / fwd+bwd TFLOP/s")
   for r in rows:

@@ -302,21 +302,28 @@ class LengthPlan:
 def plan_lengths(t: int, s: int, *, q_tile: int, k_tile: int, mode: str) -> LengthPlan:
   """Decide the HBM lengths for a call.
 
-  ``q_tile``/``k_tile``: the largest query/key extent one CTA covers in any kernel of the call.
-  ``mode="tma"``: arrays stay as they are; TMA zero-fills the rows of a tile past the end on load and
-  drops them on store, so the only costs are the masked tail tile and the f32 lse/delta padding. Arrays
-  shorter than one tile are still padded (tiny, and it keeps every TMA box inside one array extent).
-  ``mode="pad"``: T and S are padded to whole tiles in HBM (cost: a copy of q/k/v — and do/out in the
-  backward — plus slicing the outputs, i.e. about 2x the bytes of the inputs, only when ragged).
+  ``q_tile``/``k_tile``: the query/key extent (rows) that the largest CTA tile covers in any kernel of
+  the call; every tile side is a multiple of 64.
+
+  ``mode="tma"``: a length that is a multiple of 8 (and at least one tile) stays as it is: TMA
+  zero-fills the rows of a tile past the end on load and drops them on store, so the cost is only the
+  masked tail tile and the f32 lse/delta padding. Mosaic GPU's tiled TMA descriptors split the sequence
+  axis into 8-row tiles, so other lengths (and arrays shorter than one tile) are padded in HBM like
+  ``"pad"``.
+  ``mode="pad"``: T and S are padded to whole tiles in HBM whenever ragged (cost: a copy of q/k/v —
+  and do/out in the backward — plus a slice of the outputs, about 2x the input bytes).
   """
   if mode not in RAGGED_MODES:
     raise ValueError(f"ragged mode must be one of {RAGGED_MODES}, got {mode!r}")
-  if mode == "pad":
-    t_hbm, s_hbm = round_up(t, q_tile), round_up(s, k_tile)
-  else:
-    t_hbm = t if t >= q_tile else q_tile
-    s_hbm = s if s >= k_tile else k_tile
-  return LengthPlan(t=t, s=s, t_hbm=t_hbm, s_hbm=s_hbm, t_lse=round_up(t, q_tile))
+
+  def hbm_len(n: int, tile: int) -> int:
+    if mode == "tma" and n % 8 == 0 and n >= tile:
+      return n
+    return round_up(n, tile)
+
+  lse_tile = math.lcm(q_tile, WG_ROWS)
+  return LengthPlan(t=t, s=s, t_hbm=hbm_len(t, q_tile), s_hbm=hbm_len(s, k_tile),
+                    t_lse=round_up(t, lse_tile))
 
 
 def pad_axis(x, axis: int, new_len: int):

@@ -48,7 +48,9 @@ def q_block_ranges(j, *, block_q: int, block_k: int, seq_q: int, seq_k: int, is_
   else:
     i_start, i_full = 0, 0
   if tail:
-    i_full = jnp.where(is_tail, nq, i_full)
+    # lax.select, not jnp.where: jnp.where wraps the select in a call that the Triton lowering of a
+    # scalar loop bound mistypes (i1 vs i32, seen on jax 0.11.2 with a single ragged key block).
+    i_full = lax.select(is_tail, jnp.int32(nq), jnp.asarray(i_full, jnp.int32))
   return i_start, i_full, nq
 
 
@@ -163,14 +165,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
 
 def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool, block_q_dkv: int,
              block_k_dkv: int, block_q_dq: int, block_k_dq: int, num_warps: int, num_stages: int,
-             deterministic: bool, interpret: bool):
+             atomic_dq: bool, interpret: bool):
   """Gradients of attention w.r.t. q, k, v.
 
   Args:
     q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; lse: ``[B, N, T]`` f32 from the forward.
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
-    deterministic: use the separate dQ kernel instead of atomic adds.
+    atomic_dq: accumulate dQ with atomic adds inside the dK/dV kernel (the paper's scheme, not
+      deterministic) instead of the separate dQ kernel.
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v.
@@ -208,7 +211,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   args = [q, k, v, do, lse_p, delta_p]
   aliases = {}
-  atomic = not deterministic
+  atomic = atomic_dq
   if atomic:
     dq_acc = jnp.zeros((b, tp, n, hp), jnp.float32)
     dq_spec = pl.BlockSpec((None, tp, group, hp), lambda j, bi, hk: (bi, 0, hk, 0))

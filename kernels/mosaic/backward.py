@@ -1,0 +1,461 @@
+"""FlashAttention-2 backward (paper Alg. 2) as Pallas Mosaic GPU kernels for Hopper (sm90).
+
+1. ``delta = rowsum(dO ∘ O)`` (Alg. 2 line 4, the ``D_i`` of eq. 4) is a memory-bound row reduction:
+   one fused XLA op computes it (minus the lse cotangent, if any) before the kernels, together with
+   ``lse * log2(e)`` so the kernels recompute ``P`` with a single exp2.
+2. **dK/dV kernel** — grid ``(batch, KV head, key tile)`` (FA2 §3.2: parallel over the *key* sequence,
+   so no two CTAs write the same dK/dV rows and no atomics are needed). Each consumer warpgroup owns 64
+   keys: ``K_j, V_j`` sit in SMEM, ``dK_j, dV_j`` in f32 registers (wgmma accumulators). A producer
+   warpgroup streams ``Q_i, dO_i, lse_i, delta_i`` tiles through a ``num_stages`` SMEM ring (TMA,
+   barriers, ``setmaxnreg``), and each consumer recomputes, in the transposed orientation so that every
+   product has the warpgroup's 64 keys as wgmma's M dimension:
+       S^T = K_j Q_i^T,  P^T = exp2(S^T*c - lse2_i)              (Alg. 2 lines 9-11, P from the lse)
+       dV_j += P^T dO_i                                           (line 12)
+       dP^T = V_j dO_i^T,  dS^T = P^T ∘ (dP^T − delta_i)           (lines 13-14)
+       dK_j += dS^T Q_i                                           (line 16)
+   GQA/MQA: the loop runs over the ``G = N / K`` query heads of the KV head *inside* the kernel, so dK/dV
+   are summed over the group on chip and written once per KV head (no XLA sum, no [B, S, N, H] buffer).
+   For head_dim > 128 two 64 x H f32 accumulators do not fit in registers: ``dkv_split`` runs a dV-only
+   pass and a dK-only pass (the dK pass with one consumer so K, V, Q, dO fit in SMEM).
+3. **dQ kernel** (deterministic; FA2 writes dQ with atomic adds, here a separate pass with grid
+   ``(batch, head, query tile)`` owns each dQ_i and loops over key tiles, recomputing S, P, dP, dS — the
+   structure of the forward): ``dQ_i += dS K_j`` (line 15), no atomics, bit-identical across runs.
+
+Causal (§3.1 "causal masking"): the dK/dV loop starts at the first query tile that reaches the CTA's
+keys and only tiles straddling the diagonal run the masked body; the dQ loop stops at the diagonal.
+The softmax scale multiplies dK and dQ once at the end (dS stays unscaled in the loops). Every row
+sees key 0 (top-left causal), so lse is finite and the recomputed P needs no -inf guard.
+Padded/out-of-bounds rows: Q, dO, lse2 and delta read as zero there, which makes their P^T dO and
+dS^T Q contributions exactly zero; padded keys have K = V = 0 and are masked in the dQ kernel.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ...masking import allowed
+from .common import (LOG2E, WG_ROWS, MosaicConfig, kv_block_ranges, pad_axis, plan_lengths,
+                     q_block_ranges, supports)
+from .ops import (Product, bcast_cols, bcast_rows, compiler_params, emulating, iota2, mma, mma_many,
+                  smem_transforms, zeros as _zeros)
+
+
+# --- dK / dV ---------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Dkv:
+  scale: float
+  is_causal: bool
+  seq_q: int  # true T
+  group: int
+  head_dim: int
+  block_q: int  # rows of each streamed Q/dO tile
+  block_k: int  # keys per consumer warpgroup (64)
+  num_stages: int
+  num_wgs: int
+  want_dk: bool
+  want_dv: bool
+  dtype: object
+  registers: int
+  memory_registers: int
+  emulate: bool = False
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_smem, v_smem, q_smem,
+                do_smem, lse_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, lse_bar, delta_bar,
+                free, st: _Dkv):
+  # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref (base 2), delta_ref: [B, N, T_lse]
+  # outputs: dk_ref and/or dv_ref [B, S, K, H] (per want_dk / want_dv).
+  bq, bk, nwg, stages, g_size = st.block_q, st.block_k, st.num_wgs, st.num_stages, st.group
+  c = st.scale * LOG2E
+  outs = list(out_refs)
+  dk_ref = outs.pop(0) if st.want_dk else None
+  dv_ref = outs.pop(0) if st.want_dv else None
+  b = lax.axis_index("b")
+  kvh = lax.axis_index("h")
+  kt = lax.axis_index("k")
+  wg = lax.axis_index("wg")
+  cta_k0 = kt * (nwg * bk)
+  i_start, i_full, nq = q_block_ranges(cta_k0, nwg * bk, block_q=bq, seq_q=st.seq_q,
+                                       is_causal=st.is_causal)
+  n_i = nq - i_start  # query tiles per group head (traced when causal)
+  n_steps = n_i * g_size
+
+  @pl.when(wg < nwg)
+  def _consumer():
+    plgpu.set_max_registers(st.registers, action="increase")
+    k0 = cta_k0 + wg * bk
+    k_s = k_smem.at[wg]
+    rows = (b, pl.ds(k0, bk), kvh)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_s, k_bar.at[wg])
+    if st.want_dk:
+      v_s = v_smem.at[wg]
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s, v_bar.at[wg])
+    plgpu.barrier_wait(k_bar.at[wg])
+    if st.want_dk:
+      plgpu.barrier_wait(v_bar.at[wg])
+
+    def step(i, carry, g, masked: bool):
+      dk, dv = carry
+      idx = g * n_i + (i - i_start)
+      slot = lax.rem(idx, jnp.array(stages, idx.dtype))
+      q_t = q_smem.at[slot]
+      do_t = do_smem.at[slot]
+      plgpu.barrier_wait(q_bar.at[slot])
+
+      st_ = mma((bk, bq), k_s, q_t, tb=True)  # S^T = K_j Q_i^T  [keys, rows]
+      plgpu.barrier_wait(lse_bar.at[slot])
+      lse2 = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+      p_t = jnp.exp2(st_ * c - bcast_cols(lse2, st_.shape))  # P^T, recomputed from the lse
+      if masked:
+        k_pos = k0 + iota2((bk, bq), 0)
+        q_pos = i * bq + iota2((bk, bq), 1)
+        keep = allowed(q_pos, k_pos, is_causal=st.is_causal)
+        if keep is not None:
+          p_t = jnp.where(keep, p_t, 0.0)
+      p16 = p_t.astype(st.dtype)
+      plgpu.barrier_wait(do_bar.at[slot])
+      if st.want_dv and st.want_dk:  # both wgmmas in flight at once, one wait
+        dv, dp_t = mma_many([Product((bk, st.head_dim), p16, do_t, init=dv),  # dV_j += P^T dO_i
+                             Product((bk, bq), v_s, do_t, tb=True)])  # dP^T = V_j dO_i^T
+      elif st.want_dv:
+        dv = mma((bk, st.head_dim), p16, do_t, init=dv)
+      else:
+        dp_t = mma((bk, bq), v_s, do_t, tb=True)
+      if st.want_dk:
+        plgpu.barrier_wait(delta_bar.at[slot])
+        delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        ds_t = p_t * (dp_t - bcast_cols(delta, dp_t.shape))  # dS^T = P^T ∘ (dP^T − D_i)  (eq. 4)
+        ds16 = ds_t.astype(st.dtype)
+
+        dk = mma((bk, st.head_dim), ds16, q_t, init=dk)  # dK_j += dS^T Q_i
+      plgpu.barrier_arrive(free.at[slot])  # all wgmmas reading this slot have completed
+      return dk, dv
+
+    def over_queries(g, carry):
+      carry = lax.fori_loop(i_start, i_full, functools.partial(step, g=g, masked=True), carry)
+      return lax.fori_loop(i_full, nq, functools.partial(step, g=g, masked=False), carry)
+
+    hd = st.head_dim
+    carry = (_zeros((bk, hd)) if st.want_dk else None, _zeros((bk, hd)) if st.want_dv else None)
+    if g_size == 1:
+      dk, dv = over_queries(jnp.int32(0), carry)
+    else:
+      dk, dv = lax.fori_loop(0, g_size, over_queries, carry)  # GQA: sum over the head group
+
+    # K_j / V_j are dead: reuse their SMEM to stage the results for the TMA store.
+    if st.want_dk:
+      k_s[...] = (dk * st.scale).astype(st.dtype)
+    if st.want_dv:
+      dv_s = v_smem.at[wg] if st.want_dk else k_s
+      dv_s[...] = dv.astype(st.dtype)
+    plgpu.commit_smem()
+    if st.want_dk:
+      plgpu.copy_smem_to_gmem(k_s, dk_ref.at[rows], commit_group=False)
+    if st.want_dv:
+      plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[rows], commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == nwg)
+  def _producer():
+    plgpu.set_max_registers(st.memory_registers, action="decrease")
+
+    @pl.loop(0, n_steps)
+    def _(idx):
+      slot = lax.rem(idx, jnp.array(stages, idx.dtype))
+      g = lax.div(idx, n_i)
+      i = i_start + lax.rem(idx, n_i)
+      h = kvh * g_size + g  # query head g of this KV head's group
+      rows = (b, pl.ds(i * bq, bq), h)
+      lse_rows = (b, h, pl.ds(i * bq, bq))
+
+      @pl.when(idx >= stages)
+      def _():
+        plgpu.barrier_wait(free.at[slot])
+
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[lse_rows], lse_smem.at[slot], lse_bar.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
+      if st.want_dk:
+        plgpu.copy_gmem_to_smem(delta_ref.at[lse_rows], delta_smem.at[slot], delta_bar.at[slot])
+
+    @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)  # drain (see forward)
+    def _(idx):
+      plgpu.barrier_wait(free.at[lax.rem(idx, jnp.array(stages, idx.dtype))])
+
+
+def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicConfig, want_dk,
+              want_dv, num_wgs):
+  b, t_hbm, n, h = q.shape
+  s_hbm, kh = k.shape[1], k.shape[2]
+  bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv
+  st = _Dkv(scale=scale, is_causal=is_causal, seq_q=seq_q, group=n // kh, head_dim=h, block_q=bq,
+            block_k=bk, num_stages=stages, num_wgs=num_wgs, want_dk=want_dk, want_dv=want_dv,
+            dtype=q.dtype, registers=cfg.registers(num_wgs),
+            memory_registers=cfg.memory_registers, emulate=emulating())
+  tf = smem_transforms()
+  scratch = dict(
+      k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
+      v_smem=plgpu.SMEM((num_wgs, bk, h), v.dtype, transforms=tf) if want_dk else None,
+      q_smem=plgpu.SMEM((stages, bq, h), q.dtype, transforms=tf),
+      do_smem=plgpu.SMEM((stages, bq, h), do.dtype, transforms=tf),
+      lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
+      delta_smem=plgpu.SMEM((stages, bq), jnp.float32) if want_dk else None,
+      k_bar=plgpu.Barrier(num_barriers=num_wgs),
+      v_bar=plgpu.Barrier(num_barriers=num_wgs) if want_dk else None,
+      q_bar=plgpu.Barrier(num_barriers=stages),
+      do_bar=plgpu.Barrier(num_barriers=stages),
+      lse_bar=plgpu.Barrier(num_barriers=stages),
+      delta_bar=plgpu.Barrier(num_barriers=stages) if want_dk else None,
+      free=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
+  )
+  out_type = []
+  if want_dk:
+    out_type.append(jax.ShapeDtypeStruct(k.shape, k.dtype))
+  if want_dv:
+    out_type.append(jax.ShapeDtypeStruct(v.shape, v.dtype))
+  n_k_tiles = -(-s_hbm // (num_wgs * bk))
+  name = "fa2_mosaic_dkdv" if (want_dk and want_dv) else ("fa2_mosaic_dk" if want_dk else
+                                                           "fa2_mosaic_dv")
+  res = plgpu.kernel(
+      functools.partial(_dkv_kernel, st=st),
+      out_type=tuple(out_type),
+      scratch_types=scratch,
+      grid=(b, kh, n_k_tiles),
+      grid_names=("b", "h", "k"),
+      num_threads=num_wgs + 1,
+      thread_name="wg",
+      compiler_params=compiler_params(),
+      kernel_name=name,
+  )(q, k, v, do, lse2, delta)
+  return tuple(res)
+
+
+# --- dQ ----------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Dq:
+  scale: float
+  is_causal: bool
+  seq_k: int  # true S
+  group: int
+  head_dim: int
+  block_q: int  # rows per consumer warpgroup (64)
+  block_k: int
+  num_stages: int
+  num_wgs: int
+  n_q_tiles: int
+  dtype: object
+  registers: int
+  memory_registers: int
+  emulate: bool = False
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_smem, do_smem,
+               lse_smem, delta_smem, k_smem, v_smem, q_bar, do_bar, lse_bar, delta_bar, k_bar,
+               v_bar, k_free, v_free, st: _Dq):
+  bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
+  c = st.scale * LOG2E
+  b = lax.axis_index("b")
+  h = lax.axis_index("h")
+  qt = lax.axis_index("q")
+  if st.is_causal:
+    qt = (st.n_q_tiles - 1) - qt  # LPT: longest rows first
+  wg = lax.axis_index("wg")
+  kvh = lax.div(h, jnp.array(st.group, h.dtype))
+  cta_row0 = qt * (nwg * bq)
+  n_full, n_end = kv_block_ranges(cta_row0, nwg * bq, block_k=bk, seq_k=st.seq_k,
+                                  is_causal=st.is_causal)
+  key_tail = st.seq_k % bk != 0
+
+  @pl.when(wg < nwg)
+  def _consumer():
+    plgpu.set_max_registers(st.registers, action="increase")
+    row0 = cta_row0 + wg * bq
+    rows = (b, pl.ds(row0, bq), h)
+    lse_rows = (b, h, pl.ds(row0, bq))
+    q_s, do_s = q_smem.at[wg], do_smem.at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s, q_bar.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s, do_bar.at[wg])
+    plgpu.copy_gmem_to_smem(lse_ref.at[lse_rows], lse_smem.at[wg], lse_bar.at[wg])
+    plgpu.copy_gmem_to_smem(delta_ref.at[lse_rows], delta_smem.at[wg], delta_bar.at[wg])
+    for bar in (q_bar, do_bar, lse_bar, delta_bar):
+      plgpu.barrier_wait(bar.at[wg])
+    lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+    delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+
+    def step(j, dq, masked: bool):
+      slot = lax.rem(j, jnp.array(stages, j.dtype))
+      k_t, v_t = k_smem.at[slot], v_smem.at[slot]
+      plgpu.barrier_wait(k_bar.at[slot])
+      plgpu.barrier_wait(v_bar.at[slot])
+
+      # S = Q_i K_j^T and dP = dO_i V_j^T, both in flight, one wait.
+      s, dp = mma_many([Product((bq, bk), q_s, k_t, tb=True), Product((bq, bk), do_s, v_t, tb=True)])
+      plgpu.barrier_arrive(v_free.at[slot])
+      p = jnp.exp2(s * c - bcast_rows(lse2, s.shape))  # P_ij from the saved lse
+      if masked:
+        q_pos = row0 + iota2((bq, bk), 0)
+        k_pos = j * bk + iota2((bq, bk), 1)
+        keep = allowed(q_pos, k_pos, is_causal=st.is_causal, seq_k=st.seq_k if key_tail else None)
+        if keep is not None:
+          p = jnp.where(keep, p, 0.0)
+      ds = p * (dp - bcast_rows(delta, dp.shape))  # dS = P ∘ (dP − D_i)
+      ds16 = ds.astype(st.dtype)
+
+      dq = mma((bq, st.head_dim), ds16, k_t, init=dq)  # dQ_i += dS_ij K_j (line 15, no atomics)
+      plgpu.barrier_arrive(k_free.at[slot])
+      return dq
+
+    dq = _zeros((bq, st.head_dim))
+    dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
+    dq = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), dq)
+    q_s[...] = (dq * st.scale).astype(st.dtype)  # Q_i is dead: stage dQ_i in its SMEM
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == nwg)
+  def _producer():
+    plgpu.set_max_registers(st.memory_registers, action="decrease")
+
+    @pl.loop(0, n_end)
+    def _(j):
+      slot = lax.rem(j, jnp.array(stages, j.dtype))
+      rows = (b, pl.ds(j * bk, bk), kvh)
+
+      @pl.when(j >= stages)
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
+
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+
+      @pl.when(j >= stages)
+      def _():
+        plgpu.barrier_wait(v_free.at[slot])
+
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+    @pl.loop(jnp.maximum(n_end - stages, 0), n_end)  # drain (see forward)
+    def _(j):
+      slot = lax.rem(j, jnp.array(stages, j.dtype))
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+
+
+def _dq_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_k, cfg: MosaicConfig):
+  b, t_hbm, n, h = q.shape
+  kh = k.shape[2]
+  bq, bk, stages, nwg = cfg.block_q_dq, cfg.block_k_dq, cfg.num_stages_dq, cfg.num_wgs_dq
+  n_q_tiles = -(-t_hbm // (nwg * bq))
+  st = _Dq(scale=scale, is_causal=is_causal, seq_k=seq_k, group=n // kh, head_dim=h, block_q=bq,
+           block_k=bk, num_stages=stages, num_wgs=nwg, n_q_tiles=n_q_tiles, dtype=q.dtype,
+           registers=cfg.registers(nwg), memory_registers=cfg.memory_registers,
+           emulate=emulating())
+  tf = smem_transforms()
+  scratch = dict(
+      q_smem=plgpu.SMEM((nwg, bq, h), q.dtype, transforms=tf),
+      do_smem=plgpu.SMEM((nwg, bq, h), do.dtype, transforms=tf),
+      lse_smem=plgpu.SMEM((nwg, bq), jnp.float32),
+      delta_smem=plgpu.SMEM((nwg, bq), jnp.float32),
+      k_smem=plgpu.SMEM((stages, bk, h), k.dtype, transforms=tf),
+      v_smem=plgpu.SMEM((stages, bk, h), v.dtype, transforms=tf),
+      q_bar=plgpu.Barrier(num_barriers=nwg),
+      do_bar=plgpu.Barrier(num_barriers=nwg),
+      lse_bar=plgpu.Barrier(num_barriers=nwg),
+      delta_bar=plgpu.Barrier(num_barriers=nwg),
+      k_bar=plgpu.Barrier(num_barriers=stages),
+      v_bar=plgpu.Barrier(num_barriers=stages),
+      k_free=plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),
+      v_free=plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),
+  )
+  return plgpu.kernel(
+      functools.partial(_dq_kernel, st=st),
+      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      scratch_types=scratch,
+      grid=(b, n, n_q_tiles),
+      grid_names=("b", "h", "q"),
+      num_threads=nwg + 1,
+      thread_name="wg",
+      compiler_params=compiler_params(),
+      kernel_name="fa2_mosaic_dq",
+  )(q, k, v, do, lse2, delta)
+
+
+# --- entry point -------------------------------------------------------------------------------------
+
+def backward_tiles(cfg: MosaicConfig) -> tuple[int, int]:
+  """(query, key) extents that every backward kernel's tiles divide: the HBM padding unit."""
+  q_tile = math.lcm(cfg.num_wgs_dq * cfg.block_q_dq, cfg.block_q_dkv)
+  k_tiles = [cfg.block_k_dq, cfg.num_wgs_dkv * cfg.block_k_dkv]
+  if cfg.dkv_split:
+    k_tiles.append(cfg.num_wgs_dk * cfg.block_k_dkv)
+  return q_tile, math.lcm(*k_tiles)
+
+
+def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
+             deterministic: bool = True, config: MosaicConfig | None = None):
+  """Gradients of attention w.r.t. q, k, v on Hopper.
+
+  Args:
+    q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; lse: ``[B, N, T]`` f32 natural log (from
+      :func:`forward`).
+    dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
+      ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
+    deterministic: accepted for signature parity with the Triton backend; this backend is always
+      deterministic (separate dQ kernel, no atomics).
+
+  Returns:
+    ``dq, dk, dv`` in the dtypes of q, k, v (dk/dv already summed over each GQA group).
+  """
+  del deterministic
+  reason = supports(q.shape, k.shape, q.dtype, q.shape[-1], is_causal)
+  if reason is not None:
+    raise ValueError(f"fa2_jax mosaic backward: {reason}")
+  b, t, n, h = q.shape
+  s = k.shape[1]
+  cfg = config or MosaicConfig.default(h, q.dtype, is_causal)
+  if (why := cfg.check(h, q.dtype.itemsize)) is not None:
+    raise ValueError(why)
+  scale, is_causal = float(scale), bool(is_causal)
+  q_tile, k_tile = backward_tiles(cfg)
+  plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
+
+  # Alg. 2 line 4: D_i = rowsum(dO_i ∘ O_i), f32, fused by XLA with the lse conversion to base 2.
+  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
+  if dlse is not None:
+    delta = delta - dlse.astype(jnp.float32)
+  lse2 = lse.astype(jnp.float32) * LOG2E
+  # Zero rows past T: the padded query rows then contribute exactly nothing (see module docstring).
+  delta = pad_axis(delta, 2, plan.t_lse)
+  lse2 = pad_axis(lse2, 2, plan.t_lse)
+  do = do.astype(q.dtype)
+  qp, dop = pad_axis(q, 1, plan.t_hbm), pad_axis(do, 1, plan.t_hbm)
+  kp, vp = pad_axis(k, 1, plan.s_hbm), pad_axis(v, 1, plan.s_hbm)
+
+  common = dict(scale=scale, is_causal=is_causal, seq_q=t, cfg=cfg)
+  if cfg.dkv_split:
+    (dv,) = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=False, want_dv=True,
+                      num_wgs=cfg.num_wgs_dkv, **common)
+    (dk,) = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=False,
+                      num_wgs=cfg.num_wgs_dk, **common)
+  else:
+    dk, dv = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
+                       num_wgs=cfg.num_wgs_dkv, **common)
+  dq = _dq_call(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, seq_k=s, cfg=cfg)
+  if plan.pad_t:
+    dq = dq[:, :t]
+  if plan.pad_s:
+    dk, dv = dk[:, :s], dv[:, :s]
+  return dq, dk, dv
+
+
+__all__ = ["backward", "backward_tiles", "WG_ROWS"]

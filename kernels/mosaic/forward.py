@@ -1,0 +1,270 @@
+"""FlashAttention-2 forward (paper Alg. 1) as a Pallas Mosaic GPU kernel for Hopper (sm90).
+
+Structure of one CTA (grid ``(batch, head, query tile)``, FA2 §3.2: parallel over batch, heads *and*
+the sequence, so 8k tokens x 16 heads x batch 2 give 1024 CTAs for 132 SMs):
+
+* ``num_wgs`` (2) **consumer warpgroups**, each owning 64 whole query rows of the CTA's
+  ``2 x 64``-row tile (FA2 §3.3 "split-Q" warp partitioning, lifted to warpgroups: the row max, row sum
+  and the ``O`` accumulator of a row live in one warpgroup, so no cross-warpgroup reduction or SMEM
+  exchange is ever needed). Each loads its ``Q_i`` once by TMA, then for every key tile issues
+  ``S = Q_i K_j^T`` and ``O += P V_j`` as ``wgmma`` with f32 register accumulators.
+* one **producer warpgroup** that only issues TMA copies of ``K_j, V_j`` into a ``num_stages``-deep
+  SMEM ring: a slot is refilled once both consumers have arrived on its "free" barrier, and consumers
+  wait on its "full" barrier (TMA completes it with the byte count). ``setmaxnreg`` moves registers from
+  the producer (40) to the consumers (232). This is the Hopper form of FA2's "load K_j, V_j to SRAM"
+  (Alg. 1 line 6) overlapped with compute.
+* Online softmax (Alg. 1 lines 8-10) with the *unscaled* accumulator (§3.1.1 tweak 1: ``O`` is
+  rescaled by ``exp(m_old - m_new)`` only, and divided by ``l`` once at the end, line 12), exp2 with the
+  softmax scale folded into one FMA (§3.1), and only ``lse = m + log l`` saved for the backward (§3.1.1
+  tweak 2, line 13), natural log, f32, ``[B, N, T]``.
+* Causal (§3.1 "causal masking"): key tiles wholly above the diagonal are never loaded (the loop ends at
+  ``n_end``); only tiles straddling the diagonal (and the ragged key tail) run the masked body.
+* ``pingpong`` (optional, default on): FlashAttention-3's inter-warpgroup schedule, after JAX's
+  ``jax/experimental/pallas/ops/gpu/attention_mgpu.py``: a 2-arrival barrier makes the two consumers
+  alternate, so one's softmax overlaps the other's matmuls.
+
+Ideas reused from JAX's ``attention_mgpu.py`` (Apache-2.0), re-written here: the producer/consumer
+barrier protocol, the ``run_scoped(ACC)`` / ``run_state(ACC.init)`` wgmma idioms and the (8, 64) tiled
++ 128-byte swizzled SMEM layout. Added here: softmax scale, ragged lengths, key-tail masking, GQA head
+mapping, LPT ordering of causal tiles, and an lse in natural log.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from ...masking import allowed
+from .common import LN2, LOG2E, MosaicConfig, kv_block_ranges, pad_axis, plan_lengths, supports
+from .ops import bcast_rows, compiler_params, emulating, iota2, mma, smem_transforms
+
+@dataclasses.dataclass(frozen=True)
+class _Fwd:
+  scale: float
+  is_causal: bool
+  seq_q: int  # true T (rows past it are padding / TMA out-of-bounds)
+  seq_k: int  # true S: keys >= seq_k are masked
+  group: int  # N // K (GQA)
+  head_dim: int
+  block_q: int
+  block_k: int
+  num_stages: int
+  num_wgs: int
+  pingpong: bool
+  n_q_tiles: int
+  dtype: object
+  registers: int
+  memory_registers: int
+  emulate: bool = False  # traced for interpret mode (ops.emulated_mma); part of the cache key
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem, lse_smem, q_bar,
+                k_bar, v_bar, k_free, v_free, sched=None, st: _Fwd):
+  # q_ref, o_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref: [B, N, T_lse] f32 (natural log).
+  bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
+  c = st.scale * LOG2E
+  b = lax.axis_index("b")
+  h = lax.axis_index("h")
+  qt = lax.axis_index("q")
+  if st.is_causal:
+    # LPT order: the last query tiles see the most keys, launch them first so the tail is short.
+    qt = (st.n_q_tiles - 1) - qt
+  wg = lax.axis_index("wg")
+  kvh = lax.div(h, jnp.array(st.group, h.dtype))  # GQA: shared K/V head, never copied in HBM
+  cta_row0 = qt * (nwg * bq)
+  # Both consumers run the CTA's key range, so their step counts (and barrier phases) always match;
+  # the first warpgroup's extra diagonal tile (if block_k < 2*block_q) is fully masked, a no-op.
+  n_full, n_end = kv_block_ranges(cta_row0, nwg * bq, block_k=bk, seq_k=st.seq_k,
+                                  is_causal=st.is_causal)
+  key_tail = st.seq_k % bk != 0
+
+  def schedule():
+    plgpu.barrier_arrive(sched)
+    plgpu.barrier_wait(sched)
+
+  @pl.when(wg < nwg)
+  def _consumer():
+    plgpu.set_max_registers(st.registers, action="increase")
+    q_s = qo_smem.at[wg]
+    row0 = cta_row0 + wg * bq
+    plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_s, q_bar.at[wg])
+    plgpu.barrier_wait(q_bar.at[wg])
+
+    m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.full((bq, st.head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+    if st.pingpong:
+      pl.when(wg == 1)(schedule)
+
+    def step(j, carry, masked: bool):
+      acc, m_i, l_i = carry
+      slot = lax.rem(j, jnp.array(stages, j.dtype))
+      plgpu.barrier_wait(k_bar.at[slot])
+
+      # S_ij = Q_i K_j^T (Alg. 1 line 8): wgmma, f32 accumulate on the tensor cores. With pingpong the
+      # scheduling barrier sits between issuing the wgmma and waiting for it.
+      s = mma((bq, bk), q_s, k_smem.at[slot], tb=True,
+              between=schedule if st.pingpong else None)
+      plgpu.barrier_arrive(k_free.at[slot])
+
+      # Online softmax, m kept in scaled base-2 units so p = exp2(s*c - m) is one FMA per element.
+      if masked:
+        q_pos = row0 + iota2((bq, bk), 0)
+        k_pos = j * bk + iota2((bq, bk), 1)
+        keep = allowed(q_pos, k_pos, is_causal=st.is_causal, seq_k=st.seq_k if key_tail else None)
+        sc = s * c if keep is None else jnp.where(keep, s * c, -jnp.inf)
+        m_new = jnp.maximum(m_i, sc.max(axis=1))
+        # A row with no visible key yet keeps m = -inf; use 0 there so exp2 gives 0, not NaN.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(sc - bcast_rows(m_use, sc.shape))
+      elif c > 0:
+        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+        m_use = m_new
+        p = jnp.exp2(s * c - bcast_rows(m_new, s.shape))
+      else:  # scale <= 0 (unusual): scale first, max of the scaled logits
+        sc = s * c
+        m_new = jnp.maximum(m_i, sc.max(axis=1))
+        m_use = m_new
+        p = jnp.exp2(sc - bcast_rows(m_new, sc.shape))
+      alpha = jnp.exp2(m_i - m_use)  # e^{m_old - m_new}: rescales the old state (line 10)
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * bcast_rows(alpha, acc.shape)  # unscaled accumulator (§3.1.1 tweak 1)
+      p16 = p.astype(st.dtype)
+
+      if st.pingpong:
+        plgpu.barrier_arrive(sched)  # done with softmax
+      plgpu.barrier_wait(v_bar.at[slot])
+      if st.pingpong:
+        plgpu.barrier_wait(sched)  # the other warpgroup has issued its S matmul: tensor cores free
+
+      acc = mma((bq, st.head_dim), p16, v_smem.at[slot], init=acc)  # O_i += P~_ij V_j (line 10)
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l_i
+
+    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (acc, m_i, l_i))
+    acc, m_i, l_i = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
+    if st.pingpong:
+      pl.when(wg == 0)(schedule)
+
+    # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. Every row sees key 0, so l_i >= 1.
+    inv_l = 1.0 / l_i
+    q_s[...] = (acc * bcast_rows(inv_l, acc.shape)).astype(st.dtype)  # Q_i is dead: reuse its SMEM
+    # Line 13: L_i = m_i + log(l_i), m_i in base-2 units -> natural log.
+    lse_smem.at[wg][...] = m_i * LN2 + jnp.log(l_i)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_s, o_ref.at[b, pl.ds(row0, bq), h], commit_group=False)
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, bq)],
+                            commit_group=False)
+    plgpu.commit_smem_to_gmem_group()
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == nwg)
+  def _producer():
+    plgpu.set_max_registers(st.memory_registers, action="decrease")
+
+    @pl.loop(0, n_end)
+    def _(j):
+      slot = lax.rem(j, jnp.array(stages, j.dtype))
+      rows = (b, pl.ds(j * bk, bk), kvh)
+
+      @pl.when(j >= stages)
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])  # both consumers are done with K in this slot
+
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
+
+      @pl.when(j >= stages)
+      def _():
+        plgpu.barrier_wait(v_free.at[slot])
+
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
+
+    # Drain: observe the consumers' last releases, so every barrier phase is waited exactly once
+    # (the GPU does not need it; it keeps the protocol symmetric and interpret mode's checks happy).
+    @pl.loop(jnp.maximum(n_end - stages, 0), n_end)
+    def _(j):
+      slot = lax.rem(j, jnp.array(stages, j.dtype))
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+
+
+def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | None = None):
+  """Attention forward on Hopper.
+
+  Args:
+    q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` (``N % K == 0``), bfloat16 or float16.
+    scale: static Python float. is_causal: top-left causal mask.
+    config: a :class:`MosaicConfig`, default ``MosaicConfig.default(H)``.
+
+  Returns:
+    ``out [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, natural log.
+  """
+  reason = supports(q.shape, k.shape, q.dtype, q.shape[-1], is_causal)
+  if reason is not None:
+    raise ValueError(f"fa2_jax mosaic forward: {reason}")
+  if not (q.dtype == k.dtype == v.dtype):
+    raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  cfg = config or MosaicConfig.default(h, q.dtype, is_causal)
+  if (why := cfg.check(h, q.dtype.itemsize)) is not None:
+    raise ValueError(why)
+  rows = cfg.num_wgs * cfg.block_q
+  plan = plan_lengths(t, s, q_tile=rows, k_tile=cfg.block_k, mode=cfg.ragged)
+  out, lse = _forward_call(q, k, v, scale=float(scale), is_causal=bool(is_causal), cfg=cfg,
+                           plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_lse=plan.t_lse)
+  return out, lse
+
+
+def _forward_call(q, k, v, *, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_lse):
+  """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,H], lse [B,N,T]."""
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  qp = pad_axis(q, 1, plan_t)
+  kp = pad_axis(k, 1, plan_s)
+  vp = pad_axis(v, 1, plan_s)
+  rows = cfg.num_wgs * cfg.block_q
+  n_q_tiles = -(-plan_t // rows)
+  st = _Fwd(scale=scale, is_causal=is_causal, seq_q=t, seq_k=s, group=n // kh, head_dim=h,
+            block_q=cfg.block_q, block_k=cfg.block_k, num_stages=cfg.num_stages,
+            num_wgs=cfg.num_wgs, pingpong=cfg.pingpong and cfg.num_wgs == 2,
+            n_q_tiles=n_q_tiles, dtype=q.dtype, registers=cfg.registers(cfg.num_wgs),
+            memory_registers=cfg.memory_registers, emulate=emulating())
+  tf = smem_transforms()
+  nwg, stages = cfg.num_wgs, cfg.num_stages
+  scratch = dict(
+      qo_smem=plgpu.SMEM((nwg, cfg.block_q, h), q.dtype, transforms=tf),
+      k_smem=plgpu.SMEM((stages, cfg.block_k, h), k.dtype, transforms=tf),
+      v_smem=plgpu.SMEM((stages, cfg.block_k, h), v.dtype, transforms=tf),
+      lse_smem=plgpu.SMEM((nwg, cfg.block_q), jnp.float32),
+      q_bar=plgpu.Barrier(num_barriers=nwg),
+      k_bar=plgpu.Barrier(num_barriers=stages),
+      v_bar=plgpu.Barrier(num_barriers=stages),
+      k_free=plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),
+      v_free=plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),
+  )
+  if st.pingpong:
+    scratch["sched"] = plgpu.Barrier(num_arrivals=nwg)
+  out, lse = plgpu.kernel(
+      functools.partial(_fwd_kernel, st=st),
+      out_type=(jax.ShapeDtypeStruct(qp.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, n, t_lse), jnp.float32)),
+      scratch_types=scratch,
+      grid=(b, n, n_q_tiles),
+      grid_names=("b", "h", "q"),
+      num_threads=nwg + 1,
+      thread_name="wg",
+      compiler_params=compiler_params(),
+      kernel_name="fa2_mosaic_forward",
+  )(qp, kp, vp)
+  if plan_t != t:
+    out = out[:, :t]
+  if t_lse != t:
+    lse = lse[:, :, :t]
+  return out, lse

@@ -1,0 +1,136 @@
+"""Small Mosaic GPU building blocks shared by the forward and backward kernels.
+
+``mma`` wraps the two wgmma idioms of Pallas Mosaic GPU (after JAX's ``attention_mgpu.py``):
+
+* a fresh product, ``pl.run_scoped(f, plgpu.ACC(shape))`` — a zero-initialised f32 register
+  accumulator; reading ``acc_ref[...]`` waits for the wgmma;
+* accumulate into a carried value, ``pl.run_state(f)(plgpu.ACC.init(acc))`` — waits on exit.
+
+Several products passed to one ``mma_many`` call are issued back to back and awaited once.
+
+Emulation (CPU testing only): inside ``with emulated_mma():`` the same calls compute the products with
+``jnp.dot`` on the loaded SMEM tiles instead of wgmma. Pallas' GPU interpret mode
+(``plgpu.force_gpu_interpret_mode``) cannot run wgmma with a register operand or ``run_state``, but it
+can run everything else of these kernels — TMA copies (with out-of-bounds zero fill), barriers and
+their phases, the warp-specialised producer/consumer protocol, index math, masks and the online
+softmax — so emulation + interpret mode checks the kernels' logic on a CPU. The wgmma path itself is
+checked only by lowering (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``) and on a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import jax.numpy as jnp
+from jax import lax
+from jax._src.state import types as state_types
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_SWIZZLE = 128  # bytes: 64 elements of a 16-bit dtype per swizzled row
+_EMULATE = [False]
+
+
+@contextlib.contextmanager
+def emulated_mma(on: bool = True):
+  """Trace the kernels with jnp.dot instead of wgmma (for GPU interpret mode on CPU)."""
+  prev = _EMULATE[0]
+  _EMULATE[0] = bool(on)
+  try:
+    yield
+  finally:
+    _EMULATE[0] = prev
+
+
+def emulating() -> bool:
+  return _EMULATE[0]
+
+
+def smem_transforms():
+  """SMEM layout for every [rows, head_dim] 16-bit tile: (8, 64) tiles, 128-byte swizzle (wgmma's)."""
+  return (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
+def compiler_params():
+  # approx_math: exp2/log/reciprocal may use the fast MUFU forms (as FA2 does with ex2.approx).
+  return plgpu.CompilerParams(approx_math=True)
+
+
+def bcast_rows(x, shape):
+  """[rows] (WGMMA row layout) -> [rows, cols]: the row statistic repeated along each row."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def bcast_cols(x, shape):
+  """[cols] -> [rows, cols]: a per-column vector (the transposed S^T tiles of the backward)."""
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def iota2(shape, dim):
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def zeros(shape):
+  return plgpu.layout_cast(jnp.full(shape, 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+
+def _operand(x, transpose: bool):
+  if transpose:
+    return x.transpose((1, 0))
+  return x
+
+
+def _is_ref(x) -> bool:
+  if isinstance(x, state_types.TransformedRef):
+    return True
+  return isinstance(getattr(x, "aval", None), state_types.AbstractRef)
+
+
+def _load(x, transpose: bool):
+  v = x[...] if _is_ref(x) else x  # a ref (SMEM tile) or a register value
+  return v.T if transpose else v
+
+
+class Product:
+  """One wgmma: ``init + a @ (b^T if tb else b)``; ``init`` None means a fresh zero accumulator.
+
+  ``a``: SMEM ref or register array (16-bit), ``b``: SMEM ref. ``ta``/``tb`` transpose the SMEM
+  operand views (wgmma reads 16-bit operands transposed for free).
+  """
+
+  def __init__(self, shape, a, b, *, tb: bool = False, ta: bool = False, init=None):
+    self.shape, self.a, self.b, self.ta, self.tb, self.init = tuple(shape), a, b, ta, tb, init
+
+
+def mma_many(products: Sequence[Product], between: Callable[[], None] | None = None):
+  """Issue the products back to back, run ``between`` (e.g. a scheduling barrier), wait, return."""
+  if emulating():
+    out = []
+    for p in products:
+      r = jnp.dot(_load(p.a, p.ta), _load(p.b, p.tb), preferred_element_type=jnp.float32)
+      out.append(r if p.init is None else p.init + r)
+    if between is not None:
+      between()
+    return out
+
+  def issue(refs):
+    for ref, p in zip(refs, products):
+      plgpu.wgmma(ref, _operand(p.a, p.ta), _operand(p.b, p.tb))
+    if between is not None:
+      between()
+
+  if len(products) == 1 and products[0].init is None:
+    # Fresh accumulator: zero-initialised by the allocation; reading it waits for the wgmma.
+    def fresh(acc_ref):
+      issue([acc_ref])
+      return acc_ref[...]
+
+    return [pl.run_scoped(fresh, plgpu.ACC(products[0].shape, jnp.float32))]
+  inits = tuple(plgpu.ACC.init(zeros(p.shape) if p.init is None else p.init) for p in products)
+  # run_state waits for all outstanding wgmmas before returning the final accumulators.
+  return list(pl.run_state(issue)(inits))
+
+
+def mma(shape, a, b, *, tb: bool = False, ta: bool = False, init=None, between=None):
+  """One product (see :class:`Product`)."""
+  return mma_many([Product(shape, a, b, tb=tb, ta=ta, init=init)], between=between)[0]
