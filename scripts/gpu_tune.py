@@ -97,7 +97,6 @@ def main():
     run("cudnn", impl_jax("cudnn"), b, t, n, h, causal)
     run("xla", impl_jax("xla"), b, t, n, h, causal)
     run("ours", impl_ours(), b, t, n, h, causal)
-    run("ours-det", impl_ours(deterministic=True), b, t, n, h, causal)
 
   if args.sweep:
     for h in (128, 64):
