@@ -55,8 +55,9 @@ def build_parser():
 
 def configs(args):
   """(seq, head_dim, causal) in priority order, so a budget cut loses the least important cells."""
-  if args.smoke:
+  if args.smoke:  # 256 tokens, 2 heads of 32
     seqs, hds = args.seqs or [64, 128], args.head_dims or [32]
+    args.tokens, args.hidden = min(args.tokens, 256), min(args.hidden, 64)
   elif args.quick:
     seqs, hds = args.seqs or QUICK_SEQS, args.head_dims or QUICK_HEAD_DIMS
   else:
@@ -247,7 +248,7 @@ def _cell_text(c):
   t = c.get("tflops") or {}
   if not t:
     return "✗"
-  vals = " / ".join(C.fmt_num(t.get(p)) for p in C.PASSES)
+  vals = " / ".join(C.fmt_tf(t.get(p)) for p in C.PASSES)
   r = c.get("vs_cudnn") or {}
   if any(C.finite(r.get(p)) for p in C.PASSES):
     vals += " (" + " / ".join(C.fmt_num(r.get(p), ".2f") for p in C.PASSES) + "×)"
@@ -349,7 +350,7 @@ def plot(cells, out_dir: Path, tag=None):
                         label=C.IMPL_LABELS.get(i, i), color=colors[i])
           for bb, v in zip(bars, vals):
             if v > 0:
-              ax.text(bb.get_x() + bb.get_width() / 2, v, f"{v:.0f}", ha="center", va="bottom",
+              ax.text(bb.get_x() + bb.get_width() / 2, v, C.fmt_tf(v), ha="center", va="bottom",
                       fontsize=6, rotation=90 if len(shown) > 4 else 0)
         ax.set_xticks(x)
         ax.set_xticklabels([C.seq_label(s) for s in seqs])
@@ -386,7 +387,7 @@ def summary(data) -> str:
     r = (c.get("vs_cudnn") or {}).get("fwd+bwd")
     if c.get("status") == "unavailable":
       continue
-    txt = (" / ".join(C.fmt_num(t.get(p), "4.0f") for p in C.PASSES) if t
+    txt = (" / ".join(f"{C.fmt_tf(t.get(p)):>4}" for p in C.PASSES) if t
            else (c.get("error") or c.get("fwd_error") or c.get("status", ""))[:50])
     lines.append(f"  d{c['head_dim']:<3} {'c ' if c['causal'] else 'nc'} {C.seq_label(c['seq']):>4} "
                  f"{c['impl']:<15} {txt}{'' if r is None else f'  x{r:.2f}'}")
@@ -394,17 +395,7 @@ def summary(data) -> str:
 
 
 def main(argv=None):
-  args = build_parser().parse_args(argv)
-  if args.merge:
-    data = C.merge_json(args.merge)
-    out = args.out or Path(args.merge[0]).parent
-    out.mkdir(parents=True, exist_ok=True)
-    C.write_json(out / C.out_name(STEM, args.tag or "merged", "json"), data)
-    files = render(data, out, args.tag or "merged")
-    print(summary(data))
-    data["files"] = [str(f) for f in files]
-    return data
-  return run(args)
+  return C.script_main(argv, build_parser(), run, render, summary, STEM)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ orchestrator (run_all, the memory sweep) can import it and leave the GPU to its 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import importlib
 import importlib.metadata
@@ -526,6 +525,22 @@ def merge_json(paths) -> dict:
   return base
 
 
+def script_main(argv, parser, run, render, summary, stem: str):
+  """Shared ``main``: measure (``run(args)``), or with ``--merge`` re-render from result files."""
+  args = parser.parse_args(argv)
+  if not args.merge:
+    return run(args)
+  data = merge_json(args.merge)
+  tag = args.tag or "merged"
+  out = Path(args.out) if args.out else Path(args.merge[0]).parent
+  out.mkdir(parents=True, exist_ok=True)
+  write_json(out / out_name(stem, tag, "json"), data)
+  files = render(data, out, tag)
+  print(summary(data), flush=True)
+  data["files"] = [str(f) for f in files]
+  return data
+
+
 # --- progress -----------------------------------------------------------------------------------------
 
 class _NullBar:
@@ -567,6 +582,13 @@ def fmt_num(x, spec: str = ".0f", none: str = "–") -> str:
   return format(x, spec) if finite(x) else none
 
 
+def fmt_tf(x, none: str = "–") -> str:
+  """TFLOP/s: integers on a GPU, three significant digits for the tiny CPU smoke numbers."""
+  if not finite(x):
+    return none
+  return f"{x:.0f}" if abs(x) >= 10 else f"{x:.3g}"
+
+
 def fmt_bytes(x) -> str:
   if not finite(x):
     return "–"
@@ -593,8 +615,3 @@ def meta_lines(meta: dict) -> list[str]:
   return lines
 
 
-@contextlib.contextmanager
-def timer():
-  t = [time.perf_counter(), None]
-  yield t
-  t[1] = time.perf_counter() - t[0]

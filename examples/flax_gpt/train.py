@@ -88,7 +88,7 @@ def make_steps(model: GPT, tx: optax.GradientTransformation, axis_name: str | No
     grads, loss = mean(grads), mean(loss)  # every device holds an equal share of the batch
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   def eval_step(params, x, y):
@@ -127,8 +127,8 @@ class Runner:
 
   def put_state(self, state: TrainState) -> TrainState:
     """Host/single-device state -> the layout the step takes (one replica per device for pmap)."""
-    if self.mode == "none":
-      return jax.device_put(state)
+    if self.mode == "none":  # a copy: the step donates its input, the caller keeps `state`
+      return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
     return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (self.n_devices, *x.shape)),
                         state)
 
@@ -234,6 +234,28 @@ class _Throughput:
     self.steps += steps
 
 
+def _summary(mc: GPTConfig, tc: TrainConfig, throughput: _Throughput, *, n_params: int,
+             peak: float | None, devices, data_parallel: str, data_path: str | None) -> dict:
+  """Throughput, MFU and the run's settings, for the JSON summary."""
+  tok_s = tflops = None
+  if throughput.steps:
+    tok_s = tc.batch_size * mc.seq_len * throughput.steps / throughput.seconds
+    flops = flops_per_sequence(mc, n_params) * tc.batch_size * throughput.steps
+    tflops = flops / throughput.seconds / 1e12
+  return {
+      "tokens_per_s": tok_s, "tflops_per_s": tflops,
+      "mfu": tflops / peak if (tflops and peak) else None, "peak_tflops": peak,
+      "n_params": n_params, "flops_per_sequence": flops_per_sequence(mc, n_params),
+      "attention": mc.attention, "data_parallel": data_parallel,
+      "devices": {"count": len(devices), "platform": devices[0].platform,
+                  "kind": devices[0].device_kind},
+      "versions": {"jax": jax.__version__, "flax": flax.__version__,
+                   "fa2_jax": fa2_jax.__version__, "optax": optax.__version__},
+      "model_config": dataclasses.asdict(mc), "train_config": dataclasses.asdict(tc),
+      "data": data_path or "python-stdlib-sources",
+  }
+
+
 def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
           data_parallel: str = "none", ckpt_dir: str | None = None, resume: bool = False,
           stop_at: int | None = None, progress: bool = True, sample_tokens: int = 0,
@@ -281,7 +303,7 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
     return float(np.mean(losses))
 
   state = runner.put_state(state)
-  history, throughput, loss, val_loss = [], _Throughput(), float("nan"), None
+  history, throughput, loss, val_loss = [], _Throughput(), None, None
   bar = tqdm(total=last, initial=start, disable=not progress, dynamic_ncols=True, unit="step")
   t_window, steps_in_window = time.perf_counter(), 0
   for step in range(start, last):
@@ -297,8 +319,8 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
       tok_s = tokens_per_step * steps_in_window / dt
       tflops = flops_per_step * steps_in_window / dt / 1e12
       history.append({"step": done, "loss": loss})
-      bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tok_s:,.0f}", tflops=f"{tflops:.3g}",
-                      mfu=f"{tflops / peak:.1%}" if peak else "n/a")
+      bar.set_postfix({"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}",
+                       "TFLOP/s": f"{tflops:.3g}", "MFU": f"{tflops / peak:.1%}" if peak else "n/a"})
       bar.update(done - bar.n)
       t_window, steps_in_window = time.perf_counter(), 0
     evaluate = (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps
@@ -306,9 +328,10 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
       val_loss = validate(state)
       history.append({"step": done, "val_loss": val_loss})
       bar.write(f"step {done}: train loss {loss:.4f}, val loss {val_loss:.4f}")
-    if manager is not None and (done == last or (tc.ckpt_every and done % tc.ckpt_every == 0)):
+    save = manager is not None and (done == last or (tc.ckpt_every and done % tc.ckpt_every == 0))
+    if save:
       save_checkpoint(manager, runner.get_state(state))
-    if evaluate or manager is not None:  # both waited for the device: restart the window
+    if evaluate or save:  # both waited for the device: restart the throughput window
       t_window, steps_in_window = time.perf_counter(), 0
   bar.close()
   if manager is not None:
@@ -316,21 +339,11 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
     manager.close()
   state = runner.get_state(state)
 
-  tok_s = tokens_per_step * throughput.steps / throughput.seconds if throughput.steps else None
-  tflops = flops_per_step * throughput.steps / throughput.seconds / 1e12 if throughput.steps else None
-  summary = {
-      "final_train_loss": loss, "final_val_loss": val_loss, "start_step": start, "end_step": last,
-      "tokens_per_s": tok_s, "tflops_per_s": tflops,
-      "mfu": tflops / peak if (tflops and peak) else None, "peak_tflops": peak,
-      "n_params": n_params, "flops_per_sequence": flops_per_sequence(mc, n_params),
-      "attention": mc.attention, "data_parallel": data_parallel,
-      "devices": {"count": len(devices), "platform": devices[0].platform,
-                  "kind": devices[0].device_kind},
-      "versions": {"jax": jax.__version__, "flax": flax.__version__,
-                   "fa2_jax": fa2_jax.__version__, "optax": optax.__version__},
-      "model_config": dataclasses.asdict(mc), "train_config": dataclasses.asdict(tc),
-      "data": data_path or "python-stdlib-sources", "history": history,
-  }
+  summary = {"final_train_loss": loss, "final_val_loss": val_loss, "start_step": start,
+             "end_step": last}
+  summary.update(_summary(mc, tc, throughput, n_params=n_params, peak=peak, devices=devices,
+                          data_parallel=data_parallel, data_path=data_path))
+  summary["history"] = history
   if sample_tokens:
     summary["prompt"] = prompt
     summary["sample"] = generate(model, state.params, prompt, sample_tokens,
@@ -426,7 +439,8 @@ def main(argv=None) -> dict:
                      prompt=args.prompt, temperature=args.temperature, peak=args.peak_tflops)
   summary["preset"] = args.preset
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
-  print(f"\n{summary['n_params']:,} parameters; final train loss {summary['final_train_loss']:.4f}, "
+  print(f"\n{summary['n_params']:,} parameters; final train loss "
+        f"{fmt(summary['final_train_loss'], '.4f')}, "
         f"val loss {fmt(summary['final_val_loss'], '.4f')}; "
         f"{fmt(summary['tokens_per_s'], ',.0f')} tokens/s, "
         f"{fmt(summary['tflops_per_s'], '.3g')} TFLOP/s, MFU {fmt(summary['mfu'], '.1%')}; "

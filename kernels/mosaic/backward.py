@@ -430,7 +430,8 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
 
   # Alg. 2 line 4: D_i = rowsum(dO_i ∘ O_i), f32, fused by XLA with the lse conversion to base 2.
-  delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
+  # (multiply + row sum rather than an einsum, which XLA may turn into a TF32 dot on GPU)
+  delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
   if dlse is not None:
     delta = delta - dlse.astype(jnp.float32)
   lse2 = lse.astype(jnp.float32) * LOG2E

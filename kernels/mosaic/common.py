@@ -206,7 +206,8 @@ def supports(q_shape, k_shape, dtype, head_dim: int, is_causal: bool) -> str | N
   Shapes are ``[B, T, N, H]`` / ``[B, S, K, H]``. Sequence lengths may be any positive length (ragged
   tails are handled by TMA bounds or an HBM pad, see :func:`plan_lengths`).
   """
-  del is_causal  # both mask modes are supported
+  if is_causal and (why := _causal_ptxas_bug()) is not None:
+    return why
   try:
     dt = jnp.dtype(dtype)
   except TypeError:
@@ -233,6 +234,22 @@ def supports(q_shape, k_shape, dtype, head_dim: int, is_causal: bool) -> str | N
     return f"batch and head counts must be <= 65535 (CUDA grid y/z), got B={b}, N={n}"
   cfg = MosaicConfig.default(head_dim, dt)
   return cfg.check(head_dim, dt.itemsize)
+
+
+def _causal_ptxas_bug() -> str | None:
+  """JAX's attention_mgpu.py refuses causal masking with CUDA 12.8.0 - 12.9.0 (a ptxas
+  miscompilation); do the same. None on CPU or when the CUDA version is unknown."""
+  try:
+    from jax._src.lib import cuda_versions  # None without the CUDA plugin
+    if cuda_versions is None:
+      return None
+    v = int(cuda_versions.cuda_runtime_get_version())
+  except Exception:  # noqa: BLE001 - best effort only
+    return None
+  if 12080 <= v < 12091:
+    return (f"causal masking is disabled with CUDA runtime {v // 1000}.{v % 1000 // 10} "
+            f"(12.8.0-12.9.0 ptxas miscompiles it, per JAX's attention_mgpu.py); use CUDA >= 12.9.1")
+  return None
 
 
 # --- block ranges (FA2 §3.1 causal block skipping) ---------------------------------------------------

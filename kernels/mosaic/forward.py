@@ -133,15 +133,24 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
         m_use = m_new
         p = jnp.exp2(sc - bcast_rows(m_new, sc.shape))
       alpha = jnp.exp2(m_i - m_use)  # e^{m_old - m_new}: rescales the old state (line 10)
-      l_i = l_i * alpha + p.sum(axis=1)
       acc = acc * bcast_rows(alpha, acc.shape)  # unscaled accumulator (§3.1.1 tweak 1)
+      l_i = l_i * alpha
       p16 = p.astype(st.dtype)
+      # Instruction order around the barriers follows attention_mgpu.py, where it was measured to
+      # matter: finish the row sum before signalling for head_dim <= 128, after it otherwise.
+      early_sum = st.head_dim <= 128
+      if early_sum:
+        l_i = l_i + p.sum(axis=1)
+        if not st.emulate:
+          acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
 
       if st.pingpong:
         plgpu.barrier_arrive(sched)  # done with softmax
       plgpu.barrier_wait(v_bar.at[slot])
       if st.pingpong:
         plgpu.barrier_wait(sched)  # the other warpgroup has issued its S matmul: tensor cores free
+      if not early_sum:
+        l_i = l_i + p.sum(axis=1)
 
       acc = mma((bq, st.head_dim), p16, v_smem.at[slot], init=acc)  # O_i += P~_ij V_j (line 10)
       plgpu.barrier_arrive(v_free.at[slot])

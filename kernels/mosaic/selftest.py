@@ -12,8 +12,8 @@ runs; forward FLOPs = 4 B N T S H (halved when causal), backward = 2.5 x forward
 Every case runs under try/except (one line per failure; full tracebacks go to
 ``$OUT/mosaic_selftest.log``). A watchdog ends the process with the table printed if a case hangs
 (a barrier deadlock cannot be interrupted otherwise) or the whole run nears its time budget.
-Options: ``--quick`` (three small correctness cases), ``--no-bench``, ``--case-timeout S``,
-``--budget S``, ``--interpret`` (CPU: shrunken shapes in Pallas GPU interpret mode with emulated
+Options: ``--quick`` (three small correctness cases), ``--no-bench``, ``--bench-only``,
+``--only SUBSTRING``, ``--case-timeout S`` (per phase), ``--budget S``, ``--interpret`` (CPU: shrunken shapes in Pallas GPU interpret mode with emulated
 wgmma, see ``ops.emulated_mma``; checks the harness and the kernels' logic, not wgmma).
 """
 from __future__ import annotations
@@ -134,15 +134,18 @@ def _reference(q, k, v, do, dlse, scale, causal, compute_dtype):
   return run(q, k, v, do, dlse)
 
 
-def _mosaic(q, k, v, do, dlse, scale, causal, cfg):
-  @jax.jit
-  def run(q, k, v, do, dlse):
-    out, lse = forward(q, k, v, scale=scale, is_causal=causal, config=cfg)
-    dq, dk, dv = backward(q, k, v, out, lse, do, dlse=dlse, scale=scale, is_causal=causal,
-                          config=cfg)
-    return out, lse, dq, dk, dv
-
-  return run(q, k, v, do, dlse)
+def _mosaic(q, k, v, do, dlse, scale, causal, cfg, wd=None, name="", timeout=60.0):
+  """Forward, then backward, each jitted and awaited separately (a hang names its phase)."""
+  if wd is not None:
+    wd.start(f"{name} [forward]", timeout)
+  fwd = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal, config=cfg))
+  out, lse = jax.block_until_ready(fwd(q, k, v))
+  if wd is not None:
+    wd.start(f"{name} [backward]", timeout)
+  bwd = jax.jit(lambda q, k, v, out, lse, do, dlse: backward(
+      q, k, v, out, lse, do, dlse=dlse, scale=scale, is_causal=causal, config=cfg))
+  dq, dk, dv = jax.block_until_ready(bwd(q, k, v, out, lse, do, dlse))
+  return out, lse, dq, dk, dv
 
 
 def _case(name, b, t, s, n, kh, h, causal, dtype=jnp.bfloat16, cfg=None, with_dlse=False,
@@ -158,7 +161,9 @@ def _case(name, b, t, s, n, kh, h, causal, dtype=jnp.bfloat16, cfg=None, with_dl
       raise ValueError(f"supports() refused: {why}")
     scale = 1.0 / math.sqrt(h)
     q, k, v, do, dlse = _inputs(b, t, s, n, kh, h, dtype, with_dlse=with_dlse)
-    got = jax.block_until_ready(_mosaic(q, k, v, do, dlse, scale, causal, cfg))
+    got = _mosaic(q, k, v, do, dlse, scale, causal, cfg, wd=wd, name=name, timeout=timeout)
+    if wd is not None:
+      wd.start(f"{name} [reference]", timeout)
     ref = _reference(q, k, v, do, dlse, scale, causal, jnp.float32)
     low = _reference(q, k, v, do, dlse, scale, causal, dtype)
     names = ("out", "lse", "dq", "dk", "dv")
@@ -303,7 +308,10 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="three small correctness cases only")
   ap.add_argument("--no-bench", action="store_true")
-  ap.add_argument("--case-timeout", type=float, default=120.0)
+  ap.add_argument("--case-timeout", type=float, default=75.0,
+                  help="seconds per phase (compile + run) before the watchdog ends the run")
+  ap.add_argument("--only", default="", help="run only cases/benchmarks whose name contains this")
+  ap.add_argument("--bench-only", action="store_true")
   ap.add_argument("--budget", type=float, default=270.0, help="seconds; later cases are skipped")
   ap.add_argument("--interpret", action="store_true",
                   help="CPU: small shapes, GPU interpret mode, emulated wgmma, no benchmarks")
@@ -352,6 +360,10 @@ def _main(args):
     shrink = lambda x: 192 + x % 64 if x % 64 else min(x, 256)  # keeps ragged lengths ragged
     cases = [(nm, 1, shrink(t), shrink(s), min(n, 4), min(n, 4) if kh == n else max(1, min(n, 4) * kh // n),
               h, c, kw) for nm, b, t, s, n, kh, h, c, kw in cases]
+  if args.only:
+    cases = [c for c in cases if args.only in c[0]]
+  if args.bench_only:
+    cases = []
   for name, b, t, s, n, kh, h, causal, kw in cases:
     if time.time() - _T0 > args.budget * 0.55:
       _ROWS.append(dict(kind="check", name=name, shape=f"B{b} T{t} S{s} N{n} K{kh} H{h}",
@@ -364,12 +376,14 @@ def _main(args):
                ("mosaic", False, "fwd+bwd"), ("cudnn", False, "fwd+bwd"),
                ("mosaic", True, "fwd"), ("cudnn", True, "fwd"),
                ("mosaic", True, "fwd+bwd"), ("cudnn", True, "fwd+bwd")]
+    if args.only:
+      benches = [x for x in benches if args.only in f"{x[0]} {x[2]}"]
     for impl, causal, mode in benches:
       if time.time() - _T0 > args.budget * 0.9:
         print(f"[SKIP ] {impl} {mode} causal={int(causal)} (time budget)", flush=True)
         continue
       _bench(impl, causal, mode, wd=wd, timeout=to)
-    if time.time() - _T0 < args.budget * 0.85:
+    if time.time() - _T0 < args.budget * 0.85 and not args.only:
       _bench("mosaic", False, "fwd", cfg=C(128).replace(pingpong=False),
              label="mosaic no-pingpong", wd=wd, timeout=to)
   _print_table()
