@@ -37,21 +37,39 @@ FWD_VARIANTS = {  # name: flash_attention_ablation switches
     "no_seq_parallel": dict(seq_parallel=False),
     "fa1_like": dict(normalize_each_step=True, seq_parallel=False),
 }
-BWD_VARIANTS = {"atomic_dq": dict(deterministic=False), "separate_dq": dict(deterministic=True)}
+BWD_VARIANTS = {"atomic_dq": dict(atomic_dq=True), "separate_dq": dict(atomic_dq=False)}
 VARIANT_LABELS = {
     "fa2": "FA2 (all on)", "no_deferred_norm": "(a) off: normalise every step",
     "no_seq_parallel": "(b) off: no seq parallelism", "fa1_like": "(a)+(b) off",
     "atomic_dq": "(c) atomic dQ", "separate_dq": "(c) off: separate dQ pass",
 }
-FWD_GRID = dict(block_q=[64, 128], block_k=[32, 64, 128], num_warps_fwd=[4, 8],
-                num_stages_fwd=[2, 3])
-BWD_GRID = dict(block_q_dkv=[32, 64, 128], block_k_dkv=[32, 64, 128], num_warps_bwd=[4, 8],
-                num_stages_bwd=[2])
-QUICK_FWD_GRID = dict(block_q=[64, 128], block_k=[64, 128], num_warps_fwd=[8], num_stages_fwd=[3])
-QUICK_BWD_GRID = dict(block_q_dkv=[64, 128], block_k_dkv=[64, 128], num_warps_bwd=[4],
-                      num_stages_bwd=[2])
-SMOKE_FWD_GRID = dict(block_q=[32], block_k=[16, 32], num_warps_fwd=[4], num_stages_fwd=[2])
-SMOKE_BWD_GRID = dict(block_q_dkv=[16, 32], block_k_dkv=[32], num_warps_bwd=[4], num_stages_bwd=[2])
+# Sweeps: forward tiles; dK/dV-kernel tiles (dQ kernel at its default); dQ-kernel tiles (dK/dV at its
+# default; only when the backward uses the separate dQ pass). The two backward kernels are separate
+# launches, so their times add and each set of tiles can be tuned on its own (num_warps_bwd and
+# num_stages_bwd are shared by both).
+GRIDS = {
+    "full": {
+        "fwd": dict(block_q=[64, 128], block_k=[64, 128], num_warps_fwd=[4, 8], num_stages_fwd=[2, 3]),
+        "bwd_dkv": dict(block_q_dkv=[32, 64], block_k_dkv=[64, 128], num_warps_bwd=[4, 8],
+                        num_stages_bwd=[2, 3]),
+        "bwd_dq": dict(block_q_dq=[64, 128], block_k_dq=[32, 64], num_warps_bwd=[4, 8],
+                       num_stages_bwd=[2, 3]),
+    },
+    "quick": {
+        "fwd": dict(block_q=[64, 128], block_k=[64, 128], num_warps_fwd=[8], num_stages_fwd=[3]),
+        "bwd_dkv": dict(block_q_dkv=[32, 64], block_k_dkv=[64, 128], num_warps_bwd=[4],
+                        num_stages_bwd=[2]),
+        "bwd_dq": dict(block_q_dq=[64, 128], block_k_dq=[32, 64], num_warps_bwd=[4],
+                       num_stages_bwd=[2]),
+    },
+    "smoke": {
+        "fwd": dict(block_q=[32], block_k=[16, 32], num_warps_fwd=[4], num_stages_fwd=[2]),
+        "bwd_dkv": dict(block_q_dkv=[16, 32], block_k_dkv=[32], num_warps_bwd=[4],
+                        num_stages_bwd=[2]),
+        "bwd_dq": dict(block_q_dq=[32], block_k_dq=[16, 32], num_warps_bwd=[4], num_stages_bwd=[2]),
+    },
+}
+SWEEPS = ("fwd", "bwd_dkv", "bwd_dq")
 
 
 def build_parser():
@@ -62,7 +80,9 @@ def build_parser():
   p.add_argument("--seqs", type=C.parse_ints, default=None)
   p.add_argument("--causal", choices=["both", "true", "false"], default="both")
   p.add_argument("--no-small-batch", action="store_true", help="leave out the batch-1 cases")
-  p.add_argument("--sweep-passes", type=C.parse_strs, default=["fwd", "bwd"], help="fwd,bwd")
+  p.add_argument("--sweeps", type=C.parse_strs, default=list(SWEEPS), help=",".join(SWEEPS))
+  p.add_argument("--grid", choices=list(GRIDS), default=None,
+                 help="sweep grid size (default: full; --quick: quick; --smoke: smoke)")
   p.add_argument("--iters", type=int, default=10)
   p.add_argument("--reps", type=int, default=5)
   C.add_common_args(p)
@@ -94,18 +114,25 @@ def cases(args):
   return main_cases + small, sweep
 
 
+def _case_id(c):
+  return tuple((k, c[k]) for k in ("batch", "heads", "seq", "head_dim", "causal"))
+
+
+def _job_key(c):
+  blocks = tuple(sorted((c.get("blocks") or {}).items()))
+  return (c.get("part"), c.get("sweep"), c.get("pass_"), _case_id(c), c.get("variant"), blocks)
+
+
 def _grid(g):
   keys = list(g)
   return [dict(zip(keys, vals)) for vals in itertools.product(*(g[k] for k in keys))]
 
 
 def _fn(case, *, interpret, blocks=None, **switches):
-  fa2 = C.ensure_fa2()
-  from fa2_jax.attention import flash_attention_ablation
+  abl, kw = C.fa2_ablation(**switches)
 
   def f(q, k, v):
-    return flash_attention_ablation(q, k, v, is_causal=case["causal"], block_sizes=blocks,
-                                    interpret=interpret, **switches)
+    return abl(q, k, v, is_causal=case["causal"], block_sizes=blocks, interpret=interpret, **kw)
   return f
 
 
@@ -125,50 +152,56 @@ def run(args) -> dict:
   out_dir = C.resolve_out(args, info)
   interpret = C.default_interpret()
   ideas, sweep_cases = cases(args)
-  if args.smoke:
-    fgrid, bgrid = SMOKE_FWD_GRID, SMOKE_BWD_GRID
-  elif args.quick:
-    fgrid, bgrid = QUICK_FWD_GRID, QUICK_BWD_GRID
-  else:
-    fgrid, bgrid = FWD_GRID, BWD_GRID
+  grid_name = args.grid or ("smoke" if args.smoke else "quick" if args.quick else "full")
+  grids = GRIDS[grid_name]
   parts = [p for p in args.parts if p in ("ideas", "sweep")]
+  sweeps = [w for w in args.sweeps if w in SWEEPS]
+  if "bwd_dq" in sweeps and not C.fa2_default_deterministic():
+    sweeps.remove("bwd_dq")  # the default backward has no dQ kernel (atomic dQ)
   rec = C.Recorder(out_dir / C.out_name(STEM, args.tag, "json"), info, dict(
-      parts=parts, ideas_cases=ideas, sweep_cases=sweep_cases, fwd_grid=fgrid, bwd_grid=bgrid,
-      sweep_passes=args.sweep_passes, dtype="bf16", iters=args.iters, reps=args.reps,
+      parts=parts, ideas_cases=ideas, sweep_cases=sweep_cases, grid=grid_name,
+      grids={w: grids[w] for w in sweeps}, dtype="bf16", iters=args.iters, reps=args.reps,
+      default_backward="separate dQ pass" if C.fa2_default_deterministic() else "atomic dQ",
       interpret=interpret, method="as benchmarks.attention (median of reps x iters back-to-back "
-      "calls); bwd time = fwd+bwd − fwd of the default forward of the same case"), STEM)
+      "calls); bwd time = fwd+bwd − fwd of the default forward of the same case"), STEM,
+      key=_job_key, resume=args.resume)
   budget = C.make_budget(args)
-  jobs = []  # (part, case, variant or blocks dict, pass)
+  jobs = []  # (part, case, variant name or tiles dict, pass, sweep name)
   if "ideas" in parts:
     for cs in ideas:
-      jobs += [("ideas", cs, v, "fwd") for v in FWD_VARIANTS]
-      jobs += [("ideas", cs, v, "fwd+bwd") for v in BWD_VARIANTS]
+      jobs += [("ideas", cs, v, "fwd", None) for v in FWD_VARIANTS]
+      jobs += [("ideas", cs, v, "fwd+bwd", None) for v in BWD_VARIANTS]
   if "sweep" in parts:
     for cs in sweep_cases:
-      jobs.append(("sweep", cs, "default", "fwd"))
-      if "fwd" in args.sweep_passes:
-        jobs += [("sweep", cs, g, "fwd") for g in _grid(fgrid)]
-      if "bwd" in args.sweep_passes:
-        jobs += [("sweep", cs, g, "fwd+bwd") for g in _grid(bgrid)]
+      jobs.append(("sweep", cs, "default", "fwd", "fwd"))
+      for w in sweeps:
+        jobs += [("sweep", cs, g, "fwd" if w == "fwd" else "fwd+bwd", w) for g in _grid(grids[w])]
   bar = C.progress(len(jobs), "ablation")
   inputs_key, inputs = None, None
-  fwd_default_ms = {}
+  fwd_default_ms = {_case_id(c): c["ms"] for c in rec.cells  # from a resumed run
+                    if c.get("pass_") == "fwd" and c.get("variant") in ("fa2", "default")
+                    and C.finite(c.get("ms"))}
   import jax.numpy as jnp
-  for part, cs, var, pass_ in jobs:
-    ck = tuple(sorted((k, v) for k, v in cs.items() if k != "kind"))
+  for part, cs, var, pass_, sweep in jobs:
+    ck = _case_id(cs)
     fl = C.attn_flops(cs["batch"], cs["heads"], cs["seq"], cs["seq"], cs["head_dim"], cs["causal"])
-    cell = dict(cs, part=part, pass_=pass_, flops_fwd=fl, status="ok")
+    cell = dict(cs, part=part, pass_=pass_, sweep=sweep, flops_fwd=fl, status="ok")
     if isinstance(var, dict):
       cell["blocks"] = var
     else:
       cell["variant"] = var
-    bar.set_postfix_str(f"{part} {var} {pass_} T={cs['seq']} H={cs['head_dim']}")
-    kind = f"{part}:{pass_}"
+    what = "/".join(map(str, var.values())) if isinstance(var, dict) else var
+    bar.set_postfix_str(f"{part} {sweep or ''} {what} T={cs['seq']} H={cs['head_dim']}")
+    kind = f"{part}:{pass_}:{sweep}"
+    if rec.key(cell) in rec.done:  # --resume: measured (or crashed) in the last run
+      bar.update(1)
+      continue
     if not budget.fits(kind):
       cell.update(status="skipped", error="skipped: time budget")
       rec.add(cell)
       bar.update(1)
       continue
+    rec.begin(cell)
     t0 = time.time()
     try:
       if inputs_key != ck:
@@ -179,7 +212,7 @@ def run(args) -> dict:
         inputs_key = ck
       default = fa2.BlockSizes.default(cs["head_dim"], jnp.bfloat16)
       if part == "ideas":
-        sw = FWD_VARIANTS.get(var) or BWD_VARIANTS.get(var)
+        sw = FWD_VARIANTS[var] if var in FWD_VARIANTS else BWD_VARIANTS[var]
         f = _fn(cs, interpret=interpret, **sw)
         cell["blocks_used"] = dataclasses.asdict(default)
       else:
@@ -207,6 +240,7 @@ def run(args) -> dict:
       cell.update(status="oom" if C.is_oom(msg) else "error", error=msg)
     cell["wall_s"] = time.time() - t0
     budget.record(kind, cell["wall_s"])
+    C.check_device(rec, cell)
     rec.add(cell)
     bar.update(1)
   bar.close()
@@ -259,6 +293,32 @@ def _blocks_key(c):
   return tuple(sorted((c.get("blocks") or {}).items()))
 
 
+def _sweep_of(c):
+  return c.get("sweep") or ("fwd" if c["pass_"] == "fwd" else "bwd_dkv")
+
+
+def suggestions(cells, overall):
+  """One ``BlockSizes(...)`` per (head_dim, causal) from the best tiles of each sweep (unswept fields
+  keep the default of that head_dim)."""
+  out = []
+  for h, cz in sorted({(o["head_dim"], o["causal"]) for o in overall}):
+    base = next((c.get("blocks_used") for c in cells if c.get("part") == "sweep"
+                 and c.get("variant") == "default" and c["head_dim"] == h and c["causal"] == cz
+                 and c.get("blocks_used")), None)
+    fields = dict(base or {})
+    src = []
+    # bwd_dq first so that bwd_dkv's (bigger) kernel wins the shared warps/stages.
+    for w in ("fwd", "bwd_dq", "bwd_dkv"):
+      o = next((o for o in overall if (o["head_dim"], o["causal"], o["pass_"]) == (h, cz, w)), None)
+      if o:
+        fields.update(o["best"])
+        src.append(w)
+    if fields:
+      out.append(dict(head_dim=h, causal=cz, from_sweeps=src, blocks=fields,
+                      text="BlockSizes(" + ", ".join(f"{k}={v}" for k, v in fields.items()) + ")"))
+  return out
+
+
 def best_rows(cells):
   """Best tiles per (head_dim, causal, pass, seq) and, over seqs, per (head_dim, causal, pass)."""
   import numpy as np
@@ -268,8 +328,7 @@ def best_rows(cells):
   per_seq, overall = [], []
   groups = {}
   for c in sweep:
-    p = "fwd" if c["pass_"] == "fwd" else "bwd"
-    groups.setdefault((c["head_dim"], c["causal"], p), []).append(c)
+    groups.setdefault((c["head_dim"], c["causal"], _sweep_of(c)), []).append(c)
   for (h, cz, p), cs in sorted(groups.items()):
     by_case = {}
     for c in cs:
@@ -278,7 +337,7 @@ def best_rows(cells):
       best = max(lst, key=_tf)
       d = defaults.get(key)
       dflt = _tf(d) if p == "fwd" else None
-      if p == "bwd":  # the default backward tiles, if they were in the grid
+      if p != "fwd":  # the default backward tiles, if they were in the grid
         dk = [c for c in lst if all(c["blocks_used"].get(k) == v for k, v in
                                     (d or {}).get("blocks_used", {}).items())]
         dflt = _tf(dk[0]) if dk else None
@@ -350,6 +409,13 @@ def render(data, out_dir: Path, tag=None):
     lines.append(C.md_table(["head_dim", "mask", "pass", "best tiles", "× of per-length best",
                              "lengths"], tbl))
     lines.append("")
+    sug = suggestions(cells, overall)
+    if sug:
+      lines += ["Combined (the best of each sweep; the two backward kernels share num_warps_bwd / "
+                "num_stages_bwd, the dK/dV kernel's choice is kept):", ""]
+      lines += [f"- head_dim {g['head_dim']}, {'causal' if g['causal'] else 'non-causal'}: "
+                f"`{g['text']}`" for g in sug]
+      lines.append("")
   if per_seq:
     lines += ["### Best per length", ""]
     tbl = [[r["head_dim"], "causal" if r["causal"] else "non-causal", r["pass_"],
@@ -362,14 +428,14 @@ def render(data, out_dir: Path, tag=None):
     lines.append("")
     lines += ["### Top 5 per sweep case", ""]
     sweep = [c for c in cells if c.get("part") == "sweep" and c.get("blocks")]
-    for key in sorted({(_case_key(c), c["pass_"]) for c in sweep}):
-      lst = sorted((c for c in sweep if (_case_key(c), c["pass_"]) == key and C.finite(_tf(c))),
+    for key in sorted({(_case_key(c), _sweep_of(c)) for c in sweep}):
+      lst = sorted((c for c in sweep if (_case_key(c), _sweep_of(c)) == key and C.finite(_tf(c))),
                    key=_tf, reverse=True)
-      fails = [c for c in sweep if (_case_key(c), c["pass_"]) == key and c.get("error")
+      fails = [c for c in sweep if (_case_key(c), _sweep_of(c)) == key and c.get("error")
                and c.get("status") != "skipped"]
       if not lst and not fails:
         continue
-      p = "fwd" if key[1] == "fwd" else "bwd"
+      p = key[1]
       c0 = (lst or fails)[0]
       lines.append(f"- {_case_label(c0)} {p}: " + "; ".join(
           f"{C.fmt_tf(_tf(c))} [{', '.join(str(v) for v in c['blocks'].values())}]"

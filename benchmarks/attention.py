@@ -26,8 +26,8 @@ SEQS = [512, 1024, 2048, 4096, 8192, 16384]
 HEAD_DIMS = [64, 128]
 QUICK_SEQS = [2048, 8192]
 QUICK_HEAD_DIMS = [128, 64]
-DEFAULT_IMPLS = ["cudnn", "fa2_triton", "fa2_triton_det", "fa2_mosaic", "xla", "tokamax_mosaic",
-                 "tokamax_triton"]
+DEFAULT_IMPLS = ["cudnn", "fa2_triton", "fa2_triton_det", "fa2_triton_atomic", "fa2_mosaic", "xla",
+                 "tokamax_mosaic", "tokamax_triton"]
 # Outputs against the f32 reference: a check that a fast row is also a right one.
 REL_ERR_WARN = 2e-2
 REF_MAX_SCORES = 2 ** 31  # B·N·T·S above which the f32 reference is skipped (its logits alone: 8 GiB)
@@ -85,6 +85,11 @@ def impl_list(args):
     impls = ["fa2_triton", "xla"]
   else:
     impls = [i for i in DEFAULT_IMPLS if i not in C.TOKAMAX_IMPLS or C.tokamax_available()]
+    # The default backward is either the separate dQ pass (then deterministic=True is the same
+    # program: one row) or atomic dQ (then the deterministic row is the other scheme). Atomic dQ as
+    # a non-default is measured by benchmarks.ablation (c), not here.
+    impls = [i for i in impls if i != "fa2_triton_atomic"
+             and (i != "fa2_triton_det" or not C.fa2_default_deterministic())]
   # cuDNN first: the other rows of a config are read against it.
   return sorted(impls, key=lambda i: i != "cudnn")
 
@@ -173,14 +178,19 @@ def run(args) -> dict:
       iters=args.iters, reps=args.reps, interpret=interpret, smoke=args.smoke, quick=args.quick,
       method="jit; 2 warm-up calls; median of reps x (iters back-to-back calls, then "
              "block_until_ready); bwd = (fwd+bwd) - fwd; fwd+bwd = jax.vjp with a random cotangent"),
-      STEM)
+      STEM, key=lambda c: (c.get("seq"), c.get("head_dim"), c.get("causal"), c.get("impl")),
+      resume=args.resume)
+  crashed = {c.get("impl") for c in rec.crashed}
   budget = C.make_budget(args)
-  if not args.smoke and not args.no_matmul and C.on_gpu():
+  if not args.smoke and not args.no_matmul and C.on_gpu() and "matmul" not in rec.data:
     try:
       rec.data["matmul"] = C.matmul_peak()
       print(f"[attention] bf16 matmul 8192^3: {rec.data['matmul']['tflops']:.0f} TFLOP/s", flush=True)
     except Exception as e:  # noqa: BLE001
       rec.data["matmul"] = {"error": C.err_str(e)}
+  if C.fa2_default_deterministic():
+    rec.note("fa2_jax's default backward is the separate dQ pass (deterministic), so the "
+             "deterministic=True row would repeat it; atomic dQ is compared in benchmarks.ablation (c)")
   if not args.smoke and not args.impls and not C.tokamax_available():
     rec.note(f"tokamax rows left out: {info.get('tokamax')}")
   bar = C.progress(len(cfgs) * len(impls), "attention")
@@ -189,11 +199,18 @@ def run(args) -> dict:
     inputs = ref = None
     for impl in impls:
       bar.set_postfix_str(f"{impl} T={cfg['seq']} H={cfg['head_dim']} causal={cfg['causal']}")
-      if not budget.fits(impl, default=0.0):
-        rec.add(dict(cfg, impl=impl, label=C.IMPL_LABELS.get(impl, impl), status="skipped",
-                     error="skipped: time budget"))
+      base = dict(cfg, impl=impl, label=C.IMPL_LABELS.get(impl, impl))
+      if rec.key(base) in rec.done:  # --resume: measured by the last run
         bar.update(1)
         continue
+      if impl in crashed or not budget.fits(impl, default=0.0):
+        rec.add(dict(base, status="skipped", error="skipped: " + (
+            "this implementation crashed the process earlier" if impl in crashed
+            else "time budget")))
+        bar.update(1)
+        continue
+      rec.begin(base)
+      C.test_crash_hook(impl)
       t0 = time.time()
       try:
         if inputs is None:
@@ -210,6 +227,7 @@ def run(args) -> dict:
         cell = dict(cfg, impl=impl, label=C.IMPL_LABELS.get(impl, impl), status="error",
                     error=C.err_str(e))
       budget.record(impl, time.time() - t0)
+      C.check_device(rec, cell)
       rec.add(cell)
       attach_ratios(rec.cells)
       bar.update(1)
@@ -243,6 +261,8 @@ def _impl_order(cells):
 def _cell_text(c):
   if c is None:
     return "–"
+  if "crash" in (c.get("error") or ""):
+    return "✗ crash"
   if c.get("status") == "skipped":
     return "skip"
   t = c.get("tflops") or {}

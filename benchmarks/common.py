@@ -16,6 +16,7 @@ import datetime
 import importlib
 import importlib.metadata
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -40,7 +41,8 @@ PASS_FLOP_MULT = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 IMPL_LABELS = {
     "fa2_triton": "fa2_jax triton",
-    "fa2_triton_det": "fa2_jax triton (deterministic dQ)",
+    "fa2_triton_det": "fa2_jax triton (deterministic=True)",
+    "fa2_triton_atomic": "fa2_jax triton (atomic dQ)",
     "fa2_mosaic": "fa2_jax mosaic",
     "xla": "XLA (jax.nn, xla)",
     "cudnn": "cuDNN (jax.nn, cudnn)",
@@ -304,26 +306,59 @@ def out_name(stem: str, tag: str | None, ext: str) -> str:
 # --- recording ----------------------------------------------------------------------------------------
 
 class Recorder:
-  """One JSON file per script, rewritten (atomically) after every cell so a killed run keeps its rows."""
+  """One JSON file per script, rewritten (atomically) after every cell so a killed run keeps its rows.
 
-  def __init__(self, path: Path, meta: dict, config: dict, script: str):
+  ``begin(cell)`` marks the cell being measured. With ``resume=True`` an existing file is read back:
+  its measured cells are kept (``done`` holds their keys) and a cell that was in progress when the
+  process died is recorded as ``crashed`` (``crashed`` holds those cells), so a rerun can go on without
+  repeating work or walking into the same crash.
+  """
+
+  def __init__(self, path: Path, meta: dict, config: dict, script: str, *, key=None,
+               resume: bool = False):
     self.path = Path(path)
     self.t0 = time.time()
+    self.key = key or (lambda c: None)
     self.data = {"script": script, "status": "running", "meta": meta, "config": config,
                  "cells": [], "notes": []}
+    if resume and self.path.exists():
+      try:
+        old = read_json(self.path)
+        cells = [c for c in old.get("cells", []) if c.get("status") != "skipped"]
+        ip = old.get("in_progress")
+        if ip:
+          cells.append(dict(ip, status="crashed",
+                            error="crashed: the process died while measuring this cell"))
+        self.data["cells"] = cells
+        self.data["notes"] = old.get("notes", [])
+        self.data["resumed"] = old.get("resumed", 0) + 1
+        for k in ("matmul", "references"):
+          if k in old:
+            self.data[k] = old[k]
+      except Exception as e:  # noqa: BLE001
+        print(f"[bench] cannot resume from {self.path}: {err_str(e)}", file=sys.stderr)
+    self.done = {self.key(c) for c in self.data["cells"]}
+    self.crashed = [c for c in self.data["cells"] if c.get("status") == "crashed"]
     self.flush()
 
   @property
   def cells(self):
     return self.data["cells"]
 
+  def begin(self, cell: dict) -> None:
+    self.data["in_progress"] = dict(cell)
+    self.flush()
+
   def add(self, cell: dict) -> dict:
+    self.data.pop("in_progress", None)
     self.data["cells"].append(cell)
+    self.done.add(self.key(cell))
     self.flush()
     return cell
 
   def note(self, text: str) -> None:
-    self.data["notes"].append(text)
+    if text not in self.data["notes"]:
+      self.data["notes"].append(text)
     self.flush()
 
   def flush(self) -> None:
@@ -334,9 +369,39 @@ class Recorder:
       print(f"[bench] could not write {self.path}: {err_str(e)}", file=sys.stderr)
 
   def finish(self, status: str = "done") -> dict:
+    self.data.pop("in_progress", None)
     self.data["status"] = status
     self.flush()
     return self.data
+
+
+def device_alive() -> bool:
+  try:
+    import jax
+    import jax.numpy as jnp
+    return float(jax.block_until_ready(jnp.arange(8.0).sum())) == 28.0
+  except Exception:  # noqa: BLE001
+    return False
+
+
+def check_device(rec: "Recorder", cell: dict) -> None:
+  """After a failed cell: a kernel fault can leave the CUDA context unusable, failing every later cell.
+  If the device no longer works, record the cell as crashed and exit (code 87) so that run_all resumes
+  in a fresh process without it."""
+  if not any(k.endswith("error") for k in cell) or device_alive():
+    return
+  first = next((cell[k] for k in cell if k.endswith("error")), "")
+  cell.update(status="crashed", error=f"crashed: device unusable after this cell ({first[:200]})")
+  rec.add(cell)
+  print(f"[bench] device unusable after {cell.get('impl') or cell.get('variant')}; exiting",
+        file=sys.stderr, flush=True)
+  os._exit(87)
+
+
+def test_crash_hook(what: str) -> None:
+  """Die like a crashed kernel when FA2_BENCH_TEST_CRASH names ``what`` (tests of --resume only)."""
+  if what and os.environ.get("FA2_BENCH_TEST_CRASH") == what:
+    os._exit(86)
 
 
 # --- time budget --------------------------------------------------------------------------------------
@@ -437,14 +502,47 @@ def random_inputs(seed: int, shapes, dtype):
   return [jax.random.normal(k, s, dtype) for k, s in zip(keys, shapes)]
 
 
-def make_attention(name: str, *, causal: bool, interpret: bool | None = None, block_sizes=None,
-                   deterministic: bool | None = None):
+def fa2_ablation(*, atomic_dq: bool | None = None, **switches):
+  """``(flash_attention_ablation, kwargs)`` for the asked switches, across the two spellings of the dQ
+  switch (``atomic_dq=`` now; ``deterministic=`` when atomic dQ was the default)."""
+  ensure_fa2()
+  from fa2_jax.attention import flash_attention_ablation as abl
+  params = set(inspect.signature(abl).parameters)
+  kw = {k: v for k, v in switches.items() if v is not None}
+  if atomic_dq is not None:
+    if "atomic_dq" in params:
+      kw["atomic_dq"] = atomic_dq
+    elif "deterministic" in params:
+      kw["deterministic"] = not atomic_dq
+    else:
+      raise TypeError("flash_attention_ablation has no dQ switch (atomic_dq / deterministic)")
+  unknown = set(kw) - params
+  if unknown:
+    raise TypeError(f"flash_attention_ablation does not take {sorted(unknown)}")
+  return abl, kw
+
+
+def fa2_default_deterministic() -> bool:
+  """True when fa2_jax's default backward is already the separate (deterministic) dQ pass."""
+  try:
+    ensure_fa2()
+    from fa2_jax.attention import flash_attention_ablation as abl
+    return "atomic_dq" in inspect.signature(abl).parameters
+  except Exception:  # noqa: BLE001
+    return False
+
+
+def make_attention(name: str, *, causal: bool, interpret: bool | None = None, block_sizes=None):
   """``f(q, k, v) -> out`` for one implementation; raises where it cannot be built (missing peer)."""
   import jax
+  if name == "fa2_triton_atomic":
+    abl, kw = fa2_ablation(atomic_dq=True)
+    return lambda q, k, v: abl(q, k, v, is_causal=causal, block_sizes=block_sizes,
+                               interpret=interpret, **kw)
   if name.startswith("fa2_"):
     fa2 = ensure_fa2()
     impl = {"fa2_triton": "triton", "fa2_triton_det": "triton", "fa2_mosaic": "mosaic"}[name]
-    det = name == "fa2_triton_det" if deterministic is None else deterministic
+    det = name == "fa2_triton_det"
     return lambda q, k, v: fa2.flash_attention(q, k, v, is_causal=causal, implementation=impl,
                                                block_sizes=block_sizes, deterministic=det,
                                                interpret=interpret)
@@ -493,6 +591,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
   g.add_argument("--merge", type=Path, nargs="+", default=None,
                  help="render md/png from these JSON files (cells concatenated) instead of measuring")
   g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--resume", action="store_true",
+                 help="keep the cells of an existing result file, skip what crashed the last run")
 
 
 def make_budget(args) -> Budget:

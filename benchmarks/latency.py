@@ -62,19 +62,28 @@ def run(args) -> dict:
       seqs=seqs, impls=impls, causal=causals, batch=args.batch, heads=args.heads,
       head_dim=args.head_dim, dtype=args.dtype, calls=calls, input_sets=args.input_sets,
       interpret=interpret, method="jit; 5 warm-up calls; each timed call = dispatch + "
-      "block_until_ready; median over calls (p10/p90 kept); inputs rotate over random sets"), STEM)
+      "block_until_ready; median over calls (p10/p90 kept); inputs rotate over random sets"), STEM,
+      key=lambda c: (c.get("seq"), c.get("causal"), c.get("impl")), resume=args.resume)
+  crashed = {c.get("impl") for c in rec.crashed}
   budget = C.make_budget(args)
-  todo = [(s, c, i) for s in seqs for c in causals for i in impls]
+  # The two ends first (a budget cut then loses the middle of the curve).
+  order = sorted(seqs, key=lambda s: (s not in (min(seqs), max(seqs)), s))
+  todo = [(s, c, i) for s in order for c in causals for i in impls]
   bar = C.progress(len(todo), "latency")
   arg_cache = {}
   for s, c, impl in todo:
     bar.set_postfix_str(f"{impl} T={s} causal={c}")
     base = dict(impl=impl, label=C.IMPL_LABELS.get(impl, impl), seq=s, causal=c, batch=args.batch,
                 heads=args.heads, head_dim=args.head_dim, dtype=args.dtype)
-    if not budget.fits(impl):
-      rec.add(dict(base, status="skipped", error="skipped: time budget"))
+    if rec.key(base) in rec.done:
       bar.update(1)
       continue
+    if impl in crashed or not budget.fits(impl):
+      rec.add(dict(base, status="skipped", error="skipped: " + (
+          "this implementation crashed the process earlier" if impl in crashed else "time budget")))
+      bar.update(1)
+      continue
+    rec.begin(base)
     t0 = time.time()
     cell = dict(base, status="ok", latency={})
     try:
@@ -100,6 +109,7 @@ def run(args) -> dict:
       cell.update(status="error", error=C.err_str(e))
     cell["wall_s"] = time.time() - t0
     budget.record(impl, cell["wall_s"])
+    C.check_device(rec, cell)
     rec.add(cell)
     bar.update(1)
   bar.close()

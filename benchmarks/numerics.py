@@ -226,10 +226,14 @@ def run(args) -> dict:
       seqs=seqs, dtypes=dts, impls=impls, causal=causals, head_dim=args.head_dim, batch=1,
       heads={s: heads_for(args, s) for s in seqs}, ref_device=str(ref_dev), interpret=interpret,
       inputs="standard normal rounded to bf16 (|x| >= 2^-14): identical values in every dtype",
-      reference="float64, chunked over query rows; gradients analytic with a random dO"), STEM)
-  rec.data["references"] = []
+      reference="float64, chunked over query rows; gradients analytic with a random dO"), STEM,
+      key=lambda c: (c.get("causal"), c.get("dtype"), c.get("seq"), c.get("impl")),
+      resume=args.resume)
+  rec.data.setdefault("references", [])
+  crashed = {c.get("impl") for c in rec.crashed}
   budget = C.make_budget(args)
   refs, inputs = {}, {}
+  dts = sorted(dts, key=["bf16", "fp32", "fp16"].index)  # fp32 shows accumulation error best
   todo = [(cz, dt, s, i) for cz in causals for dt in dts for s in seqs for i in impls]
   bar = C.progress(len(todo), "numerics")
   for cz, dt, s, impl in todo:
@@ -237,6 +241,14 @@ def run(args) -> dict:
     n = heads_for(args, s)
     base = dict(impl=impl, label=LABELS.get(impl, impl), dtype=dt, seq=s, causal=cz, batch=1,
                 heads=n, head_dim=args.head_dim)
+    if rec.key(base) in rec.done:
+      bar.update(1)
+      continue
+    if impl in crashed:
+      rec.add(dict(base, status="skipped",
+                   error="skipped: this implementation crashed the process earlier"))
+      bar.update(1)
+      continue
     key = (s, cz)
     if key not in refs:
       if not budget.fits("ref", default=0.0):
@@ -262,6 +274,7 @@ def run(args) -> dict:
       rec.add(dict(base, status="skipped", error="skipped: time budget"))
       bar.update(1)
       continue
+    rec.begin(base)
     t0 = time.time()
     cell = dict(base, status="ok")
     try:
@@ -275,6 +288,7 @@ def run(args) -> dict:
       cell.update(status="error", error=C.err_str(e))
     cell["wall_s"] = time.time() - t0
     budget.record(impl + dt, cell["wall_s"])
+    C.check_device(rec, cell)
     rec.add(cell)
     bar.update(1)
   bar.close()

@@ -30,6 +30,7 @@ class _Static:
   # Ablation switches (benchmarks/ablation): FlashAttention-1 behaviour, not for normal use.
   normalize_each_step: bool = False
   seq_parallel: bool = True
+  backend: str = "triton"  # "triton" | "mosaic"
   # dQ by atomic adds inside the dK/dV kernel (the paper's scheme) instead of a separate dQ pass.
   # Off by default: on an H200 the separate pass measured 367 TFLOP/s backward against 62 with
   # atomics (seq 8k, head_dim 128, bf16; benchmarks/results/h200/), and it is deterministic too.
@@ -106,13 +107,41 @@ def _validate(query, key, value, scale, is_causal, implementation, return_residu
   return is_causal, return_residual, deterministic, interpret
 
 
-def _choose_backend(implementation, interpret, head_dim):
+# implementation=None picks the Mosaic GPU (Hopper) backend for the calls it supports on sm90+ once it
+# has been validated and measured faster on the GPU; until then None means Triton on every GPU.
+MOSAIC_BY_DEFAULT = False
+
+
+def _is_sm90_or_newer() -> bool:
+  if not _on_gpu():
+    return False
+  cc = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    return cc is not None and float(cc) >= 9.0
+  except ValueError:
+    return False
+
+
+def _mosaic_reason(query, key, is_causal, interpret) -> str | None:
+  """None when the Mosaic GPU backend can run this call here, else why not."""
+  if interpret:
+    return "it has no Pallas interpret mode here (interpret=True)"
+  if not _is_sm90_or_newer():
+    return f"it needs an sm90 (Hopper) or newer GPU; this platform is {jax.default_backend()}"
+  from .kernels import mosaic
+  return mosaic.supports(query.shape, key.shape, query.dtype, query.shape[-1], is_causal)
+
+
+def _choose_backend(implementation, interpret, query, key, is_causal):
+  head_dim = query.shape[-1]
   if implementation == "xla":
     return "xla"
   if implementation == "mosaic":
-    raise ValueError(
-        "implementation='mosaic' (the Hopper Mosaic GPU backend) is not available in this version "
-        "of fa2_jax; use implementation='triton' or None")
+    why = _mosaic_reason(query, key, is_causal, interpret)
+    if why is not None:
+      raise ValueError(f"implementation='mosaic' cannot run this call: {why}; use "
+                       "implementation='triton' or None")
+    return "mosaic"
   kernel_ok = head_dim <= MAX_HEAD_DIM
   if implementation == "triton":
     if not kernel_ok:
@@ -123,7 +152,10 @@ def _choose_backend(implementation, interpret, head_dim):
           "implementation='triton' needs a GPU; on this platform "
           f"({jax.default_backend()}) pass interpret=True to run the kernel in Pallas interpret mode")
     return "triton"
-  # implementation=None: the kernels on GPU (or wherever interpret=True asks for them), else XLA.
+  # implementation=None: Mosaic where enabled and supported, the Triton kernels on GPU (or wherever
+  # interpret=True asks for them), else XLA.
+  if MOSAIC_BY_DEFAULT and _mosaic_reason(query, key, is_causal, interpret) is None:
+    return "mosaic"
   if kernel_ok and (interpret or _on_gpu()):
     return "triton"
   return "xla"
@@ -141,7 +173,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned, as
       ``jax.nn.dot_product_attention``; for ``T > S`` rows past ``S`` see every key).
     implementation: None (Triton kernels on GPU, the XLA reference on CPU), ``"triton"``,
-      ``"mosaic"`` (not yet available: raises) or ``"xla"`` (the reference formula).
+      ``"mosaic"`` (Hopper backend; raises a ValueError naming the reason on a call it cannot run)
+      or ``"xla"`` (the reference formula).
     return_residual: also return ``lse`` ``[B, T, N]`` float32, the natural-log logsumexp of each
       row's scaled logits (differentiable).
     block_sizes: a :class:`fa2_jax.BlockSizes`, or None for the per-head_dim heuristic.
@@ -160,7 +193,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     query, key, value = query[None], key[None], value[None]
   h = query.shape[-1]
   scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
-  backend = _choose_backend(implementation, interpret, h)
+  backend = _choose_backend(implementation, interpret, query, key, is_causal)
   if backend == "xla":
     res = reference_attention(query, key, value, scale=scale, is_causal=is_causal,
                               return_residual=True)
@@ -168,7 +201,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     blocks = block_sizes or BlockSizes.default(h, query.dtype)
     blocks = blocks.clamp(query.shape[1], key.shape[1])
     static = _Static(scale=scale, is_causal=is_causal, blocks=blocks, deterministic=deterministic,
-                     interpret=bool(interpret))
+                     interpret=bool(interpret), backend=backend)
     res = _flash(query, key, value, static)
   out, lse = res
   if squeeze:
@@ -203,6 +236,9 @@ def flash_attention_ablation(query, key, value, *, scale=None, is_causal=False, 
 # --- custom_vjp core ------------------------------------------------------------------------------
 
 def _forward(q, k, v, st: _Static):
+  if st.backend == "mosaic":
+    from .kernels import mosaic
+    return mosaic.forward(q, k, v, scale=st.scale, is_causal=st.is_causal)
   from .kernels import triton as tk
   bs = st.blocks
   # The kernels index with int32 (program ids are int32); tracing them with x64 on would mix int64
@@ -234,6 +270,10 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   bs = st.blocks
   # d lse_i / d S_ij = P_ij, so a cotangent on lse enters dS = P ∘ (dP − D + dlse): fold it into D.
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
+  if st.backend == "mosaic":
+    from .kernels import mosaic
+    return mosaic.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
+                           is_causal=st.is_causal, deterministic=True)
   with jax.enable_x64(False):  # see _forward
     dq, dk, dv = tk.backward(
         q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,

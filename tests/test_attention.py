@@ -115,14 +115,15 @@ def low_precision_xla(q, k, v, do, causal):
   return [np.asarray(x.astype(jnp.float32), np.float64) for x in (out, lse, dq, dk, dv)]
 
 
-def ours(q, k, v, do, causal, atomic_dq=False, **kw):
+def ours(q, k, v, do, causal, atomic_dq=False, implementation="triton", **kw):
   interpret = None if on_gpu() else True
   if atomic_dq:
     f = lambda a, b, c: flash_attention_ablation(a, b, c, is_causal=causal, interpret=interpret,
                                                  atomic_dq=True, return_residual=True, **kw)
   else:
     f = lambda a, b, c: fa2_jax.flash_attention(a, b, c, is_causal=causal, interpret=interpret,
-                                                implementation="triton", return_residual=True, **kw)
+                                                implementation=implementation,
+                                                return_residual=True, **kw)
   (out, lse), vjp = jax.vjp(f, q, k, v)
   dq, dk, dv = vjp((do, jnp.zeros_like(lse)))
   return [np.asarray(x.astype(jnp.float32), np.float64) for x in (out, lse, dq, dk, dv)]
@@ -130,7 +131,7 @@ def ours(q, k, v, do, causal, atomic_dq=False, **kw):
 
 def check_case(case: Case, seed: int = 0, **kw):
   q, k, v, do = _inputs(case, seed)
-  got = ours(q, k, v, do, case.causal, case.atomic_dq, **kw)
+  got = ours(q, k, v, do, case.causal, atomic_dq=case.atomic_dq, **kw)
   ref = reference_f64(q, k, v, do, case.causal)
   low = low_precision_xla(q, k, v, do, case.causal)
   tol = TOLERANCE[case.dtype]
@@ -156,6 +157,23 @@ def test_matches_reference(case):
 @pytest.mark.parametrize("case", GPU_CASES, ids=str)
 def test_matches_reference_gpu(case):
   check_case(case, seed=1)
+
+
+# The Hopper (Mosaic GPU) backend: bf16/fp16, head_dim 64/128/256, any length, GQA, causal.
+MOSAIC_CASES = [
+    Case(2, 1024, 1024, 8, 8, 128, False, "bfloat16"),
+    Case(2, 1024, 1024, 8, 2, 128, True, "bfloat16"),
+    Case(2, 2048, 2048, 8, 8, 64, True, "float16"),
+    Case(1, 1000, 1000, 4, 4, 128, True, "bfloat16"),
+    Case(1, 777, 1500, 4, 1, 64, False, "bfloat16"),
+    Case(1, 512, 512, 4, 4, 256, True, "bfloat16"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOSAIC_CASES, ids=str)
+def test_mosaic_matches_reference_gpu(case):
+  check_case(case, seed=2, implementation="mosaic")
 
 
 def test_small_blocks_many_iterations():

@@ -37,7 +37,8 @@ def call(q=Q, k=KV, v=KV, **kw):
     (dict(deterministic=None), TypeError, "deterministic must be a Python bool"),
     (dict(interpret="no"), TypeError, "interpret must be a Python bool"),
     (dict(implementation="cuda"), ValueError, "implementation must be one of"),
-    (dict(implementation="mosaic"), ValueError, "mosaic"),
+    (dict(implementation="mosaic", interpret=True), ValueError,
+     "implementation='mosaic' cannot run this call: it has no Pallas interpret mode"),
     (dict(block_sizes=(64, 64)), TypeError, "block_sizes must be a fa2_jax.BlockSizes"),
     (dict(q="not an array"), TypeError, "query must be a jax/numpy array"),
 ])
@@ -57,6 +58,12 @@ def test_head_dim_over_kernel_limit():
 def test_traced_scale_is_rejected():
   with pytest.raises(TypeError, match="static Python float"):
     jax.jit(lambda s: call(scale=s))(0.5)
+
+
+@pytest.mark.skipif(on_gpu(), reason="CPU-only dispatch rule")
+def test_mosaic_on_cpu_names_the_reason():
+  with pytest.raises(ValueError, match="needs an sm90"):
+    call(implementation="mosaic")
 
 
 @pytest.mark.skipif(on_gpu(), reason="CPU-only dispatch rule")

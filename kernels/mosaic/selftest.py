@@ -14,7 +14,8 @@ Every case runs under try/except (one line per failure; full tracebacks go to
 (a barrier deadlock cannot be interrupted otherwise) or the whole run nears its time budget.
 Options: ``--quick`` (three small correctness cases), ``--no-bench``, ``--bench-only``,
 ``--only SUBSTRING``, ``--case-timeout S`` (per phase), ``--budget S``, ``--interpret`` (CPU: shrunken shapes in Pallas GPU interpret mode with emulated
-wgmma, see ``ops.emulated_mma``; checks the harness and the kernels' logic, not wgmma).
+wgmma, see ``ops.emulated_mma``; checks the harness and the kernels' logic, not wgmma), ``--lower``
+(CPU: lower every case for sm90 — Mosaic layout inference and dialect lowering, no execution).
 """
 from __future__ import annotations
 
@@ -304,6 +305,58 @@ def _dump_json():
       pass
 
 
+def _cases():
+  C = MosaicConfig.default
+  return [
+      # name, b, t, s, n, kh, h, causal, extra kwargs
+      ("h64 small", 2, 256, 256, 4, 4, 64, False, {}),
+      ("h128 small causal", 2, 256, 256, 4, 4, 128, True, {}),
+      ("h64 causal 1k", 1, 1024, 1024, 4, 4, 64, True, {}),
+      ("h128 2k", 1, 2048, 2048, 4, 4, 128, False, {}),
+      ("h128 causal 4k", 1, 4096, 4096, 2, 2, 128, True, {}),
+      ("h128 GQA 8/2 causal", 1, 1024, 1024, 8, 2, 128, True, {}),
+      ("h128 ragged 1000 (tma)", 1, 1000, 1000, 2, 2, 128, True, {}),
+      ("h128 ragged 777x1111 (pad)", 1, 777, 1111, 2, 1, 128, False, {}),
+      ("h128 dlse cotangent", 1, 512, 512, 2, 2, 128, True, dict(with_dlse=True)),
+      ("h128 fp16", 1, 512, 512, 2, 2, 128, False, dict(dtype=jnp.float16)),
+      ("h128 causal no-pingpong", 1, 1024, 1024, 2, 2, 128, True,
+       dict(cfg=C(128).replace(pingpong=False))),
+      ("h256 causal", 1, 512, 512, 2, 2, 256, True, {}),
+  ]
+
+
+def _lower_all():
+  """Lower forward + backward of every case for the cuda platform (no GPU needed).
+
+  This runs Pallas -> Mosaic GPU lowering, Mosaic's layout inference and its dialect lowering with
+  arch sm90 — most API/shape/layout mistakes surface here. What it cannot check: the C++ passes
+  (LLVM/PTX/ptxas, register allocation) and runtime behaviour (deadlocks, numerics).
+  """
+  cases = _cases() + [("bench", 2, 8192, 8192, 16, 16, 128, c, {}) for c in (False, True)]
+  n_bad = 0
+  for name, b, t, s, n, kh, h, causal, kw in cases:
+    dt = kw.get("dtype", jnp.bfloat16)
+    attn = _mosaic_attention(1.0 / math.sqrt(h), causal, kw.get("cfg"))
+
+    def fwd_bwd(q, k, v, do):
+      out, vjp = jax.vjp(attn, q, k, v)
+      return out, vjp(do)
+
+    sd = lambda shape: jax.ShapeDtypeStruct(shape, dt)
+    t0 = time.time()
+    try:
+      jax.jit(fwd_bwd).trace(sd((b, t, n, h)), sd((b, s, kh, h)), sd((b, s, kh, h)),
+                             sd((b, t, n, h))).lower(lowering_platforms=("cuda",))
+      status = "ok"
+    except Exception as e:  # noqa: BLE001
+      status, n_bad = f"ERROR {_short(e, 400)}", n_bad + 1
+      _log_exc(f"lower {name}")
+    print(f"[lower] {name:28s} B{b} T{t} S{s} N{n} K{kh} H{h} causal={int(causal)} "
+          f"{jnp.dtype(dt).name}: {status} ({time.time() - t0:.1f}s)", flush=True)
+  print(f"{len(cases) - n_bad}/{len(cases)} lowered")
+  return 0 if n_bad == 0 else 1
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="three small correctness cases only")
@@ -315,7 +368,11 @@ def main(argv=None):
   ap.add_argument("--budget", type=float, default=270.0, help="seconds; later cases are skipped")
   ap.add_argument("--interpret", action="store_true",
                   help="CPU: small shapes, GPU interpret mode, emulated wgmma, no benchmarks")
+  ap.add_argument("--lower", action="store_true",
+                  help="CPU: only lower every case (and the benchmark shapes) for sm90")
   args = ap.parse_args(argv)
+  if args.lower:
+    return _lower_all()
   if args.interpret:
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from .ops import emulated_mma
@@ -337,23 +394,7 @@ def _main(args):
     print("WARNING: these kernels target sm90 (Hopper); expect failures elsewhere", flush=True)
   wd = _Watchdog(args.budget)
   to = args.case_timeout
-  C = MosaicConfig.default
-  cases = [
-      # name, b, t, s, n, kh, h, causal, extra kwargs
-      ("h64 small", 2, 256, 256, 4, 4, 64, False, {}),
-      ("h128 small causal", 2, 256, 256, 4, 4, 128, True, {}),
-      ("h64 causal 1k", 1, 1024, 1024, 4, 4, 64, True, {}),
-      ("h128 2k", 1, 2048, 2048, 4, 4, 128, False, {}),
-      ("h128 causal 4k", 1, 4096, 4096, 2, 2, 128, True, {}),
-      ("h128 GQA 8/2 causal", 1, 1024, 1024, 8, 2, 128, True, {}),
-      ("h128 ragged 1000 (tma)", 1, 1000, 1000, 2, 2, 128, True, {}),
-      ("h128 ragged 777x1111 (pad)", 1, 777, 1111, 2, 1, 128, False, {}),
-      ("h128 dlse cotangent", 1, 512, 512, 2, 2, 128, True, dict(with_dlse=True)),
-      ("h128 fp16", 1, 512, 512, 2, 2, 128, False, dict(dtype=jnp.float16)),
-      ("h128 causal no-pingpong", 1, 1024, 1024, 2, 2, 128, True,
-       dict(cfg=C(128).replace(pingpong=False))),
-      ("h256 causal", 1, 512, 512, 2, 2, 256, True, {}),
-  ]
+  cases = _cases()
   if args.quick:
     cases = cases[:3]
   if args.interpret:  # shrink: interpret mode runs every warpgroup as a Python thread
@@ -384,7 +425,7 @@ def _main(args):
         continue
       _bench(impl, causal, mode, wd=wd, timeout=to)
     if time.time() - _T0 < args.budget * 0.85 and not args.only:
-      _bench("mosaic", False, "fwd", cfg=C(128).replace(pingpong=False),
+      _bench("mosaic", False, "fwd", cfg=MosaicConfig.default(128).replace(pingpong=False),
              label="mosaic no-pingpong", wd=wd, timeout=to)
   _print_table()
   _dump_json()
