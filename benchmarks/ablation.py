@@ -168,8 +168,9 @@ def run(args) -> dict:
   budget = C.make_budget(args)
   jobs = []  # (part, case, variant name or tiles dict, pass, sweep name)
   if "ideas" in parts:
+    fwd_vars = [v for v in FWD_VARIANTS if not (args.quick and v == "fa1_like")]
     for cs in ideas:
-      jobs += [("ideas", cs, v, "fwd", None) for v in FWD_VARIANTS]
+      jobs += [("ideas", cs, v, "fwd", None) for v in fwd_vars]
       jobs += [("ideas", cs, v, "fwd+bwd", None) for v in BWD_VARIANTS]
   if "sweep" in parts:
     for cs in sweep_cases:

@@ -15,8 +15,6 @@ bwd time = fwd+bwd time - fwd time.
 from __future__ import annotations
 
 import argparse
-import math
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +28,7 @@ DEFAULT_IMPLS = ["cudnn", "fa2_triton", "fa2_triton_det", "fa2_triton_atomic", "
                  "tokamax_mosaic", "tokamax_triton"]
 # Outputs against the f32 reference: a check that a fast row is also a right one.
 REL_ERR_WARN = 2e-2
-REF_MAX_SCORES = 2 ** 31  # B·N·T·S above which the f32 reference is skipped (its logits alone: 8 GiB)
+REF_HEADS = 4  # the check compares batch 0, heads [0, REF_HEADS) (f32 logits at 16k: 4 GiB)
 STEM = "attention"
 
 
@@ -134,7 +132,7 @@ def measure(impl, cfg, inputs, ref, args, interpret):
     cell["ms"]["fwd"] = st["median_s"] * 1e3
     cell["tflops"]["fwd"] = fl / st["median_s"] / 1e12
     if ref is not None:
-      o = out.astype(jnp.float32)
+      o = out[:1, :, :REF_HEADS].astype(jnp.float32)
       cell["rel_err"] = float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
       if not (cell["rel_err"] <= REL_ERR_WARN):
         cell["warning"] = f"forward rel. error {cell['rel_err']:.2e} vs the f32 reference"
@@ -155,19 +153,29 @@ def measure(impl, cfg, inputs, ref, args, interpret):
     cell["bwd_error"] = C.err_str(e)
   if "fwd_error" in cell and "bwd_error" in cell:
     cell["status"] = "error"
-    if cell["fwd_error"] == cell["bwd_error"] and "not available" in cell["fwd_error"]:
-      cell["status"] = "unavailable"
+    if cell["fwd_error"] == cell["bwd_error"] and cell["fwd_error"].startswith("ValueError"):
+      # Refused at trace time (e.g. implementation="mosaic" on a shape it does not support).
+      cell["status"] = "unavailable" if "not available" in cell["fwd_error"] else "unsupported"
   elif "fwd_error" in cell or "bwd_error" in cell:
     cell["status"] = "partial"
   cell["wall_s"] = time.time() - t0
   return cell
 
 
-def run(args) -> dict:
+def _reference(inputs, causal):
+  """f32 reference output of batch 0, heads [0, REF_HEADS) (heads are independent)."""
   import jax
   import jax.numpy as jnp
+  fa2 = C.ensure_fa2()
+  sl = lambda x: x[:1, :, :REF_HEADS]  # noqa: E731
+  f = jax.jit(lambda q, k, v: fa2.reference_attention(
+      sl(q), sl(k), sl(v), is_causal=causal, compute_dtype=jnp.float32).astype(jnp.float32))
+  return jax.block_until_ready(f(*inputs[:3]))
+
+
+def run(args) -> dict:
   C.ensure_fa2()
-  info = C.device_info()
+  info = C.device_info(tokamax=True)
   out_dir = C.resolve_out(args, info)
   impls = impl_list(args)
   cfgs = configs(args)
@@ -215,13 +223,11 @@ def run(args) -> dict:
       try:
         if inputs is None:
           inputs = C.random_inputs(args.seed * 1000 + ci, [shape_q] * 4, dtype)
-          scores = cfg["batch"] * cfg["heads"] * cfg["seq"] ** 2
-          if not args.no_check and scores <= REF_MAX_SCORES:
-            fa2 = C.ensure_fa2()
-            ref = jax.jit(lambda q, k, v: fa2.reference_attention(
-                q, k, v, is_causal=cfg["causal"], compute_dtype=jnp.float32).astype(jnp.float32)
-                          )(*inputs[:3])
-            ref = jax.block_until_ready(ref)
+          if not args.no_check:
+            try:
+              ref = _reference(inputs, cfg["causal"])
+            except Exception as e:  # noqa: BLE001
+              rec.note(f"no f32 reference for {cfg}: {C.err_str(e)}")
         cell = measure(impl, cfg, inputs, ref, args, interpret)
       except Exception as e:  # noqa: BLE001
         cell = dict(cfg, impl=impl, label=C.IMPL_LABELS.get(impl, impl), status="error",

@@ -153,8 +153,9 @@ def command_line() -> str:
   return " ".join(shlex.quote(a) for a in argv)
 
 
-def device_info(init_backend: bool = True) -> dict:
-  """Everything that identifies a run. ``init_backend=False`` leaves jax's backends unstarted."""
+def device_info(init_backend: bool = True, tokamax: bool = False) -> dict:
+  """Everything that identifies a run. ``init_backend=False`` leaves jax's backends unstarted;
+  ``tokamax=True`` also tries to import tokamax (seconds) and records whether it can."""
   info = {
       "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "command": command_line(),
@@ -193,6 +194,7 @@ def device_info(init_backend: bool = True) -> dict:
         info["gpu_name"] = dev.device_kind
     except Exception as e:  # noqa: BLE001
       info["backend_error"] = err_str(e)
+  if tokamax:
     tk = import_tokamax()
     info["tokamax"] = (getattr(tk, "__version__", "importable") if not isinstance(tk, Exception)
                        else "not importable: " + err_str(tk, 200))
@@ -706,7 +708,7 @@ def meta_lines(meta: dict) -> list[str]:
       f" (backend {meta.get('backend')}, driver {meta.get('driver_version') or '–'})",
       f"- jax {v.get('jax')}, jaxlib {v.get('jaxlib')}, cuda plugin "
       f"{v.get('jax-cuda13-plugin') or v.get('jax-cuda12-plugin') or '–'}, tokamax: "
-      f"{meta.get('tokamax', '–')}",
+      f"{meta.get('tokamax') or (meta.get('versions') or {}).get('tokamax') or '–'}",
       f"- fa2_jax commit {meta.get('git_commit') or '–'}; {meta.get('timestamp')}",
       f"- command: `{meta.get('parent_command') or meta.get('command')}`",
   ]

@@ -185,6 +185,7 @@ def plot(cells, out_dir, tag=None):
   plt = C.get_pyplot()
   if plt is None or not cells:
     return []
+  from matplotlib.ticker import FuncFormatter
   causals = sorted({c["causal"] for c in cells})
   fig, axes = plt.subplots(1, len(causals), figsize=(6 * len(causals), 4), squeeze=False)
   for ax, cz in zip(axes[0], causals):
@@ -197,6 +198,7 @@ def plot(cells, out_dir, tag=None):
                   label=f"{C.IMPL_LABELS.get(i, i)} {p}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: C.seq_label(int(round(x)))))
     ax.set_xlabel("sequence length")
     ax.set_ylabel("µs per call (median)")
     ax.set_title(f"{'causal' if cz else 'non-causal'}")

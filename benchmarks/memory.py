@@ -396,10 +396,13 @@ def plot(cells, out_dir, tag=None, limit=None):
     ax.plot(xs, [b0 * (x / s0) ** 2 for x in xs], "-.", color="0.7", lw=0.8, label="∝ seq²")
   if limit:
     ax.axhline(limit, color="red", lw=0.8, ls="--", label="device limit")
+  from matplotlib.ticker import FuncFormatter
   ax.set_xscale("log", base=2)
   ax.set_yscale("log", base=2)
+  ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: C.seq_label(int(round(x)))))
+  ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: C.fmt_bytes(y)))
   ax.set_xlabel("sequence length")
-  ax.set_ylabel("bytes")
+  ax.set_ylabel("device memory")
   ax.grid(alpha=0.3, which="both")
   ax.legend(fontsize=7)
   ax.set_title("Memory of one forward+backward")

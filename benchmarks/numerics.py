@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import math
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from . import common as C
 SEQS = [512, 1024, 2048, 4096, 8192, 16384, 32768]
 QUICK_SEQS = [1024, 8192, 32768]
 DTYPE_NAMES = ["bf16", "fp16", "fp32"]
-IMPLS = ["fa2_triton", "fa2_triton_det", "fa2_normstep", "fa2_mosaic", "xla"]
+IMPLS = ["fa2_triton", "fa2_triton_det", "fa2_triton_atomic", "fa2_normstep", "fa2_mosaic", "xla"]
 QUICK_IMPLS = ["fa2_triton", "fa2_normstep", "xla"]
 QUANTS = ("out", "lse", "dq", "dk", "dv")
 LABELS = dict(C.IMPL_LABELS, fa2_normstep="fa2_jax triton, normalise every step (FA1-style)",
@@ -152,14 +153,19 @@ def run_impl(impl, q, k, v, do, *, causal, interpret):
     def g(q, k, v, do):
       (o, lse), pull = jax.vjp(f, q, k, v)
       return (o, lse, *pull((do, jnp.zeros_like(lse))))
-  elif impl == "fa2_normstep":
-    from fa2_jax.attention import flash_attention_ablation
+  elif impl in ("fa2_normstep", "fa2_triton_atomic"):
+    abl, kw = (C.fa2_ablation(normalize_each_step=True) if impl == "fa2_normstep"
+               else C.fa2_ablation(atomic_dq=True))
+    with_lse = "return_residual" in inspect.signature(abl).parameters
 
     def f(q, k, v):
-      return flash_attention_ablation(q, k, v, is_causal=causal, interpret=interpret,
-                                      normalize_each_step=True)
+      return abl(q, k, v, is_causal=causal, interpret=interpret, **kw,
+                 **({"return_residual": True} if with_lse else {}))
 
     def g(q, k, v, do):
+      if with_lse:
+        (o, lse), pull = jax.vjp(f, q, k, v)
+        return (o, lse, *pull((do, jnp.zeros_like(lse))))
       o, pull = jax.vjp(f, q, k, v)
       return (o, None, *pull(do))
   elif impl == "xla":
@@ -198,7 +204,11 @@ def _settings(args):
     impls, causal = args.impls or QUICK_IMPLS, args.causal or "false"
   else:
     seqs, dts = args.seqs or SEQS, args.dtypes or DTYPE_NAMES
-    impls, causal = args.impls or IMPLS, args.causal or "both"
+    causal = args.causal or "both"
+    # The other dQ scheme than the default (the default is one of the two already).
+    other = "fa2_triton_atomic" if C.fa2_default_deterministic() else "fa2_triton_det"
+    impls = args.impls or [i for i in IMPLS if i in (other, "fa2_triton", "fa2_normstep",
+                                                     "fa2_mosaic", "xla")]
   bad = [i for i in impls if i not in IMPLS] + [d for d in dts if d not in DTYPE_NAMES]
   if bad:
     raise SystemExit(f"unknown --impls/--dtypes {bad}; known: {IMPLS}, {DTYPE_NAMES}")
@@ -419,12 +429,13 @@ def plot(cells, out_dir, tag=None):
   plt = C.get_pyplot()
   if plt is None or not cells:
     return []
+  from matplotlib.ticker import FuncFormatter
   causals = sorted({c["causal"] for c in cells})
   fig, axes = plt.subplots(len(causals), len(QUANTS), figsize=(4 * len(QUANTS), 3.6 * len(causals)),
                            squeeze=False)
   colors = {"bf16": "tab:blue", "fp16": "tab:orange", "fp32": "tab:green"}
-  styles = {"fa2_triton": "-o", "fa2_triton_det": "-s", "fa2_normstep": "--^", "fa2_mosaic": "-d",
-            "xla": ":x"}
+  styles = {"fa2_triton": "-o", "fa2_triton_det": "-s", "fa2_triton_atomic": "-s",
+            "fa2_normstep": "--^", "fa2_mosaic": "-d", "xla": ":x"}
   for r, cz in enumerate(causals):
     for col, q in enumerate(QUANTS):
       ax = axes[r][col]
@@ -437,6 +448,7 @@ def plot(cells, out_dir, tag=None):
                     color=colors.get(dt), ms=4, lw=1, label=f"{dt} {i}")
       ax.set_xscale("log", base=2)
       ax.set_yscale("log")
+      ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: C.seq_label(int(round(x)))))
       ax.set_title(f"{q}, {'causal' if cz else 'non-causal'}", fontsize=9)
       ax.set_xlabel("sequence length")
       if col == 0:

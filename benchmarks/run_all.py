@@ -30,13 +30,13 @@ from . import common as C
 
 STAGES = ("attention", "memory", "latency", "numerics", "ablation")
 WEIGHTS = {
-    "quick": {"attention": 0.40, "memory": 0.12, "latency": 0.12, "numerics": 0.16, "ablation": 0.20},
+    "quick": {"attention": 0.45, "memory": 0.11, "latency": 0.11, "numerics": 0.16, "ablation": 0.17},
     "full": {"attention": 0.40, "memory": 0.10, "latency": 0.10, "numerics": 0.15, "ablation": 0.25},
     "smoke": {s: 0.2 for s in STAGES},
 }
 DEFAULT_BUDGET_S = {"quick": 450.0, "full": 540.0, "smoke": 300.0}
 RESUMABLE = ("attention", "latency", "numerics", "ablation")
-SUMMARY_CHARS = {"attention": 4200, "memory": 1200, "latency": 1600, "numerics": 1800,
+SUMMARY_CHARS = {"attention": 3800, "memory": 1200, "latency": 1600, "numerics": 1700,
                  "ablation": 1400}
 
 
@@ -91,9 +91,9 @@ def _archive(out: Path, dest: Path):
   dest.parent.mkdir(parents=True, exist_ok=True)
   tmp = dest.with_name(dest.name + ".tmp")
   with tarfile.open(tmp, "w:gz") as tf:
-    for f in sorted(out.rglob("*")):
+    for f in sorted(out.glob("*")):  # this run's files only (not subfolders of older results)
       if f.is_file() and not f.name.endswith(".tmp") and f.resolve() != dest.resolve():
-        tf.add(f, arcname=str(Path(out.name) / f.relative_to(out)))
+        tf.add(f, arcname=f"{out.name}/{f.name}")
   os.replace(tmp, dest)
 
 

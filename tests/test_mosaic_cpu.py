@@ -1,0 +1,451 @@
+"""CPU-side tests of the Mosaic GPU (Hopper) backend, ``fa2_jax.kernels.mosaic``.
+
+No GPU needed:
+
+* ``supports()`` and ``MosaicConfig`` validation / shared-memory budget;
+* the causal block ranges (``kv_block_ranges`` / ``q_block_ranges``) brute-forced against
+  ``fa2_jax.masking.allowed``;
+* ``plan_lengths`` / ``pad_axis``;
+* lowering of forward + backward for sm90 (Pallas -> Mosaic GPU, layout inference, no execution);
+* numerics of forward + backward in Pallas GPU interpret mode with emulated wgmma (``ops.emulated_mma``),
+  against ``fa2_jax.reference_attention``. The interpreter's ``detect_races`` stays off (the kernel
+  author's advice: it is very slow and not what these tests check).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa2_jax
+from fa2_jax.kernels.mosaic import MosaicConfig, backward, forward, supports
+from fa2_jax.kernels.mosaic.backward import backward_tiles
+from fa2_jax.kernels.mosaic.common import (SMEM_BYTES, SMEM_RESERVE, kv_block_ranges, pad_axis,
+                                           plan_lengths, q_block_ranges)
+from fa2_jax.kernels.mosaic.ops import emulated_mma, emulating
+from fa2_jax.masking import allowed
+
+BF16 = jnp.bfloat16
+
+
+# --- supports() ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("q_shape,k_shape,dtype,h,causal", [
+    ((2, 256, 4, 64), (2, 256, 4, 64), jnp.bfloat16, 64, False),
+    ((1, 1000, 8, 128), (1, 777, 2, 128), jnp.float16, 128, True),  # ragged, GQA, causal
+    ((1, 1, 4, 192), (1, 3, 1, 192), jnp.bfloat16, 192, True),  # tiny, MQA
+    ((3, 300, 2, 256), (3, 100, 2, 256), "bfloat16", 256, False),  # dtype given by name
+])
+def test_supports_accepts(q_shape, k_shape, dtype, h, causal):
+  assert supports(q_shape, k_shape, dtype, h, causal) is None
+
+
+@pytest.mark.parametrize("q_shape,k_shape,dtype,h,words", [
+    ((2, 256, 4, 64), (2, 256, 4, 64), jnp.float32, 64, ("bfloat16", "float16", "float32")),
+    ((2, 256, 4, 32), (2, 256, 4, 32), jnp.bfloat16, 32, ("head_dim", "32")),
+    ((2, 256, 6, 64), (2, 256, 4, 64), jnp.bfloat16, 64, ("N=6", "K=4", "multiple")),
+    ((2, 256, 4, 64), (3, 256, 4, 64), jnp.bfloat16, 64, ("batch mismatch", "2", "3")),
+    ((2, 256, 4, 128), (2, 256, 4, 128), jnp.bfloat16, 64, ("head_dim 64", "does not match")),
+    ((2, 0, 4, 64), (2, 256, 4, 64), jnp.bfloat16, 64, ("empty",)),
+    ((2, 256, 64), (2, 256, 64), jnp.bfloat16, 64, ("rank-4",)),
+])
+def test_supports_rejects(q_shape, k_shape, dtype, h, words):
+  for causal in (False, True):
+    why = supports(q_shape, k_shape, dtype, h, causal)
+    assert isinstance(why, str) and why, (q_shape, k_shape, dtype, h, causal)
+    for w in words:
+      assert w in why, (w, why)
+
+
+# --- MosaicConfig -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("h", [64, 128, 192, 256])
+def test_default_configs_fit(h):
+  cfg = MosaicConfig.default(h)
+  assert cfg.check(h) is None
+  assert cfg.dkv_split == (h > 128)
+  for nwg in (1, 2):
+    # 65536 registers per SM: producer WG (memory_registers) + consumers must fit.
+    assert 128 * (nwg * cfg.registers(nwg) + cfg.memory_registers) <= 65536
+
+
+def test_smem_budget_matches_docstring():
+  # default(128) forward: 2 x 2 x 32 KiB of K/V + 32 KiB of Q (+ 2 x 64 f32 lse rows).
+  assert MosaicConfig.default(128).smem_forward(128) == 160 * 1024 + 2 * 64 * 4
+  # default(64): 3-deep ring of 2 x 16 KiB K/V + 16 KiB Q.
+  assert MosaicConfig.default(64).smem_forward(64) == 3 * 2 * 16 * 1024 + 16 * 1024 + 2 * 64 * 4
+
+
+@pytest.mark.parametrize("kwargs,exc,field", [
+    (dict(block_q=128), ValueError, "block_q"),
+    (dict(block_k_dkv=32), ValueError, "block_k_dkv"),
+    (dict(block_k=96), ValueError, "block_k"),
+    (dict(block_q_dkv=512), ValueError, "block_q_dkv"),
+    (dict(block_k_dq=0), ValueError, "block_k_dq"),
+    (dict(num_stages=0), ValueError, "num_stages"),
+    (dict(num_stages_dkv=7), ValueError, "num_stages_dkv"),
+    (dict(num_wgs=3, pingpong=False), ValueError, "num_wgs"),
+    (dict(num_wgs_dq=0), ValueError, "num_wgs_dq"),
+    (dict(num_wgs=1), ValueError, "pingpong"),  # pingpong defaults to True: needs two consumers
+    (dict(ragged="zero"), ValueError, "ragged"),
+    (dict(compute_registers=100), ValueError, "compute_registers"),
+    (dict(compute_registers=16), ValueError, "compute_registers"),
+    (dict(memory_registers=20), ValueError, "memory_registers"),
+    (dict(memory_registers=264), ValueError, "memory_registers"),
+    (dict(pingpong=1), TypeError, "pingpong"),
+    (dict(dkv_split="yes"), TypeError, "dkv_split"),
+    (dict(block_k=128.0), TypeError, "block_k"),
+    (dict(num_stages=True), TypeError, "num_stages"),
+    (dict(memory_registers="40"), TypeError, "memory_registers"),
+])
+def test_config_validation(kwargs, exc, field):
+  with pytest.raises(exc, match=rf"MosaicConfig\.{field}\b"):
+    MosaicConfig(**kwargs)
+  # replace() re-validates too
+  with pytest.raises(exc, match=rf"MosaicConfig\.{field}\b"):
+    MosaicConfig.default(128).replace(**kwargs)
+
+
+def test_config_valid_variants():
+  MosaicConfig(num_wgs=1, pingpong=False, compute_registers=240, ragged="pad")
+  MosaicConfig(block_k=256, block_q_dkv=192, block_k_dq=128, num_stages=1, num_stages_dq=6)
+  assert MosaicConfig().registers(2) == 232 and MosaicConfig().registers(1) == 240
+  assert MosaicConfig(compute_registers=200).registers(2) == 200
+
+
+@pytest.mark.parametrize("h,kwargs,kernel", [
+    (128, dict(num_stages=6), "forward"),
+    (64, dict(block_k=256, num_stages=6), "forward"),
+    (128, dict(num_stages_dq=6, block_k_dq=256), "dQ"),
+    (128, dict(num_stages_dkv=6, block_q_dkv=256), "dK/dV"),
+    (256, dict(num_stages_dkv=6, block_q_dkv=128), "dV pass"),  # default(256) splits dK/dV
+])
+def test_check_rejects_oversized(h, kwargs, kernel):
+  cfg = MosaicConfig.default(h).replace(**kwargs)
+  why = cfg.check(h)
+  assert why is not None
+  assert kernel in why and "shared memory" in why and f"head_dim={h}" in why, why
+  # the reported need is real: above the budget
+  kib = int(re.search(r"needs (\d+) KiB", why).group(1))
+  assert kib * 1024 > SMEM_BYTES - SMEM_RESERVE - 1024
+  # forward/backward refuse it before tracing a kernel
+  q = jnp.zeros((1, 128, 1, h), BF16)
+  with pytest.raises(ValueError, match="shared memory"):
+    if kernel == "forward":
+      forward(q, q, q, scale=1.0, is_causal=False, config=cfg)
+    else:
+      lse = jnp.zeros((1, 1, 128), jnp.float32)
+      backward(q, q, q, q, lse, q, scale=1.0, is_causal=False, config=cfg)
+
+
+def test_check_fp32_itemsize_doubles_need():
+  # h=64 with a 6-deep forward ring fits (~208 KiB) for 16-bit but not for 4-byte elements.
+  cfg = MosaicConfig.default(64).replace(num_stages=6)
+  assert cfg.check(64, 2) is None
+  why = cfg.check(64, 4)
+  assert why is not None and "forward" in why
+
+
+# --- block ranges vs masking.allowed ------------------------------------------------------------------
+
+def _block_mask(q_lo, q_hi, k_lo, k_hi, *, is_causal, seq_k=None):
+  """allowed() on the query rows [q_lo, q_hi) x keys [k_lo, k_hi), as a numpy bool array."""
+  q = np.arange(q_lo, q_hi, dtype=np.int32)[:, None]
+  k = np.arange(k_lo, k_hi, dtype=np.int32)[None, :]
+  m = allowed(q, k, is_causal=is_causal, seq_k=seq_k)
+  if m is None:
+    return np.ones((q_hi - q_lo, k_hi - k_lo), bool)
+  return np.asarray(m)
+
+
+SEQS = (1, 8, 63, 64, 65, 127, 128, 136, 200, 257, 777, 1000)
+
+
+def _kv_cases():
+  rng = np.random.default_rng(0)
+  for seq_k, bk, rows, causal in itertools.product(SEQS, (64, 128, 192, 256), (64, 128),
+                                                   (False, True)):
+    top = max(seq_k, 3 * bk) + 2 * rows
+    starts = set(range(0, top, rows))  # CTA tile starts
+    starts |= {1, bk - 1, bk, bk + 1, seq_k - 1, seq_k, seq_k + 1, 3 * bk - 1}  # odd starts too
+    starts |= set(rng.integers(0, top, 12).tolist())  # the contract holds for any start
+    for q_start in sorted(x for x in starts if x >= 0):
+      yield q_start, rows, bk, seq_k, causal
+
+
+def test_kv_block_ranges_brute_force():
+  n_checked = 0
+  for q_start, rows, bk, seq_k, causal in _kv_cases():
+    n_full, n_end = kv_block_ranges(q_start, rows, block_k=bk, seq_k=seq_k, is_causal=causal)
+    nk = math.ceil(seq_k / bk)
+    ctx = dict(q_start=q_start, rows=rows, bk=bk, seq_k=seq_k, causal=causal, n_full=n_full,
+               n_end=n_end)
+    assert 0 <= n_full <= n_end <= nk, ctx
+    # All keys of [0, nk + 1) blocks (one block past the end) against every row of the tile.
+    m = _block_mask(q_start, q_start + rows, 0, (nk + 1) * bk, is_causal=causal, seq_k=seq_k)
+    per_block = m.reshape(rows, nk + 1, bk)
+    any_allowed = per_block.any(axis=(0, 2))
+    all_allowed = per_block.all(axis=(0, 2))
+    # every allowed pair lies in a visited block, blocks past n_end hold none
+    assert not any_allowed[n_end:].any(), ctx
+    # the unmasked sub-range needs no mask: every (row, key) pair there is allowed
+    assert all_allowed[:n_full].all(), ctx
+    # tight: the last visited block has an allowed pair, the first masked one needs the mask
+    assert n_end == 0 or any_allowed[n_end - 1], ctx
+    assert n_full == n_end or not all_allowed[n_full], ctx
+    if not causal:
+      assert (n_full, n_end) == (seq_k // bk, nk), ctx
+    n_checked += 1
+  assert n_checked > 2000
+
+
+def _q_cases():
+  rng = np.random.default_rng(1)
+  for seq_q, bq, cols, causal in itertools.product(SEQS, (64, 128, 192, 256), (64, 128),
+                                                   (False, True)):
+    top = max(seq_q, 3 * bq) + 2 * cols
+    starts = set(range(0, top, cols))
+    starts |= {1, bq - 1, bq, bq + 1, seq_q - 1, seq_q, seq_q + 1}
+    starts |= set(rng.integers(0, top, 12).tolist())
+    for k_start in sorted(x for x in starts if x >= 0):
+      yield k_start, cols, bq, seq_q, causal
+
+
+def test_q_block_ranges_brute_force():
+  n_checked = 0
+  for k_start, cols, bq, seq_q, causal in _q_cases():
+    i_start, i_full, nq = q_block_ranges(k_start, cols, block_q=bq, seq_q=seq_q, is_causal=causal)
+    ctx = dict(k_start=k_start, cols=cols, bq=bq, seq_q=seq_q, causal=causal, i_start=i_start,
+               i_full=i_full, nq=nq)
+    assert nq == math.ceil(seq_q / bq), ctx
+    assert 0 <= i_start <= i_full <= nq, ctx
+    # Query rows of all nq blocks (incl. the padded tail of the last) vs the CTA's keys.
+    m = _block_mask(0, nq * bq, k_start, k_start + cols, is_causal=causal)
+    real = np.arange(nq * bq) < seq_q
+    per_block = m.reshape(nq, bq, cols)
+    real_b = real.reshape(nq, bq)
+    # every pair of a real row that may attend lies in a visited block [i_start, nq) ...
+    assert not (m & real[:, None]).reshape(nq, bq, cols)[:i_start].any(), ctx
+    # ... and even padded rows have nothing allowed before i_start
+    assert not per_block[:i_start].any(), ctx
+    # blocks [i_full, nq) need no mask for their real rows (padded rows contribute zeros anyway)
+    for i in range(i_full, nq):
+      assert per_block[i][real_b[i]].all(), (ctx, i)
+    # tight: block i_start is reached, and the last masked block really needs its mask
+    if i_start < nq:
+      assert per_block[i_start].any(), ctx
+    if i_full > i_start:
+      assert not per_block[i_full - 1][real_b[i_full - 1]].all(), ctx
+    if not causal:
+      assert (i_start, i_full) == (0, 0), ctx
+    n_checked += 1
+  assert n_checked > 2000
+
+
+def test_block_ranges_traced_match_python():
+  """The kernels call these with traced int32 tile starts: same answers as with Python ints."""
+  for bk, rows, seq, causal in [(128, 128, 1000, True), (64, 128, 777, True), (256, 64, 200, True),
+                                (128, 128, 1000, False)]:
+    starts = list(range(0, seq + 3 * rows, rows)) + [1, 65, 129, 999]
+
+    @jax.jit
+    def traced(s):
+      return (kv_block_ranges(s, rows, block_k=bk, seq_k=seq, is_causal=causal),
+              q_block_ranges(s, rows, block_q=bk, seq_q=seq, is_causal=causal))
+
+    (tf, te), (ts, tfull, tnq) = traced(jnp.asarray(starts, jnp.int32))
+    for idx, s in enumerate(starts):
+      f, e = kv_block_ranges(s, rows, block_k=bk, seq_k=seq, is_causal=causal)
+      a, b, c = q_block_ranges(s, rows, block_q=bk, seq_q=seq, is_causal=causal)
+      got_kv = (int(np.broadcast_to(tf, (len(starts),))[idx]),
+                int(np.broadcast_to(te, (len(starts),))[idx]))
+      got_q = tuple(int(np.broadcast_to(x, (len(starts),))[idx]) for x in (ts, tfull, tnq))
+      assert got_kv == (f, e), (bk, rows, seq, causal, s)
+      assert got_q == (a, b, c), (bk, rows, seq, causal, s)
+
+
+# --- plan_lengths / pad_axis --------------------------------------------------------------------------
+
+def _fwd_tiles(cfg):  # as forward() computes them
+  return cfg.num_wgs * cfg.block_q, cfg.block_k
+
+
+def test_plan_lengths_default_tiles():
+  cfg = MosaicConfig.default(128)
+  assert _fwd_tiles(cfg) == (128, 128)
+  assert backward_tiles(cfg) == (128, 128)
+  for q_tile, k_tile in (_fwd_tiles(cfg), backward_tiles(cfg)):
+    p = plan_lengths(1000, 777, q_tile=q_tile, k_tile=k_tile, mode="tma")
+    assert (p.t, p.s) == (1000, 777)
+    assert p.t_hbm == 1000 and p.pad_t == 0  # multiple of 8 and >= one tile: TMA bounds, no pad
+    assert p.s_hbm == 896 and p.pad_s == 119  # 777 is not a multiple of 8: padded to 7 x 128
+    assert p.t_lse == 1024
+  # h256: 64-key forward tiles; the backward's dQ CTA has one consumer (64 rows) while the split
+  # dV pass still covers 2 x 64 keys
+  cfg = MosaicConfig.default(256)
+  assert _fwd_tiles(cfg) == (128, 64)
+  assert plan_lengths(1000, 777, q_tile=128, k_tile=64, mode="tma").s_hbm == 832
+  assert backward_tiles(cfg) == (64, 128)
+  p = plan_lengths(1000, 777, q_tile=64, k_tile=128, mode="tma")
+  assert (p.t_hbm, p.s_hbm, p.t_lse) == (1000, 896, 1024)
+
+
+@pytest.mark.parametrize("t,s,q_tile,k_tile,mode,want", [
+    # (t_hbm, s_hbm, t_lse)
+    (1000, 1000, 128, 128, "tma", (1000, 1000, 1024)),
+    (1000, 1000, 128, 128, "pad", (1024, 1024, 1024)),
+    (1024, 1024, 128, 128, "pad", (1024, 1024, 1024)),
+    (8, 8, 128, 128, "tma", (128, 128, 128)),  # shorter than a tile: padded even in tma mode
+    (1, 1, 128, 64, "tma", (128, 64, 128)),
+    (120, 64, 128, 64, "tma", (128, 64, 128)),
+    (136, 200, 128, 128, "tma", (136, 200, 256)),
+    (100, 77, 128, 128, "pad", (128, 128, 128)),
+    (200, 64, 64, 64, "tma", (200, 64, 256)),
+    (200, 64, 192, 64, "tma", (200, 64, 384)),  # lse rows: a whole number of lcm(192, 64) tiles
+    (1001, 999, 384, 256, "tma", (1152, 1024, 1152)),
+])
+def test_plan_lengths_cases(t, s, q_tile, k_tile, mode, want):
+  p = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=mode)
+  assert (p.t_hbm, p.s_hbm, p.t_lse) == want
+  assert (p.pad_t, p.pad_s) == (want[0] - t, want[1] - s)
+
+
+def test_plan_lengths_invariants():
+  for t, tile, mode in itertools.product(range(1, 700, 7), (64, 128, 192, 256), ("tma", "pad")):
+    p = plan_lengths(t, t, q_tile=tile, k_tile=tile, mode=mode)
+    for n in (p.t_hbm, p.s_hbm):
+      assert n >= t
+      if n != t:  # padded: to whole tiles, less than one extra
+        assert n % tile == 0 and n - t < tile
+      else:  # unpadded: TMA needs 8-row multiples and at least one tile; pad mode only whole tiles
+        assert t >= tile and (t % 8 == 0 if mode == "tma" else t % tile == 0)
+    lcm = math.lcm(tile, 64)
+    assert p.t_lse % lcm == 0 and t <= p.t_lse < t + lcm
+    assert p.t_lse >= math.ceil(p.t_hbm / tile) * tile  # every lse tile store stays in bounds
+  with pytest.raises(ValueError, match="ragged mode"):
+    plan_lengths(10, 10, q_tile=128, k_tile=128, mode="zero")
+
+
+def test_pad_axis():
+  x = jnp.arange(1, 2 * 3 * 4 + 1, dtype=BF16).reshape(2, 3, 4)
+  y = pad_axis(x, 1, 7)
+  assert y.shape == (2, 7, 4) and y.dtype == x.dtype
+  np.testing.assert_array_equal(np.asarray(y[:, :3], np.float32), np.asarray(x, np.float32))
+  assert not np.asarray(y[:, 3:], np.float32).any()
+  z = pad_axis(x, 2, 5)
+  assert z.shape == (2, 3, 5) and not np.asarray(z[..., 4:], np.float32).any()
+  assert pad_axis(x, 0, 2) is x  # no-op
+
+
+# --- lowering for sm90 --------------------------------------------------------------------------------
+
+def _fwd_bwd(scale, causal, cfg=None, with_dlse=False):
+  def f(q, k, v, do, dlse):
+    out, lse = forward(q, k, v, scale=scale, is_causal=causal, config=cfg)
+    dq, dk, dv = backward(q, k, v, out, lse, do, dlse=dlse if with_dlse else None, scale=scale,
+                          is_causal=causal, config=cfg)
+    return out, lse, dq, dk, dv
+  return f
+
+
+LOWER_CASES = [  # b, t, s, n, kh, h, causal, dtype, cfg, kernels
+    (2, 256, 256, 4, 4, 64, False, BF16, None, ("forward", "dkdv", "dq")),
+    (1, 1000, 777, 4, 2, 128, True, BF16, None, ("forward", "dkdv", "dq")),
+    (1, 300, 300, 2, 1, 128, True, jnp.float16,
+     MosaicConfig.default(128).replace(pingpong=False, ragged="pad"), ("forward", "dkdv", "dq")),
+    (1, 256, 200, 2, 2, 256, True, BF16, None, ("forward", "dv", "dk", "dq")),
+]
+
+
+@pytest.mark.parametrize("case", LOWER_CASES, ids=lambda c: f"h{c[5]}-t{c[1]}-s{c[2]}-c{int(c[6])}")
+def test_lowers_for_sm90(case):
+  b, t, s, n, kh, h, causal, dt, cfg, kernels = case
+  sd = jax.ShapeDtypeStruct
+  f = _fwd_bwd(1.0 / math.sqrt(h), causal, cfg, with_dlse=True)
+  lowered = jax.jit(f).trace(sd((b, t, n, h), dt), sd((b, s, kh, h), dt), sd((b, s, kh, h), dt),
+                             sd((b, t, n, h), dt), sd((b, n, t), jnp.float32)
+                             ).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  # one Mosaic GPU custom call per kernel, each carrying its serialized Mosaic module
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == len(kernels), text[:2000]
+  names = set(re.findall(r"fa2_mosaic_(forward|dkdv|dk|dv|dq)_mosaic_gpu", text))
+  assert names == set(kernels)
+  # output shapes/dtypes as documented
+  outs = lowered.out_info
+  assert outs[0].shape == (b, t, n, h) and outs[0].dtype == dt
+  assert outs[1].shape == (b, n, t) and outs[1].dtype == jnp.float32
+  assert [o.shape for o in outs[2:]] == [(b, t, n, h), (b, s, kh, h), (b, s, kh, h)]
+
+
+# --- numerics in GPU interpret mode (emulated wgmma) -------------------------------------------------
+
+def _rel(x, ref):
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+  return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def _reference(q, k, v, do, dlse, scale, causal):
+  def f(q, k, v):
+    return fa2_jax.reference_attention(q, k, v, scale=scale, is_causal=causal, return_residual=True,
+                                       compute_dtype=jnp.float32)
+
+  (out, lse), vjp = jax.vjp(f, q, k, v)  # lse [B, T, N]
+  dlse_btn = jnp.zeros_like(lse) if dlse is None else jnp.swapaxes(dlse, 1, 2)
+  dq, dk, dv = vjp((do.astype(out.dtype), dlse_btn))
+  return out, jnp.swapaxes(lse, 1, 2), dq, dk, dv
+
+
+INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
+    # causal, T < S (keys >= T never attended), GQA 2:1, ragged tails through TMA bounds
+    (1, 136, 200, 2, 1, 64, True, None, False),
+    # causal, T far below S: the dK/dV CTAs past the last query row run no steps at all
+    (1, 72, 264, 1, 1, 64, True, None, False),
+    # non-causal, ragged lengths padded in HBM, lse cotangent, one consumer warpgroup (no pingpong)
+    (1, 100, 77, 2, 2, 128, False,
+     MosaicConfig.default(128).replace(ragged="pad", num_wgs=1, pingpong=False), True),
+]
+
+
+@pytest.mark.parametrize("case", INTERPRET_CASES,
+                         ids=lambda c: f"t{c[1]}-s{c[2]}-n{c[3]}k{c[4]}-h{c[5]}-c{int(c[6])}")
+def test_interpret_numerics(case):
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  b, t, s, n, kh, h, causal, cfg, with_dlse = case
+  scale = 1.0 / math.sqrt(h)
+  ks = jax.random.split(jax.random.key(t * 1000 + s), 5)
+  q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(BF16)
+  k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(BF16)
+  v = jax.random.normal(ks[2], (b, s, kh, h), jnp.float32).astype(BF16)
+  do = jax.random.normal(ks[3], (b, t, n, h), jnp.float32).astype(BF16)
+  dlse = jax.random.normal(ks[4], (b, n, t), jnp.float32) if with_dlse else None
+
+  params = plgpu.InterpretGPUParams()  # detect_races stays False (see module docstring)
+  assert not params.detect_races
+  f = _fwd_bwd(scale, causal, cfg, with_dlse=with_dlse)
+  with emulated_mma(), plgpu.force_gpu_interpret_mode(params):
+    assert emulating()
+    got = jax.block_until_ready(jax.jit(f)(q, k, v, do, dlse))
+  assert not emulating()
+  ref = _reference(q, k, v, do, dlse, scale, causal)
+
+  for name, x, r in zip(("out", "lse", "dq", "dk", "dv"), got, ref):
+    assert x.shape == r.shape, name
+    xa = np.asarray(jnp.asarray(x, jnp.float32))
+    assert np.isfinite(xa).all(), name
+    if name == "lse":  # f32 statistics of bf16 logits: tight
+      np.testing.assert_allclose(xa, np.asarray(r), atol=1e-3, rtol=0)
+    else:  # bf16 inputs/outputs, f32 accumulation: a few bf16 ulps in relative L2
+      err = _rel(x, r)
+      assert err < 1e-2, (name, err)
+  assert got[0].dtype == BF16 and got[1].dtype == jnp.float32
+  assert all(g.dtype == BF16 for g in got[2:])
+  if causal and s > t:  # keys past the last query are never attended: exactly zero gradients
+    assert not np.asarray(got[3][:, t:], np.float32).any()
+    assert not np.asarray(got[4][:, t:], np.float32).any()
