@@ -14,8 +14,8 @@ CUDA_VISIBLE_DEVICES=0 timeout $((budget + 60)) python3 -m benchmarks.run_all --
 tail -c 5000 "$out/run_all.log"
 gpt="--preset long8k --steps 12 --eval-every 1000 --eval-batches 1 --log-every 2 --sample-tokens 16 \
   --data-bytes 4000000 --no-progress"
-CUDA_VISIBLE_DEVICES=0 timeout 90 python3 -m examples.flax_gpt.train $gpt --attention flash \
+CUDA_VISIBLE_DEVICES=0 timeout 110 python3 -m examples.flax_gpt.train $gpt --attention flash \
   --out "$out/gpt_long8k_flash_1gpu.json" > "$out/gpt.log" 2>&1
-timeout 90 python3 -m examples.flax_gpt.train $gpt --attention flash --data-parallel pmap \
+timeout 110 python3 -m examples.flax_gpt.train $gpt --attention flash --data-parallel pmap \
   --out "$out/gpt_long8k_flash_pmap2.json" >> "$out/gpt.log" 2>&1
 tail -c 3000 "$out/gpt.log"
