@@ -174,6 +174,8 @@ def _kv_cases():
     starts = set(range(0, top, rows))  # CTA tile starts
     starts |= {1, bk - 1, bk, bk + 1, seq_k - 1, seq_k, seq_k + 1, 3 * bk - 1}  # odd starts too
     starts |= set(rng.integers(0, top, 12).tolist())  # the contract holds for any start
+    # first row (q_start + 1) and last row (q_start + rows) on each side of a block boundary
+    starts |= {m * bk + d - off for m in range(4) for d in (-1, 0, 1) for off in (1, rows)}
     for q_start in sorted(x for x in starts if x >= 0):
       yield q_start, rows, bk, seq_k, causal
 
@@ -212,6 +214,8 @@ def _q_cases():
     starts = set(range(0, top, cols))
     starts |= {1, bq - 1, bq, bq + 1, seq_q - 1, seq_q, seq_q + 1}
     starts |= set(rng.integers(0, top, 12).tolist())
+    # first key (k_start) and last key (k_start + cols - 1) on each side of a block boundary
+    starts |= {m * bq + d - off for m in range(4) for d in (-1, 0, 1) for off in (0, cols - 1)}
     for k_start in sorted(x for x in starts if x >= 0):
       yield k_start, cols, bq, seq_q, causal
 
@@ -226,12 +230,9 @@ def test_q_block_ranges_brute_force():
     assert 0 <= i_start <= i_full <= nq, ctx
     # Query rows of all nq blocks (incl. the padded tail of the last) vs the CTA's keys.
     m = _block_mask(0, nq * bq, k_start, k_start + cols, is_causal=causal)
-    real = np.arange(nq * bq) < seq_q
     per_block = m.reshape(nq, bq, cols)
-    real_b = real.reshape(nq, bq)
-    # every pair of a real row that may attend lies in a visited block [i_start, nq) ...
-    assert not (m & real[:, None]).reshape(nq, bq, cols)[:i_start].any(), ctx
-    # ... and even padded rows have nothing allowed before i_start
+    real_b = (np.arange(nq * bq) < seq_q).reshape(nq, bq)
+    # every pair that may attend lies in a visited block [i_start, nq) (padded rows included)
     assert not per_block[:i_start].any(), ctx
     # blocks [i_full, nq) need no mask for their real rows (padded rows contribute zeros anyway)
     for i in range(i_full, nq):
