@@ -373,13 +373,14 @@ def render(data, out_dir: Path, tag=None):
     lines += ["## The three ideas", "",
               "TFLOP/s; `×` = speed-up the idea brings (on ÷ off). (a) deferred normalisation and "
               "(b) sequence parallelism: forward; (c) atomic dQ: backward (bwd TFLOP/s, fwd+bwd in "
-              "brackets).", ""]
+              "brackets). – = not measured in this run (`--quick` leaves out (a)+(b) together).",
+              ""]
     header = ["case", "fwd FA2", "(a) off", "(b) off", "(a)+(b) off", "bwd atomic dQ",
               "bwd separate dQ"]
     tbl = []
     for r in rows:
       g = lambda v: (f"{C.fmt_tf(r[v])} (×{C.fmt_num(r[v + '_gain'], '.2f')})"  # noqa: E731
-                     if C.finite(r[v]) else "✗")
+                     if C.finite(r[v]) else "–")
       tbl.append([r["case"], C.fmt_tf(r["fwd_fa2"]), g("no_deferred_norm"), g("no_seq_parallel"),
                   g("fa1_like"),
                   f"{C.fmt_tf(r['bwd_atomic'])} ({C.fmt_tf(r['fb_atomic'])}) "

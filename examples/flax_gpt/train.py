@@ -129,8 +129,12 @@ class Runner:
     """Host/single-device state -> the layout the step takes (one replica per device for pmap)."""
     if self.mode == "none":  # a copy: the step donates its input, the caller keeps `state`
       return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
-    return jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (self.n_devices, *x.shape)),
-                        state)
+    # Committed, replicated device arrays: the layout (and avals) the pmap step returns, so the second
+    # step reuses the first step's executable instead of compiling again (seen on 2 x H200: a numpy
+    # input compiled the step twice and the second compile landed in the throughput window).
+    stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (self.n_devices, *x.shape)),
+                           state)
+    return jax.pmap(lambda s: s, AXIS)(stacked)
 
   def get_state(self, state: TrainState) -> TrainState:
     """The state as host numpy arrays (replica 0 for pmap)."""
