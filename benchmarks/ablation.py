@@ -239,17 +239,8 @@ def run(args) -> dict:
     except Exception as e:  # noqa: BLE001
       msg = C.err_str(e)
       cell.update(status="oom" if C.is_oom(msg) else "error", error=msg)
-    cell["wall_s"] = time.time() - t0
-    budget.record(kind, cell["wall_s"])
-    C.check_device(rec, cell)
-    rec.add(cell)
-    bar.update(1)
-  bar.close()
-  data = rec.finish("done")
-  files = render(data, out_dir, args.tag)
-  print(summary(data), flush=True)
-  data["files"] = [str(rec.path), *map(str, files)]
-  return data
+    C.close_cell(rec, budget, kind, cell, t0, bar)
+  return C.finish_run(rec, bar, render, summary, out_dir, args.tag)
 
 
 # --- rendering ----------------------------------------------------------------------------------------

@@ -386,6 +386,25 @@ def device_alive() -> bool:
     return False
 
 
+def close_cell(rec: "Recorder", budget, key: str, cell: dict, t0: float, bar) -> None:
+  """End of one measured cell: wall time, budget bookkeeping, the device check, record, progress."""
+  cell["wall_s"] = time.time() - t0
+  budget.record(key, cell["wall_s"])
+  check_device(rec, cell)
+  rec.add(cell)
+  bar.update(1)
+
+
+def finish_run(rec: "Recorder", bar, render, summary, out_dir, tag) -> dict:
+  """End of a script's sweep: close the bar, finish the JSON, render md/png, print the summary."""
+  bar.close()
+  data = rec.finish("done")
+  files = render(data, out_dir, tag)
+  print(summary(data), flush=True)
+  data["files"] = [str(rec.path), *map(str, files)]
+  return data
+
+
 def check_device(rec: "Recorder", cell: dict) -> None:
   """After a failed cell: a kernel fault can leave the CUDA context unusable, failing every later cell.
   If the device no longer works, record the cell as crashed and exit (code 87) so that run_all resumes

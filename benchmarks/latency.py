@@ -107,17 +107,8 @@ def run(args) -> dict:
         cell["status"] = "partial"
     except Exception as e:  # noqa: BLE001
       cell.update(status="error", error=C.err_str(e))
-    cell["wall_s"] = time.time() - t0
-    budget.record(impl, cell["wall_s"])
-    C.check_device(rec, cell)
-    rec.add(cell)
-    bar.update(1)
-  bar.close()
-  data = rec.finish("done")
-  files = render(data, out_dir, args.tag)
-  print(summary(data), flush=True)
-  data["files"] = [str(rec.path), *map(str, files)]
-  return data
+    C.close_cell(rec, budget, impl, cell, t0, bar)
+  return C.finish_run(rec, bar, render, summary, out_dir, args.tag)
 
 
 def _lat(c, p):

@@ -265,12 +265,7 @@ def run(args) -> dict:
         path.unlink()
       except OSError:
         pass
-  bar.close()
-  data = rec.finish("done")
-  files = render(data, out_dir, args.tag)
-  print(summary(data), flush=True)
-  data["files"] = [str(rec.path), *map(str, files)]
-  return data
+  return C.finish_run(rec, bar, render, summary, out_dir, args.tag)
 
 
 # --- rendering ----------------------------------------------------------------------------------------

@@ -98,13 +98,18 @@ def _validate(query, key, value, scale, is_causal, implementation, return_residu
   deterministic = _check_bool("deterministic", deterministic)
   if interpret is not None:
     interpret = _check_bool("interpret", interpret)
+  check_options(implementation, block_sizes)
+  return is_causal, return_residual, deterministic, interpret
+
+
+def check_options(implementation, block_sizes) -> None:
+  """Validate the array-independent options (shared with the Flax adapter's factory)."""
   if implementation not in _IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of None, 'triton', 'mosaic', 'xla', got "
                      f"{implementation!r}")
   if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
     raise TypeError(f"block_sizes must be a fa2_jax.BlockSizes or None, got "
                     f"{type(block_sizes).__name__}")
-  return is_causal, return_residual, deterministic, interpret
 
 
 # implementation=None picks the Mosaic GPU (Hopper) backend for the calls it supports on sm90+ once it

@@ -36,18 +36,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import flash_attention
+from .attention import _DTYPES as _KERNEL_DTYPES
+from .attention import check_options, flash_attention
 from .config import BlockSizes
 
 __all__ = [
     "attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning", "rotary_embedding",
     "CausalSelfAttention", "NnxCausalSelfAttention",
 ]
-
-# Mirrors fa2_jax.flash_attention's accepted values; checked here so that a typo fails when the
-# function is made, not at the first traced call.
-_IMPLEMENTATIONS = (None, "triton", "mosaic", "xla")
-_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 class FlashAttentionFallbackWarning(UserWarning):
@@ -151,12 +147,7 @@ def make_attention_fn(implementation: str | None = None, block_sizes: BlockSizes
     ValueError: unknown ``implementation``.
     TypeError: ``block_sizes`` not a BlockSizes, or a flag that is not a bool.
   """
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of None, 'triton', 'mosaic', 'xla', got "
-                     f"{implementation!r}")
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes must be a fa2_jax.BlockSizes or None, got "
-                    f"{type(block_sizes).__name__}")
+  check_options(implementation, block_sizes)
   deterministic = _check_bool("deterministic", deterministic)
   always_causal = _check_bool("is_causal", is_causal)
   if interpret is not None:
