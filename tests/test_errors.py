@@ -91,3 +91,11 @@ def test_block_size_defaults_are_valid_and_clamped():
       cfg = fa2_jax.BlockSizes.default(h, dt)
       small = cfg.clamp(1, 20)
       assert small.block_q == 16 and small.block_k <= 32
+
+
+@pytest.mark.parametrize("flag", ["normalize_each_step", "seq_parallel", "atomic_dq",
+                                  "return_residual"])
+def test_ablation_flags_must_be_bool(flag):
+  from fa2_jax.attention import flash_attention_ablation
+  with pytest.raises(TypeError, match=f"{flag} must be a Python bool"):
+    flash_attention_ablation(Q, KV, KV, interpret=True, **{flag: "yes"})
