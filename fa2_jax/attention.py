@@ -226,7 +226,7 @@ def flash_attention_ablation(query, key, value, *, scale=None, is_causal=False, 
   """
   _validate(query, key, value, scale, is_causal, "triton", False, block_sizes, False, interpret)
   for name, flag in (("normalize_each_step", normalize_each_step), ("seq_parallel", seq_parallel),
-                     ("atomic_dq", atomic_dq)):
+                     ("atomic_dq", atomic_dq), ("return_residual", return_residual)):
     _check_bool(name, flag)
   h = query.shape[-1]
   blocks = (block_sizes or BlockSizes.default(h, query.dtype)).clamp(query.shape[1], key.shape[1])
@@ -241,20 +241,18 @@ def flash_attention_ablation(query, key, value, *, scale=None, is_causal=False, 
 # --- custom_vjp core ------------------------------------------------------------------------------
 
 def _forward(q, k, v, st: _Static):
-  if st.backend == "mosaic":
-    from .kernels import mosaic
-    return mosaic.forward(q, k, v, scale=st.scale, is_causal=st.is_causal)
-  from .kernels import triton as tk
-  bs = st.blocks
   # The kernels index with int32 (program ids are int32); tracing them with x64 on would mix int64
-  # Python constants into their index arithmetic, so they are always traced with x64 off.
+  # Python constants into their index arithmetic, so every backend is traced with x64 off.
   with jax.enable_x64(False):
-    out, lse = tk.forward(q, k, v, scale=st.scale, is_causal=st.is_causal, block_q=bs.block_q,
-                          block_k=bs.block_k, num_warps=bs.num_warps_fwd,
-                          num_stages=bs.num_stages_fwd, interpret=st.interpret,
-                          normalize_each_step=st.normalize_each_step,
-                          seq_parallel=st.seq_parallel)
-  return out, lse  # lse: [B, N, T]
+    if st.backend == "mosaic":
+      from .kernels import mosaic
+      return mosaic.forward(q, k, v, scale=st.scale, is_causal=st.is_causal)  # lse: [B, N, T]
+    from .kernels import triton as tk
+    bs = st.blocks
+    return tk.forward(q, k, v, scale=st.scale, is_causal=st.is_causal, block_q=bs.block_q,
+                      block_k=bs.block_k, num_warps=bs.num_warps_fwd,
+                      num_stages=bs.num_stages_fwd, interpret=st.interpret,
+                      normalize_each_step=st.normalize_each_step, seq_parallel=st.seq_parallel)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -275,17 +273,16 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   bs = st.blocks
   # d lse_i / d S_ij = P_ij, so a cotangent on lse enters dS = P ∘ (dP − D + dlse): fold it into D.
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
-  if st.backend == "mosaic":
-    from .kernels import mosaic
-    return mosaic.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
-                           is_causal=st.is_causal, deterministic=True)
   with jax.enable_x64(False):  # see _forward
+    if st.backend == "mosaic":
+      from .kernels import mosaic
+      return mosaic.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
+                             is_causal=st.is_causal, deterministic=True)
     dq, dk, dv = tk.backward(
         q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
         is_causal=st.is_causal, block_q_dkv=bs.block_q_dkv, block_k_dkv=bs.block_k_dkv,
         block_q_dq=bs.block_q_dq, block_k_dq=bs.block_k_dq, num_warps=bs.num_warps_bwd,
-        num_stages=bs.num_stages_bwd, atomic_dq=st.atomic_dq and not st.deterministic,
-        interpret=st.interpret)
+        num_stages=bs.num_stages_bwd, atomic_dq=st.atomic_dq, interpret=st.interpret)
   return dq, dk, dv
 
 

@@ -141,3 +141,13 @@ def test_compiled_memory_is_linear_gpu():
                           argnums=(0, 1, 2)))
   mem = grad.lower(q, q, q).compile().memory_analysis()
   assert mem.temp_size_in_bytes < 64 * b * t * n * h, mem.temp_size_in_bytes
+
+
+def test_works_with_x64_enabled():
+  """With jax_enable_x64 on, the kernels still trace (their index math stays int32)."""
+  q, k, v = _qkv(b=1, t=17, s=23, seed=4)
+  with jax.enable_x64(True):
+    g = jax.grad(_loss(flash), argnums=(0, 1, 2))(q, k, v)
+  g_ref = jax.grad(_loss(fa2_jax.reference_attention), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(g, g_ref):
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
