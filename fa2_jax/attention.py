@@ -112,9 +112,10 @@ def check_options(implementation, block_sizes) -> None:
                     f"{type(block_sizes).__name__}")
 
 
-# implementation=None picks the Mosaic GPU (Hopper) backend for the calls it supports on sm90+ once it
-# has been validated and measured faster on the GPU; until then None means Triton on every GPU.
-MOSAIC_BY_DEFAULT = False
+# implementation=None picks the Mosaic GPU (Hopper) backend for the calls it supports on sm90+ (bf16/fp16,
+# head_dim 64/128/192/256): on an H200 it measured 0.87-1.20x cuDNN in fwd+bwd against 0.66-0.96x for the
+# Triton kernels (benchmarks/results/h200/attention_merged.md). Everything else runs the Triton kernels.
+MOSAIC_BY_DEFAULT = True
 
 
 def _is_sm90_or_newer() -> bool:
@@ -177,9 +178,10 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     scale: logit scale, default ``1 / sqrt(H)``. A static Python float.
     is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned, as
       ``jax.nn.dot_product_attention``; for ``T > S`` rows past ``S`` see every key).
-    implementation: None (Triton kernels on GPU, the XLA reference on CPU), ``"triton"``,
-      ``"mosaic"`` (Hopper backend; raises a ValueError naming the reason on a call it cannot run)
-      or ``"xla"`` (the reference formula).
+    implementation: None (on a Hopper GPU the Mosaic kernels for bf16/fp16 with head_dim 64, 128,
+      192 or 256, the Triton kernels for every other call on a GPU, the XLA reference on CPU),
+      ``"triton"``, ``"mosaic"`` (Hopper backend; raises a ValueError naming the reason on a call it
+      cannot run) or ``"xla"`` (the reference formula).
     return_residual: also return ``lse`` ``[B, T, N]`` float32, the natural-log logsumexp of each
       row's scaled logits (differentiable).
     block_sizes: a :class:`fa2_jax.BlockSizes`, or None for the per-head_dim heuristic.

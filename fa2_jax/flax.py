@@ -134,7 +134,7 @@ def make_attention_fn(implementation: str | None = None, block_sizes: BlockSizes
 
   Args:
     implementation: passed to :func:`fa2_jax.flash_attention`: None (the kernels on GPU, the XLA
-      formula on CPU), ``"triton"`` or ``"xla"``.
+      formula on CPU), ``"triton"``, ``"mosaic"`` or ``"xla"``.
     block_sizes: a :class:`fa2_jax.BlockSizes` or None for the default heuristic.
     deterministic: the kernel's *backward* determinism (no atomics). Not to be confused with the
       ``deterministic`` argument flax passes to the returned function, which switches dropout.

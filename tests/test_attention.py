@@ -167,6 +167,10 @@ MOSAIC_CASES = [
     Case(1, 1000, 1000, 4, 4, 128, True, "bfloat16"),
     Case(1, 777, 1500, 4, 1, 64, False, "bfloat16"),
     Case(1, 512, 512, 4, 4, 256, True, "bfloat16"),
+    Case(1, 1500, 777, 4, 2, 128, True, "bfloat16"),  # causal, T > S: rows past S see every key
+    Case(2, 1, 300, 4, 1, 128, True, "float16"),
+    Case(3, 113, 1, 4, 4, 64, False, "bfloat16"),
+    Case(1, 1024, 2048, 4, 4, 192, False, "bfloat16"),
 ]
 
 

@@ -125,6 +125,9 @@ def test_cli_writes_a_json_summary(text_file, tmp_path):
       "--out", str(out)])
   saved = json.loads(out.read_text())
   assert saved["preset"] == "tiny" and saved["attention"] == "flash"
+  # On CPU the default flash attention is fa2_jax's XLA formula; on a GPU one of its kernels.
+  assert saved["attention_backend"] == ("fa2_jax/xla" if not ON_GPU else saved["attention_backend"])
+  assert saved["attention_backend"].startswith("fa2_jax/")
   assert saved["model_config"]["n_layer"] == 1 and saved["train_config"]["steps"] == 2
   for key in ("final_train_loss", "final_val_loss", "tokens_per_s", "tflops_per_s", "mfu",
               "devices", "versions", "sample"):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-ATTENTIONS = ("flash", "xla", "cudnn")
+ATTENTIONS = ("flash", "flash_triton", "flash_mosaic", "xla", "cudnn")
 POSITIONS = ("learned", "rotary")
 DTYPES = ("bfloat16", "float32")
 
@@ -29,7 +29,8 @@ class GPTConfig:
     position: "learned" absolute embeddings or "rotary" (RoPE on q and k).
     tie_embeddings: the output layer reuses the token embedding matrix.
     dtype: compute dtype ("bfloat16" or "float32"); parameters stay float32.
-    attention: "flash" (fa2_jax.flash_attention), "xla" or "cudnn" (jax.nn.dot_product_attention).
+    attention: "flash" (fa2_jax.flash_attention, default backend), "flash_triton" / "flash_mosaic"
+      (one fa2_jax backend forced), "xla" or "cudnn" (jax.nn.dot_product_attention).
     flash_interpret: run the fa2_jax Pallas kernels in interpret mode (CPU tests of the kernel).
     remat: recompute each block's activations in the backward pass (saves memory at long seq).
   """

@@ -24,14 +24,18 @@ INIT_STD = 0.02  # GPT-2's initializer standard deviation for weights and embedd
 def attention_core(config: GPTConfig) -> Callable[..., jax.Array]:
   """The attention function ``f(q, k, v, is_causal=True)`` named by ``config.attention``.
 
-  ``flash`` is fa2_jax (Triton kernels on GPU; on CPU its XLA formula, or the kernels in Pallas
-  interpret mode with ``flash_interpret``); ``xla`` and ``cudnn`` are ``jax.nn.dot_product_attention``.
+  ``flash`` is fa2_jax with its default backend (the Mosaic kernels on Hopper, the Triton kernels on
+  other GPUs; on CPU its XLA formula, or the kernels in Pallas interpret mode with
+  ``flash_interpret``); ``flash_triton`` / ``flash_mosaic`` force one backend; ``xla`` and ``cudnn``
+  are ``jax.nn.dot_product_attention``.
 
   Raises:
     ValueError: ``cudnn`` without a GPU.
   """
-  if config.attention == "flash":
-    return fa2_flax.make_attention_fn(interpret=True if config.flash_interpret else None)
+  if config.attention.startswith("flash"):
+    impl = {"flash": None, "flash_triton": "triton", "flash_mosaic": "mosaic"}[config.attention]
+    return fa2_flax.make_attention_fn(implementation=impl,
+                                      interpret=True if config.flash_interpret else None)
   if config.attention == "cudnn" and jax.default_backend() != "gpu":
     raise ValueError(f"--attention cudnn needs an NVIDIA GPU, but JAX's backend is "
                      f"{jax.default_backend()!r}; use --attention flash or xla")

@@ -238,6 +238,21 @@ class _Throughput:
     self.steps += steps
 
 
+def _attention_backend(mc: GPTConfig) -> str:
+  """The kernel that ``mc.attention`` runs here (the fa2_jax backend its dispatcher picks)."""
+  if not mc.attention.startswith("flash"):
+    return f"jax.nn.dot_product_attention/{mc.attention}"
+  from fa2_jax import attention as fa
+  impl = {"flash": None, "flash_triton": "triton", "flash_mosaic": "mosaic"}[mc.attention]
+  hd = mc.n_embd // mc.n_head
+  q = jax.ShapeDtypeStruct((1, mc.seq_len, mc.n_head, hd), jnp.dtype(mc.dtype))
+  k = jax.ShapeDtypeStruct((1, mc.seq_len, mc.n_kv_head or mc.n_head, hd), jnp.dtype(mc.dtype))
+  try:
+    return "fa2_jax/" + fa._choose_backend(impl, True if mc.flash_interpret else None, q, k, True)
+  except ValueError as e:
+    return f"unavailable: {e}"
+
+
 def _summary(mc: GPTConfig, tc: TrainConfig, throughput: _Throughput, *, n_params: int,
              peak: float | None, devices, data_parallel: str, data_path: str | None) -> dict:
   """Throughput, MFU and the run's settings, for the JSON summary."""
@@ -250,7 +265,8 @@ def _summary(mc: GPTConfig, tc: TrainConfig, throughput: _Throughput, *, n_param
       "tokens_per_s": tok_s, "tflops_per_s": tflops,
       "mfu": tflops / peak if (tflops and peak) else None, "peak_tflops": peak,
       "n_params": n_params, "flops_per_sequence": flops_per_sequence(mc, n_params),
-      "attention": mc.attention, "data_parallel": data_parallel,
+      "attention": mc.attention, "attention_backend": _attention_backend(mc),
+      "data_parallel": data_parallel,
       "devices": {"count": len(devices), "platform": devices[0].platform,
                   "kind": devices[0].device_kind},
       "versions": {"jax": jax.__version__, "flax": flax.__version__,
@@ -389,7 +405,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
   g = p.add_argument_group("model (default: the preset's)")
   g.add_argument("--attention", choices=ATTENTIONS,
-                 help="flash: fa2_jax (XLA formula on CPU); xla/cudnn: jax.nn.dot_product_attention")
+                 help="flash: fa2_jax, default backend (XLA formula on CPU); flash_triton/flash_mosaic: "
+                      "one fa2_jax backend; xla/cudnn: jax.nn.dot_product_attention")
   g.add_argument("--interpret", type=_bool, help="run the fa2_jax kernels in Pallas interpret mode")
   g.add_argument("--position", choices=POSITIONS)
   g.add_argument("--dtype", choices=DTYPES, help="compute dtype (parameters stay float32)")

@@ -1,0 +1,199 @@
+"""The Mosaic GPU (Hopper) backend under JAX's transformations, and the default-backend dispatch.
+
+The transformation tests are ``gpu``-marked (the Mosaic kernels have no CPU interpret mode for wgmma):
+each compares the transformed call against the plain call of the same kernel (a wrong batching,
+sharding or replication rule gives different numbers, not a rounding difference) and the plain call
+against the float32 formula. The dispatch tests run everywhere: they patch the device query so the
+choice of ``implementation=None`` is checked on a CPU too.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import fa2_jax
+from fa2_jax import attention as A
+
+mosaic = functools.partial(fa2_jax.flash_attention, implementation="mosaic")
+# bf16 kernels vs the f32 formula: outputs and grads are O(1); 3e-2 is a few bf16 ulps at 1.0
+# (8 bits of mantissa: ulp = 2^-7 = 7.8e-3), far below what a wrong mask or head mapping changes.
+ATOL = 3e-2
+# Transformed vs plain call of the same kernel: only XLA's fusion of the small ops around it differs.
+SAME = 1e-2
+
+
+def _qkv(b=2, t=384, s=512, n=4, kh=2, h=128, seed=0, lead=(), dtype=jnp.bfloat16):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (*lead, b, t, n, h), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (*lead, b, s, kh, h), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (*lead, b, s, kh, h), jnp.float32).astype(dtype)
+  return q, k, v
+
+
+def _loss(fn, causal=True):
+  return lambda q, k, v: jnp.sum(jnp.tanh(fn(q, k, v, is_causal=causal).astype(jnp.float32)))
+
+
+def _ref(q, k, v, causal=True):
+  f32 = lambda x: x.astype(jnp.float32)
+  return fa2_jax.reference_attention(f32(q), f32(k), f32(v), is_causal=causal)
+
+
+def _close(a, b, atol):
+  np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=atol,
+                             rtol=atol)
+
+
+@pytest.mark.gpu
+def test_mosaic_jit_grad_and_jit_of_grad():
+  q, k, v = _qkv()
+  out = jax.jit(lambda a, b, c: mosaic(a, b, c, is_causal=True))(q, k, v)
+  _close(out, _ref(q, k, v), ATOL)
+  g_ref = jax.grad(_loss(lambda a, b, c, is_causal: _ref(a, b, c, is_causal)), argnums=(0, 1, 2))(
+      q, k, v)
+  g_eager = jax.grad(_loss(mosaic), argnums=(0, 1, 2))(q, k, v)
+  g_jit = jax.jit(jax.grad(_loss(mosaic), argnums=(0, 1, 2)))(q, k, v)
+  for a, b, r in zip(g_eager, g_jit, g_ref):
+    _close(a, b, SAME)
+    _close(a, r, ATOL)
+
+
+@pytest.mark.gpu
+def test_mosaic_vmap_and_shared_kv():
+  q, k, v = _qkv(lead=(3,), b=1, seed=1)
+  f = lambda a, b, c: mosaic(a, b, c, is_causal=True)
+  out = jax.vmap(f)(q, k, v)
+  for i in range(3):
+    _close(out[i], f(q[i], k[i], v[i]), SAME)
+  # in_axes=None on k/v: three query sets share one K/V; the gradient sums dK/dV over the axis.
+  g = jax.grad(lambda a, b, c: jnp.sum(jnp.sin(jax.vmap(f, in_axes=(0, None, None))(a, b, c)
+                                               .astype(jnp.float32))), argnums=(0, 1, 2))
+  gq, gk, gv = g(q, k[0], v[0])
+  gk_sum = sum(jax.grad(lambda a, b, c: jnp.sum(jnp.sin(f(a, b, c).astype(jnp.float32))),
+                        argnums=(1,))(q[i], k[0], v[0])[0].astype(jnp.float32) for i in range(3))
+  _close(gk, gk_sum, 3 * SAME)
+
+
+@pytest.mark.gpu
+def test_mosaic_pmap_over_local_gpus():
+  nd = jax.local_device_count()
+  q, k, v = _qkv(lead=(nd,), b=1, seed=2)
+  g = jax.pmap(jax.grad(_loss(mosaic), argnums=(0, 1, 2)))(q, k, v)
+  for d in range(nd):
+    g1 = jax.grad(_loss(mosaic), argnums=(0, 1, 2))(q[d], k[d], v[d])
+    for a, b in zip(g, g1):
+      _close(a[d], b, SAME)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_mosaic_shard_map_over_batch(check_vma):
+  nd = jax.local_device_count()
+  mesh = jax.make_mesh((nd,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  q, k, v = _qkv(b=2 * nd, seed=3)
+  spec = P("data", None, None, None)
+  local = lambda a, b, c: jax.grad(_loss(mosaic), argnums=(0, 1, 2))(a, b, c)
+  sharded = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3,
+                                  check_vma=check_vma))
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, spec))
+  g = sharded(put(q), put(k), put(v))
+  g1 = local(q, k, v)
+  for a, b in zip(g, g1):
+    _close(a, b, SAME)
+
+
+@pytest.mark.gpu
+def test_mosaic_lse_cotangent_and_determinism():
+  """return_residual: lse matches the formula, its cotangent reaches dq/dk/dv, reruns are bitwise."""
+  q, k, v = _qkv(t=300, s=700, seed=4)
+
+  def loss(fn):
+    def f(a, b, c):
+      out, lse = fn(a, b, c)
+      return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(lse))
+    return f
+
+  ours = lambda a, b, c: mosaic(a, b, c, is_causal=True, return_residual=True)
+  ref = lambda a, b, c: fa2_jax.reference_attention(
+      a.astype(jnp.float32), b.astype(jnp.float32), c.astype(jnp.float32), is_causal=True,
+      return_residual=True)
+  _close(ours(q, k, v)[1], ref(q, k, v)[1], ATOL)
+  grad = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))
+  g1, g2 = grad(q, k, v), grad(q, k, v)
+  g_ref = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+  for a, b, r in zip(g1, g2, g_ref):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    _close(a, r, 2 * ATOL)
+
+
+@pytest.mark.gpu
+def test_default_implementation_picks_mosaic_on_hopper():
+  if not A._is_sm90_or_newer():
+    pytest.skip("not an sm90+ GPU: the default is the Triton backend there (tested below on CPU)")
+  q, k, v = _qkv(seed=5)
+  assert A._choose_backend(None, None, q, k, True) == ("mosaic" if A.MOSAIC_BY_DEFAULT else "triton")
+  # None gives the same numbers as the backend it chose.
+  chosen = A._choose_backend(None, None, q, k, True)
+  _close(fa2_jax.flash_attention(q, k, v, is_causal=True),
+         fa2_jax.flash_attention(q, k, v, is_causal=True, implementation=chosen), 0.0)
+
+
+@pytest.mark.gpu
+def test_mosaic_with_x64_enabled():
+  q, k, v = _qkv(t=200, s=300, seed=6)
+  g = jax.grad(_loss(mosaic), argnums=(0, 1, 2))(q, k, v)
+  with jax.enable_x64(True):
+    g64 = jax.grad(_loss(mosaic), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(g, g64):
+    _close(a, b, SAME)
+
+
+# --- dispatch, checked on any platform by patching the device query ---------------------------------
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+  monkeypatch.setattr(A, "_on_gpu", lambda: True)
+  monkeypatch.setattr(A, "_is_sm90_or_newer", lambda: True)
+  monkeypatch.setattr(A, "MOSAIC_BY_DEFAULT", True)
+
+
+def _shapes(t=1024, s=1024, n=8, kh=2, h=128, dtype=jnp.bfloat16):
+  return (jax.ShapeDtypeStruct((2, t, n, h), dtype), jax.ShapeDtypeStruct((2, s, kh, h), dtype))
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(), "mosaic"),
+    (dict(h=64, t=17, s=1), "mosaic"),  # any length, any head_dim in 64/128/192/256
+    (dict(h=256), "mosaic"),
+    (dict(dtype=jnp.float16), "mosaic"),
+    (dict(dtype=jnp.float32), "triton"),  # wgmma backend: 16-bit inputs only
+    (dict(h=96), "triton"),  # not a multiple of the 64-element swizzled tile
+    (dict(h=32), "triton"),
+])
+def test_default_dispatch_on_hopper(fake_hopper, kw, want):
+  q, k = _shapes(**kw)
+  assert A._choose_backend(None, None, q, k, True) == want
+  assert A._choose_backend("triton", None, q, k, True) == "triton"
+  assert A._choose_backend(None, True, q, k, True) == "triton"  # interpret=True: Pallas interpreter
+
+
+def test_mosaic_refusal_names_the_reason(fake_hopper):
+  q, k = _shapes(dtype=jnp.float32)
+  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*float32"):
+    A._choose_backend("mosaic", None, q, k, False)
+  q, k = _shapes(h=96)
+  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*head_dim"):
+    A._choose_backend("mosaic", None, q, k, False)
+
+
+def test_default_dispatch_before_hopper(monkeypatch):
+  """On a GPU older than sm90 (A100) None means the Triton kernels."""
+  monkeypatch.setattr(A, "_on_gpu", lambda: True)
+  monkeypatch.setattr(A, "_is_sm90_or_newer", lambda: False)
+  q, k = _shapes()
+  assert A._choose_backend(None, None, q, k, True) == "triton"
