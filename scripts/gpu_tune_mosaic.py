@@ -20,6 +20,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # the repo root
 from benchmarks import common as C
 from fa2_jax.kernels import mosaic
 from fa2_jax.kernels.mosaic import MosaicConfig
