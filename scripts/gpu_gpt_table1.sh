@@ -3,6 +3,7 @@
 #   bash scripts/gpu_gpt_table1.sh OUTDIR single   # one GPU: flash (default backend), flash_triton,
 #                                                  #   flash_mosaic, cudnn, xla (xla needs --remat true)
 #                                                  #   (WITH_REMAT_FLASH=1: flash with --remat too)
+#   (single_min: the first two only; single_rest: the others)
 #   bash scripts/gpu_gpt_table1.sh OUTDIR pmap     # every local GPU, --data-parallel pmap, flash
 #                                                  #   (WITH_CUDNN_PMAP=1: cudnn too)
 # Each run: 12 steps, batch 4 per device, throughput over the steps after the compile (see train.py).
@@ -19,13 +20,16 @@ run() {  # name, extra flags...
     > "$out/gpt_long8k_$name.log" 2>&1
   echo "rc=$? $(grep -E 'tokens/s|Error|error' "$out/gpt_long8k_$name.log" | tail -2)"
 }
-if [ "$mode" = single ]; then
+if [ "$mode" = single ] || [ "$mode" = single_min ]; then
   run flash_1gpu --attention flash
   run cudnn_1gpu --attention cudnn
+fi
+if [ "$mode" = single ] || [ "$mode" = single_rest ]; then
   run flash_triton_1gpu --attention flash_triton
   run xla_remat_1gpu --attention xla --remat true
   [ "${WITH_REMAT_FLASH:-0}" = 1 ] && run flash_remat_1gpu --attention flash --remat true
-else
+fi
+if [ "$mode" = pmap ]; then
   n=$(python3 -c "import jax; print(jax.local_device_count())")
   run "flash_pmap$n" --attention flash --data-parallel pmap
   [ "${WITH_CUDNN_PMAP:-0}" = 1 ] && run "cudnn_pmap$n" --attention cudnn --data-parallel pmap
