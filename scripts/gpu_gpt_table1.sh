@@ -16,12 +16,14 @@ gpt="--preset long8k --steps 12 --eval-every 1000 --eval-batches 1 --log-every 4
 run() {  # name, extra flags...
   local name="$1"; shift
   echo "=== $name: python3 -m examples.flax_gpt.train $gpt $*" | tr '\n' ' '; echo
-  timeout ${RUN_TIMEOUT:-130} python3 -m examples.flax_gpt.train $gpt "$@" --out "$out/gpt_long8k_$name.json" \
+  timeout -s ABRT ${RUN_TIMEOUT:-130} python3 -X faulthandler -m examples.flax_gpt.train $gpt "$@" --out "$out/gpt_long8k_$name.json" \
     > "$out/gpt_long8k_$name.log" 2>&1
   echo "rc=$? $(grep -E 'tokens/s|Error|error' "$out/gpt_long8k_$name.log" | tail -2)"
 }
-if [ "$mode" = single ] || [ "$mode" = single_min ]; then
+if [ "$mode" = single ] || [ "$mode" = single_min ] || [ "$mode" = single_flash ]; then
   run flash_1gpu --attention flash
+fi
+if [ "$mode" = single ] || [ "$mode" = single_min ]; then
   run cudnn_1gpu --attention cudnn
 fi
 if [ "$mode" = single ] || [ "$mode" = single_rest ]; then

@@ -77,8 +77,10 @@ def test_default_configs_fit(h):
 def test_smem_budget_matches_docstring():
   # default(128) forward: 2 x 2 x 32 KiB of K/V + 32 KiB of Q (+ 2 x 64 f32 lse rows).
   assert MosaicConfig.default(128).smem_forward(128) == 160 * 1024 + 2 * 64 * 4
-  # default(64): 3-deep ring of 2 x 16 KiB K/V + 16 KiB Q.
-  assert MosaicConfig.default(64).smem_forward(64) == 3 * 2 * 16 * 1024 + 16 * 1024 + 2 * 64 * 4
+  # default(64), non-causal: 3-deep ring of 2 x 32 KiB K/V (256-key tiles) + 16 KiB Q; causal 2-deep.
+  assert MosaicConfig.default(64).smem_forward(64) == 3 * 2 * 32 * 1024 + 16 * 1024 + 2 * 64 * 4
+  assert (MosaicConfig.default(64, is_causal=True).smem_forward(64)
+          == 2 * 2 * 32 * 1024 + 16 * 1024 + 2 * 64 * 4)
 
 
 @pytest.mark.parametrize("kwargs,exc,field", [
@@ -144,8 +146,8 @@ def test_check_rejects_oversized(h, kwargs, kernel):
 
 
 def test_check_fp32_itemsize_doubles_need():
-  # h=64 with a 6-deep forward ring fits (~208 KiB) for 16-bit but not for 4-byte elements.
-  cfg = MosaicConfig.default(64).replace(num_stages=6)
+  # h=64 with a 6-deep forward ring of 128-key tiles fits (~208 KiB) for 16-bit but not for 4 bytes.
+  cfg = MosaicConfig.default(64).replace(block_k=128, num_stages=6)
   assert cfg.check(64, 2) is None
   why = cfg.check(64, 4)
   assert why is not None and "forward" in why
@@ -407,6 +409,8 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     (1, 136, 200, 2, 1, 64, True, None, False),
     # causal, T far below S: the dK/dV CTAs past the last query row run no steps at all
     (1, 72, 264, 1, 1, 64, True, None, False),
+    # non-causal head_dim 64 defaults (256-key forward tiles, 128-row dK/dV tiles), T > S, ragged
+    (1, 300, 136, 2, 2, 64, False, None, False),
     # non-causal, ragged lengths padded in HBM, lse cotangent, one consumer warpgroup (no pingpong)
     (1, 100, 77, 2, 2, 128, False,
      MosaicConfig.default(128).replace(ragged="pad", num_wgs=1, pingpong=False), True),

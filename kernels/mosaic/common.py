@@ -149,13 +149,18 @@ class MosaicConfig:
   def default(cls, head_dim: int, dtype=jnp.bfloat16, is_causal: bool = False) -> "MosaicConfig":
     """Per-head_dim defaults for H100/H200 (bf16/fp16).
 
-    head_dim 64: 128-key tiles, 3-deep ring (3 x 2 x 16 KiB K/V). 128: 128-key tiles, 2-deep ring
-    (2 x 2 x 32 KiB + 32 KiB of Q). 192/256: 64-key tiles; the backward splits dK and dV into two
-    passes and runs the dK pass and the dQ kernel with one consumer warpgroup (SMEM/registers).
+    head_dim 64 (swept on an H200, benchmarks/results/h200/tuning/tune_mosaic.json): forward with
+    256-key tiles (3-deep ring non-causal: 473 vs 400 TFLOP/s at 8k with 128-key tiles; 2-deep causal),
+    dK/dV with 128-row Q/dO tiles in a 3-deep ring (387 vs 367 backward alone) and dQ with 128-key
+    tiles (379 vs 367). 128: 128-key tiles, 2-deep ring (2 x 2 x 32 KiB + 32 KiB of Q); 64-key tiles,
+    deeper rings, 128-row dK/dV tiles and 128-key dQ tiles all measured slower or within noise.
+    192/256: 64-key tiles; the backward splits dK and dV into two passes and runs the dK pass and the
+    dQ kernel with one consumer warpgroup (SMEM/registers).
     """
-    del dtype, is_causal  # same settings for bf16/fp16 and both mask modes until measured otherwise
+    del dtype  # same settings for bf16/fp16 until measured otherwise
     if head_dim <= 64:
-      return cls(block_k=128, num_stages=3, num_stages_dkv=2, num_stages_dq=2)
+      return cls(block_k=256, num_stages=2 if is_causal else 3, block_q_dkv=128, num_stages_dkv=3,
+                 block_k_dq=128, num_stages_dq=2)
     if head_dim <= 128:
       return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2)
     return cls(block_k=64, num_stages=2, dkv_split=True, num_wgs_dkv=2, num_wgs_dk=1,
