@@ -209,7 +209,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     blocks = blocks.clamp(query.shape[1], key.shape[1])
     static = _Static(scale=scale, is_causal=is_causal, blocks=blocks, deterministic=deterministic,
                      interpret=bool(interpret), backend=backend)
-    res = _flash(query, key, value, static)
+    res = _flash(*_match_vma(query, key, value), static)
   out, lse = res
   if squeeze:
     out, lse = out[0], lse[0]
@@ -236,8 +236,14 @@ def flash_attention_ablation(query, key, value, *, scale=None, is_causal=False, 
                    is_causal=bool(is_causal), blocks=blocks, deterministic=not atomic_dq,
                    interpret=bool(interpret), normalize_each_step=bool(normalize_each_step),
                    seq_parallel=bool(seq_parallel), atomic_dq=bool(atomic_dq))
-  out, lse = _flash(query, key, value, static)
+  out, lse = _flash(*_match_vma(query, key, value), static)
   return (out, lse) if return_residual else out
+
+
+def _match_vma(q, k, v):
+  """Inside shard_map: make q, k, v vary over the same manual mesh axes (see kernels/vma.py)."""
+  from .kernels.vma import match_vma
+  return match_vma(q, k, v)
 
 
 # --- custom_vjp core ------------------------------------------------------------------------------
@@ -248,7 +254,9 @@ def _forward(q, k, v, st: _Static):
   with jax.enable_x64(False):
     if st.backend == "mosaic":
       from .kernels import mosaic
-      return mosaic.forward(q, k, v, scale=st.scale, is_causal=st.is_causal)  # lse: [B, N, T]
+      from .kernels.vma import cast_like
+      out, lse = mosaic.forward(q, k, v, scale=st.scale, is_causal=st.is_causal)  # lse: [B, N, T]
+      return cast_like(q, out, lse)
     from .kernels import triton as tk
     bs = st.blocks
     return tk.forward(q, k, v, scale=st.scale, is_causal=st.is_causal, block_q=bs.block_q,
@@ -278,8 +286,10 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   with jax.enable_x64(False):  # see _forward
     if st.backend == "mosaic":
       from .kernels import mosaic
-      return mosaic.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
-                             is_causal=st.is_causal, deterministic=True)
+      from .kernels.vma import cast_like
+      grads = mosaic.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
+                              is_causal=st.is_causal, deterministic=True)
+      return cast_like(q, *grads)
     dq, dk, dv = tk.backward(
         q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
         is_causal=st.is_causal, block_q_dkv=bs.block_q_dkv, block_k_dkv=bs.block_k_dkv,

@@ -197,3 +197,36 @@ def test_default_dispatch_before_hopper(monkeypatch):
   monkeypatch.setattr(A, "_is_sm90_or_newer", lambda: False)
   q, k = _shapes()
   assert A._choose_backend(None, None, q, k, True) == "triton"
+
+
+# --- shard_map with check_vma=True (its default): output types, checked by tracing on any platform ---
+
+@pytest.mark.parametrize("impl", ["mosaic", "triton"])
+@pytest.mark.parametrize("kv_replicated", [False, True])
+def test_shard_map_check_vma_types(fake_hopper, impl, kv_replicated):
+  """Forward and gradients trace under shard_map(check_vma=True): every kernel output is typed as
+  varying like its inputs. With K/V replicated (not varying) and Q sharded, the dispatcher casts K/V
+  to varying, so their gradients come back summed over the mesh by the cast's transpose."""
+  nd = len(jax.devices())
+  mesh = jax.make_mesh((nd,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  qs = P("data", None, None, None)
+  ks = P(None, None, None, None) if kv_replicated else qs
+
+  def local(a, b, c):
+    f = lambda a, b, c: jnp.sum(fa2_jax.flash_attention(a, b, c, is_causal=True,
+                                                         implementation=impl).astype(jnp.float32))
+    return jax.value_and_grad(f, argnums=(0, 1, 2))(a, b, c)
+
+  q = jax.ShapeDtypeStruct((2 * nd, 256, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, qs))
+  kb = 2 if kv_replicated else 2 * nd  # replicated: every device's 2 query rows use the same K/V
+  k = jax.ShapeDtypeStruct((kb, 256, 2, 128), jnp.bfloat16, sharding=NamedSharding(mesh, ks))
+  sm = jax.shard_map(lambda a, b, c: _psum_loss(local(a, b, c)), mesh=mesh, in_specs=(qs, ks, ks),
+                     out_specs=(P(), (qs, ks, ks)), check_vma=True)
+  traced = jax.jit(sm).trace(q, k, k)
+  if impl == "mosaic":  # Mosaic lowers without a GPU: check the lowering too
+    traced.lower(lowering_platforms=("cuda",))
+
+
+def _psum_loss(res):
+  loss, grads = res
+  return jax.lax.psum(loss, "data"), grads

@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...masking import allowed
+from ..vma import out_struct
 from .common import (LOG2E, WG_ROWS, MosaicConfig, kv_block_ranges, pad_axis, plan_lengths,
                      q_block_ranges, supports)
 from .ops import (Product, bcast_cols, bcast_rows, compiler_params, emulating, iota2, mma, mma_many,
@@ -219,9 +220,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
   )
   out_type = []
   if want_dk:
-    out_type.append(jax.ShapeDtypeStruct(k.shape, k.dtype))
+    out_type.append(out_struct(k.shape, k.dtype, q))
   if want_dv:
-    out_type.append(jax.ShapeDtypeStruct(v.shape, v.dtype))
+    out_type.append(out_struct(v.shape, v.dtype, q))
   n_k_tiles = -(-s_hbm // (num_wgs * bk))
   name = "fa2_mosaic_dkdv" if (want_dk and want_dv) else ("fa2_mosaic_dk" if want_dk else
                                                            "fa2_mosaic_dv")
@@ -379,7 +380,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_k, cfg: MosaicCo
   )
   return plgpu.kernel(
       functools.partial(_dq_kernel, st=st),
-      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_type=out_struct(q.shape, q.dtype, q),
       scratch_types=scratch,
       grid=(b, n, n_q_tiles),
       grid_names=("b", "h", "q"),

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...masking import allowed
+from ..vma import out_struct
 from .common import LN2, LOG2E, MosaicConfig, kv_block_ranges, pad_axis, plan_lengths, supports
 from .ops import bcast_rows, compiler_params, emulating, iota2, mma, smem_transforms
 
@@ -262,8 +263,7 @@ def _forward_call(q, k, v, *, scale, is_causal, cfg: MosaicConfig, plan_t, plan_
     scratch["sched"] = plgpu.Barrier(num_arrivals=nwg)
   out, lse = plgpu.kernel(
       functools.partial(_fwd_kernel, st=st),
-      out_type=(jax.ShapeDtypeStruct(qp.shape, q.dtype),
-                jax.ShapeDtypeStruct((b, n, t_lse), jnp.float32)),
+      out_type=(out_struct(qp.shape, q.dtype, q), out_struct((b, n, t_lse), jnp.float32, q)),
       scratch_types=scratch,
       grid=(b, n, n_q_tiles),
       grid_names=("b", "h", "q"),

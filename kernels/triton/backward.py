@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...masking import allowed
+from ..vma import match_vma, out_struct
 from .common import (LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim, round_up,
                      store_tile)
 from .forward import kv_block_ranges
@@ -208,16 +209,16 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
       pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # dk
       pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # dv
   ]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+  out_shape = [out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)]
   args = [q, k, v, do, lse_p, delta_p]
   aliases = {}
   atomic = atomic_dq
   if atomic:
-    dq_acc = jnp.zeros((b, tp, n, hp), jnp.float32)
+    dq_acc = match_vma(q, jnp.zeros((b, tp, n, hp), jnp.float32))[1]  # shard_map: varies like q
     dq_spec = pl.BlockSpec((None, tp, group, hp), lambda j, bi, hk: (bi, 0, hk, 0))
     in_specs.append(dq_spec)
     out_specs.append(dq_spec)
-    out_shape.append(jax.ShapeDtypeStruct(dq_acc.shape, dq_acc.dtype))
+    out_shape.append(out_struct(dq_acc.shape, dq_acc.dtype, q))
     args.append(dq_acc)
     aliases = {len(args) - 1: 2}
   res = pl.pallas_call(
@@ -253,7 +254,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
           pl.BlockSpec((None, 1, tp), lambda i, bi, hi: (bi, hi, 0)),  # delta
       ],
       out_specs=pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      out_shape=out_struct(q.shape, q.dtype, q),
       compiler_params=params,
       interpret=interpret,
       name="fa2_backward_dq",

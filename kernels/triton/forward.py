@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...masking import allowed
+from ..vma import out_struct
 from .common import (LN2, LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim,
                      store_tile)
 
@@ -167,8 +168,8 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
           pl.BlockSpec((None, None, t), lsemap),
       ],
       out_shape=[
-          jax.ShapeDtypeStruct(q.shape, q.dtype),
-          jax.ShapeDtypeStruct((b, n, t), jnp.float32),
+          out_struct(q.shape, q.dtype, q),
+          out_struct((b, n, t), jnp.float32, q),
       ],
       compiler_params=compiler_params(num_warps, num_stages),
       interpret=interpret,
