@@ -207,7 +207,7 @@ def run(args) -> dict:
     inputs = ref = None
     for impl in impls:
       bar.set_postfix_str(f"{impl} T={cfg['seq']} H={cfg['head_dim']} causal={cfg['causal']}")
-      base = dict(cfg, impl=impl, label=C.IMPL_LABELS.get(impl, impl))
+      base = dict(cfg, impl=impl, label=C.IMPL_LABELS.get(impl, impl), dtype=args.dtype)
       if rec.key(base) in rec.done:  # --resume: measured by the last run
         bar.update(1)
         continue
@@ -290,6 +290,10 @@ def render(data, out_dir: Path, tag=None):
   files = []
   lines = [f"# Attention throughput ({data.get('config', {}).get('dtype', 'bf16')})", ""]
   lines += C.meta_lines(meta)
+  if data.get("merged_from"):
+    lines.append("- merged from " + ", ".join(f"`{p}`" for p in data["merged_from"]) + ": where "
+                 "two runs hold a cell the later run's wins (each cell's `source` in the JSON); a "
+                 "run measures every row of a column in one process, so ratios stay within a run")
   mm = data.get("matmul") or {}
   if C.finite(mm.get("tflops")):
     lines.append(f"- dense bf16 matmul 8192³ on this device: {mm['tflops']:.0f} TFLOP/s")

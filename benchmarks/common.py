@@ -635,11 +635,40 @@ def resolve_out(args, info: dict) -> Path:
   return out
 
 
+_CELL_KEYS = ("impl", "seq", "head_dim", "causal", "dtype", "batch", "heads")
+
+
+def _cell_key(c):
+  if not isinstance(c, dict) or "impl" not in c or "seq" not in c:
+    return ("unique", id(c))
+  return tuple(c.get(k) for k in _CELL_KEYS)
+
+
+def _measured(c) -> bool:
+  return isinstance(c, dict) and c.get("status") not in ("skipped", "unavailable") and bool(
+      c.get("tflops") or c.get("latency") or c.get("peak_bytes") or c.get("errors"))
+
+
 def merge_json(paths) -> dict:
-  """Concatenate the cells of several result files (meta of the first, the others listed)."""
+  """The cells of several result files (meta of the first, the others listed). Where two files hold
+  the same cell (implementation, shape, dtype), the later file's wins unless it only skipped it; each
+  cell records the file it came from."""
   datas = [read_json(p) for p in paths]
   base = dict(datas[0])
-  base["cells"] = [c for d in datas for c in d.get("cells", [])]
+  merged: dict = {}
+  for path, d in zip(paths, datas):
+    dtype = (d.get("config") or {}).get("dtype")  # older files: skipped cells carry no dtype
+    for c in d.get("cells", []):
+      if isinstance(c, dict):
+        c = dict(c, source=str(path))
+        if dtype and "dtype" not in c and "impl" in c:
+          c["dtype"] = dtype
+      key = _cell_key(c)
+      if key in merged and _measured(merged[key]) and not _measured(c):
+        continue
+      merged.pop(key, None)
+      merged[key] = c
+  base["cells"] = list(merged.values())
   base["notes"] = [n for d in datas for n in d.get("notes", [])]
   base["merged_from"] = [str(p) for p in paths]
   base["merged_meta"] = [d.get("meta") for d in datas[1:]]

@@ -95,9 +95,27 @@ def test_attention_merge(attention_run, tmp_path):
   out, _ = attention_run
   data = attention.main(["--merge", str(out / "attention.json"), str(out / "attention.json"),
                          "--out", str(tmp_path)])
-  assert len(data["cells"]) == 16
+  assert len(data["cells"]) == 8  # the same cells twice: one copy each
   assert (tmp_path / "attention_merged.md").exists()
   _png(tmp_path / "attention_fwd_merged.png")
+
+
+def test_merge_later_measurement_wins_but_not_a_skip(attention_run, tmp_path):
+  out, _ = attention_run
+  first = _load(out / "attention.json")
+  second = json.loads(json.dumps(first))
+  a, b = second["cells"][0], second["cells"][1]
+  a["tflops"] = {"fwd": 123.0, "bwd": 45.0, "fwd+bwd": 67.0}  # re-measured later: replaces
+  b.update(status="skipped", tflops={})  # skipped later: the earlier measurement stays
+  p1, p2 = tmp_path / "one.json", tmp_path / "two.json"
+  p1.write_text(json.dumps(first))
+  p2.write_text(json.dumps(second))
+  merged = common.merge_json([p1, p2])
+  key = common._cell_key
+  by = {key(c): c for c in merged["cells"]}
+  assert len(merged["cells"]) == len(first["cells"])
+  assert by[key(a)]["tflops"]["fwd"] == 123.0 and by[key(a)]["source"] == str(p2)
+  assert by[key(b)]["tflops"] == first["cells"][1]["tflops"] and by[key(b)]["source"] == str(p1)
 
 
 def test_ablation_smoke(tmp_path):
