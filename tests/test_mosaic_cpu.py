@@ -454,3 +454,23 @@ def test_interpret_numerics(case):
   if causal and s > t:  # keys past the last query are never attended: exactly zero gradients
     assert not np.asarray(got[3][:, t:], np.float32).any()
     assert not np.asarray(got[4][:, t:], np.float32).any()
+
+
+def test_equal_kernels_lower_once_per_program():
+  """Four layers of fwd+bwd in one program: the Mosaic custom calls share 3 kernels (forward, dK/dV,
+  dQ), not 12 — each distinct kernel is lowered and hashed once (its compile can then be shared)."""
+  sd = jax.ShapeDtypeStruct((1, 256, 4, 128), BF16)
+  scale = 1.0 / math.sqrt(128)
+
+  def loss(q, k, v):
+    x = q
+    for _ in range(4):
+      out, lse = forward(x, k, v, scale=scale, is_causal=True)
+      do = jnp.ones_like(out)
+      dq, dk, dv = backward(x, k, v, out, lse, do, scale=scale, is_causal=True)
+      x = (out + dq + dk + dv).astype(BF16)
+    return x
+
+  text = jax.jit(loss).trace(sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
+  hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+  assert len(set(hashes)) == 3, len(set(hashes))

@@ -50,6 +50,7 @@ from .ops import (Product, bcast_cols, bcast_rows, compiler_params, emulating, i
 
 # --- dK / dV ---------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class _Dkv:
   scale: float
@@ -193,15 +194,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
       plgpu.barrier_wait(free.at[lax.rem(idx, jnp.array(stages, idx.dtype))])
 
 
+# jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
+@functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_q', 'cfg', 'want_dk', 'want_dv',
+                                             'num_wgs', 'emulate'))
 def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicConfig, want_dk,
-              want_dv, num_wgs):
+              want_dv, num_wgs, emulate):
   b, t_hbm, n, h = q.shape
   s_hbm, kh = k.shape[1], k.shape[2]
   bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv
   st = _Dkv(scale=scale, is_causal=is_causal, seq_q=seq_q, group=n // kh, head_dim=h, block_q=bq,
             block_k=bk, num_stages=stages, num_wgs=num_wgs, want_dk=want_dk, want_dv=want_dv,
             dtype=q.dtype, registers=cfg.registers(num_wgs),
-            memory_registers=cfg.memory_registers, emulate=emulating())
+            memory_registers=cfg.memory_registers, emulate=emulate)
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
@@ -352,7 +356,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
       plgpu.barrier_wait(v_free.at[slot])
 
 
-def _dq_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_k, cfg: MosaicConfig):
+@functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_k', 'cfg', 'emulate'))
+def _dq_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_k, cfg: MosaicConfig, emulate):
   b, t_hbm, n, h = q.shape
   kh = k.shape[2]
   bq, bk, stages, nwg = cfg.block_q_dq, cfg.block_k_dq, cfg.num_stages_dq, cfg.num_wgs_dq
@@ -360,7 +365,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_k, cfg: MosaicCo
   st = _Dq(scale=scale, is_causal=is_causal, seq_k=seq_k, group=n // kh, head_dim=h, block_q=bq,
            block_k=bk, num_stages=stages, num_wgs=nwg, n_q_tiles=n_q_tiles, dtype=q.dtype,
            registers=cfg.registers(nwg), memory_registers=cfg.memory_registers,
-           emulate=emulating())
+           emulate=emulate)
   tf = smem_transforms()
   scratch = dict(
       q_smem=plgpu.SMEM((nwg, bq, h), q.dtype, transforms=tf),
@@ -443,7 +448,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   qp, dop = pad_axis(q, 1, plan.t_hbm), pad_axis(do, 1, plan.t_hbm)
   kp, vp = pad_axis(k, 1, plan.s_hbm), pad_axis(v, 1, plan.s_hbm)
 
-  common = dict(scale=scale, is_causal=is_causal, seq_q=t, cfg=cfg)
+  common = dict(scale=scale, is_causal=is_causal, seq_q=t, cfg=cfg, emulate=emulating())
   if cfg.dkv_split:
     (dv,) = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=False, want_dv=True,
                       num_wgs=cfg.num_wgs_dkv, **common)
@@ -452,7 +457,8 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   else:
     dk, dv = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
                        num_wgs=cfg.num_wgs_dkv, **common)
-  dq = _dq_call(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, seq_k=s, cfg=cfg)
+  dq = _dq_call(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, seq_k=s, cfg=cfg,
+                emulate=emulating())
   if plan.pad_t:
     dq = dq[:, :t]
   if plan.pad_s:

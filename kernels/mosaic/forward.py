@@ -44,6 +44,7 @@ from ..vma import out_struct
 from .common import LN2, LOG2E, MosaicConfig, kv_block_ranges, pad_axis, plan_lengths, supports
 from .ops import bcast_rows, compiler_params, emulating, iota2, mma, smem_transforms
 
+
 @dataclasses.dataclass(frozen=True)
 class _Fwd:
   scale: float
@@ -228,11 +229,15 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
   rows = cfg.num_wgs * cfg.block_q
   plan = plan_lengths(t, s, q_tile=rows, k_tile=cfg.block_k, mode=cfg.ragged)
   out, lse = _forward_call(q, k, v, scale=float(scale), is_causal=bool(is_causal), cfg=cfg,
-                           plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_lse=plan.t_lse)
+                           plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_lse=plan.t_lse,
+                           emulate=emulating())
   return out, lse
 
 
-def _forward_call(q, k, v, *, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_lse):
+# jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
+@functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'cfg', 'plan_t', 'plan_s', 't_lse',
+                                             'emulate'))
+def _forward_call(q, k, v, *, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_lse, emulate):
   """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,H], lse [B,N,T]."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
@@ -245,7 +250,7 @@ def _forward_call(q, k, v, *, scale, is_causal, cfg: MosaicConfig, plan_t, plan_
             block_q=cfg.block_q, block_k=cfg.block_k, num_stages=cfg.num_stages,
             num_wgs=cfg.num_wgs, pingpong=cfg.pingpong and cfg.num_wgs == 2,
             n_q_tiles=n_q_tiles, dtype=q.dtype, registers=cfg.registers(cfg.num_wgs),
-            memory_registers=cfg.memory_registers, emulate=emulating())
+            memory_registers=cfg.memory_registers, emulate=emulate)
   tf = smem_transforms()
   nwg, stages = cfg.num_wgs, cfg.num_stages
   scratch = dict(
