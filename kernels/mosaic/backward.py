@@ -45,7 +45,7 @@ from ..vma import out_struct
 from .common import (LOG2E, WG_ROWS, MosaicConfig, kv_block_ranges, pad_axis, plan_lengths,
                      q_block_ranges, supports)
 from .ops import (Product, bcast_cols, bcast_rows, compiler_params, emulating, iota2, mma, mma_many,
-                  smem_transforms, zeros as _zeros)
+                  smem_transforms, stream_kv, zeros as _zeros)
 
 
 # --- dK / dV ---------------------------------------------------------------------------------------
@@ -332,28 +332,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
   def _producer():
     plgpu.set_max_registers(st.memory_registers, action="decrease")
 
-    @pl.loop(0, n_end)
-    def _(j):
-      slot = lax.rem(j, jnp.array(stages, j.dtype))
-      rows = (b, pl.ds(j * bk, bk), kvh)
-
-      @pl.when(j >= stages)
-      def _():
-        plgpu.barrier_wait(k_free.at[slot])
-
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
-
-      @pl.when(j >= stages)
-      def _():
-        plgpu.barrier_wait(v_free.at[slot])
-
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
-
-    @pl.loop(jnp.maximum(n_end - stages, 0), n_end)  # drain (see forward)
-    def _(j):
-      slot = lax.rem(j, jnp.array(stages, j.dtype))
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
+    stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, b=b, kvh=kvh,
+              n_end=n_end, block_k=bk, stages=stages)
 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_k', 'cfg', 'emulate'))

@@ -42,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ...masking import allowed
 from ..vma import out_struct
 from .common import LN2, LOG2E, MosaicConfig, kv_block_ranges, pad_axis, plan_lengths, supports
-from .ops import bcast_rows, compiler_params, emulating, iota2, mma, smem_transforms
+from .ops import bcast_rows, compiler_params, emulating, iota2, mma, smem_transforms, stream_kv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,30 +179,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
   def _producer():
     plgpu.set_max_registers(st.memory_registers, action="decrease")
 
-    @pl.loop(0, n_end)
-    def _(j):
-      slot = lax.rem(j, jnp.array(stages, j.dtype))
-      rows = (b, pl.ds(j * bk, bk), kvh)
-
-      @pl.when(j >= stages)
-      def _():
-        plgpu.barrier_wait(k_free.at[slot])  # both consumers are done with K in this slot
-
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
-
-      @pl.when(j >= stages)
-      def _():
-        plgpu.barrier_wait(v_free.at[slot])
-
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
-
-    # Drain: observe the consumers' last releases, so every barrier phase is waited exactly once
-    # (the GPU does not need it; it keeps the protocol symmetric and interpret mode's checks happy).
-    @pl.loop(jnp.maximum(n_end - stages, 0), n_end)
-    def _(j):
-      slot = lax.rem(j, jnp.array(stages, j.dtype))
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
+    stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, b=b, kvh=kvh,
+              n_end=n_end, block_k=bk, stages=stages)
 
 
 def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | None = None):
