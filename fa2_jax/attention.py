@@ -288,7 +288,7 @@ def _flash_bwd(st: _Static, residuals, cotangents):
       from .kernels import mosaic
       from .kernels.vma import cast_like
       grads = mosaic.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
-                              is_causal=st.is_causal, deterministic=True)
+                              is_causal=st.is_causal, deterministic=st.deterministic)
       return cast_like(q, *grads)
     dq, dk, dv = tk.backward(
         q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,

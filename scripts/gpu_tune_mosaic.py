@@ -32,9 +32,10 @@ FWD_VARIANTS = {
          dict(block_k=256, num_stages=2), dict(block_k=256, num_stages=3), dict(pingpong=False)],
 }
 BWD_VARIANTS = {
-    128: [dict(num_stages_dkv=3), dict(block_q_dkv=128), dict(block_k_dq=128),
+    128: [dict(dq_fused=True), dict(num_stages_dkv=3), dict(block_q_dkv=128), dict(block_k_dq=128),
           dict(num_stages_dq=3), dict(block_k_dq=128, num_stages_dq=1)],
-    64: [dict(num_stages_dkv=3), dict(num_stages_dkv=4), dict(block_q_dkv=128),
+    64: [dict(dq_fused=True, num_stages_dkv=2), dict(dq_fused=True, block_q_dkv=64),
+         dict(num_stages_dkv=3), dict(num_stages_dkv=4), dict(block_q_dkv=128),
          dict(block_q_dkv=128, num_stages_dkv=3), dict(block_k_dq=128), dict(num_stages_dq=3),
          dict(block_k_dq=128, num_stages_dq=3)],
 }
@@ -87,8 +88,9 @@ def main():
       return st["median_s"], out
 
     def bwd_time(cfg, out, lse):
-      fn = jax.jit(lambda q, k, v, o, l, d: mosaic.backward(q, k, v, o, l, d, scale=scale,
-                                                           is_causal=causal, config=cfg))
+      fn = jax.jit(lambda q, k, v, o, l, d: mosaic.backward(
+          q, k, v, o, l, d, scale=scale, is_causal=causal, config=cfg,
+          deterministic=not cfg.dq_fused))
       st, _ = C.time_throughput(fn, (q, k, v, out, lse, do))
       return st["median_s"]
 

@@ -100,6 +100,7 @@ def test_smem_budget_matches_docstring():
     (dict(memory_registers=20), ValueError, "memory_registers"),
     (dict(memory_registers=264), ValueError, "memory_registers"),
     (dict(pingpong=1), TypeError, "pingpong"),
+    (dict(dq_fused=1), TypeError, "dq_fused"),
     (dict(dkv_split="yes"), TypeError, "dkv_split"),
     (dict(block_k=128.0), TypeError, "block_k"),
     (dict(num_stages=True), TypeError, "num_stages"),
@@ -348,10 +349,12 @@ def test_pad_axis():
 # --- lowering for sm90 --------------------------------------------------------------------------------
 
 def _fwd_bwd(scale, causal, cfg=None, with_dlse=False):
+  deterministic = not (cfg is not None and cfg.dq_fused)
+
   def f(q, k, v, do, dlse):
     out, lse = forward(q, k, v, scale=scale, is_causal=causal, config=cfg)
     dq, dk, dv = backward(q, k, v, out, lse, do, dlse=dlse if with_dlse else None, scale=scale,
-                          is_causal=causal, config=cfg)
+                          is_causal=causal, config=cfg, deterministic=deterministic)
     return out, lse, dq, dk, dv
   return f
 
@@ -362,6 +365,11 @@ LOWER_CASES = [  # b, t, s, n, kh, h, causal, dtype, cfg, kernels
     (1, 300, 300, 2, 1, 128, True, jnp.float16,
      MosaicConfig.default(128).replace(pingpong=False, ragged="pad"), ("forward", "dkdv", "dq")),
     (1, 256, 200, 2, 2, 256, True, BF16, None, ("forward", "dv", "dk", "dq")),
+    # fused dQ (TMA reduce-add inside the dK/dV kernel): no dQ kernel
+    (1, 1000, 777, 4, 2, 128, True, BF16, MosaicConfig.default(128).replace(dq_fused=True),
+     ("forward", "dkdv_dq")),
+    (2, 512, 512, 4, 4, 64, False, BF16,
+     MosaicConfig.default(64).replace(dq_fused=True, num_stages_dkv=2), ("forward", "dkdv_dq")),
 ]
 
 
@@ -376,7 +384,7 @@ def test_lowers_for_sm90(case):
   text = lowered.as_text()
   # one Mosaic GPU custom call per kernel, each carrying its serialized Mosaic module
   assert text.count("stablehlo.custom_call @mosaic_gpu") == len(kernels), text[:2000]
-  names = set(re.findall(r"fa2_mosaic_(forward|dkdv|dk|dv|dq)_mosaic_gpu", text))
+  names = set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dk|dv|dq)_mosaic_gpu", text))
   assert names == set(kernels)
   # output shapes/dtypes as documented
   outs = lowered.out_info
@@ -414,6 +422,9 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # non-causal, ragged lengths padded in HBM, lse cotangent, one consumer warpgroup (no pingpong)
     (1, 100, 77, 2, 2, 128, False,
      MosaicConfig.default(128).replace(ragged="pad", num_wgs=1, pingpong=False), True),
+    # fused dQ: causal, GQA 2:1, ragged T/S, lse cotangent (emulated: per-consumer slabs, summed)
+    (1, 136, 200, 4, 2, 64, True, MosaicConfig.default(64).replace(dq_fused=True, num_stages_dkv=2),
+     True),
 ]
 
 

@@ -45,7 +45,7 @@ from ..vma import out_struct
 from .common import (LOG2E, WG_ROWS, MosaicConfig, kv_block_ranges, pad_axis, plan_lengths,
                      q_block_ranges, supports)
 from .ops import (Product, bcast_cols, bcast_rows, compiler_params, emulating, iota2, mma, mma_many,
-                  smem_transforms, stream_kv, zeros as _zeros)
+                  smem_transforms, smem_transforms_f32, stream_kv, zeros as _zeros)
 
 
 # --- dK / dV ---------------------------------------------------------------------------------------
@@ -68,16 +68,23 @@ class _Dkv:
   registers: int
   memory_registers: int
   emulate: bool = False
+  # dQ inside this kernel (FA2 Alg. 2 line 15 with the paper's accumulation across key blocks): each
+  # step's dS_ij K_j goes to an f32 HBM accumulator by a TMA reduce-add (no separate dQ kernel, so S
+  # and dP are computed once instead of twice; not bit-reproducible: the adds' order varies).
+  fused_dq: bool = False
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_smem, v_smem, q_smem,
                 do_smem, lse_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, lse_bar, delta_bar,
-                free, st: _Dkv):
+                free, ds_smem=None, dq_smem=None, dq_acc_ref=None, closed_outs=None, st: _Dkv):
   # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref (base 2), delta_ref: [B, N, T_lse]
   # outputs: dk_ref and/or dv_ref [B, S, K, H] (per want_dk / want_dv).
+  # fused_dq: dq_acc_ref [B, T, N, H] f32, zero-initialised by the caller (a closed-over ref, so it is
+  # aliased in and out of the kernel); emulation: [n_k_tiles * num_wgs, B, T, N, H], one slab per
+  # consumer, summed by the caller (Pallas' GPU interpreter has no TMA reduce-add).
   bq, bk, nwg, stages, g_size = st.block_q, st.block_k, st.num_wgs, st.num_stages, st.group
   c = st.scale * LOG2E
-  outs = list(out_refs)
+  outs = list(out_refs if closed_outs is None else closed_outs)
   dk_ref = outs.pop(0) if st.want_dk else None
   dv_ref = outs.pop(0) if st.want_dv else None
   b = lax.axis_index("b")
@@ -136,8 +143,26 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
         delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         ds_t = p_t * (dp_t - bcast_cols(delta, dp_t.shape))  # dS^T = P^T ∘ (dP^T − D_i)  (eq. 4)
         ds16 = ds_t.astype(st.dtype)
+        if st.fused_dq:
+          ds_s = ds_smem.at[wg]  # [keys, rows]: dS^T staged so wgmma can read it transposed
+          ds_s[...] = ds16
+          plgpu.commit_smem()
 
         dk = mma((bk, st.head_dim), ds16, q_t, init=dk)  # dK_j += dS^T Q_i
+        if st.fused_dq:
+          # dQ_i += dS_ij K_j (line 15): [rows, keys] x [keys, H], A = (dS^T)^T from SMEM.
+          dq_part = mma((bq, st.head_dim), ds_s, k_s, ta=True)
+          h = kvh * g_size + g
+          dq_rows = (b, pl.ds(i * bq, bq), h)
+          if st.emulate:
+            dst = dq_acc_ref.at[(kt * nwg + wg,) + dq_rows]
+          else:
+            dst = dq_acc_ref.at[dq_rows]
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_smem
+          dq_smem.at[wg][...] = dq_part
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst,
+                                  reduction_op=None if st.emulate else "add")
       plgpu.barrier_arrive(free.at[slot])  # all wgmmas reading this slot have completed
       return dk, dv
 
@@ -196,16 +221,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
 @functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_q', 'cfg', 'want_dk', 'want_dv',
-                                             'num_wgs', 'emulate'))
+                                             'num_wgs', 'emulate', 'fused_dq'))
 def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicConfig, want_dk,
-              want_dv, num_wgs, emulate):
+              want_dv, num_wgs, emulate, fused_dq=False):
   b, t_hbm, n, h = q.shape
   s_hbm, kh = k.shape[1], k.shape[2]
   bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv
   st = _Dkv(scale=scale, is_causal=is_causal, seq_q=seq_q, group=n // kh, head_dim=h, block_q=bq,
             block_k=bk, num_stages=stages, num_wgs=num_wgs, want_dk=want_dk, want_dv=want_dv,
             dtype=q.dtype, registers=cfg.registers(num_wgs),
-            memory_registers=cfg.memory_registers, emulate=emulate)
+            memory_registers=cfg.memory_registers, emulate=emulate, fused_dq=fused_dq)
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
@@ -222,6 +247,9 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
       delta_bar=plgpu.Barrier(num_barriers=stages) if want_dk else None,
       free=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
+  if fused_dq:
+    scratch["ds_smem"] = plgpu.SMEM((num_wgs, bk, bq), q.dtype, transforms=tf)
+    scratch["dq_smem"] = plgpu.SMEM((num_wgs, bq, h), jnp.float32, transforms=smem_transforms_f32())
   out_type = []
   if want_dk:
     out_type.append(out_struct(k.shape, k.dtype, q))
@@ -230,18 +258,36 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
   n_k_tiles = -(-s_hbm // (num_wgs * bk))
   name = "fa2_mosaic_dkdv" if (want_dk and want_dv) else ("fa2_mosaic_dk" if want_dk else
                                                            "fa2_mosaic_dv")
-  res = plgpu.kernel(
-      functools.partial(_dkv_kernel, st=st),
-      out_type=tuple(out_type),
-      scratch_types=scratch,
-      grid=(b, kh, n_k_tiles),
-      grid_names=("b", "h", "k"),
-      num_threads=num_wgs + 1,
-      thread_name="wg",
-      compiler_params=compiler_params(),
-      kernel_name=name,
-  )(q, k, v, do, lse2, delta)
-  return tuple(res)
+
+  def launch(out_type, **extra):
+    return plgpu.kernel(
+        functools.partial(_dkv_kernel, st=st, **extra),
+        out_type=tuple(out_type),
+        scratch_types=scratch,
+        grid=(b, kh, n_k_tiles),
+        grid_names=("b", "h", "k"),
+        num_threads=num_wgs + 1,
+        thread_name="wg",
+        compiler_params=compiler_params(),
+        kernel_name=name + ("_dq" if fused_dq else ""),
+    )(q, k, v, do, lse2, delta)
+
+  if not fused_dq:
+    return tuple(launch(out_type))
+  # The dQ accumulator is a ref the kernel closes over: Pallas passes its zero-filled initial value in
+  # and aliases it to the output, which a TMA reduce-add needs (a kernel's own outputs start
+  # uninitialised). dK and dV are closed-over refs too, so every result leaves through the state.
+  acc_shape = (b, t_hbm, n, h) if not emulate else (n_k_tiles * num_wgs, b, t_hbm, n, h)
+
+  def stateful(refs):
+    acc_ref, dk_ref, dv_ref = refs
+    launch((), dq_acc_ref=acc_ref, closed_outs=(dk_ref, dv_ref))
+
+  acc, dk, dv = pl.run_state(stateful)((jnp.zeros(acc_shape, jnp.float32),
+                                        jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)))
+  if emulate:
+    acc = acc.sum(axis=0)
+  return dk, dv, acc
 
 
 # --- dQ ----------------------------------------------------------------------------------------------
@@ -396,13 +442,13 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
       :func:`forward`).
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
-    deterministic: accepted for signature parity with the Triton backend; this backend is always
-      deterministic (separate dQ kernel, no atomics).
+    deterministic: True guarantees the separate dQ kernel (no atomics, bit-identical across runs).
+      False allows the fused dQ of ``config.dq_fused`` (TMA reduce-adds); with the default config
+      (``dq_fused=False``) both give the deterministic kernels.
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v (dk/dv already summed over each GQA group).
   """
-  del deterministic
   reason = supports(q.shape, k.shape, q.dtype, q.shape[-1], is_causal)
   if reason is not None:
     raise ValueError(f"fa2_jax mosaic backward: {reason}")
@@ -429,6 +475,13 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   kp, vp = pad_axis(k, 1, plan.s_hbm), pad_axis(v, 1, plan.s_hbm)
 
   common = dict(scale=scale, is_causal=is_causal, seq_q=t, cfg=cfg, emulate=emulating())
+  if cfg.dq_fused and not deterministic and not cfg.dkv_split:
+    dk, dv, dq_acc = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
+                               num_wgs=cfg.num_wgs_dkv, fused_dq=True, **common)
+    dq = (dq_acc[:, :t] * scale).astype(q.dtype)
+    if plan.pad_s:
+      dk, dv = dk[:, :s], dv[:, :s]
+    return dq, dk, dv
   if cfg.dkv_split:
     (dv,) = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=False, want_dv=True,
                       num_wgs=cfg.num_wgs_dkv, **common)

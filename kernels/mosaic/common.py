@@ -69,6 +69,10 @@ class MosaicConfig:
   ``dkv_split`` runs dV and dK as two passes, each keeping one f32 accumulator in registers instead of
   two (needed for head_dim > 128: two 64 x 256 f32 accumulators are 256 registers per thread).
   ``num_wgs_dk`` is the consumer count of the dK pass when split (its SMEM holds K, V, Q, dO).
+  ``dq_fused`` (experimental, off by default, used only when the call allows a non-deterministic
+  backward and dK/dV are not split): the dK/dV kernel also computes ``dS_ij K_j`` and adds it to an f32
+  dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ kernel and its second
+  computation of S and dP; it stages dS^T (bf16) and the dQ partial (f32) in SMEM.
 
   dQ (deterministic, separate pass): a CTA owns ``num_wgs_dq * block_q_dq`` query rows and streams
   ``block_k_dq``-key tiles of K and V.
@@ -96,6 +100,7 @@ class MosaicConfig:
   num_stages_dq: int = 2
   num_wgs_dq: int = 2
   ragged: str = "tma"
+  dq_fused: bool = False
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
   memory_registers: int = 40
 
@@ -106,7 +111,7 @@ class MosaicConfig:
         if v not in RAGGED_MODES:
           raise ValueError(f"MosaicConfig.ragged must be one of {RAGGED_MODES}, got {v!r}")
         continue
-      if f.name in ("pingpong", "dkv_split"):
+      if f.name in ("pingpong", "dkv_split", "dq_fused"):
         if not isinstance(v, bool):
           raise TypeError(f"MosaicConfig.{f.name} must be a bool, got {v!r}")
         continue
@@ -179,7 +184,11 @@ class MosaicConfig:
     tile_q = self.block_q_dkv * head_dim * itemsize
     resident = nwg * tile_k * (2 if want_dk else 1)  # K (and V for dP)
     ring = self.num_stages_dkv * (2 * tile_q + self.block_q_dkv * 4 * (2 if want_dk else 1))
-    return resident + ring
+    fused = 0
+    if self.dq_fused and want_dk and want_dv and not self.dkv_split:
+      # per consumer: dS^T [keys, rows] in the input dtype + the f32 dQ partial [rows, H]
+      fused = nwg * (self.block_k_dkv * self.block_q_dkv * itemsize + self.block_q_dkv * head_dim * 4)
+    return resident + ring + fused
 
   def smem_dq(self, head_dim: int, itemsize: int = 2) -> int:
     resident = self.num_wgs_dq * (2 * self.block_q_dq * head_dim * itemsize + 2 * self.block_q_dq * 4)

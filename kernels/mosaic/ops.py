@@ -56,6 +56,11 @@ def smem_transforms():
   return (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
+def smem_transforms_f32():
+  """SMEM layout for f32 [rows, cols] tiles: (8, 32) tiles, 128-byte swizzle (32 f32 per row)."""
+  return (plgpu.TilingTransform((8, _SWIZZLE // 4)), plgpu.SwizzleTransform(_SWIZZLE))
+
+
 def compiler_params():
   # approx_math: exp2/log/reciprocal may use the fast MUFU forms (as FA2 does with ex2.approx).
   return plgpu.CompilerParams(approx_math=True)
