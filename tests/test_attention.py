@@ -99,9 +99,12 @@ def reference_f64(q, k, v, do, causal):
   cpu = jax.devices("cpu")[0]
   with jax.enable_x64(True):
     q64, k64, v64, do64 = (jax.device_put(np.asarray(x, np.float64), cpu) for x in (q, k, v, do))
-    out, lse = fa2_jax.reference_attention(q64, k64, v64, is_causal=causal, return_residual=True)
-    _, dq, dk, dv = _value_and_grads(
-        lambda a, b, c: fa2_jax.reference_attention(a, b, c, is_causal=causal), q64, k64, v64, do64)
+    # jitted (the inputs live on the CPU, so it runs there): one compile instead of one per op
+    out, lse = jax.jit(lambda a, b, c: fa2_jax.reference_attention(
+        a, b, c, is_causal=causal, return_residual=True))(q64, k64, v64)
+    _, dq, dk, dv = jax.jit(lambda *a: _value_and_grads(
+        lambda x, y, z: fa2_jax.reference_attention(x, y, z, is_causal=causal), *a))(
+            q64, k64, v64, do64)
     return [np.asarray(x) for x in (out, lse, dq, dk, dv)]
 
 
@@ -109,9 +112,10 @@ def low_precision_xla(q, k, v, do, causal):
   """The same formula evaluated by XLA entirely in the input dtype: the error budget."""
   dt = q.dtype
   f = lambda a, b, c: fa2_jax.reference_attention(a, b, c, is_causal=causal, compute_dtype=dt)
-  out, dq, dk, dv = _value_and_grads(f, q, k, v, do)
-  _, lse = fa2_jax.reference_attention(q, k, v, is_causal=causal, compute_dtype=dt,
-                                       return_residual=True)
+  # jitted: on a GPU, op-by-op dispatch compiles every primitive separately (slow at these shapes)
+  out, dq, dk, dv = jax.jit(lambda *a: _value_and_grads(f, *a))(q, k, v, do)
+  _, lse = jax.jit(lambda a, b, c: fa2_jax.reference_attention(
+      a, b, c, is_causal=causal, compute_dtype=dt, return_residual=True))(q, k, v)
   return [np.asarray(x.astype(jnp.float32), np.float64) for x in (out, lse, dq, dk, dv)]
 
 
