@@ -5,7 +5,8 @@
 """
 from .attention import flash_attention
 from .config import BlockSizes
+from .kernels.mosaic.common import MosaicConfig
 from .reference import reference_attention
 
-__all__ = ["flash_attention", "BlockSizes", "reference_attention"]
+__all__ = ["flash_attention", "BlockSizes", "MosaicConfig", "reference_attention"]
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import BlockSizes
+from .kernels.mosaic.common import MosaicConfig
 from .reference import reference_attention
 
 _IMPLEMENTATIONS = (None, "triton", "mosaic", "xla")
@@ -31,6 +32,7 @@ class _Static:
   normalize_each_step: bool = False
   seq_parallel: bool = True
   backend: str = "triton"  # "triton" | "mosaic"
+  mosaic: MosaicConfig | None = None  # the Mosaic kernels' tiles (None: MosaicConfig.default)
   # dQ by atomic adds inside the dK/dV kernel (the paper's scheme) instead of a separate dQ pass.
   # Off by default: on an H200 the separate pass measured 367 TFLOP/s backward against 62 with
   # atomics (seq 8k, head_dim 128, bf16; benchmarks/results/h200/), and it is deterministic too.
@@ -107,9 +109,15 @@ def check_options(implementation, block_sizes) -> None:
   if implementation not in _IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of None, 'triton', 'mosaic', 'xla', got "
                      f"{implementation!r}")
-  if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-    raise TypeError(f"block_sizes must be a fa2_jax.BlockSizes or None, got "
-                    f"{type(block_sizes).__name__}")
+  if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, MosaicConfig)):
+    raise TypeError(f"block_sizes must be a fa2_jax.BlockSizes (Triton kernels), a "
+                    f"fa2_jax.MosaicConfig (Mosaic kernels) or None, got {type(block_sizes).__name__}")
+  if isinstance(block_sizes, MosaicConfig) and implementation == "triton":
+    raise TypeError("block_sizes is a MosaicConfig, which configures implementation='mosaic'; the "
+                    "Triton kernels take a fa2_jax.BlockSizes")
+  if isinstance(block_sizes, BlockSizes) and implementation == "mosaic":
+    raise TypeError("block_sizes is a BlockSizes, which configures the Triton kernels; "
+                    "implementation='mosaic' takes a fa2_jax.MosaicConfig")
 
 
 # implementation=None picks the Mosaic GPU (Hopper) backend for the calls it supports on sm90+ (bf16/fp16,
@@ -138,10 +146,13 @@ def _mosaic_reason(query, key, is_causal, interpret) -> str | None:
   return mosaic.supports(query.shape, key.shape, query.dtype, query.shape[-1], is_causal)
 
 
-def _choose_backend(implementation, interpret, query, key, is_causal):
+def _choose_backend(implementation, interpret, query, key, is_causal, block_sizes=None):
   head_dim = query.shape[-1]
   if implementation == "xla":
     return "xla"
+  # With implementation=None the type of block_sizes names the kernels it tunes.
+  if implementation is None and isinstance(block_sizes, MosaicConfig):
+    implementation = "mosaic"
   if implementation == "mosaic":
     why = _mosaic_reason(query, key, is_causal, interpret)
     if why is not None:
@@ -160,7 +171,8 @@ def _choose_backend(implementation, interpret, query, key, is_causal):
     return "triton"
   # implementation=None: Mosaic where enabled and supported, the Triton kernels on GPU (or wherever
   # interpret=True asks for them), else XLA.
-  if MOSAIC_BY_DEFAULT and _mosaic_reason(query, key, is_causal, interpret) is None:
+  if (MOSAIC_BY_DEFAULT and not isinstance(block_sizes, BlockSizes)
+      and _mosaic_reason(query, key, is_causal, interpret) is None):
     return "mosaic"
   if kernel_ok and (interpret or _on_gpu()):
     return "triton"
@@ -184,7 +196,10 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       cannot run) or ``"xla"`` (the reference formula).
     return_residual: also return ``lse`` ``[B, T, N]`` float32, the natural-log logsumexp of each
       row's scaled logits (differentiable).
-    block_sizes: a :class:`fa2_jax.BlockSizes`, or None for the per-head_dim heuristic.
+    block_sizes: None for the per-head_dim defaults, a :class:`fa2_jax.BlockSizes` (tiles of the
+      Triton kernels; with ``implementation=None`` it selects them) or a :class:`fa2_jax.MosaicConfig`
+      (tiles of the Mosaic kernels; with ``implementation=None`` it selects them, and a call they
+      cannot run raises a ValueError naming the reason).
     deterministic: guarantee a backward without atomics, bit-identical across runs. The default
       backward (a separate dQ pass, faster than the paper's atomic adds on H200) already is.
     interpret: True runs the Pallas kernels in interpret mode on any platform (CPU tests).
@@ -200,15 +215,18 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     query, key, value = query[None], key[None], value[None]
   h = query.shape[-1]
   scale = 1.0 / math.sqrt(h) if scale is None else float(scale)
-  backend = _choose_backend(implementation, interpret, query, key, is_causal)
+  backend = _choose_backend(implementation, interpret, query, key, is_causal, block_sizes)
   if backend == "xla":
     res = reference_attention(query, key, value, scale=scale, is_causal=is_causal,
                               return_residual=True)
   else:
-    blocks = block_sizes or BlockSizes.default(h, query.dtype)
-    blocks = blocks.clamp(query.shape[1], key.shape[1])
+    tri = block_sizes if isinstance(block_sizes, BlockSizes) else None
+    blocks = (tri or BlockSizes.default(h, query.dtype)).clamp(query.shape[1], key.shape[1])
+    mos = block_sizes if isinstance(block_sizes, MosaicConfig) else None
+    if mos is not None and (why := mos.check(h, jnp.dtype(query.dtype).itemsize)) is not None:
+      raise ValueError(f"block_sizes: {why}")
     static = _Static(scale=scale, is_causal=is_causal, blocks=blocks, deterministic=deterministic,
-                     interpret=bool(interpret), backend=backend)
+                     interpret=bool(interpret), backend=backend, mosaic=mos)
     res = _flash(*_match_vma(query, key, value), static)
   out, lse = res
   if squeeze:
@@ -255,7 +273,8 @@ def _forward(q, k, v, st: _Static):
     if st.backend == "mosaic":
       from .kernels import mosaic
       from .kernels.vma import cast_like
-      out, lse = mosaic.forward(q, k, v, scale=st.scale, is_causal=st.is_causal)  # lse: [B, N, T]
+      out, lse = mosaic.forward(q, k, v, scale=st.scale, is_causal=st.is_causal,
+                                config=st.mosaic)  # lse: [B, N, T]
       return cast_like(q, out, lse)
     from .kernels import triton as tk
     bs = st.blocks
@@ -288,7 +307,8 @@ def _flash_bwd(st: _Static, residuals, cotangents):
       from .kernels import mosaic
       from .kernels.vma import cast_like
       grads = mosaic.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
-                              is_causal=st.is_causal, deterministic=st.deterministic)
+                              is_causal=st.is_causal, deterministic=st.deterministic,
+                              config=st.mosaic)
       return cast_like(q, *grads)
     dq, dk, dv = tk.backward(
         q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,

@@ -39,6 +39,7 @@ from flax import nnx
 from .attention import _DTYPES as _KERNEL_DTYPES
 from .attention import check_options, flash_attention
 from .config import BlockSizes
+from .kernels.mosaic.common import MosaicConfig
 
 __all__ = [
     "attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning", "rotary_embedding",
@@ -127,7 +128,7 @@ def _check_bool(name: str, value: Any) -> bool:
   return value
 
 
-def make_attention_fn(implementation: str | None = None, block_sizes: BlockSizes | None = None,
+def make_attention_fn(implementation: str | None = None, block_sizes: BlockSizes | MosaicConfig | None = None,
                       deterministic: bool = False, interpret: bool | None = None, *,
                       is_causal: bool = False) -> Callable[..., jax.Array]:
   """Returns an ``attention_fn`` for flax's attention layers that runs :func:`fa2_jax.flash_attention`.
@@ -135,7 +136,8 @@ def make_attention_fn(implementation: str | None = None, block_sizes: BlockSizes
   Args:
     implementation: passed to :func:`fa2_jax.flash_attention`: None (the kernels on GPU, the XLA
       formula on CPU), ``"triton"``, ``"mosaic"`` or ``"xla"``.
-    block_sizes: a :class:`fa2_jax.BlockSizes` or None for the default heuristic.
+    block_sizes: None (defaults), a :class:`fa2_jax.BlockSizes` (Triton kernels) or a
+      :class:`fa2_jax.MosaicConfig` (Mosaic kernels); see :func:`fa2_jax.flash_attention`.
     deterministic: the kernel's *backward* determinism (no atomics). Not to be confused with the
       ``deterministic`` argument flax passes to the returned function, which switches dropout.
     interpret: True runs the Pallas kernels in interpret mode (CPU tests).
@@ -145,7 +147,8 @@ def make_attention_fn(implementation: str | None = None, block_sizes: BlockSizes
 
   Raises:
     ValueError: unknown ``implementation``.
-    TypeError: ``block_sizes`` not a BlockSizes, or a flag that is not a bool.
+    TypeError: ``block_sizes`` not a BlockSizes/MosaicConfig (or one that does not match
+      ``implementation``), or a flag that is not a bool.
   """
   check_options(implementation, block_sizes)
   deterministic = _check_bool("deterministic", deterministic)

@@ -255,3 +255,49 @@ def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh):
   got = bwd(fused, False)(q, k, v, out, lse, do)
   for a, b in zip(got, ref):
     _close(a, b, SAME)
+
+
+# --- block_sizes=MosaicConfig: the Mosaic kernels' tiles through the public API ---------------------
+
+def test_block_sizes_type_must_match_implementation():
+  q, k = jnp.zeros((1, 64, 2, 64), jnp.bfloat16), jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
+  with pytest.raises(TypeError, match="MosaicConfig, which configures implementation='mosaic'"):
+    fa2_jax.flash_attention(q, k, k, implementation="triton", interpret=True,
+                            block_sizes=fa2_jax.MosaicConfig())
+  with pytest.raises(TypeError, match="BlockSizes, which configures the Triton kernels"):
+    fa2_jax.flash_attention(q, k, k, implementation="mosaic", block_sizes=fa2_jax.BlockSizes())
+  with pytest.raises(TypeError, match=r"block_sizes must be a fa2_jax.BlockSizes .*MosaicConfig"):
+    fa2_jax.flash_attention(q, k, k, block_sizes=dict(block_q=64))
+  with pytest.raises(TypeError, match="MosaicConfig, which configures"):  # the ablation is Triton
+    A.flash_attention_ablation(q, k, k, interpret=True, block_sizes=fa2_jax.MosaicConfig())
+
+
+def test_block_sizes_type_selects_the_kernels(fake_hopper):
+  q, k = _shapes()
+  assert A._choose_backend(None, None, q, k, True, fa2_jax.BlockSizes()) == "triton"
+  assert A._choose_backend(None, None, q, k, True, fa2_jax.MosaicConfig()) == "mosaic"
+  q32, k32 = _shapes(dtype=jnp.float32)
+  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*float32"):
+    A._choose_backend(None, None, q32, k32, True, fa2_jax.MosaicConfig())
+
+
+def test_mosaic_config_too_big_for_head_dim_names_block_sizes(fake_hopper):
+  q = jnp.zeros((1, 128, 2, 256), jnp.bfloat16)
+  cfg = fa2_jax.MosaicConfig(block_k=256, num_stages=4)
+  with pytest.raises(ValueError, match="block_sizes: MosaicConfig forward kernel needs"):
+    fa2_jax.flash_attention(q, q, q, block_sizes=cfg)
+
+
+@pytest.mark.parametrize("deterministic, kernels", [(False, {"forward", "dkdv_dq"}),
+                                                    (True, {"forward", "dkdv", "dq"})])
+def test_mosaic_config_reaches_the_kernels(fake_hopper, deterministic, kernels):
+  """block_sizes=MosaicConfig(dq_fused=True): the fused-dQ dK/dV kernel replaces the dQ kernel
+  unless deterministic=True (checked in the sm90 lowering of grad)."""
+  import re
+  cfg = fa2_jax.MosaicConfig.default(128).replace(dq_fused=True)
+  sd = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(fa2_jax.flash_attention(
+      q, k, v, is_causal=True, block_sizes=cfg, deterministic=deterministic).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(sd, sd, sd).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq)_mosaic_gpu", text)) == kernels
