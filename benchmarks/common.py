@@ -44,6 +44,7 @@ IMPL_LABELS = {
     "fa2_triton_det": "fa2_jax triton (deterministic=True)",
     "fa2_triton_atomic": "fa2_jax triton (atomic dQ)",
     "fa2_mosaic": "fa2_jax mosaic",
+    "fa2_mosaic_fused": "fa2_jax mosaic (fused dQ, experimental)",
     "xla": "XLA (jax.nn, xla)",
     "cudnn": "cuDNN (jax.nn, cudnn)",
     "tokamax_mosaic": "tokamax mosaic",
@@ -560,6 +561,16 @@ def make_attention(name: str, *, causal: bool, interpret: bool | None = None, bl
     abl, kw = fa2_ablation(atomic_dq=True)
     return lambda q, k, v: abl(q, k, v, is_causal=causal, block_sizes=block_sizes,
                                interpret=interpret, **kw)
+  if name == "fa2_mosaic_fused":  # the experimental fused dQ (TMA reduce-add), deterministic=False
+    fa2 = ensure_fa2()
+
+    def fused(q, k, v):
+      cfg = fa2.MosaicConfig.default(q.shape[-1], q.dtype, causal).replace(dq_fused=True)
+      if cfg.check(q.shape[-1], q.dtype.itemsize) is not None:  # SMEM: a shallower dK/dV ring
+        cfg = cfg.replace(num_stages_dkv=2)
+      return fa2.flash_attention(q, k, v, is_causal=causal, implementation="mosaic",
+                                 block_sizes=cfg, deterministic=False)
+    return fused
   if name.startswith("fa2_"):
     fa2 = ensure_fa2()
     impl = {"fa2_triton": "triton", "fa2_triton_det": "triton", "fa2_mosaic": "mosaic"}[name]

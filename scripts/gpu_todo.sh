@@ -2,7 +2,7 @@
 # The GPU runs still owed (see the open issues), one part per device call (each fits in ~9 minutes):
 #   bash scripts/gpu_todo.sh OUTDIR tests    # full compiled suite (pytest -m gpu) + compile-time check
 #   bash scripts/gpu_todo.sh OUTDIR gpt      # GPT long8k: flash (Mosaic default), xla (--remat true)
-#   bash scripts/gpu_todo.sh OUTDIR grid     # attention cells not yet measured: 512/1k, h64 causal 4k
+#   bash scripts/gpu_todo.sh OUTDIR grid     # fused-dQ row at 2k-16k; cells not yet measured: 512/1k, h64c 4k
 #   bash scripts/gpu_todo.sh OUTDIR extras   # latency and memory full sweeps, fp16 quick grid
 #   bash scripts/gpu_todo.sh OUTDIR pmap     # on nvidia-h200-x2: GPT long8k pmap over both GPUs
 # For "grid" carry the tokamax wheels (.peer, see ../shared/device-wheels/README.md).
@@ -28,8 +28,10 @@ case "$part" in
     RUN_TIMEOUT=240 bash scripts/gpu_gpt_table1.sh "$out" single_flash
     RUN_TIMEOUT=240 bash scripts/gpu_gpt_table1.sh "$out" single_rest ;;
   grid)
+    python3 -m benchmarks.attention --out "$out/grid" --tag fused --seqs 2048,8192,16384 \
+      --head-dims 128,64 --impls cudnn,fa2_mosaic,fa2_mosaic_fused --budget-s 150 > "$out/grid.log" 2>&1
     python3 -m benchmarks.attention --out "$out/grid" --seqs 512,1024 --head-dims 64,128 \
-      --impls cudnn,fa2_mosaic,fa2_triton,tokamax_mosaic,xla --budget-s 330 > "$out/grid.log" 2>&1
+      --impls cudnn,fa2_mosaic,fa2_triton,tokamax_mosaic,xla --budget-s 250 >> "$out/grid.log" 2>&1
     python3 -m benchmarks.attention --out "$out/grid" --tag h64c4k --seqs 4096 --head-dims 64 \
       --causal true --impls cudnn,fa2_mosaic,fa2_triton,tokamax_mosaic,xla >> "$out/grid.log" 2>&1
     tail -c 4000 "$out/grid.log" ;;

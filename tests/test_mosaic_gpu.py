@@ -301,3 +301,13 @@ def test_mosaic_config_reaches_the_kernels(fake_hopper, deterministic, kernels):
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(sd, sd, sd).lower(
       lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq)_mosaic_gpu", text)) == kernels
+
+
+def test_benchmark_fused_row_runs_the_fused_kernel(fake_hopper):
+  import re
+  from benchmarks import common as C
+  f = C.make_attention("fa2_mosaic_fused", causal=False)
+  sd = jax.ShapeDtypeStruct((1, 512, 8, 64), jnp.bfloat16)
+  text = C.fwd_bwd(f).trace(sd, sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq)_mosaic_gpu", text)) == {
+      "forward", "dkdv_dq"}
