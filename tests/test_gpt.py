@@ -156,3 +156,29 @@ def test_presets_and_flop_formula():
 def test_cudnn_attention_needs_a_gpu():
   with pytest.raises(ValueError, match="cudnn"):
     attention_core(dataclasses.replace(MODEL, attention="cudnn"))
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scan_layers_is_the_same_model(remat):
+  """scan_layers=True stacks the blocks' parameters on a leading axis and computes the same logits
+  (and gradients) as the unrolled blocks given those parameters."""
+  import jax.numpy as jnp
+  unrolled = dataclasses.replace(MODEL, n_layer=3, remat=remat)
+  scanned = dataclasses.replace(unrolled, scan_layers=True)
+  tokens = jax.random.randint(jax.random.key(0), (2, 32), 0, unrolled.vocab_size)
+  params = GPT(unrolled).init(jax.random.key(1), tokens)["params"]
+  blocks = [params[f"h_{i}"] for i in range(unrolled.n_layer)]
+  stacked = {k: v for k, v in params.items() if not k.startswith("h_")}
+  stacked["h"] = {"block": jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)}
+  # the scanned model's own init has exactly this structure
+  own = GPT(scanned).init(jax.random.key(1), tokens)["params"]
+  assert jax.tree.structure(own) == jax.tree.structure(stacked)
+  assert jax.tree.map(jnp.shape, own) == jax.tree.map(jnp.shape, stacked)
+  out_u = GPT(unrolled).apply({"params": params}, tokens)
+  out_s = GPT(scanned).apply({"params": stacked}, tokens)
+  np.testing.assert_allclose(out_s, out_u, rtol=1e-5, atol=1e-5)
+  loss = lambda m, p: GPT(m).apply({"params": p}, tokens).sum()
+  g_u = jax.grad(lambda p: loss(unrolled, p))(params)
+  g_s = jax.grad(lambda p: loss(scanned, p))(stacked)
+  np.testing.assert_allclose(g_s["h"]["block"]["mlp"]["fc"]["kernel"][1],
+                             g_u["h_1"]["mlp"]["fc"]["kernel"], rtol=1e-4, atol=1e-5)

@@ -33,6 +33,8 @@ class GPTConfig:
       (one fa2_jax backend forced), "xla" or "cudnn" (jax.nn.dot_product_attention).
     flash_interpret: run the fa2_jax Pallas kernels in interpret mode (CPU tests of the kernel).
     remat: recompute each block's activations in the backward pass (saves memory at long seq).
+    scan_layers: run the blocks with ``flax.linen.scan`` (parameters stacked on a leading layer axis):
+      one traced and compiled block instead of ``n_layer``, so compile time does not grow with depth.
   """
 
   vocab_size: int = BYTE_VOCAB
@@ -48,6 +50,7 @@ class GPTConfig:
   attention: str = "flash"
   flash_interpret: bool = False
   remat: bool = False
+  scan_layers: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "mlp_ratio"):

@@ -78,6 +78,16 @@ class Block(nn.Module):
     return x + MLP(c, name="mlp")(nn.LayerNorm(dtype=c.dtype, name="ln_2")(x))
 
 
+class _ScanBlock(nn.Module):
+  """``Block`` in ``nn.scan``'s ``(carry, x) -> (carry, y)`` form."""
+
+  config: GPTConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
+    return Block(self.config, name="block")(x), None
+
+
 class GPT(nn.Module):
   """``tokens [B, T] int -> logits [B, T, vocab] float32``."""
 
@@ -95,9 +105,15 @@ class GPT(nn.Module):
       wpe = nn.Embed(c.seq_len, c.n_embd, embedding_init=nn.initializers.normal(INIT_STD),
                      dtype=c.dtype, name="wpe")
       x = x + wpe(jnp.arange(tokens.shape[-1]))
-    block = nn.remat(Block) if c.remat else Block
-    for i in range(c.n_layer):
-      x = block(c, name=f"h_{i}")(x)
+    if c.scan_layers:
+      body = nn.remat(_ScanBlock) if c.remat else _ScanBlock
+      stack = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
+                      length=c.n_layer)
+      x, _ = stack(c, name="h")(x, None)
+    else:
+      block = nn.remat(Block) if c.remat else Block
+      for i in range(c.n_layer):
+        x = block(c, name=f"h_{i}")(x)
     x = nn.LayerNorm(dtype=c.dtype, name="ln_f")(x)
     if c.tie_embeddings:
       logits = wte.attend(x)

@@ -381,7 +381,8 @@ _OVERRIDES = {
     "n_embd": (GPTConfig, "n_embd"), "vocab_size": (GPTConfig, "vocab_size"),
     "position": (GPTConfig, "position"), "dtype": (GPTConfig, "dtype"),
     "attention": (GPTConfig, "attention"), "tie_embeddings": (GPTConfig, "tie_embeddings"),
-    "remat": (GPTConfig, "remat"), "interpret": (GPTConfig, "flash_interpret"),
+    "remat": (GPTConfig, "remat"), "scan_layers": (GPTConfig, "scan_layers"),
+    "interpret": (GPTConfig, "flash_interpret"),
     "batch_size": (TrainConfig, "batch_size"), "steps": (TrainConfig, "steps"),
     "lr": (TrainConfig, "lr"), "warmup_steps": (TrainConfig, "warmup_steps"),
     "weight_decay": (TrainConfig, "weight_decay"), "grad_clip": (TrainConfig, "grad_clip"),
@@ -414,6 +415,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--" + name.replace("_", "-"), type=int)
   g.add_argument("--tie-embeddings", type=_bool)
   g.add_argument("--remat", type=_bool, help="rematerialise blocks in the backward pass")
+  g.add_argument("--scan-layers", type=_bool,
+                 help="run the blocks with flax.linen.scan (compile time independent of depth)")
   g = p.add_argument_group("training (default: the preset's)")
   for name in ("batch_size", "steps", "warmup_steps", "eval_every", "eval_batches", "log_every",
                "ckpt_every", "seed", "data_bytes"):
