@@ -21,6 +21,12 @@
    ``(batch, head, query tile)`` owns each dQ_i and loops over key tiles, recomputing S, P, dP, dS — the
    structure of the forward): ``dQ_i += dS K_j`` (line 15), no atomics, bit-identical across runs.
 
+4. **Fused dQ** (experimental, ``MosaicConfig.dq_fused``, only when the caller allows a
+   non-deterministic backward): the dK/dV kernel also stages ``dS^T`` in SMEM, computes
+   ``dS_ij K_j`` with wgmma and adds it to an f32 ``[B, T, N, H]`` dQ accumulator in HBM by TMA
+   reduce-add (the paper's atomic-add dQ, Alg. 2 line 15, on Hopper's bulk-copy unit), so S and dP are
+   computed once instead of twice and the dQ kernel is skipped. Not yet run on a GPU: off by default.
+
 Causal (§3.1 "causal masking"): the dK/dV loop starts at the first query tile that reaches the CTA's
 keys and only tiles straddling the diagonal run the masked body; the dQ loop stops at the diagonal.
 The softmax scale multiplies dK and dQ once at the end (dS stays unscaled in the loops). Every row
