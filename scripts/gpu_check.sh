@@ -5,9 +5,7 @@
 set -uo pipefail
 out="${1:?OUTDIR}"; shift
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
-  || { ln -sfn ../kernels fa2_jax/kernels; export PYTHONPATH=$PWD:${PYTHONPATH:-}; }
+. scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv > "$out/gpu.txt" 2>&1
 python3 -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())" >> "$out/gpu.txt" 2>&1
 # wgmma: count Hopper tensor-core instructions (GMMA) vs older mma (HMMA) in our kernels with ncu.

@@ -10,7 +10,7 @@
 set -uo pipefail
 out="${1:?OUTDIR}"; mode="${2:-single}"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+GPU_ENV_NO_INSTALL=1 . scripts/gpu_env.sh
 gpt="--preset long8k --steps 12 --eval-every 1000 --eval-batches 1 --log-every 4 --sample-tokens 16
   --data-bytes 4000000 --no-progress"
 run() {  # name, extra flags...

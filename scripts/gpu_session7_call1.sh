@@ -4,9 +4,7 @@
 set -uo pipefail
 out="${1:?OUTDIR}"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
-  || { ln -sfn ../kernels fa2_jax/kernels; export PYTHONPATH=$PWD:${PYTHONPATH:-}; }
+. scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$out/gpu.txt"
 t0=$(date +%s)
 timeout 170 python3 -m pytest -q -m gpu tests/test_mosaic_gpu.py tests/test_attention.py -k mosaic \

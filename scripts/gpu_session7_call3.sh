@@ -4,13 +4,7 @@
 set -uo pipefail
 out="${1:?OUTDIR}"; budget="${2:-440}"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
-  || { ln -sfn ../kernels fa2_jax/kernels; export PYTHONPATH=$PWD:${PYTHONPATH:-}; }
-if ls .peer/*.whl >/dev/null 2>&1; then  # tokamax, carried (../shared/device-wheels/README.md)
-  rm -rf /tmp/peer; python3 -m pip install -q --no-index --no-deps --target /tmp/peer .peer/*.whl \
-    && export PYTHONPATH=$PWD/.peer/stub:/tmp/peer:${PYTHONPATH:-}
-fi
+. scripts/gpu_env.sh
 python3 -m benchmarks.run_all --full --only attention --budget-s "$budget" --out "$out/full" \
   --stage-args "attention=--impls cudnn,fa2_mosaic,fa2_triton,tokamax_mosaic,xla" \
   --archive "$out/full.tar.gz" > "$out/run_all.log" 2>&1

@@ -9,13 +9,7 @@
 set -uo pipefail
 out="${1:?OUTDIR}"; part="${2:?part}"
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
-  || { ln -sfn ../kernels fa2_jax/kernels; export PYTHONPATH=$PWD:${PYTHONPATH:-}; }
-if ls .peer/*.whl >/dev/null 2>&1; then
-  rm -rf /tmp/peer; python3 -m pip install -q --no-index --no-deps --target /tmp/peer .peer/*.whl \
-    && export PYTHONPATH=$PWD/.peer/stub:/tmp/peer:${PYTHONPATH:-}
-fi
+. scripts/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 case "$part" in
   tests)
