@@ -12,6 +12,7 @@ import numpy as np
 
 from .config import BlockSizes
 from .kernels.mosaic.common import MosaicConfig
+from .kernels.vma import cast_like, match_vma
 from .reference import reference_attention
 
 _IMPLEMENTATIONS = (None, "triton", "mosaic", "xla")
@@ -201,7 +202,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       (tiles of the Mosaic kernels; with ``implementation=None`` it selects them, and a call they
       cannot run raises a ValueError naming the reason).
     deterministic: guarantee a backward without atomics, bit-identical across runs. The default
-      backward (a separate dQ pass, faster than the paper's atomic adds on H200) already is.
+      backward (a separate dQ pass, faster than the paper's atomic adds on H200) already is; False
+      only allows the experimental ``MosaicConfig(dq_fused=True)``, whose dQ adds vary in order.
     interpret: True runs the Pallas kernels in interpret mode on any platform (CPU tests).
 
   Returns:
@@ -227,7 +229,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       raise ValueError(f"block_sizes: {why}")
     static = _Static(scale=scale, is_causal=is_causal, blocks=blocks, deterministic=deterministic,
                      interpret=bool(interpret), backend=backend, mosaic=mos)
-    res = _flash(*_match_vma(query, key, value), static)
+    res = _flash(*match_vma(query, key, value), static)
   out, lse = res
   if squeeze:
     out, lse = out[0], lse[0]
@@ -254,14 +256,8 @@ def flash_attention_ablation(query, key, value, *, scale=None, is_causal=False, 
                    is_causal=bool(is_causal), blocks=blocks, deterministic=not atomic_dq,
                    interpret=bool(interpret), normalize_each_step=bool(normalize_each_step),
                    seq_parallel=bool(seq_parallel), atomic_dq=bool(atomic_dq))
-  out, lse = _flash(*_match_vma(query, key, value), static)
+  out, lse = _flash(*match_vma(query, key, value), static)
   return (out, lse) if return_residual else out
-
-
-def _match_vma(q, k, v):
-  """Inside shard_map: make q, k, v vary over the same manual mesh axes (see kernels/vma.py)."""
-  from .kernels.vma import match_vma
-  return match_vma(q, k, v)
 
 
 # --- custom_vjp core ------------------------------------------------------------------------------
@@ -272,7 +268,6 @@ def _forward(q, k, v, st: _Static):
   with jax.enable_x64(False):
     if st.backend == "mosaic":
       from .kernels import mosaic
-      from .kernels.vma import cast_like
       out, lse = mosaic.forward(q, k, v, scale=st.scale, is_causal=st.is_causal,
                                 config=st.mosaic)  # lse: [B, N, T]
       return cast_like(q, out, lse)
@@ -305,7 +300,6 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   with jax.enable_x64(False):  # see _forward
     if st.backend == "mosaic":
       from .kernels import mosaic
-      from .kernels.vma import cast_like
       grads = mosaic.backward(q, k, v, out, lse, dout.astype(q.dtype), dlse=dlse, scale=st.scale,
                               is_causal=st.is_causal, deterministic=st.deterministic,
                               config=st.mosaic)

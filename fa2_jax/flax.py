@@ -128,7 +128,8 @@ def _check_bool(name: str, value: Any) -> bool:
   return value
 
 
-def make_attention_fn(implementation: str | None = None, block_sizes: BlockSizes | MosaicConfig | None = None,
+def make_attention_fn(implementation: str | None = None,
+                      block_sizes: BlockSizes | MosaicConfig | None = None,
                       deterministic: bool = False, interpret: bool | None = None, *,
                       is_causal: bool = False) -> Callable[..., jax.Array]:
   """Returns an ``attention_fn`` for flax's attention layers that runs :func:`fa2_jax.flash_attention`.
