@@ -56,6 +56,9 @@ class GPTConfig:
     for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "mlp_ratio"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    for name in ("tie_embeddings", "flash_interpret", "remat", "scan_layers"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.n_embd % self.n_head:
       raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
     if self.n_head % self.kv_heads:
