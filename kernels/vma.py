@@ -17,16 +17,16 @@ def _varying(x) -> frozenset:
   return frozenset(mat.varying) if mat is not None else frozenset()
 
 
+def _vary_over(x, axes: frozenset):
+  """``x`` cast to vary over ``axes`` too (a no-op where it already does)."""
+  missing = tuple(sorted(axes - _varying(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def match_vma(*xs):
   """The arrays, each cast to vary over the union of the manual axes any of them varies over."""
   union = frozenset().union(*(_varying(x) for x in xs))
-  if not union:
-    return xs
-  out = []
-  for x in xs:
-    missing = tuple(sorted(union - _varying(x)))
-    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-  return tuple(out)
+  return tuple(_vary_over(x, union) for x in xs)
 
 
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
@@ -40,8 +40,4 @@ def cast_like(like, *xs):
   """Each array cast to vary over the manual axes of ``like`` too (Mosaic GPU's ``plgpu.kernel``
   traces its call with the check off, so its outputs come back typed as invariant)."""
   target = _varying(like)
-  out = []
-  for x in xs:
-    missing = tuple(sorted(target - _varying(x)))
-    out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-  return tuple(out)
+  return tuple(_vary_over(x, target) for x in xs)
