@@ -98,6 +98,21 @@ def tokamax_available() -> bool:
   return not isinstance(import_tokamax(), Exception)
 
 
+def mosaic_available() -> bool:
+  """True on a GPU where fa2_jax's Mosaic (Hopper) kernels run: sm90 or newer."""
+  try:
+    ensure_fa2()
+    from fa2_jax.attention import _is_sm90_or_newer
+    return bool(_is_sm90_or_newer())
+  except Exception:  # noqa: BLE001
+    return False
+
+
+def with_mosaic(impls):
+  """``impls`` with ``fa2_mosaic`` (the default backend on Hopper) put first where the GPU runs it."""
+  return (["fa2_mosaic"] if mosaic_available() else []) + [i for i in impls if i != "fa2_mosaic"]
+
+
 def get_pyplot():
   """matplotlib.pyplot on the Agg backend, or None when matplotlib is missing."""
   try:
@@ -661,11 +676,12 @@ def _measured(c) -> bool:
 
 
 def merge_json(paths) -> dict:
-  """The cells of several result files (meta of the first, the others listed). Where two files hold
+  """The cells of several result files (meta of the last, the others' listed). Where two files hold
   the same cell (implementation, shape, dtype), the later file's wins unless it only skipped it; each
-  cell records the file it came from."""
+  cell records the file it came from. Notes are kept once each; a file's "tokamax rows left out" note
+  is dropped when another file measured tokamax rows."""
   datas = [read_json(p) for p in paths]
-  base = dict(datas[0])
+  base = dict(datas[-1])
   merged: dict = {}
   for path, d in zip(paths, datas):
     dtype = (d.get("config") or {}).get("dtype")  # older files: skipped cells carry no dtype
@@ -680,9 +696,12 @@ def merge_json(paths) -> dict:
       merged.pop(key, None)
       merged[key] = c
   base["cells"] = list(merged.values())
-  base["notes"] = [n for d in datas for n in d.get("notes", [])]
+  has_tokamax = any(str(c.get("impl", "")).startswith("tokamax") for c in base["cells"]
+                    if isinstance(c, dict))
+  notes = dict.fromkeys(n for d in datas for n in d.get("notes", []))
+  base["notes"] = [n for n in notes if not (has_tokamax and "tokamax rows left out" in n)]
   base["merged_from"] = [str(p) for p in paths]
-  base["merged_meta"] = [d.get("meta") for d in datas[1:]]
+  base["merged_meta"] = [d.get("meta") for d in datas[:-1]]
   return base
 
 

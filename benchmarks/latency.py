@@ -52,7 +52,7 @@ def run(args) -> dict:
   else:
     seqs = args.seqs or (QUICK_SEQS if args.quick else SEQS)
     calls = args.calls or (100 if args.quick else 200)
-    impls = args.impls or DEFAULT_IMPLS
+    impls = args.impls or C.with_mosaic(DEFAULT_IMPLS)
   unknown = [i for i in impls if i not in C.ALL_IMPLS]
   if unknown:
     raise SystemExit(f"unknown --impls {unknown}; known: {', '.join(C.ALL_IMPLS)}")
@@ -117,7 +117,7 @@ def _lat(c, p):
 
 def _impls(cells):
   out = []
-  for i in DEFAULT_IMPLS + [c["impl"] for c in cells]:
+  for i in ["fa2_mosaic"] + DEFAULT_IMPLS + [c["impl"] for c in cells]:
     if i not in out and any(c["impl"] == i for c in cells):
       out.append(i)
   return out

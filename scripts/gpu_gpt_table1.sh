@@ -3,7 +3,7 @@
 #   bash scripts/gpu_gpt_table1.sh OUTDIR single   # one GPU: flash (default backend), flash_triton,
 #                                                  #   flash_mosaic, cudnn, xla (xla needs --remat true)
 #                                                  #   (WITH_REMAT_FLASH=1: flash with --remat too)
-#   (single_min: the first two only; single_rest: the others)
+#   (single_min: the first two only; single_rest: the others; single_flash, xla_only: one each)
 #   bash scripts/gpu_gpt_table1.sh OUTDIR pmap     # every local GPU, --data-parallel pmap, flash
 #                                                  #   (WITH_CUDNN_PMAP=1: cudnn too)
 # Each run: 12 steps, batch 4 per device, throughput over the steps after the compile (see train.py).
@@ -30,6 +30,9 @@ if [ "$mode" = single ] || [ "$mode" = single_rest ]; then
   run flash_triton_1gpu --attention flash_triton
   run xla_remat_1gpu --attention xla --remat true
   [ "${WITH_REMAT_FLASH:-0}" = 1 ] && run flash_remat_1gpu --attention flash --remat true
+fi
+if [ "$mode" = xla_only ]; then
+  run xla_remat_1gpu --attention xla --remat true
 fi
 if [ "$mode" = pmap ]; then
   n=$(python3 -c "import jax; print(jax.local_device_count())")

@@ -118,6 +118,23 @@ def test_merge_later_measurement_wins_but_not_a_skip(attention_run, tmp_path):
   assert by[key(b)]["tflops"] == first["cells"][1]["tflops"] and by[key(b)]["source"] == str(p1)
 
 
+def test_merge_keeps_notes_once_and_the_newest_meta(attention_run, tmp_path):
+  out, _ = attention_run
+  first = _load(out / "attention.json")
+  second = json.loads(json.dumps(first))
+  first["notes"] = ["same note", "tokamax rows left out: not importable"]
+  second["notes"] = ["same note"]
+  second["meta"]["timestamp"] = "newer"
+  second["cells"][0]["impl"] = "tokamax_mosaic"  # a later run measured tokamax
+  p1, p2 = tmp_path / "one.json", tmp_path / "two.json"
+  p1.write_text(json.dumps(first))
+  p2.write_text(json.dumps(second))
+  merged = common.merge_json([p1, p2])
+  assert merged["notes"] == ["same note"]
+  assert merged["meta"]["timestamp"] == "newer"
+  assert merged["merged_meta"] == [first["meta"]]
+
+
 def test_ablation_smoke(tmp_path):
   ablation.main(["--smoke", "--out", str(tmp_path)])
   js = _load(tmp_path / "ablation.json")
