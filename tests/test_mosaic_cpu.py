@@ -83,6 +83,21 @@ def test_smem_budget_matches_docstring():
           == 2 * 2 * 32 * 1024 + 16 * 1024 + 2 * 64 * 4)
 
 
+def test_fused_dq_split_and_smem():
+  from fa2_jax.kernels.mosaic.common import dq_split
+  # head_dim 128, 64-row tiles: columns; head_dim 64 with 128-row tiles: rows; else none.
+  assert dq_split(64, 128, 2) == "cols" and dq_split(128, 64, 2) == "rows"
+  assert dq_split(64, 64, 2) is None and dq_split(64, 128, 1) is None
+  base = MosaicConfig.default(128)
+  fused = base.replace(dq_fused=True)
+  # + double-buffered dS^T (2 x 2 consumers x 64 x 64 bf16) + half a [64, 128] f32 tile per consumer
+  assert fused.smem_dkv(128) - base.smem_dkv(128) == 2 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 4
+  assert fused.check(128) is None
+  h64 = MosaicConfig.default(64).replace(dq_fused=True, block_q_dkv=64)  # no split: whole tiles
+  assert (h64.smem_dkv(64) - h64.replace(dq_fused=False).smem_dkv(64)
+          == 2 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 4)
+
+
 @pytest.mark.parametrize("kwargs,exc,field", [
     (dict(block_q=128), ValueError, "block_q"),
     (dict(block_k_dkv=32), ValueError, "block_k_dkv"),
@@ -370,6 +385,9 @@ LOWER_CASES = [  # b, t, s, n, kh, h, causal, dtype, cfg, kernels
      ("forward", "dkdv_dq")),
     (2, 512, 512, 4, 4, 64, False, BF16,
      MosaicConfig.default(64).replace(dq_fused=True, num_stages_dkv=2), ("forward", "dkdv_dq")),
+    # fused dQ with 64-row dK/dV tiles at head_dim 64: no split, one partial per consumer
+    (1, 256, 256, 2, 2, 64, False, BF16,
+     MosaicConfig.default(64).replace(dq_fused=True, block_q_dkv=64), ("forward", "dkdv_dq")),
 ]
 
 
@@ -425,6 +443,11 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # fused dQ: causal, GQA 2:1, ragged T/S, lse cotangent (emulated: per-consumer slabs, summed)
     (1, 136, 200, 4, 2, 64, True, MosaicConfig.default(64).replace(dq_fused=True, num_stages_dkv=2),
      True),
+    # fused dQ at head_dim 128: the two consumers split each dQ tile by columns (dq_split "cols")
+    (1, 200, 136, 2, 1, 128, True, MosaicConfig.default(128).replace(dq_fused=True), False),
+    # fused dQ, 64-row tiles at head_dim 64: no split (each consumer adds its own keys' partial)
+    (1, 136, 136, 2, 2, 64, False, MosaicConfig.default(64).replace(dq_fused=True, block_q_dkv=64),
+     False),
 ]
 
 

@@ -234,10 +234,12 @@ def _psum_loss(res):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h, causal, t, s, n, kh", [(128, True, 1000, 777, 4, 2),
-                                                    (64, False, 512, 1024, 8, 8),
-                                                    (128, False, 2048, 2048, 8, 1)])
-def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh):
+@pytest.mark.parametrize("h, causal, t, s, n, kh, bq_dkv", [
+    (128, True, 1000, 777, 4, 2, None),  # dq_split "cols"
+    (64, False, 512, 1024, 8, 8, None),  # "rows" (128-row dK/dV tiles)
+    (128, False, 2048, 2048, 8, 1, None),
+    (64, True, 300, 300, 4, 2, 64)])  # no split: one partial per consumer
+def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv):
   """The experimental fused dQ (TMA reduce-add in the dK/dV kernel) against the dQ kernel."""
   from fa2_jax.kernels import mosaic as M
   ks = jax.random.split(jax.random.key(7), 4)
@@ -248,7 +250,8 @@ def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh):
   scale = h ** -0.5
   out, lse = jax.jit(lambda q, k, v: M.forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
   base = M.MosaicConfig.default(h)
-  fused = base.replace(dq_fused=True, num_stages_dkv=min(base.num_stages_dkv, 2))
+  fused = base.replace(dq_fused=True, num_stages_dkv=min(base.num_stages_dkv, 2),
+                       block_q_dkv=bq_dkv or base.block_q_dkv)
   bwd = lambda cfg, det: jax.jit(lambda *a: M.backward(*a, scale=scale, is_causal=causal,
                                                        config=cfg, deterministic=det))
   ref = bwd(base, True)(q, k, v, out, lse, do)

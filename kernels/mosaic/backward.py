@@ -25,7 +25,9 @@
    non-deterministic backward): the dK/dV kernel also stages ``dS^T`` in SMEM, computes
    ``dS_ij K_j`` with wgmma and adds it to an f32 ``[B, T, N, H]`` dQ accumulator in HBM by TMA
    reduce-add (the paper's atomic-add dQ, Alg. 2 line 15, on Hopper's bulk-copy unit), so S and dP are
-   computed once instead of twice and the dQ kernel is skipped. Not yet run on a GPU: off by default.
+   computed once instead of twice and the dQ kernel is skipped. The two consumers split each step's
+   dQ tile (``dq_split``) so every element is reduce-added once per step. Off by default: with one
+   partial per consumer it measured slower than the separate dQ kernel at head_dim 128 on an H200.
 
 Causal (§3.1 "causal masking"): the dK/dV loop starts at the first query tile that reaches the CTA's
 keys and only tiles straddling the diagonal run the masked body; the dQ loop stops at the diagonal.
@@ -48,10 +50,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...masking import allowed
 from ..vma import out_struct
-from .common import (LOG2E, WG_ROWS, MosaicConfig, kv_block_ranges, pad_axis, plan_lengths,
-                     q_block_ranges, supports)
-from .ops import (Product, bcast_cols, bcast_rows, compiler_params, emulating, iota2, mma, mma_many,
-                  smem_transforms, smem_transforms_f32, stream_kv, zeros as _zeros)
+from .common import (LOG2E, WG_ROWS, MosaicConfig, dq_split, kv_block_ranges, pad_axis,
+                     plan_lengths, q_block_ranges, supports)
+from .ops import (Product, bcast_cols, bcast_rows, compiler_params, emulating, iota2, mma,
+                  mma_fresh_and_carried, mma_many, smem_transforms, smem_transforms_f32, stream_kv,
+                  zeros as _zeros)
 
 
 # --- dK / dV ---------------------------------------------------------------------------------------
@@ -78,16 +81,25 @@ class _Dkv:
   # step's dS_ij K_j goes to an f32 HBM accumulator by a TMA reduce-add (no separate dQ kernel, so S
   # and dP are computed once instead of twice; not bit-reproducible: the adds' order varies).
   fused_dq: bool = False
+  # How the fused dQ_i contribution of a CTA ([block_q, H] over all its num_wgs * block_k keys) is cut
+  # among the consumers: "cols" (each consumer H / num_wgs columns), "rows" (block_q / num_wgs rows)
+  # or None (each consumer its own keys' full [block_q, H] partial: num_wgs reduce-adds of the same
+  # rows). See dq_split.
+  dq_split: str | None = None
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_smem, v_smem, q_smem,
                 do_smem, lse_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, lse_bar, delta_bar,
-                free, ds_smem=None, dq_smem=None, dq_acc_ref=None, closed_outs=None, st: _Dkv):
+                free, ds_smem=None, dq_smem=None, ds_bar=None, dq_acc_ref=None, closed_outs=None,
+                st: _Dkv):
   # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref (base 2), delta_ref: [B, N, T_lse]
   # outputs: dk_ref and/or dv_ref [B, S, K, H] (per want_dk / want_dv).
   # fused_dq: dq_acc_ref [B, T, N, H] f32, zero-initialised by the caller (a closed-over ref, so it is
   # aliased in and out of the kernel); emulation: [n_k_tiles * num_wgs, B, T, N, H], one slab per
   # consumer, summed by the caller (Pallas' GPU interpreter has no TMA reduce-add).
+  # ds_smem [2, num_wgs, block_k, block_q]: dS^T per consumer, double-buffered by step parity so a
+  # consumer can write step i+1's tile while the other still reads step i's (dq_split);
+  # dq_smem [num_wgs, rows, cols]: each consumer's f32 dQ piece, the source of its reduce-add.
   bq, bk, nwg, stages, g_size = st.block_q, st.block_k, st.num_wgs, st.num_stages, st.group
   c = st.scale * LOG2E
   outs = list(out_refs if closed_outs is None else closed_outs)
@@ -116,6 +128,47 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
     plgpu.barrier_wait(k_bar.at[wg])
     if st.want_dk:
       plgpu.barrier_wait(v_bar.at[wg])
+
+    hd = st.head_dim
+    split = st.dq_split
+    rows_q = bq // nwg if split == "rows" else bq  # this consumer's dQ piece: [rows_q, cols_q]
+    cols_q = hd // nwg if split == "cols" else hd
+
+    def fused_dq_step(idx, i, g, ds16, q_t, dk):
+      """dK_j += dS^T Q_i and the fused dQ_i += dS_ij K_j (Alg. 2 lines 15-16), both wgmmas in
+      flight at once; the dQ piece leaves by TMA reduce-add into the f32 HBM accumulator."""
+      par = lax.rem(idx, jnp.array(2, idx.dtype))
+      ds_smem.at[par, wg][...] = ds16  # dS^T [keys, rows] staged so wgmma can read it transposed
+      plgpu.commit_smem()
+      if split is None:  # this consumer's keys only: A = (dS^T)^T [rows, keys], B = K_j [keys, H]
+        terms = [(ds_smem.at[par, wg], k_s)]
+      else:  # both consumers' keys (wait until both dS^T tiles are in SMEM)
+        plgpu.barrier_arrive(ds_bar.at[0])
+        plgpu.barrier_wait(ds_bar.at[0])
+        if split == "cols":
+          terms = [(ds_smem.at[par, w], k_smem.at[w, :, pl.ds(wg * cols_q, cols_q)])
+                   for w in range(nwg)]
+        else:
+          terms = [(ds_smem.at[par, w, :, pl.ds(wg * rows_q, rows_q)], k_smem.at[w])
+                   for w in range(nwg)]
+      (a0, b0), more = terms[0], [(a, b_, True, False) for a, b_ in terms[1:]]
+      dk, dq_part = mma_fresh_and_carried(  # dQ piece (fresh) and dK_j += dS^T Q_i, one wait
+          Product((rows_q, cols_q), a0, b0, ta=True, more=more),
+          Product((bk, hd), ds16, q_t, init=dk))
+      h = kvh * g_size + g
+      r0 = i * bq + wg * rows_q if split == "rows" else i * bq
+      dq_rows = (b, pl.ds(r0, rows_q), h)
+      if split == "cols":
+        dq_rows += (pl.ds(wg * cols_q, cols_q),)
+      if st.emulate:
+        dst = dq_acc_ref.at[(kt * nwg + wg,) + dq_rows]
+      else:
+        dst = dq_acc_ref.at[dq_rows]
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_smem
+      dq_smem.at[wg][...] = dq_part
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op=None if st.emulate else "add")
+      return dk
 
     def step(i, carry, g, masked: bool):
       dk, dv = carry
@@ -149,26 +202,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
         delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         ds_t = p_t * (dp_t - bcast_cols(delta, dp_t.shape))  # dS^T = P^T ∘ (dP^T − D_i)  (eq. 4)
         ds16 = ds_t.astype(st.dtype)
-        if st.fused_dq:
-          ds_s = ds_smem.at[wg]  # [keys, rows]: dS^T staged so wgmma can read it transposed
-          ds_s[...] = ds16
-          plgpu.commit_smem()
-
-        dk = mma((bk, st.head_dim), ds16, q_t, init=dk)  # dK_j += dS^T Q_i
-        if st.fused_dq:
-          # dQ_i += dS_ij K_j (line 15): [rows, keys] x [keys, H], A = (dS^T)^T from SMEM.
-          dq_part = mma((bq, st.head_dim), ds_s, k_s, ta=True)
-          h = kvh * g_size + g
-          dq_rows = (b, pl.ds(i * bq, bq), h)
-          if st.emulate:
-            dst = dq_acc_ref.at[(kt * nwg + wg,) + dq_rows]
-          else:
-            dst = dq_acc_ref.at[dq_rows]
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_smem
-          dq_smem.at[wg][...] = dq_part
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst,
-                                  reduction_op=None if st.emulate else "add")
+        if not st.fused_dq:
+          dk = mma((bk, st.head_dim), ds16, q_t, init=dk)  # dK_j += dS^T Q_i
+        else:
+          dk = fused_dq_step(idx, i, g, ds16, q_t, dk)
       plgpu.barrier_arrive(free.at[slot])  # all wgmmas reading this slot have completed
       return dk, dv
 
@@ -176,13 +213,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
       carry = lax.fori_loop(i_start, i_full, functools.partial(step, g=g, masked=True), carry)
       return lax.fori_loop(i_full, nq, functools.partial(step, g=g, masked=False), carry)
 
-    hd = st.head_dim
     carry = (_zeros((bk, hd)) if st.want_dk else None, _zeros((bk, hd)) if st.want_dv else None)
     if g_size == 1:
       dk, dv = over_queries(jnp.int32(0), carry)
     else:
       dk, dv = lax.fori_loop(0, g_size, over_queries, carry)  # GQA: sum over the head group
 
+    if st.fused_dq and split is not None:  # the other consumer's last dQ wgmma has read our K_j
+      plgpu.barrier_arrive(ds_bar.at[0])
+      plgpu.barrier_wait(ds_bar.at[0])
     # K_j / V_j are dead: reuse their SMEM to stage the results for the TMA store.
     if st.want_dk:
       k_s[...] = (dk * st.scale).astype(st.dtype)
@@ -236,7 +275,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
   st = _Dkv(scale=scale, is_causal=is_causal, seq_q=seq_q, group=n // kh, head_dim=h, block_q=bq,
             block_k=bk, num_stages=stages, num_wgs=num_wgs, want_dk=want_dk, want_dv=want_dv,
             dtype=q.dtype, registers=cfg.registers(num_wgs),
-            memory_registers=cfg.memory_registers, emulate=emulate, fused_dq=fused_dq)
+            memory_registers=cfg.memory_registers, emulate=emulate, fused_dq=fused_dq,
+            dq_split=dq_split(bq, h, num_wgs) if fused_dq else None)
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
@@ -254,8 +294,13 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
       free=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
   if fused_dq:
-    scratch["ds_smem"] = plgpu.SMEM((num_wgs, bk, bq), q.dtype, transforms=tf)
-    scratch["dq_smem"] = plgpu.SMEM((num_wgs, bq, h), jnp.float32, transforms=smem_transforms_f32())
+    rows_q = bq // num_wgs if st.dq_split == "rows" else bq
+    cols_q = h // num_wgs if st.dq_split == "cols" else h
+    scratch["ds_smem"] = plgpu.SMEM((2, num_wgs, bk, bq), q.dtype, transforms=tf)
+    scratch["dq_smem"] = plgpu.SMEM((num_wgs, rows_q, cols_q), jnp.float32,
+                                    transforms=smem_transforms_f32())
+    if st.dq_split is not None:
+      scratch["ds_bar"] = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1)
   out_type = []
   if want_dk:
     out_type.append(out_struct(k.shape, k.dtype, q))

@@ -56,6 +56,24 @@ def _min(a, b):
 
 # --- configuration -----------------------------------------------------------------------------------
 
+def dq_split(block_q: int, head_dim: int, num_wgs: int) -> str | None:
+  """How the fused dQ's per-step ``[block_q, H]`` tile is shared by ``num_wgs`` consumers.
+
+  A split halves (for two consumers) the f32 bytes each step reduce-adds into HBM: without it, every
+  consumer adds its own keys' partial of the *same* rows, so the L2 reduction traffic is num_wgs times
+  larger (at head_dim 128 and 64-row tiles it measured slower than the separate dQ kernel, session 8).
+  With it, each consumer reads both consumers' dS^T tiles (one barrier per step) and computes a
+  disjoint piece over all the CTA's keys. Pieces must be whole 64-element swizzled SMEM tiles.
+  """
+  if num_wgs == 1:
+    return None
+  if head_dim % (num_wgs * WG_ROWS) == 0:
+    return "cols"
+  if block_q % (num_wgs * WG_ROWS) == 0:
+    return "rows"
+  return None
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
   """Tiles and pipeline settings of the Mosaic GPU kernels (paper names: ``B_r`` = block_q, ``B_c`` =
@@ -72,7 +90,9 @@ class MosaicConfig:
   ``dq_fused`` (experimental, off by default, used only when the call allows a non-deterministic
   backward and dK/dV are not split): the dK/dV kernel also computes ``dS_ij K_j`` and adds it to an f32
   dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ kernel and its second
-  computation of S and dP; it stages dS^T (bf16) and the dQ partial (f32) in SMEM.
+  computation of S and dP; it stages dS^T (bf16, double-buffered) and the dQ piece (f32) in SMEM. With
+  two consumers the [block_q_dkv, H] dQ tile is split between them (by columns when H >= 128, else by
+  rows when block_q_dkv >= 128), so each step reduce-adds each dQ element once, not once per consumer.
 
   dQ (deterministic, separate pass): a CTA owns ``num_wgs_dq * block_q_dq`` query rows and streams
   ``block_k_dq``-key tiles of K and V.
@@ -186,8 +206,11 @@ class MosaicConfig:
     ring = self.num_stages_dkv * (2 * tile_q + self.block_q_dkv * 4 * (2 if want_dk else 1))
     fused = 0
     if self.dq_fused and want_dk and want_dv and not self.dkv_split:
-      # per consumer: dS^T [keys, rows] in the input dtype + the f32 dQ partial [rows, H]
-      fused = nwg * (self.block_k_dkv * self.block_q_dkv * itemsize + self.block_q_dkv * head_dim * 4)
+      # dS^T [keys, rows] per consumer in the input dtype, double-buffered, + each consumer's f32 dQ
+      # piece (a 1/nwg share of [rows, H] when the tile splits among the consumers, see dq_split)
+      pieces = nwg if dq_split(self.block_q_dkv, head_dim, nwg) else 1
+      fused = (2 * nwg * self.block_k_dkv * self.block_q_dkv * itemsize
+               + nwg * self.block_q_dkv * head_dim * 4 // pieces)
     return resident + ring + fused
 
   def smem_dq(self, head_dim: int, itemsize: int = 2) -> int:

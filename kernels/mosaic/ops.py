@@ -105,11 +105,14 @@ class Product:
   """One wgmma: ``init + a @ (b^T if tb else b)``; ``init`` None means a fresh zero accumulator.
 
   ``a``: SMEM ref or register array (16-bit), ``b``: SMEM ref. ``ta``/``tb`` transpose the SMEM
-  operand views (wgmma reads 16-bit operands transposed for free).
+  operand views (wgmma reads 16-bit operands transposed for free). ``more``: further ``(a, b, ta,
+  tb)`` terms added into the same accumulator (a contraction split over several SMEM tiles, issued
+  back to back like the k-steps of a matmul).
   """
 
-  def __init__(self, shape, a, b, *, tb: bool = False, ta: bool = False, init=None):
-    self.shape, self.a, self.b, self.ta, self.tb, self.init = tuple(shape), a, b, ta, tb, init
+  def __init__(self, shape, a, b, *, tb: bool = False, ta: bool = False, init=None, more=()):
+    self.shape, self.init = tuple(shape), init
+    self.terms = [(a, b, ta, tb), *more]
 
 
 def mma_many(products: Sequence[Product], between: Callable[[], None] | None = None):
@@ -117,7 +120,8 @@ def mma_many(products: Sequence[Product], between: Callable[[], None] | None = N
   if emulating():
     out = []
     for p in products:
-      r = jnp.dot(_load(p.a, p.ta), _load(p.b, p.tb), preferred_element_type=jnp.float32)
+      r = sum(jnp.dot(_load(a, ta), _load(b, tb), preferred_element_type=jnp.float32)
+              for a, b, ta, tb in p.terms)
       out.append(r if p.init is None else p.init + r)
     if between is not None:
       between()
@@ -125,7 +129,8 @@ def mma_many(products: Sequence[Product], between: Callable[[], None] | None = N
 
   def issue(refs):
     for ref, p in zip(refs, products):
-      plgpu.wgmma(ref, _operand(p.a, p.ta), _operand(p.b, p.tb))
+      for a, b, ta, tb in p.terms:
+        plgpu.wgmma(ref, _operand(a, ta), _operand(b, tb))
     if between is not None:
       between()
 
@@ -139,6 +144,27 @@ def mma_many(products: Sequence[Product], between: Callable[[], None] | None = N
   inits = tuple(plgpu.ACC.init(zeros(p.shape) if p.init is None else p.init) for p in products)
   # run_state waits for all outstanding wgmmas before returning the final accumulators.
   return list(pl.run_state(issue)(inits))
+
+
+def mma_fresh_and_carried(fresh: Product, carried: Product):
+  """Two products in flight at once, one wait: ``fresh`` (``init`` None) into a scoped zero
+  accumulator, ``carried`` accumulated into its ``init``. Returns ``(carried, fresh)`` results.
+
+  (The fresh accumulator lives in ``run_scoped`` around the carried one's ``run_state``, whose exit
+  waits for every outstanding wgmma; putting both in one ``run_state`` did not lower when an operand
+  is an SMEM view indexed by a traced slot.)
+  """
+  assert fresh.init is None and carried.init is not None
+  if emulating():
+    return tuple(mma_many([carried, fresh]))
+
+  def scoped(fresh_ref):
+    for a, b, ta, tb in fresh.terms:
+      plgpu.wgmma(fresh_ref, _operand(a, ta), _operand(b, tb))
+    (out,) = mma_many([carried])  # run_state: waits for all wgmmas on exit
+    return out, fresh_ref[...]
+
+  return pl.run_scoped(scoped, plgpu.ACC(fresh.shape, jnp.float32))
 
 
 def mma(shape, a, b, *, tb: bool = False, ta: bool = False, init=None, between=None):
