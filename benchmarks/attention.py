@@ -24,7 +24,8 @@ SEQS = [512, 1024, 2048, 4096, 8192, 16384]
 HEAD_DIMS = [64, 128]
 QUICK_SEQS = [2048, 8192]
 QUICK_HEAD_DIMS = [128, 64]
-DEFAULT_IMPLS = ["cudnn", "fa2_triton", "fa2_triton_det", "fa2_triton_atomic", "fa2_mosaic", "xla",
+DEFAULT_IMPLS = ["cudnn", "fa2_triton", "fa2_triton_det", "fa2_triton_atomic", "fa2_mosaic",
+                 "fa2_mosaic_det", "xla",
                  "tokamax_mosaic", "tokamax_triton"]
 # Outputs against the f32 reference: a check that a fast row is also a right one.
 REL_ERR_WARN = 2e-2

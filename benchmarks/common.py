@@ -44,7 +44,8 @@ IMPL_LABELS = {
     "fa2_triton_det": "fa2_jax triton (deterministic=True)",
     "fa2_triton_atomic": "fa2_jax triton (atomic dQ)",
     "fa2_mosaic": "fa2_jax mosaic",
-    "fa2_mosaic_fused": "fa2_jax mosaic (fused dQ, experimental)",
+    "fa2_mosaic_fused": "fa2_jax mosaic (fused dQ forced)",
+    "fa2_mosaic_det": "fa2_jax mosaic (deterministic)",
     "xla": "XLA (jax.nn, xla)",
     "cudnn": "cuDNN (jax.nn, cudnn)",
     "tokamax_mosaic": "tokamax mosaic",
@@ -576,7 +577,7 @@ def make_attention(name: str, *, causal: bool, interpret: bool | None = None, bl
     abl, kw = fa2_ablation(atomic_dq=True)
     return lambda q, k, v: abl(q, k, v, is_causal=causal, block_sizes=block_sizes,
                                interpret=interpret, **kw)
-  if name == "fa2_mosaic_fused":  # the experimental fused dQ (TMA reduce-add), deterministic=False
+  if name == "fa2_mosaic_fused":  # fused dQ (TMA reduce-add) forced on, also where not the default
     fa2 = ensure_fa2()
 
     def fused(q, k, v):
@@ -588,8 +589,9 @@ def make_attention(name: str, *, causal: bool, interpret: bool | None = None, bl
     return fused
   if name.startswith("fa2_"):
     fa2 = ensure_fa2()
-    impl = {"fa2_triton": "triton", "fa2_triton_det": "triton", "fa2_mosaic": "mosaic"}[name]
-    det = name == "fa2_triton_det"
+    impl = {"fa2_triton": "triton", "fa2_triton_det": "triton", "fa2_mosaic": "mosaic",
+            "fa2_mosaic_det": "mosaic"}[name]
+    det = name in ("fa2_triton_det", "fa2_mosaic_det")
     return lambda q, k, v: fa2.flash_attention(q, k, v, is_causal=causal, implementation=impl,
                                                block_sizes=block_sizes, deterministic=det,
                                                interpret=interpret)

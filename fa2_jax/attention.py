@@ -201,9 +201,10 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       Triton kernels; with ``implementation=None`` it selects them) or a :class:`fa2_jax.MosaicConfig`
       (tiles of the Mosaic kernels; with ``implementation=None`` it selects them, and a call they
       cannot run raises a ValueError naming the reason).
-    deterministic: guarantee a backward without atomics, bit-identical across runs. The default
-      backward (a separate dQ pass, faster than the paper's atomic adds on H200) already is; False
-      only allows the experimental ``MosaicConfig(dq_fused=True)``, whose dQ adds vary in order.
+    deterministic: guarantee a backward without atomics, bit-identical across runs (a separate dQ
+      pass). With False (the default) the Mosaic backend on Hopper fuses dQ into the dK/dV kernel
+      (TMA reduce-adds, ``MosaicConfig.dq_fused``; faster, the adds' order varies) for non-causal
+      head_dim 64/128 calls; every other call already gets the deterministic separate dQ pass.
     interpret: True runs the Pallas kernels in interpret mode on any platform (CPU tests).
 
   Returns:

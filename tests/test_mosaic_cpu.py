@@ -88,7 +88,8 @@ def test_fused_dq_split_and_smem():
   # head_dim 128, 64-row tiles: columns; head_dim 64 with 128-row tiles: rows; else none.
   assert dq_split(64, 128, 2) == "cols" and dq_split(128, 64, 2) == "rows"
   assert dq_split(64, 64, 2) is None and dq_split(64, 128, 1) is None
-  base = MosaicConfig.default(128)
+  base = MosaicConfig.default(128, is_causal=True)
+  assert not base.dq_fused and MosaicConfig.default(128).dq_fused  # default: fused when non-causal
   fused = base.replace(dq_fused=True)
   # + double-buffered dS^T (2 x 2 consumers x 64 x 64 bf16) + half a [64, 128] f32 tile per consumer
   assert fused.smem_dkv(128) - base.smem_dkv(128) == 2 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 4
@@ -378,7 +379,7 @@ LOWER_CASES = [  # b, t, s, n, kh, h, causal, dtype, cfg, kernels
     (2, 256, 256, 4, 4, 64, False, BF16, None, ("forward", "dkdv", "dq")),
     (1, 1000, 777, 4, 2, 128, True, BF16, None, ("forward", "dkdv", "dq")),
     (1, 300, 300, 2, 1, 128, True, jnp.float16,
-     MosaicConfig.default(128).replace(pingpong=False, ragged="pad"), ("forward", "dkdv", "dq")),
+     MosaicConfig.default(128, is_causal=True).replace(pingpong=False, ragged="pad"), ("forward", "dkdv", "dq")),
     (1, 256, 200, 2, 2, 256, True, BF16, None, ("forward", "dv", "dk", "dq")),
     # fused dQ (TMA reduce-add inside the dK/dV kernel): no dQ kernel
     (1, 1000, 777, 4, 2, 128, True, BF16, MosaicConfig.default(128).replace(dq_fused=True),

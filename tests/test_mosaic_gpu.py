@@ -119,7 +119,7 @@ def test_mosaic_lse_cotangent_and_determinism():
       return jnp.sum(out.astype(jnp.float32) ** 2) + jnp.sum(jnp.sin(lse))
     return f
 
-  ours = lambda a, b, c: mosaic(a, b, c, is_causal=True, return_residual=True)
+  ours = lambda a, b, c: mosaic(a, b, c, is_causal=True, return_residual=True, deterministic=True)
   ref = lambda a, b, c: fa2_jax.reference_attention(
       a.astype(jnp.float32), b.astype(jnp.float32), c.astype(jnp.float32), is_causal=True,
       return_residual=True)
@@ -304,6 +304,23 @@ def test_mosaic_config_reaches_the_kernels(fake_hopper, deterministic, kernels):
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(sd, sd, sd).lower(
       lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq)_mosaic_gpu", text)) == kernels
+
+
+@pytest.mark.parametrize("h, causal, deterministic, kernels", [
+    (128, False, False, {"forward", "dkdv_dq"}),  # the default: fused dQ on non-causal calls
+    (64, False, False, {"forward", "dkdv_dq"}),
+    (128, False, True, {"forward", "dkdv", "dq"}),  # deterministic: the separate dQ kernel
+    (128, True, False, {"forward", "dkdv", "dq"}),  # causal: separate (measured faster)
+    (256, False, False, {"forward", "dv", "dk", "dq"})])  # head_dim 256: split dK/dV, no fusion
+def test_default_backward_kernels(fake_hopper, h, causal, deterministic, kernels):
+  """Which backward kernels implementation=None runs on Hopper (sm90 lowering of grad)."""
+  import re
+  sd = jax.ShapeDtypeStruct((1, 256, 4, h), jnp.bfloat16)
+  loss = lambda q, k, v: jnp.sum(fa2_jax.flash_attention(
+      q, k, v, is_causal=causal, deterministic=deterministic).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(sd, sd, sd).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq|dv|dk)_mosaic_gpu", text)) == kernels
 
 
 def test_benchmark_fused_row_runs_the_fused_kernel(fake_hopper):

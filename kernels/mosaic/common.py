@@ -87,8 +87,8 @@ class MosaicConfig:
   ``dkv_split`` runs dV and dK as two passes, each keeping one f32 accumulator in registers instead of
   two (needed for head_dim > 128: two 64 x 256 f32 accumulators are 256 registers per thread).
   ``num_wgs_dk`` is the consumer count of the dK pass when split (its SMEM holds K, V, Q, dO).
-  ``dq_fused`` (experimental, off by default, used only when the call allows a non-deterministic
-  backward and dK/dV are not split): the dK/dV kernel also computes ``dS_ij K_j`` and adds it to an f32
+  ``dq_fused`` (on by default for non-causal head_dim 64/128, used only when the call allows a
+  non-deterministic backward and dK/dV are not split): the dK/dV kernel also computes ``dS_ij K_j`` and adds it to an f32
   dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ kernel and its second
   computation of S and dP; it stages dS^T (bf16, double-buffered) and the dQ piece (f32) in SMEM. With
   two consumers the [block_q_dkv, H] dQ tile is split between them (by columns when H >= 128, else by
@@ -183,11 +183,18 @@ class MosaicConfig:
     dQ kernel with one consumer warpgroup (SMEM/registers).
     """
     del dtype  # same settings for bf16/fp16 until measured otherwise
+    # Fused dQ (used only when the call allows a non-deterministic backward) on non-causal calls: at
+    # 8k on an H200 it beat the separate dQ kernel fwd+bwd by 4-8% (head_dim 128 8k 517 vs 497, 16k 533
+    # vs 505; head_dim 64 8k 442 vs 411 TFLOP/s; benchmarks/results/h200/s8/attention_fused_split*).
+    # Causal calls keep the separate dQ kernel: there fused measured 4-7% slower (the dK/dV CTAs'
+    # work is triangular, and the fused dQ adds to the longest ones).
+    fused = not is_causal
     if head_dim <= 64:
-      return cls(block_k=256, num_stages=2 if is_causal else 3, block_q_dkv=128, num_stages_dkv=3,
-                 block_k_dq=128, num_stages_dq=2)
+      # the fused dS^T/dQ staging needs the SMEM of the third dK/dV stage
+      return cls(block_k=256, num_stages=2 if is_causal else 3, block_q_dkv=128,
+                 num_stages_dkv=2 if fused else 3, block_k_dq=128, num_stages_dq=2, dq_fused=fused)
     if head_dim <= 128:
-      return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2)
+      return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, dq_fused=fused)
     return cls(block_k=64, num_stages=2, dkv_split=True, num_wgs_dkv=2, num_wgs_dk=1,
                num_stages_dkv=2, num_wgs_dq=1, num_stages_dq=2)
 
