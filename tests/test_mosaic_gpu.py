@@ -204,7 +204,8 @@ def test_default_dispatch_before_hopper(monkeypatch):
 
 @pytest.mark.parametrize("impl", ["mosaic", "triton"])
 @pytest.mark.parametrize("kv_replicated", [False, True])
-def test_shard_map_check_vma_types(fake_hopper, impl, kv_replicated):
+@pytest.mark.parametrize("causal", [True, False])  # Mosaic non-causal: the fused-dQ dK/dV kernel
+def test_shard_map_check_vma_types(fake_hopper, impl, kv_replicated, causal):
   """Forward and gradients trace under shard_map(check_vma=True): every kernel output is typed as
   varying like its inputs. With K/V replicated (not varying) and Q sharded, the dispatcher casts K/V
   to varying, so their gradients come back summed over the mesh by the cast's transpose."""
@@ -214,7 +215,7 @@ def test_shard_map_check_vma_types(fake_hopper, impl, kv_replicated):
   ks = P(None, None, None, None) if kv_replicated else qs
 
   def local(a, b, c):
-    f = lambda a, b, c: jnp.sum(fa2_jax.flash_attention(a, b, c, is_causal=True,
+    f = lambda a, b, c: jnp.sum(fa2_jax.flash_attention(a, b, c, is_causal=causal,
                                                          implementation=impl).astype(jnp.float32))
     return jax.value_and_grad(f, argnums=(0, 1, 2))(a, b, c)
 
