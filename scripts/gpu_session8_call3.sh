@@ -22,7 +22,7 @@ p0=$!
   timeout 170 ncu --clock-control none -k "regex:fa2_mosaic|sdpa|fmha|flash|cudnn" --launch-count 24 \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-    python3 scripts/diag/profile_bwd.py > "$out/prof/ncu.txt" 2>&1
+    python3 scripts/diag/profile_bwd.py --impls mosaic,mosaic_fused,cudnn > "$out/prof/ncu.txt" 2>&1
   echo "ncu rc=$?"
   timeout 230 python3 -m benchmarks.ablation --out "$out/ablation" --head-dims 128,64 --seqs 8192 \
     --grid quick --no-small-batch --budget-s 215

@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import fa2_jax
 
 ap = argparse.ArgumentParser()
-ap.add_argument("--impls", default="mosaic,mosaic_fused,cudnn")
+ap.add_argument("--impls", default="mosaic,mosaic_det,cudnn",
+                help="mosaic (default settings), mosaic_det (deterministic=True), mosaic_fused (fused dQ "
+                     "forced), triton, cudnn")
 ap.add_argument("--shape", default="2,8192,16,128")
 ap.add_argument("--causal", action="store_true")
 ap.add_argument("--runs", type=int, default=1)
@@ -36,6 +38,9 @@ def attention(impl):
     return lambda q, k, v: fa2_jax.flash_attention(q, k, v, is_causal=args.causal,
                                                    implementation="mosaic", block_sizes=cfg,
                                                    deterministic=False)
+  if impl == "mosaic_det":
+    return lambda q, k, v: fa2_jax.flash_attention(q, k, v, is_causal=args.causal,
+                                                   implementation="mosaic", deterministic=True)
   return lambda q, k, v: fa2_jax.flash_attention(q, k, v, is_causal=args.causal, implementation=impl)
 
 
