@@ -241,7 +241,7 @@ def _psum_loss(res):
     (128, False, 2048, 2048, 8, 1, None),
     (64, True, 300, 300, 4, 2, 64)])  # no split: one partial per consumer
 def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv):
-  """The experimental fused dQ (TMA reduce-add in the dK/dV kernel) against the dQ kernel."""
+  """The fused dQ (TMA reduce-add in the dK/dV kernel) against the separate dQ kernel."""
   from fa2_jax.kernels import mosaic as M
   ks = jax.random.split(jax.random.key(7), 4)
   q = jax.random.normal(ks[0], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)

@@ -21,13 +21,14 @@
    ``(batch, head, query tile)`` owns each dQ_i and loops over key tiles, recomputing S, P, dP, dS — the
    structure of the forward): ``dQ_i += dS K_j`` (line 15), no atomics, bit-identical across runs.
 
-4. **Fused dQ** (experimental, ``MosaicConfig.dq_fused``, only when the caller allows a
+4. **Fused dQ** (``MosaicConfig.dq_fused``, only when the caller allows a
    non-deterministic backward): the dK/dV kernel also stages ``dS^T`` in SMEM, computes
    ``dS_ij K_j`` with wgmma and adds it to an f32 ``[B, T, N, H]`` dQ accumulator in HBM by TMA
    reduce-add (the paper's atomic-add dQ, Alg. 2 line 15, on Hopper's bulk-copy unit), so S and dP are
    computed once instead of twice and the dQ kernel is skipped. The two consumers split each step's
-   dQ tile (``dq_split``) so every element is reduce-added once per step. Off by default: with one
-   partial per consumer it measured slower than the separate dQ kernel at head_dim 128 on an H200.
+   dQ tile (``dq_split``) so every element is reduce-added once per step (with one partial per
+   consumer it had measured slower than the separate dQ kernel at head_dim 128 on an H200). The
+   default for non-causal head_dim 64/128 calls with ``deterministic=False`` (MosaicConfig.default).
 
 Causal (§3.1 "causal masking"): the dK/dV loop starts at the first query tile that reaches the CTA's
 keys and only tiles straddling the diagonal run the masked body; the dQ loop stops at the diagonal.
@@ -50,7 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...masking import allowed
 from ..vma import out_struct
-from .common import (LOG2E, WG_ROWS, MosaicConfig, dq_split, kv_block_ranges, pad_axis,
+from .common import (LOG2E, WG_ROWS, MosaicConfig, dq_piece, dq_split, kv_block_ranges, pad_axis,
                      plan_lengths, q_block_ranges, supports)
 from .ops import (Product, bcast_cols, bcast_rows, compiler_params, emulating, iota2, mma,
                   mma_fresh_and_carried, mma_many, smem_transforms, smem_transforms_f32, stream_kv,
@@ -131,8 +132,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
 
     hd = st.head_dim
     split = st.dq_split
-    rows_q = bq // nwg if split == "rows" else bq  # this consumer's dQ piece: [rows_q, cols_q]
-    cols_q = hd // nwg if split == "cols" else hd
+    rows_q, cols_q = dq_piece(bq, hd, nwg)  # this consumer's fused-dQ piece
 
     def fused_dq_step(idx, i, g, ds16, q_t, dk):
       """dK_j += dS^T Q_i and the fused dQ_i += dS_ij K_j (Alg. 2 lines 15-16), both wgmmas in
@@ -294,8 +294,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
       free=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
   if fused_dq:
-    rows_q = bq // num_wgs if st.dq_split == "rows" else bq
-    cols_q = h // num_wgs if st.dq_split == "cols" else h
+    rows_q, cols_q = dq_piece(bq, h, num_wgs)
     scratch["ds_smem"] = plgpu.SMEM((2, num_wgs, bk, bq), q.dtype, transforms=tf)
     scratch["dq_smem"] = plgpu.SMEM((num_wgs, rows_q, cols_q), jnp.float32,
                                     transforms=smem_transforms_f32())

@@ -74,6 +74,13 @@ def dq_split(block_q: int, head_dim: int, num_wgs: int) -> str | None:
   return None
 
 
+def dq_piece(block_q: int, head_dim: int, num_wgs: int) -> tuple[int, int]:
+  """``(rows, cols)`` of the fused-dQ piece each consumer computes and reduce-adds per step."""
+  split = dq_split(block_q, head_dim, num_wgs)
+  return (block_q // num_wgs if split == "rows" else block_q,
+          head_dim // num_wgs if split == "cols" else head_dim)
+
+
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
   """Tiles and pipeline settings of the Mosaic GPU kernels (paper names: ``B_r`` = block_q, ``B_c`` =
@@ -88,9 +95,9 @@ class MosaicConfig:
   two (needed for head_dim > 128: two 64 x 256 f32 accumulators are 256 registers per thread).
   ``num_wgs_dk`` is the consumer count of the dK pass when split (its SMEM holds K, V, Q, dO).
   ``dq_fused`` (on by default for non-causal head_dim 64/128, used only when the call allows a
-  non-deterministic backward and dK/dV are not split): the dK/dV kernel also computes ``dS_ij K_j`` and adds it to an f32
-  dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ kernel and its second
-  computation of S and dP; it stages dS^T (bf16, double-buffered) and the dQ piece (f32) in SMEM. With
+  non-deterministic backward and dK/dV are not split): the dK/dV kernel also computes ``dS_ij K_j``
+  and adds it to an f32 dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ
+  kernel and its second computation of S and dP; it stages dS^T (bf16, double-buffered) and the dQ piece (f32) in SMEM. With
   two consumers the [block_q_dkv, H] dQ tile is split between them (by columns when H >= 128, else by
   rows when block_q_dkv >= 128), so each step reduce-adds each dQ element once, not once per consumer.
 
@@ -183,11 +190,11 @@ class MosaicConfig:
     dQ kernel with one consumer warpgroup (SMEM/registers).
     """
     del dtype  # same settings for bf16/fp16 until measured otherwise
-    # Fused dQ (used only when the call allows a non-deterministic backward) on non-causal calls: at
-    # 8k on an H200 it beat the separate dQ kernel fwd+bwd by 4-8% (head_dim 128 8k 517 vs 497, 16k 533
-    # vs 505; head_dim 64 8k 442 vs 411 TFLOP/s; benchmarks/results/h200/s8/attention_fused_split*).
-    # Causal calls keep the separate dQ kernel: there fused measured 4-7% slower (the dK/dV CTAs'
-    # work is triangular, and the fused dQ adds to the longest ones).
+    # Fused dQ (used only when the call allows a non-deterministic backward) on non-causal calls: on
+    # an H200 it beat the separate dQ kernel fwd+bwd by 4-8% at 2k-16k (head_dim 128: 485 vs 458 at
+    # 2k, 533 vs 505 at 16k; head_dim 64: 442 vs 411 at 8k TFLOP/s; benchmarks/results/h200/s8/).
+    # Causal calls keep the separate dQ kernel: there fused measured 3-6% slower at 8k/16k (likely
+    # because the dK/dV CTAs' work is triangular and the fused dQ lengthens the longest ones).
     fused = not is_causal
     if head_dim <= 64:
       # the fused dS^T/dQ staging needs the SMEM of the third dK/dV stage
@@ -215,9 +222,8 @@ class MosaicConfig:
     if self.dq_fused and want_dk and want_dv and not self.dkv_split:
       # dS^T [keys, rows] per consumer in the input dtype, double-buffered, + each consumer's f32 dQ
       # piece (a 1/nwg share of [rows, H] when the tile splits among the consumers, see dq_split)
-      pieces = nwg if dq_split(self.block_q_dkv, head_dim, nwg) else 1
-      fused = (2 * nwg * self.block_k_dkv * self.block_q_dkv * itemsize
-               + nwg * self.block_q_dkv * head_dim * 4 // pieces)
+      rows, cols = dq_piece(self.block_q_dkv, head_dim, nwg)
+      fused = 2 * nwg * self.block_k_dkv * self.block_q_dkv * itemsize + nwg * rows * cols * 4
     return resident + ring + fused
 
   def smem_dq(self, head_dim: int, itemsize: int = 2) -> int:
