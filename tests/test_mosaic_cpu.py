@@ -491,6 +491,36 @@ def test_interpret_numerics(case):
     assert not np.asarray(got[4][:, t:], np.float32).any()
 
 
+def test_fused_dq_under_vmap_interpret():
+  """vmap of the fused-dQ backward (its run_state has no batching rule; a custom_vmap folds the
+  vmapped axis into the batch) equals the per-element results, with K/V shared (in_axes=None: they
+  are broadcast, and their per-element gradients come back stacked)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  cfg = MosaicConfig.default(64)
+  assert cfg.dq_fused
+  h, scale = 64, 1.0 / 8.0
+  ks = jax.random.split(jax.random.key(3), 4)
+  q = jax.random.normal(ks[0], (2, 1, 136, 2, h), jnp.float32).astype(BF16)  # [V, B, T, N, H]
+  do = jax.random.normal(ks[1], (2, 1, 136, 2, h), jnp.float32).astype(BF16)
+  k = jax.random.normal(ks[2], (1, 72, 1, h), jnp.float32).astype(BF16)
+  v = jax.random.normal(ks[3], (1, 72, 1, h), jnp.float32).astype(BF16)
+
+  def one(q, k, v, do):
+    out, lse = forward(q, k, v, scale=scale, is_causal=False, config=cfg)
+    return backward(q, k, v, out, lse, do, scale=scale, is_causal=False, config=cfg,
+                    deterministic=False)
+
+  with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    got = jax.jit(jax.vmap(one, in_axes=(0, None, None, 0)))(q, k, v, do)
+    each = [jax.jit(one)(q[i], k, v, do[i]) for i in range(2)]
+  for g, name in zip(got, ("dq", "dk", "dv")):
+    assert g.shape[0] == 2, name
+  for i in range(2):
+    for g, e, name in zip(got, each[i], ("dq", "dk", "dv")):
+      np.testing.assert_allclose(np.asarray(g[i], np.float32), np.asarray(e, np.float32),
+                                 atol=2e-2, rtol=0, err_msg=name)
+
+
 def test_equal_kernels_lower_once_per_program():
   """Four layers of fwd+bwd in one program: the Mosaic custom calls share 3 kernels (forward, dK/dV,
   dQ), not 12 — each distinct kernel is lowered and hashed once (its compile can then be shared)."""

@@ -324,6 +324,23 @@ def test_default_backward_kernels(fake_hopper, h, causal, deterministic, kernels
   assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq|dv|dk)_mosaic_gpu", text)) == kernels
 
 
+@pytest.mark.parametrize("kv_axes", [0, None])
+def test_vmap_of_grad_lowers_with_fused_dq(fake_hopper, kv_axes):
+  """vmap(grad) of a non-causal call (the fused-dQ default) lowers for sm90 (the fused kernel's
+  run_state needs the custom_vmap that folds the vmapped axis into the batch)."""
+  import re
+  loss = lambda q, k, v: jnp.sum(fa2_jax.flash_attention(q, k, v).astype(jnp.float32))
+  g = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, kv_axes, kv_axes))
+  qs = jax.ShapeDtypeStruct((3, 2, 256, 4, 128), jnp.bfloat16)
+  kvs = qs if kv_axes == 0 else jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
+  traced = jax.jit(g).trace(qs, kvs, kvs)
+  dq, dk, dv = traced.out_info
+  assert dq.shape == dk.shape == dv.shape == (3, 2, 256, 4, 128)  # per-element gradients
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq)_mosaic_gpu", text)) == {
+      "forward", "dkdv_dq"}
+
+
 def test_benchmark_fused_row_runs_the_fused_kernel(fake_hopper):
   import re
   from benchmarks import common as C

@@ -309,7 +309,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
   name = "fa2_mosaic_dkdv" if (want_dk and want_dv) else ("fa2_mosaic_dk" if want_dk else
                                                            "fa2_mosaic_dv")
 
-  def launch(out_type, **extra):
+  def launch(out_type, operands, **extra):
     return plgpu.kernel(
         functools.partial(_dkv_kernel, st=st, **extra),
         out_type=tuple(out_type),
@@ -320,24 +320,37 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
         thread_name="wg",
         compiler_params=compiler_params(),
         kernel_name=name + ("_dq" if fused_dq else ""),
-    )(q, k, v, do, lse2, delta)
+    )(*operands)
 
+  operands = (q, k, v, do, lse2, delta)
   if not fused_dq:
-    return tuple(launch(out_type))
+    return tuple(launch(out_type, operands))
   # The dQ accumulator is a ref the kernel closes over: Pallas passes its zero-filled initial value in
   # and aliases it to the output, which a TMA reduce-add needs (a kernel's own outputs start
   # uninitialised). dK and dV are closed-over refs too, so every result leaves through the state.
   acc_shape = (b, t_hbm, n, h) if not emulate else (n_k_tiles * num_wgs, b, t_hbm, n, h)
 
-  def stateful(refs):
-    acc_ref, dk_ref, dv_ref = refs
-    launch((), dq_acc_ref=acc_ref, closed_outs=(dk_ref, dv_ref))
+  @jax.custom_batching.custom_vmap
+  def fused(*operands):
+    def stateful(refs):
+      acc_ref, dk_ref, dv_ref = refs
+      launch((), operands, dq_acc_ref=acc_ref, closed_outs=(dk_ref, dv_ref))
 
-  acc, dk, dv = pl.run_state(stateful)((jnp.zeros(acc_shape, jnp.float32),
-                                        jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)))
-  if emulate:
-    acc = acc.sum(axis=0)
-  return dk, dv, acc
+    acc, dk, dv = pl.run_state(stateful)((jnp.zeros(acc_shape, jnp.float32),
+                                          jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)))
+    return dk, dv, (acc.sum(axis=0) if emulate else acc)
+
+  @fused.def_vmap
+  def _vmap(axis_size, in_batched, *args):
+    # run_state has no batching rule: fold the vmapped axis into the batch axis B (every operand has
+    # B first), run the kernel once over V * B, and unfold (unbatched operands are broadcast).
+    args = [x if bt else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, bt in zip(args, in_batched)]
+    merged = [x.reshape((axis_size * x.shape[1], *x.shape[2:])) for x in args]
+    outs = _dkv_call(*merged, scale=scale, is_causal=is_causal, seq_q=seq_q, cfg=cfg, want_dk=want_dk,
+                     want_dv=want_dv, num_wgs=num_wgs, emulate=emulate, fused_dq=True)
+    return tuple(o.reshape((axis_size, -1, *o.shape[1:])) for o in outs), (True, True, True)
+
+  return fused(*operands)
 
 
 # --- dQ ----------------------------------------------------------------------------------------------
