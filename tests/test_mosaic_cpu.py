@@ -386,6 +386,8 @@ LOWER_CASES = [  # b, t, s, n, kh, h, causal, dtype, cfg, kernels
      ("forward", "dkdv_dq")),
     (2, 512, 512, 4, 4, 64, False, BF16,
      MosaicConfig.default(64).replace(dq_fused=True, num_stages_dkv=2), ("forward", "dkdv_dq")),
+    # fp16, non-causal: the default fused dQ (dS^T staged in fp16)
+    (1, 256, 320, 4, 2, 128, False, jnp.float16, MosaicConfig.default(128), ("forward", "dkdv_dq")),
     # fused dQ with 64-row dK/dV tiles at head_dim 64: no split, one partial per consumer
     (1, 256, 256, 2, 2, 64, False, BF16,
      MosaicConfig.default(64).replace(dq_fused=True, block_q_dkv=64), ("forward", "dkdv_dq")),
