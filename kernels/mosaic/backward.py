@@ -53,8 +53,8 @@ from ...masking import allowed
 from ..vma import out_struct
 from .common import (LOG2E, WG_ROWS, MosaicConfig, dq_piece, dq_split, kv_block_ranges, pad_axis,
                      plan_lengths, q_block_ranges, supports)
-from .ops import (Product, bcast_cols, bcast_rows, compiler_params, emulating, iota2, mma,
-                  mma_fresh_and_carried, mma_many, smem_transforms, smem_transforms_f32, stream_kv,
+from .ops import (Product, bcast_cols, bcast_rows, emulating, iota2, mma, mma_fresh_and_carried,
+                  mma_many, smem_transforms, smem_transforms_f32, stream_kv, ws_kernel,
                   zeros as _zeros)
 
 
@@ -310,16 +310,10 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
                                                            "fa2_mosaic_dv")
 
   def launch(out_type, operands, **extra):
-    return plgpu.kernel(
-        functools.partial(_dkv_kernel, st=st, **extra),
-        out_type=tuple(out_type),
-        scratch_types=scratch,
-        grid=(b, kh, n_k_tiles),
-        grid_names=("b", "h", "k"),
-        num_threads=num_wgs + 1,
-        thread_name="wg",
-        compiler_params=compiler_params(),
-        kernel_name=name + ("_dq" if fused_dq else ""),
+    return ws_kernel(
+        functools.partial(_dkv_kernel, st=st, **extra), out_type=tuple(out_type), scratch=scratch,
+        grid=(b, kh, n_k_tiles), grid_names=("b", "h", "k"), num_consumers=num_wgs,
+        name=name + ("_dq" if fused_dq else ""),
     )(*operands)
 
   operands = (q, k, v, do, lse2, delta)
@@ -472,16 +466,10 @@ def _dq_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_k, cfg: MosaicCo
       k_free=plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),
       v_free=plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),
   )
-  return plgpu.kernel(
-      functools.partial(_dq_kernel, st=st),
-      out_type=out_struct(q.shape, q.dtype, q),
-      scratch_types=scratch,
-      grid=(b, n, n_q_tiles),
-      grid_names=("b", "h", "q"),
-      num_threads=nwg + 1,
-      thread_name="wg",
-      compiler_params=compiler_params(),
-      kernel_name="fa2_mosaic_dq",
+  return ws_kernel(
+      functools.partial(_dq_kernel, st=st), out_type=out_struct(q.shape, q.dtype, q),
+      scratch=scratch, grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"), num_consumers=nwg,
+      name="fa2_mosaic_dq",
   )(q, k, v, do, lse2, delta)
 
 

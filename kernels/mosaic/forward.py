@@ -42,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ...masking import allowed
 from ..vma import out_struct
 from .common import LN2, LOG2E, MosaicConfig, kv_block_ranges, pad_axis, plan_lengths, supports
-from .ops import bcast_rows, compiler_params, emulating, iota2, mma, smem_transforms, stream_kv
+from .ops import bcast_rows, emulating, iota2, mma, smem_transforms, stream_kv, ws_kernel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,16 +244,11 @@ def _forward_call(q, k, v, *, scale, is_causal, cfg: MosaicConfig, plan_t, plan_
   )
   if st.pingpong:
     scratch["sched"] = plgpu.Barrier(num_arrivals=nwg)
-  out, lse = plgpu.kernel(
+  out, lse = ws_kernel(
       functools.partial(_fwd_kernel, st=st),
       out_type=(out_struct(qp.shape, q.dtype, q), out_struct((b, n, t_lse), jnp.float32, q)),
-      scratch_types=scratch,
-      grid=(b, n, n_q_tiles),
-      grid_names=("b", "h", "q"),
-      num_threads=nwg + 1,
-      thread_name="wg",
-      compiler_params=compiler_params(),
-      kernel_name="fa2_mosaic_forward",
+      scratch=scratch, grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"), num_consumers=nwg,
+      name="fa2_mosaic_forward",
   )(qp, kp, vp)
   if plan_t != t:
     out = out[:, :t]

@@ -66,6 +66,14 @@ def compiler_params():
   return plgpu.CompilerParams(approx_math=True)
 
 
+def ws_kernel(body, *, out_type, scratch, grid, grid_names, num_consumers: int, name: str):
+  """A warp-specialised launch: ``num_consumers`` compute warpgroups plus one producer warpgroup
+  (thread axis ``"wg"``: consumers are ``wg < num_consumers``, the producer ``wg == num_consumers``)."""
+  return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
+                      grid_names=grid_names, num_threads=num_consumers + 1, thread_name="wg",
+                      compiler_params=compiler_params(), kernel_name=name)
+
+
 def bcast_rows(x, shape):
   """[rows] (WGMMA row layout) -> [rows, cols]: the row statistic repeated along each row."""
   return lax.broadcast_in_dim(x, shape, [0])
