@@ -390,21 +390,11 @@ def plot(cells, out_dir: Path, tag=None):
         ax.set_title(f"{p}, {'with' if cz else 'without'} causal mask, head dim {h}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.margins(y=0.15)
-    handles, labels = [], []
-    for ax in axes.flat:
-      for hnd, lab in zip(*ax.get_legend_handles_labels()):
-        if lab not in labels:
-          handles.append(hnd)
-          labels.append(lab)
-    if handles:
-      fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8,
-                 frameon=False)
+    C.shared_legend(fig, axes, ncol=4, fontsize=8)
     fig.suptitle(f"Attention {p} speed (TFLOP/s)")
     fig.tight_layout(rect=(0, 0.08, 1, 0.97))
-    f = out_dir / C.out_name(f"{STEM}_{p.replace('+', '_')}", tag, "png")
-    fig.savefig(f, dpi=110)
-    plt.close(fig)
-    files.append(f)
+    files.append(C.save_png(plt, fig, out_dir / C.out_name(f"{STEM}_{p.replace('+', '_')}", tag,
+                                                           "png")))
   return files
 
 

@@ -114,6 +114,34 @@ def with_mosaic(impls):
   return (["fa2_mosaic"] if mosaic_available() else []) + [i for i in impls if i != "fa2_mosaic"]
 
 
+def seq_log_axis(ax) -> None:
+  """x axis: sequence length on a log-2 scale, ticks as 512 / 1k / ... (every plot of a sweep)."""
+  from matplotlib.ticker import FuncFormatter
+  ax.set_xscale("log", base=2)
+  ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: seq_label(int(round(x)))))
+  ax.set_xlabel("sequence length")
+
+
+def shared_legend(fig, axes, *, ncol: int, fontsize: int) -> None:
+  """One legend under all panels, each label once (panels plot overlapping subsets of rows)."""
+  handles, labels = [], []
+  for ax in axes.flat:
+    for hnd, lab in zip(*ax.get_legend_handles_labels()):
+      if lab not in labels:
+        handles.append(hnd)
+        labels.append(lab)
+  if handles:
+    fig.legend(handles, labels, loc="lower center", ncol=min(ncol, len(labels)), fontsize=fontsize,
+               frameon=False)
+
+
+def save_png(plt, fig, path, dpi: int = 110):
+  """Write the figure, close it, return the path."""
+  fig.savefig(path, dpi=dpi)
+  plt.close(fig)
+  return path
+
+
 def get_pyplot():
   """matplotlib.pyplot on the Agg backend, or None when matplotlib is missing."""
   try:

@@ -176,7 +176,6 @@ def plot(cells, out_dir, tag=None):
   plt = C.get_pyplot()
   if plt is None or not cells:
     return []
-  from matplotlib.ticker import FuncFormatter
   causals = sorted({c["causal"] for c in cells})
   fig, axes = plt.subplots(1, len(causals), figsize=(6 * len(causals), 4), squeeze=False)
   for ax, cz in zip(axes[0], causals):
@@ -187,20 +186,15 @@ def plot(cells, out_dir, tag=None):
         if pts:
           ax.plot([x for x, _ in pts], [y for _, y in pts], ls, marker="o",
                   label=f"{C.IMPL_LABELS.get(i, i)} {p}")
-    ax.set_xscale("log", base=2)
+    C.seq_log_axis(ax)
     ax.set_yscale("log")
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: C.seq_label(int(round(x)))))
-    ax.set_xlabel("sequence length")
     ax.set_ylabel("µs per call (median)")
     ax.set_title(f"{'causal' if cz else 'non-causal'}")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
   fig.suptitle("Latency per call, batch 1")
   fig.tight_layout()
-  f = Path(out_dir) / C.out_name(STEM, tag, "png")
-  fig.savefig(f, dpi=110)
-  plt.close(fig)
-  return [f]
+  return [C.save_png(plt, fig, Path(out_dir) / C.out_name(STEM, tag, "png"))]
 
 
 def summary(data) -> str:

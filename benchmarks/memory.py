@@ -392,20 +392,15 @@ def plot(cells, out_dir, tag=None, limit=None):
   if limit:
     ax.axhline(limit, color="red", lw=0.8, ls="--", label="device limit")
   from matplotlib.ticker import FuncFormatter
-  ax.set_xscale("log", base=2)
+  C.seq_log_axis(ax)
   ax.set_yscale("log", base=2)
-  ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: C.seq_label(int(round(x)))))
   ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: C.fmt_bytes(y)))
-  ax.set_xlabel("sequence length")
   ax.set_ylabel("device memory")
   ax.grid(alpha=0.3, which="both")
   ax.legend(fontsize=7)
   ax.set_title("Memory of one forward+backward")
   fig.tight_layout()
-  f = Path(out_dir) / C.out_name(STEM, tag, "png")
-  fig.savefig(f, dpi=110)
-  plt.close(fig)
-  return [f]
+  return [C.save_png(plt, fig, Path(out_dir) / C.out_name(STEM, tag, "png"))]
 
 
 def summary(data) -> str:

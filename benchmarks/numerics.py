@@ -420,7 +420,6 @@ def plot(cells, out_dir, tag=None):
   plt = C.get_pyplot()
   if plt is None or not cells:
     return []
-  from matplotlib.ticker import FuncFormatter
   causals = sorted({c["causal"] for c in cells})
   fig, axes = plt.subplots(len(causals), len(QUANTS), figsize=(4 * len(QUANTS), 3.6 * len(causals)),
                            squeeze=False)
@@ -437,29 +436,16 @@ def plot(cells, out_dir, tag=None):
           if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(i, "-"),
                     color=colors.get(dt), ms=4, lw=1, label=f"{dt} {i}")
-      ax.set_xscale("log", base=2)
+      C.seq_log_axis(ax)
       ax.set_yscale("log")
-      ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: C.seq_label(int(round(x)))))
       ax.set_title(f"{q}, {'causal' if cz else 'non-causal'}", fontsize=9)
-      ax.set_xlabel("sequence length")
       if col == 0:
         ax.set_ylabel("relative L2 error")
       ax.grid(alpha=0.3, which="both")
-  handles, labels = [], []
-  for ax in axes.flat:
-    for hnd, lab in zip(*ax.get_legend_handles_labels()):
-      if lab not in labels:
-        handles.append(hnd)
-        labels.append(lab)
-  if handles:
-    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=7,
-               frameon=False)
+  C.shared_legend(fig, axes, ncol=6, fontsize=7)
   fig.suptitle("Error vs float64 reference")
   fig.tight_layout(rect=(0, 0.1, 1, 0.96))
-  f = Path(out_dir) / C.out_name(STEM, tag, "png")
-  fig.savefig(f, dpi=100)
-  plt.close(fig)
-  return [f]
+  return [C.save_png(plt, fig, Path(out_dir) / C.out_name(STEM, tag, "png"), dpi=100)]
 
 
 def summary(data) -> str:
