@@ -9,6 +9,11 @@
 # Each run: 12 steps, batch 4 per device, throughput over the steps after the compile (see train.py).
 set -uo pipefail
 out="${1:?OUTDIR}"; mode="${2:-single}"
+case "$mode" in
+  single|single_min|single_flash|single_rest|xla_only|pmap) ;;
+  *) echo "gpu_gpt_table1.sh: mode must be single, single_min, single_flash, single_rest, xla_only or pmap, got '$mode'" >&2
+     exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 GPU_ENV_NO_INSTALL=1 . scripts/gpu_env.sh
 gpt="--preset long8k --steps 12 --eval-every 1000 --eval-batches 1 --log-every 4 --sample-tokens 16

@@ -251,3 +251,10 @@ def test_run_all_resumes_after_crash(tmp_path):
   assert (out / "run_all.md").exists() and (out / "attention.md").exists()
   names = tarfile.open(arc).getnames()
   assert "out/attention.json" in names and "out/run_all.md" in names
+
+
+def test_gpt_table_script_rejects_an_unknown_mode(tmp_path):
+  root = Path(__file__).resolve().parents[1]
+  r = subprocess.run(["bash", str(root / "scripts" / "gpu_gpt_table1.sh"), str(tmp_path), "nope"],
+                     capture_output=True, text=True, timeout=60)
+  assert r.returncode == 2 and "mode must be single" in r.stderr and "'nope'" in r.stderr
