@@ -25,7 +25,8 @@ import pytest
 import fa2_jax
 from fa2_jax.kernels.mosaic import MosaicConfig, backward, forward, supports
 from fa2_jax.kernels.mosaic.backward import backward_tiles
-from fa2_jax.kernels.mosaic.common import (SMEM_BYTES, SMEM_RESERVE, kv_block_ranges, pad_axis,
+from fa2_jax.kernels.mosaic.common import (SMEM_BYTES, SMEM_RESERVE, causal_section, kv_block_ranges,
+                                           lpt_tile, pad_axis, section_heads,
                                            plan_lengths, q_block_ranges)
 from fa2_jax.kernels.mosaic.ops import emulated_mma, emulating
 from fa2_jax.masking import allowed
@@ -111,6 +112,7 @@ def test_fused_dq_split_and_smem():
     (dict(num_wgs_dq=0), ValueError, "num_wgs_dq"),
     (dict(num_wgs=1), ValueError, "pingpong"),  # pingpong defaults to True: needs two consumers
     (dict(ragged="zero"), ValueError, "ragged"),
+    (dict(causal_schedule="lpt"), ValueError, "causal_schedule"),
     (dict(compute_registers=100), ValueError, "compute_registers"),
     (dict(compute_registers=16), ValueError, "compute_registers"),
     (dict(memory_registers=20), ValueError, "memory_registers"),
@@ -293,6 +295,50 @@ def test_block_ranges_traced_match_python():
 
 def _fwd_tiles(cfg):  # as forward() computes them
   return cfg.num_wgs * cfg.block_q, cfg.block_k
+
+
+@pytest.mark.parametrize("n_b,n_h,n_t,section,longest_last", [
+    (2, 16, 64, 8, True), (1, 5, 7, 2, False), (3, 4, 1, 5, True), (2, 3, 9, 1, True),
+    (1, 1, 4, 1, False), (4, 6, 5, 24, False)])
+def test_lpt_tile_is_a_longest_first_bijection(n_b, n_h, n_t, section, longest_last):
+  """Every launch coordinate maps to one distinct (b, h, tile); in launch order the tiles of each
+  section of heads run longest first across all its heads; section 1 is the per-head order."""
+  n_bh = n_b * n_h
+  seen = []
+  for b, h, t in itertools.product(range(n_b), range(n_h), range(n_t)):  # launch order: t fastest
+    seen.append(lpt_tile(b, h, t, n_h=n_h, n_t=n_t, n_bh=n_bh, section=section,
+                         longest_last=longest_last))
+  assert sorted(seen) == sorted(itertools.product(range(n_b), range(n_h), range(n_t)))
+  rank = [(n_t - 1 - t) if longest_last else t for _, _, t in seen]  # 0 = longest
+  sec = [(b * n_h + h) // section for b, h, _ in seen]
+  assert sec == sorted(sec)  # sections are launched one after another
+  for s_ in set(sec):
+    ranks = [r for r, x in zip(rank, sec) if x == s_]
+    assert ranks == sorted(ranks)  # longest first within a section
+  if section == 1:  # the per-head order: heads in order, each head's tiles longest first
+    assert [(b, h) for b, h, _ in seen] == [(b, h) for b, h, _ in
+                                            itertools.product(range(n_b), range(n_h), range(n_t))]
+
+
+def test_lpt_tile_traced_matches_python():
+  args = dict(n_h=3, n_t=5, n_bh=6, section=4, longest_last=True)
+  f = jax.jit(lambda b, h, t: lpt_tile(b, h, t, **args))
+  for b, h, t in itertools.product(range(2), range(3), range(5)):
+    got = tuple(int(x) for x in f(jnp.int32(b), jnp.int32(h), jnp.int32(t)))
+    assert got == lpt_tile(b, h, t, **args)
+
+
+def test_section_heads():
+  mib = 1024 * 1024
+  assert section_heads(4 * mib, 32, budget=32 * mib) == 8  # 8k x 128 bf16 K+V per head
+  assert section_heads(8 * mib, 16, budget=32 * mib) == 4
+  assert section_heads(1 * mib, 16, budget=32 * mib) == 16  # capped at the heads there are
+  assert section_heads(64 * mib, 16, budget=32 * mib) == 1  # at least one head
+  assert section_heads(5 * mib, 64, group=4, budget=32 * mib) == 4  # 6 -> a multiple of the group
+  assert section_heads(12 * mib, 64, group=4, budget=32 * mib) == 2  # below one group: as is
+  cfg = MosaicConfig()
+  assert causal_section(cfg, n_bh=32, group=1, kv_bytes=4 * mib) == 8
+  assert causal_section(cfg.replace(causal_schedule="head"), n_bh=32, group=1, kv_bytes=4 * mib) == 1
 
 
 def test_plan_lengths_default_tiles():
@@ -491,6 +537,20 @@ def test_interpret_numerics(case):
   if causal and s > t:  # keys past the last query are never attended: exactly zero gradients
     assert not np.asarray(got[3][:, t:], np.float32).any()
     assert not np.asarray(got[4][:, t:], np.float32).any()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_interpret_causal_lpt_sections(monkeypatch, fused):
+  """Causal kernels with the launch order cut into several L2 sections (the budget shrunk so that 6
+  (batch, head) pairs make sections of 4 and 2 heads in all three kernels): same numbers as the
+  reference, so every CTA found its (batch, head, tile) exactly once."""
+  from fa2_jax.kernels.mosaic import common
+  h, t = 64, 144
+  per_head = 2 * t * h * 2  # K+V (forward, dQ) or Q+dO (dK/dV) of one head, bf16
+  monkeypatch.setattr(common, "L2_SECTION_BYTES", 4 * per_head)
+  cfg = MosaicConfig.default(h, is_causal=True).replace(dq_fused=fused, num_stages_dkv=2)
+  assert causal_section(cfg, n_bh=6, group=1, kv_bytes=per_head) == 4
+  test_interpret_numerics((2, t, t, 3, 3, h, True, cfg, False))
 
 
 def test_fused_dq_under_vmap_interpret():

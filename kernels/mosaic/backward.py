@@ -51,8 +51,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...masking import allowed
 from ..vma import out_struct
-from .common import (LOG2E, WG_ROWS, MosaicConfig, dq_piece, dq_split, kv_block_ranges, pad_axis,
-                     plan_lengths, q_block_ranges, supports)
+from .common import (LOG2E, WG_ROWS, MosaicConfig, causal_section, dq_piece, dq_split,
+                     kv_block_ranges, lpt_tile, pad_axis, plan_lengths, q_block_ranges, supports)
 from .ops import (Product, bcast_cols, bcast_rows, emulating, iota2, mma, mma_fresh_and_carried,
                   mma_many, smem_transforms, smem_transforms_f32, stream_kv, ws_kernel,
                   zeros as _zeros)
@@ -78,6 +78,10 @@ class _Dkv:
   registers: int
   memory_registers: int
   emulate: bool = False
+  n_heads: int = 1  # K (KV heads)
+  n_bh: int = 1  # B * K
+  n_k_tiles: int = 1
+  section: int = 1  # causal launch order: KV heads per LPT section (common.lpt_tile)
   # dQ inside this kernel (FA2 Alg. 2 line 15 with the paper's accumulation across key blocks): each
   # step's dS_ij K_j goes to an f32 HBM accumulator by a TMA reduce-add (no separate dQ kernel, so S
   # and dP are computed once instead of twice; not bit-reproducible: the adds' order varies).
@@ -109,6 +113,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
   b = lax.axis_index("b")
   kvh = lax.axis_index("h")
   kt = lax.axis_index("k")
+  if st.is_causal:  # LPT: the first key tiles see the most queries, launch them first
+    b, kvh, kt = lpt_tile(b, kvh, kt, n_h=st.n_heads, n_t=st.n_k_tiles, n_bh=st.n_bh,
+                          section=st.section, longest_last=False)
   wg = lax.axis_index("wg")
   cta_k0 = kt * (nwg * bk)
   i_start, i_full, nq = q_block_ranges(cta_k0, nwg * bk, block_q=bq, seq_q=st.seq_q,
@@ -272,11 +279,15 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
   b, t_hbm, n, h = q.shape
   s_hbm, kh = k.shape[1], k.shape[2]
   bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv
+  n_k_tiles = -(-s_hbm // (num_wgs * bk))
   st = _Dkv(scale=scale, is_causal=is_causal, seq_q=seq_q, group=n // kh, head_dim=h, block_q=bq,
             block_k=bk, num_stages=stages, num_wgs=num_wgs, want_dk=want_dk, want_dv=want_dv,
             dtype=q.dtype, registers=cfg.registers(num_wgs),
             memory_registers=cfg.memory_registers, emulate=emulate, fused_dq=fused_dq,
-            dq_split=dq_split(bq, h, num_wgs) if fused_dq else None)
+            dq_split=dq_split(bq, h, num_wgs) if fused_dq else None, n_heads=kh, n_bh=b * kh,
+            n_k_tiles=n_k_tiles,
+            section=causal_section(cfg, n_bh=b * kh, group=1,
+                                   kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)))
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
@@ -305,7 +316,6 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
     out_type.append(out_struct(k.shape, k.dtype, q))
   if want_dv:
     out_type.append(out_struct(v.shape, v.dtype, q))
-  n_k_tiles = -(-s_hbm // (num_wgs * bk))
   name = "fa2_mosaic_dkdv" if (want_dk and want_dv) else ("fa2_mosaic_dk" if want_dk else
                                                            "fa2_mosaic_dv")
 
@@ -365,6 +375,9 @@ class _Dq:
   registers: int
   memory_registers: int
   emulate: bool = False
+  n_heads: int = 1  # N
+  n_bh: int = 1  # B * N
+  section: int = 1  # causal launch order: heads per LPT section (common.lpt_tile)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_smem, do_smem,
@@ -375,8 +388,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
   b = lax.axis_index("b")
   h = lax.axis_index("h")
   qt = lax.axis_index("q")
-  if st.is_causal:
-    qt = (st.n_q_tiles - 1) - qt  # LPT: longest rows first
+  if st.is_causal:  # LPT: the last query tiles see the most keys, launch them first
+    b, h, qt = lpt_tile(b, h, qt, n_h=st.n_heads, n_t=st.n_q_tiles, n_bh=st.n_bh,
+                        section=st.section, longest_last=True)
   wg = lax.axis_index("wg")
   kvh = lax.div(h, jnp.array(st.group, h.dtype))
   cta_row0 = qt * (nwg * bq)
@@ -448,7 +462,9 @@ def _dq_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_k, cfg: MosaicCo
   st = _Dq(scale=scale, is_causal=is_causal, seq_k=seq_k, group=n // kh, head_dim=h, block_q=bq,
            block_k=bk, num_stages=stages, num_wgs=nwg, n_q_tiles=n_q_tiles, dtype=q.dtype,
            registers=cfg.registers(nwg), memory_registers=cfg.memory_registers,
-           emulate=emulate)
+           emulate=emulate, n_heads=n, n_bh=b * n,
+           section=causal_section(cfg, n_bh=b * n, group=n // kh,
+                                  kv_bytes=2 * k.shape[1] * h * k.dtype.itemsize))
   tf = smem_transforms()
   scratch = dict(
       q_smem=plgpu.SMEM((nwg, bq, h), q.dtype, transforms=tf),

@@ -19,6 +19,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+from jax import lax
 
 # exp(x) = exp2(x * log2 e): the kernels use exp2 with the softmax scale folded into the same multiply
 # (FA2 §3.1: fewer non-matmul FLOPs; exp2 is a single MUFU instruction).
@@ -37,6 +38,12 @@ _TILE_SIDES = (64, 128, 192, 256)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128, 192, 256)
 RAGGED_MODES = ("tma", "pad")
+# Order of causal CTAs (see lpt_tile): "l2" = heaviest tiles first across a section of heads whose
+# streamed operands fit in L2; "head" = heaviest first within each (batch, head) only.
+CAUSAL_SCHEDULES = ("l2", "head")
+# The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
+# outputs (and dQ's reduce-adds) passing through it.
+L2_SECTION_BYTES = 32 * 1024 * 1024
 
 
 def cdiv(a, b):
@@ -109,6 +116,9 @@ class MosaicConfig:
   as in JAX's ``attention_mgpu.py``). ``ragged``: ``"tma"`` lets TMA zero-fill out-of-bounds loads and
   clip out-of-bounds stores; ``"pad"`` pads T and S to whole tiles in HBM first (one extra copy of
   q/k/v (and do/out) and a slice of the outputs). Both mask padded keys inside the kernels.
+  ``causal_schedule``: launch order of causal CTAs, whose work differs by tile (see :func:`lpt_tile`):
+  ``"l2"`` (default) longest first across a section of heads sized to L2, ``"head"`` longest first
+  within each head only (the last heads' longest CTAs then start late and lengthen the tail).
   """
 
   block_q: int = 64
@@ -128,15 +138,17 @@ class MosaicConfig:
   num_wgs_dq: int = 2
   ragged: str = "tma"
   dq_fused: bool = False
+  causal_schedule: str = "l2"
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
   memory_registers: int = 40
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      if f.name == "ragged":
-        if v not in RAGGED_MODES:
-          raise ValueError(f"MosaicConfig.ragged must be one of {RAGGED_MODES}, got {v!r}")
+      if f.name in ("ragged", "causal_schedule"):
+        allowed_values = RAGGED_MODES if f.name == "ragged" else CAUSAL_SCHEDULES
+        if v not in allowed_values:
+          raise ValueError(f"MosaicConfig.{f.name} must be one of {allowed_values}, got {v!r}")
         continue
       if f.name in ("pingpong", "dkv_split", "dq_fused"):
         if not isinstance(v, bool):
@@ -338,6 +350,60 @@ def q_block_ranges(k_start, cols: int, *, block_q: int, seq_q: int, is_causal: b
   i_start = _min(k_start // block_q, nq)
   i_full = _min(cdiv(k_start + cols - 1, block_q), nq)
   return i_start, i_full, nq
+
+
+# --- launch order of causal CTAs (longest processing time first) ------------------------------------
+
+def _div(a, b):
+  return a // b if isinstance(a, int) else lax.div(a, jnp.asarray(b, a.dtype))
+
+
+def _rem(a, b):
+  return a % b if isinstance(a, int) else lax.rem(a, jnp.asarray(b, a.dtype))
+
+
+def section_heads(bytes_per_head: int, n_heads: int, group: int = 1,
+                  budget: int = L2_SECTION_BYTES) -> int:
+  """How many (batch, head) pairs one LPT section holds: as many as stream ``budget`` bytes from HBM
+  (so a section's K/V, or Q/dO, stay in L2 while its CTAs run), a multiple of the GQA ``group`` when
+  it holds more than one group (group-mates share K/V), at least 1, at most ``n_heads``."""
+  sec = max(1, budget // max(1, bytes_per_head))
+  if sec >= group > 1:
+    sec -= sec % group
+  return min(sec, n_heads)
+
+
+def lpt_tile(b, h, t, *, n_h: int, n_t: int, n_bh: int, section: int, longest_last: bool):
+  """The (batch, head, tile) a causal CTA works on, given its launch coordinates ``(b, h, t)``.
+
+  CUDA starts CTAs in launch order, ``t`` fastest (Mosaic GPU maps the last grid axis to x), and
+  causal CTAs differ in work (a query tile's keys, or a key tile's queries, grow along the diagonal).
+  Longest-processing-time-first keeps the end of the kernel from waiting on a few long CTAs. Ordering
+  only within each head (``section=1``) is not enough: the last head's longest CTAs then start when
+  most of the work is done and run alone at the end (at 8k, up to ~1/8 of the kernel's time).
+  Here the launch order is cut into sections of ``section`` heads; within a section all heads'
+  longest tiles come first, then the next longest, and so on. The section is small enough that its
+  streamed operands stay in L2 (CTAs running together share them), see :func:`section_heads`.
+  ``longest_last``: tile ``n_t - 1`` is the longest (forward, dQ) rather than tile 0 (dK/dV).
+  Works on Python ints and traced int32 scalars; a bijection on ``[0, n_bh * n_t)``.
+  """
+  lin = (b * n_h + h) * n_t + t
+  sec = _div(lin, section * n_t)
+  within = _rem(lin, section * n_t)
+  heads = _min(section, n_bh - sec * section)  # the last section may be smaller
+  rank = _div(within, heads)  # 0 = longest
+  head = sec * section + _rem(within, heads)
+  tile = (n_t - 1) - rank if longest_last else rank
+  return _div(head, n_h), _rem(head, n_h), tile
+
+
+def causal_section(cfg: "MosaicConfig", *, n_bh: int, group: int, kv_bytes: int) -> int:
+  """Heads per LPT section for a kernel whose CTAs of one (batch, head) stream ``kv_bytes`` of
+  operands shared by ``group`` heads (forward/dQ: one KV head's K and V for its GQA group; dK/dV:
+  ``group = 1`` and the group's Q and dO). 1 with ``causal_schedule="head"``."""
+  if cfg.causal_schedule == "head":
+    return 1
+  return section_heads(-(-kv_bytes // group), n_bh, group, budget=L2_SECTION_BYTES)
 
 
 # --- ragged lengths ----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ the sequence, so 8k tokens x 16 heads x batch 2 give 1024 CTAs for 132 SMs):
 Ideas reused from JAX's ``attention_mgpu.py`` (Apache-2.0), re-written here: the producer/consumer
 barrier protocol, the ``run_scoped(ACC)`` / ``run_state(ACC.init)`` wgmma idioms and the (8, 64) tiled
 + 128-byte swizzled SMEM layout. Added here: softmax scale, ragged lengths, key-tail masking, GQA head
-mapping, LPT ordering of causal tiles, and an lse in natural log.
+mapping, LPT ordering of causal tiles (across L2-sized sections of heads), and an lse in natural log.
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...masking import allowed
 from ..vma import out_struct
-from .common import LN2, LOG2E, MosaicConfig, kv_block_ranges, pad_axis, plan_lengths, supports
+from .common import (LN2, LOG2E, MosaicConfig, causal_section, kv_block_ranges, lpt_tile, pad_axis,
+                     plan_lengths, supports)
 from .ops import bcast_rows, emulating, iota2, mma, smem_transforms, stream_kv, ws_kernel
 
 
@@ -63,6 +64,9 @@ class _Fwd:
   registers: int
   memory_registers: int
   emulate: bool = False  # traced for interpret mode (ops.emulated_mma); part of the cache key
+  n_heads: int = 1  # N
+  n_bh: int = 1  # B * N: the (batch, head) pairs of the grid
+  section: int = 1  # causal launch order: heads per LPT section (common.lpt_tile)
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem, lse_smem, q_bar,
@@ -75,7 +79,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
   qt = lax.axis_index("q")
   if st.is_causal:
     # LPT order: the last query tiles see the most keys, launch them first so the tail is short.
-    qt = (st.n_q_tiles - 1) - qt
+    b, h, qt = lpt_tile(b, h, qt, n_h=st.n_heads, n_t=st.n_q_tiles, n_bh=st.n_bh,
+                        section=st.section, longest_last=True)
   wg = lax.axis_index("wg")
   kvh = lax.div(h, jnp.array(st.group, h.dtype))  # GQA: shared K/V head, never copied in HBM
   cta_row0 = qt * (nwg * bq)
@@ -228,7 +233,9 @@ def _forward_call(q, k, v, *, scale, is_causal, cfg: MosaicConfig, plan_t, plan_
             block_q=cfg.block_q, block_k=cfg.block_k, num_stages=cfg.num_stages,
             num_wgs=cfg.num_wgs, pingpong=cfg.pingpong and cfg.num_wgs == 2,
             n_q_tiles=n_q_tiles, dtype=q.dtype, registers=cfg.registers(cfg.num_wgs),
-            memory_registers=cfg.memory_registers, emulate=emulate)
+            memory_registers=cfg.memory_registers, emulate=emulate, n_heads=n, n_bh=b * n,
+            section=causal_section(cfg, n_bh=b * n, group=n // kh,
+                                   kv_bytes=2 * plan_s * h * q.dtype.itemsize))
   tf = smem_transforms()
   nwg, stages = cfg.num_wgs, cfg.num_stages
   scratch = dict(

@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import common as C
-from fa2_jax.kernels.mosaic import backward as B
-from fa2_jax.kernels.mosaic import forward as F
+import importlib
+
+B = importlib.import_module("fa2_jax.kernels.mosaic.backward")
+F = importlib.import_module("fa2_jax.kernels.mosaic.forward")  # the package re-exports a function of that name
 from fa2_jax.kernels.mosaic.common import LOG2E, MosaicConfig
 
 ap = argparse.ArgumentParser()
