@@ -23,6 +23,9 @@ import fa2_jax
 ap = argparse.ArgumentParser()
 ap.add_argument("--json", default=None)
 ap.add_argument("--rounds", type=int, default=2)
+ap.add_argument("--impls", default="cudnn,fa2_mosaic,fa2_mosaic_det,tokamax_mosaic",
+                help="also: fa2_mosaic_head (causal_schedule='head'), fa2_mosaic_fused (fused dQ forced)")
+ap.add_argument("--causal", default="both", choices=("both", "true", "false"))
 ap.add_argument("--cells", default="8,16,2048,128;2,16,8192,128;1,16,16384,128;2,32,8192,64;8,32,2048,64",
                 help="B,N,T,H;... (the anchors' shapes)")
 args = ap.parse_args()
@@ -48,21 +51,31 @@ def impl_fn(name, causal):
     import tokamax
     return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic")
   det = name == "fa2_mosaic_det"
-  return lambda q, k, v: fa2_jax.flash_attention(q, k, v, is_causal=causal, implementation="mosaic",
-                                                 deterministic=det)
+
+  def f(q, k, v):
+    cfg = None
+    if name in ("fa2_mosaic_head", "fa2_mosaic_fused"):
+      cfg = fa2_jax.MosaicConfig.default(q.shape[-1], q.dtype, causal)
+      cfg = cfg.replace(causal_schedule="head") if name == "fa2_mosaic_head" else cfg.replace(
+          dq_fused=True, num_stages_dkv=2)
+    return fa2_jax.flash_attention(q, k, v, is_causal=causal, implementation="mosaic",
+                                   deterministic=det, block_sizes=cfg)
+  return f
 
 
-impls = ["cudnn", "fa2_mosaic", "fa2_mosaic_det"]
-try:
-  import tokamax  # noqa: F401
-  impls.append("tokamax_mosaic")
-except Exception as e:  # noqa: BLE001
-  print("tokamax not importable:", e)
+impls = args.impls.split(",")
+if "tokamax_mosaic" in impls:
+  try:
+    import tokamax  # noqa: F401
+  except Exception as e:  # noqa: BLE001
+    print("tokamax not importable:", e)
+    impls.remove("tokamax_mosaic")
+causals = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
 
 rows = []
 for cell in args.cells.split(";"):
   b, n, t, h = map(int, cell.split(","))
-  for causal in (False, True):
+  for causal in causals:
     ks = jax.random.split(jax.random.key(t + h), 3)
     q, k, v = (jax.random.normal(kk, (b, t, n, h), jnp.bfloat16) for kk in ks)
     fl = 4.0 * b * n * t * t * h / (2 if causal else 1)
@@ -93,7 +106,7 @@ if args.json:
 print("\nmedian over rounds, fwd / bwd / fwd+bwd TFLOP/s")
 for cell in args.cells.split(";"):
   b, n, t, h = map(int, cell.split(","))
-  for causal in (False, True):
+  for causal in causals:
     line = f"h{h} T={t:<6} {'causal' if causal else 'nc':<6}"
     for name in impls:
       rs = [r for r in rows if (r["t"], r["h"], r["causal"], r["impl"]) == (t, h, causal, name) and "fwd" in r]

@@ -55,6 +55,15 @@ for shape in args.shapes.split(";"):
             fused_dq=True, **dict(common, cfg=cfg.replace(dq_fused=True, num_stages_dkv=2))), 5),
         "dQ": (lambda: B._dq_call(q, k, v, do, lse2, delta, seq_k=t, **common), 3),
     }
+    if causal:  # the previous launch order, for comparison
+      hcfg = cfg.replace(causal_schedule="head")
+      hc = dict(common, cfg=hcfg)
+      fwd_h = jax.jit(lambda q, k, v: F.forward(q, k, v, scale=scale, is_causal=causal, config=hcfg))
+      kern["forward [head order]"] = (lambda: fwd_h(q, k, v), 2)
+      kern["dK/dV [head order]"] = (lambda: B._dkv_call(
+          q, k, v, do, lse2, delta, seq_q=t, want_dk=True, want_dv=True, num_wgs=cfg.num_wgs_dkv,
+          **hc), 4)
+      kern["dQ [head order]"] = (lambda: B._dq_call(q, k, v, do, lse2, delta, seq_k=t, **hc), 3)
     cud = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
                                                        implementation="cudnn")
     cud_fb = C.fwd_bwd(cud)
