@@ -112,7 +112,8 @@ def test_fused_dq_split_and_smem():
     (dict(num_wgs_dq=0), ValueError, "num_wgs_dq"),
     (dict(num_wgs=1), ValueError, "pingpong"),  # pingpong defaults to True: needs two consumers
     (dict(ragged="zero"), ValueError, "ragged"),
-    (dict(causal_schedule="lpt"), ValueError, "causal_schedule"),
+    (dict(lpt_heads=-1), ValueError, "lpt_heads"),
+    (dict(lpt_heads="l2"), TypeError, "lpt_heads"),
     (dict(compute_registers=100), ValueError, "compute_registers"),
     (dict(compute_registers=16), ValueError, "compute_registers"),
     (dict(memory_registers=20), ValueError, "memory_registers"),
@@ -338,7 +339,9 @@ def test_section_heads():
   assert section_heads(12 * mib, 64, group=4, budget=32 * mib) == 2  # below one group: as is
   cfg = MosaicConfig()
   assert causal_section(cfg, n_bh=32, group=1, kv_bytes=4 * mib) == 8
-  assert causal_section(cfg.replace(causal_schedule="head"), n_bh=32, group=1, kv_bytes=4 * mib) == 1
+  assert causal_section(cfg.replace(lpt_heads=1), n_bh=32, group=1, kv_bytes=4 * mib) == 1
+  assert causal_section(cfg.replace(lpt_heads=6), n_bh=32, group=1, kv_bytes=4 * mib) == 6
+  assert causal_section(cfg.replace(lpt_heads=64), n_bh=32, group=1, kv_bytes=4 * mib) == 32
 
 
 def test_plan_lengths_default_tiles():

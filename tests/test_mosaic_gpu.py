@@ -143,20 +143,20 @@ def test_mosaic_causal_launch_orders_agree_bitwise(monkeypatch, h, kh, budget):
   monkeypatch.setattr(common, "L2_SECTION_BYTES", budget)
   q, k, v = _qkv(b=b, t=t, s=t, n=n, kh=kh, h=h, seed=11)
   cfg = fa2_jax.MosaicConfig.default(h, q.dtype, True)
-  assert cfg.causal_schedule == "l2"
+  assert cfg.lpt_heads == 0
   g, per_head = n // kh, 2 * t * h * 2  # K+V or Q+dO of one head, bf16
   assert 1 < common.causal_section(cfg, n_bh=b * n, group=g, kv_bytes=per_head) < b * n  # fwd, dQ
   assert 1 < common.causal_section(cfg, n_bh=b * kh, group=1, kv_bytes=per_head * g) < b * kh  # dK/dV
 
-  def run(schedule):
-    c = cfg.replace(causal_schedule=schedule)
+  def run(lpt_heads):
+    c = cfg.replace(lpt_heads=lpt_heads)
     f = lambda a, b_, c_: mosaic(a, b_, c_, is_causal=True, block_sizes=c, deterministic=True)
     out = jax.jit(f)(q, k, v)
     grads = jax.jit(jax.grad(lambda a, b_, c_: jnp.sum(jnp.tanh(f(a, b_, c_).astype(jnp.float32))),
                              argnums=(0, 1, 2)))(q, k, v)
     return (out, *grads)
 
-  l2, head = run("l2"), run("head")
+  l2, head = run(0), run(1)
   for a, r, name in zip(l2, head, ("out", "dq", "dk", "dv")):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(r, np.float32), err_msg=name)
   ref = jax.jit(lambda a, b_, c_: fa2_jax.reference_attention(

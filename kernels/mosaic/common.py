@@ -38,9 +38,6 @@ _TILE_SIDES = (64, 128, 192, 256)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128, 192, 256)
 RAGGED_MODES = ("tma", "pad")
-# Order of causal CTAs (see lpt_tile): "l2" = heaviest tiles first across a section of heads whose
-# streamed operands fit in L2; "head" = heaviest first within each (batch, head) only.
-CAUSAL_SCHEDULES = ("l2", "head")
 # The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
 # outputs (and dQ's reduce-adds) passing through it.
 L2_SECTION_BYTES = 32 * 1024 * 1024
@@ -116,9 +113,10 @@ class MosaicConfig:
   as in JAX's ``attention_mgpu.py``). ``ragged``: ``"tma"`` lets TMA zero-fill out-of-bounds loads and
   clip out-of-bounds stores; ``"pad"`` pads T and S to whole tiles in HBM first (one extra copy of
   q/k/v (and do/out) and a slice of the outputs). Both mask padded keys inside the kernels.
-  ``causal_schedule``: launch order of causal CTAs, whose work differs by tile (see :func:`lpt_tile`):
-  ``"l2"`` (default) longest first across a section of heads sized to L2, ``"head"`` longest first
-  within each head only (the last heads' longest CTAs then start late and lengthen the tail).
+  ``lpt_heads``: launch order of causal CTAs, whose work differs by tile (see :func:`lpt_tile`): the
+  (batch, head) pairs per section within which the longest tiles go first; 0 (default) sizes the
+  sections from an L2 budget per kernel (:func:`causal_section`), 1 is longest first within each head
+  only.
   """
 
   block_q: int = 64
@@ -138,17 +136,16 @@ class MosaicConfig:
   num_wgs_dq: int = 2
   ragged: str = "tma"
   dq_fused: bool = False
-  causal_schedule: str = "l2"
+  lpt_heads: int = 0
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
   memory_registers: int = 40
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      if f.name in ("ragged", "causal_schedule"):
-        allowed_values = RAGGED_MODES if f.name == "ragged" else CAUSAL_SCHEDULES
-        if v not in allowed_values:
-          raise ValueError(f"MosaicConfig.{f.name} must be one of {allowed_values}, got {v!r}")
+      if f.name == "ragged":
+        if v not in RAGGED_MODES:
+          raise ValueError(f"MosaicConfig.ragged must be one of {RAGGED_MODES}, got {v!r}")
         continue
       if f.name in ("pingpong", "dkv_split", "dq_fused"):
         if not isinstance(v, bool):
@@ -175,6 +172,9 @@ class MosaicConfig:
     if self.compute_registers and (self.compute_registers % 8 or
                                    not 24 <= self.compute_registers <= 256):
       raise ValueError("MosaicConfig.compute_registers must be 0 or a multiple of 8 in [24, 256]")
+    if self.lpt_heads < 0:
+      raise ValueError(f"MosaicConfig.lpt_heads must be >= 0 (0: from the L2 budget), got "
+                       f"{self.lpt_heads}")
     if self.memory_registers % 8 or not 24 <= self.memory_registers <= 256:
       raise ValueError("MosaicConfig.memory_registers must be a multiple of 8 in [24, 256]")
 
@@ -400,9 +400,9 @@ def lpt_tile(b, h, t, *, n_h: int, n_t: int, n_bh: int, section: int, longest_la
 def causal_section(cfg: "MosaicConfig", *, n_bh: int, group: int, kv_bytes: int) -> int:
   """Heads per LPT section for a kernel whose CTAs of one (batch, head) stream ``kv_bytes`` of
   operands shared by ``group`` heads (forward/dQ: one KV head's K and V for its GQA group; dK/dV:
-  ``group = 1`` and the group's Q and dO). 1 with ``causal_schedule="head"``."""
-  if cfg.causal_schedule == "head":
-    return 1
+  ``group = 1`` and the group's Q and dO). ``cfg.lpt_heads`` when set (capped at ``n_bh``)."""
+  if cfg.lpt_heads:
+    return min(cfg.lpt_heads, n_bh)
   return section_heads(-(-kv_bytes // group), n_bh, group, budget=L2_SECTION_BYTES)
 
 
