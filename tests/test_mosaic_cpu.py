@@ -113,6 +113,7 @@ def test_fused_dq_split_and_smem():
     (dict(num_wgs=1), ValueError, "pingpong"),  # pingpong defaults to True: needs two consumers
     (dict(ragged="zero"), ValueError, "ragged"),
     (dict(lpt_heads=-1), ValueError, "lpt_heads"),
+    (dict(lpt_heads_dkv=-2), ValueError, "lpt_heads_dkv"),
     (dict(lpt_heads="l2"), TypeError, "lpt_heads"),
     (dict(compute_registers=100), ValueError, "compute_registers"),
     (dict(compute_registers=16), ValueError, "compute_registers"),
@@ -342,6 +343,9 @@ def test_section_heads():
   assert causal_section(cfg.replace(lpt_heads=1), n_bh=32, group=1, kv_bytes=4 * mib) == 1
   assert causal_section(cfg.replace(lpt_heads=6), n_bh=32, group=1, kv_bytes=4 * mib) == 6
   assert causal_section(cfg.replace(lpt_heads=64), n_bh=32, group=1, kv_bytes=4 * mib) == 32
+  assert causal_section(cfg.replace(lpt_heads=1), n_bh=32, group=1, kv_bytes=4 * mib, dkv=True) == 8
+  assert causal_section(cfg.replace(lpt_heads_dkv=1), n_bh=32, group=1, kv_bytes=4 * mib, dkv=True) == 1
+  assert MosaicConfig.default(64, is_causal=True).lpt_heads_dkv == 1  # measured (s9/lpt_gpu1.txt)
 
 
 def test_plan_lengths_default_tiles():
@@ -551,7 +555,8 @@ def test_interpret_causal_lpt_sections(monkeypatch, fused):
   h, t = 64, 144
   per_head = 2 * t * h * 2  # K+V (forward, dQ) or Q+dO (dK/dV) of one head, bf16
   monkeypatch.setattr(common, "L2_SECTION_BYTES", 4 * per_head)
-  cfg = MosaicConfig.default(h, is_causal=True).replace(dq_fused=fused, num_stages_dkv=2)
+  cfg = MosaicConfig.default(h, is_causal=True).replace(dq_fused=fused, num_stages_dkv=2,
+                                                        lpt_heads_dkv=0)
   assert causal_section(cfg, n_bh=6, group=1, kv_bytes=per_head) == 4
   test_interpret_numerics((2, t, t, 3, 3, h, True, cfg, False))
 

@@ -144,12 +144,13 @@ def test_mosaic_causal_launch_orders_agree_bitwise(monkeypatch, h, kh, budget):
   q, k, v = _qkv(b=b, t=t, s=t, n=n, kh=kh, h=h, seed=11)
   cfg = fa2_jax.MosaicConfig.default(h, q.dtype, True)
   assert cfg.lpt_heads == 0
+  cfg = cfg.replace(lpt_heads_dkv=0)  # the L2 sections in the dK/dV kernel too
   g, per_head = n // kh, 2 * t * h * 2  # K+V or Q+dO of one head, bf16
   assert 1 < common.causal_section(cfg, n_bh=b * n, group=g, kv_bytes=per_head) < b * n  # fwd, dQ
-  assert 1 < common.causal_section(cfg, n_bh=b * kh, group=1, kv_bytes=per_head * g) < b * kh  # dK/dV
+  assert 1 < common.causal_section(cfg, n_bh=b * kh, group=1, kv_bytes=per_head * g, dkv=True) < b * kh
 
   def run(lpt_heads):
-    c = cfg.replace(lpt_heads=lpt_heads)
+    c = cfg.replace(lpt_heads=lpt_heads, lpt_heads_dkv=lpt_heads)
     f = lambda a, b_, c_: mosaic(a, b_, c_, is_causal=True, block_sizes=c, deterministic=True)
     out = jax.jit(f)(q, k, v)
     grads = jax.jit(jax.grad(lambda a, b_, c_: jnp.sum(jnp.tanh(f(a, b_, c_).astype(jnp.float32))),

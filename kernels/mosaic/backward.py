@@ -286,7 +286,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
             memory_registers=cfg.memory_registers, emulate=emulate, fused_dq=fused_dq,
             dq_split=dq_split(bq, h, num_wgs) if fused_dq else None, n_heads=kh, n_bh=b * kh,
             n_k_tiles=n_k_tiles,
-            section=causal_section(cfg, n_bh=b * kh, group=1,
+            section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                    kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)))
   tf = smem_transforms()
   scratch = dict(

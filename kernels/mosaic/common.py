@@ -116,7 +116,7 @@ class MosaicConfig:
   ``lpt_heads``: launch order of causal CTAs, whose work differs by tile (see :func:`lpt_tile`): the
   (batch, head) pairs per section within which the longest tiles go first; 0 (default) sizes the
   sections from an L2 budget per kernel (:func:`causal_section`), 1 is longest first within each head
-  only.
+  only. ``lpt_heads_dkv`` is the same for the dK/dV kernel.
   """
 
   block_q: int = 64
@@ -137,6 +137,7 @@ class MosaicConfig:
   ragged: str = "tma"
   dq_fused: bool = False
   lpt_heads: int = 0
+  lpt_heads_dkv: int = 0
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
   memory_registers: int = 40
 
@@ -172,9 +173,10 @@ class MosaicConfig:
     if self.compute_registers and (self.compute_registers % 8 or
                                    not 24 <= self.compute_registers <= 256):
       raise ValueError("MosaicConfig.compute_registers must be 0 or a multiple of 8 in [24, 256]")
-    if self.lpt_heads < 0:
-      raise ValueError(f"MosaicConfig.lpt_heads must be >= 0 (0: from the L2 budget), got "
-                       f"{self.lpt_heads}")
+    for name in ("lpt_heads", "lpt_heads_dkv"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"MosaicConfig.{name} must be >= 0 (0: from the L2 budget), got "
+                         f"{getattr(self, name)}")
     if self.memory_registers % 8 or not 24 <= self.memory_registers <= 256:
       raise ValueError("MosaicConfig.memory_registers must be a multiple of 8 in [24, 256]")
 
@@ -210,8 +212,11 @@ class MosaicConfig:
     fused = not is_causal
     if head_dim <= 64:
       # the fused dS^T/dQ staging needs the SMEM of the third dK/dV stage
+      # Causal dK/dV keeps the per-head launch order (lpt_heads_dkv=1): 2.04 ms vs 2.21-2.26 with any
+      # section of 2-16 heads at 8k on an H200 (s9/lpt_gpu1.txt); the other kernels gain from sections.
       return cls(block_k=256, num_stages=2 if is_causal else 3, block_q_dkv=128,
-                 num_stages_dkv=2 if fused else 3, block_k_dq=128, num_stages_dq=2, dq_fused=fused)
+                 num_stages_dkv=2 if fused else 3, block_k_dq=128, num_stages_dq=2, dq_fused=fused,
+                 lpt_heads_dkv=1)
     if head_dim <= 128:
       return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, dq_fused=fused)
     return cls(block_k=64, num_stages=2, dkv_split=True, num_wgs_dkv=2, num_wgs_dk=1,
@@ -397,12 +402,15 @@ def lpt_tile(b, h, t, *, n_h: int, n_t: int, n_bh: int, section: int, longest_la
   return _div(head, n_h), _rem(head, n_h), tile
 
 
-def causal_section(cfg: "MosaicConfig", *, n_bh: int, group: int, kv_bytes: int) -> int:
+def causal_section(cfg: "MosaicConfig", *, n_bh: int, group: int, kv_bytes: int,
+                   dkv: bool = False) -> int:
   """Heads per LPT section for a kernel whose CTAs of one (batch, head) stream ``kv_bytes`` of
   operands shared by ``group`` heads (forward/dQ: one KV head's K and V for its GQA group; dK/dV:
-  ``group = 1`` and the group's Q and dO). ``cfg.lpt_heads`` when set (capped at ``n_bh``)."""
-  if cfg.lpt_heads:
-    return min(cfg.lpt_heads, n_bh)
+  ``group = 1`` and the group's Q and dO, ``dkv=True``). ``cfg.lpt_heads`` (``lpt_heads_dkv``) when
+  set, capped at ``n_bh``."""
+  fixed = cfg.lpt_heads_dkv if dkv else cfg.lpt_heads
+  if fixed:
+    return min(fixed, n_bh)
   return section_heads(-(-kv_bytes // group), n_bh, group, budget=L2_SECTION_BYTES)
 
 

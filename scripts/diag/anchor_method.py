@@ -56,7 +56,7 @@ def impl_fn(name, causal):
     cfg = None
     if name in ("fa2_mosaic_head", "fa2_mosaic_fused"):
       cfg = fa2_jax.MosaicConfig.default(q.shape[-1], q.dtype, causal)
-      cfg = cfg.replace(lpt_heads=1) if name == "fa2_mosaic_head" else cfg.replace(
+      cfg = cfg.replace(lpt_heads=1, lpt_heads_dkv=1) if name == "fa2_mosaic_head" else cfg.replace(
           dq_fused=True, num_stages_dkv=2)
     return fa2_jax.flash_attention(q, k, v, is_causal=causal, implementation="mosaic",
                                    deterministic=det, block_sizes=cfg)

@@ -56,7 +56,7 @@ for shape in args.shapes.split(";"):
         "dQ": (lambda: B._dq_call(q, k, v, do, lse2, delta, seq_k=t, **common), 3),
     }
     if causal:  # the previous launch order, for comparison
-      hcfg = cfg.replace(lpt_heads=1)
+      hcfg = cfg.replace(lpt_heads=1, lpt_heads_dkv=1)
       hc = dict(common, cfg=hcfg)
       fwd_h = jax.jit(lambda q, k, v: F.forward(q, k, v, scale=scale, is_causal=causal, config=hcfg))
       kern["forward [head order]"] = (lambda: fwd_h(q, k, v), 2)
