@@ -258,3 +258,29 @@ def test_gpt_table_script_rejects_an_unknown_mode(tmp_path):
   r = subprocess.run(["bash", str(root / "scripts" / "gpu_gpt_table1.sh"), str(tmp_path), "nope"],
                      capture_output=True, text=True, timeout=60)
   assert r.returncode == 2 and "mode must be single" in r.stderr and "'nope'" in r.stderr
+
+
+def test_bar_report_medians_ratios_and_bad_input(tmp_path):
+  """benchmarks.bar_report: per-cell medians over rounds, fwd+bwd ratio to cuDNN, the bar column."""
+  from benchmarks import bar_report
+  rows = []
+  for rnd, (c_fb, o_fb) in enumerate([(500.0, 450.0), (520.0, 470.0), (510.0, 530.0)]):
+    rows.append(dict(impl="cudnn", b=2, n=16, t=8192, h=128, causal=True, round=rnd, fwd=600.0,
+                     bwd=480.0, fwdbwd=c_fb))
+    rows.append(dict(impl="fa2_mosaic", b=2, n=16, t=8192, h=128, causal=True, round=rnd, fwd=610.0,
+                     bwd=470.0, fwdbwd=o_fb))
+  rows.append(dict(impl="tokamax_mosaic", b=2, n=16, t=8192, h=128, causal=True, round=0,
+                   error="ImportError"))
+  src = tmp_path / "a.json"
+  src.write_text(json.dumps(dict(meta=dict(device="X"), rows=rows)))
+  bar_report.main([str(src), "--out", str(tmp_path / "rep"), "--commit", "abc"])
+  md = (tmp_path / "rep.md").read_text()
+  line = next(x for x in md.splitlines() if x.startswith("| 128 | 8k | causal"))
+  assert "600 / 480 / 510 (1.00×)" in line  # medians of 500/520/510
+  assert "610 / 470 / 470 (0.92×)" in line  # median 470 / 510
+  assert line.rstrip(" |").endswith("471")  # the anchors' tokamax bar for 8k causal
+  assert "abc" in md
+  bad = tmp_path / "b.json"
+  bad.write_text(json.dumps([1, 2]))
+  with pytest.raises(ValueError, match="rows"):
+    bar_report.main([str(bad), "--out", str(tmp_path / "x")])
