@@ -198,8 +198,10 @@ def run(args) -> dict:
     except Exception as e:  # noqa: BLE001
       rec.data["matmul"] = {"error": C.err_str(e)}
   if C.fa2_default_deterministic():
-    rec.note("fa2_jax's default backward is the separate dQ pass (deterministic), so the "
-             "deterministic=True row would repeat it; atomic dQ is compared in benchmarks.ablation (c)")
+    rec.note("fa2_jax triton's default backward is the separate dQ pass (deterministic), so a "
+             "deterministic=True row would repeat it (its atomic dQ: benchmarks.ablation (c)); fa2_jax "
+             "mosaic's default fuses dQ into the dK/dV kernel for non-causal head_dim 64/128 (TMA "
+             "reduce-adds), and its row fa2_mosaic_det is deterministic=True")
   if not args.smoke and not args.impls and not C.tokamax_available():
     rec.note(f"tokamax rows left out: {info.get('tokamax')}")
   bar = C.progress(len(cfgs) * len(impls), "attention")

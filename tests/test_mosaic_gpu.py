@@ -65,9 +65,10 @@ def test_mosaic_jit_grad_and_jit_of_grad():
 
 
 @pytest.mark.gpu
-def test_mosaic_vmap_and_shared_kv():
+@pytest.mark.parametrize("causal", [True, False])  # non-causal head_dim 128: the fused-dQ default
+def test_mosaic_vmap_and_shared_kv(causal):
   q, k, v = _qkv(lead=(3,), b=1, seed=1)
-  f = lambda a, b, c: mosaic(a, b, c, is_causal=True)
+  f = lambda a, b, c: mosaic(a, b, c, is_causal=causal)
   out = jax.vmap(f)(q, k, v)
   for i in range(3):
     _close(out[i], f(q[i], k[i], v[i]), SAME)
