@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The GPU runs still owed (see the open issues), one part per device call (each fits in ~9 minutes):
 #   bash scripts/gpu_todo.sh OUTDIR tests    # full compiled suite (pytest -m gpu) + compile-time check
-#   bash scripts/gpu_todo.sh OUTDIR grid     # the bf16 grid at 2k-16k again with the fused-dQ default,
-#                                            #   its deterministic row, tokamax and cuDNN in one process
+#   bash scripts/gpu_todo.sh OUTDIR bar      # issue 5's cells the anchors' way (diag/anchor_method.py),
+#                                            #   cuDNN + tokamax in one process (done in session 9 at ff394f4)
+#   bash scripts/gpu_todo.sh OUTDIR grid     # the bf16 grid at 2k-16k again with the fused-dQ default and
+#                                            #   the causal L2-section order (session 9), its deterministic
+#                                            #   row, tokamax and cuDNN in one process (benchmarks.attention)
 #   bash scripts/gpu_todo.sh OUTDIR extras   # latency and memory with the fused-dQ default
 #   bash scripts/gpu_todo.sh OUTDIR prof     # ncu of the backward kernels (application replay: the
 #                                            #   default kernel replay failed on the Mosaic kernels)
@@ -29,6 +32,10 @@ case "$part" in
       --head-dims 128,64 --impls cudnn,fa2_mosaic,fa2_mosaic_det,tokamax_mosaic --budget-s 480 \
       > "$out/grid.log" 2>&1
     tail -c 4000 "$out/grid.log" ;;
+  bar)
+    PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 480 python3 scripts/diag/anchor_method.py \
+      --json "$out/anchor_method.json" > "$out/anchor_method.txt" 2>&1
+    tail -12 "$out/anchor_method.txt" ;;
   extras)
     python3 -m benchmarks.run_all --full --only latency,memory --budget-s 400 --out "$out/extras" \
       > "$out/extras.log" 2>&1
