@@ -211,9 +211,9 @@ class MosaicConfig:
     # because the dK/dV CTAs' work is triangular and the fused dQ lengthens the longest ones).
     fused = not is_causal
     if head_dim <= 64:
-      # the fused dS^T/dQ staging needs the SMEM of the third dK/dV stage
-      # Causal dK/dV keeps the per-head launch order (lpt_heads_dkv=1): 2.04 ms vs 2.21-2.26 with any
-      # section of 2-16 heads at 8k on an H200 (s9/lpt_gpu1.txt); the other kernels gain from sections.
+      # The fused dS^T/dQ staging needs the SMEM of the third dK/dV stage. Causal dK/dV keeps the
+      # per-head launch order (lpt_heads_dkv=1): 2.04 ms vs 2.21-2.26 with any section of 2-16 heads
+      # at 8k on an H200 (s9/lpt_gpu1.txt); the other kernels gain from sections.
       return cls(block_k=256, num_stages=2 if is_causal else 3, block_q_dkv=128,
                  num_stages_dkv=2 if fused else 3, block_k_dq=128, num_stages_dq=2, dq_fused=fused,
                  lpt_heads_dkv=1)
@@ -384,11 +384,13 @@ def lpt_tile(b, h, t, *, n_h: int, n_t: int, n_bh: int, section: int, longest_la
   CUDA starts CTAs in launch order, ``t`` fastest (Mosaic GPU maps the last grid axis to x), and
   causal CTAs differ in work (a query tile's keys, or a key tile's queries, grow along the diagonal).
   Longest-processing-time-first keeps the end of the kernel from waiting on a few long CTAs. Ordering
-  only within each head (``section=1``) is not enough: the last head's longest CTAs then start when
-  most of the work is done and run alone at the end (at 8k, up to ~1/8 of the kernel's time).
-  Here the launch order is cut into sections of ``section`` heads; within a section all heads'
-  longest tiles come first, then the next longest, and so on. The section is small enough that its
-  streamed operands stay in L2 (CTAs running together share them), see :func:`section_heads`.
+  only within each head (``section=1``) leaves the last head's longest CTAs to start when most of
+  the work is done (a greedy-schedule estimate at 8k, 64 tiles per head on 132 SMs: they could end
+  up to ~10% after the average SM). Here the launch order is cut into sections of ``section`` heads;
+  within a section all heads' longest tiles come first, then the next longest, and so on. The
+  section is small enough that its streamed operands stay in L2 (CTAs running together share them),
+  see :func:`section_heads`. Measured on an H200 at head_dim 128 causal 8k: 2-5% faster per kernel
+  than ``section=1`` (benchmarks/results/h200/s9/lpt_gpu0.txt).
   ``longest_last``: tile ``n_t - 1`` is the longest (forward, dQ) rather than tile 0 (dK/dV).
   Works on Python ints and traced int32 scalars; a bijection on ``[0, n_bh * n_t)``.
   """
