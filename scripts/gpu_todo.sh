@@ -6,6 +6,9 @@
 #   bash scripts/gpu_todo.sh OUTDIR grid     # the bf16 grid at 2k-16k again with the fused-dQ default and
 #                                            #   the causal L2-section order (session 9), its deterministic
 #                                            #   row, tokamax and cuDNN in one process (benchmarks.attention)
+#   bash scripts/gpu_todo.sh OUTDIR fusedc   # causal fused dQ with the per-head launch order (untried):
+#                                            #   in s9 fused lost in causal with L2 sections (3.27 vs
+#                                            #   1.78 + 1.18 ms at 8k); is its dQ traffic the reason?
 #   bash scripts/gpu_todo.sh OUTDIR extras   # latency and memory with the fused-dQ default
 #   bash scripts/gpu_todo.sh OUTDIR prof     # ncu of the backward kernels (application replay: the
 #                                            #   default kernel replay failed on the Mosaic kernels)
@@ -36,6 +39,11 @@ case "$part" in
     PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 480 python3 scripts/diag/anchor_method.py \
       --json "$out/anchor_method.json" > "$out/anchor_method.txt" 2>&1
     tail -12 "$out/anchor_method.txt" ;;
+  fusedc)
+    PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 480 python3 scripts/diag/anchor_method.py --causal true \
+      --impls cudnn,fa2_mosaic,fa2_mosaic_fused,fa2_mosaic_fused_head --rounds 3 \
+      --cells "2,16,8192,128;1,16,16384,128;2,32,8192,64" --json "$out/fusedc.json" > "$out/fusedc.txt" 2>&1
+    tail -5 "$out/fusedc.txt" ;;
   extras)
     python3 -m benchmarks.run_all --full --only latency,memory --budget-s 400 --out "$out/extras" \
       > "$out/extras.log" 2>&1

@@ -24,7 +24,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--json", default=None)
 ap.add_argument("--rounds", type=int, default=2)
 ap.add_argument("--impls", default="cudnn,fa2_mosaic,fa2_mosaic_det,tokamax_mosaic",
-                help="also: fa2_mosaic_head (lpt_heads=1), fa2_mosaic_fused (fused dQ forced)")
+                help="also: fa2_mosaic_head (lpt_heads=1), fa2_mosaic_fused (fused dQ forced), "
+                     "fa2_mosaic_fused_head (both)")
 ap.add_argument("--causal", default="both", choices=("both", "true", "false"))
 ap.add_argument("--cells", default="8,16,2048,128;2,16,8192,128;1,16,16384,128;2,32,8192,64;8,32,2048,64",
                 help="B,N,T,H;... (the anchors' shapes)")
@@ -54,10 +55,12 @@ def impl_fn(name, causal):
 
   def f(q, k, v):
     cfg = None
-    if name in ("fa2_mosaic_head", "fa2_mosaic_fused"):
+    if name in ("fa2_mosaic_head", "fa2_mosaic_fused", "fa2_mosaic_fused_head"):
       cfg = fa2_jax.MosaicConfig.default(q.shape[-1], q.dtype, causal)
-      cfg = cfg.replace(lpt_heads=1, lpt_heads_dkv=1) if name == "fa2_mosaic_head" else cfg.replace(
-          dq_fused=True, num_stages_dkv=2)
+      if name.endswith("head"):
+        cfg = cfg.replace(lpt_heads=1, lpt_heads_dkv=1)
+      if "fused" in name:
+        cfg = cfg.replace(dq_fused=True, num_stages_dkv=2)
     return fa2_jax.flash_attention(q, k, v, is_causal=causal, implementation="mosaic",
                                    deterministic=det, block_sizes=cfg)
   return f
