@@ -500,6 +500,19 @@ def backward_tiles(cfg: MosaicConfig) -> tuple[int, int]:
   return q_tile, math.lcm(*k_tiles)
 
 
+def prologue(out, do, lse, dlse=None):
+  """The kernels' f32 row inputs ``(delta, lse2)``, both ``[B, N, T]``, computed by XLA before them.
+
+  Alg. 2 line 4: ``D_i = rowsum(dO_i ∘ O_i)`` (minus the lse cotangent, if any), fused by XLA with the
+  lse conversion to base 2 (the kernels recompute P with a single exp2). A multiply + row sum rather
+  than an einsum, which XLA may turn into a TF32 dot on GPU.
+  """
+  delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
+  if dlse is not None:
+    delta = delta - dlse.astype(jnp.float32)
+  return delta, lse.astype(jnp.float32) * LOG2E
+
+
 def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
              deterministic: bool = True, config: MosaicConfig | None = None):
   """Gradients of attention w.r.t. q, k, v on Hopper.
@@ -528,12 +541,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   q_tile, k_tile = backward_tiles(cfg)
   plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
 
-  # Alg. 2 line 4: D_i = rowsum(dO_i ∘ O_i), f32, fused by XLA with the lse conversion to base 2.
-  # (multiply + row sum rather than an einsum, which XLA may turn into a TF32 dot on GPU)
-  delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
-  if dlse is not None:
-    delta = delta - dlse.astype(jnp.float32)
-  lse2 = lse.astype(jnp.float32) * LOG2E
+  delta, lse2 = prologue(out, do, lse, dlse)
   # Zero rows past T: the padded query rows then contribute exactly nothing (see module docstring).
   delta = pad_axis(delta, 2, plan.t_lse)
   lse2 = pad_axis(lse2, 2, plan.t_lse)

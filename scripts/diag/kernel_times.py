@@ -20,7 +20,7 @@ import importlib
 
 B = importlib.import_module("fa2_jax.kernels.mosaic.backward")
 F = importlib.import_module("fa2_jax.kernels.mosaic.forward")  # the package re-exports a function of that name
-from fa2_jax.kernels.mosaic.common import LOG2E, MosaicConfig
+from fa2_jax.kernels.mosaic.common import MosaicConfig
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--shapes", default="2,8192,16,128;2,8192,32,64", help="B,T,N,H;...")
@@ -40,9 +40,7 @@ for shape in args.shapes.split(";"):
     pair_flops = 2.0 * b * n * t * t * h / (2 if causal else 1)  # one [T, S] x H matmul
     fwd = jax.jit(lambda q, k, v: F.forward(q, k, v, scale=scale, is_causal=causal, config=cfg))
     out, lse = fwd(q, k, v)
-    prologue = jax.jit(lambda out, do, lse: (
-        jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), -1), 1, 2),
-        lse * LOG2E))
+    prologue = jax.jit(B.prologue)
     delta, lse2 = prologue(out, do, lse)
     common = dict(scale=scale, is_causal=causal, cfg=cfg, emulate=False)
     kern = {

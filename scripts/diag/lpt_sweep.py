@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import common as C
-from fa2_jax.kernels.mosaic.common import LOG2E, MosaicConfig, causal_section
+from fa2_jax.kernels.mosaic.common import MosaicConfig, causal_section
 
 B = importlib.import_module("fa2_jax.kernels.mosaic.backward")
 F = importlib.import_module("fa2_jax.kernels.mosaic.forward")  # the package re-exports a function
@@ -33,14 +33,12 @@ for shape in args.shapes.split(";"):
   scale = h ** -0.5
   base = MosaicConfig.default(h, q.dtype, True)
   out, lse = jax.jit(lambda q, k, v: F.forward(q, k, v, scale=scale, is_causal=True, config=base))(q, k, v)
-  delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), -1), 1, 2)
-  lse2 = lse * LOG2E
-  per_head = 2 * t * h * 2
-  auto = {"forward": causal_section(base, n_bh=b * n, group=1, kv_bytes=per_head),
-          "dK/dV": causal_section(base, n_bh=b * n, group=1, kv_bytes=per_head),
-          "dQ": causal_section(base, n_bh=b * n, group=1, kv_bytes=per_head)}
+  delta, lse2 = jax.jit(B.prologue)(out, do, lse)
+  per_head = 2 * t * h * 2  # K+V (forward, dQ) or Q+dO (dK/dV) of one head, bf16; no GQA here
+  auto = {name: causal_section(base, n_bh=b * n, group=1, kv_bytes=per_head, dkv=name == "dK/dV")
+          for name in ("forward", "dK/dV", "dQ")}
   for lh in map(int, args.heads.split(",")):
-    cfg = base.replace(lpt_heads=lh)
+    cfg = base.replace(lpt_heads=lh, lpt_heads_dkv=lh)
     common = dict(scale=scale, is_causal=True, cfg=cfg, emulate=False)
     fwd = jax.jit(lambda q, k, v, cfg=cfg: F.forward(q, k, v, scale=scale, is_causal=True, config=cfg))
     kern = {
