@@ -36,10 +36,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .attention import _DTYPES as _KERNEL_DTYPES
-from .attention import check_options, flash_attention
-from .config import BlockSizes
-from .kernels.mosaic.common import MosaicConfig
+from .attention import flash_attention
+from .kernels.mosaic.config import MosaicConfig
+from .kernels.triton.config import BlockSizes
+from .validation import DTYPES as _KERNEL_DTYPES
+from .validation import check_options
 
 __all__ = [
     "attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning", "rotary_embedding",

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from . import masking
+from .validation import check_bool, check_scale, validate_qkv
 
 
 def reference_attention(query, key, value, *, scale=None, is_causal=False, return_residual=False,
@@ -20,7 +21,8 @@ def reference_attention(query, key, value, *, scale=None, is_causal=False, retur
   """Reference attention on ``[B, T, N, H]`` / ``[B, S, K, H]`` inputs (GQA when ``K < N``).
 
   Args:
-    query, key, value: arrays as in :func:`fa2_jax.flash_attention` (rank 4).
+    query, key, value: arrays as in :func:`fa2_jax.flash_attention` (rank 4, or rank 3 without the
+      batch axis); float64 inputs compute in float64.
     scale: logit scale, default ``1/sqrt(H)``.
     is_causal: top-left causal mask (see :mod:`fa2_jax.masking`).
     return_residual: also return ``lse`` of shape ``[B, T, N]`` (natural log, float32/64).
@@ -29,6 +31,14 @@ def reference_attention(query, key, value, *, scale=None, is_causal=False, retur
   Returns:
     ``out`` with the query's dtype (and ``lse`` when asked).
   """
+  validate_qkv(query, key, value)
+  scale = check_scale(scale)
+  is_causal = check_bool("is_causal", is_causal)
+  return_residual = check_bool("return_residual", return_residual)
+  if query.ndim == 3:
+    res = reference_attention(query[None], key[None], value[None], scale=scale, is_causal=is_causal,
+                              return_residual=return_residual, compute_dtype=compute_dtype)
+    return tuple(x[0] for x in res) if return_residual else res[0]
   b, t, n, h = query.shape
   s, kh = key.shape[1], key.shape[2]
   if compute_dtype is None:
@@ -45,7 +55,7 @@ def reference_attention(query, key, value, *, scale=None, is_causal=False, retur
   if mask is not None:
     logits = jnp.where(mask, logits, -jnp.inf)
   lse = jax.nn.logsumexp(logits, axis=-1)  # [B, K, G, T]
-  # A row with no key (impossible with the masks supported today) gives zeros, not NaN.
+  # A row with no key (S = 0) gives zeros and lse = -inf, not NaN.
   safe_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
   probs = jnp.exp(logits - safe_lse[..., None])
   out = jnp.einsum("bkgts,bskh->btkgh", probs, v, precision=prec).reshape(b, t, n, h)

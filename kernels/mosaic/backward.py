@@ -51,8 +51,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...masking import allowed
 from ..vma import out_struct
-from .common import (LOG2E, WG_ROWS, MosaicConfig, causal_section, dq_piece, dq_split,
-                     kv_block_ranges, lpt_tile, pad_axis, plan_lengths, q_block_ranges, supports)
+from .config import LOG2E, WG_ROWS, MosaicConfig, dq_piece, dq_split, supports
+from .lengths import pad_axis, plan_lengths
+from .schedule import causal_section, kv_block_ranges, lpt_tile, q_block_ranges
 from .ops import (Product, bcast_cols, bcast_rows, emulating, iota2, mma, mma_fresh_and_carried,
                   mma_many, smem_transforms, smem_transforms_f32, stream_kv, ws_kernel,
                   zeros as _zeros)
@@ -81,7 +82,7 @@ class _Dkv:
   n_heads: int = 1  # K (KV heads)
   n_bh: int = 1  # B * K
   n_k_tiles: int = 1
-  section: int = 1  # causal launch order: KV heads per LPT section (common.lpt_tile)
+  section: int = 1  # causal launch order: KV heads per LPT section (schedule.lpt_tile)
   # dQ inside this kernel (FA2 Alg. 2 line 15 with the paper's accumulation across key blocks): each
   # step's dS_ij K_j goes to an f32 HBM accumulator by a TMA reduce-add (no separate dQ kernel, so S
   # and dP are computed once instead of twice; not bit-reproducible: the adds' order varies).
@@ -377,7 +378,7 @@ class _Dq:
   emulate: bool = False
   n_heads: int = 1  # N
   n_bh: int = 1  # B * N
-  section: int = 1  # causal launch order: heads per LPT section (common.lpt_tile)
+  section: int = 1  # causal launch order: heads per LPT section (schedule.lpt_tile)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_smem, do_smem,

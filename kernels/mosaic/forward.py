@@ -41,8 +41,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...masking import allowed
 from ..vma import out_struct
-from .common import (LN2, LOG2E, MosaicConfig, causal_section, kv_block_ranges, lpt_tile, pad_axis,
-                     plan_lengths, supports)
+from .config import LN2, LOG2E, MosaicConfig, supports
+from .lengths import pad_axis, plan_lengths
+from .schedule import causal_section, kv_block_ranges, lpt_tile
 from .ops import bcast_rows, emulating, iota2, mma, smem_transforms, stream_kv, ws_kernel
 
 
@@ -66,7 +67,7 @@ class _Fwd:
   emulate: bool = False  # traced for interpret mode (ops.emulated_mma); part of the cache key
   n_heads: int = 1  # N
   n_bh: int = 1  # B * N: the (batch, head) pairs of the grid
-  section: int = 1  # causal launch order: heads per LPT section (common.lpt_tile)
+  section: int = 1  # causal launch order: heads per LPT section (schedule.lpt_tile)
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem, lse_smem, q_bar,

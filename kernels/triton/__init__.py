@@ -1,5 +1,10 @@
-"""FlashAttention-2 on the Pallas Triton backend: forward (Alg. 1) and backward (Alg. 2)."""
-from .backward import backward
-from .forward import forward
+"""FlashAttention-2 on the Pallas Triton backend: the portable GPU path (A100 = sm80 and newer, every GPU
+that is not Hopper) and the kernels the CPU tests run in interpret mode.
 
-__all__ = ["forward", "backward"]
+Modules (nothing is imported eagerly, so ``import fa2_jax`` stays light):
+
+* ``config``: :class:`BlockSizes`, the tiles and launch settings, with tuned defaults.
+* ``forward``: ``forward(q, k, v, ...) -> (out, lse [B, N, T])`` (paper Alg. 1).
+* ``backward``: ``backward(q, k, v, out, lse, do, ...) -> (dq, dk, dv)`` (paper Alg. 2, deterministic).
+* ``common``: masked tile loads/stores, dots and integer helpers.
+"""

@@ -7,10 +7,10 @@
    ``G`` query heads that share this KV head, so dK/dV are summed over the group on chip without any
    atomics or repeated K/V in HBM), recomputing ``P_ij = exp(S_ij - L_i)`` from the saved logsumexp:
        dV_j += P_ij^T dO_i,   dP_ij = dO_i V_j^T,   dS_ij = P_ij ∘ (dP_ij - D_i),   dK_j += dS_ij^T Q_i.
-3. dQ_i = sum_j dS_ij K_j receives a contribution from every key block. Default (the paper's scheme):
-   the dK/dV kernel atomically adds ``dS_ij K_j`` into an f32 buffer. ``deterministic=True``: a separate
-   kernel with grid ``(query block i, batch, head)`` loops over key blocks and accumulates dQ_i on chip
-   (recomputing P and dS), with no atomics, so results are bit-identical across runs.
+3. dQ_i = sum_j dS_ij K_j receives a contribution from every key block: a separate kernel with grid
+   ``(query block i, batch, head)`` loops over key blocks and accumulates dQ_i on chip (recomputing P and
+   dS), with no atomics, so results are bit-identical across runs. (The paper's alternative, atomic adds
+   of ``dS_ij K_j`` from the dK/dV kernel, was much slower on the Triton backend; docs/design.md.)
 
 Causal: for key block ``j`` the query blocks wholly above the diagonal (``i < j*B_c // B_r``) are skipped;
 only blocks that straddle the diagonal (or hold the ragged key tail) run the masked body.
@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...masking import allowed
-from ..vma import match_vma, out_struct
+from ..vma import out_struct
 from .common import (LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim, round_up,
                      store_tile)
 from .forward import kv_block_ranges
@@ -66,15 +66,10 @@ def _row_lse2(lse_ref, head, start, size):
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: float,
                  is_causal: bool, seq_q: int, seq_k: int, head_dim: int, group: int, block_q: int,
-                 block_k: int, f32: bool, atomic_dq: bool):
+                 block_k: int, f32: bool):
   # q_ref, do_ref: [T, G, hp] (the G query heads of this KV head); k_ref, v_ref: [S, hp];
-  # lse_ref, delta_ref: [G, Tp] f32; outputs dk_ref, dv_ref: [S, hp]; dq_ref (atomic): [Tp, G, hp] f32.
-  if atomic_dq:
-    dq_in_ref, dk_ref, dv_ref, dq_ref = rest
-    del dq_in_ref  # aliased with dq_ref
-  else:
-    dk_ref, dv_ref = rest
-    dq_ref = None
+  # lse_ref, delta_ref: [G, Tp] f32; outputs dk_ref, dv_ref: [S, hp].
+  dk_ref, dv_ref = rest
   hp = k_ref.shape[-1]
   c = scale * LOG2E
   j = pl.program_id(0)
@@ -104,12 +99,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: 
     dv = dv + dot(p.astype(do.dtype), do, trans_a=True, f32=f32)  # dV_j += P^T dO_i
     dp = dot(do, v, trans_b=True, f32=f32)  # dP_ij = dO_i V_j^T
     ds = p * (dp - delta[:, None])  # dS_ij = P_ij ∘ (dP_ij − D_i)   (eq. 4, unscaled)
-    ds_lo = ds.astype(q.dtype)
-    dk = dk + dot(ds_lo, q, trans_a=True, f32=f32)  # dK_j += dS^T Q_i
-    if atomic_dq:
-      # dQ_i += dS_ij K_j: the paper's atomic adds, into an f32 buffer padded so no mask is needed.
-      plgpu.atomic_add(dq_ref, (pl.ds(start, block_q), g, pl.ds(0, hp)),
-                       dot(ds_lo, k, f32=f32))
+    dk = dk + dot(ds.astype(q.dtype), q, trans_a=True, f32=f32)  # dK_j += dS^T Q_i
     return dk, dv
 
   def over_queries(g, carry):
@@ -166,15 +156,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
 
 def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool, block_q_dkv: int,
              block_k_dkv: int, block_q_dq: int, block_k_dq: int, num_warps: int, num_stages: int,
-             atomic_dq: bool, interpret: bool):
+             interpret: bool):
   """Gradients of attention w.r.t. q, k, v.
 
   Args:
     q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; lse: ``[B, N, T]`` f32 from the forward.
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
-    atomic_dq: accumulate dQ with atomic adds inside the dK/dV kernel (the paper's scheme, not
-      deterministic) instead of the separate dQ kernel.
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v.
@@ -195,7 +183,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   delta_p = jnp.pad(delta, pad)
   params = compiler_params(num_warps, num_stages)
 
-  # --- dK, dV (and atomic dQ) -----------------------------------------------------------------
+  # --- dK, dV ----------------------------------------------------------------------------------
   nk = pl.cdiv(s, block_k_dkv)
   in_specs = [
       pl.BlockSpec((None, t, group, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # q
@@ -210,37 +198,20 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
       pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # dv
   ]
   out_shape = [out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)]
-  args = [q, k, v, do, lse_p, delta_p]
-  aliases = {}
-  atomic = atomic_dq
-  if atomic:
-    dq_acc = match_vma(q, jnp.zeros((b, tp, n, hp), jnp.float32))[1]  # shard_map: varies like q
-    dq_spec = pl.BlockSpec((None, tp, group, hp), lambda j, bi, hk: (bi, 0, hk, 0))
-    in_specs.append(dq_spec)
-    out_specs.append(dq_spec)
-    out_shape.append(out_struct(dq_acc.shape, dq_acc.dtype, q))
-    args.append(dq_acc)
-    aliases = {len(args) - 1: 2}
-  res = pl.pallas_call(
+  dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=s,
                         head_dim=h, group=group, block_q=block_q_dkv, block_k=block_k_dkv,
-                        f32=f32, atomic_dq=atomic),
+                        f32=f32),
       grid=(nk, b, kh),
       in_specs=in_specs,
       out_specs=out_specs,
       out_shape=out_shape,
-      input_output_aliases=aliases,
       compiler_params=params,
       interpret=interpret,
       name="fa2_backward_dkdv",
-  )(*args)
-  if atomic:
-    dk, dv, dq_acc = res
-    dq = (dq_acc[:, :t, :, :h] * scale).astype(q.dtype)
-    return dq, dk, dv
-  dk, dv = res
+  )(q, k, v, do, lse_p, delta_p)
 
-  # --- dQ, deterministic ------------------------------------------------------------------------
+  # --- dQ --------------------------------------------------------------------------------------
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=s,
                         head_dim=h, block_q=block_q_dq, block_k=block_k_dq, f32=f32),

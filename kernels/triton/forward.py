@@ -47,8 +47,7 @@ def kv_block_ranges(i, *, block_q: int, block_k: int, seq_k: int, is_causal: boo
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, is_causal: bool, seq_q: int,
-                seq_k: int, head_dim: int, block_q: int, block_k: int, f32: bool,
-                normalize_each_step: bool, seq_parallel: bool):
+                seq_k: int, head_dim: int, block_q: int, block_k: int, f32: bool):
   # q_ref, o_ref: [T, hp] (this batch, head); k_ref, v_ref: [S, hp] (its KV head); lse_ref: [T] f32.
   hp = q_ref.shape[-1]
   # scale > 0: track the running max on raw logits and fold scale*log2(e) into one FMA inside exp2,
@@ -83,14 +82,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, is_causal:
       alpha = jnp.exp2((m_i * c if fold else m_i) - mc)  # e^{m_old - m_new}: rescales old state
       p = jnp.exp2((s * c if fold else s) - mc[:, None])  # [block_q, block_k] f32
       l_new = alpha * l_i + jnp.sum(p, axis=1)
-      pv = dot(p.astype(v.dtype), v, f32=f32)  # P~_ij V_j, [block_q, hp]
-      if normalize_each_step:
-        # Ablation: FlashAttention-1's rescaling, acc kept normalised by l at every step
-        # (diag(l_new)^-1 (diag(l_old) e^{m_old-m_new} acc + P~ V)): one divide per element per step.
-        inv = 1.0 / jnp.where(l_new == 0.0, 1.0, l_new)
-        acc = (acc * (alpha * l_i * inv)[:, None]) + pv * inv[:, None]
-      else:
-        acc = acc * alpha[:, None] + pv  # unscaled accumulator (§3.1.1 tweak 1)
+      acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, f32=f32)  # unscaled (§3.1.1 tweak 1)
       return acc, m_new, l_new
 
     acc = jnp.zeros((block_q, hp), jnp.float32)
@@ -105,7 +97,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, is_causal:
     # masks) returns zeros and lse = -inf.
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
-    out = acc if normalize_each_step else acc / l_safe[:, None]
+    out = acc / l_safe[:, None]
     store_tile(o_ref, i * block_q, out, q_limit, head_dim)
     # Alg. 1 line 13: L_i = m_i + log(l_i), stored in natural log (as jax.nn reports it).
     m_nat = (m_i * c if fold else m_i) * LN2
@@ -116,18 +108,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, is_causal:
     else:
       plgpu.store(rows, lse, mask=i * block_q + jnp.arange(block_q) < q_limit)
 
-  if seq_parallel:
-    one_query_block(pl.program_id(0))
-  else:
-    # Ablation: FlashAttention-1's parallelisation, one program per (batch, head) looping over Q blocks.
-    @pl.loop(0, pl.cdiv(seq_q, block_q))
-    def _(i):
-      one_query_block(i)
+  one_query_block(pl.program_id(0))
 
 
 def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: int, num_warps: int,
-            num_stages: int, interpret: bool, normalize_each_step: bool = False,
-            seq_parallel: bool = True):
+            num_stages: int, interpret: bool):
   """Run the forward kernel.
 
   Args:
@@ -143,18 +128,11 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
   nq = pl.cdiv(t, block_q)
   kernel = functools.partial(
       _fwd_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=s, head_dim=h,
-      block_q=block_q, block_k=block_k, f32=q.dtype == jnp.float32,
-      normalize_each_step=normalize_each_step, seq_parallel=seq_parallel)
-  if seq_parallel:
-    grid = (nq, b, n)
-    qmap = lambda i, bi, hi: (bi, 0, hi, 0)
-    kvmap = lambda i, bi, hi: (bi, 0, div(hi, group), 0)
-    lsemap = lambda i, bi, hi: (bi, hi, 0)
-  else:
-    grid = (b, n)
-    qmap = lambda bi, hi: (bi, 0, hi, 0)
-    kvmap = lambda bi, hi: (bi, 0, div(hi, group), 0)
-    lsemap = lambda bi, hi: (bi, hi, 0)
+      block_q=block_q, block_k=block_k, f32=q.dtype == jnp.float32)
+  grid = (nq, b, n)
+  qmap = lambda i, bi, hi: (bi, 0, hi, 0)
+  kvmap = lambda i, bi, hi: (bi, 0, div(hi, group), 0)
+  lsemap = lambda i, bi, hi: (bi, hi, 0)
   out, lse = pl.pallas_call(
       kernel,
       grid=grid,

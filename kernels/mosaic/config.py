@@ -1,14 +1,8 @@
-"""Pure-Python parts of the Mosaic GPU (Hopper) backend: config, support check, block ranges, padding.
+"""Configuration of the Mosaic GPU (Hopper) kernels: tiles, pipeline depths, warpgroups, the
+shared-memory budget, the per-head_dim defaults and the support check.
 
-Nothing here touches a GPU, so all of it is unit-testable on CPU:
-
-* :class:`MosaicConfig` — tiles, pipeline depth, warpgroup counts, with per-head_dim defaults and a
-  shared-memory budget check.
-* :func:`supports` — None when a call can run on this backend, else a one-line reason (the dispatcher
-  raises it or falls back to Triton).
-* :func:`kv_block_ranges` / :func:`q_block_ranges` — which key (query) blocks a CTA visits and which of
-  them need a mask (FA2 §3.1 causal block skipping). They accept Python ints or traced int32 scalars.
-* :func:`plan_lengths` — how ragged sequence lengths are handled (TMA bounds or an HBM pad).
+Pure Python: nothing here touches a GPU, so all of it is unit-testable on CPU. The measurements behind
+the defaults are in docs/design.md.
 
 Vocabulary: a *warpgroup* (WG) is 4 warps = 128 threads, the unit that issues one ``wgmma``; a CTA of
 these kernels runs ``num_wgs`` consumer WGs (tensor-core math) plus one producer WG (TMA loads).
@@ -19,7 +13,6 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
-from jax import lax
 
 # exp(x) = exp2(x * log2 e): the kernels use exp2 with the softmax scale folded into the same multiply
 # (FA2 §3.1: fewer non-matmul FLOPs; exp2 is a single MUFU instruction).
@@ -41,21 +34,6 @@ RAGGED_MODES = ("tma", "pad")
 # The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
 # outputs (and dQ's reduce-adds) passing through it.
 L2_SECTION_BYTES = 32 * 1024 * 1024
-
-
-def cdiv(a, b):
-  """Ceil division for Python ints and traced int32 scalars alike."""
-  return (a + b - 1) // b
-
-
-def round_up(x: int, m: int) -> int:
-  return cdiv(x, m) * m
-
-
-def _min(a, b):
-  if isinstance(a, int) and isinstance(b, int):
-    return min(a, b)
-  return jnp.minimum(a, b)
 
 
 # --- configuration -----------------------------------------------------------------------------------
@@ -318,162 +296,3 @@ def _causal_ptxas_bug() -> str | None:
             f"(12.8.0-12.9.0 ptxas miscompiles it, per JAX's attention_mgpu.py); use CUDA >= 12.9.1")
   return None
 
-
-# --- block ranges (FA2 §3.1 causal block skipping) ---------------------------------------------------
-
-def kv_block_ranges(q_start, rows: int, *, block_k: int, seq_k: int, is_causal: bool):
-  """Key blocks seen by query rows ``[q_start, q_start + rows)``.
-
-  Returns ``(n_full, n_end)``: blocks ``[0, n_full)`` need no mask, ``[n_full, n_end)`` need one
-  (they straddle the causal diagonal for some row, or hold the ragged key tail); blocks from
-  ``n_end`` on lie wholly above the diagonal for every row and are never loaded.
-  Causal is top-left: row ``i`` attends keys ``j <= i``. Block ``j`` is unmasked for every row when
-  ``j*block_k + block_k - 1 <= q_start``, i.e. ``j < (q_start + 1) // block_k``.
-  """
-  nk = cdiv(seq_k, block_k)
-  nk_full = seq_k // block_k
-  if is_causal:
-    n_end = _min(cdiv(q_start + rows, block_k), nk)
-    n_full = _min((q_start + 1) // block_k, nk_full)
-  else:
-    n_end, n_full = nk, nk_full
-  return _min(n_full, n_end), n_end
-
-
-def q_block_ranges(k_start, cols: int, *, block_q: int, seq_q: int, is_causal: bool):
-  """Query blocks that see keys ``[k_start, k_start + cols)`` (the dK/dV kernel's loop).
-
-  Returns ``(i_start, i_full, nq)``: blocks ``[i_start, i_full)`` straddle the diagonal (masked),
-  ``[i_full, nq)`` need no mask. Block ``i`` has a row at or below key ``k_start`` when
-  ``(i+1)*block_q - 1 >= k_start`` (``i >= k_start // block_q``) and needs no mask when its first row
-  is at or past the last key, ``i*block_q >= k_start + cols - 1``. Padded query rows (past ``seq_q``)
-  need no mask: their Q, dO, lse and delta are zero, so they add nothing to dK and dV.
-  """
-  nq = cdiv(seq_q, block_q)
-  if not is_causal:
-    return 0, 0, nq
-  i_start = _min(k_start // block_q, nq)
-  i_full = _min(cdiv(k_start + cols - 1, block_q), nq)
-  return i_start, i_full, nq
-
-
-# --- launch order of causal CTAs (longest processing time first) ------------------------------------
-
-def _div(a, b):
-  return a // b if isinstance(a, int) else lax.div(a, jnp.asarray(b, a.dtype))
-
-
-def _rem(a, b):
-  return a % b if isinstance(a, int) else lax.rem(a, jnp.asarray(b, a.dtype))
-
-
-def section_heads(bytes_per_head: int, n_heads: int, group: int = 1,
-                  budget: int = L2_SECTION_BYTES) -> int:
-  """How many (batch, head) pairs one LPT section holds: as many as stream ``budget`` bytes from HBM
-  (so a section's K/V, or Q/dO, stay in L2 while its CTAs run), a multiple of the GQA ``group`` when
-  it holds more than one group (group-mates share K/V), at least 1, at most ``n_heads``."""
-  sec = max(1, budget // max(1, bytes_per_head))
-  if sec >= group > 1:
-    sec -= sec % group
-  return min(sec, n_heads)
-
-
-def lpt_tile(b, h, t, *, n_h: int, n_t: int, n_bh: int, section: int, longest_last: bool):
-  """The (batch, head, tile) a causal CTA works on, given its launch coordinates ``(b, h, t)``.
-
-  CUDA starts CTAs in launch order, ``t`` fastest (Mosaic GPU maps the last grid axis to x), and
-  causal CTAs differ in work (a query tile's keys, or a key tile's queries, grow along the diagonal).
-  Longest-processing-time-first keeps the end of the kernel from waiting on a few long CTAs. Ordering
-  only within each head (``section=1``) leaves the last head's longest CTAs to start when most of
-  the work is done (a greedy-schedule estimate at 8k, 64 tiles per head on 132 SMs: they could end
-  up to ~10% after the average SM). Here the launch order is cut into sections of ``section`` heads;
-  within a section all heads' longest tiles come first, then the next longest, and so on. The
-  section is small enough that its streamed operands stay in L2 (CTAs running together share them),
-  see :func:`section_heads`. Measured on an H200 at head_dim 128 causal 8k: 2-5% faster per kernel
-  than ``section=1`` (benchmarks/results/h200/s9/lpt_gpu0.txt).
-  ``longest_last``: tile ``n_t - 1`` is the longest (forward, dQ) rather than tile 0 (dK/dV).
-  Works on Python ints and traced int32 scalars; a bijection on ``[0, n_bh * n_t)``.
-  """
-  lin = (b * n_h + h) * n_t + t
-  sec = _div(lin, section * n_t)
-  within = _rem(lin, section * n_t)
-  heads = _min(section, n_bh - sec * section)  # the last section may be smaller
-  rank = _div(within, heads)  # 0 = longest
-  head = sec * section + _rem(within, heads)
-  tile = (n_t - 1) - rank if longest_last else rank
-  return _div(head, n_h), _rem(head, n_h), tile
-
-
-def causal_section(cfg: "MosaicConfig", *, n_bh: int, group: int, kv_bytes: int,
-                   dkv: bool = False) -> int:
-  """Heads per LPT section for a kernel whose CTAs of one (batch, head) stream ``kv_bytes`` of
-  operands shared by ``group`` heads (forward/dQ: one KV head's K and V for its GQA group; dK/dV:
-  ``group = 1`` and the group's Q and dO, ``dkv=True``). ``cfg.lpt_heads`` (``lpt_heads_dkv``) when
-  set, capped at ``n_bh``."""
-  fixed = cfg.lpt_heads_dkv if dkv else cfg.lpt_heads
-  if fixed:
-    return min(fixed, n_bh)
-  return section_heads(-(-kv_bytes // group), n_bh, group, budget=L2_SECTION_BYTES)
-
-
-# --- ragged lengths ----------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class LengthPlan:
-  """How the wrapper lays out the sequence axes in HBM before calling a kernel.
-
-  ``t_hbm``/``s_hbm``: lengths of the arrays handed to the kernels (``t``/``s`` unless padded).
-  ``t_lse``: length of the f32 lse/delta rows (a whole number of query tiles, so every 1-D TMA of
-  them is in bounds and 16-byte aligned). The kernels always mask keys ``>= s``.
-  """
-
-  t: int
-  s: int
-  t_hbm: int
-  s_hbm: int
-  t_lse: int
-
-  @property
-  def pad_t(self) -> int:
-    return self.t_hbm - self.t
-
-  @property
-  def pad_s(self) -> int:
-    return self.s_hbm - self.s
-
-
-def plan_lengths(t: int, s: int, *, q_tile: int, k_tile: int, mode: str) -> LengthPlan:
-  """Decide the HBM lengths for a call.
-
-  ``q_tile``/``k_tile``: the query/key extent (rows) that the largest CTA tile covers in any kernel of
-  the call; every tile side is a multiple of 64.
-
-  ``mode="tma"``: a length that is a multiple of 8 (and at least one tile) stays as it is: TMA
-  zero-fills the rows of a tile past the end on load and drops them on store, so the cost is only the
-  masked tail tile and the f32 lse/delta padding. Mosaic GPU's tiled TMA descriptors split the sequence
-  axis into 8-row tiles, so other lengths (and arrays shorter than one tile) are padded in HBM like
-  ``"pad"``.
-  ``mode="pad"``: T and S are padded to whole tiles in HBM whenever ragged (cost: a copy of q/k/v —
-  and do/out in the backward — plus a slice of the outputs, about 2x the input bytes).
-  """
-  if mode not in RAGGED_MODES:
-    raise ValueError(f"ragged mode must be one of {RAGGED_MODES}, got {mode!r}")
-
-  def hbm_len(n: int, tile: int) -> int:
-    if mode == "tma" and n % 8 == 0 and n >= tile:
-      return n
-    return round_up(n, tile)
-
-  lse_tile = math.lcm(q_tile, WG_ROWS)
-  return LengthPlan(t=t, s=s, t_hbm=hbm_len(t, q_tile), s_hbm=hbm_len(s, k_tile),
-                    t_lse=round_up(t, lse_tile))
-
-
-def pad_axis(x, axis: int, new_len: int):
-  """Zero-pad ``x`` along ``axis`` up to ``new_len`` (no-op if already that long)."""
-  extra = new_len - x.shape[axis]
-  if extra == 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths)

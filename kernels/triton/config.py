@@ -78,20 +78,17 @@ class BlockSizes:
     )
 
   @classmethod
-  def default(cls, head_dim: int, dtype=jnp.bfloat16, gpu: str | None = None) -> "BlockSizes":
-    """Heuristic default per (GPU generation, head_dim, dtype).
+  def default(cls, head_dim: int, dtype=jnp.bfloat16) -> "BlockSizes":
+    """Tuned default per (head_dim, dtype); the measurements behind it are in docs/design.md.
 
     Args:
-      head_dim: H of the call (the kernels pad it to a power of two).
+      head_dim: H of the call, >= 1 (the kernels pad it to a power of two).
       dtype: input dtype; float32 halves the tiles (twice the bytes per element, f32 dots).
-      gpu: ``"sm90"`` (Hopper), ``"sm80"`` (Ampere) or None (unknown; Hopper settings).
     """
-    del gpu  # Hopper and Ampere share these settings until measured otherwise.
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+      raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     hp = max(16, 1 << math.ceil(math.log2(head_dim)))
     f32 = jnp.dtype(dtype) == jnp.float32
-    # Measured on an H200 at seq 8k, bf16 (scripts/gpu_tune.py; benchmarks/results/h200/tune*.json):
-    # head_dim 128 forward 448 TFLOP/s with 128x128 tiles / 8 warps against 416 with 128x64;
-    # head_dim 64 forward 383 with 64x128 / 4 warps / 2 stages against 365 with 128x64 / 8 warps.
     if hp <= 64:
       cfg = cls(block_q=64, block_k=128, num_warps_fwd=4, num_stages_fwd=2,
                 block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
