@@ -8,7 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import dispatch
+from . import dispatch, sharding
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .kernels.vma import cast_like, match_vma
@@ -20,8 +20,8 @@ _SECOND_ORDER = (
     "the backward is itself a Pallas kernel with no derivative rule. Use implementation='xla' for "
     "higher-order derivatives.")
 _FORWARD_MODE = (
-    "fa2_jax kernels support reverse-mode autodiff only (grad, vjp); forward-mode (jvp, jacfwd, "
-    "linearize) is not available through the kernels. Use jax.jacrev instead of jacfwd, or "
+    "fa2_jax kernels support reverse-mode autodiff only (grad, vjp, jacrev); forward-mode (jvp, "
+    "jacfwd) is not available through the kernels. Use jax.jacrev instead of jacfwd, or "
     "implementation='xla' for forward-mode derivatives.")
 
 
@@ -80,7 +80,7 @@ def _prepare(query, key, value, scale, is_causal, implementation, return_residua
         BlockSizes, MosaicConfig)) and symbolic:
       raise ValueError(
           f"implementation={implementation!r} needs static shapes; query {tuple(query.shape)} / key "
-          f"{tuple(key.shape)} have symbolic dimensions {symbolic} (jax.export): use "
+          f"{tuple(key.shape)} have symbolic dimensions {sorted(set(map(str, symbolic)))} (jax.export): use "
           "implementation=None or 'xla', or export with concrete sequence lengths")
     backend = "xla"
   else:
@@ -139,7 +139,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       static = _Static(call.scale, call.is_causal, "triton", call.deterministic,
                        bool(call.interpret), blocks=blocks)
     try:
-      out, lse = _flash(*match_vma(q, k, v), static)
+      # Per device where Explicit mesh axes shard B or the heads (fa2_jax.sharding).
+      out, lse = sharding.local_call(lambda *a: _flash(*match_vma(*a), static), q, k, v)
     except TypeError as e:
       if "forward-mode autodiff" in str(e) or "can't apply forward-mode" in str(e):
         raise TypeError(_FORWARD_MODE) from e
@@ -170,7 +171,11 @@ def backend_for(query, key, value=None, *, is_causal=False, implementation=None,
 # constants into their index arithmetic, so every kernel is traced with x64 off and its f32 outputs
 # keep their dtypes.
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def _forward(q, k, v, st: _Static):
+  # A custom_jvp only to name the limit: the custom_vjp below never differentiates this function in
+  # first-order reverse mode; a second-order derivative would (through the Pallas call, which has no
+  # derivative rule and fails with a bare AssertionError).
   with jax.enable_x64(False):
     if st.backend == "mosaic":
       from .kernels.mosaic.forward import forward
@@ -183,14 +188,20 @@ def _forward(q, k, v, st: _Static):
                    interpret=st.interpret)
 
 
+@_forward.defjvp
+def _forward_jvp(st, primals, tangents):
+  del st, primals, tangents
+  raise TypeError(_SECOND_ORDER)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _flash(q, k, v, st: _Static):
-  out, lse = _forward(q, k, v, st)
+  out, lse = sharding.forward(_forward, q, k, v, st)
   return out, jnp.swapaxes(lse, 1, 2)
 
 
 def _flash_fwd(q, k, v, st: _Static):
-  out, lse = _forward(q, k, v, st)
+  out, lse = sharding.forward(_forward, q, k, v, st)
   return (out, jnp.swapaxes(lse, 1, 2)), (q, k, v, out, lse)
 
 
@@ -222,7 +233,7 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   dout, dlse = cotangents
   # d lse_i / d S_ij = P_ij, so a cotangent on lse enters dS = P ∘ (dP − D + dlse): fold it into D.
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
-  return tuple(_backward(st, q, k, v, out, lse, dout.astype(q.dtype), dlse))
+  return tuple(sharding.backward(_backward, st, q, k, v, out, lse, dout.astype(q.dtype), dlse))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -17,7 +17,6 @@ import pytest
 
 import fa2_jax
 from conftest import on_gpu
-from fa2_jax.attention import flash_attention_ablation
 
 # One tolerance table. "atol" is relative to max|reference| (+1): error <= 2 * err_xla + atol * scale.
 TOLERANCE = {
@@ -38,12 +37,12 @@ class Case:
   h: int
   causal: bool
   dtype: str
-  atomic_dq: bool = False  # the paper's atomic dQ (an ablation option) instead of the dQ pass
+  deterministic: bool = False  # passed to flash_attention (the Mosaic fused dQ vs the separate pass)
 
   def __str__(self):
     return (f"b{self.b}-t{self.t}-s{self.s}-n{self.n}-k{self.kh}-h{self.h}-"
             f"{'causal' if self.causal else 'full'}-{self.dtype}"
-            f"{'-atomic' if self.atomic_dq else ''}")
+            f"{'-det' if self.deterministic else ''}")
 
 
 # CPU (interpret mode): ragged lengths, T != S both ways, GQA/MQA, non-power-of-two head dims.
@@ -53,13 +52,13 @@ CPU_CASES = [
     Case(1, 17, 17, 2, 1, 16, True, "float32"),
     Case(2, 113, 113, 4, 2, 80, True, "bfloat16"),
     Case(1, 113, 200, 2, 2, 96, True, "float16"),
-    Case(1, 200, 113, 2, 1, 64, True, "bfloat16", atomic_dq=True),
+    Case(1, 200, 113, 2, 1, 64, True, "bfloat16"),
     Case(1, 33, 47, 3, 3, 40, False, "float16"),
-    Case(1, 130, 129, 2, 2, 64, False, "float32", atomic_dq=True),
+    Case(1, 130, 129, 2, 2, 64, False, "float32"),
     Case(1, 64, 64, 2, 1, 256, False, "bfloat16"),
     Case(1, 1023, 1024, 1, 1, 32, False, "bfloat16"),
     Case(1, 1000, 1000, 1, 1, 24, True, "float32"),
-    Case(1, 257, 255, 4, 1, 128, True, "bfloat16", atomic_dq=True),
+    Case(1, 257, 255, 4, 1, 128, True, "bfloat16"),
 ]
 
 # GPU (compiled): the same kinds of shapes, bigger.
@@ -70,12 +69,12 @@ GPU_CASES = [
     Case(2, 2048, 2048, 8, 2, 64, True, "bfloat16"),
     Case(1, 4096, 4096, 4, 1, 128, False, "bfloat16"),
     Case(2, 1023, 1024, 4, 4, 128, True, "bfloat16"),
-    Case(1, 1000, 3000, 4, 2, 96, True, "bfloat16", atomic_dq=True),
+    Case(1, 1000, 3000, 4, 2, 96, True, "bfloat16"),
     Case(1, 3000, 1000, 4, 2, 80, True, "float16"),
     Case(3, 113, 1, 4, 4, 64, False, "bfloat16"),
     Case(2, 777, 777, 4, 4, 256, True, "bfloat16"),
     Case(2, 511, 513, 4, 4, 32, False, "float32"),
-    Case(1, 1024, 1024, 4, 4, 16, True, "float32", atomic_dq=True),
+    Case(1, 1024, 1024, 4, 4, 16, True, "float32"),
 ]
 
 
@@ -119,15 +118,11 @@ def low_precision_xla(q, k, v, do, causal):
   return [np.asarray(x.astype(jnp.float32), np.float64) for x in (out, lse, dq, dk, dv)]
 
 
-def ours(q, k, v, do, causal, atomic_dq=False, implementation="triton", **kw):
+def ours(q, k, v, do, causal, implementation="triton", **kw):
   interpret = None if on_gpu() else True
-  if atomic_dq:
-    f = lambda a, b, c: flash_attention_ablation(a, b, c, is_causal=causal, interpret=interpret,
-                                                 atomic_dq=True, return_residual=True, **kw)
-  else:
-    f = lambda a, b, c: fa2_jax.flash_attention(a, b, c, is_causal=causal, interpret=interpret,
-                                                implementation=implementation,
-                                                return_residual=True, **kw)
+  f = lambda a, b, c: fa2_jax.flash_attention(a, b, c, is_causal=causal, interpret=interpret,
+                                              implementation=implementation,
+                                              return_residual=True, **kw)
   (out, lse), vjp = jax.vjp(f, q, k, v)
   dq, dk, dv = vjp((do, jnp.zeros_like(lse)))
   return [np.asarray(x.astype(jnp.float32), np.float64) for x in (out, lse, dq, dk, dv)]
@@ -135,7 +130,7 @@ def ours(q, k, v, do, causal, atomic_dq=False, implementation="triton", **kw):
 
 def check_case(case: Case, seed: int = 0, **kw):
   q, k, v, do = _inputs(case, seed)
-  got = ours(q, k, v, do, case.causal, atomic_dq=case.atomic_dq, **kw)
+  got = ours(q, k, v, do, case.causal, deterministic=case.deterministic, **kw)
   ref = reference_f64(q, k, v, do, case.causal)
   low = low_precision_xla(q, k, v, do, case.causal)
   tol = TOLERANCE[case.dtype]
@@ -189,21 +184,18 @@ def test_small_blocks_many_iterations():
   blocks = fa2_jax.BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=32,
                               block_q_dq=32, block_k_dq=16, num_warps_fwd=4, num_warps_bwd=4)
   check_case(Case(1, 75, 90, 4, 2, 24, True, "float32"), block_sizes=blocks)
-  check_case(Case(1, 90, 75, 2, 1, 24, True, "bfloat16", atomic_dq=True), block_sizes=blocks)
+  check_case(Case(1, 90, 75, 2, 1, 24, True, "bfloat16"), block_sizes=blocks)
 
 
 def _interp():
   return None if on_gpu() else True
 
 
-def test_deterministic_is_bitwise_reproducible_and_matches_atomic():
+def test_deterministic_is_bitwise_reproducible():
   q, k, v, do = _inputs(Case(1, 100, 100, 4, 2, 32, True, "float32"), 3)
   outs = [ours(q, k, v, do, True, deterministic=True) for _ in range(2)]
   for a, b in zip(*outs):
     np.testing.assert_array_equal(a, b)
-  atomic = ours(q, k, v, do, True, atomic_dq=True)
-  for a, b in zip(outs[0], atomic):
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_lse_is_differentiable():

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import fa2_jax
-from fa2_jax import attention as A
+from fa2_jax import dispatch as D
 
 mosaic = functools.partial(fa2_jax.flash_attention, implementation="mosaic")
 # bf16 kernels vs the f32 formula: outputs and grads are O(1); 3e-2 is a few bf16 ulps at 1.0
@@ -168,12 +168,12 @@ def test_mosaic_causal_launch_orders_agree_bitwise(monkeypatch, h, kh, budget):
 
 @pytest.mark.gpu
 def test_default_implementation_picks_mosaic_on_hopper():
-  if not A._is_sm90_or_newer():
-    pytest.skip("not an sm90+ GPU: the default is the Triton backend there (tested below on CPU)")
+  if not D.is_hopper():
+    pytest.skip("not a Hopper GPU: the default is the Triton backend there (tests/test_dispatch.py)")
   q, k, v = _qkv(seed=5)
-  assert A._choose_backend(None, None, q, k, True) == ("mosaic" if A.MOSAIC_BY_DEFAULT else "triton")
+  assert fa2_jax.backend_for(q, k, is_causal=True).backend == "mosaic"
   # None gives the same numbers as the backend it chose.
-  chosen = A._choose_backend(None, None, q, k, True)
+  chosen = fa2_jax.backend_for(q, k, is_causal=True).backend
   _close(fa2_jax.flash_attention(q, k, v, is_causal=True),
          fa2_jax.flash_attention(q, k, v, is_causal=True, implementation=chosen), 0.0)
 
@@ -192,46 +192,12 @@ def test_mosaic_with_x64_enabled():
 
 @pytest.fixture
 def fake_hopper(monkeypatch):
-  monkeypatch.setattr(A, "_on_gpu", lambda: True)
-  monkeypatch.setattr(A, "_is_sm90_or_newer", lambda: True)
-  monkeypatch.setattr(A, "MOSAIC_BY_DEFAULT", True)
+  monkeypatch.setattr(D, "on_gpu", lambda: True)
+  monkeypatch.setattr(D, "gpu_compute_capability", lambda: (9, 0))
 
 
 def _shapes(t=1024, s=1024, n=8, kh=2, h=128, dtype=jnp.bfloat16):
   return (jax.ShapeDtypeStruct((2, t, n, h), dtype), jax.ShapeDtypeStruct((2, s, kh, h), dtype))
-
-
-@pytest.mark.parametrize("kw, want", [
-    (dict(), "mosaic"),
-    (dict(h=64, t=17, s=1), "mosaic"),  # any length, any head_dim in 64/128/192/256
-    (dict(h=256), "mosaic"),
-    (dict(dtype=jnp.float16), "mosaic"),
-    (dict(dtype=jnp.float32), "triton"),  # wgmma backend: 16-bit inputs only
-    (dict(h=96), "triton"),  # not a multiple of the 64-element swizzled tile
-    (dict(h=32), "triton"),
-])
-def test_default_dispatch_on_hopper(fake_hopper, kw, want):
-  q, k = _shapes(**kw)
-  assert A._choose_backend(None, None, q, k, True) == want
-  assert A._choose_backend("triton", None, q, k, True) == "triton"
-  assert A._choose_backend(None, True, q, k, True) == "triton"  # interpret=True: Pallas interpreter
-
-
-def test_mosaic_refusal_names_the_reason(fake_hopper):
-  q, k = _shapes(dtype=jnp.float32)
-  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*float32"):
-    A._choose_backend("mosaic", None, q, k, False)
-  q, k = _shapes(h=96)
-  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*head_dim"):
-    A._choose_backend("mosaic", None, q, k, False)
-
-
-def test_default_dispatch_before_hopper(monkeypatch):
-  """On a GPU older than sm90 (A100) None means the Triton kernels."""
-  monkeypatch.setattr(A, "_on_gpu", lambda: True)
-  monkeypatch.setattr(A, "_is_sm90_or_newer", lambda: False)
-  q, k = _shapes()
-  assert A._choose_backend(None, None, q, k, True) == "triton"
 
 
 # --- shard_map with check_vma=True (its default): output types, checked by tracing on any platform ---
@@ -306,17 +272,6 @@ def test_block_sizes_type_must_match_implementation():
     fa2_jax.flash_attention(q, k, k, implementation="mosaic", block_sizes=fa2_jax.BlockSizes())
   with pytest.raises(TypeError, match=r"block_sizes must be a fa2_jax.BlockSizes .*MosaicConfig"):
     fa2_jax.flash_attention(q, k, k, block_sizes=dict(block_q=64))
-  with pytest.raises(TypeError, match="MosaicConfig, which configures"):  # the ablation is Triton
-    A.flash_attention_ablation(q, k, k, interpret=True, block_sizes=fa2_jax.MosaicConfig())
-
-
-def test_block_sizes_type_selects_the_kernels(fake_hopper):
-  q, k = _shapes()
-  assert A._choose_backend(None, None, q, k, True, fa2_jax.BlockSizes()) == "triton"
-  assert A._choose_backend(None, None, q, k, True, fa2_jax.MosaicConfig()) == "mosaic"
-  q32, k32 = _shapes(dtype=jnp.float32)
-  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*float32"):
-    A._choose_backend(None, None, q32, k32, True, fa2_jax.MosaicConfig())
 
 
 def test_mosaic_config_too_big_for_head_dim_names_block_sizes(fake_hopper):
@@ -371,15 +326,5 @@ def test_vmap_of_grad_lowers_with_fused_dq(fake_hopper, kv_axes):
   dq, dk, dv = traced.out_info
   assert dq.shape == dk.shape == dv.shape == (3, 2, 256, 4, 128)  # per-element gradients
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
-  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq)_mosaic_gpu", text)) == {
-      "forward", "dkdv_dq"}
-
-
-def test_benchmark_fused_row_runs_the_fused_kernel(fake_hopper):
-  import re
-  from benchmarks import common as C
-  f = C.make_attention("fa2_mosaic_fused", causal=False)
-  sd = jax.ShapeDtypeStruct((1, 512, 8, 64), jnp.bfloat16)
-  text = C.fwd_bwd(f).trace(sd, sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq)_mosaic_gpu", text)) == {
       "forward", "dkdv_dq"}

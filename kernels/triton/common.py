@@ -36,10 +36,13 @@ def tile_mask(start, size: int, limit: int | None, head_dim: int, hp: int):
 
 
 def _view(ref, start, size, head):
-  # One indexer only (the Triton lowering takes a single NDIndexer per load/store).
+  # One indexer only (the Triton lowering takes a single NDIndexer per load/store). Every start is an
+  # int32 (no `:`, whose start would be a Python int): Pallas interpret mode lowers the kernel when the
+  # caller's jit lowers, and with x64 on there a Python-int start becomes int64 beside our int32 ones.
+  cols = pl.ds(jnp.int32(0), ref.shape[-1])
   if head is None:
-    return ref.at[pl.ds(start, size), :]  # ref: [rows, hp]
-  return ref.at[pl.ds(start, size), head, :]  # ref: [rows, heads, hp]
+    return ref.at[pl.ds(start, size), cols]  # ref: [rows, hp]
+  return ref.at[pl.ds(start, size), head, cols]  # ref: [rows, heads, hp]
 
 
 def load_tile(ref, start, size: int, limit: int | None, head_dim: int, head=None):

@@ -1,0 +1,133 @@
+"""Which kernels run where: the backend choice and ``fa2_jax.backend_for``, on any machine.
+
+The device is faked by patching ``fa2_jax.dispatch.on_gpu`` / ``gpu_compute_capability`` (nothing is
+run: the choice needs only shapes and dtypes).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import fa2_jax
+from fa2_jax import dispatch as D
+
+from conftest import on_gpu
+
+
+def _shapes(t=1024, s=1024, n=8, kh=2, h=128, dtype=jnp.bfloat16):
+  return (jax.ShapeDtypeStruct((2, t, n, h), dtype), jax.ShapeDtypeStruct((2, s, kh, h), dtype))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+  """``fake_gpu(cc)``: pretend the first device is an NVIDIA GPU of compute capability ``cc``
+  (None: a GPU that reports none, e.g. ROCm)."""
+
+  def set_cc(cc):
+    monkeypatch.setattr(D, "on_gpu", lambda: True)
+    monkeypatch.setattr(D, "gpu_compute_capability", lambda: cc)
+
+  return set_cc
+
+
+@pytest.mark.parametrize("cc, name", [
+    ((8, 0), "A100"), ((8, 6), "RTX 30"), ((8, 9), "L4 / RTX 40"), ((10, 0), "B200"),
+    ((12, 0), "RTX 50"), (None, "ROCm / unknown")])
+def test_non_hopper_gpus_get_the_triton_kernels(fake_gpu, cc, name):
+  fake_gpu(cc)
+  q, k = _shapes()
+  d = fa2_jax.backend_for(q, k, is_causal=True)
+  assert d.backend == "triton", name
+  assert d.forward == ("triton forward",) and d.backward == ("triton dK/dV", "triton dQ")
+  assert "Hopper" in d.reason  # the reason names why the Mosaic kernels do not run
+  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*Hopper"):
+    fa2_jax.backend_for(q, k, implementation="mosaic")
+
+
+@pytest.mark.parametrize("cc", [(9, 0), (9, 0xa)])
+def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
+  fake_gpu(cc)
+  q, k = _shapes()
+  d = fa2_jax.backend_for(q, k, is_causal=True)
+  assert d.backend == "mosaic" and d.forward == ("mosaic forward",)
+  assert d.backward == ("mosaic dK/dV", "mosaic dQ") and d.deterministic  # causal: separate dQ
+  nc = fa2_jax.backend_for(q, k, is_causal=False)
+  assert nc.backward == ("mosaic dK/dV + fused dQ",) and not nc.deterministic
+  det = fa2_jax.backend_for(q, k, is_causal=False, deterministic=True)
+  assert det.backward == ("mosaic dK/dV", "mosaic dQ") and det.deterministic
+  big = fa2_jax.backend_for(*_shapes(h=256))
+  assert big.backward == ("mosaic dV", "mosaic dK", "mosaic dQ")
+  assert str(d).startswith("mosaic (mosaic forward, mosaic dK/dV, mosaic dQ): ")
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(), "mosaic"),
+    (dict(h=64, t=17, s=1), "mosaic"),  # any length, any head_dim in 64/128/192/256
+    (dict(h=256), "mosaic"),
+    (dict(dtype=jnp.float16), "mosaic"),
+    (dict(dtype=jnp.float32), "triton"),  # wgmma backend: 16-bit inputs only
+    (dict(h=96), "triton"),  # not a multiple of the 64-element swizzled tile
+    (dict(h=32), "triton"),
+])
+def test_default_dispatch_on_hopper(fake_gpu, kw, want):
+  fake_gpu((9, 0))
+  q, k = _shapes(**kw)
+  assert D.choose_backend(None, None, q, k, True) == want
+  assert D.choose_backend("triton", None, q, k, True) == "triton"
+  assert D.choose_backend(None, True, q, k, True) == "triton"  # interpret=True: Pallas interpreter
+
+
+def test_mosaic_refusal_names_the_reason(fake_gpu):
+  fake_gpu((9, 0))
+  q, k = _shapes(dtype=jnp.float32)
+  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*float32"):
+    D.choose_backend("mosaic", None, q, k, False)
+  q, k = _shapes(h=96)
+  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*head_dim"):
+    D.choose_backend("mosaic", None, q, k, False)
+
+
+def test_block_sizes_type_selects_the_kernels(fake_gpu):
+  fake_gpu((9, 0))
+  q, k = _shapes()
+  assert fa2_jax.backend_for(q, k, block_sizes=fa2_jax.BlockSizes()).backend == "triton"
+  assert fa2_jax.backend_for(q, k, block_sizes=fa2_jax.MosaicConfig()).backend == "mosaic"
+  q32, k32 = _shapes(dtype=jnp.float32)
+  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*float32"):
+    fa2_jax.backend_for(q32, k32, block_sizes=fa2_jax.MosaicConfig())
+
+
+@pytest.mark.skipif(on_gpu(), reason="CPU-only dispatch rule")
+def test_cpu_runs_the_formula_or_the_interpreted_kernels():
+  q, k = _shapes(t=64, s=64)
+  d = fa2_jax.backend_for(q, k)
+  assert d.backend == "xla" and d.forward == () and "interpret=True" in d.reason
+  d = fa2_jax.backend_for(q, k, interpret=True)
+  assert d.backend == "triton" and d.interpret
+  assert fa2_jax.backend_for(q, k, implementation="xla").reason.startswith("implementation='xla'")
+
+
+def test_backend_for_validates_like_flash_attention():
+  q, k = _shapes(t=64, s=64)
+  with pytest.raises(ValueError, match="implementation must be one of"):
+    fa2_jax.backend_for(q, k, implementation="cuda")
+  with pytest.raises(ValueError, match="multiple of the key/value head count"):
+    fa2_jax.backend_for(*_shapes(n=6, kh=4))
+  with pytest.raises(TypeError, match="is_causal must be a Python bool"):
+    fa2_jax.backend_for(q, k, is_causal="yes")
+
+
+def test_compute_capability_parsing(monkeypatch):
+  class Dev:
+    compute_capability = "9.0"
+
+  monkeypatch.setattr(D, "on_gpu", lambda: True)
+  monkeypatch.setattr(jax, "devices", lambda: [Dev()])
+  assert D.gpu_compute_capability() == (9, 0) and D.is_hopper()
+  Dev.compute_capability = "10.0"
+  assert D.gpu_compute_capability() == (10, 0) and not D.is_hopper()
+  Dev.compute_capability = "12.0"
+  assert not D.is_hopper()
+  Dev.compute_capability = "gfx942"  # not an NVIDIA capability: unknown, so not Hopper
+  assert D.gpu_compute_capability() is None and not D.is_hopper()

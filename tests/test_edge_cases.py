@@ -1,0 +1,194 @@
+"""Inputs and transforms at the edges of the API: x64 mode, empty and symbolic shapes, derivatives the
+kernels do not have, and validation of every public entry point.
+
+Each test here failed (a crash or a bare error from inside JAX/Pallas) before the behaviour it checks
+was built in. Kernels run in Pallas interpret mode on CPU and compiled on a GPU.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import fa2_jax
+
+from conftest import on_gpu
+
+KERNEL = dict(implementation="triton", interpret=None if on_gpu() else True)
+
+
+def _qkv(b=1, t=20, s=20, n=2, kh=1, h=16, dtype=jnp.float32, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  return (jax.random.normal(ks[0], (b, t, n, h), dtype),
+          jax.random.normal(ks[1], (b, s, kh, h), dtype),
+          jax.random.normal(ks[2], (b, s, kh, h), dtype))
+
+
+# --- x64 ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_jit_with_x64_enabled(causal):
+  """jit lowers an interpret-mode kernel while x64 is on: its index types must stay consistent."""
+  q, k, v = _qkv(t=20, s=37, n=4, kh=2)
+  f = lambda q, k, v: fa2_jax.flash_attention(q, k, v, is_causal=causal, **KERNEL)
+  loss = lambda q, k, v: f(q, k, v).sum()
+  want_out = f(q, k, v)
+  want_grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+  with jax.enable_x64(True):
+    out = jax.jit(f)(q, k, v)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  assert out.dtype == jnp.float32
+  np.testing.assert_allclose(out, want_out, atol=1e-6)
+  for a, b in zip(grads, want_grads):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+def test_kernels_lower_for_cuda_with_x64_enabled(impl, monkeypatch):
+  """The compiled (not interpreted) kernels lower under x64 too (checked for sm90 on any machine)."""
+  from fa2_jax import dispatch
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: (9, 0))
+  if impl == "triton":
+    gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+    registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  dt = jnp.bfloat16
+  q = jax.ShapeDtypeStruct((1, 200, 4, 64), dt)
+  kv = jax.ShapeDtypeStruct((1, 300, 2, 64), dt)
+  loss = lambda q, k, v: fa2_jax.flash_attention(q, k, v, is_causal=True,
+                                                 implementation=impl).astype(jnp.float32).sum()
+  with jax.enable_x64(True):
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()
+  assert ("triton" in text) if impl == "triton" else ("mosaic_gpu" in text)
+
+
+# --- empty shapes -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", [None, "triton", "xla"])
+@pytest.mark.parametrize("q_shape, k_shape", [
+    ((0, 16, 2, 16), (0, 16, 2, 16)),  # B = 0
+    ((2, 0, 2, 16), (2, 5, 2, 16)),  # T = 0
+    ((2, 3, 2, 16), (2, 0, 2, 16)),  # S = 0: every row has no key
+    ((0, 16, 16), (0, 16, 16)),  # rank 3, T = 0
+])
+def test_empty_shapes_give_empty_outputs_and_zero_gradients(impl, q_shape, k_shape):
+  kw = dict(implementation=impl, interpret=True if impl == "triton" and not on_gpu() else None)
+  q = jnp.ones(q_shape, jnp.float32)
+  k = jnp.ones(k_shape, jnp.float32)
+  out, lse = fa2_jax.flash_attention(q, k, k, return_residual=True, **kw)
+  assert out.shape == q.shape and lse.shape == q.shape[:-1]
+  assert not jnp.any(out)  # zeros (S = 0) or empty
+  assert bool(jnp.all(lse == -jnp.inf))  # vacuous when empty
+  grads = jax.jit(jax.grad(lambda q, k, v: fa2_jax.flash_attention(q, k, v, **kw).sum(),
+                           argnums=(0, 1, 2)))(q, k, k)
+  for g, x in zip(grads, (q, k, k)):
+    assert g.shape == x.shape and bool(jnp.all(g == 0))
+
+
+# --- symbolic shapes (jax.export) ------------------------------------------------------------------
+
+def test_export_with_symbolic_batch_and_length():
+  b, t = export.symbolic_shape("b, t")
+  spec = jax.ShapeDtypeStruct((b, t, 2, 16), jnp.float32)
+  exp = export.export(jax.jit(lambda q: fa2_jax.flash_attention(q, q, q, is_causal=True)))(spec)
+  q, _, _ = _qkv(b=2, t=5, s=5, n=2, kh=2)
+  np.testing.assert_allclose(exp.call(q), fa2_jax.reference_attention(q, q, q, is_causal=True),
+                             atol=1e-6)
+
+
+def test_export_of_an_explicit_kernel_with_symbolic_length_names_the_limit():
+  (t,) = export.symbolic_shape("t")
+  spec = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
+  with pytest.raises(ValueError, match=r"implementation='triton' needs static shapes.*\['t'\]"):
+    export.export(jax.jit(lambda q: fa2_jax.flash_attention(q, q, q, **KERNEL)))(spec)
+
+
+# --- derivatives the kernels do not have -----------------------------------------------------------
+
+def _loss(q):
+  return fa2_jax.flash_attention(q, q, q, **KERNEL).sum()
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("grad of grad", lambda q: jax.grad(lambda x: jax.grad(_loss)(x).sum())(q)),
+    ("hessian", lambda q: jax.hessian(_loss)(q)),
+    ("jvp of grad", lambda q: jax.jvp(jax.grad(_loss), (q,), (q,))),
+])
+def test_second_order_derivatives_name_the_limit(name, fn):
+  q, _, _ = _qkv(t=4, s=4, n=1, h=2)
+  with pytest.raises(TypeError, match="no second-order derivative.*implementation='xla'"):
+    fn(q)
+
+
+@pytest.mark.parametrize("fn", [lambda q: jax.jvp(_loss, (q,), (q,)), lambda q: jax.jacfwd(_loss)(q)])
+def test_forward_mode_names_the_limit(fn):
+  q, _, _ = _qkv(t=4, s=4, n=1, h=2)
+  with pytest.raises(TypeError, match="reverse-mode autodiff only.*implementation='xla'"):
+    fn(q)
+
+
+def test_xla_implementation_has_higher_derivatives():
+  """The documented workaround works: the formula differentiates to any order, and jacrev works
+  through the kernels."""
+  q, _, _ = _qkv(t=4, s=4, n=1, h=2)
+  f = lambda q: fa2_jax.flash_attention(q, q, q, implementation="xla").sum()
+  assert np.all(np.isfinite(jax.hessian(f)(q)))
+  assert np.all(np.isfinite(jax.jvp(f, (q,), (q,))[1]))
+  np.testing.assert_allclose(jax.jacrev(_loss)(q), jax.grad(f)(q), atol=1e-5)
+
+
+# --- validation of the other entry points ----------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(query=jnp.ones((4, 2, 8))[0]), ValueError, "query must have rank 4"),
+    (dict(key=jnp.ones((1, 4, 2))), ValueError, "key must have the same rank as query"),
+    (dict(value=jnp.ones((1, 5, 2, 8))), ValueError, "key and value must have the same shape"),
+    (dict(scale=np.array(1 + 2j)), TypeError, "scale must be a real number"),
+    (dict(scale=1j), TypeError, "scale must be a Python float"),
+    (dict(is_causal=1), TypeError, "is_causal must be a Python bool"),
+    (dict(query=[[1.0]]), TypeError, "query must be a jax/numpy array"),
+])
+def test_reference_attention_validates(kwargs, exc, match):
+  args = dict(query=jnp.ones((1, 4, 2, 8)), key=jnp.ones((1, 4, 2, 8)), value=jnp.ones((1, 4, 2, 8)))
+  args.update({k: v for k, v in kwargs.items() if k in args})
+  kw = {k: v for k, v in kwargs.items() if k not in args}
+  with pytest.raises(exc, match=match):
+    fa2_jax.reference_attention(args["query"], args["key"], args["value"], **kw)
+
+
+def test_reference_attention_rank3_matches_rank4():
+  q, k, v = _qkv(t=6, s=7, n=2, kh=1)
+  np.testing.assert_allclose(fa2_jax.reference_attention(q[0], k[0], v[0], is_causal=True),
+                             fa2_jax.reference_attention(q, k, v, is_causal=True)[0], atol=0)
+
+
+@pytest.mark.parametrize("scale", [np.array(1 + 2j), np.array([0.5]), 1j, "0.5", True])
+def test_flash_attention_scale_errors_name_scale(scale):
+  q, k, v = _qkv(t=4, s=4)
+  with pytest.raises(TypeError, match="scale"):
+    fa2_jax.flash_attention(q, k, v, scale=scale)
+
+
+def test_numpy_scalar_scale_is_accepted():
+  q, k, v = _qkv(t=4, s=4)
+  np.testing.assert_allclose(fa2_jax.flash_attention(q, k, v, scale=np.float32(0.5)),
+                             fa2_jax.flash_attention(q, k, v, scale=0.5), atol=0)
+
+
+@pytest.mark.parametrize("head_dim", [0, -1, 2.5, True])
+def test_block_sizes_default_rejects_bad_head_dim(head_dim):
+  with pytest.raises(ValueError, match="head_dim must be a positive int"):
+    fa2_jax.BlockSizes.default(head_dim)
+
+
+def test_float64_inputs_name_the_reference():
+  with jax.enable_x64(True):
+    q = jnp.ones((1, 4, 1, 8), jnp.float64)
+    with pytest.raises(TypeError, match="float64.*reference_attention"):
+      fa2_jax.flash_attention(q, q, q)
+    assert fa2_jax.reference_attention(q, q, q).dtype == jnp.float64
