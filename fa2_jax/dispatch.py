@@ -7,6 +7,8 @@ What runs where (``implementation=None``):
 * Every other GPU (A100 = sm80, sm86, sm89, Blackwell sm100/sm120, ROCm): the Triton kernels. The Mosaic
   kernels use Hopper's ``wgmma``, which no later generation has.
 * CPU: the XLA reference formula, or the Triton kernels in Pallas interpret mode with ``interpret=True``.
+
+The full table, and the explicit-``implementation`` errors: docs/design.md#dispatch.
 """
 from __future__ import annotations
 

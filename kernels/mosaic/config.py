@@ -32,7 +32,7 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128, 192, 256)
 RAGGED_MODES = ("tma", "pad")
 # The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
-# outputs (and dQ's reduce-adds) passing through it.
+# outputs (and dQ's reduce-adds) passing through it (docs/design.md#causal-launch-order).
 L2_SECTION_BYTES = 32 * 1024 * 1024
 
 
@@ -43,7 +43,7 @@ def dq_split(block_q: int, head_dim: int, num_wgs: int) -> str | None:
 
   A split halves (for two consumers) the f32 bytes each step reduce-adds into HBM: without it, every
   consumer adds its own keys' partial of the *same* rows, so the L2 reduction traffic is num_wgs times
-  larger (at head_dim 128 and 64-row tiles it measured slower than the separate dQ kernel, session 8).
+  larger (that version measured slower than the separate dQ kernel: see docs/design.md#split-dq-tile).
   With it, each consumer reads both consumers' dS^T tiles (one barrier per step) and computes a
   disjoint piece over all the CTA's keys. Pieces must be whole 64-element swizzled SMEM tiles.
   """
@@ -163,7 +163,8 @@ class MosaicConfig:
   def registers(self, num_wgs: int) -> int:
     """setmaxnreg of the consumer warpgroups (the producer gets ``memory_registers``).
 
-    65536 registers per SM: 2 x 128 x 232 + 128 x 40 = 64512 fits; one consumer can take 240.
+    65536 registers per SM: 2 x 128 x 232 + 128 x 40 = 64512 fits; one consumer can take 240
+    (docs/design.md#register-split).
     """
     if self.compute_registers:
       return self.compute_registers
@@ -171,27 +172,24 @@ class MosaicConfig:
 
   @classmethod
   def default(cls, head_dim: int, dtype=jnp.bfloat16, is_causal: bool = False) -> "MosaicConfig":
-    """Per-head_dim defaults for H100/H200 (bf16/fp16).
+    """Per-head_dim defaults for H100/H200 (bf16/fp16); the sweeps behind them are in
+    docs/design.md#defaults-and-the-measurements-behind-them.
 
-    head_dim 64 (swept on an H200, benchmarks/results/h200/tuning/tune_mosaic.json): forward with
-    256-key tiles (3-deep ring non-causal: 473 vs 400 TFLOP/s at 8k with 128-key tiles; 2-deep causal),
-    dK/dV with 128-row Q/dO tiles in a 3-deep ring (387 vs 367 backward alone) and dQ with 128-key
-    tiles (379 vs 367). 128: 128-key tiles, 2-deep ring (2 x 2 x 32 KiB + 32 KiB of Q); 64-key tiles,
-    deeper rings, 128-row dK/dV tiles and 128-key dQ tiles all measured slower or within noise.
-    192/256: 64-key tiles; the backward splits dK and dV into two passes and runs the dK pass and the
-    dQ kernel with one consumer warpgroup (SMEM/registers).
+    head_dim 64: 256-key forward tiles, 128-row dK/dV tiles, 128-key dQ tiles (the fastest in the
+    sweep, docs/design.md#mosaic-tiles-head-dim-64). 128: 128-key tiles, 2-deep rings (no variant was
+    faster, docs/design.md#mosaic-tiles-head-dim-128). 192/256: 64-key tiles; the backward splits dK
+    and dV into two passes and runs the dK pass and the dQ kernel with one consumer warpgroup, to fit
+    SMEM and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
     """
     del dtype  # same settings for bf16/fp16 until measured otherwise
-    # Fused dQ (used only when the call allows a non-deterministic backward) on non-causal calls: on
-    # an H200 it beat the separate dQ kernel fwd+bwd by 4-8% at 2k-16k (head_dim 128: 485 vs 458 at
-    # 2k, 533 vs 505 at 16k; head_dim 64: 442 vs 411 at 8k TFLOP/s; benchmarks/results/h200/s8/).
-    # Causal calls keep the separate dQ kernel: there fused measured 3-6% slower at 8k/16k (likely
-    # because the dK/dV CTAs' work is triangular and the fused dQ lengthens the longest ones).
+    # Fused dQ (used only when the call allows a non-deterministic backward) on non-causal calls, where
+    # it is the faster backward (docs/design.md#fused-dq-on-non-causal-calls); causal calls keep the
+    # separate dQ kernel, faster there (docs/design.md#causal-calls-keep-the-separate-dq-kernel).
     fused = not is_causal
     if head_dim <= 64:
       # The fused dS^T/dQ staging needs the SMEM of the third dK/dV stage. Causal dK/dV keeps the
-      # per-head launch order (lpt_heads_dkv=1): 2.04 ms vs 2.21-2.26 with any section of 2-16 heads
-      # at 8k on an H200 (s9/lpt_gpu1.txt); the other kernels gain from sections.
+      # per-head launch order (lpt_heads_dkv=1), faster than any L2 section for this kernel only
+      # (docs/design.md#causal-launch-order).
       return cls(block_k=256, num_stages=2 if is_causal else 3, block_q_dkv=128,
                  num_stages_dkv=2 if fused else 3, block_k_dq=128, num_stages_dq=2, dq_fused=fused,
                  lpt_heads_dkv=1)
@@ -283,7 +281,8 @@ def supports(q_shape, k_shape, dtype, head_dim: int, is_causal: bool) -> str | N
 
 def _causal_ptxas_bug() -> str | None:
   """JAX's attention_mgpu.py refuses causal masking with CUDA 12.8.0 - 12.9.0 (a ptxas
-  miscompilation); do the same. None on CPU or when the CUDA version is unknown."""
+  miscompilation); do the same (docs/design.md#the-ptxas-guard). None on CPU or when the CUDA version
+  is unknown."""
   try:
     from jax._src.lib import cuda_versions  # None without the CUDA plugin
     if cuda_versions is None:

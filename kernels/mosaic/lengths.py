@@ -48,6 +48,7 @@ def plan_lengths(t: int, s: int, *, q_tile: int, k_tile: int, mode: str) -> Leng
   ``"pad"``.
   ``mode="pad"``: T and S are padded to whole tiles in HBM whenever ragged (cost: a copy of q/k/v —
   and do/out in the backward — plus a slice of the outputs, about 2x the input bytes).
+  Why ``"tma"`` is the default: docs/design.md#ragged-lengths.
   """
   if mode not in RAGGED_MODES:
     raise ValueError(f"ragged mode must be one of {RAGGED_MODES}, got {mode!r}")

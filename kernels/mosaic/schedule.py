@@ -79,7 +79,8 @@ def section_heads(bytes_per_head: int, n_heads: int, group: int = 1,
                   budget: int = L2_SECTION_BYTES) -> int:
   """How many (batch, head) pairs one LPT section holds: as many as stream ``budget`` bytes from HBM
   (so a section's K/V, or Q/dO, stay in L2 while its CTAs run), a multiple of the GQA ``group`` when
-  it holds more than one group (group-mates share K/V), at least 1, at most ``n_heads``."""
+  it holds more than one group (group-mates share K/V), at least 1, at most ``n_heads``
+  (docs/design.md#causal-launch-order)."""
   sec = max(1, budget // max(1, bytes_per_head))
   if sec >= group > 1:
     sec -= sec % group
@@ -97,8 +98,8 @@ def lpt_tile(b, h, t, *, n_h: int, n_t: int, n_bh: int, section: int, longest_la
   up to ~10% after the average SM). Here the launch order is cut into sections of ``section`` heads;
   within a section all heads' longest tiles come first, then the next longest, and so on. The
   section is small enough that its streamed operands stay in L2 (CTAs running together share them),
-  see :func:`section_heads`. Measured on an H200 at head_dim 128 causal 8k: 2-5% faster per kernel
-  than ``section=1`` (benchmarks/results/h200/s9/lpt_gpu0.txt).
+  see :func:`section_heads`. Measured faster per kernel than ``section=1`` at 8k, except the
+  head_dim-64 dK/dV kernel; at 16k within noise (docs/design.md#causal-launch-order).
   ``longest_last``: tile ``n_t - 1`` is the longest (forward, dQ) rather than tile 0 (dK/dV).
   Works on Python ints and traced int32 scalars; a bijection on ``[0, n_bh * n_t)``.
   """

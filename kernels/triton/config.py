@@ -79,7 +79,7 @@ class BlockSizes:
 
   @classmethod
   def default(cls, head_dim: int, dtype=jnp.bfloat16) -> "BlockSizes":
-    """Tuned default per (head_dim, dtype); the measurements behind it are in docs/design.md.
+    """Tuned default per (head_dim, dtype); the sweeps behind it: docs/design.md#triton-block-sizes.
 
     Args:
       head_dim: H of the call, >= 1 (the kernels pad it to a power of two).
