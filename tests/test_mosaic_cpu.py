@@ -23,11 +23,12 @@ import numpy as np
 import pytest
 
 import fa2_jax
-from fa2_jax.kernels.mosaic import MosaicConfig, backward, forward, supports
-from fa2_jax.kernels.mosaic.backward import backward_tiles
-from fa2_jax.kernels.mosaic.common import (SMEM_BYTES, SMEM_RESERVE, causal_section, kv_block_ranges,
-                                           lpt_tile, pad_axis, section_heads,
-                                           plan_lengths, q_block_ranges)
+from fa2_jax.kernels.mosaic.backward import backward, backward_tiles
+from fa2_jax.kernels.mosaic.config import SMEM_BYTES, SMEM_RESERVE, MosaicConfig, supports
+from fa2_jax.kernels.mosaic.forward import forward
+from fa2_jax.kernels.mosaic.lengths import pad_axis, plan_lengths
+from fa2_jax.kernels.mosaic.schedule import (causal_section, kv_block_ranges, lpt_tile, q_block_ranges,
+                                             section_heads)
 from fa2_jax.kernels.mosaic.ops import emulated_mma, emulating
 from fa2_jax.masking import allowed
 
@@ -85,7 +86,7 @@ def test_smem_budget_matches_docstring():
 
 
 def test_fused_dq_split_and_smem():
-  from fa2_jax.kernels.mosaic.common import dq_split
+  from fa2_jax.kernels.mosaic.config import dq_split
   # head_dim 128, 64-row tiles: columns; head_dim 64 with 128-row tiles: rows; else none.
   assert dq_split(64, 128, 2) == "cols" and dq_split(128, 64, 2) == "rows"
   assert dq_split(64, 64, 2) is None and dq_split(64, 128, 1) is None
@@ -551,7 +552,7 @@ def test_interpret_causal_lpt_sections(monkeypatch, fused):
   """Causal kernels with the launch order cut into several L2 sections (the budget shrunk so that 6
   (batch, head) pairs make sections of 4 and 2 heads in all three kernels): same numbers as the
   reference, so every CTA found its (batch, head, tile) exactly once."""
-  from fa2_jax.kernels.mosaic import common
+  from fa2_jax.kernels.mosaic import schedule as common
   h, t = 64, 144
   per_head = 2 * t * h * 2  # K+V (forward, dQ) or Q+dO (dK/dV) of one head, bf16
   monkeypatch.setattr(common, "L2_SECTION_BYTES", 4 * per_head)

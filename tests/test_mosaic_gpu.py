@@ -139,7 +139,7 @@ def test_mosaic_causal_launch_orders_agree_bitwise(monkeypatch, h, kh, budget):
   """The causal launch order only changes which CTA runs when, not what it computes: with the L2
   sections forced small (several sections, the last one smaller) forward and deterministic backward
   are bit-identical to the per-head order, and match the formula."""
-  from fa2_jax.kernels.mosaic import common
+  from fa2_jax.kernels.mosaic import schedule as common
   b, t, n = 3, 1000, 6
   monkeypatch.setattr(common, "L2_SECTION_BYTES", budget)
   q, k, v = _qkv(b=b, t=t, s=t, n=n, kh=kh, h=h, seed=11)
