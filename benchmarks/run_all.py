@@ -9,7 +9,9 @@ JSON, written after every cell, is rendered here). Time a stage does not use goe
     python -m benchmarks.run_all --full --only attention --budget-s 540      # one part of the full set
     python -m benchmarks.run_all --smoke --out /tmp/bench_smoke              # CPU, interpret mode
 
-Stage-specific flags: ``--stage-args "attention=--impls cudnn,fa2_triton"`` (repeatable).
+Without a GPU (asked of jax in a child process) the smoke size is run whatever the mode. Results go to
+``out/<gpu>/`` in the checkout (ignored by git) unless ``--out`` says otherwise.
+Stage-specific flags: ``--stage-args "attention=--impls cudnn,fa2"`` (repeatable).
 The last thing printed is a summary of every stage (what a 12k-character log tail keeps).
 """
 from __future__ import annotations
@@ -22,11 +24,12 @@ import signal
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 
-from . import common as C
+from . import cli
+from .device import ROOT, command_line, device_info, gpu_in_subprocess
+from .report import err_str, fmt_num, md_table, meta_lines, out_name, read_json, write_json
 
 STAGES = ("attention", "memory", "latency", "numerics", "ablation")
 WEIGHTS = {
@@ -48,15 +51,15 @@ def build_parser():
   mode.add_argument("--full", action="store_true", help="every stage's full sweep (split with --only)")
   mode.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes")
   p.add_argument("--out", type=Path, default=None,
-                 help="output folder (default benchmarks/results/<gpu-slug>/; --smoke: a temp folder)")
+                 help=f"output folder (default {cli.DEFAULT_OUT.name}/<gpu>/ in the checkout)")
   p.add_argument("--tag", default=None)
   p.add_argument("--budget-s", type=float, default=None,
                  help="total seconds (default: quick 450, full 540, smoke 300)")
   p.add_argument("--grace-s", type=float, default=None,
                  help="seconds a stage may overrun its soft deadline before it is killed "
                       "(default 45; smoke 60)")
-  p.add_argument("--only", type=C.parse_strs, default=None, help=",".join(STAGES))
-  p.add_argument("--skip", type=C.parse_strs, default=[], help=",".join(STAGES))
+  p.add_argument("--only", type=cli.parse_strs, default=None, help=",".join(STAGES))
+  p.add_argument("--skip", type=cli.parse_strs, default=[], help=",".join(STAGES))
   p.add_argument("--archive", type=Path, default=None,
                  help="also pack the output folder into this .tar.gz (rewritten after every stage)")
   p.add_argument("--stage-args", action="append", default=[],
@@ -69,7 +72,7 @@ def _mode(args):
 
 
 def _stage_files(out: Path, stem: str, tag):
-  return out / C.out_name(stem, tag, "json"), out / C.out_name(stem, tag, "md")
+  return out / out_name(stem, tag, "json"), out / out_name(stem, tag, "md")
 
 
 def _kill_group(p: subprocess.Popen):
@@ -111,9 +114,9 @@ def run_stage(name, args, mode, out: Path, deadline: float, timeout: float, extr
   t0 = time.time()
   rec = {"stage": name, "command": cmd, "soft_s": deadline - t0, "hard_s": timeout}
   try:
-    p = subprocess.Popen(cmd, cwd=C.ROOT, env=env, process_group=0)
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, process_group=0)
   except Exception as e:  # noqa: BLE001
-    rec.update(status="failed to start", error=C.err_str(e), seconds=0.0)
+    rec.update(status="failed to start", error=err_str(e), seconds=0.0)
     return rec
   try:
     rc = p.wait(timeout=max(1.0, timeout))
@@ -135,7 +138,7 @@ def finish_stage(name, out: Path, tag, force_render=False):
     return None, "no results file"
   try:
     mod = importlib.import_module(f"benchmarks.{name}")
-    data = C.read_json(js)
+    data = read_json(js)
     if force_render or data.get("status") != "done" or not md.exists():
       mod.render(data, out, tag)
     text = mod.summary(data)
@@ -143,12 +146,15 @@ def finish_stage(name, out: Path, tag, force_render=False):
     skipped = sum(1 for c in data.get("cells", []) if c.get("status") == "skipped")
     return data, f"{n} cells ({skipped} skipped), status {data.get('status')}\n{text}"
   except Exception as e:  # noqa: BLE001
-    return None, f"could not render/summarise: {C.err_str(e)}"
+    return None, f"could not render/summarise: {err_str(e)}"
 
 
 def main(argv=None):
   args = build_parser().parse_args(argv)
   mode = _mode(args)
+  if mode != "smoke" and not gpu_in_subprocess():
+    print(f"[run_all] no GPU: running the CPU smoke size instead of --{mode}", flush=True)
+    mode = "smoke"
   t_start = time.time()
   budget = args.budget_s if args.budget_s is not None else DEFAULT_BUDGET_S[mode]
   grace = args.grace_s if args.grace_s is not None else (60.0 if mode == "smoke" else 45.0)
@@ -163,17 +169,10 @@ def main(argv=None):
     if name not in extra:
       raise SystemExit(f"--stage-args: unknown stage {name!r}")
     extra[name] += shlex.split(rest)
-  os.environ["FA2_BENCH_PARENT_CMD"] = C.command_line()
+  os.environ["FA2_BENCH_PARENT_CMD"] = command_line()
   # No jax backend here: the GPU is left to the stages.
-  info = C.device_info(init_backend=False)
-  if args.out is not None:
-    out = Path(args.out)
-  elif mode == "smoke":
-    out = Path(tempfile.mkdtemp(prefix="fa2_bench_smoke_"))
-  else:
-    out = C.RESULTS_DIR / C.device_slug(info)
-  out.mkdir(parents=True, exist_ok=True)
-  out = out.resolve()
+  info = device_info(init_backend=False)
+  out = cli.resolve_out(args, dict(info, backend="cpu" if mode == "smoke" else None)).resolve()
   print(f"[run_all] mode {mode}, budget {budget:.0f} s, stages {', '.join(stages)}, out {out}",
         flush=True)
   weights = WEIGHTS[mode]
@@ -214,24 +213,24 @@ def main(argv=None):
       try:
         _archive(out, args.archive)
       except Exception as e:  # noqa: BLE001
-        print(f"[run_all] archive failed: {C.err_str(e)}", flush=True)
+        print(f"[run_all] archive failed: {err_str(e)}", flush=True)
   total = time.time() - t_start
-  overview = C.md_table(["stage", "status", "seconds", "soft budget s"],
-                        [[r["stage"], r.get("status"), C.fmt_num(r.get("seconds"), ".0f"),
-                          C.fmt_num(r.get("soft_s"), ".0f")] for r in records])
-  md = ["# Benchmarks: run_all", ""] + C.meta_lines(dict(info, parent_command=None)) + [
+  overview = md_table(["stage", "status", "seconds", "soft budget s"],
+                        [[r["stage"], r.get("status"), fmt_num(r.get("seconds"), ".0f"),
+                          fmt_num(r.get("soft_s"), ".0f")] for r in records])
+  md = ["# Benchmarks: run_all", ""] + meta_lines(dict(info, parent_command=None)) + [
       f"- mode {mode}, budget {budget:.0f} s, used {total:.0f} s", "", overview, ""]
   for name in stages:
     md += [f"## {name}", "", "```", (summaries.get(name) or "").strip(), "```", ""]
-  (out / C.out_name("run_all", args.tag, "md")).write_text("\n".join(md) + "\n")
-  C.write_json(out / C.out_name("run_all", args.tag, "json"),
+  (out / out_name("run_all", args.tag, "md")).write_text("\n".join(md) + "\n")
+  write_json(out / out_name("run_all", args.tag, "json"),
                {"meta": info, "mode": mode, "budget_s": budget, "seconds": total,
                 "stages": records, "out": str(out)})
   if args.archive:
     try:
       _archive(out, args.archive)
     except Exception as e:  # noqa: BLE001
-      print(f"[run_all] archive failed: {C.err_str(e)}", flush=True)
+      print(f"[run_all] archive failed: {err_str(e)}", flush=True)
   # Last: the summary (a log's tail keeps it).
   print("\n" + "=" * 30 + " SUMMARY " + "=" * 30)
   print(f"{info.get('gpu_name') or 'cpu'} | jax {info['versions'].get('jax')} | mode {mode} | "
@@ -241,7 +240,7 @@ def main(argv=None):
     text = (summaries.get(name) or "").strip()
     cap = SUMMARY_CHARS.get(name, 1500)
     if len(text) > cap:
-      text = text[:cap].rsplit("\n", 1)[0] + f"\n  … (cut; see {C.out_name(name, args.tag, 'md')})"
+      text = text[:cap].rsplit("\n", 1)[0] + f"\n  … (cut; see {out_name(name, args.tag, 'md')})"
     print(f"--- {name}: {text}")
   print(overview)
   return {"out": str(out), "stages": records}

@@ -1,286 +1,410 @@
-"""The benchmark harness on the CPU: every script's --smoke mode (Pallas interpret mode, tiny shapes)
-writes its JSON, markdown and plots with the expected keys and sane values; run_all resumes after a
-crash and packs an archive."""
+"""The benchmark harness on the CPU: the timing statistics (fake clock), the implementations registry,
+the FLOP count, the markdown / merge logic, the grid's CPU smoke run, run_all's resume after a crash,
+and the FlashAttention-1-like kernel variants of the ablation (numerics in interpret mode, lowering for
+an H200). GPU-only parts (Mosaic diagnostics and sweeps) are the tests marked ``gpu``."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# benchmarks/ is a package of the repository, not of the installed fa2_jax: import it from the root.
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # benchmarks/ is a package of the repository, not of the wheel
 
-from benchmarks import ablation, attention, common, latency, memory, numerics  # noqa: E402
+import fa2_jax  # noqa: E402
+from benchmarks import ablation, ablation_kernels, attention, impls, numerics, report, timing  # noqa: E402
+from benchmarks.attention_report import attach_ratios  # noqa: E402
+from benchmarks.flops import attention_flops, tflops  # noqa: E402
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _pos(x):
-  return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
-
-
-def _png(path):
-  path = Path(path)
-  assert path.exists(), path
-  assert path.read_bytes()[:8] == PNG_MAGIC, path
-
-
 def _load(path):
-  with open(path) as fh:
-    return json.load(fh)
+  return json.loads(Path(path).read_text())
 
 
-def _check_meta(meta):
-  for k in ("timestamp", "command", "versions", "gpu_name", "driver_version", "backend"):
-    assert k in meta, k
-  assert meta["versions"]["jax"]
-  assert meta["versions"]["jaxlib"]
-  assert "benchmarks." in meta["command"] or "pytest" in meta["command"]
+# --- timing -----------------------------------------------------------------------------------------
+
+class FakeDevice:
+  """A clock that only moves when a result is waited for: ``block`` advances it by the cost of the
+  calls issued since the last wait (``cost(output)`` each), as a device queue would."""
+
+  def __init__(self, cost):
+    self.now, self.pending, self.calls, self.blocks, self.cost = 0.0, 0.0, 0, 0, cost
+
+  def clock(self):
+    return self.now
+
+  def fn(self, x):
+    self.calls += 1
+    self.pending += self.cost(x)
+    return x
+
+  def block(self, out):
+    self.blocks += 1
+    self.now += self.pending
+    self.pending = 0.0
+    return out
 
 
-# --- helpers ------------------------------------------------------------------------------------------
-
-def test_helpers():
-  assert common.parse_ints("512,1k,2K,16384") == [512, 1024, 2048, 16384]
-  assert common.seq_label(16384) == "16k" and common.seq_label(512) == "512"
-  assert common.attn_flops(2, 16, 8192, 8192, 128, False) == 4.0 * 2 * 16 * 8192 ** 2 * 128
-  assert common.attn_flops(1, 1, 8, 8, 8, True) == common.attn_flops(1, 1, 8, 8, 8, False) / 2
-  assert common.device_slug({"gpu_name": "NVIDIA H200"}) == "h200"
-  assert common.device_slug({"gpu_name": "NVIDIA H100 80GB HBM3"}) == "h100-80gb-hbm3"
-  assert common.device_slug({"gpu_name": None, "backend": "cpu"}) == "cpu"
-  assert common.sanitize({"a": float("nan"), "b": (1, 2.5)}) == {"a": None, "b": [1, 2.5]}
-  assert common.PASS_FLOP_MULT == {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
-  b = common.Budget(None)
-  assert b.fits("x") and b.left() == math.inf
-
-
-# --- the five smoke modes -----------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def attention_run(tmp_path_factory):
-  out = tmp_path_factory.mktemp("attention")
-  data = attention.main(["--smoke", "--out", str(out)])
-  return out, data
+def test_time_calls_median_of_reps_of_back_to_back_calls():
+  costs = iter([9.0, 9.0] + [c for c in (1.0, 4.0, 2.0, 8.0, 3.0) for _ in range(10)])
+  dev = FakeDevice(lambda x: next(costs))
+  st, out = timing.time_calls(dev.fn, ("x",), clock=dev.clock, block=dev.block)
+  assert out == "x"
+  assert dev.calls == 2 + 5 * 10 and dev.blocks == 2 + 5  # one wait per warm-up call and per rep
+  assert st["samples_s"] == [1.0, 4.0, 2.0, 8.0, 3.0]  # the warm-up calls (9 s) are not timed
+  assert (st["median_s"], st["min_s"], st["max_s"]) == (3.0, 1.0, 8.0)
+  assert st["spread"] == pytest.approx(7.0 / 3.0)
+  assert (st["iters"], st["reps"], st["warmup"]) == (10, 5, 2)
+  with pytest.raises(ValueError, match="iters"):
+    timing.time_calls(dev.fn, ("x",), iters=0)
+  with pytest.raises(ValueError, match="reps"):
+    timing.time_calls(dev.fn, ("x",), reps=True)
 
 
-def test_attention_smoke(attention_run):
-  out, _ = attention_run
-  js = _load(out / "attention.json")
-  assert js["status"] == "done"
-  _check_meta(js["meta"])
-  cells = js["cells"]
-  assert {c["impl"] for c in cells} == {"fa2_triton", "xla"}
-  assert {c["seq"] for c in cells} == {64, 128} and {c["causal"] for c in cells} == {False, True}
-  for c in cells:
-    assert c["status"] == "ok", c
-    assert _pos(c["tflops"]["fwd"]) and _pos(c["tflops"]["fwd+bwd"]), c
-    assert set(c["vs_cudnn"]) == {"fwd", "bwd", "fwd+bwd"}  # no cuDNN on a CPU: None values
-    assert c["rel_err"] < 2e-2  # checked against the f32 reference
-    assert c["flops_fwd"] == common.attn_flops(c["batch"], c["heads"], c["seq"], c["seq"],
+def test_time_latency_synchronises_every_call():
+  costs = iter([5.0] * 5 + [1e-6 * c for c in range(1, 101)])
+  dev = FakeDevice(lambda x: next(costs))
+  st = timing.time_latency(dev.fn, [("a",), ("b",)], calls=100, clock=dev.clock, block=dev.block)
+  assert dev.blocks == 105 and st["calls"] == 100
+  assert st["median_us"] == pytest.approx(50.5) and st["min_us"] == pytest.approx(1.0)
+  assert st["p10_us"] <= st["median_us"] <= st["p90_us"]
+  with pytest.raises(ValueError, match="arg_sets"):
+    timing.time_latency(dev.fn, [])
+
+
+def test_measure_times_forward_and_the_anchors_grad_and_derives_backward():
+  """fwd = jit(f); fwd+bwd = jit(grad(f32 sum)) returns (dq, dk, dv); bwd = their difference."""
+  dev = FakeDevice(lambda x: 0.0)
+  seen = []
+
+  def block(out):  # the forward costs 1 ms per call, forward+backward (a tuple of 3 grads) 3 ms
+    seen.append(type(out))
+    dev.now += (3e-3 if isinstance(out, tuple) and len(out) == 3 else 1e-3) * 2  # iters=2 calls
+    return out
+
+  q = jnp.ones((1, 4, 1, 8), jnp.float32)
+  f = lambda q, k, v: (q * k * v).astype(jnp.bfloat16)  # noqa: E731
+  res = timing.measure(f, q, q, q, flops_fwd=1e9, iters=2, reps=3, warmup=1, clock=dev.clock,
+                       block=block)
+  assert res["ms"]["fwd"] == pytest.approx(1.0) and res["ms"]["fwd+bwd"] == pytest.approx(3.0)
+  assert res["ms"]["bwd"] == pytest.approx(2.0)
+  assert res["tflops"]["fwd"] == pytest.approx(1e9 / 1e-3 / 1e12)
+  assert res["tflops"]["fwd+bwd"] == pytest.approx(3.5e9 / 3e-3 / 1e12)
+  assert res["tflops"]["bwd"] == pytest.approx(2.5e9 / 2e-3 / 1e12)
+  assert tuple in seen and res["out"].shape == q.shape
+  bad = timing.measure(lambda q, k, v: q @ k, q, q, q, flops_fwd=1.0, iters=1, reps=1, warmup=0)
+  assert "fwd_error" in bad and "fwd+bwd_error" in bad and not bad["ms"]  # recorded, not raised
+
+
+# --- FLOPs and the registry ---------------------------------------------------------------------------
+
+def test_flops_paper_convention():
+  assert attention_flops(2, 16, 8192, 8192, 128, False) == 4.0 * 2 * 16 * 8192 ** 2 * 128
+  assert attention_flops(1, 1, 8, 8, 8, True) == attention_flops(1, 1, 8, 8, 8, False) / 2
+  assert attention_flops(16, 16, 128, 8192, 128, False) == 4.0 * 16 * 16 * 128 * 8192 * 128
+  assert tflops(1e12, "fwd+bwd", 3.5) == pytest.approx(1.0)
+  assert tflops(1e12, "bwd", 2.5) == pytest.approx(1.0) and tflops(1e12, "fwd", 0.0) is None
+  with pytest.raises(ValueError, match="head_dim"):
+    attention_flops(1, 1, 8, 8, 0, False)
+  with pytest.raises(ValueError, match="pass_"):
+    tflops(1.0, "bwd+fwd", 1.0)
+
+
+def test_registry_reports_availability_and_shape_limits(monkeypatch):
+  real_import = impls.importlib.import_module
+
+  def no_peers(name, *a):
+    if name in ("tokamax", "flash_attn3_jax"):
+      raise ImportError(f"No module named {name!r}")
+    return real_import(name, *a)
+
+  monkeypatch.setattr(impls.importlib, "import_module", no_peers)
+  monkeypatch.setattr(impls, "_PROBED", {})
+  avail = impls.availability()
+  assert set(avail) == set(impls.NAMES) >= {"fa2", "fa2_det", "fa2_triton", "cudnn", "xla", "tokamax",
+                                            "fa3"}
+  assert avail["fa2"] is None and avail["fa2_det"] is None and avail["xla"] is None  # CPU: interpret
+  assert "GPU" in avail["cudnn"]
+  assert "tokamax is not importable" in avail["tokamax"]
+  assert "flash_attn3_jax is not importable" in avail["fa3"]
+  run, absent = impls.split_available(["fa3", "fa2", "cudnn", "xla"])
+  assert run == ["fa2", "xla"] and set(absent) == {"fa3", "cudnn"}
+  assert "head_dim 128 only" in impls.unsupported("fa3", (1, 64, 4, 64), (1, 64, 4, 64), "bfloat16", True)
+  assert impls.unsupported("fa3", (1, 64, 4, 128), (1, 64, 1, 128), "float16", True) is None
+  assert "bf16/fp16" in impls.unsupported("cudnn", (1, 64, 4, 64), (1, 64, 4, 64), "float32", False)
+  assert impls.unsupported("xla", (1, 16384, 16, 128), (1, 16384, 16, 128), "bfloat16",
+                           True).startswith("skipped above seq 8192")
+  assert impls.parse_names("fa2, cudnn") == ["fa2", "cudnn"]
+  with pytest.raises(ValueError, match="unknown.*'fa4'"):
+    impls.parse_names("fa2,fa4")
+
+
+# --- markdown, ratios, merge -------------------------------------------------------------------------
+
+def _cell(cid, impl, fwd, fb, group="head_dim 128, causal", **kw):
+  c = dict(id=cid, group=group, batch=2, seq_q=8192, seq_k=8192, heads=16, kv_heads=16, head_dim=128,
+           causal=True, dtype="bf16", impl=impl, label=impl.upper(), status="ok",
+           tflops={"fwd": fwd, "fwd+bwd": fb} if fwd else {})
+  c.update(kw)
+  return c
+
+
+def _result(cells, notes=()):
+  return {"script": "attention", "status": "done", "meta": {"versions": {}, "command": "x"},
+          "config": {"dtype": "bf16"}, "cells": cells, "notes": list(notes)}
+
+
+def test_attention_markdown_rows_ratios_and_marks(tmp_path):
+  cells = [_cell("d128-8k-c", "fa2", 500.0, 400.0), _cell("d128-8k-c", "cudnn", 400.0, 500.0),
+           _cell("d128-8k-c", "fa3", 625.0, 800.0), _cell("d128-8k-c", "fa2_det", None, None,
+                                                          status="same", same_as="fa2"),
+           _cell("d128-8k-c", "xla", None, None, status="skipped", error="skipped above seq 8192"),
+           _cell("d256-8k-c", "fa3", None, None, group="other shapes", head_dim=256, heads=8, kv_heads=8,
+                 status="unsupported", error="head_dim 128 only"),
+           _cell("d256-8k-c", "fa2", 300.0, 200.0, group="other shapes", head_dim=256, heads=8,
+                 kv_heads=8)]
+  attach_ratios(cells)
+  assert cells[0]["vs_cudnn"]["fwd"] == pytest.approx(1.25)
+  assert cells[0]["vs_fa3"]["fwd+bwd"] == pytest.approx(0.5)
+  md = Path(attention.render(_result(cells), tmp_path)[0]).read_text()
+  lines = md.splitlines()
+  row = lambda name: next(x for x in lines if x.startswith(f"| {name}"))  # noqa: E731
+  assert row("FA2 (`fa2`)") == "| FA2 (`fa2`) | 500 / 400 |"
+  assert row("FA2_DET") == "| FA2_DET (`fa2_det`) | = fa2 |"
+  assert row("XLA") == "| XLA (`xla`) | skip |"
+  assert row("fa2 ÷ cuDNN") == "| fa2 ÷ cuDNN | 1.25 / 0.80 |"
+  assert row("fa2 ÷ FA3") == "| fa2 ÷ FA3 | 0.80 / 0.50 |"
+  assert "## other shapes" in md and "| FA3 (`fa3`) | n/a |" in md
+  assert "d256 8k causal (B=2, N=8)" in md
+  assert (tmp_path / "attention.png").read_bytes()[:8] == PNG_MAGIC
+  # Without cuDNN or FA3 rows nothing names them (the CPU smoke table).
+  alone = [c for c in cells if c["impl"] not in ("cudnn", "fa3")]
+  md = Path(attention.render(_result(alone), tmp_path)[0]).read_text()
+  assert "cuDNN" not in md and "FA3" not in md
+  assert "cuDNN" not in attention.summary(_result(alone))
+
+
+def test_merge_later_measurement_wins_but_not_a_skip(tmp_path):
+  a = [_cell("d128-8k-c", "fa2", 500.0, 400.0), _cell("d128-2k-c", "fa2", 300.0, 200.0)]
+  b = [_cell("d128-8k-c", "fa2", 510.0, 410.0), _cell("d128-2k-c", "fa2", None, None, status="skipped"),
+       _cell("d128-4k-c", "cudnn", 450.0, 420.0)]
+  p1, p2 = tmp_path / "a.json", tmp_path / "b.json"
+  p1.write_text(json.dumps(_result(a, ["same note", "first note"])))
+  p2.write_text(json.dumps(_result(b, ["same note"])))
+  merged = report.merge_json([p1, p2], attention.cell_key)
+  by = {c["id"]: c for c in merged["cells"]}
+  assert len(merged["cells"]) == 3
+  assert by["d128-8k-c"]["tflops"]["fwd"] == 510.0 and by["d128-8k-c"]["source"] == str(p2)
+  assert by["d128-2k-c"]["tflops"]["fwd"] == 300.0 and by["d128-2k-c"]["source"] == str(p1)
+  assert merged["notes"] == ["same note", "first note"] and merged["merged_from"] == [str(p1), str(p2)]
+  other = tmp_path / "c.json"
+  other.write_text(json.dumps(dict(_result([]), script="latency")))
+  with pytest.raises(ValueError, match="different scripts"):
+    report.merge_json([p1, other], attention.cell_key)
+  other.write_text("[1, 2]")
+  with pytest.raises(ValueError, match="not a benchmark result"):
+    report.merge_json([other], attention.cell_key)
+  data = attention.main(["--merge", str(p1), str(p2), "--out", str(tmp_path / "m")])
+  assert len(data["cells"]) == 3 and (tmp_path / "m" / "attention_merged.md").exists()
+
+
+def test_grid_cells_and_filters():
+  head = attention.GRIDS["headline"]()
+  ids = [c["id"] for c in head]
+  assert len(ids) == len(set(ids)) == 24 + 6
+  by = {c["id"]: c for c in head}
+  assert by["d64-512-nc"]["batch"] == 32 and by["d64-512-nc"]["heads"] == 32
+  assert by["d128-16k-c"]["batch"] == 1 and by["d128-16k-c"]["heads"] == 16
+  assert (by["d128-8k-c-kv8"]["heads"], by["d128-8k-c-kv8"]["kv_heads"], by["d128-8k-c-kv8"]["batch"]) == (
+      32, 8, 1)
+  assert by["d128-4k-nc-kv8"]["batch"] == 2 and by["d256-8k-nc"]["heads"] == 8
+  assert by["d128-32k-c"]["batch"] == 1 and by["d128-t128-s8k-nc"]["batch"] == 16
+  args = attention.build_parser().parse_args(["--cells", "d64-*,*-kv8"])
+  args.smoke = False
+  got = {c["id"] for c in attention.select_cells(args)}
+  assert got == {i for i in ids if i.startswith("d64-")} | {"d128-8k-c-kv8", "d128-4k-nc-kv8"}
+  args = attention.build_parser().parse_args(["--cells", "d99-*"])
+  args.smoke = False
+  with pytest.raises(SystemExit, match="matches no cell"):
+    attention.select_cells(args)
+
+
+# --- the CPU smoke run of the grid and of run_all ----------------------------------------------------
+
+def test_grid_smoke_on_cpu(tmp_path):
+  data = attention.main(["--smoke", "--out", str(tmp_path), "--cells", "d32-t32*"])
+  js = _load(tmp_path / "attention.json")
+  assert js["status"] == "done" and js["meta"]["versions"]["jax"] and "benchmarks" in js["meta"]["command"]
+  assert "cudnn" in js["meta"]["absent_impls"]  # no GPU here: named, not measured
+  by = {(c["id"], c["impl"]): c for c in js["cells"]}
+  assert set(by) == {("d32-t32-s64-nc-kv2", n) for n in ("fa2", "fa2_det", "xla")}
+  for cid in ("d32-t32-s64-nc-kv2",):
+    assert by[(cid, "fa2_det")]["status"] == "same"  # the Triton backward is deterministic anyway
+    for n in ("fa2", "xla"):
+      c = by[(cid, n)]
+      assert c["status"] == "ok", c
+      assert c["tflops"]["fwd"] > 0 and c["tflops"]["fwd+bwd"] > 0 and c["rel_err"] < 2e-2
+      assert c["flops_fwd"] == attention_flops(c["batch"], c["heads"], c["seq_q"], c["seq_k"],
                                                c["head_dim"], c["causal"])
-  for impl in ("fa2_triton", "xla"):
-    assert any(_pos(c["tflops"].get("bwd")) for c in cells if c["impl"] == impl)
-  md = (out / "attention.md").read_text()
-  assert "## head_dim 32, non-causal" in md and "## head_dim 32, causal" in md
-  assert "fwd / bwd / fwd+bwd" in md and "fa2_jax triton" in md
-  for p in ("fwd", "bwd", "fwd_bwd"):
-    _png(out / f"attention_{p}.png")
+  assert by[("d32-t32-s64-nc-kv2", "fa2")]["backend"].startswith("triton")
+  md = (tmp_path / "attention.md").read_text()
+  assert "## other shapes" in md and "GQA 4/2" in md and "= fa2" in md
+  assert (tmp_path / "attention.png").read_bytes()[:8] == PNG_MAGIC
+  assert data["files"][0].endswith("attention.json")
 
 
-def test_attention_merge(attention_run, tmp_path):
-  out, _ = attention_run
-  data = attention.main(["--merge", str(out / "attention.json"), str(out / "attention.json"),
-                         "--out", str(tmp_path)])
-  assert len(data["cells"]) == 8  # the same cells twice: one copy each
-  assert (tmp_path / "attention_merged.md").exists()
-  _png(tmp_path / "attention_fwd_merged.png")
+def test_run_all_resumes_after_a_crash(tmp_path):
+  out = tmp_path / "out"
+  env = dict(os.environ, FA2_BENCH_TEST_CRASH="fa2")  # the fa2 cell "crashes" the stage process
+  r = subprocess.run(
+      [sys.executable, "-m", "benchmarks.run_all", "--only", "attention", "--out", str(out),
+       "--budget-s", "200", "--stage-args", "attention=--cells d32-64-nc --impls fa2,xla"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+  assert "no GPU: running the CPU smoke size" in r.stdout and "resuming" in r.stdout
+  js = _load(out / "attention.json")
+  by = {c["impl"]: c for c in js["cells"]}
+  assert by["fa2"]["status"] == "crashed" and by["xla"]["status"] == "ok" and js["resumed"] == 1
+  assert (out / "run_all.md").exists() and (out / "attention.md").exists()
 
 
-def test_merge_later_measurement_wins_but_not_a_skip(attention_run, tmp_path):
-  out, _ = attention_run
-  first = _load(out / "attention.json")
-  second = json.loads(json.dumps(first))
-  a, b = second["cells"][0], second["cells"][1]
-  a["tflops"] = {"fwd": 123.0, "bwd": 45.0, "fwd+bwd": 67.0}  # re-measured later: replaces
-  b.update(status="skipped", tflops={})  # skipped later: the earlier measurement stays
-  p1, p2 = tmp_path / "one.json", tmp_path / "two.json"
-  p1.write_text(json.dumps(first))
-  p2.write_text(json.dumps(second))
-  merged = common.merge_json([p1, p2])
-  key = common._cell_key
-  by = {key(c): c for c in merged["cells"]}
-  assert len(merged["cells"]) == len(first["cells"])
-  assert by[key(a)]["tflops"]["fwd"] == 123.0 and by[key(a)]["source"] == str(p2)
-  assert by[key(b)]["tflops"] == first["cells"][1]["tflops"] and by[key(b)]["source"] == str(p1)
+def test_gpu_script_rejects_an_unknown_mode(tmp_path):
+  for args, msg in ((["nope"], "mode must be one of"), (["gpt", "flash", "fa9"], "'fa9'")):
+    r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), *args], capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, OUT=str(tmp_path)))
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
 
 
-def test_merge_keeps_notes_once_and_the_newest_meta(attention_run, tmp_path):
-  out, _ = attention_run
-  first = _load(out / "attention.json")
-  second = json.loads(json.dumps(first))
-  first["notes"] = ["same note", "tokamax rows left out: not importable"]
-  second["notes"] = ["same note"]
-  second["meta"]["timestamp"] = "newer"
-  second["cells"][0]["impl"] = "tokamax_mosaic"  # a later run measured tokamax
-  p1, p2 = tmp_path / "one.json", tmp_path / "two.json"
-  p1.write_text(json.dumps(first))
-  p2.write_text(json.dumps(second))
-  merged = common.merge_json([p1, p2])
-  assert merged["notes"] == ["same note"]
-  assert merged["meta"]["timestamp"] == "newer"
-  assert merged["merged_meta"] == [first["meta"]]
+# --- the ablation's kernel variants --------------------------------------------------------------------
+
+def test_ablation_kernels_match_the_reference():
+  """All three ideas switched off at once (per-step normalisation, one program per head, atomic dQ) on a
+  causal GQA call with ragged lengths: out, lse and the gradients equal the float32 formula's."""
+  ks = jax.random.split(jax.random.key(3), 4)
+  q = jax.random.normal(ks[0], (1, 50, 4, 32), jnp.float32)
+  k, v = (jax.random.normal(kk, (1, 40, 2, 32), jnp.float32) for kk in ks[1:3])
+  do = jax.random.normal(ks[3], q.shape, jnp.float32)
+  blocks = fa2_jax.BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16)
+
+  def run(f):
+    (o, lse), pull = jax.vjp(f, q, k, v)
+    return (o, lse, *pull((do, jnp.ones_like(lse))))  # a cotangent on lse too
+
+  got = run(lambda q, k, v: ablation_kernels.attention(
+      q, k, v, is_causal=True, block_sizes=blocks, normalize_each_step=True, seq_parallel=False,
+      atomic_dq=True, return_residual=True))
+  want = run(lambda q, k, v: fa2_jax.reference_attention(q, k, v, is_causal=True,
+                                                         return_residual=True))
+  for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5, err_msg=name)
 
 
-def test_ablation_smoke(tmp_path):
-  ablation.main(["--smoke", "--out", str(tmp_path)])
-  js = _load(tmp_path / "ablation.json")
-  assert js["status"] == "done"
-  _check_meta(js["meta"])
-  ideas = [c for c in js["cells"] if c["part"] == "ideas"]
-  assert {c["variant"] for c in ideas} == set(ablation.FWD_VARIANTS) | set(ablation.BWD_VARIANTS)
-  for c in ideas:
-    assert c["status"] == "ok", c
-    assert _pos(c["ms"]), c
-  rows = ablation.ideas_rows(js["cells"])
-  assert len(rows) == 1 and _pos(rows[0]["fwd_fa2"]) and _pos(rows[0]["no_deferred_norm_gain"])
-  sweep = [c for c in js["cells"] if c["part"] == "sweep"]
-  assert {c["sweep"] for c in sweep} >= {"fwd", "bwd_dkv"}
-  assert all(_pos(c.get("tflops")) for c in sweep), sweep
-  md = (tmp_path / "ablation.md").read_text()
-  assert "## The three ideas" in md and "Best block sizes" in md and "BlockSizes(" in md
+def test_ablation_kernels_reject_bad_arguments():
+  q = jnp.zeros((1, 8, 2, 16), jnp.float32)
+  with pytest.raises(TypeError, match="atomic_dq"):
+    ablation_kernels.attention(q, q, q, atomic_dq=1)
+  with pytest.raises(TypeError, match="block_sizes"):
+    ablation_kernels.attention(q, q, q, block_sizes=fa2_jax.MosaicConfig())
+  with pytest.raises(ValueError, match="rank 4"):
+    ablation_kernels.attention(q[0], q[0], q[0])
 
 
-def test_numerics_smoke(tmp_path):
-  numerics.main(["--smoke", "--out", str(tmp_path)])
-  js = _load(tmp_path / "numerics.json")
-  assert js["status"] == "done"
-  _check_meta(js["meta"])
-  cells = js["cells"]
-  assert {c["impl"] for c in cells} == {"fa2_triton", "fa2_normstep", "xla"}
-  assert {c["dtype"] for c in cells} == {"bf16", "fp32"}
-  for c in cells:
-    assert c["status"] == "ok", c
-    for q in ("out", "dq", "dk", "dv"):
-      e = c["errors"][q]
-      assert e["nonfinite"] == 0 and _pos(e["rel_l2"]) and _pos(e["max_abs"]), (c["impl"], q)
-      assert e["rel_l2"] < (3e-2 if c["dtype"] == "bf16" else 1e-4), (c["impl"], c["dtype"], q, e)
-    if c["impl"] != "fa2_normstep":
-      assert c["errors"]["lse"]["rel_l2"] < 1e-4
-  md = (tmp_path / "numerics.md").read_text()
-  assert "Does the unscaled accumulator lose precision at long sequence?" in md
-  assert "## out, non-causal" in md and "## dq, non-causal" in md
-  _png(tmp_path / "numerics.png")
+@pytest.fixture
+def as_h200(monkeypatch):
+  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+  registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+  monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  monkeypatch.setattr(fa2_jax.dispatch, "on_gpu", lambda: True)
+
+
+@pytest.mark.parametrize("case", [
+    # (b, t, s, n, kh, h, causal, dtype, switches, kernels in the program)
+    (1, 300, 100, 4, 1, 96, True, jnp.float16, dict(atomic_dq=True),
+     {"fa2_forward", "fa2_ablation_backward_dkdv_atomic_dq"}),
+    (1, 512, 512, 2, 2, 64, True, jnp.bfloat16, dict(normalize_each_step=True, seq_parallel=False),
+     {"fa2_ablation_forward", "fa2_backward_dkdv", "fa2_backward_dq"}),
+], ids=["atomic_dq-gqa-fp16", "fa1_forward-bf16"])
+def test_ablation_kernels_lower_for_hopper(case, as_h200):
+  """The variants pass the Pallas Triton lowering for an H200 (what rejects bad tiles or loop bounds)."""
+  from jax import export
+  b, t, s, n, kh, h, causal, dtype, switches, kernels = case
+  q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
+  kv = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
+  fn = jax.jit(jax.grad(lambda q, k, v: ablation_kernels.attention(
+      q, k, v, is_causal=causal, interpret=False, **switches).astype(jnp.float32).sum(),
+      argnums=(0, 1, 2)))
+  text = export.export(fn, platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, kv, kv).mlir_module()
+  assert set(re.findall(r'name = "(fa2_[a-z_]+)"', text)) == kernels
+  assert text.count("__gpu$xla.gpu.triton") == len(kernels)
+
+
+def test_ablation_rows_and_gains():
+  cells = []
+  for var, fwd, bwd in (("fa2", 400.0, None), ("no_deferred_norm", 200.0, None),
+                        ("no_seq_parallel", 100.0, None), ("separate_dq", 400.0, 300.0),
+                        ("atomic_dq", 400.0, 60.0)):
+    cells.append(dict(batch=2, heads=16, seq=8192, head_dim=128, causal=True, variant=var,
+                      tflops={"fwd": fwd, **({"bwd": bwd} if bwd else {})}))
+  (row,) = ablation.ideas_rows(cells)
+  assert row["fwd_fa2"] == 400.0 and row["no_deferred_norm_gain"] == 2.0
+  assert row["no_seq_parallel_gain"] == 4.0 and row["separate_gain"] == 5.0
+  assert row["fa1_like"] is None and row["fa1_like_gain"] is None
 
 
 def test_numerics_reference_matches_autodiff():
   """The chunked float64 reference (forward and analytic gradients) equals jax autodiff of the plain
   formula, also across chunk boundaries and with a causal mask."""
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
   q, k, v, do = numerics.exact_inputs(3, (1, 48, 2, 16))
   cpu = jax.devices("cpu")[0]
   for causal in (False, True):
     ref = numerics.reference_f64(q, k, v, do, scale=0.25, causal=causal, device=cpu,
                                  chunk_elems=16 * 48)  # chunks of 16 rows
     with jax.enable_x64(True):
-      f = lambda q, k, v: common.ensure_fa2().reference_attention(  # noqa: E731
-          q, k, v, scale=0.25, is_causal=causal, return_residual=True)
-      args = [jnp.asarray(x, jnp.float64) for x in (q, k, v)]
-      (o, lse), pull = jax.vjp(f, *args)
-      grads = pull((jnp.asarray(do, jnp.float64), jnp.zeros_like(lse)))
-      np.testing.assert_allclose(ref["out"], np.asarray(o), atol=1e-12)
-      np.testing.assert_allclose(ref["lse"], np.asarray(lse), atol=1e-12)
-      for name, g in zip(("dq", "dk", "dv"), grads):
-        np.testing.assert_allclose(ref[name], np.asarray(g), atol=1e-11)
+      @jax.jit
+      def autodiff(q, k, v, do):
+        (o, lse), pull = jax.vjp(lambda q, k, v: fa2_jax.reference_attention(
+            q, k, v, scale=0.25, is_causal=causal, return_residual=True), q, k, v)
+        return (o, lse, *pull((do, jnp.zeros_like(lse))))
+      got = autodiff(*[jnp.asarray(x, jnp.float64) for x in (q, k, v, do)])
+      for name, g in zip(("out", "lse", "dq", "dk", "dv"), got):
+        np.testing.assert_allclose(ref[name], np.asarray(g), atol=1e-11, err_msg=name)
 
 
-def test_memory_smoke(tmp_path):
-  memory.main(["--smoke", "--out", str(tmp_path)])
-  js = _load(tmp_path / "memory.json")
-  assert js["status"] == "done"
-  _check_meta(js["meta"])
-  cells = js["cells"]
-  assert {c["impl"] for c in cells} == {"fa2_triton", "xla"}
-  for c in cells:
-    assert c["status"] == "ok", c
-    comp = c["compiled"]
-    assert _pos(comp["total"]) and comp["total"] >= c["io_floor_bytes"] * 0.99, c
-  s_fa2, s_xla = memory.slope(cells, "fa2_triton"), memory.slope(cells, "xla")
-  assert s_fa2 < 1.4 and s_xla > s_fa2 + 0.3, (s_fa2, s_xla)
-  md = (tmp_path / "memory.md").read_text()
-  assert "## Growth" in md and "linear" in md
-  _png(tmp_path / "memory.png")
+# --- on a GPU ----------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+def test_grid_cell_on_gpu(tmp_path):
+  data = attention.main(["--grid", "quick", "--cells", "d128-8k-c", "--impls", "fa2,fa2_det,cudnn,xla",
+                         "--iters", "2", "--reps", "2", "--no-matmul", "--out", str(tmp_path)])
+  by = {c["impl"]: c for c in data["cells"]}
+  for n in ("fa2", "cudnn", "xla"):
+    assert by[n]["status"] == "ok" and by[n]["rel_err"] < 2e-2 and by[n]["tflops"]["fwd+bwd"] > 1, by[n]
+  assert by["fa2"]["vs_cudnn"]["fwd+bwd"] > 0
 
 
-def test_latency_smoke(tmp_path):
-  latency.main(["--smoke", "--out", str(tmp_path)])
-  js = _load(tmp_path / "latency.json")
-  assert js["status"] == "done"
-  _check_meta(js["meta"])
-  for c in js["cells"]:
-    assert c["status"] == "ok", c
-    for p in ("fwd", "fwd+bwd"):
-      lat = c["latency"][p]
-      assert _pos(lat["median_us"]) and lat["p10_us"] <= lat["median_us"] <= lat["p90_us"]
-  assert "## causal" in (tmp_path / "latency.md").read_text()
-  _png(tmp_path / "latency.png")
-
-
-# --- run_all: stages as processes, resume after a crash, archive ------------------------------------
-
-def test_run_all_resumes_after_crash(tmp_path):
-  out, arc = tmp_path / "out", tmp_path / "bench.tar.gz"
-  env = dict(os.environ, FA2_BENCH_TEST_CRASH="xla")  # the xla cell "crashes" the stage process
-  r = subprocess.run(
-      [sys.executable, "-m", "benchmarks.run_all", "--smoke", "--only", "attention",
-       "--out", str(out), "--archive", str(arc), "--budget-s", "200",
-       "--stage-args", "attention=--seqs 64 --causal false"],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-  assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-  assert "SUMMARY" in r.stdout and "resume" in r.stdout
-  js = _load(out / "attention.json")
-  by = {c["impl"]: c for c in js["cells"]}
-  assert by["xla"]["status"] == "crashed"
-  assert by["fa2_triton"]["status"] == "ok" and _pos(by["fa2_triton"]["tflops"]["fwd"])
-  assert js["resumed"] == 1
-  assert (out / "run_all.md").exists() and (out / "attention.md").exists()
-  names = tarfile.open(arc).getnames()
-  assert "out/attention.json" in names and "out/run_all.md" in names
-
-
-def test_gpt_table_script_rejects_an_unknown_mode(tmp_path):
-  root = Path(__file__).resolve().parents[1]
-  r = subprocess.run(["bash", str(root / "scripts" / "gpu_gpt_table1.sh"), str(tmp_path), "nope"],
-                     capture_output=True, text=True, timeout=60)
-  assert r.returncode == 2 and "mode must be single" in r.stderr and "'nope'" in r.stderr
-
-
-def test_bar_report_medians_ratios_and_bad_input(tmp_path):
-  """benchmarks.bar_report: per-cell medians over rounds, fwd+bwd ratio to cuDNN, the bar column."""
-  from benchmarks import bar_report
-  rows = []
-  for rnd, (c_fb, o_fb) in enumerate([(500.0, 450.0), (520.0, 470.0), (510.0, 530.0)]):
-    rows.append(dict(impl="cudnn", b=2, n=16, t=8192, h=128, causal=True, round=rnd, fwd=600.0,
-                     bwd=480.0, fwdbwd=c_fb))
-    rows.append(dict(impl="fa2_mosaic", b=2, n=16, t=8192, h=128, causal=True, round=rnd, fwd=610.0,
-                     bwd=470.0, fwdbwd=o_fb))
-  rows.append(dict(impl="tokamax_mosaic", b=2, n=16, t=8192, h=128, causal=True, round=0,
-                   error="ImportError"))
-  src = tmp_path / "a.json"
-  src.write_text(json.dumps(dict(meta=dict(device="X"), rows=rows)))
-  bar_report.main([str(src), "--out", str(tmp_path / "rep"), "--commit", "abc"])
-  md = (tmp_path / "rep.md").read_text()
-  line = next(x for x in md.splitlines() if x.startswith("| 128 | 8k | causal"))
-  assert "600 / 480 / 510 (1.00×)" in line  # medians of 500/520/510
-  assert "610 / 470 / 470 (0.92×)" in line  # median 470 / 510
-  assert line.rstrip(" |").endswith("471")  # the anchors' tokamax bar for 8k causal
-  assert "abc" in md
-  bad = tmp_path / "b.json"
-  bad.write_text(json.dumps([1, 2]))
-  with pytest.raises(ValueError, match="rows"):
-    bar_report.main([str(bad), "--out", str(tmp_path / "x")])
+@pytest.mark.gpu
+def test_kernel_times_and_mosaic_tune_run_on_hopper(tmp_path):
+  from benchmarks import tune
+  from benchmarks.diag import kernel_times
+  if not fa2_jax.dispatch.is_hopper():
+    pytest.skip("the Mosaic kernels need a Hopper GPU")
+  kernel_times.main(["--shapes", "1,1024,4,128", "--out", str(tmp_path)])
+  rows = _load(tmp_path / "kernel_times.json")["rows"]
+  assert rows and all("ms" in r for r in rows), [r for r in rows if "ms" not in r]
+  tune.main(["--backend", "mosaic", "--head-dims", "128", "--seqs", "1k", "--causal", "true",
+             "--iters", "2", "--reps", "2", "--out", str(tmp_path)])
+  cells = _load(tmp_path / "tune_mosaic.json")["cells"]
+  assert any(c["sweep"] == "default" and c["status"] == "ok" for c in cells)
+  assert all(math.isfinite(c["ms"].get("fwd") or c["ms"].get("fwd+bwd")) for c in cells
+             if c["status"] == "ok")

@@ -1,0 +1,183 @@
+"""Markdown table, plot and log summary of ``benchmarks.attention`` results."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import plots
+from .flops import PASSES
+from .report import fmt_num, fmt_tf, md_table, meta_lines, out_name, ratio, seq_label
+
+STEM = "attention"
+ROW_ORDER = ("fa2", "fa2_det", "fa2_triton", "cudnn", "fa3", "tokamax", "xla")
+RATIO_TO = {"cudnn": "cuDNN", "fa3": "FA3"}  # every cell gets vs_<name>: its TFLOP/s over that row's
+SHOWN = ("fwd", "fwd+bwd")
+
+
+def attach_ratios(cells):
+  """Add ``vs_cudnn`` and ``vs_fa3`` ({pass: TFLOP/s over that implementation's on the same cell})."""
+  refs = {name: {(c.get("id"), c.get("dtype")): c for c in cells if c.get("impl") == name}
+          for name in RATIO_TO}
+  for c in cells:
+    for name in RATIO_TO:
+      ref = refs[name].get((c.get("id"), c.get("dtype")))
+      c[f"vs_{name}"] = {p: ratio((c.get("tflops") or {}).get(p), ((ref or {}).get("tflops") or {}).get(p))
+                         for p in PASSES}
+  return cells
+
+
+def _order(cells):
+  names = list(dict.fromkeys([n for n in ROW_ORDER if any(c["impl"] == n for c in cells)]
+                             + [c["impl"] for c in cells]))
+  return names
+
+
+def _groups(cells):
+  """Group name -> the group's cells (one column each), in the order first seen."""
+  out: dict = {}
+  for c in cells:
+    out.setdefault(c["group"], {}).setdefault(c["id"], c)
+  return {g: list(v.values()) for g, v in out.items()}
+
+
+def column_label(c) -> str:
+  seq = seq_label(c["seq_q"]) if c["seq_q"] == c["seq_k"] else (
+      f"T={seq_label(c['seq_q'])} S={seq_label(c['seq_k'])}")
+  if c["group"].startswith("head_dim"):
+    return f"{seq} (B={c['batch']})"
+  heads = f"GQA {c['heads']}/{c['kv_heads']}" if c["kv_heads"] != c["heads"] else f"N={c['heads']}"
+  return f"d{c['head_dim']} {seq} {'causal' if c['causal'] else 'non-causal'} (B={c['batch']}, {heads})"
+
+
+def cell_text(c) -> str:
+  if c is None:
+    return "–"
+  status = c.get("status")
+  if status == "same":
+    return f"= {c.get('same_as')}"
+  if status == "skipped":
+    return "skip"
+  if status == "unsupported":
+    return "n/a"
+  if "crash" in (c.get("error") or ""):
+    return "✗ crash"
+  t = c.get("tflops") or {}
+  if not any(t.get(p) is not None for p in SHOWN):
+    return "✗"
+  return " / ".join(fmt_tf(t.get(p)) for p in SHOWN) + (" ⚠" if c.get("warning") else "")
+
+
+def _ratio_text(c, name) -> str | None:
+  r = (c or {}).get(f"vs_{name}") or {}
+  if not any(r.get(p) is not None for p in SHOWN):
+    return None
+  return " / ".join(fmt_num(r.get(p), ".2f") for p in SHOWN)
+
+
+def table(cells, group_cells) -> str:
+  """Rows: implementations, then fa2's ratio rows; columns: the group's cells; ``fwd / fwd+bwd``."""
+  by = {(c["impl"], c["id"]): c for c in cells}
+  rows = []
+  for name in _order(cells):
+    got = [by.get((name, g["id"])) for g in group_cells]
+    if all(c is None or c.get("status") == "unavailable" for c in got):
+      continue
+    rows.append([next(c["label"] for c in got if c) + f" (`{name}`)"] + [cell_text(c) for c in got])
+  for name, label in RATIO_TO.items():
+    texts = [_ratio_text(by.get(("fa2", g["id"])), name) for g in group_cells]
+    if any(texts):
+      rows.append([f"fa2 ÷ {label}"] + [t or "–" for t in texts])
+  return md_table(["impl"] + [column_label(g) for g in group_cells], rows)
+
+
+def render(data, out_dir, tag=None):
+  cells = attach_ratios([c for c in data.get("cells", []) if "impl" in c and "group" in c])
+  cfg = data.get("config", {})
+  meta = data.get("meta", {})
+  lines = [f"# Attention throughput ({cfg.get('dtype', 'bf16')})", ""] + meta_lines(meta)
+  if data.get("merged_from"):
+    lines.append("- merged from " + ", ".join(f"`{p}`" for p in data["merged_from"]) + " (each "
+                 "cell's `source` in the JSON; ratios compare rows of one run)")
+  mm = data.get("matmul") or {}
+  if mm.get("tflops"):
+    lines.append(f"- dense bf16 matmul 8192³ on this device: {mm['tflops']:.0f} TFLOP/s")
+  lines += [
+      "- FLOPs: forward 4·B·N·T·S·H (halved when causal), forward+backward 3.5× that",
+      f"- timing: {cfg.get('method', '')}", "",
+      "Cells: TFLOP/s `fwd / fwd+bwd`; `= fa2`: the same program as the fa2 row; n/a: shape not "
+      "supported by that implementation; skip: left out (see below); ✗: failed; ⚠: output off the "
+      "f32 reference."]
+  present = [label for name, label in RATIO_TO.items() if any(c["impl"] == name for c in cells)]
+  if present:
+    lines.append("`fa2 ÷ X` rows: fa2's TFLOP/s over X's on the same cell (`fwd / fwd+bwd`).")
+  lines.append("")
+  for group, gcells in _groups(cells).items():
+    lines += [f"## {group}", "", table(cells, gcells), ""]
+  errs: dict = {}
+  for c in cells:
+    for key in ("error", "fwd_error", "fwd+bwd_error", "warning"):
+      if c.get(key):
+        errs.setdefault((c["impl"], key, c[key]), []).append(c["id"])
+  if errs:
+    lines += ["## Left out, failures and warnings", ""]
+    lines += [f"- **{impl}** {key} ({', '.join(where)}): `{msg[:300]}`"
+              for (impl, key, msg), where in errs.items()]
+    lines.append("")
+  lines += [f"- note: {n}" for n in data.get("notes", [])]
+  backends = {c["id"]: c["backend"] for c in cells if c["impl"] == "fa2" and c.get("backend")}
+  if backends:
+    lines += ["", "fa2 ran (`fa2_jax.backend_for`): " + "; ".join(
+        f"{k}: {v.split(':')[0]}" for k, v in backends.items())]
+  out_dir = Path(out_dir)
+  md = out_dir / out_name(STEM, tag, "md")
+  md.write_text("\n".join(lines) + "\n")
+  return [md] + plot(cells, out_dir, tag)
+
+
+def plot(cells, out_dir, tag=None):
+  """One PNG: forward+backward TFLOP/s as grouped bars, one panel per group of cells."""
+  plt = plots.get_pyplot()
+  groups = _groups(cells)
+  if plt is None or not groups:
+    return []
+  import numpy as np
+  names = _order(cells)
+  cmap = plt.get_cmap("tab10")
+  colors = {n: cmap(i % 10) for i, n in enumerate(ROW_ORDER + tuple(x for x in names
+                                                                    if x not in ROW_ORDER))}
+  ncol = 2 if len(groups) > 1 else 1
+  nrow = -(-len(groups) // ncol)
+  fig, axes = plt.subplots(nrow, ncol, figsize=(7.5 * ncol, 3.4 * nrow + 0.8), squeeze=False)
+  by = {(c["impl"], c["id"]): c for c in cells}
+  for ax, (group, gcells) in zip(axes.flat, groups.items()):
+    shown = [n for n in names if any(((by.get((n, g["id"])) or {}).get("tflops") or {}).get("fwd+bwd")
+                                     for g in gcells)]
+    width = 0.8 / max(1, len(shown))
+    x = np.arange(len(gcells))
+    for k, n in enumerate(shown):
+      vals = [((by.get((n, g["id"])) or {}).get("tflops") or {}).get("fwd+bwd") or 0.0 for g in gcells]
+      ax.bar(x + (k - (len(shown) - 1) / 2) * width, vals, width, color=colors[n],
+             label=next(by[(n, g["id"])]["label"] for g in gcells if (n, g["id"]) in by))
+    ax.set_xticks(x, [column_label(g).replace(" (", "\n(") for g in gcells],
+                  fontsize=7 if group.startswith("head_dim") else 6)
+    ax.set_ylabel("fwd+bwd TFLOP/s")
+    ax.set_title(group, fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+  for ax in list(axes.flat)[len(groups):]:
+    ax.axis("off")
+  plots.shared_legend(fig, axes, ncol=6, fontsize=8)
+  fig.suptitle("Attention forward+backward throughput (TFLOP/s, higher is better)")
+  fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+  return [plots.save_png(plt, fig, Path(out_dir) / out_name(STEM, tag, "png"))]
+
+
+def summary(data) -> str:
+  """Fixed-width lines for the end of a log: one per cell and implementation."""
+  cells = attach_ratios([c for c in data.get("cells", []) if "impl" in c and "group" in c])
+  has_cudnn = any(c["impl"] == "cudnn" and c.get("tflops") for c in cells)
+  lines = [f"{STEM} TFLOP/s fwd / fwd+bwd" + (" (fwd+bwd x cuDNN)" if has_cudnn else "")]
+  order = _order(cells)
+  for c in sorted(cells, key=lambda c: (c["group"], c["id"], order.index(c["impl"]))):
+    r = (c.get("vs_cudnn") or {}).get("fwd+bwd")
+    lines.append(f"  {c['id']:<18} {c['impl']:<10} {cell_text(c) if c.get('tflops') else c.get('status')}"
+                 + (f"  x{r:.2f}" if r is not None and has_cudnn else ""))
+  return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""What every benchmark script shares on the command line: common flags, where results go, the CPU
+fallback, ``--merge``, random inputs and the progress bar."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .device import GPU_BACKENDS, ROOT, device_slug, gpu_in_subprocess
+from .recorder import Budget
+from .report import merge_json, out_name, write_json
+
+DEFAULT_OUT = ROOT / "out"  # ignored by git; benchmarks/results/ only when --out names it
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_ints(text: str) -> list[int]:
+  """'512,1k,2K,16384' -> [512, 1024, 2048, 16384]."""
+  out = []
+  for tok in str(text).replace(" ", "").split(","):
+    if not tok:
+      continue
+    mult = 1024 if tok[-1] in "kK" else 1
+    try:
+      out.append(int(float(tok[:-1] if mult > 1 else tok) * mult))
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"not a list of sizes: {text!r}") from None
+  return out
+
+
+def parse_strs(text: str) -> list[str]:
+  return [t for t in str(text).replace(" ", "").split(",") if t]
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+  g = p.add_argument_group("common")
+  g.add_argument("--out", type=Path, default=None,
+                 help=f"output folder (default {DEFAULT_OUT.name}/<gpu>/ in the checkout, ignored by git)")
+  g.add_argument("--tag", default=None, help="suffix for the output file names")
+  mode = g.add_mutually_exclusive_group()
+  mode.add_argument("--quick", action="store_true", help="a small subset (minutes on an H200)")
+  mode.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU in Pallas interpret mode: exercises the harness "
+                         "(chosen automatically where there is no GPU)")
+  g.add_argument("--budget-s", type=float, default=None,
+                 help="skip (and record as skipped) the cells that would start after this many seconds")
+  g.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # epoch s (run_all)
+  g.add_argument("--merge", type=Path, nargs="+", default=None,
+                 help="render md/png from these result files (cells combined) instead of measuring")
+  g.add_argument("--seed", type=int, default=0)
+  g.add_argument("--resume", action="store_true",
+                 help="keep the cells of an existing result file, skip what crashed the last run")
+
+
+def cpu_fallback(args, info: dict, script: str) -> None:
+  """Without a GPU the full sweeps would run for hours in interpret mode: run the smoke size instead.
+  ``info`` without a ``backend`` (this process started none) is checked in a child process."""
+  if args.smoke:
+    return
+  backend = info.get("backend")
+  if backend in GPU_BACKENDS or (backend is None and gpu_in_subprocess()):
+    return
+  print(f"[{script}] no GPU (jax backend {backend or 'cpu'}): running the CPU smoke size (--smoke) "
+        "instead of the GPU sweep", file=sys.stderr, flush=True)
+  args.smoke, args.quick = True, False
+
+
+def make_budget(args) -> Budget:
+  deadline = args.deadline
+  if args.budget_s is not None:
+    d = time.time() + args.budget_s
+    deadline = d if deadline is None else min(deadline, d)
+  return Budget(deadline)
+
+
+def resolve_out(args, info: dict) -> Path:
+  out = Path(args.out) if args.out is not None else DEFAULT_OUT / device_slug(info)
+  out.mkdir(parents=True, exist_ok=True)
+  return out
+
+
+def script_main(argv, parser, run, render, summary, stem: str, key):
+  """Shared ``main``: measure (``run(args)``), or with ``--merge`` combine result files and render."""
+  args = parser.parse_args(argv)
+  if not args.merge:
+    return run(args)
+  data = merge_json(args.merge, key)
+  tag = args.tag or "merged"
+  out = Path(args.out) if args.out else Path(args.merge[0]).parent
+  out.mkdir(parents=True, exist_ok=True)
+  write_json(out / out_name(stem, tag, "json"), data)
+  files = render(data, out, tag)
+  print(summary(data), flush=True)
+  data["files"] = [str(out / out_name(stem, tag, "json")), *map(str, files)]
+  return data
+
+
+def jnp_dtype(name: str):
+  import jax.numpy as jnp
+  return jnp.dtype(DTYPES.get(name, name))
+
+
+def random_inputs(seed: int, shapes, dtype):
+  """Fresh standard-normal arrays (never zeros), one per shape: ``jax.random.normal(key, shape, dtype)``."""
+  import jax
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return [jax.random.normal(k, s, dtype) for k, s in zip(keys, shapes)]
+
+
+class _NullBar:
+  def __init__(self, total=None, desc=""):
+    self.n, self.total, self.desc = 0, total, desc
+
+  def update(self, k=1):
+    self.n += k
+
+  def set_postfix_str(self, s):
+    pass
+
+  def close(self):
+    pass
+
+
+def progress(total: int, desc: str):
+  """A tqdm bar on stderr (sparse updates when not a terminal, to keep logs short)."""
+  try:
+    from tqdm import tqdm
+  except Exception:  # noqa: BLE001 - tqdm is optional
+    return _NullBar(total, desc)
+  tty = sys.stderr.isatty()
+  return tqdm(total=total, desc=desc, file=sys.stderr, mininterval=0.5 if tty else 30.0,
+              dynamic_ncols=True, leave=True)

@@ -1,0 +1,102 @@
+"""Where the time of a Mosaic forward+backward goes: each piece timed on its own, beside cuDNN (Hopper).
+
+    python -m benchmarks.diag.kernel_times [--shapes "2,8192,16,128;2,8192,32,64"] [--causal both]
+
+For every shape ``B,T,N,H`` and mask: the Mosaic forward kernel, the backward's XLA prologue (delta and
+lse in base 2), the backward with the separate dQ kernel (``deterministic=True``), the backward with dQ
+fused into the dK/dV kernel (``dq_fused=True``), and, for causal calls, forward and backward in the
+per-head launch order (``lpt_heads=1``); then fa2_jax's and cuDNN's forward+backward through the public
+API. Milliseconds per call (benchmarks/timing.py) and TFLOP/s counted with the matmuls each piece does
+(forward: 2 per tile pair; backward: dK/dV 4 + dQ 3; fused: 5).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+
+from .. import cli, impls
+from ..device import device_info
+from ..report import err_str, write_json
+from ..timing import forward_fn, fwd_bwd_fn, time_calls
+
+
+def pieces(q, k, v, do, causal):
+  """``{name: (thunk, matmuls per tile pair)}`` for one shape and mask."""
+  import jax
+  import fa2_jax
+  from fa2_jax.kernels.mosaic import backward as mb
+  from fa2_jax.kernels.mosaic.forward import forward
+  h = q.shape[-1]
+  scale = h ** -0.5
+  cfg = fa2_jax.MosaicConfig.default(h, q.dtype, causal)
+  fwd = jax.jit(functools.partial(forward, scale=scale, is_causal=causal, config=cfg))
+  out, lse = fwd(q, k, v)
+
+  def bwd(config, deterministic):
+    return jax.jit(functools.partial(mb.backward, scale=scale, is_causal=causal, config=config,
+                                     deterministic=deterministic))
+
+  fused = cfg.replace(dq_fused=True)
+  if fused.check(h, q.dtype.itemsize):  # shared memory: a shallower dK/dV ring
+    fused = fused.replace(num_stages_dkv=2)
+  b_sep, b_fused, prologue = bwd(cfg, True), bwd(fused, False), jax.jit(mb.prologue)
+  out_pieces = {
+      "mosaic forward": (lambda: fwd(q, k, v), 2),
+      "backward prologue (XLA)": (lambda: prologue(out, do, lse), 0),
+      "mosaic backward, separate dQ": (lambda: b_sep(q, k, v, out, lse, do), 7),
+      "mosaic backward, fused dQ": (lambda: b_fused(q, k, v, out, lse, do), 5),
+  }
+  if causal:
+    head = cfg.replace(lpt_heads=1, lpt_heads_dkv=1)
+    fwd_h = jax.jit(functools.partial(forward, scale=scale, is_causal=causal, config=head))
+    b_head = bwd(head, True)
+    out_pieces["mosaic forward [per-head order]"] = (lambda: fwd_h(q, k, v), 2)
+    out_pieces["mosaic backward [per-head order]"] = (lambda: b_head(q, k, v, out, lse, do), 7)
+  for name in ("fa2", "fa2_det", "cudnn"):
+    if impls.unavailable(name) is None:
+      f = functools.partial(impls.get(name), causal=causal)
+      ff, fb = forward_fn(f), fwd_bwd_fn(f)
+      out_pieces[f"{name} forward"] = (lambda ff=ff: ff(q, k, v), 2)
+      out_pieces[f"{name} forward+backward"] = (lambda fb=fb: fb(q, k, v), 7)
+  return out_pieces
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.diag.kernel_times", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--shapes", default="2,8192,16,128;2,8192,32,64", help="B,T,N,H;...")
+  ap.add_argument("--causal", default="both", choices=("both", "true", "false"))
+  ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
+  args = ap.parse_args(argv)
+  import jax.numpy as jnp
+  from fa2_jax import dispatch
+  if not dispatch.is_hopper():
+    raise SystemExit("kernel_times times the Mosaic kernels: it needs a Hopper GPU (compute capability 9.x)")
+  info = device_info()
+  rows = []
+  for shape in args.shapes.split(";"):
+    b, t, n, h = map(int, shape.split(","))
+    q, k, v, do = cli.random_inputs(t + h, [(b, t, n, h)] * 4, jnp.bfloat16)
+    for causal in {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]:
+      pair_flops = 2.0 * b * n * t * t * h / (2 if causal else 1)  # one [T, S] x H matmul
+      for name, (fn, mm) in pieces(q, k, v, do, causal).items():
+        row = dict(shape=shape, causal=causal, piece=name, matmuls=mm)
+        try:
+          st, _ = time_calls(fn, ())
+          row.update(ms=st["median_s"] * 1e3, spread=st["spread"],
+                     tflops=mm * pair_flops / st["median_s"] / 1e12 if mm else None)
+        except Exception as e:  # noqa: BLE001 - report and go on
+          row["error"] = err_str(e, 300)
+        rows.append(row)
+  out = cli.resolve_out(argparse.Namespace(out=args.out), info)
+  write_json(out / "kernel_times.json", {"meta": info, "rows": rows})
+  print(f"\n{'shape':<16} {'mask':<6} {'piece':<34} {'ms':>8} {'TFLOP/s':>8}")
+  for r in rows:
+    tf = f"{r['tflops']:.0f}" if r.get("tflops") else "-"
+    ms = f"{r['ms']:.3f}" if "ms" in r else r.get("error", "")[:60]
+    print(f"{r['shape']:<16} {'c' if r['causal'] else 'nc':<6} {r['piece']:<34} {ms:>8} {tf:>8}")
+  print(f"wrote {out / 'kernel_times.json'}")
+
+
+if __name__ == "__main__":
+  main()
