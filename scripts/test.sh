@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up, then run the test suite. On CPU the Pallas kernels run in interpret mode and the tests marked
-# `gpu` are deselected; on a GPU machine run `pytest -m gpu` (compiled kernels, bigger shapes) as well.
+# `gpu` are deselected; on a GPU machine `bash scripts/gpu.sh tests` runs them (compiled kernels, bigger
+# shapes); scripts/gpu.sh also runs the benchmarks there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh "test,examples,bench"

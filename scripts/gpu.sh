@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The GPU entry point: tests and benchmarks on a GPU machine, from the repository root of a checkout.
+#
+#   bash scripts/gpu.sh tests    [pytest args]   compiled test suite: pytest -m gpu tests, then (when
+#                                                tests/test_fuzz.py is there) its GPU profile:
+#                                                HYPOTHESIS_PROFILE=gpu pytest -m gpu tests/test_fuzz.py
+#   bash scripts/gpu.sh grid     [args]          the README's throughput grid, every implementation in one
+#                                                process (python -m benchmarks.attention --grid headline);
+#                                                split it with --cells, e.g. grid --cells 'd64-*,d256-*'
+#                                                then grid --cells 'd128-*' --tag b, and combine with
+#                                                python -m benchmarks.attention --merge A.json B.json
+#   bash scripts/gpu.sh gpt      [ATTENTION...]  GPT long8k throughput (tokens/s, MFU) on one GPU for each
+#                                                --attention named (flash, flash_triton, flash_mosaic,
+#                                                cudnn, xla (with --remat true); default: flash cudnn)
+#   bash scripts/gpu.sh gpt pmap                 the same with flash, data-parallel over every GPU
+#   bash scripts/gpu.sh latency|memory|numerics|ablation|tune [args]   python -m benchmarks.<mode>
+#   bash scripts/gpu.sh all      [args]          python -m benchmarks.run_all --quick
+#
+# Results go to $OUT/<mode>/ when OUT is set (a device tool's output folder), else ./out/<mode>/ (ignored
+# by git). GPU_TIMEOUT (seconds, default 570) bounds each command, so a device call's limit is not hit.
+# Environment: NVLink multicast stays off (NCCL, PyTorch, NVSHMEM: a program that uses it can put a
+# shared host's GPUs out of service); optional peer wheels carried in .peer/ (tokamax, flash_attn3_jax,
+# and a stub/ folder) are installed to /tmp/peer and put on PYTHONPATH, so the benchmarks add their rows.
+set -uo pipefail
+MODES="tests grid gpt latency memory numerics ablation tune all"
+mode="${1:-}"
+if [ -z "$mode" ] || [[ " $MODES " != *" $mode "* ]]; then
+  echo "scripts/gpu.sh: mode must be one of: $MODES; got '$mode'" >&2
+  exit 2
+fi
+shift
+GPT_ATTENTIONS="flash flash_triton flash_mosaic cudnn xla"
+if [ "$mode" = gpt ] && [ "${1:-}" != pmap ]; then
+  for a in "$@"; do
+    if [[ " $GPT_ATTENTIONS " != *" $a "* ]]; then
+      echo "scripts/gpu.sh gpt: each argument must be pmap or one of: $GPT_ATTENTIONS; got '$a'" >&2
+      exit 2
+    fi
+  done
+fi
+cd "$(dirname "$0")/.."
+root="$PWD"
+out="${OUT:-$root/out}/$mode"
+mkdir -p "$out"
+limit="${GPU_TIMEOUT:-570}"
+
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # fa2_jax and benchmarks from this checkout
+if ls .peer/*.whl >/dev/null 2>&1; then
+  rm -rf /tmp/peer
+  python3 -m pip install -q --no-index --no-deps --target /tmp/peer .peer/*.whl \
+    && export PYTHONPATH="$root/.peer/stub:/tmp/peer:$PYTHONPATH" \
+    || echo "scripts/gpu.sh: installing the peer wheels of .peer/ failed; their rows are left out" >&2
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader \
+  | tee "$out/gpu.txt"
+
+run() {  # log name, command...: bounded by GPU_TIMEOUT; the log in $out/<name>.log, its tail on stdout
+  local log="$out/$1.log"; shift
+  echo "+ $*"
+  timeout -s ABRT "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  grep -vE "it/s\]|Autotuning" "$log" | tail -c 6000
+  echo "rc=$rc (log: $log)"
+  return $rc
+}
+
+gpt_run() {  # name, train.py flags...: 12 steps of the long8k preset, throughput after the compile
+  local name="$1"; shift
+  echo "=== $name"
+  timeout -s ABRT "${GPT_TIMEOUT:-240}" python3 -X faulthandler -m examples.flax_gpt.train \
+    --preset long8k --steps 12 --eval-every 1000 --eval-batches 1 --log-every 4 --sample-tokens 16 \
+    --data-bytes 4000000 --no-progress --out "$out/gpt_long8k_$name.json" "$@" \
+    > "$out/gpt_long8k_$name.log" 2>&1
+  echo "rc=$? $(grep -E 'tokens/s|Error|error' "$out/gpt_long8k_$name.log" | tail -2)"
+}
+
+case "$mode" in
+  tests)
+    pytest_gpu=(python3 -X faulthandler -m pytest -q -m gpu -p no:cacheprovider --tb=short
+                -o faulthandler_timeout=120)
+    if [ -f tests/test_fuzz.py ]; then
+      run tests "${pytest_gpu[@]}" tests --ignore=tests/test_fuzz.py "$@"; rc=$?
+      HYPOTHESIS_PROFILE=gpu run fuzz "${pytest_gpu[@]}" tests/test_fuzz.py "$@" || rc=$?
+      exit $rc
+    fi
+    run tests "${pytest_gpu[@]}" tests "$@" ;;
+  grid)
+    run grid python3 -m benchmarks.attention --grid headline --out "$out" "$@" ;;
+  gpt)
+    if [ "${1:-}" = pmap ]; then
+      n=$(python3 -c "import jax; print(jax.local_device_count())")
+      gpt_run "flash_pmap$n" --attention flash --data-parallel pmap
+    else
+      [ "$#" -eq 0 ] && set -- flash cudnn
+      for a in "$@"; do
+        if [ "$a" = xla ]; then  # the materialised scores of 8k tokens fit only with rematerialisation
+          gpt_run xla_remat_1gpu --attention xla --remat true
+        else
+          gpt_run "${a}_1gpu" --attention "$a"
+        fi
+      done
+    fi ;;
+  all)
+    run all python3 -m benchmarks.run_all --quick --budget-s $((limit - 60)) --out "$out" "$@" ;;
+  *)
+    run "$mode" python3 -m "benchmarks.$mode" --out "$out" "$@" ;;
+esac
