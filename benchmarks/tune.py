@@ -57,7 +57,7 @@ TRITON_GRIDS = {
 MOSAIC_FWD = {
     128: [dict(block_k=64, num_stages=2), dict(block_k=64, num_stages=3), dict(block_k=64, num_stages=4),
           dict(pingpong=False)],
-    64: [dict(num_stages=2), dict(num_stages=4), dict(block_k=192, num_stages=3),
+    64: [dict(num_stages=2), dict(block_k=192, num_stages=3),
          dict(block_k=256, num_stages=2), dict(pingpong=False)],
 }
 MOSAIC_BWD = {

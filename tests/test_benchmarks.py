@@ -381,6 +381,22 @@ def test_numerics_reference_matches_autodiff():
         np.testing.assert_allclose(ref[name], np.asarray(g), atol=1e-11, err_msg=name)
 
 
+def test_kernel_times_programs_lower_for_hopper(monkeypatch):
+  """The diagnostic calls the Mosaic kernel modules' public functions as they are now: its programs
+  trace and lower for sm90 on any machine."""
+  from benchmarks.diag import kernel_times
+  monkeypatch.setattr(fa2_jax.dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(fa2_jax.dispatch, "gpu_compute_capability", lambda: (9, 0))
+  x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  arrays = dict(q=x, k=x, v=x, do=x, out=x, lse=jax.ShapeDtypeStruct((1, 2, 256), jnp.float32))
+  progs = kernel_times.programs(64, jnp.bfloat16, causal=False)
+  for name, kernel in (("mosaic forward", "forward"), ("backward prologue (XLA)", None),
+                       ("mosaic backward, fused dQ", "dkdv_dq")):
+    fn, arg_names, _ = progs[name]
+    text = fn.trace(*[arrays[a] for a in arg_names]).lower(lowering_platforms=("cuda",)).as_text()
+    assert kernel is None or f"fa2_mosaic_{kernel}_mosaic_gpu" in text, name
+
+
 # --- on a GPU ----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

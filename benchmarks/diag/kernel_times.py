@@ -20,45 +20,44 @@ from ..report import err_str, write_json
 from ..timing import forward_fn, fwd_bwd_fn, time_calls
 
 
-def pieces(q, k, v, do, causal):
-  """``{name: (thunk, matmuls per tile pair)}`` for one shape and mask."""
-  import jax
+def programs(head_dim: int, dtype, causal: bool) -> dict:
+  """``{name: (jitted fn, argument names, matmuls per tile pair)}``; the arguments come from
+  ``q, k, v, do`` and the forward's ``out, lse``."""
   import fa2_jax
+  import jax
   from fa2_jax.kernels.mosaic import backward as mb
   from fa2_jax.kernels.mosaic.forward import forward
-  h = q.shape[-1]
-  scale = h ** -0.5
-  cfg = fa2_jax.MosaicConfig.default(h, q.dtype, causal)
-  fwd = jax.jit(functools.partial(forward, scale=scale, is_causal=causal, config=cfg))
-  out, lse = fwd(q, k, v)
+  scale = head_dim ** -0.5
+  cfg = fa2_jax.MosaicConfig.default(head_dim, dtype, causal)
+  fused = cfg.replace(dq_fused=True)
+  if fused.check(head_dim, jax.numpy.dtype(dtype).itemsize):  # shared memory: a shallower dK/dV ring
+    fused = fused.replace(num_stages_dkv=2)
+
+  def fwd(config):
+    return jax.jit(functools.partial(forward, scale=scale, is_causal=causal, config=config))
 
   def bwd(config, deterministic):
     return jax.jit(functools.partial(mb.backward, scale=scale, is_causal=causal, config=config,
                                      deterministic=deterministic))
 
-  fused = cfg.replace(dq_fused=True)
-  if fused.check(h, q.dtype.itemsize):  # shared memory: a shallower dK/dV ring
-    fused = fused.replace(num_stages_dkv=2)
-  b_sep, b_fused, prologue = bwd(cfg, True), bwd(fused, False), jax.jit(mb.prologue)
-  out_pieces = {
-      "mosaic forward": (lambda: fwd(q, k, v), 2),
-      "backward prologue (XLA)": (lambda: prologue(out, do, lse), 0),
-      "mosaic backward, separate dQ": (lambda: b_sep(q, k, v, out, lse, do), 7),
-      "mosaic backward, fused dQ": (lambda: b_fused(q, k, v, out, lse, do), 5),
+  grads = ("q", "k", "v", "out", "lse", "do")
+  out = {
+      "mosaic forward": (fwd(cfg), ("q", "k", "v"), 2),
+      "backward prologue (XLA)": (jax.jit(functools.partial(mb.prologue, scale=scale)),
+                                  ("out", "do", "lse"), 0),
+      "mosaic backward, separate dQ": (bwd(cfg, True), grads, 7),
+      "mosaic backward, fused dQ": (bwd(fused, False), grads, 5),
   }
-  if causal:
+  if causal:  # the per-head launch order, for comparison with the default L2 sections
     head = cfg.replace(lpt_heads=1, lpt_heads_dkv=1)
-    fwd_h = jax.jit(functools.partial(forward, scale=scale, is_causal=causal, config=head))
-    b_head = bwd(head, True)
-    out_pieces["mosaic forward [per-head order]"] = (lambda: fwd_h(q, k, v), 2)
-    out_pieces["mosaic backward [per-head order]"] = (lambda: b_head(q, k, v, out, lse, do), 7)
+    out["mosaic forward [per-head order]"] = (fwd(head), ("q", "k", "v"), 2)
+    out["mosaic backward [per-head order]"] = (bwd(head, True), grads, 7)
   for name in ("fa2", "fa2_det", "cudnn"):
     if impls.unavailable(name) is None:
       f = functools.partial(impls.get(name), causal=causal)
-      ff, fb = forward_fn(f), fwd_bwd_fn(f)
-      out_pieces[f"{name} forward"] = (lambda ff=ff: ff(q, k, v), 2)
-      out_pieces[f"{name} forward+backward"] = (lambda fb=fb: fb(q, k, v), 7)
-  return out_pieces
+      out[f"{name} forward"] = (forward_fn(f), ("q", "k", "v"), 2)
+      out[f"{name} forward+backward"] = (fwd_bwd_fn(f), ("q", "k", "v"), 7)
+  return out
 
 
 def main(argv=None):
@@ -79,10 +78,13 @@ def main(argv=None):
     q, k, v, do = cli.random_inputs(t + h, [(b, t, n, h)] * 4, jnp.bfloat16)
     for causal in {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]:
       pair_flops = 2.0 * b * n * t * t * h / (2 if causal else 1)  # one [T, S] x H matmul
-      for name, (fn, mm) in pieces(q, k, v, do, causal).items():
+      progs = programs(h, q.dtype, causal)
+      out, lse = progs["mosaic forward"][0](q, k, v)
+      arrays = dict(q=q, k=k, v=v, do=do, out=out, lse=lse)
+      for name, (fn, arg_names, mm) in progs.items():
         row = dict(shape=shape, causal=causal, piece=name, matmuls=mm)
         try:
-          st, _ = time_calls(fn, ())
+          st, _ = time_calls(fn, tuple(arrays[a] for a in arg_names))
           row.update(ms=st["median_s"] * 1e3, spread=st["spread"],
                      tflops=mm * pair_flops / st["median_s"] / 1e12 if mm else None)
         except Exception as e:  # noqa: BLE001 - report and go on
