@@ -49,7 +49,7 @@ TOKENS, HIDDEN = 16384, 2048  # the paper's grid: batch = TOKENS // seq, heads =
 def make_cell(batch, seq_q, seq_k, heads, kv_heads, head_dim, causal, group=None) -> dict:
   seq = seq_label(seq_q) if seq_q == seq_k else f"t{seq_label(seq_q)}-s{seq_label(seq_k)}"
   cid = f"d{head_dim}-{seq}-{'c' if causal else 'nc'}" + (f"-kv{kv_heads}" if kv_heads != heads else "")
-  group = group or f"head_dim {head_dim}, {'causal' if causal else 'non-causal'}"
+  group = group or f"head_dim {head_dim} ({heads} heads), {'causal' if causal else 'non-causal'}"
   return dict(id=cid, group=group, batch=batch, seq_q=seq_q, seq_k=seq_k, heads=heads,
               kv_heads=kv_heads, head_dim=head_dim, causal=causal)
 

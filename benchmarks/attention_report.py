@@ -32,11 +32,18 @@ def _order(cells):
 
 
 def _groups(cells):
-  """Group name -> the group's cells (one column each), in the order first seen."""
+  """Group name -> the group's cells (one column each). The paper's groups by head_dim, non-causal
+  first, their columns by sequence length; other groups after them, cells in the order measured."""
   out: dict = {}
   for c in cells:
     out.setdefault(c["group"], {}).setdefault(c["id"], c)
-  return {g: list(v.values()) for g, v in out.items()}
+
+  def order(g):
+    c, paper = next(iter(out[g].values())), g.startswith("head_dim")
+    return (not paper, c["head_dim"] if paper else 0, c["causal"] if paper else False, g)
+
+  return {g: sorted(out[g].values(), key=lambda c: c["seq_q"]) if g.startswith("head_dim")
+          else list(out[g].values()) for g in sorted(out, key=order)}
 
 
 def column_label(c) -> str:
