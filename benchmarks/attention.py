@@ -88,7 +88,7 @@ def build_parser():
   p.add_argument("--cells", type=cli.parse_strs, default=None,
                  help="only the cells whose id matches one of these patterns, e.g. 'd64-*,d256-*'")
   p.add_argument("--list-cells", action="store_true", help="print the grid's cell ids and exit")
-  p.add_argument("--impls", type=impls.parse_names, default=None,
+  p.add_argument("--impls", type=cli.impl_names, default=None,
                  help=f"comma list of {', '.join(impls.NAMES)} (default {','.join(DEFAULT_IMPLS)})")
   p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
   p.add_argument("--iters", type=int, default=ITERS, help="back-to-back calls per repetition")

@@ -33,6 +33,15 @@ def parse_strs(text: str) -> list[str]:
   return [t for t in str(text).replace(" ", "").split(",") if t]
 
 
+def impl_names(text: str) -> list[str]:
+  """``--impls``: names of benchmarks/impls.py entries; an unknown one is an argparse error naming it."""
+  from . import impls
+  try:
+    return impls.parse_names(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_common_args(p: argparse.ArgumentParser) -> None:
   g = p.add_argument_group("common")
   g.add_argument("--out", type=Path, default=None,

@@ -207,5 +207,5 @@ def parse_names(text_or_list) -> list[str]:
   names = [n for n in names if n]
   bad = [n for n in names if n not in IMPLS]
   if bad:
-    raise ValueError(f"--impls: unknown {bad}; known: {', '.join(NAMES)}")
+    raise ValueError(f"unknown implementations {bad}; known: {', '.join(NAMES)}")
   return names

@@ -43,7 +43,7 @@ def build_parser():
   p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--seqs", type=cli.parse_ints, default=None)
-  p.add_argument("--impls", type=impls.parse_names, default=None,
+  p.add_argument("--impls", type=cli.impl_names, default=None,
                  help=f"comma list of {', '.join(impls.NAMES)} (default {','.join(DEFAULT_IMPLS)})")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--heads", type=int, default=16)

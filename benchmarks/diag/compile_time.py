@@ -18,7 +18,7 @@ from ..report import err_str, write_json
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m benchmarks.diag.compile_time", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--impls", type=impls.parse_names, default=["fa2", "fa2_triton"])
+  ap.add_argument("--impls", type=cli.impl_names, default=["fa2", "fa2_triton"])
   ap.add_argument("--layers", type=cli.parse_ints, default=[1, 2, 4])
   ap.add_argument("--shape", default="4,8192,8,128", help="B,T,N,H")
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")

@@ -20,7 +20,7 @@ from ..timing import fwd_bwd_fn
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m benchmarks.diag.profile", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--impls", type=impls.parse_names, default=["fa2", "fa2_det", "cudnn"])
+  ap.add_argument("--impls", type=cli.impl_names, default=["fa2", "fa2_det", "cudnn"])
   ap.add_argument("--shape", default="2,8192,16,128", help="B,T,N,H")
   ap.add_argument("--causal", action="store_true")
   ap.add_argument("--runs", type=int, default=1)
