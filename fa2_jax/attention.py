@@ -140,7 +140,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
                        bool(call.interpret), blocks=blocks)
     try:
       # Per device where Explicit mesh axes shard B or the heads (fa2_jax.sharding).
-      out, lse = sharding.local_call(lambda *a: _flash(*match_vma(*a), static), q, k, v)
+      out, lse = sharding.local_call(lambda *a: _flash(*match_vma(*a), static), (q, k, v))
     except TypeError as e:
       if "forward-mode autodiff" in str(e) or "can't apply forward-mode" in str(e):
         raise TypeError(_FORWARD_MODE) from e

@@ -3,36 +3,42 @@
 Attention is independent across the batch axis B and across key/value-head groups (query head ``n``
 reads KV head ``n // G``, ``G = N / K``), so a call whose q/k/v are sharded along B and/or the heads
 runs locally on each device with no collective, forward and backward. Left alone, XLA cannot see into
-a Pallas call and all-gathers q/k/v around it (every device computes the whole batch); with an
+a Pallas call and all-gathers q/k/v around it (every device computes the whole batch); under an
 Explicit-axes mesh the kernels' refs refuse sharded slicing outright. Which mesh axes may shard what:
 
-* B (dim 0 of every operand): any mesh axes that divide B.
-* Heads (N of q, K of k/v): mesh axes over ``d`` devices with ``K % d == 0``, so that each device
-  holds whole GQA groups (its query heads and the KV heads they read). q and k/v shard alike.
-* T, S (the sequence axes) and H (head_dim): not at all. Sharding T or S is context parallelism
-  (ring / all-to-all attention), which these kernels do not implement.
+* B (dim 0 of every operand): any mesh axes whose devices divide B.
+* The heads (N of q, K of k/v, alike): mesh axes over ``d`` devices with ``K % d == 0``, so that each
+  device holds whole GQA groups (its query heads and the KV heads they read).
+* T, S (the sequence axes) and H (head_dim): none. Sharding T or S is context parallelism (ring or
+  all-to-all attention), which these kernels do not implement.
 
-Three kinds of mesh axes, three mechanisms:
+One plan (:func:`plan`) decides from the operands' PartitionSpecs; three kinds of mesh axes get it
+applied three ways:
 
 * Explicit axes (``jax.sharding.AxisType.Explicit``): shardings are part of the arrays' types at trace
-  time. :func:`local_call` wraps the kernel call in a ``jax.shard_map`` over the axes sharding B and
-  the heads, so the kernels trace on per-device shapes. A sharding the kernels cannot keep (T, S or H
-  sharded, heads not in whole GQA groups, q and k/v sharded differently) raises a ValueError naming it.
+  time. :func:`local_call` wraps the kernel call in a ``jax.shard_map`` with the plan's specs, so the
+  kernels trace on per-device shapes. A sharding the kernels cannot keep (T, S or H sharded, heads
+  not in whole GQA groups, operands sharded unlike each other) raises a ValueError naming it.
 * Auto axes (``jit`` with ``in_shardings``, ``device_put`` with a ``NamedSharding``): shardings are
   chosen by the compiler after tracing. The forward and backward kernel calls are each wrapped in
-  ``jax.experimental.custom_partitioning`` (:func:`forward`, :func:`backward`): a Shardy sharding rule
-  relates the operands' axes, and at compile time the partition callback keeps the B and head
-  shardings and runs the kernel on the local blocks. A sharding it cannot keep is gathered by XLA
-  before the kernel (correct, but every device then holds the gathered axis) and a UserWarning names
-  it: an exception raised inside the compiler's callback would reach the user as an opaque runtime
-  error.
-* Manual axes (inside ``shard_map`` or ``pmap``): the arrays are already per-device blocks and both
+  ``jax.experimental.custom_partitioning`` (:func:`partitioned`): a Shardy rule names each operand's
+  axes, and at compile time the partition callback applies the plan to the shardings the compiler
+  proposes and runs the kernel on the local blocks. A sharding the plan cannot keep is gathered by
+  XLA before the kernel (correct, but every device then holds that axis whole) and a UserWarning
+  names it: an exception inside the compiler's callback would reach the user as an opaque error.
+* Manual axes (inside ``shard_map`` or ``pmap``): the arrays are already per-device blocks; both
   mechanisms step aside (``custom_partitioning`` lowers its body directly there).
 
-Under ``vmap`` the partitioned calls batch as the plain kernels do (their ``custom_vmap`` rule maps the
-plain kernel), and their derivatives are those of the plain kernels (a ``custom_jvp`` whose rule is
-the plain kernel's JVP), so second-order and forward-mode errors are unchanged. A vmapped call does
-not get the partitioning rule: XLA's default (gather) applies there.
+Operands are described by layouts, one letter per dimension: ``b`` batch, ``t`` query sequence, ``s``
+key sequence, ``n`` query heads, ``k`` KV heads, ``h`` head_dim (q ``"btnh"``, k/v ``"bskh"``, lse
+``"bnt"``). An operand the kernels gain later (lengths ``"b"``, segment ids ``"bt"``/``"bs"``,
+per-head slopes ``"n"``, a scalar ``""``) is sharded by the same plan through its layout.
+
+Limits: under ``vmap`` the partitioned calls batch as the plain kernels do (their ``custom_vmap`` rule
+maps the plain kernel), so a vmapped call gets XLA's default (gathering) partitioning; their
+derivatives are those of the plain kernels (a ``custom_jvp`` whose rule is the plain kernel's JVP), so
+second-order and forward-mode errors are unchanged. On a mesh mixing Explicit and Auto axes the
+``shard_map`` covers every axis, so what the Auto axes shard is gathered there.
 """
 from __future__ import annotations
 
@@ -44,9 +50,20 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 AxisNames = tuple[str, ...]
+
+# Layouts of the kernels' operands, one letter per dimension (see the module docstring).
+Q = "btnh"  # q, out, dout, dq: [B, T, N, H]
+KV = "bskh"  # k, v, dk, dv: [B, S, K, H]
+LSE = "bnt"  # the kernels' lse and dlse: [B, N, T]
+LSE_PUBLIC = "btn"  # flash_attention's lse: [B, T, N]
+QKV_NAMES = ("query", "key", "value")
+_WHAT = {"b": "batch axis B", "t": "sequence axis T", "s": "sequence axis S", "n": "heads",
+         "k": "heads", "h": "head_dim H"}
+_WHOLE = "tsh"  # letters no mesh axis may shard
+
 
 # --- the plan: which mesh axes shard B and the heads, and what cannot be kept ---------------------
 
@@ -70,7 +87,7 @@ def _entry(axes: AxisNames):
 
 
 def _show(axes: AxisNames) -> str:
-  return ", ".join(repr(a) for a in axes)
+  return f"mesh axis {axes[0]!r}" if len(axes) == 1 else f"mesh axes {tuple(axes)!r}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,80 +97,80 @@ class Plan:
   Attributes:
     batch: mesh axes sharding B of every operand (``()``: B replicated).
     heads: mesh axes sharding N of q and K of k/v alike (``()``: heads replicated).
-    problems: one sentence for each input sharding the kernels cannot keep (it is replicated
-      instead: gathered under Auto axes, an error under Explicit axes).
+    problems: one sentence for each input sharding the kernels cannot keep (the plan replicates
+      that axis instead: gathered under Auto axes, an error under Explicit axes).
   """
 
   batch: AxisNames
   heads: AxisNames
-  problems: tuple[str, ...]
+  problems: tuple[str, ...] = ()
 
   @property
   def axes(self) -> AxisNames:
     return self.batch + self.heads
 
-  def bthh(self) -> P:
-    """Spec of q/out/dout ``[B, T, N, H]`` and k/v/dk/dv ``[B, S, K, H]``."""
-    return P(_entry(self.batch), None, _entry(self.heads), None)
-
-  def bnt(self) -> P:
-    """Spec of the kernels' lse/dlse ``[B, N, T]``."""
-    return P(_entry(self.batch), _entry(self.heads), None)
-
-  def btn(self) -> P:
-    """Spec of the public lse ``[B, T, N]``."""
-    return P(_entry(self.batch), None, _entry(self.heads))
+  def spec(self, layout: str) -> P:
+    """The PartitionSpec of an operand with this layout (e.g. ``Q``, ``KV``, ``LSE``)."""
+    return P(*(_entry(self.batch) if c == "b" else _entry(self.heads) if c in "nk" else None
+               for c in layout))
 
 
-def plan(axis_sizes: Mapping[str, int], q_shape: Sequence[int], k_shape: Sequence[int], q_spec,
-         k_spec, v_spec) -> Plan:
-  """The local split of a call with q ``[B, T, N, H]`` and k/v ``[B, S, K, H]`` sharded by the given
-  PartitionSpecs over a mesh with ``axis_sizes``.
+def plan(axis_sizes: Mapping[str, int], shapes: Sequence[Sequence[int]], specs: Sequence,
+         layouts: Sequence[str] = (Q, KV, KV), names: Sequence[str] = QKV_NAMES) -> Plan:
+  """The local split of a call whose operands (shapes, layouts, names for the messages) are sharded
+  by ``specs`` over a mesh with ``axis_sizes``.
 
-  B and the heads keep the sharding of q (or of k/v where q's is replicated); everything else the
+  B and the heads keep the first sharding found among the operands (q's, else k's, ...); whatever the
   kernels cannot split is reported in ``problems`` and replicated.
   """
-  b, n, kh = q_shape[0], q_shape[2], k_shape[2]
-  named = {"query": _entries(q_spec, 4), "key": _entries(k_spec, 4), "value": _entries(v_spec, 4)}
+  dims = [_entries(spec, len(layout)) for spec, layout in zip(specs, layouts)]
   problems = []
-  for name, dims in named.items():
-    seq = "T" if name == "query" else "S"
-    if dims[1]:
-      problems.append(
-          f"{name} is sharded along its sequence axis {seq} (dim 1) over mesh axes "
-          f"({_show(dims[1])}): context parallelism (a sequence-sharded attention) is not supported")
-    if dims[3]:
-      problems.append(f"{name} is sharded along head_dim H (dim 3) over mesh axes "
-                      f"({_show(dims[3])}): each kernel tile needs whole rows of H")
+  sequence = [f"{name} is sharded along its {_WHAT[c]} (dim {i}) over {_show(d[i])}"
+              for name, layout, d in zip(names, layouts, dims)
+              for i, c in enumerate(layout) if c in "ts" and d[i]]
+  if sequence:
+    problems.append(", ".join(sequence) + ": context parallelism (a sequence-sharded attention) is "
+                    "not supported")
+  problems += [f"{name} is sharded along head_dim H (dim {i}) over {_show(d[i])}: each kernel tile "
+               "needs whole rows of H" for name, layout, d in zip(names, layouts, dims)
+               for i, c in enumerate(layout) if c == "h" and d[i]]
 
   def size(axes: AxisNames) -> int:
     return math.prod(axis_sizes[a] for a in axes)
 
-  def pick(dim: int) -> AxisNames:
-    return next((dims[dim] for dims in named.values() if dims[dim]), ())
+  def first(letters: str) -> tuple[AxisNames, str]:
+    """The first sharding of a dimension named by ``letters``, and whose it is."""
+    return next(((d[i], name) for name, layout, d in zip(names, layouts, dims)
+                 for i, c in enumerate(layout) if c in letters and d[i]), ((), ""))
 
-  batch = first_batch = pick(0)
-  if batch and b % size(batch):
-    problems.append(f"the batch axis B={b} is sharded over mesh axes ({_show(batch)}) of "
-                    f"{size(batch)} devices, which do not divide it")
+  def extent(letter: str) -> int | None:
+    return next((shape[layout.index(letter)] for shape, layout in zip(shapes, layouts)
+                 if letter in layout), None)
+
+  (batch, batch_of), (heads, heads_of) = first("b"), first("nk")
+  for name, layout, d in zip(names, layouts, dims):
+    for i, c in enumerate(layout):
+      want, of = (batch, batch_of) if c == "b" else (heads, heads_of) if c in "nk" else ((), "")
+      if c not in _WHOLE and d[i] and d[i] != want:
+        problems.append(f"{name} is sharded along its {_WHAT[c]} (dim {i}) over {_show(d[i])}, "
+                        f"but {of} over {_show(want)}")
+  b = extent("b")
+  if batch and b is not None and b % size(batch):
+    problems.append(f"the batch axis B={b} is sharded over {_show(batch)} ({size(batch)} devices), "
+                    "which does not divide it")
     batch = ()
-  heads = first_heads = pick(2)
   if heads and set(heads) & set(batch):
-    problems.append(f"mesh axes ({_show(heads)}) shard the heads of one operand and the batch axis "
-                    "of another")
+    problems.append(f"{_show(heads)} shards the heads of {heads_of} and the batch axis of {batch_of}")
     heads = ()
-  if heads and kh % size(heads):
+  n, kh = extent("n"), extent("k")
+  kh = n if kh is None else kh
+  if heads and kh is not None and kh % size(heads):
+    group = f" ({n // kh} query heads per KV head)" if n and n != kh else ""
     problems.append(
-        f"the heads are sharded over mesh axes ({_show(heads)}) of {size(heads)} devices, but the "
-        f"K={kh} key/value heads do not split into {size(heads)} equal parts: each device must hold "
-        f"whole GQA groups ({n // kh} query heads per KV head), so K must be a multiple of the "
-        "number of devices sharding the heads")
+        f"the heads are sharded over {_show(heads)} ({size(heads)} devices), but the K={kh} "
+        f"key/value heads do not split into {size(heads)} equal parts: each device must hold whole "
+        f"GQA groups{group}, so K must be a multiple of the number of devices sharding the heads")
     heads = ()
-  for name, dims in named.items():
-    for dim, first, what in ((0, first_batch, "batch axis B"), (2, first_heads, "head axis")):
-      if dims[dim] and dims[dim] != first:
-        problems.append(f"{name} is sharded along its {what} (dim {dim}) over mesh axes "
-                        f"({_show(dims[dim])}), unlike query/key ({_show(first)})")
   return Plan(batch, heads, tuple(dict.fromkeys(problems)))
 
 
@@ -166,117 +183,115 @@ def _explicit_spec(x) -> tuple[object, P] | None:
   mesh = getattr(sharding, "mesh", None)
   if mesh is None or not getattr(mesh, "axis_names", ()):
     return None
-  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
-              if t == jax.sharding.AxisType.Explicit}
-  dims = _entries(sharding.spec, x.ndim)
-  kept = [tuple(a for a in d if a in explicit) for d in dims]
+  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types) if t == AxisType.Explicit}
+  kept = [tuple(a for a in d if a in explicit) for d in _entries(sharding.spec, x.ndim)]
   if not any(kept):
     return None
   return mesh, P(*map(_entry, kept))
 
 
-def local_call(fn: Callable, q, k, v):
-  """``fn(q, k, v) -> (out [B, T, N, H], lse [B, T, N])``, run per device when Explicit mesh axes
-  shard q/k/v (a ``shard_map`` over the axes that shard B and the heads); ``fn(q, k, v)`` otherwise.
+def local_call(fn: Callable, arrays: Sequence, layouts: Sequence[str] = (Q, KV, KV),
+               out_layouts: Sequence[str] = (Q, LSE_PUBLIC), names: Sequence[str] = QKV_NAMES):
+  """``fn(*arrays)``, run per device (a ``shard_map``) when Explicit mesh axes shard the arrays;
+  called as is otherwise. ``arrays`` start with q, k, v; ``fn`` returns arrays of ``out_layouts``.
 
   Raises:
-    ValueError: an Explicit axis shards T, S or H, splits GQA groups, or shards q and k/v unlike.
+    ValueError: an Explicit axis shards T, S or H, splits GQA groups, or shards operands unalike.
   """
-  found = [_explicit_spec(x) for x in (q, k, v)]
+  found = [_explicit_spec(x) for x in arrays]
   if not any(found):
-    return fn(q, k, v)
+    return fn(*arrays)
   mesh = next(f[0] for f in found if f)
   specs = [f[1] if f else P() for f in found]
-  p = plan(dict(zip(mesh.axis_names, mesh.axis_shape)), q.shape, k.shape, *specs)
+  p = plan(dict(mesh.shape), [x.shape for x in arrays], specs, layouts, names)
   if p.problems:
     raise ValueError(
         "flash_attention cannot run these Explicit-sharded inputs locally: " + "; ".join(p.problems)
-        + ". Shard only the batch axis B and/or the heads (N of query, K of key/value, K a multiple "
-        "of the devices sharding them), e.g. jax.sharding.reshard(x, P('data', None, None, None)).")
-  spec = p.bthh()
-  # Operands replicated where the plan shards them are sliced locally (no communication).
-  q, k, v = (x if s == spec else jax.sharding.reshard(x, NamedSharding(mesh, spec))
-             for x, s in zip((q, k, v), specs))
-  # check_vma=False: every operand varies over every axis of the shard_map (they share one spec), so
-  # there is no replication to check; the Triton kernels in interpret mode are not VMA-typed inside.
-  return jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, p.btn()),
-                       axis_names=frozenset(p.axes), check_vma=False)(q, k, v)
+        + ". Shard only the batch axis B and the heads (N of query, K of key/value, K a multiple of "
+        "the devices sharding them), alike in query, key and value; jax.sharding.reshard the other "
+        "axes to replicated.")
+  in_specs = tuple(p.spec(layout) for layout in layouts)
+  # An operand replicated where the plan shards it is sliced locally (no communication).
+  arrays = [x if _entries(s, x.ndim) == _entries(want, x.ndim)
+            else jax.sharding.reshard(x, NamedSharding(mesh, want))
+            for x, s, want in zip(arrays, specs, in_specs)]
+  # Over every mesh axis not already manual: over fewer, the kernels' custom_partitioning would meet a
+  # partially manual partitioner. The operands vary over the plan's axes and are replicated over the
+  # others, whose devices compute the same blocks. check_vma=False: the kernels in interpret mode are
+  # not typed for varying manual axes.
+  free = frozenset(a for a, t in zip(mesh.axis_names, mesh.axis_types) if t != AxisType.Manual)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                       out_specs=tuple(p.spec(layout) for layout in out_layouts),
+                       axis_names=free, check_vma=False)(*arrays)
 
 
 # --- Auto mesh axes: custom_partitioning around each kernel call ----------------------------------
 
 
-def _auto_plan(mesh, arg_shapes) -> Plan:
-  """The plan from the shardings the compiler proposes for q, k, v (the first three operands),
-  warning about every sharding the kernels cannot keep (XLA gathers it)."""
-  q, k, v = arg_shapes[:3]
-  if not all(isinstance(a.sharding, NamedSharding) for a in (q, k, v)):
-    # No mesh to read the shardings against (e.g. GSPMD shardings without a mesh): replicate.
+def _auto_plan(mesh, arg_shapes, layouts) -> Plan:
+  """The plan from the shardings the compiler proposes for q, k, v (the first three operands: the
+  others, such as the backward's dout, are resharded to match), warning about every sharding the
+  kernels cannot keep (XLA gathers it)."""
+  qkv = arg_shapes[:3]
+  if not all(isinstance(a.sharding, NamedSharding) for a in qkv):
+    # No mesh to read the shardings against (GSPMD shardings without one): replicate.
     warnings.warn("flash_attention: the inputs' shardings name no mesh, so XLA gathers them and "
-                  "every device computes the whole call", stacklevel=2)
-    return Plan((), (), ("no mesh",))
-  p = plan(dict(mesh.shape), q.shape, k.shape, *(a.sharding.spec for a in (q, k, v)))
+                  "every device computes the whole call")
+    return Plan((), ())
+  p = plan(dict(mesh.shape), [a.shape for a in qkv], [a.sharding.spec for a in qkv], layouts[:3])
   if p.problems:
     warnings.warn(
         "flash_attention: " + "; ".join(p.problems) + ". XLA gathers these axes so that every "
         "device holds them whole before the kernel runs; shard only the batch axis B and/or the "
-        "heads to run it locally.", stacklevel=2)
+        "heads to run it locally.")
   return p
 
 
-def _partition_forward(kernel, st, mesh, arg_shapes, result_shape):
+def _partition(fn, in_layouts, out_layouts, mesh, arg_shapes, result_shape):
   del result_shape
-  p = _auto_plan(mesh, arg_shapes)
-  io, lse = NamedSharding(mesh, p.bthh()), NamedSharding(mesh, p.bnt())
-  return mesh, lambda q, k, v: kernel(q, k, v, st), (io, lse), (io, io, io)
+  p = _auto_plan(mesh, arg_shapes, in_layouts)
+  shard = lambda layout: NamedSharding(mesh, p.spec(layout))
+  return (mesh, lambda *arrays: tuple(fn(*arrays)), tuple(map(shard, out_layouts)),
+          tuple(map(shard, in_layouts)))
 
 
-def _partition_backward(kernel, st, mesh, arg_shapes, result_shape):
-  del result_shape
-  p = _auto_plan(mesh, arg_shapes)
-  io, lse = NamedSharding(mesh, p.bthh()), NamedSharding(mesh, p.bnt())
-  return (mesh, lambda *arrays: tuple(kernel(st, *arrays)), (io, io, io),
-          (io, io, io, io, lse, io, lse))
+def _rule(fn, in_layouts, out_layouts, mesh, value_types, result_types):
+  """The Shardy rule, e.g. ``b t n h, b s k h, b s k h -> b t n h, b n t``. The query heads N and
+  the KV heads K are separate factors: relating them as N = (K G) would let propagation split K over
+  part of a mesh axis (K % devices != 0), a sharding no PartitionSpec names; the partition callback
+  shards K with N itself. T, S and H must stay whole (need-replication factors, listed in the order
+  the rule first names them, as Shardy requires)."""
+  del fn, mesh, value_types, result_types
+  side = lambda layouts: ", ".join(" ".join(layout) for layout in layouts)
+  order = dict.fromkeys("".join((*in_layouts, *out_layouts)))
+  return (f"{side(in_layouts)} -> {side(out_layouts)}",
+          dict(need_replication_factors=tuple(c for c in order if c in _WHOLE)))
 
 
-# Shardy sharding rules. The query heads N and the KV heads K are separate factors: relating them as
-# N = (K G) would let propagation split K over part of a mesh axis (K % devices != 0), a sharding no
-# PartitionSpec can name; the partition callback shards K with N itself. T, S and H must stay whole.
-_Q, _KV, _LSE = "b t n h", "b s k h", "b n t"  # q/out/dout; k/v; lse/dlse [B, N, T]
-_WHOLE = ("t", "h", "s")  # need-replication factors, in the order the rule first names them
-_FORWARD_RULE = f"{_Q}, {_KV}, {_KV} -> {_Q}, {_LSE}"  # q, k, v -> out, lse
-# q, k, v, out, lse, dout, dlse -> dq, dk, dv
-_BACKWARD_RULE = f"{_Q}, {_KV}, {_KV}, {_Q}, {_LSE}, {_Q}, {_LSE} -> {_Q}, {_KV}, {_KV}"
+@functools.partial(custom_partitioning, static_argnums=(0, 1, 2))
+def _partitioned(fn, in_layouts, out_layouts, *arrays):
+  del in_layouts, out_layouts
+  return tuple(fn(*arrays))
 
 
-@functools.partial(custom_partitioning, static_argnums=(0, 1))
-def _forward_partitioned(kernel, st, q, k, v):
-  return kernel(q, k, v, st)
+_partitioned.def_partition(_partition, sharding_rule=_rule)
 
 
-@functools.partial(custom_partitioning, static_argnums=(0, 1))
-def _backward_partitioned(kernel, st, *arrays):
-  return tuple(kernel(st, *arrays))
-
-
-_forward_partitioned.def_partition(_partition_forward, sharding_rule=_FORWARD_RULE,
-                                   need_replication_factors=_WHOLE)
-_backward_partitioned.def_partition(_partition_backward, sharding_rule=_BACKWARD_RULE,
-                                    need_replication_factors=_WHOLE)
-
-
-def _wrap(plain: Callable, partitioned: Callable, *arrays):
-  """``partitioned(*arrays)``, which batches (vmap) and differentiates (jvp) as ``plain`` does:
-  ``custom_partitioning`` has neither rule of its own."""
+def partitioned(fn: Callable, arrays: Sequence, in_layouts: Sequence[str],
+                out_layouts: Sequence[str]):
+  """``fn(*arrays)`` (a tuple of arrays of ``out_layouts``), partitioned over Auto mesh axes by the
+  plan of q, k, v (``arrays[:3]``). It batches (vmap) and differentiates (jvp) as ``fn`` does:
+  ``custom_partitioning`` has neither rule of its own. ``fn`` is a static argument: hashable."""
+  in_layouts, out_layouts = tuple(in_layouts), tuple(out_layouts)
 
   @jax.custom_batching.custom_vmap
   def call(*xs):
-    return partitioned(*xs)
+    return _partitioned(fn, in_layouts, out_layouts, *xs)
 
   @call.def_vmap
   def _vmap(axis_size, in_batched, *xs):
     del axis_size
-    outs = jax.vmap(plain, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
+    outs = jax.vmap(fn, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
     return outs, jax.tree.map(lambda _: True, outs)
 
   @jax.custom_jvp
@@ -285,20 +300,25 @@ def _wrap(plain: Callable, partitioned: Callable, *arrays):
 
   @differentiable.defjvp
   def _jvp(primals, tangents):
-    return jax.jvp(plain, primals, tangents)
+    return jax.jvp(fn, primals, tangents)
 
   return differentiable(*arrays)
 
 
 def forward(kernel: Callable, q, k, v, st):
-  """``kernel(q, k, v, st) -> (out, lse [B, N, T])``, partitioned over Auto mesh axes along B and
-  the heads."""
-  return _wrap(lambda q, k, v: kernel(q, k, v, st),
-               functools.partial(_forward_partitioned, kernel, st), q, k, v)
+  """``kernel(q, k, v, st) -> (out [B, T, N, H], lse [B, N, T])``, partitioned."""
+  return partitioned(functools.partial(_call_forward, kernel, st), (q, k, v), (Q, KV, KV), (Q, LSE))
 
 
 def backward(kernel: Callable, st, q, k, v, out, lse, dout, dlse):
-  """``kernel(st, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)``, partitioned like
-  :func:`forward`."""
-  return _wrap(lambda *a: tuple(kernel(st, *a)),
-               functools.partial(_backward_partitioned, kernel, st), q, k, v, out, lse, dout, dlse)
+  """``kernel(st, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)``, partitioned."""
+  return partitioned(functools.partial(_call_backward, kernel, st), (q, k, v, out, lse, dout, dlse),
+                     (Q, KV, KV, Q, LSE, Q, LSE), (Q, KV, KV))
+
+
+def _call_forward(kernel, st, q, k, v):
+  return tuple(kernel(q, k, v, st))
+
+
+def _call_backward(kernel, st, *arrays):
+  return tuple(kernel(st, *arrays))

@@ -1,0 +1,369 @@
+"""flash_attention on sharded arrays under jax.jit (fa2_jax.sharding): batch- and head-sharded calls run
+locally on each device, forward and backward, with Auto and Explicit mesh axes; sequence-sharded calls
+are refused (Explicit) or gathered with a warning (Auto).
+
+The evidence of "locally" is the compiled HLO: no all-gather, all-to-all, collective-permute or
+reduce-scatter, and no all-reduce of anything but a scalar. Without the partitioning rule the same
+jit(grad) compiles to 9 all-gathers of q/k/v and their residuals on these shapes.
+
+CPU: the Triton kernels in interpret mode on the 4 CPU devices of conftest.py; the Mosaic kernels by
+lowering for a Hopper GPU (no GPU needed). The ``gpu`` test compiles both on 2+ GPUs.
+"""
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import fa2_jax
+from fa2_jax import attention, dispatch, sharding
+from conftest import on_gpu
+
+INTERPRET = None if on_gpu() else True
+flash = functools.partial(fa2_jax.flash_attention, implementation="triton", interpret=INTERPRET)
+needs4 = pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 devices (conftest sets 4 CPUs)")
+
+# [B, T, N, H] / [B, S, K, H]: B and K divisible by 2 and B by 4; N = 2 K (GQA); T != S.
+B, T, S, N, K, H = 4, 16, 24, 4, 2, 16
+COLLECTIVE = re.compile(
+    r"=\s*(.*?)\s+(all-gather|all-to-all|collective-permute|reduce-scatter|all-reduce)(?:-start)?\(")
+
+
+def _qkv(seed=0, dtype=jnp.float32):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dtype)
+  return q, k, v
+
+
+def _loss(fn):
+  return lambda q, k, v: jnp.sum(jnp.tanh(fn(q, k, v, is_causal=True).astype(jnp.float32)))
+
+
+def _reference(q, k, v):
+  """Unsharded loss and gradients through the formula."""
+  return jax.value_and_grad(_loss(fa2_jax.reference_attention), argnums=(0, 1, 2))(q, k, v)
+
+
+def _collectives(hlo: str) -> list[tuple[str, str]]:
+  """(op, result shape) of every collective in compiled HLO text."""
+  return [(m.group(2), m.group(1)) for m in map(COLLECTIVE.search, hlo.splitlines()) if m]
+
+
+def _assert_local(hlo: str):
+  """No collective moves activations: at most all-reduces of scalars (the loss)."""
+  moving = [(op, shape) for op, shape in _collectives(hlo)
+            if op != "all-reduce" or not re.fullmatch(r"\(?f32\[\](, f32\[\])*\)?", shape)]
+  assert not moving, moving
+
+
+def _check(got, want, atol=2e-5):
+  (loss, grads), (loss_ref, grads_ref) = got, want
+  np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+  for a, b in zip(grads, grads_ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=1e-4)
+
+
+def _mesh(shape, names, kind):
+  devices = jax.devices()[:int(np.prod(shape))]
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(shape), devices=devices)
+
+
+# --- the plan, without compiling -------------------------------------------------------------------
+
+SIZES = {"data": 2, "model": 2, "all": 4}
+
+
+def _plan(q_spec, k_spec, v_spec=None, kh=K):
+  return sharding.plan(SIZES, [(B, T, N, H), (B, S, kh, H), (B, S, kh, H)],
+                       [q_spec, k_spec, k_spec if v_spec is None else v_spec])
+
+
+def test_plan_keeps_batch_and_heads():
+  p = _plan(P("data", None, "model", None), P("data", None, "model", None))
+  assert (p.batch, p.heads, p.problems) == (("data",), ("model",), ())
+  assert p.spec(sharding.Q) == P("data", None, "model", None)
+  assert p.spec(sharding.LSE) == P("data", "model", None)
+  # Replicated k/v take q's sharding (a local slice); a sharding of k/v alone is taken too.
+  assert _plan(P("data"), P()) == sharding.Plan(("data",), ())
+  assert _plan(P(), P(None, None, "model")) == sharding.Plan((), ("model",))
+
+
+@pytest.mark.parametrize("q_spec, k_spec, kh, match", [
+    (P(None, "data"), P(), K, "query is sharded along its sequence axis T .* context parallelism"),
+    (P(), P(None, "model"), K, "key is sharded along its sequence axis S .*, value is sharded along "
+     "its sequence axis S .* context parallelism"),
+    (P(None, None, None, "data"), P(), K, "query is sharded along head_dim H"),
+    (P(None, None, "all"), P(), K, r"K=2 key/value heads do not split into 4 .* whole GQA groups"),
+    (P(None, None, "model"), P(), 1, "K=1 key/value heads do not split into 2"),  # MQA
+    (P("data"), P("model"), K, "key is sharded along its batch axis B .* but query over mesh axis "
+     "'data'"),
+])
+def test_plan_reports_what_it_cannot_keep(q_spec, k_spec, kh, match):
+  p = _plan(q_spec, k_spec, kh=kh)
+  assert re.search(match, "; ".join(p.problems)), p.problems
+  assert not set(p.axes) & {"all"}  # a refused sharding is replicated, never kept
+
+
+def test_plan_covers_operands_by_layout():
+  """Further operands (per-row lengths "b", per-head slopes "n") follow the plan through their
+  layouts, and their own shardings are checked like q/k/v's."""
+  shapes = [(B, T, N, H), (B, S, K, H), (B, S, K, H), (B,), (N,)]
+  layouts = (sharding.Q, sharding.KV, sharding.KV, "b", "n")
+  names = (*sharding.QKV_NAMES, "lengths", "slopes")
+  qkv = [P("data", None, "model")] * 3
+  p = sharding.plan(SIZES, shapes, qkv + [P(), P("model")], layouts, names)
+  assert not p.problems and (p.spec("b"), p.spec("n")) == (P("data"), P("model"))
+  p = sharding.plan(SIZES, shapes, qkv + [P("model"), P()], layouts, names)
+  assert p.problems == ("lengths is sharded along its batch axis B (dim 0) over mesh axis 'model', "
+                        "but query over mesh axis 'data'",)
+  rule, kw = sharding._rule(None, layouts, (sharding.Q,), None, None, None)
+  assert rule == "b t n h, b s k h, b s k h, b, n -> b t n h"
+  assert kw == dict(need_replication_factors=("t", "h", "s"))
+
+
+# --- Auto mesh axes: custom_partitioning ------------------------------------------------------------
+
+@needs4
+def test_auto_batch_sharded_grad_runs_locally():
+  """device_put with a NamedSharding over B: jit(value_and_grad) compiles with no collective of the
+  activations, keeps B sharded in the gradients, and matches the unsharded formula."""
+  mesh = _mesh((4,), ("data",), AxisType.Auto)
+  q, k, v = _qkv()
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data")))
+  fn = jax.jit(jax.value_and_grad(_loss(flash), argnums=(0, 1, 2)))
+  args = tuple(map(put, (q, k, v)))
+  compiled = fn.lower(*args).compile()
+  _assert_local(compiled.as_text())
+  got = compiled(*args)
+  _check(got, _reference(q, k, v))
+  for g in got[1]:
+    assert g.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 4), g.sharding
+
+
+@needs4
+@pytest.mark.parametrize("shape, names, spec", [
+    ((2, 2), ("data", "model"), P("data", None, "model", None)),  # batch and heads
+    ((2,), ("model",), P(None, None, "model", None)),  # heads only: one KV head per device
+])
+def test_auto_head_sharded_grad_runs_locally(shape, names, spec):
+  """jit with in_shardings/out_shardings over the heads (GQA: N = 4 query heads, K = 2 KV heads)."""
+  mesh = _mesh(shape, names, AxisType.Auto)
+  q, k, v = _qkv(seed=1)
+  s = NamedSharding(mesh, spec)
+  fn = jax.jit(jax.value_and_grad(_loss(flash), argnums=(0, 1, 2)), in_shardings=(s, s, s),
+               out_shardings=(NamedSharding(mesh, P()), (s, s, s)))
+  compiled = fn.lower(q, k, v).compile()
+  _assert_local(compiled.as_text())
+  _check(compiled(q, k, v), _reference(q, k, v))
+
+
+@needs4
+def test_auto_forward_output_keeps_the_sharding():
+  mesh = _mesh((2, 2), ("data", "model"), AxisType.Auto)
+  q, k, v = _qkv(seed=2)
+  s = NamedSharding(mesh, P("data", None, "model", None))
+  fn = jax.jit(lambda a, b, c: flash(a, b, c, is_causal=True, return_residual=True),
+               in_shardings=(s, s, s))
+  compiled = fn.lower(q, k, v).compile()
+  assert not _collectives(compiled.as_text())
+  out, lse = compiled(*(jax.device_put(x, s) for x in (q, k, v)))
+  out_ref, lse_ref = fa2_jax.reference_attention(q, k, v, is_causal=True, return_residual=True)
+  np.testing.assert_allclose(out, out_ref, atol=2e-5)
+  np.testing.assert_allclose(lse, lse_ref, atol=2e-5)
+  assert out.sharding.is_equivalent_to(s, 4)
+  assert lse.sharding.is_equivalent_to(NamedSharding(mesh, P("data", None, "model")), 3)
+
+
+@needs4
+@pytest.mark.parametrize("q_spec, k_spec, match", [
+    (P(None, "data"), P(None, "data"), "query is sharded along its sequence axis T .* key is sharded "
+     "along its sequence axis S .* context parallelism"),
+    (P(None, None, "data"), P(), "whole GQA groups"),  # 4 devices over K = 2 KV heads
+])
+def test_auto_unsupported_sharding_is_gathered_with_a_warning(q_spec, k_spec, match):
+  """Under Auto axes the compiler's callback cannot raise a readable error: XLA gathers the axis, the
+  result is correct, and a UserWarning says what was gathered and why."""
+  mesh = _mesh((4,), ("data",), AxisType.Auto)
+  q, k, v = _qkv(seed=3)
+  qs, ks = NamedSharding(mesh, q_spec), NamedSharding(mesh, k_spec)
+  fn = jax.jit(jax.value_and_grad(_loss(flash), argnums=(0, 1, 2)), in_shardings=(qs, ks, ks))
+  with pytest.warns(UserWarning, match=match):
+    compiled = fn.lower(q, k, v).compile()
+  assert any(op == "all-gather" for op, _ in _collectives(compiled.as_text()))
+  _check(compiled(jax.device_put(q, qs), jax.device_put(k, ks), jax.device_put(v, ks)),
+         _reference(q, k, v))
+
+
+# --- Explicit mesh axes: shard_map at trace time ----------------------------------------------------
+
+@needs4
+def test_explicit_mesh_batch_and_heads():
+  """jax.set_mesh with Explicit axes: the call used to fail ("sharded ref ... can only be sliced along
+  unsharded axes"); now it runs per device, typed with the inputs' sharding, with no collective."""
+  mesh = _mesh((2, 2), ("data", "model"), AxisType.Explicit)
+  q, k, v = _qkv(seed=4)
+  spec = P("data", None, "model", None)
+  with jax.set_mesh(mesh):
+    args = tuple(jax.device_put(x, spec) for x in (q, k, v))
+    out = jax.jit(lambda a, b, c: flash(a, b, c, is_causal=True))(*args)
+    assert jax.typeof(out).sharding.spec == spec
+    compiled = jax.jit(jax.value_and_grad(_loss(flash), argnums=(0, 1, 2))).lower(*args).compile()
+    _assert_local(compiled.as_text())
+    got = compiled(*args)
+  np.testing.assert_allclose(out, fa2_jax.reference_attention(q, k, v, is_causal=True), atol=2e-5)
+  _check(got, _reference(q, k, v))
+  assert all(jax.typeof(g).sharding.spec == spec for g in got[1])
+
+
+@needs4
+def test_explicit_mesh_replicated_kv_and_eager():
+  """q sharded over B, k/v replicated: k/v are sliced locally; their gradients come back replicated
+  (gathered, as their type says). Also outside jit."""
+  mesh = _mesh((4,), ("data",), AxisType.Explicit)
+  q, k, v = _qkv(seed=5)
+  with jax.set_mesh(mesh):
+    qs = jax.device_put(q, P("data"))
+    ks, vs = jax.device_put(k, P()), jax.device_put(v, P())
+    got = jax.jit(jax.value_and_grad(_loss(flash), argnums=(0, 1, 2)))(qs, ks, vs)
+    eager = flash(qs, ks, vs, is_causal=True)
+  _check(got, _reference(q, k, v))
+  assert jax.typeof(got[1][1]).sharding.spec == P(None, None, None, None)
+  np.testing.assert_allclose(eager, fa2_jax.reference_attention(q, k, v, is_causal=True),
+                             atol=2e-5)
+
+
+@needs4
+@pytest.mark.parametrize("q_spec, k_spec, match", [
+    (P(), P(None, "data"), r"key is sharded along its sequence axis S \(dim 1\) over mesh axis "
+     r"'data'.* context parallelism \(a sequence-sharded attention\) is not supported"),
+    (P(None, "data"), P(None, "data"), "query is sharded along its sequence axis T"),
+    (P(None, None, None, "data"), P(), "head_dim H"),
+    (P(None, None, "data"), P(), "whole GQA groups"),  # 4 devices over K = 2 KV heads
+])
+def test_explicit_mesh_unsupported_sharding_raises(q_spec, k_spec, match):
+  mesh = _mesh((4,), ("data",), AxisType.Explicit)
+  q, k, v = _qkv(seed=6)
+  with jax.set_mesh(mesh):
+    args = jax.device_put(q, q_spec), jax.device_put(k, k_spec), jax.device_put(v, k_spec)
+    with pytest.raises(ValueError, match=match):
+      jax.jit(lambda a, b, c: flash(a, b, c))(*args)
+
+
+# --- existing call sites: shard_map, and the Mosaic kernels by lowering ------------------------------
+
+def _primitives(jaxpr) -> list[str]:
+  names = []
+  for eqn in jaxpr.eqns:
+    names.append(eqn.primitive.name)
+    for value in eqn.params.values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(item, jax.extend.core.ClosedJaxpr):
+          names += _primitives(item.jaxpr)
+        elif isinstance(item, jax.extend.core.Jaxpr):
+          names += _primitives(item)
+  return names
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+  """The dispatcher believes it runs on an H200: the Mosaic kernels trace and lower for "cuda"."""
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: (9, 0))
+
+
+@needs4
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+def test_inside_shard_map_nothing_is_added(fake_hopper, impl):
+  """Inside a user's shard_map (check_vma=True) the arrays are already local: no second shard_map,
+  and custom_partitioning lowers straight to the kernels (no partitioner custom call)."""
+  mesh = _mesh((4,), ("data",), AxisType.Explicit)
+  spec = P("data", None, None, None)
+  local = lambda a, b, c: jax.grad(_loss(functools.partial(
+      fa2_jax.flash_attention, implementation=impl)), argnums=(0, 1, 2))(a, b, c)
+  sm = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec,) * 3,
+                             check_vma=True))
+  q = jax.ShapeDtypeStruct((4, 256, 4, 128), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+  k = jax.ShapeDtypeStruct((4, 256, 2, 128), jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+  traced = sm.trace(q, k, k)
+  assert _primitives(traced.jaxpr.jaxpr).count("shard_map") == 1
+  if impl == "mosaic":  # the Triton lowering needs the GPU's description (tests/test_lowering.py)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "CustomSPMDPartitioning" not in text and "all_gather" not in text
+
+
+def _mosaic_static(h=128, causal=False):
+  return attention._Static(h ** -0.5, causal, "mosaic", False, False)
+
+
+@pytest.mark.parametrize("causal", [True, False])  # non-causal: the fused-dQ (custom_vmap) backward
+def test_mosaic_partition_callbacks_lower_local_blocks(fake_hopper, causal):
+  """The Auto path for the Mosaic kernels, short of compiling: the partition callbacks keep B and
+  the heads sharded and their per-device functions lower for a Hopper GPU at the local shapes."""
+  from fa2_jax.sharding import KV, LSE, Q
+  mesh = _mesh((2, 2), ("data", "model"), AxisType.Auto)
+  b, t, n, kh, h = 4, 256, 8, 4, 128
+  io = NamedSharding(mesh, P("data", None, "model", None))
+  lse = NamedSharding(mesh, P("data", "model", None))
+  sds = lambda shape, s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
+  q, kv = sds((b, t, n, h), io), sds((b, t, kh, h), io)
+  lse_sds = sds((b, n, t), lse, jnp.float32)
+  st = _mosaic_static(h, causal)
+  for fn, args, layouts, out_layouts, want_outs in [
+      (functools.partial(sharding._call_forward, attention._forward, st), (q, kv, kv),
+       (Q, KV, KV), (Q, LSE), (io, lse)),
+      (functools.partial(sharding._call_backward, attention._backward, st),
+       (q, kv, kv, q, lse_sds, q, lse_sds), (Q, KV, KV, Q, LSE, Q, LSE), (Q, KV, KV), (io,) * 3)]:
+    _, local_fn, outs, ins = sharding._partition(fn, layouts, out_layouts, mesh, args, None)
+    assert ins == tuple(a.sharding for a in args) and outs == want_outs
+    local = [jax.ShapeDtypeStruct(s.shard_shape(a.shape), a.dtype) for a, s in zip(args, ins)]
+    text = jax.jit(local_fn).trace(*local).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@needs4
+def test_mosaic_jit_grad_lowers_with_partitioning_rules(fake_hopper):
+  """jit(grad) of the Mosaic kernels on Auto-sharded inputs lowers with one partitioned custom call
+  for the forward and one for the backward, each carrying its Shardy rule."""
+  mesh = _mesh((4,), ("data",), AxisType.Auto)
+  s = NamedSharding(mesh, P("data", None, None, None))
+  q = jax.ShapeDtypeStruct((4, 256, 4, 128), jnp.bfloat16, sharding=s)
+  k = jax.ShapeDtypeStruct((4, 256, 2, 128), jnp.bfloat16, sharding=s)
+  fn = jax.jit(jax.grad(_loss(functools.partial(fa2_jax.flash_attention, implementation="mosaic")),
+                        argnums=(0, 1, 2)))
+  text = fn.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("custom_call @CustomSPMDPartitioning(") == 2
+  assert text.count("sdy.sharding_rule") == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2+ GPUs")
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("impl", [None, "triton"])  # None: Mosaic on Hopper, else Triton
+def test_compiled_batch_sharded_grad_runs_locally_gpu(impl, kind):
+  """Compiled kernels on every GPU: batch-sharded jit(value_and_grad) has no collective of the
+  activations and matches the single-device call of the same kernels."""
+  nd = len(jax.devices())
+  mesh = jax.make_mesh((nd,), ("data",), axis_types=(kind,))
+  ks = jax.random.split(jax.random.key(7), 3)
+  q = jax.random.normal(ks[0], (2 * nd, 512, 8, 128), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(ks[1], (2 * nd, 768, 2, 128), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[2], (2 * nd, 768, 2, 128), jnp.float32).astype(jnp.bfloat16)
+  fn = jax.jit(jax.value_and_grad(_loss(functools.partial(fa2_jax.flash_attention,
+                                                          implementation=impl)),
+                                  argnums=(0, 1, 2)))
+  one = jax.devices()[0]
+  want = fn(*(jax.device_put(x, one) for x in (q, k, v)))
+  with jax.set_mesh(mesh):
+    args = tuple(jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, k, v))
+    compiled = fn.lower(*args).compile()
+    got = compiled(*args)
+  _assert_local(compiled.as_text())
+  _check(got, want, atol=1e-2)
