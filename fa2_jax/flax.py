@@ -18,10 +18,15 @@ Flax is an optional dependency; importing :mod:`fa2_jax` does not import it, thi
     fa2_flax.NnxCausalSelfAttention(512, num_heads=8, num_kv_heads=2, head_dim=64, rngs=nnx.Rngs(0))
 
 The kernel takes causal masking only as the ``is_causal`` flag: it never sees a dense ``[T, S]``
-mask. Calls the kernel cannot honour exactly (a dense ``mask``, a ``bias``, attention dropout,
-``sow_weights``, custom einsums, a value head_dim different from the query's, float64) are computed
-with flax's own ``dot_product_attention`` instead, after a one-time
-:class:`FlashAttentionFallbackWarning`: the math never changes silently.
+mask. A ``mask`` whose values are known while tracing (a concrete array, not one computed inside
+``jax.jit``) and that provably equals no mask or the causal mask (e.g. ``nn.make_causal_mask(x)``
+built eagerly, or a padding mask without padding) is replaced by the flag and runs the kernel.
+Calls the kernel cannot honour exactly (any other mask: padding, a ``decode=True`` cache, a traced
+mask; a ``bias``, attention dropout, ``sow_weights``, custom einsums, a value head_dim different
+from the query's, float64) are computed with flax's own ``dot_product_attention`` instead, after a
+one-time :class:`FlashAttentionFallbackWarning` that names what to pass to run the kernel, where
+such an argument exists: the math never changes silently. Fully masked query rows (padding) get
+flax's finite value, never NaN.
 """
 from __future__ import annotations
 
@@ -34,13 +39,14 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from .attention import flash_attention
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .validation import DTYPES as _KERNEL_DTYPES
-from .validation import check_options
+from .validation import check_bool, check_options, is_static_dim
 
 __all__ = [
     "attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning", "rotary_embedding",
@@ -52,81 +58,198 @@ class FlashAttentionFallbackWarning(UserWarning):
   """A call to :func:`attention_fn` was computed with flax's formula instead of the kernel."""
 
 
-_warned: set[str] = set()  # fallback reasons already reported (one warning per reason per process)
+_warned: set[str] = set()  # fallback messages already reported (one warning per reason per process)
+
+# What to pass instead of a causal mask, in each flax API.
+_CAUSAL_FLAG = ("pass is_causal=True and no mask instead (nnx: layer(x, is_causal=True); linen: "
+                "attention_fn=fa2_jax.flax.make_attention_fn(is_causal=True))")
+# Padding and decode-cache masks have no kernel argument (no per-sequence lengths) yet.
+_NO_MASK_ARGUMENT = ("Padding and decode-cache masks have no kernel equivalent yet: dense masks "
+                     "run the XLA formula.")
 
 
-def _warn_once(reason: str) -> None:
-  if reason in _warned:
+def _warn_once(reason: str, advice: str) -> None:
+  message = (f"fa2_jax.flax.attention_fn: {reason}; the FlashAttention kernel cannot honour this, "
+             f"so the call uses flax's dot_product_attention formula (the same math, with O(T*S) "
+             f"memory). {advice}")
+  if message in _warned:
     return
-  _warned.add(reason)
-  warnings.warn(
-      f"fa2_jax.flax.attention_fn: {reason}; the FlashAttention kernel cannot honour this, so the "
-      "call uses flax's dot_product_attention formula (the same math, with O(T*S) memory). For "
-      "causal attention pass is_causal=True (nnx), make_attention_fn(is_causal=True) (linen) or "
-      "use fa2_jax.flax.CausalSelfAttention instead of a dense causal mask.",
-      FlashAttentionFallbackWarning, stacklevel=3)
+  _warned.add(message)
+  warnings.warn(message, FlashAttentionFallbackWarning, stacklevel=3)
 
 
-def _fallback_reason(query, value, dtype, bias, mask, dropout_rate, deterministic, module, einsums,
-                     extra) -> str | None:
-  """Why this call cannot run on the kernel, or None when it can."""
-  if mask is not None:
-    return "a dense `mask` was passed"
+def _check_arrays(query, key, value, bias, mask) -> None:
+  """Shapes flax's layers produce; anything else raises an error naming the argument."""
+  for name, x in (("query", query), ("key", key), ("value", value), ("bias", bias),
+                  ("mask", mask)):
+    if x is not None and (not hasattr(x, "shape") or not hasattr(x, "dtype")):
+      raise TypeError(f"{name} must be a jax/numpy array, got {type(x).__name__}")
+  if query.ndim < 3:
+    raise ValueError(f"query must be [batch..., q_length, num_heads, head_dim] (rank >= 3), got "
+                     f"shape {tuple(query.shape)}")
+  for name, x in (("key", key), ("value", value)):
+    if x.ndim != query.ndim:
+      raise ValueError(f"{name} must have the rank of query ({query.ndim}: [batch..., kv_length, "
+                       f"num_kv_heads, head_dim]), got shape {tuple(x.shape)}")
+  if key.shape[:-1] != value.shape[:-1]:
+    raise ValueError(f"key and value must share [batch..., kv_length, num_kv_heads], got shapes "
+                     f"{tuple(key.shape)} and {tuple(value.shape)}")
+  if key.shape[:-3] != query.shape[:-3]:
+    raise ValueError(f"key/value batch dims {tuple(key.shape[:-3])} must equal query's "
+                     f"{tuple(query.shape[:-3])}")
+  if key.shape[-1] != query.shape[-1]:
+    raise ValueError(f"key head_dim {key.shape[-1]} must equal query head_dim {query.shape[-1]}")
+  n, kh = query.shape[-2], key.shape[-2]
+  if is_static_dim(n) and is_static_dim(kh) and (kh < 1 or n % kh):
+    raise ValueError(f"query num_heads ({n}) must be a multiple of key/value num_heads ({kh}) "
+                     "(fewer key/value heads is grouped-query attention)")
+  logits = (*query.shape[:-3], n, query.shape[-3], key.shape[-3])  # [batch..., N, T, S]
+  for name, x in (("mask", mask), ("bias", bias)):
+    if x is None:
+      continue
+    try:
+      fits = jnp.broadcast_shapes(tuple(x.shape), logits) == logits
+    except ValueError:
+      fits = False
+    if not fits:
+      raise ValueError(f"{name} must broadcast to [batch..., num_heads, q_length, kv_length] = "
+                       f"{logits}, got shape {tuple(x.shape)}")
+
+
+def _check_dropout(dropout_rate, deterministic, dropout_rng) -> None:
+  if isinstance(dropout_rate, jax.core.Tracer):
+    return
+  if isinstance(dropout_rate, (np.ndarray, jax.Array)) and dropout_rate.shape == ():
+    dropout_rate = dropout_rate.item()
+  if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float, np.number)):
+    raise TypeError(f"dropout_rate must be a float in [0, 1), got {type(dropout_rate).__name__} "
+                    f"{dropout_rate!r}")
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+  if dropout_rate > 0.0 and deterministic is False and dropout_rng is None:
+    raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng")
+
+
+def _fallback_reason(query, value, dtype, bias, dropout_rate, deterministic, module, einsums,
+                     extra) -> tuple[str, str] | None:
+  """Why this call cannot run on the kernel and what to pass instead, or None when it can.
+
+  The mask is judged separately (:func:`_mask_as_flag`): only this call's other arguments here.
+  """
   if bias is not None:
-    return "an attention `bias` was passed"
+    return ("an attention `bias` was passed",
+            "The kernel takes no bias: dense biases run the XLA formula.")
   if dropout_rate > 0.0 and not deterministic:
-    return f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) was asked for"
+    return (f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) was asked for",
+            "The kernel has no attention dropout: pass deterministic=True (or dropout_rate=0.0) "
+            "to run it.")
   if module is not None:
-    return "the attention weights are to be sown (sow_weights=True / module=...)"
+    return ("the attention weights are to be sown (sow_weights=True / module=...)",
+            "The kernel never forms the weights: call without sow_weights to run it.")
   if any(e is not None for e in einsums):
-    return "custom attention einsums were passed"
+    return ("custom attention einsums were passed",
+            "Leave qk_attn_weights_einsum / attn_weights_value_einsum unset to run the kernel.")
   if extra:
-    return f"unsupported arguments {sorted(extra)} were passed"
+    return (f"unsupported arguments {sorted(extra)} were passed",
+            "Leave them unset (None) to run the kernel.")
   if value.shape[-1] != query.shape[-1]:
     return (f"value head_dim {value.shape[-1]} differs from the query/key head_dim "
-            f"{query.shape[-1]}")
+            f"{query.shape[-1]}", "The kernel needs one head_dim for query, key and value.")
   if jnp.dtype(dtype) not in _KERNEL_DTYPES:
-    return f"dtype {jnp.dtype(dtype)} is not bfloat16, float16 or float32"
-  if query.ndim < 3:
-    return f"query has rank {query.ndim}, not [batch..., length, heads, head_dim]"
+    return (f"dtype {jnp.dtype(dtype)} is not bfloat16, float16 or float32",
+            "Pass dtype=jnp.float32 (or bfloat16/float16) to run the kernel.")
   return None
 
 
+def _mask_reason(mask, is_causal: bool) -> tuple[str, str]:
+  """The fallback warning for a mask that :func:`_mask_as_flag` could not replace by the flag."""
+  if _values_known(mask):
+    return ("a dense `mask` that is neither all-True nor the causal mask was passed (padding, a "
+            "decode cache or another pattern)", _NO_MASK_ARGUMENT)
+  if is_causal:
+    return ("a dense `mask` was passed with is_causal=True, traced (its values are unknown while "
+            "tracing)",
+            "The causal part needs no mask: if the mask only repeats the causal mask, pass "
+            f"mask=None to run the kernel. {_NO_MASK_ARGUMENT}")
+  return ("a dense `mask` was passed, traced (its values are unknown while tracing)",
+          f"If it is a causal mask, {_CAUSAL_FLAG}. {_NO_MASK_ARGUMENT}")
+
+
+def _values_known(x) -> bool:
+  """Whether ``x``'s values can be read while tracing (a concrete array, not a tracer)."""
+  if isinstance(x, jax.core.Tracer):
+    return False
+  return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+def _mask_as_flag(mask, is_causal: bool, t: int, s: int) -> bool | None:
+  """The kernel's ``is_causal`` that computes exactly what ``mask`` (AND the flag) does, or None.
+
+  Only for masks whose values are known while tracing; flax attends where the mask is nonzero.
+  A mask that allows every pair (the flag's causal pairs, with ``is_causal``) is dropped; one that
+  allows exactly the top-left causal pairs in every ``[T, S]`` slice becomes ``is_causal=True``.
+  """
+  if not _values_known(mask) or not all(is_static_dim(d) for d in (t, s)):
+    return None
+  allowed = np.asarray(mask) != 0  # [..., T|1, S|1]
+  allowed = allowed.reshape((1,) * max(0, 2 - allowed.ndim) + allowed.shape)
+  allowed = np.broadcast_to(allowed, allowed.shape[:-2] + (t, s))  # [..., T, S]
+  causal = np.tril(np.ones((t, s), np.bool_))  # top-left: query i sees keys j <= i
+  if is_causal:
+    return True if np.all(allowed | ~causal) else None  # mask AND causal == causal
+  if np.all(allowed):
+    return False
+  return True if np.all(allowed == causal) else None
+
+
 def _causal_mask(t: int, s: int):
-  """Top-left aligned causal mask ``[1, t, s]`` (query i sees keys j <= i), as flax's is_causal."""
-  return jnp.tril(jnp.ones((t, s), dtype=jnp.bool_))[None]
+  """Top-left aligned causal mask ``[t, s]`` (query i sees keys j <= i), as flax's is_causal."""
+  return jnp.tril(jnp.ones((t, s), dtype=jnp.bool_))
+
+
+def _with_batch_dims(x, query):
+  """``x`` broadcastable to ``[batch..., N, T, S]`` -> rank ``query.ndim`` with query's batch dims.
+
+  nnx's formula folds ``[batch...]`` into one axis by reshaping every array, which is only right for
+  arrays that carry the full batch dims.
+  """
+  x = x.reshape((1,) * (query.ndim - x.ndim) + x.shape)
+  return jnp.broadcast_to(x, query.shape[:-3] + x.shape[-3:])
 
 
 def _flax_formula(query, key, value, *, linen_caller: bool, is_causal: bool, promote_dtype,
                   force_fp32_for_softmax, qk_attn_weights_einsum, attn_weights_value_einsum,
-                  extra, **common):
+                  extra, mask, bias, **common):
   """Exactly what flax's own ``dot_product_attention`` computes for this call.
 
   ``flax.linen.MultiHeadDotProductAttention`` passes ``force_fp32_for_softmax``, so its presence
   (``linen_caller``) selects linen's function; otherwise nnx's (which also knows GQA and
-  ``is_causal``).
+  ``is_causal``). The causal flag is folded into a dense mask by broadcasting (``mask AND
+  causal``), which is what both flax functions do, for a mask of any rank flax accepts.
   """
+  if mask is not None:
+    mask = jnp.asarray(mask).astype(jnp.bool_)  # flax attends where the mask is nonzero
+    if is_causal:
+      mask = jnp.logical_and(mask, _causal_mask(query.shape[-3], key.shape[-3]))
+      is_causal = False
   if not linen_caller:
     if promote_dtype is not None:
       extra = {**extra, "promote_dtype": promote_dtype}
-    return nnx.dot_product_attention(query, key, value, is_causal=is_causal, **common, **extra)
+    if query.ndim > 4:
+      mask, bias = (None if x is None else _with_batch_dims(x, query) for x in (mask, bias))
+    return nnx.dot_product_attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal,
+                                     **common, **extra)
   # linen's function has neither ``is_causal`` nor GQA: fold them in without changing the math.
   if is_causal:
-    causal = _causal_mask(query.shape[-3], key.shape[-3])
-    common["mask"] = causal if common["mask"] is None else nn.combine_masks(common["mask"], causal)
+    mask = _causal_mask(query.shape[-3], key.shape[-3])
   groups = query.shape[-2] // key.shape[-2]
   if groups > 1:
     key, value = (jnp.repeat(x, groups, axis=-2) for x in (key, value))
   return nn.dot_product_attention(
-      query, key, value, force_fp32_for_softmax=bool(force_fp32_for_softmax),
+      query, key, value, mask=mask, bias=bias,
+      force_fp32_for_softmax=bool(force_fp32_for_softmax),
       qk_attn_weights_einsum=qk_attn_weights_einsum,
       attn_weights_value_einsum=attn_weights_value_einsum, **common, **extra)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-  if not isinstance(value, bool):
-    raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-  return value
 
 
 def make_attention_fn(implementation: str | None = None,
@@ -145,7 +268,10 @@ def make_attention_fn(implementation: str | None = None,
     interpret: True runs the Pallas kernels in interpret mode (CPU tests).
     is_causal: always attend causally (query i sees keys j <= i, top-left aligned). For
       ``flax.linen.MultiHeadDotProductAttention``, which has no ``is_causal`` argument; nnx's layer
-      passes ``is_causal`` per call and the two are OR-ed.
+      passes ``is_causal`` per call and the two are OR-ed. A call with a single query row
+      (``q_length == 1``: the step of a layer with ``decode=True``, whose cache mask already admits
+      only the keys up to the current position) is the newest position, so this flag masks none of
+      its keys there; a per-call ``is_causal`` keeps flax's top-left meaning.
 
   Raises:
     ValueError: unknown ``implementation``.
@@ -153,10 +279,10 @@ def make_attention_fn(implementation: str | None = None,
       ``implementation``), or a flag that is not a bool.
   """
   check_options(implementation, block_sizes)
-  deterministic = _check_bool("deterministic", deterministic)
-  always_causal = _check_bool("is_causal", is_causal)
+  deterministic = check_bool("deterministic", deterministic)
+  always_causal = check_bool("is_causal", is_causal)
   if interpret is not None:
-    interpret = _check_bool("interpret", interpret)
+    interpret = check_bool("interpret", interpret)
   kernel = functools.partial(flash_attention, implementation=implementation,
                              block_sizes=block_sizes, deterministic=deterministic,
                              interpret=interpret)
@@ -177,8 +303,12 @@ def make_attention_fn(implementation: str | None = None,
       query: ``[batch..., q_length, num_heads, head_dim]``.
       key, value: ``[batch..., kv_length, num_kv_heads, head_dim]``, ``num_heads % num_kv_heads
         == 0`` (grouped-query attention when smaller).
-      bias, mask, broadcast_dropout, dropout_rng, dropout_rate, deterministic, module: as in flax;
-        a mask, a bias, active dropout or a module to sow weights into fall back to flax's formula.
+      bias, mask: broadcastable to ``[batch..., num_heads, q_length, kv_length]``, as in flax (the
+        mask attends where nonzero). A mask runs the kernel only when its values are known while
+        tracing and it equals no mask or the causal mask; otherwise, and with any bias, the call
+        runs flax's formula.
+      broadcast_dropout, dropout_rng, dropout_rate, deterministic, module: as in flax; active
+        dropout or a module to sow weights into fall back to flax's formula.
       dtype: compute dtype (default: the promoted input dtype), as in flax.
       precision: ignored by the kernel (it accumulates in float32); honoured on fallbacks.
       is_causal: top-left causal attention, reaching the kernel as a flag.
@@ -189,18 +319,30 @@ def make_attention_fn(implementation: str | None = None,
 
     Returns:
       ``[batch..., q_length, num_heads, head_dim]`` in the compute dtype.
+
+    Raises:
+      TypeError, ValueError: an argument of the wrong type or shape, named in the message.
     """
-    causal = always_causal or bool(is_causal)
+    _check_arrays(query, key, value, bias, mask)
+    _check_dropout(dropout_rate, deterministic, dropout_rng)
+    # The factory's flag leaves a single query row (a decode step) unmasked; see make_attention_fn.
+    causal = check_bool("is_causal", is_causal) or (always_causal and query.shape[-3] != 1)
     extra = {k: v for k, v in kwargs.items() if v is not None}
     einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
     if promote_dtype is not None:
       query, key, value = promote_dtype((query, key, value), dtype=dtype)
     else:
       query, key, value = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
-    reason = _fallback_reason(query, value, query.dtype, bias, mask, dropout_rate, deterministic,
-                              module, einsums, extra)
-    if reason is not None:
-      _warn_once(reason)
+    why = _fallback_reason(query, value, query.dtype, bias, dropout_rate, deterministic, module,
+                           einsums, extra)
+    if why is None and mask is not None:
+      flag = _mask_as_flag(mask, causal, query.shape[-3], key.shape[-3])
+      if flag is None:
+        why = _mask_reason(mask, causal)
+      else:
+        mask, causal = None, flag
+    if why is not None:
+      _warn_once(*why)
       return _flax_formula(
           query, key, value, linen_caller=force_fp32_for_softmax is not None, is_causal=causal,
           promote_dtype=promote_dtype, force_fp32_for_softmax=force_fp32_for_softmax,
@@ -219,9 +361,6 @@ def _flash_any_batch(kernel, query, key, value, is_causal: bool):
   batch = query.shape[:-3]
   if len(batch) <= 1:
     return kernel(query, key, value, is_causal=is_causal)
-  if key.shape[:-3] != batch or value.shape[:-3] != batch:
-    raise ValueError(f"query, key and value batch dims must match, got {query.shape}, "
-                     f"{key.shape}, {value.shape}")
   fold = lambda x: x.reshape(math.prod(batch), *x.shape[-3:])
   out = kernel(fold(query), fold(key), fold(value), is_causal=is_causal)
   return out.reshape(*batch, *out.shape[1:])
@@ -286,10 +425,12 @@ def _split_heads(qkv: jax.Array, num_heads: int, num_kv_heads: int):
   return jnp.split(qkv, [num_heads, num_heads + num_kv_heads], axis=-2)
 
 
-def _attend(q, k, v, attend_fn, rotary: bool, base: float, positions):
+def _attend(q, k, v, attend_fn, rotary: bool, base: float, positions, mask):
   if rotary:
     q, k = rotary_embedding(q, positions, base=base), rotary_embedding(k, positions, base=base)
-  return attend_fn(q, k, v, is_causal=True)
+  if mask is None:  # attention functions without a mask argument still work without a mask
+    return attend_fn(q, k, v, is_causal=True)
+  return attend_fn(q, k, v, mask=mask, is_causal=True)
 
 
 class CausalSelfAttention(nn.Module):
@@ -298,7 +439,8 @@ class CausalSelfAttention(nn.Module):
   ``x [batch..., T, features] -> [batch..., T, out_features or features]``. One fused projection
   makes ``num_heads`` query and ``num_kv_heads`` key/value heads of ``head_dim``; attention runs
   through ``attention_fn(q, k, v, is_causal=True)`` (any function with that call form, e.g.
-  ``functools.partial(jax.nn.dot_product_attention, implementation="xla")``).
+  ``functools.partial(jax.nn.dot_product_attention, implementation="xla")``; with a ``mask``,
+  ``attention_fn(q, k, v, mask=mask, is_causal=True)``).
 
   Attributes:
     num_heads: query heads.
@@ -333,15 +475,24 @@ class CausalSelfAttention(nn.Module):
     super().__post_init__()
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    """x: ``[batch..., T, features]``; positions: ``[batch..., T]`` for rotary (default arange)."""
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+               mask: jax.Array | None = None) -> jax.Array:
+    """Causal self-attention of ``x``.
+
+    Args:
+      x: ``[batch..., T, features]``.
+      positions: ``[batch..., T]`` integer positions for rotary (default ``arange(T)``).
+      mask: optional, broadcastable to ``[batch..., num_heads, T, T]``, nonzero where a query may
+        attend a key (e.g. ``nn.make_attention_mask(tokens != pad, tokens != pad)``), AND-ed with
+        the causal mask. The kernel takes no dense mask: see :func:`make_attention_fn`.
+    """
     kv = self.num_kv_heads or self.num_heads
     dense = functools.partial(nn.DenseGeneral, use_bias=self.use_bias, dtype=self.dtype,
                               param_dtype=self.param_dtype)
     qkv = dense(features=(self.num_heads + 2 * kv, self.head_dim), kernel_init=self.kernel_init,
                 name="qkv")(x)
     q, k, v = _split_heads(qkv, self.num_heads, kv)
-    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions)
+    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask)
     return dense(features=self.out_features or x.shape[-1], axis=(-2, -1),
                  kernel_init=self.out_kernel_init or self.kernel_init, name="out")(y)
 
@@ -367,8 +518,9 @@ class NnxCausalSelfAttention(nnx.Module):
     self.out = linear((num_heads, head_dim), out_features or in_features, axis=(-2, -1),
                       kernel_init=out_kernel_init or kernel_init)
 
-  def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    """x: ``[batch..., T, in_features]``; positions: ``[batch..., T]`` for rotary (default arange)."""
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+               mask: jax.Array | None = None) -> jax.Array:
+    """x: ``[batch..., T, in_features]``; positions and mask as in :class:`CausalSelfAttention`."""
     q, k, v = _split_heads(self.qkv(x), self.num_heads, self.num_kv_heads)
-    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions)
+    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask)
     return self.out(y)

@@ -1,8 +1,12 @@
-"""fa2_jax.flax: the attention_fn inside flax's own layers, the fallbacks, and the causal modules.
+"""fa2_jax.flax: the attention_fn inside flax's own layers, the masks flax makes, the fallbacks, and
+the causal modules.
 
 On CPU the kernel path runs the Pallas kernels in interpret mode (float32, small shapes), so these
-tests check the kernels themselves against flax's default attention, not the XLA formula.
+tests check the kernels themselves against flax's default attention, not the XLA formula. Calls with
+a dense mask run flax's formula (the fallback): their tests check that every mask shape flax
+produces gives flax's outputs and gradients, with no NaN in fully masked (padding) rows.
 """
+import contextlib
 import functools
 import subprocess
 import sys
@@ -24,7 +28,12 @@ INTERPRET = None if ON_GPU else True  # compiled kernels on a GPU, interpret mod
 # float32 through the Pallas interpreter matches flax's einsums to rounding; a GPU's f32 dots may
 # use TF32, whose 10-bit mantissa needs the looser bound.
 TOL = dict(atol=5e-3, rtol=5e-3) if ON_GPU else dict(atol=2e-5, rtol=2e-5)
-B, T, D, HEADS = 2, 24, 32, 4  # T not a multiple of the 16-row tiles: exercises the padded tail
+# The fallback is flax's own formula: only the order of float32 roundings may differ.
+FORMULA_TOL = dict(atol=1e-5, rtol=1e-5)
+B, T, D, HEADS = 2, 12, 32, 4  # head_dim D / HEADS = 8; T not a multiple of the 16-row tiles
+T_CROSS = 8  # query length of the cross-attention cases (key/value length T)
+KV_HEADS = 2  # grouped-query attention: 2 query heads per key/value head
+PAD_WARNING = "dense masks run the XLA formula"  # every fallback caused by a mask says this
 
 
 @pytest.fixture(autouse=True)
@@ -53,31 +62,370 @@ def kernel_fn(**kw):
   return fa2_flax.make_attention_fn(interpret=INTERPRET, **kw)
 
 
+@contextlib.contextmanager
+def no_fallback():
+  """A context in which a FlashAttentionFallbackWarning fails the test."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", FlashAttentionFallbackWarning)
+    yield
+
+
 def inputs(seed=0, shape=(B, T, D)):
   return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+
+
+def valid_tokens(batch_shape, length):
+  """``[batch..., length]`` bool, True on each sequence's tokens: sequence i keeps the first
+  ``length - (5 i mod length)`` tokens (>= 1), so the first is unpadded and the others padded."""
+  n = int(np.prod(batch_shape))
+  lengths = length - (np.arange(n) * 5) % length
+  return jnp.asarray(np.arange(length) < lengths[:, None]).reshape(*batch_shape, length)
+
+
+def causal_like(mask, t, s):
+  """The top-left causal mask ``[t, s]`` with ``mask``'s rank, for nn.combine_masks."""
+  return jnp.tril(jnp.ones((t, s), bool)).reshape((1,) * (mask.ndim - 2) + (t, s))
 
 
 def assert_trees_close(a, b, **tol):
   jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), **tol), a, b)
 
 
-def linen_value_and_grads(module, params, x, **call_kw):
+def assert_finite(tree):
+  for leaf in jax.tree.leaves(tree):
+    assert np.all(np.isfinite(np.asarray(leaf))), "NaN or inf"
+
+
+def assert_rows_close(y, y_ref, rows, **tol):
+  """Outputs ``[batch..., T, F]`` equal on the valid query rows (``rows [batch..., T]``)."""
+  keep = np.asarray(rows)
+  np.testing.assert_allclose(np.asarray(y)[keep], np.asarray(y_ref)[keep], **tol)
+
+
+def row_weights(y, rows):
+  return 1.0 if rows is None else rows[..., None].astype(y.dtype)
+
+
+def linen_value_and_grads(module, params, x, rows=None, jit=True, **call_kw):
+  """Output and gradients (params, x) of a loss over the valid query rows.
+
+  ``jit``: compile it (the interpreted kernels run far faster compiled), with the masks passed in
+  ``call_kw`` closed over, so concrete as in an eager call. Fallback tests run eagerly: flax's
+  formula then reuses the per-op compilations of earlier tests.
+  """
   def loss(p, x):
     y = module.apply(p, x, **call_kw)
-    return jnp.sum(y * jnp.cos(y)), y  # a loss with a nonuniform cotangent
-  (_, y), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+    return jnp.sum(row_weights(y, rows) * y * jnp.cos(y)), y  # a nonuniform cotangent
+  value_and_grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+  (_, y), grads = (jax.jit(value_and_grad) if jit else value_and_grad)(params, x)
   return y, grads
 
 
-# --- linen ----------------------------------------------------------------------------------------
+def nnx_value_and_grads(module, x, rows=None, args=(), jit=True, **call_kw):
+  """As linen_value_and_grads for ``module(x, *args, **call_kw)``; returns the gradients of the
+  Params and of x."""
+  def loss(m, x):
+    y = m(x, *args, **call_kw)
+    return jnp.sum(row_weights(y, rows) * y * jnp.cos(y)), y
+  value_and_grad = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+  (_, y), (g_module, g_x) = (nnx.jit(value_and_grad) if jit else value_and_grad)(module, x)
+  return y, (nnx.state(g_module, nnx.Param), g_x)
+
+
+# --- the masks flax makes -------------------------------------------------------------------------
+
+def mask_case(kind):
+  """(x, call kwargs besides the mask, mask, valid query rows) for one kind of flax mask."""
+  if kind == "padding":  # nn.make_attention_mask of a padded batch: [B, 1, T, T], float32
+    rows = valid_tokens((B,), T)
+    return inputs(), {}, nn.make_attention_mask(rows, rows), rows
+  if kind == "combined":  # padding AND nn.make_causal_mask, as a decoder is trained
+    rows = valid_tokens((B,), T)
+    mask = nn.combine_masks(nn.make_attention_mask(rows, rows), nn.make_causal_mask(rows))
+    return inputs(), {}, mask, rows
+  if kind == "cross":  # T_CROSS queries against T keys/values: [B, 1, T_CROSS, T]
+    rows, kv_valid = valid_tokens((B,), T_CROSS), valid_tokens((B,), T)
+    kv = inputs(seed=5)
+    return (inputs(shape=(B, T_CROSS, D)), {"kv": kv}, nn.make_attention_mask(rows, kv_valid),
+            rows)
+  if kind == "batch_dims":  # extra leading batch dims: [2, 3, 1, T, T]
+    rows = valid_tokens((2, 3), T)
+    return inputs(shape=(2, 3, T, D)), {}, nn.make_attention_mask(rows, rows), rows
+  if kind == "broadcast":  # key padding [3, 1, T, T] shared by the outer batch dim of [2, 3, T, D]
+    kv_valid = valid_tokens((3,), T)
+    mask = nn.make_attention_mask(jnp.ones((3, T), bool), kv_valid)
+    return inputs(shape=(2, 3, T, D)), {}, mask, None
+  raise AssertionError(kind)
+
+
+MASK_KINDS = ["padding", "combined", "cross", "batch_dims", "broadcast"]
+
+
+@pytest.mark.parametrize("adapter_causal", [False, True])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_linen_masks_match_flax(kind, adapter_causal):
+  x, kw, mask, rows = mask_case(kind)
+  # inputs_k = inputs_v is linen's (deprecated) inputs_kv
+  call_kw = {"inputs_k": kw["kv"], "inputs_v": kw["kv"]} if "kv" in kw else {}
+  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS,
+                                         attention_fn=kernel_fn(is_causal=adapter_causal))
+  params = ref.init(jax.random.PRNGKey(1), x, **call_kw)
+  t, s = x.shape[-2], (kw["kv"] if "kv" in kw else x).shape[-2]
+  ref_mask = nn.combine_masks(mask, causal_like(mask, t, s)) if adapter_causal else mask
+  with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING):
+    y, g = linen_value_and_grads(ours, params, x, rows, jit=False, mask=mask, **call_kw)
+  y_ref, g_ref = linen_value_and_grads(ref, params, x, rows, jit=False, mask=ref_mask, **call_kw)
+  assert_finite((y, g))
+  if rows is None:
+    np.testing.assert_allclose(y, y_ref, **FORMULA_TOL)
+  else:
+    assert_rows_close(y, y_ref, rows, **FORMULA_TOL)
+  assert_trees_close(g, g_ref, **FORMULA_TOL)
+
+
+@pytest.mark.parametrize("causal", ["none", "adapter", "call"])  # no causal / the factory's / nnx's
+@pytest.mark.parametrize("kind", ["padding", "combined", "cross", "broadcast"])
+def test_nnx_masks_match_flax(kind, causal):
+  """nnx's layer with grouped-query heads; flax's own nnx attention is the reference."""
+  x, kw, mask, rows = mask_case(kind)
+  kv = (kw["kv"],) * 2 if "kv" in kw else ()
+  make = lambda **kw: nnx.MultiHeadAttention(HEADS, D, num_kv_heads=KV_HEADS, decode=False,
+                                             rngs=nnx.Rngs(0), **kw)
+  ref, ours = make(), make(attention_fn=kernel_fn(is_causal=causal == "adapter"))
+  # flax's nnx formula folds [batch...] by reshaping the mask, so it needs the full batch dims.
+  ref_mask = jnp.broadcast_to(mask, (*x.shape[:-2], *mask.shape[-3:]))
+  with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING):
+    y, g = nnx_value_and_grads(ours, x, rows, kv, jit=False, mask=mask,
+                               is_causal=causal == "call")
+  y_ref, g_ref = nnx_value_and_grads(ref, x, rows, kv, jit=False, mask=ref_mask,
+                                     is_causal=causal != "none")
+  assert_finite((y, g))
+  if rows is None:
+    np.testing.assert_allclose(y, y_ref, **FORMULA_TOL)
+  else:
+    assert_rows_close(y, y_ref, rows, **FORMULA_TOL)
+  assert_trees_close(g, g_ref, **FORMULA_TOL)
+
+
+@pytest.mark.parametrize("caller, causal", [("linen", False), ("nnx", True)])
+def test_attention_fn_mask_shapes_and_gqa(caller, causal):
+  """Every rank and broadcast shape flax accepts, with extra batch dims and GQA, through either
+  flax formula (linen's caller passes force_fp32_for_softmax)."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 5)
+  q = jax.random.normal(keys[0], (2, 3, T, HEADS, 8))
+  k, v = (jax.random.normal(kk, (2, 3, T, KV_HEADS, 8)) for kk in keys[1:3])
+  rows = valid_tokens((2, 3), T)
+  per_head = jax.random.bernoulli(keys[3], 0.7, (2, 3, HEADS, T, T))
+  masks = {
+      "[S]": valid_tokens((2,), T)[1],  # a padded sequence's keys
+      "[T, S] float": jax.random.bernoulli(keys[4], 0.7, (T, T)).astype(jnp.float32),
+      "[3, 1, T, S]": nn.make_attention_mask(jnp.ones((3, T)), valid_tokens((3,), T)),
+      "[2, 1, 1, 1, S]": valid_tokens((2,), T)[:, None, None, None, :],
+      "[batch, 1, T, S] padding": nn.make_attention_mask(rows, rows),  # padded query rows
+      "[batch, N, T, S]": per_head,
+  }
+  linen_kw = {"force_fp32_for_softmax": False} if caller == "linen" else {}
+  ours = kernel_fn(is_causal=causal)
+
+  def reference(q, k, v, mask):
+    # flax's linen formula, with the key/value heads repeated and the causal mask AND-ed in.
+    k, v = (jnp.repeat(x, HEADS // KV_HEADS, axis=-2) for x in (k, v))
+    mask = jnp.logical_and(mask != 0, jnp.tril(jnp.ones((T, T), bool))) if causal else mask
+    return nn.dot_product_attention(q, k, v, mask=mask)
+
+  def value_and_grads(fn, mask):
+    def loss(q, k, v):
+      y = fn(q, k, v, mask)
+      return jnp.sum(y * jnp.cos(y)), y
+    (_, y), grads = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    return y, grads
+
+  for name, mask in masks.items():
+    with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING):
+      y, g = value_and_grads(lambda q, k, v, m: ours(q, k, v, mask=m, **linen_kw), mask)
+    y_ref, g_ref = value_and_grads(reference, mask)
+    try:
+      assert_finite((y, g))
+      assert_trees_close((y, g), (y_ref, g_ref), **FORMULA_TOL)
+    except AssertionError as e:
+      raise AssertionError(f"mask {name}") from e
+    fa2_flax._warned.clear()
+
+
+# --- a mask that provably is the causal mask (or no mask) keeps the kernel ------------------------
+
+@pytest.mark.parametrize("adapter_causal", [False, True])
+def test_linen_causal_mask_runs_the_kernel(spy, adapter_causal):
+  """nn.make_causal_mask built outside the traced function is a concrete array: it equals the
+  is_causal flag, so the kernel runs, with or without the adapter's own is_causal."""
+  x = inputs()
+  mask = nn.make_causal_mask(x[..., 0])  # [B, 1, T, T], float32, concrete
+  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS,
+                                         attention_fn=kernel_fn(is_causal=adapter_causal))
+  params = ref.init(jax.random.PRNGKey(1), x)
+  with no_fallback():
+    y, g = linen_value_and_grads(ours, params, x, mask=mask)
+  y_ref, g_ref = linen_value_and_grads(ref, params, x, mask=mask)
+  assert_trees_close(y, y_ref, **TOL)
+  assert_trees_close(g, g_ref, **TOL)
+  assert spy and all(c["is_causal"] for c in spy)
+
+
+def test_nnx_causal_mask_and_all_true_mask_run_the_kernel(spy):
+  x = inputs()
+  make = lambda **kw: nnx.MultiHeadAttention(HEADS, D, num_kv_heads=KV_HEADS, decode=False,
+                                             rngs=nnx.Rngs(0), **kw)
+  ref, ours = make(), make(attention_fn=kernel_fn())
+  mask = nnx.make_causal_mask(x[..., 0])  # concrete, closed over by the jitted calls below
+  with no_fallback():
+    y = nnx.jit(lambda m, x: m(x, mask=mask))(ours, x)
+  np.testing.assert_allclose(y, ref(x, mask=mask), **TOL)
+  assert [c["is_causal"] for c in spy] == [True]
+  # A padding mask of an unpadded batch allows every pair: the mask is dropped, is_causal kept.
+  full = nnx.make_attention_mask(jnp.ones((B, T)), jnp.ones((B, T)))
+  with no_fallback():
+    y = nnx.jit(lambda m, x: m(x, mask=full, is_causal=True))(ours, x)
+  np.testing.assert_allclose(y, ref(x, is_causal=True), **TOL)
+  assert [c["is_causal"] for c in spy] == [True, True]
+
+
+@pytest.mark.parametrize("adapter_causal", [False, True])
+def test_traced_causal_mask_falls_back_and_names_the_flag(spy, adapter_causal):
+  """A mask computed inside jit is traced: its values are unknown, so it runs flax's formula, and
+  the warning names what to pass instead."""
+  x = inputs()
+  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS)
+  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS,
+                                         attention_fn=kernel_fn(is_causal=adapter_causal))
+  params = ref.init(jax.random.PRNGKey(1), x)
+  apply = lambda m: jax.jit(lambda p, x: m.apply(p, x, mask=nn.make_causal_mask(x[..., 0])))
+  advice = "mask=None" if adapter_causal else r"is_causal=True.*make_attention_fn\(is_causal=True\)"
+  with pytest.warns(FlashAttentionFallbackWarning, match=advice) as record:
+    y = apply(ours)(params, x)
+  assert PAD_WARNING in str(record[0].message)
+  np.testing.assert_allclose(y, apply(ref)(params, x), **FORMULA_TOL)
+  assert not spy  # the kernel never saw the call
+
+
+def test_init_with_a_padding_mask_runs(spy):
+  """linen's causal adapter with a rank-4 mask (it used to fail merging a rank-3 causal mask)."""
+  x = jnp.ones((2, 8, 16))
+  pad = jnp.ones((2, 8), bool)
+  m = nn.MultiHeadDotProductAttention(num_heads=2, attention_fn=kernel_fn(is_causal=True))
+  mask = nn.make_attention_mask(pad, pad)  # [2, 1, 8, 8]
+  with no_fallback():  # an unpadded batch: the mask allows every pair, the kernel runs
+    (y, _) = jax.jit(lambda x: m.init_with_output(jax.random.PRNGKey(0), x, mask=mask))(x)
+  assert y.shape == x.shape and spy and all(c["is_causal"] for c in spy)
+  pad = pad.at[1, 5:].set(False)
+  with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING):
+    m.init(jax.random.PRNGKey(0), x, mask=nn.make_attention_mask(pad, pad))
+
+
+# --- autoregressive decoding (decode=True) --------------------------------------------------------
+
+@pytest.mark.parametrize("adapter_causal", [False, True])
+def test_linen_decode_matches_flax_step_by_step(adapter_causal):
+  """Init with the full-length input, then one token per step against the key/value cache, with a
+  key padding mask [B, 1, 1, T]; every step's output and gradients equal flax's own."""
+  x = inputs()
+  key_mask = valid_tokens((B,), T)[:, None, None, :]  # [B, 1, 1, T]: key padding, rank 4
+  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True)
+  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True,
+                                         attention_fn=kernel_fn(is_causal=adapter_causal))
+  init_mask = nn.combine_masks(key_mask, nn.make_causal_mask(x[..., 0]))
+  y_ref, variables = ref.init_with_output(jax.random.PRNGKey(1), x, mask=init_mask)
+  # The causal adapter needs only the padding; the plain one the full mask, as flax.
+  with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING):
+    y, ours_variables = ours.init_with_output(jax.random.PRNGKey(1), x,
+                                              mask=key_mask if adapter_causal else init_mask)
+  np.testing.assert_allclose(y, y_ref, **FORMULA_TOL)
+  assert_trees_close(ours_variables, variables, atol=0, rtol=0)  # same params, an empty cache
+  fa2_flax._warned.clear()
+  # flax's decode step i is causal attention of query i: the full-length output's row i.
+  y_full = ref.clone(decode=False).apply({"params": variables["params"]}, x, mask=init_mask)
+
+  def make_step(module):
+    def loss(params, cache, x_t):
+      y, updated = module.apply({"params": params, "cache": cache}, x_t, mask=key_mask,
+                                mutable=["cache"])
+      return jnp.sum(y * jnp.cos(y)), (y, updated["cache"])
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True))
+
+  ref_step, our_step = make_step(ref), make_step(ours)
+  params = variables["params"]
+  ref_cache = our_cache = variables["cache"]
+  for i in range(T):
+    x_t = x[:, i:i + 1]
+    # The step is traced (and warns) once; later steps reuse the compiled step.
+    first = i == 0
+    with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING) if first else no_fallback():
+      (_, (y, our_cache)), g = our_step(params, our_cache, x_t)
+    (_, (y_ref, ref_cache)), g_ref = ref_step(params, ref_cache, x_t)
+    assert_finite((y, g))
+    np.testing.assert_allclose(y, y_ref, **FORMULA_TOL)
+    assert_trees_close(g, g_ref, **FORMULA_TOL)
+    np.testing.assert_allclose(y_ref[:, 0], y_full[:, i], **FORMULA_TOL)
+
+
+@pytest.mark.parametrize("adapter_causal", [False, True])
+def test_nnx_decode_matches_flax_step_by_step(adapter_causal):
+  """nnx's cache (init_cache) with grouped-query heads, one token per step; outputs and gradients
+  of every step equal flax's own."""
+  x = inputs()
+  make = lambda **kw: nnx.MultiHeadAttention(HEADS, D, num_kv_heads=KV_HEADS, decode=True,
+                                             rngs=nnx.Rngs(0), **kw)
+  ref, ours = make(), make(attention_fn=kernel_fn(is_causal=adapter_causal))
+
+  # flax's decode step i is causal attention of query i: the full-length output's row i.
+  y_full = ref(x, decode=False, is_causal=True)
+
+  @nnx.jit
+  def step(module, x_t):  # one token through the cache; gradients of the Params and of x_t
+    def loss(module, x_t):
+      y = module(x_t)
+      return jnp.sum(y * jnp.cos(y)), y
+    (_, y), (g_module, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(module, x_t)
+    return y, (nnx.state(g_module, nnx.Param), g_x)
+
+  ref.init_cache(x.shape)
+  ours.init_cache(x.shape)
+  for i in range(T):
+    x_t = x[:, i:i + 1]
+    # The step is traced (and warns) once per module; later steps reuse the compiled step.
+    first = i == 0
+    with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING) if first else no_fallback():
+      y, g = step(ours, x_t)
+    y_ref, g_ref = step(ref, x_t)
+    assert_finite((y, g))
+    np.testing.assert_allclose(y, y_ref, **FORMULA_TOL)
+    assert_trees_close(g, g_ref, **FORMULA_TOL)
+    np.testing.assert_allclose(y_ref[:, 0], y_full[:, i], **FORMULA_TOL)
+  assert int(ours.cache_index[...]) == T
+
+
+def test_single_query_row_and_the_adapter_flag(spy):
+  """The factory's is_causal leaves a one-row query (a decode step) unmasked; nnx's per-call
+  is_causal keeps flax's top-left meaning (query 0 sees key 0)."""
+  keys = jax.random.split(jax.random.PRNGKey(2), 2)
+  q = jax.random.normal(keys[0], (B, 1, HEADS, 8))
+  kv = jax.random.normal(keys[1], (B, T, HEADS, 8))
+  fn = fa2_flax.make_attention_fn(implementation="xla", is_causal=True)
+  np.testing.assert_allclose(fn(q, kv, kv), nnx.dot_product_attention(q, kv, kv), **FORMULA_TOL)
+  np.testing.assert_allclose(fn(q, kv, kv, is_causal=True),
+                             nnx.dot_product_attention(q, kv, kv, is_causal=True), **FORMULA_TOL)
+  assert [c["is_causal"] for c in spy] == [False, True]
+
+
+# --- linen, no mask -------------------------------------------------------------------------------
 
 def test_linen_mha_matches_flax_default(spy):
   x = inputs()
   ref = nn.MultiHeadDotProductAttention(num_heads=HEADS)
   ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=kernel_fn())
   params = ref.init(jax.random.PRNGKey(1), x)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", FlashAttentionFallbackWarning)
+  with no_fallback():
     y, g = linen_value_and_grads(ours, params, x)
   y_ref, g_ref = linen_value_and_grads(ref, params, x)
   assert_trees_close(y, y_ref, **TOL)
@@ -90,8 +438,7 @@ def test_linen_causal_reaches_kernel_as_flag(spy):
   ref = nn.MultiHeadDotProductAttention(num_heads=HEADS)
   ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=kernel_fn(is_causal=True))
   params = ref.init(jax.random.PRNGKey(1), x)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", FlashAttentionFallbackWarning)
+  with no_fallback():
     y, g = linen_value_and_grads(ours, params, x)
   y_ref, g_ref = linen_value_and_grads(ref, params, x, mask=nn.make_causal_mask(x[..., 0]))
   assert_trees_close(y, y_ref, **TOL)
@@ -99,83 +446,51 @@ def test_linen_causal_reaches_kernel_as_flag(spy):
   assert spy and all(c["is_causal"] for c in spy)
 
 
-def test_linen_dense_causal_mask_falls_back_and_matches(spy):
-  x = inputs()
-  mask = nn.make_causal_mask(x[..., 0])
-  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS)
-  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, attention_fn=kernel_fn())
-  params = ref.init(jax.random.PRNGKey(1), x)
-  with pytest.warns(FlashAttentionFallbackWarning, match="dense `mask`"):
-    y, g = linen_value_and_grads(ours, params, x, mask=mask)
-  y_ref, g_ref = linen_value_and_grads(ref, params, x, mask=mask)
-  assert_trees_close(y, y_ref, atol=1e-6, rtol=1e-6)
-  assert_trees_close(g, g_ref, atol=1e-6, rtol=1e-6)
-  assert not spy  # the kernel never saw the call
-
-
 def test_linen_dropout_falls_back_with_the_same_dropout():
   x = inputs()
   ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.5)
   ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.5,
-                                         attention_fn=kernel_fn())
+                                         attention_fn=kernel_fn(is_causal=True))
   params = ref.init(jax.random.PRNGKey(1), x, deterministic=True)
   rngs = {"dropout": jax.random.PRNGKey(3)}
-  with pytest.warns(FlashAttentionFallbackWarning, match="dropout"):
+  mask = nn.make_causal_mask(x[..., 0])
+  with pytest.warns(FlashAttentionFallbackWarning, match="deterministic=True"):
     y = ours.apply(params, x, deterministic=False, rngs=rngs)
-  y_ref = ref.apply(params, x, deterministic=False, rngs=rngs)
-  np.testing.assert_allclose(y, y_ref, atol=1e-6, rtol=1e-6)
+  y_ref = ref.apply(params, x, mask=mask, deterministic=False, rngs=rngs)
+  np.testing.assert_allclose(y, y_ref, **FORMULA_TOL)
   # deterministic=True switches dropout off: the kernel may run again, without a warning.
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", FlashAttentionFallbackWarning)
-    y = ours.apply(params, x, deterministic=True)
-  np.testing.assert_allclose(y, ref.apply(params, x, deterministic=True), **TOL)
+  with no_fallback():
+    y = jax.jit(lambda p, x: ours.apply(p, x, deterministic=True))(params, x)
+  np.testing.assert_allclose(y, ref.apply(params, x, mask=mask, deterministic=True), **TOL)
 
 
 def test_fallback_warns_once_per_reason():
   q = inputs(shape=(B, T, HEADS, 8))
-  mask = jnp.ones((B, 1, T, T), bool)
+  rows = valid_tokens((B,), T)
+  mask = nn.make_attention_mask(rows, rows)
+  fn = fa2_flax.make_attention_fn(implementation="xla")
   with pytest.warns(FlashAttentionFallbackWarning):
-    fa2_flax.attention_fn(q, q, q, mask=mask)
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", FlashAttentionFallbackWarning)
-    fa2_flax.attention_fn(q, q, q, mask=mask)
+    fn(q, q, q, mask=mask)
+  with no_fallback():
+    fn(q, q, q, mask=mask)
+  with pytest.warns(FlashAttentionFallbackWarning, match="bias"):  # another reason: warned
+    fn(q, q, q, bias=jnp.zeros((T, T)))
 
 
-# --- nnx ------------------------------------------------------------------------------------------
+# --- nnx, no mask ---------------------------------------------------------------------------------
 
-def nnx_value_and_grads(module, x, **call_kw):
-  def loss(m, x):
-    y = m(x, **call_kw)
-    return jnp.sum(y * jnp.cos(y)), y
-  (_, y), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(module, x)
-  return y, grads
-
-
-@pytest.mark.parametrize("num_kv_heads", [HEADS, 2])  # plain multi-head and grouped-query
+@pytest.mark.parametrize("num_kv_heads", [HEADS, KV_HEADS])  # plain multi-head and grouped-query
 def test_nnx_mha_causal_matches_flax_default(spy, num_kv_heads):
   x = inputs()
   make = lambda **kw: nnx.MultiHeadAttention(HEADS, D, num_kv_heads=num_kv_heads, decode=False,
                                              rngs=nnx.Rngs(0), **kw)
   ref, ours = make(), make(attention_fn=kernel_fn())
-  with warnings.catch_warnings():
-    warnings.simplefilter("error", FlashAttentionFallbackWarning)
+  with no_fallback():
     y, g = nnx_value_and_grads(ours, x, is_causal=True)
   y_ref, g_ref = nnx_value_and_grads(ref, x, is_causal=True)
   assert_trees_close(y, y_ref, **TOL)
-  assert_trees_close(nnx.state(g[0], nnx.Param), nnx.state(g_ref[0], nnx.Param), **TOL)
-  assert_trees_close(g[1], g_ref[1], **TOL)
+  assert_trees_close(g, g_ref, **TOL)
   assert spy and all(c["is_causal"] for c in spy)
-
-
-def test_nnx_dense_mask_falls_back_and_matches(spy):
-  x = inputs()
-  mask = nnx.make_causal_mask(x[..., 0])
-  make = lambda **kw: nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(0), **kw)
-  ref, ours = make(), make(attention_fn=kernel_fn())
-  with pytest.warns(FlashAttentionFallbackWarning, match="dense `mask`"):
-    y = ours(x, mask=mask)
-  np.testing.assert_allclose(y, ref(x, mask=mask), atol=1e-6, rtol=1e-6)
-  assert not spy
 
 
 def test_nnx_dropout_falls_back():
@@ -185,22 +500,22 @@ def test_nnx_dropout_falls_back():
   ref, ours = make(), make(attention_fn=kernel_fn())
   with pytest.warns(FlashAttentionFallbackWarning, match="dropout"):
     y = ours(x)
-  np.testing.assert_allclose(y, ref(x), atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(y, ref(x), **FORMULA_TOL)
 
 
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_extra_leading_batch_dims(is_causal):
   keys = jax.random.split(jax.random.PRNGKey(0), 3)
   q = jax.random.normal(keys[0], (2, 3, T, HEADS, 8))
-  k, v = (jax.random.normal(kk, (2, 3, T, 2, 8)) for kk in keys[1:])
-  out = kernel_fn()(q, k, v, is_causal=is_causal)
+  k, v = (jax.random.normal(kk, (2, 3, T, KV_HEADS, 8)) for kk in keys[1:])
+  out = jax.jit(functools.partial(kernel_fn(), is_causal=is_causal))(q, k, v)
   np.testing.assert_allclose(out, nnx.dot_product_attention(q, k, v, is_causal=is_causal), **TOL)
 
 
 # --- the causal self-attention modules ------------------------------------------------------------
 
 XLA_ATTENTION = functools.partial(jax.nn.dot_product_attention, implementation="xla")
-MODULE_KW = dict(num_heads=HEADS, num_kv_heads=2, head_dim=8, rotary=True)
+MODULE_KW = dict(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=8, rotary=True)
 
 
 def test_causal_self_attention_linen_matches_xla():
@@ -208,7 +523,7 @@ def test_causal_self_attention_linen_matches_xla():
   ours = fa2_flax.CausalSelfAttention(**MODULE_KW, attention_fn=kernel_fn())
   ref = fa2_flax.CausalSelfAttention(**MODULE_KW, attention_fn=XLA_ATTENTION)
   params = ours.init(jax.random.PRNGKey(1), x)
-  assert params["params"]["qkv"]["kernel"].shape == (D, HEADS + 2 * 2, 8)  # N query + 2K kv heads
+  assert params["params"]["qkv"]["kernel"].shape == (D, HEADS + 2 * KV_HEADS, 8)  # N + 2K heads
   y, g = linen_value_and_grads(ours, params, x)
   y_ref, g_ref = linen_value_and_grads(ref, params, x)
   assert_trees_close(y, y_ref, **TOL)
@@ -221,7 +536,7 @@ def test_causal_self_attention_is_causal():
   x = inputs()
   params = module.init(jax.random.PRNGKey(1), x)
   x2 = x.at[:, T // 2:].set(0.0)
-  y, y2 = module.apply(params, x), module.apply(params, x2)
+  y, y2 = jnp.split(jax.jit(module.apply)(params, jnp.concatenate([x, x2])), 2)
   np.testing.assert_allclose(y[:, :T // 2], y2[:, :T // 2], **TOL)
   assert not np.allclose(y[:, T // 2:], y2[:, T // 2:])
 
@@ -238,7 +553,36 @@ def test_nnx_causal_self_attention_matches_linen():
   y, g = nnx_value_and_grads(module, x)
   assert_trees_close(y, y_ref, **TOL)
   assert_trees_close(g[1], g_ref[1], **TOL)  # input gradients
-  np.testing.assert_allclose(g[0].qkv.kernel[...], g_ref[0]["params"]["qkv"]["kernel"], **TOL)
+  np.testing.assert_allclose(g[0]["qkv"]["kernel"][...], g_ref[0]["params"]["qkv"]["kernel"],
+                             **TOL)
+
+
+@pytest.mark.parametrize("batch", [(B,), (2, 3)])  # one batch dim, extra leading batch dims
+def test_causal_modules_with_padding_mask(batch):
+  """Both modules with a padding mask AND their causal mask, against flax's nnx attention."""
+  x = inputs(shape=(*batch, T, D))
+  rows = valid_tokens(batch, T)
+  mask = nn.make_attention_mask(rows, rows)  # [batch..., 1, T, T]
+  linen_ours = fa2_flax.CausalSelfAttention(**MODULE_KW, attention_fn=kernel_fn())
+  linen_ref = fa2_flax.CausalSelfAttention(**MODULE_KW, attention_fn=nnx.dot_product_attention)
+  params = linen_ref.init(jax.random.PRNGKey(1), x)
+  with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING):
+    y, g = linen_value_and_grads(linen_ours, params, x, rows, jit=False, mask=mask)
+  y_ref, g_ref = linen_value_and_grads(linen_ref, params, x, rows, jit=False, mask=mask)
+  assert_finite((y, g))
+  assert_rows_close(y, y_ref, rows, **FORMULA_TOL)
+  assert_trees_close(g, g_ref, **FORMULA_TOL)
+
+  fa2_flax._warned.clear()
+  make = lambda fn: fa2_flax.NnxCausalSelfAttention(D, **MODULE_KW, attention_fn=fn,
+                                                    rngs=nnx.Rngs(0))
+  nnx_ours, nnx_ref = make(kernel_fn()), make(nnx.dot_product_attention)
+  with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING):
+    y, g = nnx_value_and_grads(nnx_ours, x, rows, jit=False, mask=mask)
+  y_ref, g_ref = nnx_value_and_grads(nnx_ref, x, rows, jit=False, mask=mask)
+  assert_finite((y, g))
+  assert_rows_close(y, y_ref, rows, **FORMULA_TOL)
+  assert_trees_close(g, g_ref, **FORMULA_TOL)
 
 
 def test_rotary_matches_nnx_rope():
@@ -258,6 +602,10 @@ def test_bad_arguments_raise_clear_errors():
     fa2_flax.make_attention_fn(block_sizes=(64, 64))
   with pytest.raises(TypeError, match="is_causal"):
     fa2_flax.make_attention_fn(is_causal="yes")
+  with pytest.raises(TypeError, match="deterministic"):
+    fa2_flax.make_attention_fn(deterministic=1)
+  with pytest.raises(TypeError, match="interpret"):
+    fa2_flax.make_attention_fn(interpret="on")
   with pytest.raises(ValueError, match="num_kv_heads"):
     fa2_flax.CausalSelfAttention(num_heads=4, num_kv_heads=3, head_dim=8)
   with pytest.raises(ValueError, match="num_kv_heads"):
@@ -266,6 +614,40 @@ def test_bad_arguments_raise_clear_errors():
     fa2_flax.CausalSelfAttention(num_heads=4, head_dim=7, rotary=True)
   with pytest.raises(ValueError, match="num_heads"):
     fa2_flax.NnxCausalSelfAttention(D, 0, 8, rngs=nnx.Rngs(0))
+
+
+def test_bad_call_arguments_raise_clear_errors():
+  """The attention_fn checks what flax would pass before the kernel or a fallback sees it."""
+  fn = fa2_flax.make_attention_fn(implementation="xla")
+  q = jnp.zeros((B, T, HEADS, 8))
+  kv = jnp.zeros((B, T, KV_HEADS, 8))
+  cases = [
+      (TypeError, "query", dict(query=[[0.0]])),
+      (ValueError, "query", dict(query=jnp.zeros((T, 8)))),
+      (ValueError, "key", dict(key=jnp.zeros((1, B, T, KV_HEADS, 8)))),
+      (ValueError, "key and value", dict(value=jnp.zeros((B, T + 1, KV_HEADS, 8)))),
+      (ValueError, "batch dims", dict(key=jnp.zeros((B + 1, T, KV_HEADS, 8)),
+                                      value=jnp.zeros((B + 1, T, KV_HEADS, 8)))),
+      (ValueError, "num_heads", dict(key=jnp.zeros((B, T, 3, 8)), value=jnp.zeros((B, T, 3, 8)))),
+      (ValueError, "head_dim", dict(key=jnp.zeros((B, T, KV_HEADS, 4)))),
+      (TypeError, "mask", dict(mask=[[True]])),
+      (ValueError, "mask", dict(mask=jnp.ones((B, 1, T, T + 1), bool))),  # kv_length T
+      (ValueError, "mask", dict(mask=jnp.ones((3, B, 1, T, T), bool))),  # more dims than logits
+      (ValueError, "bias", dict(bias=jnp.zeros((B, 3, T, T)))),  # 3 heads of 4
+      (TypeError, "is_causal", dict(is_causal="yes")),
+      (ValueError, "dropout_rate", dict(dropout_rate=1.5, dropout_rng=jax.random.PRNGKey(0))),
+      (TypeError, "dropout_rate", dict(dropout_rate="0.1")),
+      (ValueError, "dropout_rng", dict(dropout_rate=0.1, deterministic=False)),
+  ]
+  for error, match, kw in cases:
+    args = dict(query=q, key=kv, value=kv) | kw
+    with pytest.raises(error, match=match):
+      fn(**args)
+  module = fa2_flax.CausalSelfAttention(**MODULE_KW)
+  x = inputs()
+  params = module.init(jax.random.PRNGKey(1), x)
+  with pytest.raises(ValueError, match="mask"):
+    module.apply(params, x, mask=jnp.ones((B, 1, T, T - 1), bool))
 
 
 def test_importing_fa2_jax_does_not_import_flax():
