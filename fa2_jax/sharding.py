@@ -38,7 +38,10 @@ Limits: under ``vmap`` the partitioned calls batch as the plain kernels do (thei
 maps the plain kernel), so a vmapped call gets XLA's default (gathering) partitioning; their
 derivatives are those of the plain kernels (a ``custom_jvp`` whose rule is the plain kernel's JVP), so
 second-order and forward-mode errors are unchanged. On a mesh mixing Explicit and Auto axes the
-``shard_map`` covers every axis, so what the Auto axes shard is gathered there.
+``shard_map`` covers every axis, so what the Auto axes shard is gathered there. ``jax.export`` of a
+call sharded over Auto axes fails ("serialization of host_callbacks is not yet implemented": the
+partition callback is Python); exporting it with Explicit axes (or inside a ``shard_map``) works, and
+single-device exports are unaffected.
 """
 from __future__ import annotations
 

@@ -257,6 +257,18 @@ def test_explicit_mesh_unsupported_sharding_raises(q_spec, k_spec, match):
       jax.jit(lambda a, b, c: flash(a, b, c))(*args)
 
 
+@needs4
+def test_export_of_an_explicit_sharded_call():
+  """jax.export of a sharded jit(grad) under Explicit axes: the kernels lower per device, with no
+  partitioner callback in the module (which export could not serialize)."""
+  mesh = _mesh((4,), ("data",), AxisType.Explicit)
+  q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+  k = jax.ShapeDtypeStruct((B, S, K, H), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+  with jax.set_mesh(mesh):
+    exp = jax.export.export(jax.jit(jax.grad(_loss(flash), argnums=(0, 1, 2))))(q, k, k)
+  assert exp.nr_devices == 4 and "CustomSPMDPartitioning" not in exp.mlir_module()
+
+
 # --- existing call sites: shard_map, and the Mosaic kernels by lowering ------------------------------
 
 def _primitives(jaxpr) -> list[str]:
