@@ -174,6 +174,30 @@ def test_unattended_nonfinite_keys_mosaic(cfg):
   _check_unattended(got, q, k0, v0, do, t, scale=0.125, tol=2e-2)
 
 
+@pytest.mark.parametrize("backend", ["triton", "mosaic"])
+def test_unattended_rows_change_no_bit(backend):
+  """Finite data: what the unattended key/value rows hold changes no bit of any result (the kernels
+  never read them), and those rows' dK/dV are exact zeros."""
+  if backend == "mosaic":
+    _needs_hopper()
+  t, s, dtype = (20, 45, F32) if backend == "triton" else (72, 200, BF16)
+  h = 16 if backend == "triton" else 64
+  q, k, v, do, k0, v0 = _poisoned(1, t, s, 2, 1, h, dtype, None, None, seed=6)
+  ks = jax.random.split(jax.random.key(7), 2)
+  k1 = k.at[:, t:].set(1e4 * jax.random.normal(ks[0], k[:, t:].shape, F32).astype(dtype))
+  v1 = v.at[:, t:].set(-1e4 * jax.random.normal(ks[1], v[:, t:].shape, F32).astype(dtype))
+  if backend == "triton":
+    blocks = fa2_jax.BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16,
+                                block_q_dq=16, block_k_dq=16)
+    run = lambda k, v: _triton(q, k, v, do, scale=0.25, causal=True, blocks=blocks)
+  else:
+    run = lambda k, v: _mosaic(q, k, v, do, scale=0.125, causal=True)
+  for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), run(k, v), run(k1, v1)):
+    np.testing.assert_array_equal(_f64(a), _f64(b), err_msg=name)
+    if name in ("dk", "dv"):
+      assert not _f64(a)[:, t:].any(), name
+
+
 # --- 2. extreme scales and logits --------------------------------------------------------------------
 
 def _two_keys(key0, key1, h, dtype):
