@@ -59,6 +59,8 @@ class GPTConfig:
     for name in ("tie_embeddings", "flash_interpret", "remat", "scan_layers"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if self.n_kv_head is not None and self.n_kv_head < 1:
+      raise ValueError(f"n_kv_head must be >= 1 (unset: n_head), got {self.n_kv_head}")
     if self.n_embd % self.n_head:
       raise ValueError(f"n_embd ({self.n_embd}) must be a multiple of n_head ({self.n_head})")
     if self.n_head % self.kv_heads:
@@ -84,7 +86,7 @@ class TrainConfig:
   """Optimisation, data and bookkeeping.
 
   Attributes:
-    batch_size: global batch in sequences (split across devices with --data-parallel pmap).
+    batch_size: global batch in sequences (split across devices with --data-parallel pmap or mesh).
     steps: optimizer steps.
     lr: peak learning rate (after linear warm-up, then cosine decay to lr * min_lr_ratio).
     warmup_steps: linear warm-up length.
@@ -94,9 +96,9 @@ class TrainConfig:
     grad_clip: global-norm gradient clipping threshold.
     eval_every: steps between validation losses (0: only at the end).
     eval_batches: batches averaged per validation loss.
-    log_every: steps between progress-bar updates (each one waits for the device).
+    log_every: steps between progress updates (bar or log line; each one waits for the device).
     ckpt_every: steps between checkpoints when --ckpt-dir is given (0: only at the end).
-    seed: parameter initialisation and data sampling seed.
+    seed: parameter initialisation and data sampling seed (>= 0: numpy seeds the batches with it).
     data_bytes: cap on the bytes of text read (the corpus is split 90/10 into train/val).
   """
 
@@ -123,8 +125,15 @@ class TrainConfig:
     for name in ("warmup_steps", "eval_every", "ckpt_every", "weight_decay", "grad_clip"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    if self.seed < 0:
+      raise ValueError(f"seed must be >= 0, got {self.seed}")
+    if not self.lr > 0:
+      raise ValueError(f"lr must be > 0, got {self.lr}")
     if not 0.0 <= self.min_lr_ratio <= 1.0:
       raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+    for name in ("beta1", "beta2"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
 
 
 # tiny: a few minutes on 2 CPU cores (float32: XLA:CPU has no fast bfloat16 matmuls).

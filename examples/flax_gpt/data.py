@@ -13,8 +13,13 @@ import sysconfig
 import numpy as np
 
 VAL_FRACTION = 0.1
+PROMPT_MAX_BYTES = 80  # a sample's prompt taken from the data: at most one line of this many bytes
 # Third-party packages live under the stdlib folder on some installs; they differ between machines.
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+class DataError(ValueError):
+  """The text cannot train the model (too short for one window of each split)."""
 
 
 def _sorted_files(root: pathlib.Path, pattern: str) -> list[pathlib.Path]:
@@ -60,15 +65,16 @@ def load_splits(path: str | None, max_bytes: int, seq_len: int) -> tuple[np.ndar
   """The (train, val) byte arrays of ``path`` (default: the stdlib sources).
 
   Raises:
-    ValueError: when either split is shorter than one training window of ``seq_len + 1`` bytes.
+    FileNotFoundError: ``path`` is neither a file nor a folder.
+    DataError: either split is shorter than one training window of ``seq_len + 1`` bytes.
   """
   raw = stdlib_source_bytes(max_bytes) if path is None else text_bytes(path, max_bytes)
   tokens = np.frombuffer(raw, dtype=np.uint8)
   n_val = int(len(tokens) * VAL_FRACTION)
   train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
   if min(len(train), len(val)) < seq_len + 1:
-    raise ValueError(f"the data ({len(tokens)} bytes) are too short for seq_len={seq_len}: each "
-                     f"split needs at least {seq_len + 1} bytes")
+    raise DataError(f"the data ({len(tokens)} bytes) are too short for seq_len={seq_len}: each "
+                    f"split needs at least {seq_len + 1} bytes")
   return train, val
 
 
@@ -83,6 +89,16 @@ def get_batch(tokens: np.ndarray, step: int, *, batch_size: int, seq_len: int,
   starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
   windows = np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
   return windows[:, :-1], windows[:, 1:]
+
+
+def opening_line(tokens: np.ndarray, max_bytes: int = PROMPT_MAX_BYTES) -> str:
+  """The first non-blank line of ``tokens`` (with its newline), cut to ``max_bytes`` bytes: a prompt
+  in the style of the data. A character cut in half by the limit is dropped."""
+  head = bytes(np.asarray(tokens[:64 * max_bytes], np.uint8))  # room for blank lines before the text
+  for line in head.splitlines(keepends=True):
+    if line.strip():
+      return line[:max_bytes].decode("utf-8", "ignore")
+  return head[:max_bytes].decode("utf-8", "ignore")
 
 
 def decode(ids) -> str:

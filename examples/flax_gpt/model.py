@@ -19,6 +19,8 @@ import fa2_jax.flax as fa2_flax
 from .config import GPTConfig
 
 INIT_STD = 0.02  # GPT-2's initializer standard deviation for weights and embeddings
+# config.attention -> the ``implementation`` argument of fa2_jax.flash_attention (None: its default).
+FLASH_IMPLEMENTATIONS = {"flash": None, "flash_triton": "triton", "flash_mosaic": "mosaic"}
 
 
 def attention_core(config: GPTConfig) -> Callable[..., jax.Array]:
@@ -33,8 +35,7 @@ def attention_core(config: GPTConfig) -> Callable[..., jax.Array]:
     ValueError: ``cudnn`` without a GPU.
   """
   if config.attention.startswith("flash"):
-    impl = {"flash": None, "flash_triton": "triton", "flash_mosaic": "mosaic"}[config.attention]
-    return fa2_flax.make_attention_fn(implementation=impl,
+    return fa2_flax.make_attention_fn(implementation=FLASH_IMPLEMENTATIONS[config.attention],
                                       interpret=True if config.flash_interpret else None)
   if config.attention == "cudnn" and jax.default_backend() != "gpu":
     raise ValueError(f"--attention cudnn needs an NVIDIA GPU, but JAX's backend is "

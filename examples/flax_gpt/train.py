@@ -3,9 +3,11 @@
     python -m examples.flax_gpt.train --preset tiny                 # CPU, a few minutes
     python -m examples.flax_gpt.train --preset small --out out/small.json       # one GPU
     python -m examples.flax_gpt.train --preset long8k --data-parallel pmap      # all local GPUs
+    python -m examples.flax_gpt.train --preset long8k --data-parallel mesh      # same, one jit step
 
 One ``jax.jit`` (or ``jax.pmap``) train step: AdamW with linear warm-up and cosine decay, global-
-norm gradient clipping. The progress bar shows the loss, tokens/s, model TFLOP/s and MFU.
+norm gradient clipping. Progress (loss, tokens/s, model TFLOP/s, MFU) is a tqdm bar when stdout is a
+terminal, else one plain line every ``--log-every`` steps. ``--help`` lists every flag with its default.
 
 FLOPs per sequence follow the FlashAttention-2 paper (forward + backward):
 ``6 * seq_len * n_params + 12 * n_layer * n_embd * seq_len**2``, with every parameter counted
@@ -17,9 +19,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import pathlib
+import re
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -34,14 +39,16 @@ from flax import struct
 import fa2_jax
 
 from . import data as data_lib
-from .config import ATTENTIONS, DTYPES, POSITIONS, PRESETS, GPTConfig, TrainConfig, get_preset
-from .model import GPT, count_params, cross_entropy
+from .config import (ATTENTIONS, BYTE_VOCAB, DTYPES, POSITIONS, PRESETS, GPTConfig, TrainConfig,
+                     get_preset)
+from .model import FLASH_IMPLEMENTATIONS, GPT, attention_core, count_params, cross_entropy
 
 # Dense bfloat16 tensor-core peaks (TFLOP/s per device) from NVIDIA's data sheets, SXM parts.
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
 AXIS = "data"  # the pmap axis name
 VAL_SEED_OFFSET = 1_000_003  # validation batches use their own fixed seed stream
-DEFAULT_PROMPT = "def fibonacci(n):\n"
+DEFAULT_PROMPT = "def fibonacci(n):\n"  # the sample's prompt for the default data (Python sources)
+PROGRESS_MODES = ("auto", "bar", "lines", "off")
 
 
 @struct.dataclass
@@ -68,10 +75,16 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   return adamw
 
 
+@functools.lru_cache(maxsize=4)
+def _jitted_init(model: GPT) -> Callable:
+  """``jax.jit(model.init)``, one per model config: a later run of the same model skips its compile."""
+  return jax.jit(model.init)
+
+
 def init_state(model: GPT, tx: optax.GradientTransformation, seed: int) -> TrainState:
   """Fresh parameters (from ``seed``) and optimizer state."""
   tokens = jnp.zeros((1, model.config.seq_len), jnp.int32)
-  params = jax.jit(model.init)(jax.random.PRNGKey(seed), tokens)["params"]
+  params = _jitted_init(model)(jax.random.PRNGKey(seed), tokens)["params"]
   return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
@@ -116,8 +129,11 @@ class Runner:
     if mode == "none":
       train_step, eval_step = make_steps(model, tx, None)
       return cls(mode, jax.jit(train_step, donate_argnums=0), jax.jit(eval_step), 1)
+    if mode == "mesh":  # one jit step over a batch sharded on a device mesh (parallel.py)
+      from .parallel import MeshRunner
+      return MeshRunner.create(model, tx, batch_size, make_steps)
     if mode != "pmap":
-      raise ValueError(f"--data-parallel must be 'none' or 'pmap', got {mode!r}")
+      raise ValueError(f"--data-parallel must be 'none', 'pmap' or 'mesh', got {mode!r}")
     n = jax.local_device_count()
     if batch_size % n:
       raise ValueError(f"--batch-size {batch_size} must be divisible by the {n} local devices "
@@ -151,6 +167,18 @@ class Runner:
     return float(v if self.mode == "none" else v[0])
 
 
+@functools.lru_cache(maxsize=4)
+def compiled_steps(mc: GPTConfig, tc: TrainConfig, data_parallel: str,
+                   n_devices: int) -> tuple[GPT, optax.GradientTransformation, Runner]:
+  """The model, optimizer and :class:`Runner` of a configuration, kept for later :func:`train` calls
+  with equal configs (a resumed run in the same process, runs on other data, the tests): a new jit
+  closure would compile again, and compiling is most of a short run's time. ``n_devices`` (the
+  local device count) keys the pmap layout."""
+  del n_devices  # only a cache key: Runner.create reads the device count itself
+  model, tx = GPT(mc), make_optimizer(tc)
+  return model, tx, Runner.create(data_parallel, model, tx, tc.batch_size)
+
+
 # --- FLOPs, MFU -----------------------------------------------------------------------------------
 
 def flops_per_sequence(config: GPTConfig, n_params: int) -> float:
@@ -179,6 +207,17 @@ def checkpoint_manager(ckpt_dir: str):
   return ocp.CheckpointManager(os.path.abspath(ckpt_dir), options=options)
 
 
+def latest_checkpoint_step(ckpt_dir: str) -> int | None:
+  """The newest checkpoint's step in ``ckpt_dir``, or None when it holds none (or does not exist)."""
+  if not os.path.isdir(ckpt_dir):
+    return None
+  manager = checkpoint_manager(ckpt_dir)
+  try:
+    return manager.latest_step()
+  finally:
+    manager.close()
+
+
 def save_checkpoint(manager, state: TrainState) -> None:
   import orbax.checkpoint as ocp
   manager.save(int(state.step), args=ocp.args.StandardSave(state), force=True)
@@ -199,17 +238,25 @@ def restore_checkpoint(manager, template: TrainState) -> TrainState | None:
 
 def generate(model: GPT, params, prompt: str, n_tokens: int, *, temperature: float = 0.8,
              seed: int = 0) -> str:
-  """Continues ``prompt`` by ``n_tokens`` bytes (greedy when temperature is 0).
+  """Continues ``prompt`` by ``n_tokens`` bytes, sampled at ``temperature`` (0: greedy, the most
+  likely byte each time).
 
   Each token runs the model on a fixed ``[1, seq_len]`` window (no KV cache: one compiled shape);
   the window slides once the text is longer than seq_len. Causal attention ignores the padding.
+
+  Raises:
+    ValueError: ``temperature`` < 0 or ``n_tokens`` < 0.
   """
+  if not temperature >= 0:
+    raise ValueError(f"temperature must be >= 0 (0: greedy), got {temperature}")
+  if n_tokens < 0:
+    raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
   seq_len = model.config.seq_len
 
   @jax.jit
   def next_token(params, window, length, key):
     logits = model.apply({"params": params}, window)[0, length - 1]
-    if temperature <= 0:
+    if temperature == 0:
       return jnp.argmax(logits)
     return jax.random.categorical(key, logits / temperature)
 
@@ -238,25 +285,120 @@ class _Throughput:
     self.steps += steps
 
 
-def _attention_backend(mc: GPTConfig) -> str:
-  """The kernel that ``mc.attention`` runs here (the fa2_jax backend its dispatcher picks)."""
+# --- attention backend and the checks before a run -----------------------------------------------
+
+# fa2_jax's argument names in its messages -> this command line's flags (longest first).
+_CLI_NAMES = (
+    ("implementation='triton' or None", "--attention flash_triton or --attention flash"),
+    ("implementation='xla' or None", "--attention xla or --attention flash"),
+    ("implementation='triton'", "--attention flash_triton"),
+    ("implementation='mosaic'", "--attention flash_mosaic"),
+    ("implementation='xla'", "--attention xla"),
+    ("implementation=None", "--attention flash"),
+    ("interpret=True", "--interpret true"),
+)
+
+
+def cli_message(message: str) -> str:
+  """An fa2_jax message with its argument names written as this command line's flags."""
+  for api_name, flag in _CLI_NAMES:
+    message = message.replace(api_name, flag)
+  return message
+
+
+def attention_dispatch(mc: GPTConfig) -> fa2_jax.Dispatch | None:
+  """What fa2_jax runs for the model's attention here (``fa2_jax.backend_for`` on its shapes), or
+  None for ``xla``/``cudnn``, which are ``jax.nn.dot_product_attention``.
+
+  Raises:
+    ValueError: the attention cannot run here (``flash_triton`` on CPU without ``flash_interpret``,
+      ``flash_mosaic`` off Hopper or with ``flash_interpret``, ``cudnn`` without a GPU), with
+      fa2_jax's own message.
+  """
   if not mc.attention.startswith("flash"):
-    return f"jax.nn.dot_product_attention/{mc.attention}"
-  from fa2_jax import attention as fa
-  impl = {"flash": None, "flash_triton": "triton", "flash_mosaic": "mosaic"}[mc.attention]
-  hd = mc.n_embd // mc.n_head
-  q = jax.ShapeDtypeStruct((1, mc.seq_len, mc.n_head, hd), jnp.dtype(mc.dtype))
-  k = jax.ShapeDtypeStruct((1, mc.seq_len, mc.n_kv_head or mc.n_head, hd), jnp.dtype(mc.dtype))
+    attention_core(mc)  # raises for cudnn without a GPU
+    return None
+  # The model's query and key/value shapes, [batch, seq_len, heads, head_dim] (the batch does not
+  # change the choice).
+  shape = lambda heads: jax.ShapeDtypeStruct((1, mc.seq_len, heads, mc.head_dim), jnp.dtype(mc.dtype))
+  return fa2_jax.backend_for(shape(mc.n_head), shape(mc.kv_heads), is_causal=True,
+                             implementation=FLASH_IMPLEMENTATIONS[mc.attention],
+                             interpret=True if mc.flash_interpret else None)
+
+
+def describe_attention(mc: GPTConfig) -> str:
+  """One line: the ``--attention`` choice and the kernels it runs here, in command-line terms."""
+  dispatch = attention_dispatch(mc)
+  if dispatch is None:
+    return f"attention {mc.attention}: jax.nn.dot_product_attention(implementation={mc.attention!r})"
+  return f"attention {mc.attention}: fa2_jax {cli_message(str(dispatch))}"
+
+
+def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_parallel: str,
+              ckpt_dir: str | None, resume: bool, stop_at: int | None, sample_tokens: int,
+              temperature: float, peak: float | None) -> fa2_jax.Dispatch | None:
+  """Checks the arguments of :func:`train` that the configs cannot check alone, before any work.
+
+  Returns:
+    ``attention_dispatch(mc)``.
+
+  Raises:
+    ValueError: naming the command-line flag, for a run that cannot work here.
+  """
+  if mc.vocab_size < BYTE_VOCAB:
+    raise ValueError(f"--vocab-size must be >= {BYTE_VOCAB} (the tokens are bytes), got "
+                     f"{mc.vocab_size}")
+  if mc.flash_interpret and not mc.attention.startswith("flash"):
+    raise ValueError(f"--interpret true runs the fa2_jax kernels, which --attention {mc.attention} "
+                     "does not use; pass --attention flash or flash_triton")
+  if data_parallel not in ("none", "pmap", "mesh"):
+    raise ValueError(f"--data-parallel must be 'none', 'pmap' or 'mesh', got {data_parallel!r}")
+  n = jax.local_device_count()
+  if data_parallel in ("pmap", "mesh") and tc.batch_size % n:
+    raise ValueError(f"--batch-size {tc.batch_size} must be divisible by the {n} local devices "
+                     f"for --data-parallel {data_parallel}")
+  if data_path is not None and not os.path.exists(data_path):
+    raise ValueError(f"--data {data_path}: no such file or folder")
+  if resume and not ckpt_dir:
+    raise ValueError("--resume needs --ckpt-dir, the folder of the checkpoints to resume from")
+  if ckpt_dir:
+    if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
+      raise ValueError(f"--ckpt-dir {ckpt_dir} is a file, not a folder")
+    newest = latest_checkpoint_step(ckpt_dir)
+    if newest is not None and not resume:
+      raise ValueError(f"--ckpt-dir {ckpt_dir} already holds checkpoints (newest: step {newest}): "
+                       "pass --resume to continue from it, or choose another folder")
+  if stop_at is not None and stop_at < 1:
+    raise ValueError(f"--stop-at must be >= 1, got {stop_at}")
+  if sample_tokens < 0:
+    raise ValueError(f"--sample-tokens must be >= 0, got {sample_tokens}")
+  if not temperature >= 0:
+    raise ValueError(f"--temperature must be >= 0 (0: greedy), got {temperature}")
+  if peak is not None and not peak > 0:
+    raise ValueError(f"--peak-tflops must be > 0, got {peak}")
   try:
-    return "fa2_jax/" + fa._choose_backend(impl, True if mc.flash_interpret else None, q, k, True)
+    return attention_dispatch(mc)
   except ValueError as e:
-    return f"unavailable: {e}"
+    raise ValueError(cli_message(str(e))) from e
+
+
+def progress_mode(progress: str | bool) -> str:
+  """``"bar"``, ``"lines"`` or ``"off"`` for :func:`train`'s ``progress`` (``"auto"``: a bar when
+  stdout is a terminal, plain lines when it is a file or a pipe; True/False: "auto"/"off")."""
+  if isinstance(progress, bool):
+    progress = "auto" if progress else "off"
+  if progress not in PROGRESS_MODES:
+    raise ValueError(f"progress must be one of {PROGRESS_MODES} or a bool, got {progress!r}")
+  if progress == "auto":
+    return "bar" if sys.stdout.isatty() else "lines"
+  return progress
 
 
 def _summary(mc: GPTConfig, tc: TrainConfig, throughput: _Throughput, *, n_params: int,
              peak: float | None, devices, data_parallel: str, data_path: str | None) -> dict:
   """Throughput, MFU and the run's settings, for the JSON summary."""
   tok_s = tflops = None
+  dispatch = attention_dispatch(mc)
   if throughput.steps:
     tok_s = tc.batch_size * mc.seq_len * throughput.steps / throughput.seconds
     flops = flops_per_sequence(mc, n_params) * tc.batch_size * throughput.steps
@@ -265,7 +407,10 @@ def _summary(mc: GPTConfig, tc: TrainConfig, throughput: _Throughput, *, n_param
       "tokens_per_s": tok_s, "tflops_per_s": tflops,
       "mfu": tflops / peak if (tflops and peak) else None, "peak_tflops": peak,
       "n_params": n_params, "flops_per_sequence": flops_per_sequence(mc, n_params),
-      "attention": mc.attention, "attention_backend": _attention_backend(mc),
+      "attention": mc.attention,
+      "attention_backend": (f"jax.nn.dot_product_attention/{mc.attention}" if dispatch is None
+                            else f"fa2_jax/{dispatch.backend}"),
+      "attention_kernels": None if dispatch is None else str(dispatch),
       "data_parallel": data_parallel,
       "devices": {"count": len(devices), "platform": devices[0].platform,
                   "kind": devices[0].device_kind},
@@ -278,38 +423,59 @@ def _summary(mc: GPTConfig, tc: TrainConfig, throughput: _Throughput, *, n_param
 
 def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
           data_parallel: str = "none", ckpt_dir: str | None = None, resume: bool = False,
-          stop_at: int | None = None, progress: bool = True, sample_tokens: int = 0,
-          prompt: str = DEFAULT_PROMPT, temperature: float = 0.8,
+          stop_at: int | None = None, progress: str | bool = "auto", sample_tokens: int = 0,
+          prompt: str | None = None, temperature: float = 0.8,
           peak: float | None = None) -> tuple[TrainState, dict]:
   """Trains ``tc.steps`` steps (or until ``stop_at``) and returns (host state, summary dict).
 
   Args:
     mc, tc: model and training configs.
     data_path: a text file or folder; None reads the Python standard library's sources.
-    data_parallel: "none" (one device) or "pmap" (every local device).
-    ckpt_dir: save checkpoints here (every tc.ckpt_every steps and at the end).
-    resume: continue from the newest checkpoint in ckpt_dir when there is one.
+    data_parallel: "none" (one device), "pmap" or "mesh" (every local device; see parallel.py).
+    ckpt_dir: save checkpoints here (every tc.ckpt_every steps and at the end); a folder that
+      already holds checkpoints needs ``resume``.
+    resume: continue from the newest checkpoint in ckpt_dir (a fresh start, said so, when it has
+      none).
     stop_at: stop after this step (the schedule still spans tc.steps), e.g. to test resuming.
-    progress: show a tqdm progress bar.
+    progress: "auto" (a tqdm bar when stdout is a terminal, else "lines"), "bar", "lines" (a plain
+      line every tc.log_every steps) or "off" (only evaluations and checkpoints are printed);
+      True/False mean "auto"/"off".
     sample_tokens: bytes to sample after training (0: none).
-    prompt, temperature: for the sample.
+    prompt: the sample's prompt (None: DEFAULT_PROMPT for the default data, else the first line of
+      the data).
+    temperature: the sample's temperature (0: greedy).
     peak: dense peak TFLOP/s of all devices together for MFU (None: from the device kind).
+
+  Raises:
+    ValueError: from :func:`check_run`, before any work; data_lib.DataError: text too short.
   """
   from tqdm.auto import tqdm
 
+  mode = progress_mode(progress)
+  check_run(mc, tc, data_path=data_path, data_parallel=data_parallel, ckpt_dir=ckpt_dir,
+            resume=resume, stop_at=stop_at, sample_tokens=sample_tokens, temperature=temperature,
+            peak=peak)
   t_start = time.perf_counter()
   train_tokens, val_tokens = data_lib.load_splits(data_path, tc.data_bytes, mc.seq_len)
-  model, tx = GPT(mc), make_optimizer(tc)
-  runner = Runner.create(data_parallel, model, tx, tc.batch_size)
+  if prompt is None:
+    prompt = DEFAULT_PROMPT if data_path is None else data_lib.opening_line(train_tokens)
+  model, tx, runner = compiled_steps(mc, tc, data_parallel, jax.local_device_count())
   state = init_state(model, tx, tc.seed)
   n_params = count_params(state.params)
   manager = checkpoint_manager(ckpt_dir) if ckpt_dir else None
   if manager is not None and resume:
     restored = restore_checkpoint(manager, state)
-    if restored is not None:
+    if restored is None:
+      print(f"no checkpoint in {manager.directory}: starting from step 0", flush=True)
+    else:
       state = restored
+      print(f"resuming from the checkpoint of step {int(state.step)} in {manager.directory}",
+            flush=True)
   start = int(state.step)
   last = min(tc.steps, stop_at) if stop_at is not None else tc.steps
+  if start >= last:
+    print(f"the checkpoint's step {start} is at or past the last step {last}: nothing to train",
+          flush=True)
   devices = jax.local_devices()[:runner.n_devices]
   peak = peak if peak is not None else peak_tflops(devices)
   flops_per_step = flops_per_sequence(mc, n_params) * tc.batch_size
@@ -324,7 +490,11 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
 
   state = runner.put_state(state)
   history, throughput, loss, val_loss = [], _Throughput(), None, None
-  bar = tqdm(total=last, initial=start, disable=not progress, dynamic_ncols=True, unit="step")
+  if mode == "bar":
+    bar = tqdm(total=last, initial=start, dynamic_ncols=True, unit="step", file=sys.stdout)
+    say = bar.write  # prints above the bar
+  else:
+    bar, say = None, lambda line: print(line, flush=True)
   t_window, steps_in_window = time.perf_counter(), 0
   for step in range(start, last):
     x, y = batch(train_tokens, step, tc.seed)
@@ -339,21 +509,28 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
       tok_s = tokens_per_step * steps_in_window / dt
       tflops = flops_per_step * steps_in_window / dt / 1e12
       history.append({"step": done, "loss": loss})
-      bar.set_postfix({"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}",
-                       "TFLOP/s": f"{tflops:.3g}", "MFU": f"{tflops / peak:.1%}" if peak else "n/a"})
-      bar.update(done - bar.n)
+      mfu = f"{tflops / peak:.1%}" if peak else "n/a"
+      if bar is not None:
+        bar.set_postfix({"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}",
+                         "TFLOP/s": f"{tflops:.3g}", "MFU": mfu})
+        bar.update(done - bar.n)
+      elif mode == "lines":
+        say(f"step {done}/{last}: loss {loss:.4f}, {tok_s:,.0f} tok/s, {tflops:.3g} TFLOP/s, "
+            f"MFU {mfu}" + (" (includes compilation)" if step == start else ""))
       t_window, steps_in_window = time.perf_counter(), 0
     evaluate = (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps
     if evaluate:
       val_loss = validate(state)
       history.append({"step": done, "val_loss": val_loss})
-      bar.write(f"step {done}: train loss {loss:.4f}, val loss {val_loss:.4f}")
+      say(f"step {done}: train loss {loss:.4f}, val loss {val_loss:.4f}")
     save = manager is not None and (done == last or (tc.ckpt_every and done % tc.ckpt_every == 0))
     if save:
       save_checkpoint(manager, runner.get_state(state))
+      say(f"saving the checkpoint of step {done} to {manager.directory / str(done)}")
     if evaluate or save:  # both waited for the device: restart the throughput window
       t_window, steps_in_window = time.perf_counter(), 0
-  bar.close()
+  if bar is not None:
+    bar.close()
   if manager is not None:
     manager.wait_until_finished()
     manager.close()
@@ -392,6 +569,77 @@ _OVERRIDES = {
 }
 
 
+# The help of each preset-derived flag; _preset_help appends the presets' values.
+_FLAG_HELP = {
+    "attention": "flash: fa2_jax with its default backend (on CPU its XLA formula); flash_triton / "
+                 "flash_mosaic: one fa2_jax backend forced (flash_triton on CPU needs --interpret "
+                 "true; flash_mosaic needs a Hopper GPU); xla / cudnn: jax.nn.dot_product_attention "
+                 "(cudnn: GPU only)",
+    "interpret": "run the fa2_jax kernels in Pallas interpret mode (slow; lets --attention flash and "
+                 "flash_triton run the Triton kernels on CPU)",
+    "position": "learned absolute position embeddings or rotary (RoPE on q and k)",
+    "dtype": "compute dtype (parameters stay float32)",
+    "seq_len": "context length in tokens (bytes)",
+    "n_layer": "transformer blocks",
+    "n_head": "query heads",
+    "n_kv_head": "key/value heads, dividing --n-head; fewer than --n-head: grouped-query attention "
+                 "(unset: --n-head)",
+    "n_embd": "model width; head_dim = n_embd / n_head",
+    "vocab_size": "output classes, >= 256 (the tokens are bytes)",
+    "tie_embeddings": "the output layer reuses the token embedding matrix",
+    "remat": "recompute each block's activations in the backward pass (saves memory)",
+    "scan_layers": "run the blocks with flax.linen.scan (compile time independent of depth)",
+    "batch_size": "global batch in sequences (split over the devices with --data-parallel pmap or "
+                  "mesh)",
+    "steps": "optimizer steps; also the length of the learning-rate schedule",
+    "lr": "peak learning rate, after a linear warm-up; cosine decay to a tenth of it",
+    "warmup_steps": "linear learning-rate warm-up steps",
+    "weight_decay": "AdamW decoupled weight decay, on matrices only",
+    "grad_clip": "global-norm gradient clipping threshold (0: no clipping)",
+    "eval_every": "steps between validation losses (0: only at the end)",
+    "eval_batches": "batches averaged per validation loss",
+    "log_every": "steps between progress updates (bar or line; each waits for the device)",
+    "ckpt_every": "steps between checkpoints with --ckpt-dir (0: only at the end)",
+    "seed": "seed of the initialisation and of the batches, >= 0",
+    "data_bytes": "read at most this many bytes of text (split 90/10 into train/val)",
+}
+
+
+def _flag(name: str) -> str:
+  """``seq_len`` -> ``--seq-len``."""
+  return "--" + name.replace("_", "-")
+
+
+def _show(value) -> str:
+  """A config value as it is written on the command line."""
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  if value is None:
+    return "unset"
+  return format(value, "g") if isinstance(value, float) else str(value)
+
+
+def _preset_help(name: str, note: str = "") -> str:
+  """``_FLAG_HELP[name] + note`` and the default of its field in each preset."""
+  cls, field = _OVERRIDES[name]
+  values = {preset: _show(getattr(configs[0 if cls is GPTConfig else 1], field))
+            for preset, configs in PRESETS.items()}
+  if len(set(values.values())) == 1:
+    return f"{_FLAG_HELP[name]}{note} (default: {next(iter(values.values()))} in every preset)"
+  per_preset = ", ".join(f"{preset} {value}" for preset, value in values.items())
+  return f"{_FLAG_HELP[name]}{note} (default per preset: {per_preset})"
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+  """Appends "(default: X)" to the flags with a fixed default; a preset-derived flag (default None)
+  lists the presets' values in its own help instead."""
+
+  def _get_help_string(self, action):
+    if action.default is None or action.default is argparse.SUPPRESS:
+      return action.help
+    return f"{action.help} (default: {_show(action.default)})"
+
+
 def _bool(s: str) -> bool:
   if s.lower() in ("1", "true", "yes", "on"):
     return True
@@ -400,42 +648,77 @@ def _bool(s: str) -> bool:
   raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
-  g = p.add_argument_group("model (default: the preset's)")
-  g.add_argument("--attention", choices=ATTENTIONS,
-                 help="flash: fa2_jax, default backend (XLA formula on CPU); flash_triton/flash_mosaic: "
-                      "one fa2_jax backend; xla/cudnn: jax.nn.dot_product_attention")
-  g.add_argument("--interpret", type=_bool, help="run the fa2_jax kernels in Pallas interpret mode")
-  g.add_argument("--position", choices=POSITIONS)
-  g.add_argument("--dtype", choices=DTYPES, help="compute dtype (parameters stay float32)")
+BARE_TRUE = "; the bare flag means true"  # the help note of every boolean flag
+
+
+def _add_bool(group, flag: str, help: str, default: bool | None = None) -> None:
+  """A boolean flag: bare ``--flag`` is true, ``--flag true|false`` (or 1/0, yes/no, on/off) sets it."""
+  group.add_argument(flag, type=_bool, nargs="?", const=True, default=default,
+                     metavar="{true,false}", help=help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The command line. A model or training flag left out keeps its preset's value."""
+  p = argparse.ArgumentParser(prog="python -m examples.flax_gpt.train",
+                              description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
+  p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                 help="the model and training configs; the flags below override single fields")
+  g = p.add_argument_group("model (defaults: the preset's)")
+  g.add_argument("--attention", choices=ATTENTIONS, help=_preset_help("attention"))
+  _add_bool(g, "--interpret", _preset_help("interpret", BARE_TRUE))
+  g.add_argument("--position", choices=POSITIONS, help=_preset_help("position"))
+  g.add_argument("--dtype", choices=DTYPES, help=_preset_help("dtype"))
   for name in ("seq_len", "n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size"):
-    g.add_argument("--" + name.replace("_", "-"), type=int)
-  g.add_argument("--tie-embeddings", type=_bool)
-  g.add_argument("--remat", type=_bool, help="rematerialise blocks in the backward pass")
-  g.add_argument("--scan-layers", type=_bool,
-                 help="run the blocks with flax.linen.scan (compile time independent of depth)")
-  g = p.add_argument_group("training (default: the preset's)")
+    g.add_argument(_flag(name), type=int, help=_preset_help(name))
+  for name in ("tie_embeddings", "remat", "scan_layers"):
+    _add_bool(g, _flag(name), _preset_help(name, BARE_TRUE))
+  g = p.add_argument_group("training (defaults: the preset's)")
   for name in ("batch_size", "steps", "warmup_steps", "eval_every", "eval_batches", "log_every",
                "ckpt_every", "seed", "data_bytes"):
-    g.add_argument("--" + name.replace("_", "-"), type=int)
+    g.add_argument(_flag(name), type=int, help=_preset_help(name))
   for name in ("lr", "weight_decay", "grad_clip"):
-    g.add_argument("--" + name.replace("_", "-"), type=float)
+    g.add_argument(_flag(name), type=float, help=_preset_help(name))
   g = p.add_argument_group("run")
-  g.add_argument("--data", help="a text file or folder (default: the Python stdlib's sources)")
-  g.add_argument("--data-parallel", choices=("none", "pmap"), default="none")
-  g.add_argument("--ckpt-dir", help="save orbax checkpoints here")
-  g.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-  g.add_argument("--stop-at", type=int, help="stop after this step (the schedule keeps --steps)")
-  g.add_argument("--out", help="write a JSON summary here")
-  g.add_argument("--peak-tflops", type=float, help="dense peak TFLOP/s of all devices, for MFU")
-  g.add_argument("--prompt", default=DEFAULT_PROMPT)
-  g.add_argument("--sample-tokens", type=int, default=300)
-  g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-  g.add_argument("--no-progress", action="store_true")
-  return p.parse_args(argv)
+  g.add_argument("--data", metavar="PATH",
+                 help="a text file, or a folder whose files are read in sorted order (default: the "
+                      "Python standard library's sources)")
+  g.add_argument("--data-parallel", choices=("none", "pmap", "mesh"), default="none",
+                 help="pmap: split the global batch over every local device, average the gradients; "
+                 "mesh: the same with one jit step over a batch sharded on a device mesh")
+  g.add_argument("--ckpt-dir", metavar="DIR",
+                 help="save orbax checkpoints here, every --ckpt-every steps and at the end "
+                      "(default: none); a folder that holds checkpoints needs --resume")
+  _add_bool(g, "--resume", "continue from the newest checkpoint in --ckpt-dir (needs --ckpt-dir)"
+            + BARE_TRUE, default=False)
+  g.add_argument("--stop-at", type=int, metavar="STEP",
+                 help="stop after this step; the learning-rate schedule still spans --steps "
+                      "(default: run all --steps)")
+  g.add_argument("--out", metavar="PATH", help="write a JSON summary here (default: none)")
+  g.add_argument("--peak-tflops", type=float,
+                 help="dense peak TFLOP/s of all devices together, for MFU (default: from the "
+                      "device kind: 989.4 per H100/H200, 312 per A100; none on CPU)")
+  g.add_argument("--prompt",
+                 help="the sample's prompt (default: 'def fibonacci(n):' and a newline for the "
+                      "default data, else the first line of --data)")
+  g.add_argument("--sample-tokens", type=int, default=300,
+                 help="bytes to sample after training (0: no sample)")
+  g.add_argument("--temperature", type=float, default=0.8,
+                 help="the sample's temperature, >= 0 (0: greedy)")
+  _add_bool(g, "--no-progress", "no progress bar or progress lines (evaluations and checkpoints "
+            "are still printed); without it: a bar when stdout is a terminal, else a line every "
+            "--log-every steps" + BARE_TRUE, default=False)
+  return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  return build_parser().parse_args(argv)
+
+
+def _flag_names(message: str) -> str:
+  """A config error with its field names written as flags: ``n_head (4)`` -> ``--n-head (4)``."""
+  flags = {field: _flag(name) for name, (_, field) in _OVERRIDES.items()}
+  pattern = r"\b(" + "|".join(sorted(flags, key=len, reverse=True)) + r")\b"
+  return re.sub(pattern, lambda m: flags[m.group(1)], message)
 
 
 def configs_from_args(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
@@ -449,18 +732,30 @@ def configs_from_args(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]
 
 
 def main(argv=None) -> dict:
-  args = parse_args(argv)
-  mc, tc = configs_from_args(args)
+  """Parses ``argv`` (None: ``sys.argv``), trains, prints and returns the summary. A flag value that
+  cannot work exits through ``parser.error`` (usage, the message, status 2), before any training."""
+  parser = build_parser()
+  args = parser.parse_args(argv)
+  try:
+    mc, tc = configs_from_args(args)
+  except (ValueError, TypeError) as e:
+    parser.error(_flag_names(str(e)))
+  run_args = dict(data_path=args.data, data_parallel=args.data_parallel, ckpt_dir=args.ckpt_dir,
+                  resume=args.resume, stop_at=args.stop_at, sample_tokens=args.sample_tokens,
+                  temperature=args.temperature, peak=args.peak_tflops)
+  try:
+    check_run(mc, tc, **run_args)
+  except ValueError as e:
+    parser.error(str(e))
   devices = jax.local_devices()
   print(f"preset {args.preset}: {mc}\n{tc}\njax {jax.__version__}, {len(devices)} x "
         f"{devices[0].device_kind} ({jax.default_backend()}), data parallel: {args.data_parallel}")
-  if mc.attention == "flash" and jax.default_backend() != "gpu" and not mc.flash_interpret:
-    print("attention flash on CPU: fa2_jax uses its XLA formula (the kernels need a GPU, or "
-          "--interpret true)")
-  _, summary = train(mc, tc, data_path=args.data, data_parallel=args.data_parallel,
-                     ckpt_dir=args.ckpt_dir, resume=args.resume, stop_at=args.stop_at,
-                     progress=not args.no_progress, sample_tokens=args.sample_tokens,
-                     prompt=args.prompt, temperature=args.temperature, peak=args.peak_tflops)
+  print(describe_attention(mc), flush=True)
+  try:
+    _, summary = train(mc, tc, progress="off" if args.no_progress else "auto", prompt=args.prompt,
+                       **run_args)
+  except data_lib.DataError as e:
+    parser.error(f"{e}; give more text (--data, --data-bytes) or a shorter --seq-len")
   summary["preset"] = args.preset
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
   print(f"\n{summary['n_params']:,} parameters; final train loss "
