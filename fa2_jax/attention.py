@@ -12,8 +12,9 @@ from . import dispatch, sharding
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .kernels.vma import cast_like, match_vma
-from .reference import reference_attention
-from .validation import check_bool, check_options, check_scale, is_static_dim, validate_qkv
+from .reference import attention_formula
+from .validation import (check_bool, check_options, check_scale, check_variant, is_static_dim,
+                         validate_qkv)
 
 _SECOND_ORDER = (
     "fa2_jax kernels have no second-order derivative (grad of grad, hessian, jvp of the backward): "
@@ -52,10 +53,12 @@ class _Call:
   deterministic: bool
   interpret: bool | None
   backend: str
+  variant: object = None  # masking.Variant
+  arrays: object = None  # masking.VariantArrays, rank 4
 
 
 def _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
-             deterministic, interpret) -> _Call:
+             deterministic, interpret, **variant_args) -> _Call:
   validate_qkv(query, key, value)
   if jnp.dtype(query.dtype) == jnp.float64:
     raise TypeError("query/key/value dtype must be bfloat16, float16 or float32, got float64 "
@@ -67,6 +70,7 @@ def _prepare(query, key, value, scale, is_causal, implementation, return_residua
   if interpret is not None:
     interpret = check_bool("interpret", interpret)
   check_options(implementation, block_sizes)
+  variant, arrays = check_variant(query, key, is_causal=is_causal, **variant_args)
   squeeze = query.ndim == 3
   if squeeze:
     query, key, value = query[None], key[None], value[None]
@@ -84,13 +88,17 @@ def _prepare(query, key, value, scale, is_causal, implementation, return_residua
           "implementation=None or 'xla', or export with concrete sequence lengths")
     backend = "xla"
   else:
-    backend = dispatch.choose_backend(implementation, interpret, query, key, is_causal, block_sizes)
+    backend = dispatch.choose_backend(implementation, interpret, query, key, is_causal, block_sizes,
+                                      variant=variant)
   return _Call(query, key, value, squeeze, scale, is_causal, return_residual, deterministic,
-               interpret, backend)
+               interpret, backend, variant, arrays)
 
 
 def flash_attention(query, key, value, *, scale=None, is_causal=False, implementation=None,
-                    return_residual=False, block_sizes=None, deterministic=False, interpret=None):
+                    return_residual=False, block_sizes=None, deterministic=False, interpret=None,
+                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
+                    q_segment_ids=None, kv_segment_ids=None, q_offset=None, logits_soft_cap=None,
+                    alibi_slopes=None, mask_fn=None, score_fn=None):
   """Exact attention, ``softmax(scale * Q K^T) V``, with FlashAttention-2 kernels.
 
   Args:
@@ -98,8 +106,9 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     key, value: ``[B, S, K, H]`` (or ``[S, K, H]``), ``N % K == 0``: ``K < N`` is grouped-query
       attention, ``K == 1`` multi-query. K/V heads are shared without copies.
     scale: logit scale, default ``1 / sqrt(H)``. A static Python float.
-    is_causal: query ``i`` attends keys ``j <= i`` (top-left aligned, as
-      ``jax.nn.dot_product_attention``; for ``T > S`` rows past ``S`` see every key).
+    is_causal: query ``i`` attends keys ``j <= p`` where ``p = q_offset + i`` is its absolute
+      position (``q_offset = 0``: top-left aligned, as ``jax.nn.dot_product_attention``; for
+      ``T > S`` rows past ``S`` see every key; ``q_offset = S - T`` aligns bottom-right).
     implementation: None (see :mod:`fa2_jax.dispatch`: the Mosaic kernels on Hopper for the calls
       they support, the Triton kernels on every other GPU, the XLA formula on CPU), ``"triton"``,
       ``"mosaic"`` (raises a ValueError naming the reason on a call it cannot run) or ``"xla"``.
@@ -113,6 +122,51 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       default) the Mosaic kernels fuse dQ into the dK/dV kernel for non-causal head_dim 64/128 calls
       (TMA reduce-adds, whose order varies); every other call is deterministic anyway.
     interpret: True runs the Pallas kernels in interpret mode on any platform (CPU tests).
+    query_seq_lengths: integer ``[B]`` (rank-3 call: a scalar or ``[1]``), values in ``[0, T]``:
+      query rows ``i >= query_seq_lengths[b]`` are padding, with output 0, lse ``-inf`` and zero
+      gradients.
+    key_value_seq_lengths: integer ``[B]`` (rank-3: scalar or ``[1]``), values in ``[0, S]``: keys
+      ``j >= key_value_seq_lengths[b]`` are never attended (their dK, dV are zero).
+      Lengths are checked against ``[0, T]`` / ``[0, S]`` only when concrete; a traced length
+      outside the range behaves as if clipped to it.
+    local_window_size: an int ``w`` (the same as ``(w, w)``) or ``(left, right)``, each an int
+      ``>= 0`` or None (unbounded): the query at absolute position ``p`` attends keys
+      ``p - left <= j <= p + right`` (``jax.nn.dot_product_attention``'s semantics). With
+      ``is_causal`` the right side is ``min(right, 0)``.
+    q_segment_ids, kv_segment_ids: integer ``[B, T]`` and ``[B, S]`` (rank-3: ``[T]``, ``[S]``),
+      both or neither: query ``i`` attends key ``j`` only where ``q_segment_ids[b, i] ==
+      kv_segment_ids[b, j]`` (packed documents). Any int32 values.
+    q_offset: an int or an integer ``[B]`` (rank-3: scalar or ``[1]``), ``|q_offset| < 2**30``: the
+      absolute position of query row 0, used by ``is_causal``, ``local_window_size``,
+      ``alibi_slopes``, ``mask_fn`` and ``score_fn`` (bottom-right alignment ``S - T``, chunked
+      prefill, decoding against a cache). Key ``j`` sits at position ``j``. Ignored when nothing
+      reads positions.
+    logits_soft_cap: a static float ``> 0``: the scaled logits become ``cap * tanh(s / cap)``.
+    alibi_slopes: float ``[N]`` or ``[B, N]`` (used as float32): adds ``-slope[b, h] * |p - j|`` to
+      the logits (after the soft cap). Not differentiated: its cotangent is zero.
+    mask_fn: ``mask_fn(b, h, q_idx, kv_idx) -> bool``: a plain jnp function of int32 index arrays
+      that broadcast against each other (the whole ``[B, N, T, S]`` grid on the formula path, a
+      kernel's tile with scalar ``b``/``h`` in a kernel), returning a bool array broadcastable to
+      their shape; ``q_idx`` is the absolute query position ``q_offset + i``, ``h`` the query head.
+      False hides the pair. Traced once at the call on both forms (a TypeError naming ``mask_fn``
+      and the cause if that fails). The XLA formula also accepts closures over arrays; kernels
+      take closures over Python scalars only.
+    score_fn: ``score_fn(score, b, h, q_idx, kv_idx) -> score``: an elementwise jnp function of the
+      float scores and the same index arrays, returning a float array of the score's shape, applied
+      after the soft cap and ALiBi. Differentiated with respect to the score (and, on the formula
+      path, to arrays it closes over).
+
+    The order of operations per ``(b, h, i, j)``, ``p = q_offset[b] + i``:
+    ``s = scale * q_i . k_j``; ``s = cap * tanh(s / cap)``; ``s -= slope[b, h] * |p - j|``;
+    ``s = score_fn(s, b, h, p, j)``; pairs not allowed (causal, window, lengths, segments,
+    ``mask_fn``: :mod:`fa2_jax.masking`) get ``-inf``; ``out_i = softmax(s_i) V``. A row with no
+    allowed key gives output 0, lse ``-inf`` and zero gradients, and NaN/inf held by keys or values no
+    row may attend, or by query rows that attend no key, never reach the outputs or gradients.
+    Gradients flow to ``query``, ``key`` and ``value`` only (integer arguments have none). The
+    kernels implement the variants listed in :data:`fa2_jax.dispatch.KERNEL_FEATURES`; with
+    ``implementation=None`` any other variant runs on the XLA formula (chunked over query blocks
+    for long sequences, so memory stays linear in ``T``), and an explicit ``"triton"``/``"mosaic"``
+    raises a ValueError naming the argument (:func:`fa2_jax.backend_for` says which).
 
   Returns:
     ``out`` with the shape and dtype of ``query`` (and ``lse`` if ``return_residual``).
@@ -121,10 +175,14 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
   raise a TypeError naming the workaround (``implementation="xla"``).
   """
   call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
-                  deterministic, interpret)
+                  deterministic, interpret, query_seq_lengths=query_seq_lengths,
+                  key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+                  logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, mask_fn=mask_fn,
+                  score_fn=score_fn)
   if call.backend == "xla":
-    out, lse = reference_attention(call.query, call.key, call.value, scale=call.scale,
-                                   is_causal=call.is_causal, return_residual=True)
+    out, lse = attention_formula(call.query, call.key, call.value, call.variant, call.arrays,
+                                 scale=call.scale)
   else:
     q, k, v = call.query, call.key, call.value
     h = q.shape[-1]
@@ -151,19 +209,22 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
 
 
 def backend_for(query, key, value=None, *, is_causal=False, implementation=None, block_sizes=None,
-                deterministic=False, interpret=None, scale=None) -> dispatch.Dispatch:
+                deterministic=False, interpret=None, scale=None, **variant_args) -> dispatch.Dispatch:
   """Which kernels :func:`flash_attention` would run for these arguments, and why.
 
   Takes the same arguments (arrays or ``jax.ShapeDtypeStruct``; ``value`` defaults to ``key``'s shape)
   and raises the same errors; runs nothing. ``print(fa2_jax.backend_for(q, k))`` gives one line, e.g.
   ``mosaic (mosaic forward, mosaic dK/dV, mosaic dQ): Hopper GPU and a supported call``.
+  ``variant_args``: the attention-variant arguments of :func:`flash_attention`
+  (``query_seq_lengths`` ... ``score_fn``; arrays or ``jax.ShapeDtypeStruct``).
   """
   value = key if value is None else value
   call = _prepare(query, key, value, scale, is_causal, implementation, False, block_sizes,
-                  deterministic, interpret)
+                  deterministic, interpret, **variant_args)
   return dispatch.describe(call.backend, call.query, call.key, is_causal=call.is_causal,
                            implementation=implementation, block_sizes=block_sizes,
-                           deterministic=call.deterministic, interpret=bool(call.interpret))
+                           deterministic=call.deterministic, interpret=bool(call.interpret),
+                           variant=call.variant)
 
 
 # --- custom_vjp core ------------------------------------------------------------------------------

@@ -59,14 +59,37 @@ def mosaic_reason(query, key, is_causal: bool, interpret) -> str | None:
   return supports(query.shape, key.shape, query.dtype, query.shape[-1], is_causal)
 
 
-def choose_backend(implementation, interpret, query, key, is_causal: bool, block_sizes=None) -> str:
+# The attention variants (fa2_jax.masking.Variant.features) each kernel family implements; a call
+# using any other feature runs on the XLA formula (implementation=None) or is refused (explicit).
+KERNEL_FEATURES = {"triton": frozenset(), "mosaic": frozenset()}
+
+
+def unsupported_features(backend: str, variant) -> tuple[str, ...]:
+  """The variant features (beyond ``is_causal``) that ``backend`` does not implement."""
+  if variant is None or backend == "xla":
+    return ()
+  return tuple(f for f in variant.features if f not in KERNEL_FEATURES[backend])
+
+
+def choose_backend(implementation, interpret, query, key, is_causal: bool, block_sizes=None,
+                   variant=None) -> str:
   """``"mosaic"``, ``"triton"`` or ``"xla"`` for a validated rank-4 call; raises ValueError when an
-  explicit ``implementation`` cannot run it."""
+  explicit ``implementation`` cannot run it. ``variant``: the call's :class:`fa2_jax.masking.Variant`;
+  features no kernel implements send an ``implementation=None`` call to ``"xla"``."""
   head_dim = query.shape[-1]
   if implementation == "xla":
     return "xla"
-  # With implementation=None the type of block_sizes names the kernels it tunes.
-  if implementation is None and isinstance(block_sizes, MosaicConfig):
+  if implementation in ("triton", "mosaic"):
+    missing = unsupported_features(implementation, variant)
+    if missing:
+      raise ValueError(f"implementation={implementation!r} does not support {', '.join(missing)} "
+                       "yet; use implementation='xla' or None")
+  elif unsupported_features("triton", variant) and unsupported_features("mosaic", variant):
+    return "xla"
+  # With implementation=None the type of block_sizes names the kernels it tunes (if they run the
+  # variant).
+  if (implementation is None and isinstance(block_sizes, MosaicConfig)
+      and not unsupported_features("mosaic", variant)):
     implementation = "mosaic"
   if implementation == "mosaic":
     why = mosaic_reason(query, key, is_causal, interpret)
@@ -86,9 +109,10 @@ def choose_backend(implementation, interpret, query, key, is_causal: bool, block
     return "triton"
   # implementation=None: Mosaic where supported, the Triton kernels on GPU (or wherever interpret=True
   # asks for them), else XLA.
-  if not isinstance(block_sizes, BlockSizes) and mosaic_reason(query, key, is_causal, interpret) is None:
+  if (not isinstance(block_sizes, BlockSizes) and not unsupported_features("mosaic", variant)
+      and mosaic_reason(query, key, is_causal, interpret) is None):
     return "mosaic"
-  if kernel_ok and (interpret or on_gpu()):
+  if kernel_ok and (interpret or on_gpu()) and not unsupported_features("triton", variant):
     return "triton"
   return "xla"
 
@@ -120,11 +144,16 @@ class Dispatch:
 
 
 def describe(backend: str, query, key, *, is_causal: bool, implementation, block_sizes,
-             deterministic: bool, interpret: bool) -> Dispatch:
+             deterministic: bool, interpret: bool, variant=None) -> Dispatch:
   """The :class:`Dispatch` of a call whose backend is already chosen (shapes rank 4)."""
   if backend == "xla":
+    tri, mos = unsupported_features("triton", variant), unsupported_features("mosaic", variant)
+    missing = tuple(f for f in variant.features if f in tri or f in mos) if tri and mos else ()
     if implementation == "xla":
       why = "implementation='xla' asks for the reference formula"
+    elif missing:
+      why = (f"the kernels do not implement {', '.join(missing)} yet; the XLA formula runs every "
+             "attention variant")
     elif query.shape[-1] > MAX_HEAD_DIM:
       why = f"head_dim {query.shape[-1]} is larger than the kernels' {MAX_HEAD_DIM}"
     else:

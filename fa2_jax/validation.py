@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import dispatch
+from . import dispatch, masking
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 
@@ -98,3 +98,244 @@ def check_options(implementation, block_sizes) -> None:
   if isinstance(block_sizes, BlockSizes) and implementation == "mosaic":
     raise TypeError("block_sizes is a BlockSizes, which configures the Triton kernels; "
                     "implementation='mosaic' takes a fa2_jax.MosaicConfig")
+
+
+# --- attention variants ---------------------------------------------------------------------------
+
+def _is_tracer(x) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def _concrete(x):
+  """A numpy copy of ``x`` when its values are known now (not traced, not a ShapeDtypeStruct)."""
+  if isinstance(x, (np.ndarray, np.generic)) or (isinstance(x, jax.Array) and not _is_tracer(x)):
+    return np.asarray(x)
+  return None
+
+
+def _int_array(name, x):
+  """``x`` as an int32 array (Python ints accepted); TypeError naming ``name`` otherwise."""
+  if isinstance(x, (bool, np.bool_)):
+    raise TypeError(f"{name} must be an integer array, got a bool")
+  if isinstance(x, (int, np.integer)):
+    if not -2 ** 31 <= int(x) < 2 ** 31:
+      raise ValueError(f"{name} must fit int32, got {x}")
+    return jnp.asarray(x, jnp.int32)
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an integer array, got {type(x).__name__}")
+  if np.dtype(x.dtype).kind not in "iu":
+    raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(x.shape, jnp.int32)
+  return jnp.asarray(x).astype(jnp.int32)
+
+
+def _shape_str(shape) -> str:
+  return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def _check_lengths(name, x, b, limit, rank3: bool):
+  """Lengths: integer ``[B]`` (rank-3 call: scalar or ``[1]``), values in ``[0, limit]`` when known."""
+  raw = x
+  x = _int_array(name, x)
+  want = [(b,)] + ([()] if rank3 else [])
+  if tuple(x.shape) not in want:
+    raise ValueError(f"{name} must have shape {_shape_str((b,))}" + (" or be a scalar" if rank3 else "")
+                     + f", got {_shape_str(x.shape)}")
+  values = _concrete(raw) if not isinstance(raw, (int, np.integer)) else np.asarray(raw)
+  if values is not None and values.size and is_static_dim(limit) and (
+      values.min() < 0 or values.max() > limit):
+    raise ValueError(f"{name} must lie in [0, {limit}], got values in [{values.min()}, "
+                     f"{values.max()}]")
+  return x.reshape(b) if not isinstance(x, jax.ShapeDtypeStruct) else x
+
+
+def _check_segments(name, x, b, length, rank3: bool):
+  x = _int_array(name, x)
+  want = [(b, length)] + ([(length,)] if rank3 else [])
+  if tuple(x.shape) not in want:
+    raise ValueError(f"{name} must have shape {_shape_str((b, length))}"
+                     + (f" or {_shape_str((length,))}" if rank3 else "")
+                     + f", got {_shape_str(x.shape)}")
+  return x.reshape(b, length) if not isinstance(x, jax.ShapeDtypeStruct) else x
+
+
+def _check_window(window):
+  """``local_window_size`` -> ``(left, right)`` (None sides unbounded) or None."""
+  if window is None:
+    return None
+  if isinstance(window, (tuple, list)):
+    if len(window) != 2:
+      raise ValueError(f"local_window_size must be an int or a (left, right) pair, got "
+                       f"{len(window)} values {tuple(window)!r}")
+    sides = tuple(window)
+  else:
+    sides = (window, window)
+  out = []
+  for side in sides:
+    if side is None:
+      out.append(None)
+      continue
+    if isinstance(side, (bool, np.bool_)) or not isinstance(side, (int, np.integer)):
+      raise TypeError(f"local_window_size must hold Python ints >= 0 or None, got "
+                      f"{type(side).__name__} {side!r}")
+    if side < 0:
+      raise ValueError(f"local_window_size sides must be >= 0 (None for unbounded), got {side}")
+    if side >= masking.INT32_SAFE:
+      raise ValueError(f"local_window_size sides must be < 2**30 (None for unbounded), got {side}")
+    out.append(int(side))
+  return None if out == [None, None] else tuple(out)
+
+
+def _check_soft_cap(cap):
+  if cap is None:
+    return None
+  if _is_tracer(cap):
+    raise TypeError("logits_soft_cap must be a static Python float, not a traced value")
+  if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, (numbers.Real, np.ndarray, jax.Array)):
+    raise TypeError(f"logits_soft_cap must be a Python float or None, got {type(cap).__name__}")
+  if isinstance(cap, (np.ndarray, jax.Array)):
+    if cap.shape != () or np.dtype(cap.dtype).kind not in "fiu":
+      raise TypeError(f"logits_soft_cap must be a real scalar, got an array of shape {cap.shape} "
+                      f"and dtype {cap.dtype}")
+  cap = float(cap)
+  if not math.isfinite(cap) or cap <= 0:
+    raise ValueError(f"logits_soft_cap must be finite and > 0, got {cap}")
+  return cap
+
+
+def _check_q_offset(q_offset, b, rank3: bool):
+  """``q_offset`` -> int32 ``[B]``, or None for a static 0."""
+  if q_offset is None:
+    return None
+  if isinstance(q_offset, (int, np.integer)) and not isinstance(q_offset, (bool, np.bool_)):
+    if abs(int(q_offset)) >= masking.INT32_SAFE:
+      raise ValueError(f"q_offset must satisfy |q_offset| < 2**30, got {q_offset}")
+    return None if int(q_offset) == 0 else jnp.full((b,), int(q_offset), jnp.int32)
+  raw = q_offset
+  x = _int_array("q_offset", q_offset)
+  want = [(b,)] + ([()] if rank3 else [])
+  if tuple(x.shape) not in want:
+    raise ValueError(f"q_offset must be an int or an integer array of shape {_shape_str((b,))}"
+                     + (" or a scalar" if rank3 else "") + f", got shape {_shape_str(x.shape)}")
+  values = _concrete(raw)
+  if values is not None and values.size and np.abs(values.astype(np.int64)).max() >= masking.INT32_SAFE:
+    raise ValueError(f"q_offset must satisfy |q_offset| < 2**30, got {values}")
+  return x.reshape(b) if not isinstance(x, jax.ShapeDtypeStruct) else x
+
+
+def _check_alibi(slopes, b, n, rank3: bool):
+  if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
+    raise TypeError(f"alibi_slopes must be a float array of shape [N] or [B, N], got "
+                    f"{type(slopes).__name__}")
+  if not jnp.issubdtype(slopes.dtype, jnp.floating):
+    raise TypeError(f"alibi_slopes must have a floating dtype, got {slopes.dtype}")
+  if tuple(slopes.shape) not in ((n,), (b, n)):
+    raise ValueError(f"alibi_slopes must have shape {_shape_str((n,))} or {_shape_str((b, n))}, got "
+                     f"{_shape_str(slopes.shape)}")
+  values = _concrete(slopes)
+  if values is not None and not np.all(np.isfinite(values.astype(np.float64))):
+    raise ValueError("alibi_slopes must be finite")
+  if isinstance(slopes, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((b, n), jnp.float32)
+  return jnp.broadcast_to(jnp.asarray(slopes).astype(jnp.float32), (b, n))
+
+
+def _sizes(dims):
+  """Concrete sizes for tracing the user functions (symbolic dimensions get small stand-ins)."""
+  return tuple(d if is_static_dim(d) else 3 + i for i, d in enumerate(dims))
+
+
+def _trace_user_fn(name, fn, forms, make_args, check_out):
+  """Trace ``fn`` on each form of abstract int32 index arrays; TypeError naming ``name`` with the
+  cause when it fails, then ``check_out(out, want_shape, form)``."""
+  i32 = jnp.int32
+  for form, shapes in forms:
+    structs = [jax.ShapeDtypeStruct(s, i32) for s in shapes]
+    args = make_args(structs)
+    want = jnp.broadcast_shapes(*shapes)
+    try:
+      out = jax.eval_shape(fn, *args)
+    except Exception as e:  # noqa: BLE001  any failure of user code at trace time
+      desc = ", ".join(f"{a} {_shape_str(s)}" for a, s in zip(("b", "h", "q_idx", "kv_idx"), shapes))
+      raise TypeError(f"{name} could not be traced with int32 index arrays ({form}: {desc}): "
+                      f"{type(e).__name__}: {e}") from e
+    if not isinstance(out, jax.ShapeDtypeStruct):
+      raise TypeError(f"{name} must return one array, got {type(out).__name__}")
+    check_out(out, want, form)
+
+
+def check_variant(query, key, *, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                  local_window_size=None, q_segment_ids=None, kv_segment_ids=None, q_offset=None,
+                  logits_soft_cap=None, alibi_slopes=None, mask_fn=None, score_fn=None):
+  """Validate and normalise the variant arguments of a call whose ``query``/``key`` passed
+  :func:`validate_qkv` (rank 3 or 4) -> ``(masking.Variant, masking.VariantArrays)`` (arrays at rank 4).
+
+  Value checks (lengths in range, offsets and slopes bounded) run only on concrete arrays; traced
+  values cannot be checked (lengths behave as if clipped to ``[0, T]`` / ``[0, S]``)."""
+  rank3 = query.ndim == 3
+  q4 = (1, *query.shape) if rank3 else tuple(query.shape)
+  k4 = (1, *key.shape) if rank3 else tuple(key.shape)
+  b, t, n, _ = q4
+  s = k4[1]
+  is_causal = bool(is_causal)
+  q_len = kv_len = q_seg = kv_seg = offset = slopes = None
+  if query_seq_lengths is not None:
+    q_len = _check_lengths("query_seq_lengths", query_seq_lengths, b, t, rank3)
+  if key_value_seq_lengths is not None:
+    kv_len = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, b, s, rank3)
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("q_segment_ids and kv_segment_ids must be given together (both or neither)")
+  if q_segment_ids is not None:
+    q_seg = _check_segments("q_segment_ids", q_segment_ids, b, t, rank3)
+    kv_seg = _check_segments("kv_segment_ids", kv_segment_ids, b, s, rank3)
+  window = _check_window(local_window_size)
+  cap = _check_soft_cap(logits_soft_cap)
+  if alibi_slopes is not None:
+    slopes = _check_alibi(alibi_slopes, b, n, rank3)
+  for name, fn in (("mask_fn", mask_fn), ("score_fn", score_fn)):
+    if fn is not None and not callable(fn):
+      raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
+  offset = _check_q_offset(q_offset, b, rank3)
+  positional = (is_causal or window is not None or slopes is not None or mask_fn is not None
+                or score_fn is not None)
+  if not positional:
+    offset = None  # q_offset only moves positions, which nothing here reads
+  variant = masking.Variant(
+      is_causal=is_causal, window=window, has_q_lengths=q_len is not None,
+      has_kv_lengths=kv_len is not None, has_segments=q_seg is not None,
+      has_q_offset=offset is not None, soft_cap=cap, has_alibi=slopes is not None, mask_fn=mask_fn,
+      score_fn=score_fn)
+  arrays = masking.VariantArrays(q_len, kv_len, q_seg, kv_seg, offset, slopes)
+
+  # The user functions, traced on the two forms they meet: the formula's whole arrays and a kernel's
+  # tile (scalar batch and head indices, a [block_q, 1] column of rows, a [1, block_k] row of keys).
+  bb, nn, tt, ss = _sizes((b, n, t, s))
+  tile_q, tile_k = 16, 32  # a kernel tile's rows and keys (any sizes; distinct to catch mix-ups)
+  forms = [("whole arrays", ((bb, 1, 1, 1), (1, nn, 1, 1), (bb if offset is not None else 1, 1, tt, 1),
+                             (1, 1, 1, ss))),
+           ("a kernel tile", ((), (), (tile_q, 1), (1, tile_k)))]
+  if mask_fn is not None:
+    def check_mask(out, want, form):
+      if out.dtype != jnp.bool_:
+        raise TypeError(f"mask_fn must return a bool array, got dtype {out.dtype} ({form})")
+      try:
+        fits = jnp.broadcast_shapes(out.shape, want) == tuple(want)
+      except ValueError:
+        fits = False
+      if not fits:
+        raise ValueError(f"mask_fn must return an array broadcastable to the index arrays' shape "
+                         f"{_shape_str(want)}, got {_shape_str(out.shape)} ({form})")
+    _trace_user_fn("mask_fn", mask_fn, forms, lambda a: a, check_mask)
+  if score_fn is not None:
+    def check_score(out, want, form):
+      if not jnp.issubdtype(out.dtype, jnp.floating):
+        raise TypeError(f"score_fn must return a floating array, got dtype {out.dtype} ({form})")
+      if tuple(out.shape) != tuple(want):
+        raise ValueError(f"score_fn must return an array of the score's shape {_shape_str(want)}, "
+                         f"got {_shape_str(out.shape)} ({form})")
+    def score_args(structs):
+      want = jnp.broadcast_shapes(*(x.shape for x in structs))
+      return [jax.ShapeDtypeStruct(want, jnp.float32), *structs]
+    _trace_user_fn("score_fn", score_fn, forms, score_args, check_score)
+  return variant, arrays

@@ -1,0 +1,796 @@
+"""Attention variants (lengths, window, segments, q_offset, soft cap, ALiBi, mask_fn, score_fn):
+out, lse and gradients against an independent float64 numpy reference, alone and combined; the
+fully-masked-row and NaN contracts; transforms; the chunked formula; the block ranges of
+``fa2_jax.masking``; dispatch; and every argument error.
+
+The numpy reference below shares no code with ``fa2_jax``: it builds the explicit ``[B, N, T, S]`` mask
+from the rules as the design states them and differentiates by the textbook formulas
+(``dP = dO V^T``, ``dS = P * (dP - rowsum(dO * O) + dlse)``, chained through the score
+modifications), loop-free.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa2_jax
+from fa2_jax import masking
+from fa2_jax.masking import Variant, VariantArrays
+
+# --- implementations under test -------------------------------------------------------------------
+# Today only the XLA formula implements the variants. The kernel backends add themselves here when
+# they implement them, e.g. "triton": dict(implementation="triton", interpret=not on_gpu()) and
+# "mosaic": dict(implementation="mosaic") (GPU only); the tolerances in TOL apply to float32 inputs.
+IMPLEMENTATIONS = {
+    "xla": dict(implementation="xla"),
+}
+TOL = {"xla": 2e-5}  # max |error| / (max |reference| + 1), float32 inputs vs the float64 reference
+
+
+# --- the independent numpy reference --------------------------------------------------------------
+
+@dataclasses.dataclass
+class Spec:
+  """A variant in the test's own terms (numpy arrays; None = absent)."""
+
+  causal: bool = False
+  window: tuple | None = None  # (left, right), None sides unbounded
+  q_len: np.ndarray | None = None  # [B]
+  kv_len: np.ndarray | None = None  # [B]
+  q_seg: np.ndarray | None = None  # [B, T]
+  kv_seg: np.ndarray | None = None  # [B, S]
+  q_offset: np.ndarray | None = None  # [B]
+  cap: float | None = None
+  slopes: np.ndarray | None = None  # [B, N]
+  mask_np: object = None  # (b, h, p, j) -> bool, numpy
+  mask_jnp: object = None  # the same rule for fa2_jax
+  score: tuple | None = None  # (fn_np, dfn_np, fn_jnp): s -> s', ds'/ds, same rule for fa2_jax
+
+  def kwargs(self, b, n):
+    kw = {}
+    if self.causal:
+      kw["is_causal"] = True
+    if self.window is not None:
+      kw["local_window_size"] = self.window
+    if self.q_len is not None:
+      kw["query_seq_lengths"] = jnp.asarray(self.q_len, jnp.int32)
+    if self.kv_len is not None:
+      kw["key_value_seq_lengths"] = jnp.asarray(self.kv_len, jnp.int32)
+    if self.q_seg is not None:
+      kw["q_segment_ids"] = jnp.asarray(self.q_seg, jnp.int32)
+      kw["kv_segment_ids"] = jnp.asarray(self.kv_seg, jnp.int32)
+    if self.q_offset is not None:
+      kw["q_offset"] = jnp.asarray(self.q_offset, jnp.int32)
+    if self.cap is not None:
+      kw["logits_soft_cap"] = self.cap
+    if self.slopes is not None:
+      kw["alibi_slopes"] = jnp.asarray(self.slopes, jnp.float32)
+    if self.mask_jnp is not None:
+      kw["mask_fn"] = self.mask_jnp
+    if self.score is not None:
+      kw["score_fn"] = self.score[2]
+    return kw
+
+
+def np_mask(spec: Spec, b, n, t, s):
+  """The explicit ``[B, N, T, S]`` mask and the absolute positions ``p [B, 1, T, 1]``, ``j``."""
+  bi = np.arange(b)[:, None, None, None]
+  hi = np.arange(n)[None, :, None, None]
+  i = np.arange(t)[None, None, :, None]
+  j = np.arange(s)[None, None, None, :]
+  off = np.zeros(b, np.int64) if spec.q_offset is None else np.asarray(spec.q_offset, np.int64)
+  p = off[:, None, None, None] + i
+  allow = np.ones((b, n, t, s), bool)
+  if spec.causal:
+    allow &= j <= p
+  if spec.window is not None:
+    left, right = spec.window
+    if left is not None:
+      allow &= j >= p - left
+    if right is not None:
+      allow &= j <= p + right
+  if spec.q_len is not None:
+    allow &= i < np.asarray(spec.q_len)[:, None, None, None]
+  if spec.kv_len is not None:
+    allow &= j < np.asarray(spec.kv_len)[:, None, None, None]
+  if spec.q_seg is not None:
+    allow &= np.asarray(spec.q_seg)[:, None, :, None] == np.asarray(spec.kv_seg)[:, None, None, :]
+  if spec.mask_np is not None:
+    allow &= np.broadcast_to(spec.mask_np(bi, hi, p, j), allow.shape)
+  return allow, bi, hi, p, j
+
+
+def np_attention(q, k, v, spec: Spec, scale, dout, dlse):
+  """float64 out ``[B, T, N, H]``, lse ``[B, T, N]`` and (dq, dk, dv) for cotangents (dout, dlse)."""
+  q, k, v, dout, dlse = (np.asarray(x, np.float64) for x in (q, k, v, dout, dlse))
+  b, t, n, hd = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)  # head h reads KV head h // G
+  allow, bi, hi, p, j = np_mask(spec, b, n, t, s)
+  x = np.einsum("btnh,bsnh->bnts", q, kr) * scale  # scaled logits
+  d = np.ones_like(x)  # d s_final / d x
+  sc = x
+  if spec.cap is not None:
+    sc = spec.cap * np.tanh(x / spec.cap)
+    d = d * (1 - np.tanh(x / spec.cap) ** 2)
+  if spec.slopes is not None:
+    sc = sc - np.asarray(spec.slopes, np.float64)[:, :, None, None] * np.abs(p - j)
+  if spec.score is not None:
+    fn, dfn, _ = spec.score
+    d = d * dfn(sc, bi, hi, p, j)
+    sc = fn(sc, bi, hi, p, j)
+  sc = np.where(allow, sc, -np.inf)
+  has = allow.any(-1)  # [B, N, T]
+  m = np.where(has, np.where(allow, sc, -np.inf).max(-1, initial=-np.inf), 0.0)
+  e = np.where(allow, np.exp(np.where(allow, sc - m[..., None], 0.0)), 0.0)
+  l = e.sum(-1)
+  prob = e / np.where(has, l, 1.0)[..., None]  # [B, N, T, S]
+  lse = np.where(has, m + np.log(np.where(has, l, 1.0)), -np.inf)
+  out = np.einsum("bnts,bsnh->btnh", prob, vr)
+  # Backward.
+  do = np.swapaxes(dout, 1, 2)  # [B, N, T, H]
+  dl = dlse.transpose(0, 2, 1)  # [B, N, T]; rows with no key have P = 0, so it drops out
+  dp = np.einsum("bnth,bsnh->bnts", do, vr)
+  delta = np.einsum("bnth,btnh->bnt", do, out)
+  ds = prob * (dp - delta[..., None] + dl[..., None]) * d  # d loss / d x
+  dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
+  dk = (np.einsum("bnts,btnh->bsnh", ds, q) * scale).reshape(b, s, kh, g, hd).sum(3)
+  dv = np.einsum("bnts,bnth->bsnh", prob, do).reshape(b, s, kh, g, hd).sum(3)
+  return out, np.swapaxes(lse, 1, 2), (dq, dk, dv)
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+def qkv(b, t, s, n, kh, h=8, seed=0, dtype=jnp.float32):
+  """Random q, k, v and cotangents dout, dlse (numpy's generator: nothing to compile)."""
+  rng = np.random.default_rng(seed)
+  shapes = ((b, t, n, h), (b, s, kh, h), (b, s, kh, h), (b, t, n, h), (b, t, n))
+  return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes)
+
+
+def make_run(kw, entry=fa2_jax.flash_attention):
+  """A jitted ``(q, k, v, dout, dlse) -> ((out, lse), (dq, dk, dv))`` of ``entry(..., **kw)`` with
+  ``return_residual=True`` (one compilation per case; eager dispatch would compile every op)."""
+  f = lambda a, b_, c: entry(a, b_, c, return_residual=True, **kw)  # noqa: E731
+
+  @jax.jit
+  def fwd_bwd(q, k, v, dout, dlse):
+    res, vjp = jax.vjp(f, q, k, v)
+    return res, vjp((dout, dlse))
+
+  return fwd_bwd
+
+
+def run(q, k, v, dout, dlse, kw):
+  return make_run(kw)(q, k, v, dout, dlse)
+
+
+def assert_close(got, want, tol, what):
+  got = np.asarray(got, np.float64)
+  assert got.shape == want.shape, (what, got.shape, want.shape)
+  fin = np.isfinite(want)
+  np.testing.assert_array_equal(np.isfinite(got), fin, err_msg=f"{what}: finiteness")
+  np.testing.assert_array_equal(got[~fin], want[~fin], err_msg=f"{what}: infinities")
+  err = np.max(np.abs(got[fin] - want[fin]), initial=0.0)
+  bound = tol * (np.max(np.abs(want[fin]), initial=0.0) + 1)
+  assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+def check_against_numpy(impl, spec, b, t, s, n, kh, h=8, seed=0):
+  q, k, v, dout, dlse = qkv(b, t, s, n, kh, h, seed)
+  kw = dict(IMPLEMENTATIONS[impl], **spec.kwargs(b, n))
+  (out, lse), grads = run(q, k, v, dout, dlse, kw)
+  out_ref, lse_ref, grads_ref = np_attention(q, k, v, spec, 1 / np.sqrt(h), dout, dlse)
+  tol = TOL[impl]
+  assert_close(out, out_ref, tol, "out")
+  assert_close(lse, lse_ref, tol, "lse")
+  for name, g, r in zip(("dq", "dk", "dv"), grads, grads_ref):
+    assert_close(g, r, tol, name)
+  return out, lse, grads
+
+
+B, N, KH = 2, 4, 2  # GQA: two query heads per KV head
+
+
+def _packed(lengths_per_batch, total):
+  """Segment ids ``[B, total]`` of packed documents of the given lengths (rest: the last id)."""
+  rows = [np.repeat(np.arange(len(lens)), lens)[:total] for lens in lengths_per_batch]
+  return np.stack([np.pad(r, (0, total - len(r)), mode="edge") for r in rows]).astype(np.int32)
+
+
+def _score_fn():
+  # s * (1 + h/10) + (p - j) / 50: depends on the score, the head and the positions.
+  fn_np = lambda x, b, h, p, j: x * (1 + h / 10) + (p - j) / 50  # noqa: E731
+  dfn_np = lambda x, b, h, p, j: np.broadcast_to(1 + h / 10, x.shape)  # noqa: E731
+  fn_jnp = lambda x, b, h, p, j: (x * (1 + h.astype(x.dtype) / 10)  # noqa: E731
+                                  + (p - j).astype(x.dtype) / 50)
+  return fn_np, dfn_np, fn_jnp
+
+
+def specs(t, s):
+  """One Spec per variant alone, and the combination, for lengths T, S."""
+  q_len = np.array([t - 3, 0 if t > 4 else 1])
+  kv_len = np.array([s, max(1, s - 5)])
+  slopes = np.array([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.2, 0.1, 0.05]], np.float32)
+  off = np.array([s - t, 3])
+  return {
+      "dense": Spec(),
+      "causal": Spec(causal=True),
+      "causal_bottom_right": Spec(causal=True, q_offset=np.array([s - t, s - t])),
+      "window_sym": Spec(window=(3, 3)),
+      "window_left": Spec(window=(4, None)),
+      "window_right": Spec(window=(None, 2)),
+      "window_zero": Spec(window=(0, 0)),
+      "causal_window": Spec(causal=True, window=(5, 3)),
+      "q_lengths": Spec(q_len=q_len),
+      "kv_lengths": Spec(kv_len=kv_len),
+      "segments": Spec(q_seg=_packed([[5, 4, t], [t]], t), kv_seg=_packed([[7, 6, s], [s]], s)),
+      "offset_window": Spec(window=(2, 1), q_offset=off),
+      "soft_cap": Spec(cap=1.5),
+      "alibi": Spec(slopes=slopes, q_offset=off),
+      "mask_fn": Spec(mask_np=lambda b, h, p, j: ((p - j) % 3 != 1) | (h == 0),
+                      mask_jnp=lambda b, h, p, j: ((p - j) % 3 != 1) | (h == 0)),
+      "score_fn": Spec(score=_score_fn()),
+      "combined": Spec(causal=True, window=(6, None), q_len=q_len, kv_len=kv_len,
+                       q_seg=_packed([[4, 5, t], [2, t]], t), kv_seg=_packed([[6, 5, s], [4, s]], s),
+                       q_offset=off, cap=2.0, slopes=slopes,
+                       mask_np=lambda b, h, p, j: (j != 1) | (b == 1),
+                       mask_jnp=lambda b, h, p, j: (j != 1) | (b == 1), score=_score_fn()),
+  }
+
+
+VARIANTS = list(specs(8, 8))
+# T < S for every variant; T > S for those where the alignment matters.
+CASES = [(v, 13, 21) for v in VARIANTS] + [
+    (v, 21, 13) for v in ("causal", "causal_bottom_right", "offset_window", "q_lengths", "segments",
+                          "combined")]
+
+
+# --- every variant, alone and combined ------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("variant, t, s", CASES)
+def test_variant_matches_numpy(impl, variant, t, s):
+  check_against_numpy(impl, specs(t, s)[variant], B, t, s, N, KH)
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_mqa_and_equal_lengths(impl):
+  check_against_numpy(impl, specs(16, 16)["combined"], B, 16, 16, N, 1)
+
+
+def test_float64_reference_is_exact():
+  with jax.enable_x64(True):
+    q, k, v, dout, dlse = qkv(B, 11, 17, N, KH, seed=3, dtype=jnp.float64)
+    spec = specs(11, 17)["combined"]
+    (out, lse), grads = make_run(spec.kwargs(B, N), fa2_jax.reference_attention)(
+        q, k, v, dout, dlse)
+    assert out.dtype == jnp.float64 and lse.dtype == jnp.float64
+    out_ref, lse_ref, grads_ref = np_attention(q, k, v, spec, 1 / np.sqrt(8), dout, dlse)
+    assert_close(out, out_ref, 1e-12, "out")
+    assert_close(lse, lse_ref, 1e-12, "lse")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, grads_ref):
+      assert_close(g, r, 1e-12, name)
+
+
+# --- rows with no key, NaN in masked positions ----------------------------------------------------
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("case", ["q_len_zero", "kv_len_zero", "no_segment", "window_before_keys",
+                                  "mask_fn_none", "score_fn_minus_inf"])
+def test_rows_without_keys(impl, case):
+  t, s = 6, 9
+  q, k, v, dout, dlse = qkv(B, t, s, N, KH, seed=1)
+  kw = {
+      "q_len_zero": dict(query_seq_lengths=jnp.array([0, 0])),
+      "kv_len_zero": dict(key_value_seq_lengths=jnp.array([0, 0])),
+      "no_segment": dict(q_segment_ids=np.zeros((B, t), np.int32),
+                         kv_segment_ids=np.ones((B, s), np.int32)),
+      "window_before_keys": dict(is_causal=True, q_offset=-t),  # every position < 0
+      "mask_fn_none": dict(mask_fn=lambda b, h, p, j: p < -1),
+      "score_fn_minus_inf": dict(score_fn=lambda x, b, h, p, j: x - jnp.inf),
+  }[case]
+  (out, lse), grads = run(q, k, v, dout, dlse, dict(IMPLEMENTATIONS[impl], **kw))
+  assert not np.any(np.asarray(out))
+  assert np.all(np.asarray(lse) == -np.inf)
+  for g in grads:
+    assert not np.any(np.asarray(g)), "a row with no key has zero gradients"
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("case", ["padded_rows_and_keys", "dead_segment", "causal_unreached_keys",
+                                  "window_unreached_keys", "soft_cap_and_score_fn"])
+def test_poison_in_masked_positions_never_reaches_results(impl, case):
+  t, s = 7, 12
+  q, k, v, dout, dlse = qkv(B, t, s, N, KH, seed=2)
+  kw, poisoned = {}, []
+  for poison in (np.nan, np.inf, -np.inf):
+    qn, kn, vn = (np.array(x) for x in (q, k, v))
+    kw = _poison(case, poison, qn, kn, vn, t)
+    poisoned.append(tuple(jnp.asarray(x) for x in (qn, kn, vn)))
+  kw.update(IMPLEMENTATIONS[impl])
+  fwd_bwd = make_run(kw)
+  clean = fwd_bwd(q, k, v, dout, dlse)
+  for qn, kn, vn in poisoned:
+    dirty = fwd_bwd(qn, kn, vn, dout, dlse)
+    for c, d in zip(jax.tree.leaves(clean), jax.tree.leaves(dirty)):
+      c, d = np.asarray(c), np.asarray(d)
+      assert np.all(np.isfinite(d) | (d == -np.inf)), "poison reached a result"
+      np.testing.assert_allclose(d, c, atol=1e-6)
+
+
+def _poison(case, poison, qn, kn, vn, t):
+  """Write ``poison`` into the positions ``case`` masks out (in place); the call's kwargs."""
+  kw = {}
+  if case in ("padded_rows_and_keys", "soft_cap_and_score_fn"):
+    kw = dict(query_seq_lengths=jnp.array([5, 2]), key_value_seq_lengths=jnp.array([9, 4]))
+    qn[0, 5:], qn[1, 2:] = poison, poison
+    kn[0, 9:], kn[1, 4:], vn[0, 9:], vn[1, 4:] = poison, poison, poison, poison
+    if case == "soft_cap_and_score_fn":
+      kw.update(logits_soft_cap=3.0, alibi_slopes=np.full((N,), 0.5, np.float32),
+                score_fn=lambda x, b, h, p, j: jnp.sin(x) * x)
+  elif case == "dead_segment":  # keys 8.. hold segment 9, which no query has
+    kv_seg = np.zeros((B, kn.shape[1]), np.int32)
+    kv_seg[:, 8:] = 9
+    kw = dict(q_segment_ids=np.zeros((B, t), np.int32), kv_segment_ids=kv_seg)
+    kn[:, 8:], vn[:, 8:] = poison, poison
+  elif case == "causal_unreached_keys":  # T < S, top-left: keys >= T are never attended
+    kw = dict(is_causal=True)
+    kn[:, t:], vn[:, t:] = poison, poison
+  else:  # window reaching keys [p - 1, p + 1] only, p < T
+    kw = dict(local_window_size=1)
+    kn[:, t + 1:], vn[:, t + 1:] = poison, poison
+  return kw
+
+
+# --- transforms -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_jit_with_traced_lengths_offsets_and_segments(impl):
+  t, s = 10, 14
+  spec = specs(t, s)["combined"]
+  q, k, v, dout, dlse = qkv(B, t, s, N, KH, seed=4)
+  kw = spec.kwargs(B, N)
+  traced = {name: kw.pop(name) for name in ("query_seq_lengths", "key_value_seq_lengths",
+                                             "q_segment_ids", "kv_segment_ids", "q_offset",
+                                             "alibi_slopes")}
+
+  def loss(q, k, v, arrays):
+    out, lse = fa2_jax.flash_attention(q, k, v, return_residual=True, **arrays, **kw,
+                                       **IMPLEMENTATIONS[impl])
+    return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse * dlse, 0))
+
+  val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, traced)
+  out_ref, lse_ref, grads_ref = np_attention(q, k, v, spec, 1 / np.sqrt(8), dout, dlse)
+  fin = np.isfinite(lse_ref)
+  want_val = np.sum(out_ref * np.asarray(dout, np.float64)) + np.sum(
+      np.where(fin, lse_ref, 0) * np.asarray(dlse, np.float64))
+  np.testing.assert_allclose(val, want_val, rtol=1e-5)
+  for name, g, r in zip(("dq", "dk", "dv"), grads, grads_ref):
+    assert_close(g, r, TOL[impl], f"{name} under jit")
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_vmap_of_rank3_calls_with_scalar_lengths(impl):
+  t, s = 9, 11
+  q, k, v, _, _ = qkv(B, t, s, N, KH, seed=5)
+  q_len, kv_len, off = jnp.array([9, 4]), jnp.array([7, 11]), jnp.array([2, -1])
+  kw = dict(is_causal=True, local_window_size=(4, 0), **IMPLEMENTATIONS[impl])
+  call = lambda a, b_, c, ql, kl, o: fa2_jax.flash_attention(  # noqa: E731
+      a, b_, c, query_seq_lengths=ql, key_value_seq_lengths=kl, q_offset=o, **kw)
+  got = jax.jit(jax.vmap(call))(q, k, v, q_len, kv_len, off)
+  want = jax.jit(call)(q, k, v, q_len, kv_len, off)
+  spec = Spec(causal=True, window=(4, 0), q_len=np.asarray(q_len), kv_len=np.asarray(kv_len),
+              q_offset=np.asarray(off))
+  zeros = np.zeros(q.shape)
+  assert_close(want, np_attention(q, k, v, spec, 1 / np.sqrt(8), zeros, zeros[..., 0])[0],
+               TOL[impl], "out")
+  np.testing.assert_allclose(got, want, atol=1e-6)
+  rank3 = jax.jit(lambda a, b_, c: fa2_jax.flash_attention(
+      a, b_, c, query_seq_lengths=4, key_value_seq_lengths=11, q_offset=-1, **kw))(q[1], k[1], v[1])
+  np.testing.assert_allclose(rank3, want[1], atol=1e-6)
+
+
+def test_alibi_slopes_are_not_differentiated():
+  q, k, v, _, _ = qkv(B, 6, 6, N, KH)
+  g = jax.jit(jax.grad(lambda sl: fa2_jax.flash_attention(q, k, v, alibi_slopes=sl).sum()))(
+      np.ones(N, np.float32))
+  assert g.shape == (N,) and not np.any(np.asarray(g))
+
+
+def test_score_fn_closing_over_an_array_on_the_formula_path():
+  t, s = 6, 8
+  q, k, v, _, _ = qkv(B, t, s, N, KH)
+  bias = jnp.asarray(np.random.default_rng(9).standard_normal((t, s)), jnp.float32)
+  f = lambda bias: fa2_jax.flash_attention(  # noqa: E731
+      q, k, v, implementation="xla", score_fn=lambda x, b, h, p, j: x + bias[p, j]).sum()
+  # Compare with a dense bias added by hand.
+  spec = Spec(score=(lambda x, b, h, p, j: x + np.asarray(bias, np.float64)[p, j],
+                     lambda x, b, h, p, j: np.ones_like(x), None))
+  out_ref, _, _ = np_attention(q, k, v, spec, 1 / np.sqrt(8), np.zeros(q.shape), np.zeros(q.shape[:3]))
+  val, grad = jax.jit(jax.value_and_grad(f))(bias)
+  np.testing.assert_allclose(val, out_ref.sum(), rtol=1e-5)
+  assert np.any(np.asarray(grad))  # the closed-over array is differentiated
+
+
+# --- the chunked formula --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["dense", "combined"])
+def test_chunked_formula_matches_one_block_and_numpy(variant):
+  t, s = 37, 29  # 37 rows in blocks of 8: a ragged last block
+  spec = specs(t, s)[variant]
+  q, k, v, dout, dlse = qkv(B, t, s, N, KH, seed=6)
+  one = make_run(spec.kwargs(B, N), fa2_jax.reference_attention)(q, k, v, dout, dlse)
+  chunked = make_run(dict(spec.kwargs(B, N), query_block=8), fa2_jax.reference_attention)(
+      q, k, v, dout, dlse)
+  for a, c in zip(jax.tree.leaves(one), jax.tree.leaves(chunked)):
+    np.testing.assert_allclose(c, a, atol=2e-6)
+  out_ref, lse_ref, grads_ref = np_attention(q, k, v, spec, 1 / np.sqrt(8), dout, dlse)
+  for name, g, r in zip(("out", "lse", "dq", "dk", "dv"), jax.tree.leaves(chunked),
+                        (out_ref, lse_ref, *grads_ref)):
+    assert_close(g, r, 2e-5, name)
+
+
+def test_long_calls_run_chunked_in_linear_memory():
+  """T = S = 4096: the compiled gradient's temporaries stay below one [T, S] float32 score matrix
+  (the one-block formula needs several)."""
+  t = 4096
+  spec = jax.ShapeDtypeStruct((1, t, 1, 16), jnp.float32)
+  f = lambda q, k, v: fa2_jax.flash_attention(q, k, v, is_causal=True, local_window_size=64,  # noqa
+                                              implementation="xla").sum()
+  mem = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(spec, spec, spec).compile().memory_analysis()
+  assert mem.temp_size_in_bytes < t * t * 4, mem.temp_size_in_bytes
+
+
+# --- mask_fn / score_fn against the built-in rules ------------------------------------------------
+
+@pytest.mark.parametrize("builtin, fn, offset", [
+    (dict(is_causal=True), lambda b, h, p, j: j <= p, None),
+    (dict(local_window_size=(3, 1)), lambda b, h, p, j: (j >= p - 3) & (j <= p + 1), 4),
+    (dict(is_causal=True, local_window_size=2), lambda b, h, p, j: (j >= p - 2) & (j <= p), -2),
+])
+def test_mask_fn_equal_to_a_builtin_rule(builtin, fn, offset):
+  q, k, v, dout, dlse = qkv(B, 9, 13, N, KH, seed=7)
+  kw = {} if offset is None else dict(q_offset=offset)
+  a = run(q, k, v, dout, dlse, dict(builtin, **kw))
+  b = run(q, k, v, dout, dlse, dict(mask_fn=fn, **kw))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_score_fn_equal_to_soft_cap():
+  q, k, v, dout, dlse = qkv(B, 9, 13, N, KH, seed=8)
+  a = run(q, k, v, dout, dlse, dict(logits_soft_cap=1.5, is_causal=True))
+  b = run(q, k, v, dout, dlse, dict(score_fn=lambda x, b, h, p, j: 1.5 * jnp.tanh(x / 1.5),
+                                    is_causal=True))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+# --- fa2_jax.masking: the elementwise rule and scores on kernel-shaped tiles ----------------------
+
+def test_allowed_keeps_the_causal_kernel_form():
+  q_pos = jnp.arange(4, dtype=jnp.int32)[:, None]
+  k_pos = jnp.arange(6, dtype=jnp.int32)[None, :]
+  np.testing.assert_array_equal(masking.allowed(q_pos, k_pos, is_causal=True),
+                                np.arange(6)[None, :] <= np.arange(4)[:, None])
+  np.testing.assert_array_equal(masking.allowed(q_pos, k_pos, is_causal=False, seq_k=5),
+                                np.broadcast_to(np.arange(6) < 5, (4, 6)))
+  assert masking.allowed(q_pos, k_pos, is_causal=False) is None
+  general = masking.allowed(Variant(is_causal=True), None, None, q_pos, k_pos, seq_k=5)
+  np.testing.assert_array_equal(general, masking.allowed(q_pos, k_pos, is_causal=True, seq_k=5))
+
+
+def test_allowed_pairs_on_a_tile_matches_numpy():
+  """A kernel's view: scalar b/h, a [bq, 1] column of absolute rows, a [1, bk] row of keys."""
+  spec = specs(16, 24)["combined"]
+  allow, *_ = np_mask(spec, B, N, 16, 24)
+  var = Variant(is_causal=True, window=(6, None), has_q_lengths=True, has_kv_lengths=True,
+                has_segments=True, has_q_offset=True, mask_fn=spec.mask_jnp)
+  rows = jnp.arange(8, 16, dtype=jnp.int32)[:, None]  # the second query tile
+  keys = jnp.arange(8, 24, dtype=jnp.int32)[None, :]
+
+  @jax.jit
+  def tile(b, h, off, q_len, kv_len, q_seg, kv_seg):  # b, h, off, lengths: int32 scalars
+    return masking.allowed_pairs(var, b, h, rows + off, keys, q_len=q_len, kv_len=kv_len,
+                                 q_seg=q_seg[:, None], kv_seg=kv_seg[None, :], q_offset=off)
+
+  i32 = jnp.int32
+  for b in range(B):
+    for h in (0, 3):
+      got = tile(i32(b), i32(h), i32(spec.q_offset[b]), i32(spec.q_len[b]), i32(spec.kv_len[b]),
+                 jnp.asarray(spec.q_seg[b, 8:16]), jnp.asarray(spec.kv_seg[b, 8:24]))
+      assert got.shape == (8, 16)
+      np.testing.assert_array_equal(got, allow[b, h, 8:16, 8:24])
+
+
+@pytest.mark.parametrize("variant", [Variant(soft_cap=2.0), Variant(has_alibi=True),
+                                     Variant(score_fn=lambda x, b, h, p, j: x * jnp.tanh(x) + h),
+                                     Variant(soft_cap=1.0, has_alibi=True,
+                                             score_fn=lambda x, b, h, p, j: jnp.exp(x / 4) * p)])
+def test_score_derivative_matches_autodiff(variant):
+  s = jnp.asarray(np.random.default_rng(1).standard_normal((8, 16)) * 3, jnp.float32)
+  b, h = jnp.int32(1), jnp.int32(2)
+  p = jnp.arange(5, 13, dtype=jnp.int32)[:, None]
+  j = jnp.arange(16, dtype=jnp.int32)[None, :]
+  f = lambda x: masking.modify_scores(variant, x, b, h, p, j, slope=0.25)  # noqa: E731
+  want = jax.vmap(jax.vmap(jax.grad(lambda x, pi, ji: masking.modify_scores(
+      variant, x, b, h, pi, ji, slope=0.25))))(s, jnp.broadcast_to(p, s.shape),
+                                               jnp.broadcast_to(j, s.shape))
+  out, deriv = masking.modify_scores_and_derivative(variant, s, b, h, p, j, slope=0.25)
+  np.testing.assert_allclose(out, f(s), rtol=1e-6)
+  d = masking.score_derivative(variant, s, b, h, p, j, slope=0.25)
+  d = jnp.ones_like(s) if d is None else d
+  np.testing.assert_allclose(d, want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(jnp.ones_like(s) if deriv is None else deriv, d, rtol=0)
+
+
+def test_variant_properties():
+  assert Variant.dense().is_dense and not Variant.dense().needs_mask
+  assert not Variant(is_causal=True).is_dense and Variant(is_causal=True).features == ()
+  assert Variant(is_causal=True, window=(None, 4)).bounds == (None, 0)
+  assert Variant(window=(2, 5)).bounds == (2, 5)
+  assert Variant(soft_cap=1.0).modifies_scores and not Variant(soft_cap=1.0).needs_mask
+  assert hash(Variant(window=(1, 2))) == hash(Variant(window=(1, 2)))
+  assert Variant(has_segments=True, has_alibi=True).features == ("q_segment_ids/kv_segment_ids",
+                                                                  "alibi_slopes")
+
+
+# --- block ranges against the brute-force block table ---------------------------------------------
+
+def _block_table(allow, block_r, block_c):
+  """Per block pair: any pair allowed, every pair allowed (rows/cols past the ends ignored)."""
+  r, c = allow.shape[-2:]
+  nr, nc = -(-r // block_r), -(-c // block_c)
+  pad_any = np.zeros(allow.shape[:-2] + (nr * block_r, nc * block_c), bool)
+  pad_all = np.ones_like(pad_any)
+  pad_any[..., :r, :c] = allow
+  pad_all[..., :r, :c] = allow
+  shp = allow.shape[:-2] + (nr, block_r, nc, block_c)
+  return pad_any.reshape(shp).any((-3, -1)), pad_all.reshape(shp).all((-3, -1))
+
+
+def _check_ranges(ranges, any_, all_, tight):
+  """``ranges [..., n, 4]`` against the block tables ``[..., n, m]``."""
+  lo, flo, fhi, hi = (np.asarray(ranges[..., i]) for i in range(4))
+  assert np.all((lo <= flo) & (flo <= fhi) & (fhi <= hi))
+  m = any_.shape[-1]
+  idx = np.arange(m)
+  inside = (idx >= lo[..., None]) & (idx < hi[..., None])
+  full = (idx >= flo[..., None]) & (idx < fhi[..., None])
+  assert not np.any(any_ & ~inside), "a block with an allowed pair lies outside [lo, hi)"
+  assert np.all(all_[full]), "a block in [full_lo, full_hi) has a masked pair"
+  if tight:  # analytic ranges are exact: the end blocks have a pair
+    nonempty = hi > lo
+    assert np.all(np.take_along_axis(any_, np.where(nonempty, lo, 0)[..., None], -1)[..., 0]
+                  | ~nonempty)
+    assert np.all(np.take_along_axis(any_, np.where(nonempty, hi - 1, 0)[..., None], -1)[..., 0]
+                  | ~nonempty)
+
+
+# Representative variants (random lengths, offsets and segment ids are drawn for each).
+RANGE_VARIANTS = [
+    dict(causal=True),
+    dict(causal=True, window=(3, None), q_offset=True),
+    dict(window=(None, 5), kv_len=True),
+    dict(window=(7, 2), q_offset=True, kv_len=True, q_len=True),
+    dict(causal=True, q_len=True, kv_len=True, q_offset=True),
+    dict(window=(0, 0), q_offset=True),
+    dict(causal=True, segments=True),
+    dict(window=(6, 6), segments=True, q_len=True, kv_len=True, q_offset=True),
+]
+
+
+@pytest.mark.parametrize("variant", RANGE_VARIANTS, ids=str)
+@pytest.mark.parametrize("t, s, bq, bk", [(37, 45, 8, 16), (45, 19, 16, 4)])
+def test_block_ranges_are_sound_and_tight(variant, t, s, bq, bk):
+  """Blocks outside [lo, hi) have no allowed pair, blocks in [full_lo, full_hi) no masked pair, for
+  random lengths / offsets / sorted segment ids; without segments [lo, hi) is tight and (without
+  query lengths) the full range is maximal."""
+  segments = variant.get("segments", False)
+  var = Variant(is_causal=variant.get("causal", False), window=variant.get("window"),
+                has_q_lengths=variant.get("q_len", False), has_kv_lengths=variant.get("kv_len", False),
+                has_segments=segments, has_q_offset=variant.get("q_offset", False))
+  kw = dict(batch=B, seq_q=t, seq_k=s, block_q=bq, block_k=bk)
+  tables = jax.jit(lambda a: (masking.kv_block_ranges(var, a, **kw),
+                              masking.q_block_ranges(var, a, **kw)))
+  rng = np.random.default_rng(t * 100 + s)
+  for trial in range(8):
+    spec = Spec(causal=var.is_causal, window=var.window,
+                q_len=rng.integers(0, t + 1, B) if var.has_q_lengths else None,
+                kv_len=rng.integers(0, s + 1, B) if var.has_kv_lengths else None,
+                q_offset=rng.integers(-s, s, B) if var.has_q_offset else None)
+    if segments:
+      spec.q_seg = np.sort(rng.integers(0, 4, (B, t)), -1)
+      spec.kv_seg = np.sort(rng.integers(0, 4, (B, s)), -1)
+    arr = lambda x: None if x is None else jnp.asarray(x, jnp.int32)  # noqa: E731
+    arrays = VariantArrays(arr(spec.q_len), arr(spec.kv_len), arr(spec.q_seg), arr(spec.kv_seg),
+                           arr(spec.q_offset))
+    kv, qr = tables(arrays)  # [B, nq, 4], [B, nk, 4]
+    allow = np_mask(spec, B, 1, t, s)[0][:, 0]  # [B, T, S]
+    any_, all_ = _block_table(allow, bq, bk)
+    _check_ranges(kv, any_, all_, tight=not segments)
+    _check_ranges(qr, np.swapaxes(any_, -1, -2), np.swapaxes(all_, -1, -2), tight=not segments)
+    if not segments and spec.q_len is None:
+      lo, flo, fhi, hi = (np.asarray(kv[..., i]) for i in range(4))
+      for bi in range(B):
+        for r in range(kv.shape[1]):
+          if fhi[bi, r] > flo[bi, r]:
+            if flo[bi, r] > 0:
+              assert not all_[bi, r, flo[bi, r] - 1] or not any_[bi, r, flo[bi, r] - 1]
+            if fhi[bi, r] < all_.shape[-1] and (fhi[bi, r] + 1) * bk <= s:
+              assert not all_[bi, r, fhi[bi, r]] or not any_[bi, r, fhi[bi, r]]
+
+
+def test_block_range_of_one_tile_inside_a_kernel():
+  """The scalar form (what a kernel evaluates per program) agrees with the vectorised table."""
+  var = Variant(is_causal=True, window=(9, None), has_q_offset=True, has_kv_lengths=True)
+  arrays = VariantArrays(kv_lengths=jnp.array([30, 17]), q_offset=jnp.array([5, -3]))
+  table = masking.kv_block_ranges(var, arrays, batch=2, seq_q=40, seq_k=33, block_q=8, block_k=8)
+  f = jax.jit(lambda i, off, kl: jnp.stack(masking.kv_block_range(
+      var, i * 8, 8, 8, 33, seq_q=40, q_offset=off, kv_len=kl)))
+  for b in range(2):
+    for i in range(5):
+      np.testing.assert_array_equal(f(jnp.int32(i), arrays.q_offset[b], arrays.kv_lengths[b]),
+                                    table[b, i])
+
+
+def test_mask_fn_block_mask_matches_brute_force():
+  t, s, bq, bk = 37, 45, 8, 16
+  fn = lambda b, h, p, j: ((p // 8) == (j // 8)) | ((h == 1) & (j < 4))  # noqa: E731
+  var = Variant(mask_fn=fn, has_q_offset=True)
+  arrays = VariantArrays(q_offset=jnp.array([0, 5]))
+  any_, all_ = masking.mask_fn_block_mask(var, arrays, batch=B, heads=N, seq_q=t, seq_k=s,
+                                          block_q=bq, block_k=bk)
+  spec = Spec(q_offset=np.array([0, 5]), mask_np=fn)
+  want_any, want_all = _block_table(np_mask(spec, B, N, t, s)[0], bq, bk)
+  np.testing.assert_array_equal(any_, want_any)
+  np.testing.assert_array_equal(all_, want_all)
+  # A mask_fn of the positions only gives one row of batch and head.
+  any1, _ = masking.mask_fn_block_mask(Variant(mask_fn=lambda b, h, p, j: j <= p), VariantArrays(),
+                                       batch=B, heads=N, seq_q=t, seq_k=s, block_q=bq, block_k=bk)
+  assert any1.shape == (1, 1, 5, 3)
+
+
+# --- dispatch -------------------------------------------------------------------------------------
+
+def test_variants_run_on_the_formula_and_backend_for_says_why():
+  q, k, v, _, _ = qkv(1, 8, 8, 2, 2)
+  d = fa2_jax.backend_for(q, k, local_window_size=4, interpret=True)
+  assert d.backend == "xla" and "local_window_size" in d.reason, d
+  # The causal mask alone still runs the kernels.
+  assert fa2_jax.backend_for(q, k, is_causal=True, interpret=True).backend == "triton"
+  # A static zero offset (or one nothing reads) is no variant.
+  assert fa2_jax.backend_for(q, k, q_offset=0, is_causal=True, interpret=True).backend == "triton"
+  assert fa2_jax.backend_for(q, k, q_offset=jnp.array([3]), interpret=True).backend == "triton"
+  out = jax.jit(lambda a, b_, c: fa2_jax.flash_attention(a, b_, c, local_window_size=2,
+                                                         interpret=True))(q, k, v)
+  spec = Spec(window=(2, 2))
+  zeros = np.zeros(q.shape)
+  assert_close(out, np_attention(q, k, v, spec, 1 / np.sqrt(8), zeros, zeros[..., 0])[0], 2e-5,
+               "out")
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(local_window_size=4), "local_window_size"),
+    (dict(query_seq_lengths=jnp.array([3])), "query_seq_lengths"),
+    (dict(logits_soft_cap=5.0, alibi_slopes=jnp.ones(2)), "logits_soft_cap, alibi_slopes"),
+    (dict(mask_fn=lambda b, h, p, j: j <= p), "mask_fn"),
+])
+def test_explicit_kernels_refuse_variants_they_lack(impl, kwargs, name):
+  q, k, _, _, _ = qkv(1, 8, 8, 2, 2)
+  with pytest.raises(ValueError, match=f"implementation='{impl}' does not support {name} yet"):
+    fa2_jax.flash_attention(q, k, k, implementation=impl, interpret=impl == "triton" or None,
+                            **kwargs)
+
+
+# --- argument errors ------------------------------------------------------------------------------
+
+Q4 = jnp.zeros((2, 8, 4, 16))
+KV4 = jnp.zeros((2, 12, 2, 16))
+I32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+
+
+def _bad_mask(b, h, p, j):
+  return p[0, 0, :] >= j[0, 0, :]  # indexes the formula's rank-4 arrays: fails on a kernel tile
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(query_seq_lengths=jnp.zeros(2)), TypeError, "query_seq_lengths must have an integer dtype"),
+    (dict(query_seq_lengths=I32(3)), ValueError, r"query_seq_lengths must have shape \[2\]"),
+    (dict(query_seq_lengths=3), ValueError, r"query_seq_lengths must have shape \[2\]"),
+    (dict(query_seq_lengths=[3, 3]), TypeError, "query_seq_lengths must be an integer array"),
+    (dict(query_seq_lengths=jnp.array([1, 9])), ValueError,
+     r"query_seq_lengths must lie in \[0, 8\]"),
+    (dict(query_seq_lengths=jnp.array([-1, 2])), ValueError, r"query_seq_lengths must lie in"),
+    (dict(key_value_seq_lengths=jnp.array([True, False])), TypeError,
+     "key_value_seq_lengths must have an integer dtype"),
+    (dict(key_value_seq_lengths=jnp.array([13, 2])), ValueError,
+     r"key_value_seq_lengths must lie in \[0, 12\]"),
+    (dict(key_value_seq_lengths=I32(2, 1)), ValueError, "key_value_seq_lengths must have shape"),
+    (dict(q_segment_ids=I32(2, 8)), ValueError, "both or neither"),
+    (dict(kv_segment_ids=I32(2, 12)), ValueError, "both or neither"),
+    (dict(q_segment_ids=I32(2, 7), kv_segment_ids=I32(2, 12)), ValueError,
+     r"q_segment_ids must have shape \[2, 8\]"),
+    (dict(q_segment_ids=I32(2, 8), kv_segment_ids=I32(2, 8)), ValueError,
+     r"kv_segment_ids must have shape \[2, 12\]"),
+    (dict(q_segment_ids=jnp.zeros((2, 8)), kv_segment_ids=I32(2, 12)), TypeError,
+     "q_segment_ids must have an integer dtype"),
+    (dict(local_window_size=-1), ValueError, "local_window_size sides must be >= 0"),
+    (dict(local_window_size=(2, -3)), ValueError, "local_window_size sides must be >= 0"),
+    (dict(local_window_size=(1, 2, 3)), ValueError, "local_window_size must be an int or a"),
+    (dict(local_window_size=2.5), TypeError, "local_window_size must hold Python ints"),
+    (dict(local_window_size=True), TypeError, "local_window_size must hold Python ints"),
+    (dict(local_window_size=1 << 31), ValueError, r"local_window_size sides must be < 2\*\*30"),
+    (dict(q_offset=1.5), TypeError, "q_offset must be an integer array"),
+    (dict(q_offset=jnp.zeros(2)), TypeError, "q_offset must have an integer dtype"),
+    (dict(q_offset=I32(3)), ValueError, r"q_offset must be an int or an integer array of shape \[2\]"),
+    (dict(q_offset=1 << 30), ValueError, r"q_offset must satisfy \|q_offset\| < 2\*\*30"),
+    (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be finite and > 0"),
+    (dict(logits_soft_cap=-2.0), ValueError, "logits_soft_cap must be finite and > 0"),
+    (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap must be finite and > 0"),
+    (dict(logits_soft_cap=float("nan")), ValueError, "logits_soft_cap must be finite and > 0"),
+    (dict(logits_soft_cap="30"), TypeError, "logits_soft_cap must be a Python float"),
+    (dict(logits_soft_cap=True), TypeError, "logits_soft_cap must be a Python float"),
+    (dict(alibi_slopes=I32(4)), TypeError, "alibi_slopes must have a floating dtype"),
+    (dict(alibi_slopes=jnp.ones(2)), ValueError, r"alibi_slopes must have shape \[4\] or \[2, 4\]"),
+    (dict(alibi_slopes=jnp.ones((4, 2))), ValueError, "alibi_slopes must have shape"),
+    (dict(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes must be a float array"),
+    (dict(alibi_slopes=jnp.array([1, 1, 1, jnp.nan])), ValueError, "alibi_slopes must be finite"),
+    (dict(mask_fn="causal"), TypeError, "mask_fn must be a callable"),
+    (dict(score_fn=3), TypeError, "score_fn must be a callable"),
+    (dict(mask_fn=lambda b, h, p: p > 0), TypeError, "mask_fn could not be traced.*TypeError"),
+    (dict(mask_fn=_bad_mask), TypeError, "mask_fn could not be traced.*a kernel tile"),
+    (dict(mask_fn=lambda b, h, p, j: p - j), TypeError, "mask_fn must return a bool array"),
+    (dict(mask_fn=lambda b, h, p, j: jnp.ones((3, 3), bool)), ValueError,
+     "mask_fn must return an array broadcastable"),
+    (dict(score_fn=lambda s, b, h, p, j: s > 0), TypeError, "score_fn must return a floating array"),
+    (dict(score_fn=lambda s, b, h, p, j: s.sum()), ValueError,
+     "score_fn must return an array of the score's shape"),
+    (dict(score_fn=lambda s, b, h, p, j: (s, s)), TypeError, "score_fn must return one array"),
+    (dict(score_fn=lambda s, b, h, p, j: s + undefined_name), TypeError,  # noqa: F821
+     "score_fn could not be traced.*NameError"),
+])
+@pytest.mark.parametrize("entry", ["flash_attention", "reference_attention", "backend_for"])
+def test_bad_variant_arguments(kwargs, exc, match, entry):
+  fn = {"flash_attention": lambda: fa2_jax.flash_attention(Q4, KV4, KV4, **kwargs),
+        "reference_attention": lambda: fa2_jax.reference_attention(Q4, KV4, KV4, **kwargs),
+        "backend_for": lambda: fa2_jax.backend_for(Q4, KV4, **kwargs)}[entry]
+  with pytest.raises(exc, match=match):
+    fn()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(query_seq_lengths=I32(2)), r"query_seq_lengths must have shape \[1\] or be a scalar"),
+    (dict(q_segment_ids=I32(2, 8), kv_segment_ids=I32(12)), r"q_segment_ids must have shape"),
+    (dict(q_offset=I32(2)), r"q_offset must be an int or an integer array of shape \[1\]"),
+])
+def test_bad_variant_arguments_of_a_rank3_call(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    fa2_jax.flash_attention(Q4[0], KV4[0], KV4[0], **kwargs)
+
+
+def test_traced_values_are_not_range_checked():
+  """Under jit the lengths are traced: out-of-range values are documented to act as clipped."""
+  q, k, v, _, _ = qkv(B, 8, 12, N, KH)
+  f = jax.jit(lambda ql, kl: fa2_jax.flash_attention(q, k, v, query_seq_lengths=ql,
+                                                     key_value_seq_lengths=kl))
+  np.testing.assert_allclose(f(jnp.array([99, -5]), jnp.array([99, 99])),
+                             f(jnp.array([8, 0]), jnp.array([12, 12])), atol=0)
+
+
+def test_traced_soft_cap_is_rejected():
+  with pytest.raises(TypeError, match="logits_soft_cap must be a static Python float"):
+    jax.jit(lambda c: fa2_jax.flash_attention(Q4, KV4, KV4, logits_soft_cap=c))(2.0)
+
+
+@pytest.mark.parametrize("query_block", [0, -4, 2.0, True])
+def test_bad_query_block(query_block):
+  with pytest.raises(ValueError, match="query_block must be a positive int"):
+    fa2_jax.reference_attention(Q4, KV4, KV4, query_block=query_block)
