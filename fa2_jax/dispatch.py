@@ -7,6 +7,9 @@ What runs where (``implementation=None``):
 * Every other GPU (A100 = sm80, sm86, sm89, Blackwell sm100/sm120, ROCm): the Triton kernels. The Mosaic
   kernels use Hopper's ``wgmma``, which no later generation has.
 * CPU: the XLA reference formula, or the Triton kernels in Pallas interpret mode with ``interpret=True``.
+* An attention variant (``fa2_jax.masking.Variant.features``) a kernel family does not implement
+  (``KERNEL_FEATURES``) never runs on it: ``implementation=None`` picks one that does, else the XLA
+  formula; an explicit ``"triton"``/``"mosaic"`` raises a ValueError naming the arguments.
 
 The full table, and the explicit-``implementation`` errors: docs/design.md#dispatch.
 """

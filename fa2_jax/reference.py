@@ -3,10 +3,11 @@
 ``softmax(mask(modify(scale * Q K^T))) V`` for every variant of :mod:`fa2_jax.masking` (the same
 ``allowed_pairs`` / ``modify_scores`` the kernels use), computed in float32 (or float64 when the inputs
 are float64 or ``compute_dtype=jnp.float64`` is asked for and x64 is on), then cast back to the query
-dtype. Short calls build the whole ``[B, N, T, S]`` score matrix; long ones (``T > CHUNK_ROWS`` and
-``T * S >= CHUNK_MIN_PAIRS``) run the same formula one block of query rows at a time (``lax.map``, each
-block rematerialised in the backward by ``jax.checkpoint``), so memory is ``O(B N block S)`` forward
-and backward.
+dtype. :func:`reference_attention` builds the whole ``[B, N, T, S]`` score matrix (the definition)
+unless asked for blocks; ``implementation="xla"`` (:func:`attention_formula`'s default ``"auto"``)
+runs long calls (``T > CHUNK_ROWS`` and ``T * S >= CHUNK_MIN_PAIRS``) one block of query rows at a
+time (``lax.map``, each block rematerialised in the backward by ``jax.checkpoint``), so memory is
+``O(B N block S)`` forward and backward.
 
 NaN safety. Keys that no query row may attend and query rows that attend no key are replaced by zeros
 (``where``, so their gradients are exactly zero) before any product; the logits of masked pairs are
@@ -51,8 +52,9 @@ def reference_attention(query, key, value, *, scale=None, is_causal=False, retur
     return_residual: also return ``lse`` of shape ``[B, T, N]`` (natural log, float32/64; ``-inf`` for
       a row with no allowed key).
     compute_dtype: dtype of the arithmetic; default float32, or float64 if an input is float64.
-    query_block: query rows per block of the chunked formula; None picks it (one block for short
-      calls, ``CHUNK_ROWS`` for long ones, see the module docstring).
+    query_block: query rows per block of the chunked formula: None (the default) computes every row
+      at once, an int that many rows per block, ``"auto"`` what ``implementation="xla"`` does (one
+      block for short calls, ``CHUNK_ROWS`` rows for long ones, see the module docstring).
 
   Returns:
     ``out`` with the query's dtype (and ``lse`` when asked).
@@ -79,10 +81,10 @@ def reference_attention(query, key, value, *, scale=None, is_causal=False, retur
 
 
 def check_query_block(query_block):
-  if query_block is None:
-    return None
+  if query_block is None or query_block == "auto":
+    return query_block
   if isinstance(query_block, bool) or not isinstance(query_block, int) or query_block < 1:
-    raise ValueError(f"query_block must be a positive int or None, got {query_block!r}")
+    raise ValueError(f"query_block must be a positive int, 'auto' or None, got {query_block!r}")
   return query_block
 
 
@@ -90,7 +92,7 @@ def _block_rows(query_block, t, s):
   """Rows per block, or None for the one-block formula."""
   if not (is_static_dim(t) and is_static_dim(s)):
     return None  # symbolic (jax.export) lengths: one block
-  if query_block is None:
+  if query_block == "auto":
     query_block = CHUNK_ROWS if t > CHUNK_ROWS and t * s >= CHUNK_MIN_PAIRS else None
   if query_block is None or query_block >= t:
     return None
@@ -133,7 +135,7 @@ def _live_keys_to_kv(live, kh):
 
 
 def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays, *, scale=None,
-                      compute_dtype=None, query_block=None):
+                      compute_dtype=None, query_block="auto"):
   """The formula on validated rank-4 inputs and a normalised variant (see :func:`reference_attention`).
 
   Returns:

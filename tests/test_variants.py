@@ -530,6 +530,79 @@ def test_score_derivative_matches_autodiff(variant):
   np.testing.assert_allclose(jnp.ones_like(s) if deriv is None else deriv, d, rtol=0)
 
 
+def _tile_kernel(var, s, off, kv_len, slopes, *, block_q, block_k, interpret):
+  """A Pallas (Triton) kernel that uses the masking functions as a kernel would: per (query block,
+  batch element) it loads the per-batch scalars, loops over the key blocks of
+  :func:`masking.kv_block_range` and writes ``where(allowed, s' * ds'/ds, 0)`` of its tiles."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  b, t, seq_k = s.shape
+
+  def kernel(off_ref, kv_len_ref, slope_ref, s_ref, o_ref):
+    i, bi = pl.program_id(0), pl.program_id(1)
+    off, kl, slope = off_ref[bi], kv_len_ref[bi], slope_ref[bi]  # scalars
+    lo, _, _, hi = masking.kv_block_range(var, i * block_q, block_q, block_k, seq_k, seq_q=t,
+                                          q_offset=off, kv_len=kl)
+    q_idx = off + i * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None]  # [bq, 1]
+    o_ref[...] = jnp.zeros((block_q, seq_k), jnp.float32)
+
+    def body(j, carry):
+      kv_idx = j * block_k + jnp.arange(block_k, dtype=jnp.int32)[None, :]  # [1, bk]
+      x = s_ref[:, pl.ds(j * block_k, block_k)]
+      keep = masking.allowed_pairs(var, bi, 0, q_idx, kv_idx, kv_len=kl, q_offset=off)
+      y, d = masking.modify_scores_and_derivative(var, x, bi, 0, q_idx, kv_idx, slope=slope)
+      o_ref[:, pl.ds(j * block_k, block_k)] = jnp.where(keep, y * d, 0.0)
+      return carry
+
+    jax.lax.fori_loop(lo, hi, body, 0)
+
+  scalar = pl.BlockSpec((b,), lambda i, bi: (0,))
+  tile = pl.BlockSpec((None, block_q, seq_k), lambda i, bi: (bi, i, 0))
+  return pl.pallas_call(kernel, grid=(t // block_q, b), in_specs=[scalar] * 3 + [tile],
+                        out_specs=tile, out_shape=jax.ShapeDtypeStruct(s.shape, jnp.float32),
+                        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+                        interpret=interpret)(off, kv_len, slopes, s)
+
+
+TILE_VARIANT = Variant(is_causal=True, window=(5, None), has_kv_lengths=True, has_q_offset=True,
+                       soft_cap=2.0, has_alibi=True,
+                       score_fn=lambda x, b, h, p, j: x * jnp.tanh(x) + b)
+
+
+def _tile_inputs():
+  s = jnp.asarray(np.random.default_rng(3).standard_normal((2, 32, 64)) * 3, jnp.float32)
+  return s, jnp.array([0, 20], jnp.int32), jnp.array([40, 33], jnp.int32), jnp.array([0.5, 0.25],
+                                                                                     jnp.float32)
+
+
+def test_masking_inside_a_pallas_kernel():
+  """allowed_pairs, modify_scores_and_derivative and kv_block_range on kernel tiles (interpret
+  mode) against numpy."""
+  s, off, kv_len, slopes = _tile_inputs()
+  got = _tile_kernel(TILE_VARIANT, s, off, kv_len, slopes, block_q=16, block_k=16, interpret=True)
+  spec = Spec(causal=True, window=(5, None), kv_len=np.asarray(kv_len), q_offset=np.asarray(off))
+  allow, bi, _, p, j = np_mask(spec, 2, 1, 32, 64)
+  x = np.asarray(s, np.float64)[:, None]
+  y = 2.0 * np.tanh(x / 2.0)
+  d = 1 - np.tanh(x / 2.0) ** 2
+  y = y - np.asarray(slopes, np.float64)[:, None, None, None] * np.abs(p - j)
+  d = d * (np.tanh(y) + y * (1 - np.tanh(y) ** 2))
+  y = y * np.tanh(y) + bi
+  np.testing.assert_allclose(got, np.where(allow, y * d, 0)[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_masking_lowers_in_a_triton_kernel_for_cuda(monkeypatch):
+  """The same kernel, compiled: every masking function has a Pallas Triton lowering (checked on any
+  machine by lowering for CUDA)."""
+  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+  registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+  monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  f = lambda *a: _tile_kernel(TILE_VARIANT, *a, block_q=16, block_k=16, interpret=False)  # noqa
+  text = jax.jit(f).trace(*_tile_inputs()).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triton" in text
+
+
 def test_variant_properties():
   assert Variant.dense().is_dense and not Variant.dense().needs_mask
   assert not Variant(is_causal=True).is_dense and Variant(is_causal=True).features == ()
@@ -790,7 +863,7 @@ def test_traced_soft_cap_is_rejected():
     jax.jit(lambda c: fa2_jax.flash_attention(Q4, KV4, KV4, logits_soft_cap=c))(2.0)
 
 
-@pytest.mark.parametrize("query_block", [0, -4, 2.0, True])
+@pytest.mark.parametrize("query_block", [0, -4, 2.0, True, "all"])
 def test_bad_query_block(query_block):
-  with pytest.raises(ValueError, match="query_block must be a positive int"):
+  with pytest.raises(ValueError, match="query_block must be a positive int, 'auto' or None"):
     fa2_jax.reference_attention(Q4, KV4, KV4, query_block=query_block)
