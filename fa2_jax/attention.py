@@ -185,6 +185,11 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
                                  scale=call.scale)
   else:
     q, k, v = call.query, call.key, call.value
+    if call.is_causal and q.shape[1] < k.shape[1]:
+      # Top-left causal: keys j >= T are never attended. Drop them before the kernels, so values
+      # stored there (NaN, inf) cannot reach O or dQ through a masked 0 * NaN inside a matmul; their
+      # dK/dV are exact zeros (the slice's transpose pads them).
+      k, v = k[:, :q.shape[1]], v[:, :q.shape[1]]
     h = q.shape[-1]
     if call.backend == "mosaic":
       mos = block_sizes if isinstance(block_sizes, MosaicConfig) else None

@@ -43,7 +43,7 @@ def programs(head_dim: int, dtype, causal: bool) -> dict:
   grads = ("q", "k", "v", "out", "lse", "do")
   out = {
       "mosaic forward": (fwd(cfg), ("q", "k", "v"), 2),
-      "backward prologue (XLA)": (jax.jit(functools.partial(mb.prologue, scale=scale)),
+      "backward prologue (XLA)": (jax.jit(mb.prologue),
                                   ("out", "do", "lse"), 0),
       "mosaic backward, separate dQ": (bwd(cfg, True), grads, 7),
       "mosaic backward, fused dQ": (bwd(fused, False), grads, 5),

@@ -2,18 +2,14 @@
 
 1. ``delta = rowsum(dO ∘ O)`` (Alg. 2 line 4, the ``D_i`` of eq. 4) is a memory-bound row reduction:
    one fused XLA op computes it (minus the lse cotangent, if any) before the kernels, together with
-   the lse in raw-logit units (``lse / scale``, per row; or the forward's ``lse_raw`` as is), so the
-   kernels recompute ``P = exp2((S - lse_raw) * c)``: exact-safe for any finite logits (``P <= 1``,
-   exactly 1 for a one-hot row's maximum), one subtract and one multiply per element before exp2
-   (the former ``exp2(S*c - lse*log2(e))`` was one FMA, and at ``|S*c| > 2^31`` its rounding alone
-   overflowed exp2).
+   ``lse * log2(e)`` so the kernels recompute ``P`` with a single exp2.
 2. **dK/dV kernel** — grid ``(batch, KV head, key tile)`` (FA2 §3.2: parallel over the *key* sequence,
    so no two CTAs write the same dK/dV rows and no atomics are needed). Each consumer warpgroup owns 64
    keys: ``K_j, V_j`` sit in SMEM, ``dK_j, dV_j`` in f32 registers (wgmma accumulators). A producer
    warpgroup streams ``Q_i, dO_i, lse_i, delta_i`` tiles through a ``num_stages`` SMEM ring (TMA,
    barriers, ``setmaxnreg``), and each consumer recomputes, in the transposed orientation so that every
    product has the warpgroup's 64 keys as wgmma's M dimension:
-       S^T = K_j Q_i^T,  P^T = exp2((S^T - lse_i) * c)            (Alg. 2 lines 9-11, P from the lse)
+       S^T = K_j Q_i^T,  P^T = exp2(S^T*c - lse2_i)              (Alg. 2 lines 9-11, P from the lse)
        dV_j += P^T dO_i                                           (line 12)
        dP^T = V_j dO_i^T,  dS^T = P^T ∘ (dP^T − delta_i)           (lines 13-14)
        dK_j += dS^T Q_i                                           (line 16)
@@ -37,13 +33,9 @@
 Causal (§3.1 "causal masking"): the dK/dV loop starts at the first query tile that reaches the CTA's
 keys and only tiles straddling the diagonal run the masked body; the dQ loop stops at the diagonal.
 The softmax scale multiplies dK and dQ once at the end (dS stays unscaled in the loops). Every row
-sees key 0 (top-left causal), so lse is finite; a row without keys would still get P = 0
-(``lse_for_backward``).
-Padded/out-of-bounds rows: Q, dO, lse and delta read as zero there, which makes their P^T dO and
-dS^T Q contributions exactly zero against finite keys; padded keys have K = V = 0 and are masked in
-the dQ kernel. Keys that no query attends (causal, ``T < S``: keys ``j >= T``) are dropped before the
-kernels and their dK/dV rows are exact zeros, so NaN/inf stored there never meets a zero P, dS or a
-padded query row inside a matmul.
+sees key 0 (top-left causal), so lse is finite and the recomputed P needs no -inf guard.
+Padded/out-of-bounds rows: Q, dO, lse2 and delta read as zero there, which makes their P^T dO and
+dS^T Q contributions exactly zero; padded keys have K = V = 0 and are masked in the dQ kernel.
 """
 from __future__ import annotations
 
@@ -60,22 +52,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from ...masking import allowed
 from ..vma import out_struct
 from .config import LOG2E, WG_ROWS, MosaicConfig, dq_piece, dq_split, supports
-from .forward import attended_keys, raw_units
 from .lengths import pad_axis, plan_lengths
 from .schedule import causal_section, kv_block_ranges, lpt_tile, q_block_ranges
 from .ops import (Product, bcast_cols, bcast_rows, emulating, iota2, mma, mma_fresh_and_carried,
                   mma_many, smem_transforms, smem_transforms_f32, stream_kv, ws_kernel,
                   zeros as _zeros)
-
-
-def _probs(s, lse, scale: float):
-  """Recomputed ``P = exp(scale * S - L)`` (Alg. 2 line 11) from raw logits ``s`` and the lse
-  broadcast to the same shape, in the kernels' units (:func:`~.forward.raw_units`): raw,
-  ``exp2((s - lse) * c)``; tiny |scale|, ``exp2(s * c - lse)``."""
-  c = scale * LOG2E
-  if raw_units(scale):
-    return jnp.exp2((s - lse) * c)
-  return jnp.exp2(s * c - lse)
 
 
 # --- dK / dV ---------------------------------------------------------------------------------------
@@ -117,8 +98,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
                 do_smem, lse_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, lse_bar, delta_bar,
                 free, ds_smem=None, dq_smem=None, ds_bar=None, dq_acc_ref=None, closed_outs=None,
                 st: _Dkv):
-  # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref (the kernels' units, see
-  # prologue), delta_ref: [B, N, T_lse]
+  # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref (base 2), delta_ref: [B, N, T_lse]
   # outputs: dk_ref and/or dv_ref [B, S, K, H] (per want_dk / want_dv).
   # fused_dq: dq_acc_ref [B, T, N, H] f32, zero-initialised by the caller (a closed-over ref, so it is
   # aliased in and out of the kernel); emulation: [n_k_tiles * num_wgs, B, T, N, H], one slab per
@@ -127,6 +107,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
   # consumer can write step i+1's tile while the other still reads step i's (dq_split);
   # dq_smem [num_wgs, rows, cols]: each consumer's f32 dQ piece, the source of its reduce-add.
   bq, bk, nwg, stages, g_size = st.block_q, st.block_k, st.num_wgs, st.num_stages, st.group
+  c = st.scale * LOG2E
   outs = list(out_refs if closed_outs is None else closed_outs)
   dk_ref = outs.pop(0) if st.want_dk else None
   dv_ref = outs.pop(0) if st.want_dv else None
@@ -207,8 +188,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
 
       st_ = mma((bk, bq), k_s, q_t, tb=True)  # S^T = K_j Q_i^T  [keys, rows]
       plgpu.barrier_wait(lse_bar.at[slot])
-      lse = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      p_t = _probs(st_, bcast_cols(lse, st_.shape), st.scale)  # P^T, recomputed from the lse
+      lse2 = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+      p_t = jnp.exp2(st_ * c - bcast_cols(lse2, st_.shape))  # P^T, recomputed from the lse
       if masked:
         k_pos = k0 + iota2((bk, bq), 0)
         q_pos = i * bq + iota2((bk, bq), 1)
@@ -294,7 +275,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
 @functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_q', 'cfg', 'want_dk', 'want_dv',
                                              'num_wgs', 'emulate', 'fused_dq'))
-def _dkv_call(q, k, v, do, lse, delta, *, scale, is_causal, seq_q, cfg: MosaicConfig, want_dk,
+def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicConfig, want_dk,
               want_dv, num_wgs, emulate, fused_dq=False):
   b, t_hbm, n, h = q.shape
   s_hbm, kh = k.shape[1], k.shape[2]
@@ -346,7 +327,7 @@ def _dkv_call(q, k, v, do, lse, delta, *, scale, is_causal, seq_q, cfg: MosaicCo
         name=name + ("_dq" if fused_dq else ""),
     )(*operands)
 
-  operands = (q, k, v, do, lse, delta)
+  operands = (q, k, v, do, lse2, delta)
   if not fused_dq:
     return tuple(launch(out_type, operands))
   # The dQ accumulator is a ref the kernel closes over: Pallas passes its zero-filled initial value in
@@ -404,6 +385,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
                lse_smem, delta_smem, k_smem, v_smem, q_bar, do_bar, lse_bar, delta_bar, k_bar,
                v_bar, k_free, v_free, st: _Dq):
   bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
+  c = st.scale * LOG2E
   b = lax.axis_index("b")
   h = lax.axis_index("h")
   qt = lax.axis_index("q")
@@ -430,7 +412,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
     plgpu.copy_gmem_to_smem(delta_ref.at[lse_rows], delta_smem.at[wg], delta_bar.at[wg])
     for bar in (q_bar, do_bar, lse_bar, delta_bar):
       plgpu.barrier_wait(bar.at[wg])
-    lse = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+    lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
     def step(j, dq, masked: bool):
@@ -442,7 +424,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
       # S = Q_i K_j^T and dP = dO_i V_j^T, both in flight, one wait.
       s, dp = mma_many([Product((bq, bk), q_s, k_t, tb=True), Product((bq, bk), do_s, v_t, tb=True)])
       plgpu.barrier_arrive(v_free.at[slot])
-      p = _probs(s, bcast_rows(lse, s.shape), st.scale)  # P_ij from the saved lse
+      p = jnp.exp2(s * c - bcast_rows(lse2, s.shape))  # P_ij from the saved lse
       if masked:
         q_pos = row0 + iota2((bq, bk), 0)
         k_pos = j * bk + iota2((bq, bk), 1)
@@ -473,7 +455,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_k', 'cfg', 'emulate'))
-def _dq_call(q, k, v, do, lse, delta, *, scale, is_causal, seq_k, cfg: MosaicConfig, emulate):
+def _dq_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_k, cfg: MosaicConfig, emulate):
   b, t_hbm, n, h = q.shape
   kh = k.shape[2]
   bq, bk, stages, nwg = cfg.block_q_dq, cfg.block_k_dq, cfg.num_stages_dq, cfg.num_wgs_dq
@@ -505,7 +487,7 @@ def _dq_call(q, k, v, do, lse, delta, *, scale, is_causal, seq_k, cfg: MosaicCon
       functools.partial(_dq_kernel, st=st), out_type=out_struct(q.shape, q.dtype, q),
       scratch=scratch, grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"), num_consumers=nwg,
       name="fa2_mosaic_dq",
-  )(q, k, v, do, lse, delta)
+  )(q, k, v, do, lse2, delta)
 
 
 # --- entry point -------------------------------------------------------------------------------------
@@ -519,41 +501,21 @@ def backward_tiles(cfg: MosaicConfig) -> tuple[int, int]:
   return q_tile, math.lcm(*k_tiles)
 
 
-def lse_from_natural(lse, scale: float):
-  """Natural-log lse -> the kernels' units (the inverse of ``forward.lse_to_natural``, up to one
-  float32 rounding: in raw units that rounding moves the exponent of the recomputed P by about
-  ``|lse| * 2^-24`` (natural units), which matters only for |lse| beyond ~1e6; pass the forward's
-  ``lse_raw`` to avoid it)."""
-  return lse / scale if raw_units(scale) else lse * LOG2E
-
-
-def lse_for_backward(lse_raw, scale: float):
-  """The per-row statistic the kernels subtract: the forward's ``lse_raw``, with a row that had no key
-  (the empty reduction, -inf, or +inf for the running minimum of scale < 0) mapped to the opposite
-  infinity so that its recomputed P is exp2(-inf) = 0, not exp2(+inf) or NaN."""
-  empty = jnp.inf if (raw_units(scale) and scale < 0) else -jnp.inf
-  return jnp.where(lse_raw == empty, -empty, lse_raw)
-
-
-def prologue(out, do, lse, dlse=None, *, scale: float, lse_raw=None):
-  """The kernels' f32 row inputs ``(delta, lse_b)``, both ``[B, N, T]``, computed by XLA before them.
+def prologue(out, do, lse, dlse=None):
+  """The kernels' f32 row inputs ``(delta, lse2)``, both ``[B, N, T]``, computed by XLA before them.
 
   Alg. 2 line 4: ``D_i = rowsum(dO_i ∘ O_i)`` (minus the lse cotangent, if any), fused by XLA with the
-  lse conversion to the kernels' units (:func:`lse_from_natural`, unless the forward's ``lse_raw`` is
-  given, then :func:`lse_for_backward`): per row, so the kernels recompute P with one subtract, one
-  multiply and one exp2 per element. A multiply + row sum rather than an einsum, which XLA may turn
-  into a TF32 dot on GPU.
+  lse conversion to base 2 (the kernels recompute P with a single exp2). A multiply + row sum rather
+  than an einsum, which XLA may turn into a TF32 dot on GPU.
   """
   delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
   if dlse is not None:
     delta = delta - dlse.astype(jnp.float32)
-  if lse_raw is None:
-    lse_raw = lse_from_natural(lse.astype(jnp.float32), scale)
-  return delta, lse_for_backward(lse_raw.astype(jnp.float32), scale)
+  return delta, lse.astype(jnp.float32) * LOG2E
 
 
 def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
-             deterministic: bool = True, config: MosaicConfig | None = None, lse_raw=None):
+             deterministic: bool = True, config: MosaicConfig | None = None):
   """Gradients of attention w.r.t. q, k, v on Hopper.
 
   Args:
@@ -564,10 +526,6 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
     deterministic: True guarantees the separate dQ kernel (no atomics, bit-identical across runs).
       False allows the fused dQ of ``config.dq_fused`` (TMA reduce-adds); with the default config
       (``dq_fused=False``) both give the deterministic kernels.
-    lse_raw: optional ``[B, N, T]``, the forward's ``return_lse_raw`` output. Given, the kernels use it
-      as is and ``lse`` is not read; otherwise it is derived per row from ``lse``
-      (:func:`lse_from_natural`), exact-safe unless ``|lse|`` is huge (beyond ~1e6 one float32 step of
-      ``lse / scale`` moves P visibly, at ~1e9 by overflowing factors).
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v (dk/dv already summed over each GQA group).
@@ -576,12 +534,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   if reason is not None:
     raise ValueError(f"fa2_jax mosaic backward: {reason}")
   b, t, n, h = q.shape
-  s_all = k.shape[1]
-  s = attended_keys(t, s_all, is_causal)
-  if s < s_all:
-    # Keys no query attends are never read (a slice, so the TMA bounds end there); their dK/dV rows
-    # are exact zeros, padded back below.
-    k, v = k[:, :s], v[:, :s]
+  s = k.shape[1]
   cfg = config or MosaicConfig.default(h, q.dtype, is_causal)
   if (why := cfg.check(h, q.dtype.itemsize)) is not None:
     raise ValueError(why)
@@ -589,38 +542,37 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   q_tile, k_tile = backward_tiles(cfg)
   plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
 
-  delta, lse_b = prologue(out, do, lse, dlse, scale=scale, lse_raw=lse_raw)
+  delta, lse2 = prologue(out, do, lse, dlse)
   # Zero rows past T: the padded query rows then contribute exactly nothing (see module docstring).
   delta = pad_axis(delta, 2, plan.t_lse)
-  lse_b = pad_axis(lse_b, 2, plan.t_lse)
+  lse2 = pad_axis(lse2, 2, plan.t_lse)
   do = do.astype(q.dtype)
   qp, dop = pad_axis(q, 1, plan.t_hbm), pad_axis(do, 1, plan.t_hbm)
   kp, vp = pad_axis(k, 1, plan.s_hbm), pad_axis(v, 1, plan.s_hbm)
 
-  def key_rows(dk, dv):  # back to S rows: drop the HBM padding, add the unattended keys' zeros
-    if plan.pad_s:
-      dk, dv = dk[:, :s], dv[:, :s]
-    return pad_axis(dk, 1, s_all), pad_axis(dv, 1, s_all)
-
   common = dict(scale=scale, is_causal=is_causal, seq_q=t, cfg=cfg, emulate=emulating())
   if cfg.dq_fused and not deterministic and not cfg.dkv_split:
-    dk, dv, dq_acc = _dkv_call(qp, kp, vp, dop, lse_b, delta, want_dk=True, want_dv=True,
+    dk, dv, dq_acc = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
                                num_wgs=cfg.num_wgs_dkv, fused_dq=True, **common)
     dq = (dq_acc[:, :t] * scale).astype(q.dtype)
-    return (dq, *key_rows(dk, dv))
+    if plan.pad_s:
+      dk, dv = dk[:, :s], dv[:, :s]
+    return dq, dk, dv
   if cfg.dkv_split:
-    (dv,) = _dkv_call(qp, kp, vp, dop, lse_b, delta, want_dk=False, want_dv=True,
+    (dv,) = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=False, want_dv=True,
                       num_wgs=cfg.num_wgs_dkv, **common)
-    (dk,) = _dkv_call(qp, kp, vp, dop, lse_b, delta, want_dk=True, want_dv=False,
+    (dk,) = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=False,
                       num_wgs=cfg.num_wgs_dk, **common)
   else:
-    dk, dv = _dkv_call(qp, kp, vp, dop, lse_b, delta, want_dk=True, want_dv=True,
+    dk, dv = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
                        num_wgs=cfg.num_wgs_dkv, **common)
-  dq = _dq_call(qp, kp, vp, dop, lse_b, delta, scale=scale, is_causal=is_causal, seq_k=s, cfg=cfg,
+  dq = _dq_call(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, seq_k=s, cfg=cfg,
                 emulate=emulating())
   if plan.pad_t:
     dq = dq[:, :t]
-  return (dq, *key_rows(dk, dv))
+  if plan.pad_s:
+    dk, dv = dk[:, :s], dv[:, :s]
+  return dq, dk, dv
 
 
 __all__ = ["backward", "backward_tiles", "WG_ROWS"]

@@ -15,17 +15,10 @@ the sequence, so 8k tokens x 16 heads x batch 2 give 1024 CTAs for 132 SMs):
   (Alg. 1 line 6) overlapped with compute.
 * Online softmax (Alg. 1 lines 8-10) with the *unscaled* accumulator (§3.1.1 tweak 1: ``O`` is
   rescaled by ``exp(m_old - m_new)`` only, and divided by ``l`` once at the end, line 12), exp2 with the
-  softmax scale in the same multiply (§3.1), and only ``lse = m + log l`` saved for the backward
-  (§3.1.1 tweak 2, line 13), f32, ``[B, N, T]``. Exact-safe for any finite logits: ``m`` is the row's
-  extreme *raw* logit and ``p = exp2((s - m) * c)``, so the extreme element gives exactly 1 and no
-  ``p`` exceeds 1 (the fused ``exp2(s*c - m*c)`` rounded ``m*c`` on its own, and beyond
-  ``|m*c| ~ 2^31`` that error alone overflowed exp2: NaN outputs, lse = inf). The kernel stores the
-  lse in those raw-logit units (``m + log(l) / scale``; see :func:`raw_units`), the wrapper returns
-  it in natural log.
+  softmax scale folded into one FMA (§3.1), and only ``lse = m + log l`` saved for the backward (§3.1.1
+  tweak 2, line 13), natural log, f32, ``[B, N, T]``.
 * Causal (§3.1 "causal masking"): key tiles wholly above the diagonal are never loaded (the loop ends at
-  ``n_end``); only tiles straddling the diagonal (and the ragged key tail) run the masked body. Keys
-  that no query attends (``T < S``: keys ``j >= T``) are dropped before the kernel, so NaN or inf
-  stored there cannot reach ``O`` through ``P V_j`` (0 * NaN is NaN inside the matmul).
+  ``n_end``); only tiles straddling the diagonal (and the ragged key tail) run the masked body.
 * ``pingpong`` (optional, default on): FlashAttention-3's inter-warpgroup schedule, after JAX's
   ``jax/experimental/pallas/ops/gpu/attention_mgpu.py``: a 2-arrival barrier makes the two consumers
   alternate, so one's softmax overlaps the other's matmuls.
@@ -52,31 +45,6 @@ from .config import LN2, LOG2E, MosaicConfig, supports
 from .lengths import pad_axis, plan_lengths
 from .schedule import causal_section, kv_block_ranges, lpt_tile
 from .ops import bcast_rows, emulating, iota2, mma, smem_transforms, stream_kv, ws_kernel
-
-
-# --- softmax units (the same convention as kernels/triton/forward.py) -------------------------------
-# Below this |scale| the raw-unit lse m + log(l) / scale could overflow float32 (log(l) <= 22 for up to
-# 2^31 keys), so such calls (scale = 0 included) scale the logits first and keep every statistic in
-# base-2 scaled units, where |S * scale * log2(e)| <= 3.4e38 * 2^-100 * 1.45 cannot overflow.
-RAW_MIN_SCALE = 2.0 ** -100
-
-
-def raw_units(scale: float) -> bool:
-  """True: the kernels compare raw logits ``S`` (``P = exp2((S - m) * c)``); False: base-2 scaled
-  logits ``S * c`` (``P = exp2(S * c - m)``), for ``|scale| < RAW_MIN_SCALE``."""
-  return abs(scale) >= RAW_MIN_SCALE
-
-
-def lse_to_natural(lse_raw, scale: float):
-  """The kernels' per-row lse (raw-logit or base-2 units) -> natural log. Per row, not per element.
-  A row with no key holds -inf (+inf when tracking the minimum for scale < 0) and maps to -inf."""
-  return lse_raw * (scale if raw_units(scale) else LN2)
-
-
-def attended_keys(seq_q: int, seq_k: int, is_causal: bool) -> int:
-  """How many leading keys any query attends: ``S``, or ``min(S, T)`` with a top-left causal mask
-  (query ``i`` attends keys ``j <= i``, so keys ``j >= T`` are never attended)."""
-  return min(seq_k, seq_q) if is_causal else seq_k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +75,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
   # q_ref, o_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref: [B, N, T_lse] f32 (natural log).
   bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
   c = st.scale * LOG2E
-  raw = raw_units(st.scale)
-  lowest = raw and st.scale < 0  # scale < 0: the largest scaled logit is the smallest raw one
-  neutral = jnp.inf if lowest else -jnp.inf  # the empty reduction, and the masked logit
-  extreme = jnp.minimum if lowest else jnp.maximum
-
-  def units(x):  # exponents in base 2
-    return x * c if raw else x
-
   b = lax.axis_index("b")
   h = lax.axis_index("h")
   qt = lax.axis_index("q")
@@ -143,7 +103,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_s, q_bar.at[wg])
     plgpu.barrier_wait(q_bar.at[wg])
 
-    m_i = plgpu.layout_cast(jnp.full((bq,), neutral, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc = plgpu.layout_cast(jnp.full((bq, st.head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
 
@@ -161,21 +121,26 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
               between=schedule if st.pingpong else None)
       plgpu.barrier_arrive(k_free.at[slot])
 
-      # Online softmax, exact-safe (module docstring). raw: p = exp2((s - m) * c), a subtract and a
-      # multiply per element in the unmasked step: ONE FP32 op more than the fused exp2(s*c - m*c)
-      # (one FMA). base-2 (tiny |scale|): the logits are scaled first and p = exp2(s - m).
-      t = s if raw else s * c
+      # Online softmax, m kept in scaled base-2 units so p = exp2(s*c - m) is one FMA per element.
       if masked:
         q_pos = row0 + iota2((bq, bk), 0)
         k_pos = j * bk + iota2((bq, bk), 1)
         keep = allowed(q_pos, k_pos, is_causal=st.is_causal, seq_k=st.seq_k if key_tail else None)
-        if keep is not None:
-          t = jnp.where(keep, t, neutral)
-      m_new = extreme(m_i, t.min(axis=1) if lowest else t.max(axis=1))
-      # A row with no visible key yet keeps m = neutral; use 0 there so exp2 gives 0, not NaN.
-      m_use = jnp.where(m_new == neutral, 0.0, m_new) if masked else m_new
-      p = jnp.exp2(units(t - bcast_rows(m_use, t.shape)))  # in [0, 1]
-      alpha = jnp.exp2(units(m_i - m_use))  # e^{scale (m_old - m_new)} <= 1: rescales the state
+        sc = s * c if keep is None else jnp.where(keep, s * c, -jnp.inf)
+        m_new = jnp.maximum(m_i, sc.max(axis=1))
+        # A row with no visible key yet keeps m = -inf; use 0 there so exp2 gives 0, not NaN.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(sc - bcast_rows(m_use, sc.shape))
+      elif c > 0:
+        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+        m_use = m_new
+        p = jnp.exp2(s * c - bcast_rows(m_new, s.shape))
+      else:  # scale <= 0 (unusual): scale first, max of the scaled logits
+        sc = s * c
+        m_new = jnp.maximum(m_i, sc.max(axis=1))
+        m_use = m_new
+        p = jnp.exp2(sc - bcast_rows(m_new, sc.shape))
+      alpha = jnp.exp2(m_i - m_use)  # e^{m_old - m_new}: rescales the old state (line 10)
       acc = acc * bcast_rows(alpha, acc.shape)  # unscaled accumulator (§3.1.1 tweak 1)
       l_i = l_i * alpha
       p16 = p.astype(st.dtype)
@@ -207,9 +172,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
     # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. Every row sees key 0, so l_i >= 1.
     inv_l = 1.0 / l_i
     q_s[...] = (acc * bcast_rows(inv_l, acc.shape)).astype(st.dtype)  # Q_i is dead: reuse its SMEM
-    # Line 13: L_i = m_i + log(l_i), in the units of m_i: raw logits (log(l_i) / scale) or base-2
-    # scaled logits (log2(l_i)); the extreme logit itself is kept exactly. Natural log: the wrapper.
-    lse_smem.at[wg][...] = m_i + jnp.log(l_i) * (1.0 / st.scale if raw else LOG2E)
+    # Line 13: L_i = m_i + log(l_i), m_i in base-2 units -> natural log.
+    lse_smem.at[wg][...] = m_i * LN2 + jnp.log(l_i)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, o_ref.at[b, pl.ds(row0, bq), h], commit_group=False)
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, bq)],
@@ -225,21 +189,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
               n_end=n_end, block_k=bk, stages=stages)
 
 
-def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | None = None,
-            return_lse_raw: bool = False):
+def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | None = None):
   """Attention forward on Hopper.
 
   Args:
     q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` (``N % K == 0``), bfloat16 or float16.
     scale: static Python float. is_causal: top-left causal mask.
     config: a :class:`MosaicConfig`, default ``MosaicConfig.default(H)``.
-    return_lse_raw: also return the kernel's own per-row lse (raw-logit units, :func:`raw_units`),
-      which the backward takes as ``lse_raw=`` to recompute P exactly (the natural-log lse divided
-      back by ``scale`` can be one float32 step off, which at extreme scales is far off in P).
 
   Returns:
-    ``out [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, natural log (and ``lse_raw
-    [B, N, T]`` float32 with ``return_lse_raw``).
+    ``out [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, natural log.
   """
   reason = supports(q.shape, k.shape, q.dtype, q.shape[-1], is_causal)
   if reason is not None:
@@ -247,28 +206,23 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   b, t, n, h = q.shape
-  s = attended_keys(t, k.shape[1], is_causal)
-  if s < k.shape[1]:
-    # Keys past the attended ones are never read (a slice, so the TMA bounds end there).
-    k, v = k[:, :s], v[:, :s]
+  s, kh = k.shape[1], k.shape[2]
   cfg = config or MosaicConfig.default(h, q.dtype, is_causal)
   if (why := cfg.check(h, q.dtype.itemsize)) is not None:
     raise ValueError(why)
   rows = cfg.num_wgs * cfg.block_q
   plan = plan_lengths(t, s, q_tile=rows, k_tile=cfg.block_k, mode=cfg.ragged)
-  out, lse_raw = _forward_call(q, k, v, scale=float(scale), is_causal=bool(is_causal), cfg=cfg,
-                               plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_lse=plan.t_lse,
-                               emulate=emulating())
-  lse = lse_to_natural(lse_raw, float(scale))
-  return (out, lse, lse_raw) if return_lse_raw else (out, lse)
+  out, lse = _forward_call(q, k, v, scale=float(scale), is_causal=bool(is_causal), cfg=cfg,
+                           plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_lse=plan.t_lse,
+                           emulate=emulating())
+  return out, lse
 
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
 @functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'cfg', 'plan_t', 'plan_s', 't_lse',
                                              'emulate'))
 def _forward_call(q, k, v, *, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_lse, emulate):
-  """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,H] and the kernel's
-  lse [B,N,T] (raw-logit units, :func:`raw_units`)."""
+  """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,H], lse [B,N,T]."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   qp = pad_axis(q, 1, plan_t)

@@ -15,12 +15,6 @@
 Causal: for key block ``j`` the query blocks wholly above the diagonal (``i < j*B_c // B_r``) are skipped;
 only blocks that straddle the diagonal (or hold the ragged key tail) run the masked body.
 The softmax scale is applied once to dK_j and dQ at the end (dS is left unscaled in the loop).
-
-``P`` is recomputed as ``exp2((S - lse_raw) * c)`` from the forward's lse in raw-logit units
-(:func:`~.forward.raw_units`): exact-safe for any finite logits, ``P <= 1`` and exactly 1 for a row's
-one-hot maximum. Keys that no query attends (causal, ``T < S``) are never read: their tiles load as 0
-and their dK/dV rows are stored as exact zeros, so NaN/inf there cannot meet a zero ``P``/``dS`` (or a
-padded query row, whose Q, dO, lse and delta are 0) inside a matmul.
 """
 from __future__ import annotations
 
@@ -36,15 +30,12 @@ from ...masking import allowed
 from ..vma import out_struct
 from .common import (LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim, round_up,
                      store_tile)
-from .forward import (attended_keys, kv_block_ranges, lse_for_backward, lse_from_natural,
-                      raw_units)
+from .forward import kv_block_ranges
 
 
 def q_block_ranges(j, *, block_q: int, block_k: int, seq_q: int, seq_k: int, is_causal: bool):
   """Query-block ranges for key block ``j``: ``[i_start, i_full)`` masked, ``[i_full, nq)`` unmasked.
 
-  ``seq_k``: the attended keys (:func:`~.forward.attended_keys`); a block wholly past them visits no
-  query block (its dK/dV are zero).
   Causal: query block ``i`` meets key block ``j`` when its last row ``(i+1)*B_r - 1 >= j*B_c``, i.e.
   ``i >= j*B_c // B_r``; it needs no mask when its first row is at or past the block's last key,
   ``i*B_r >= j*B_c + B_c - 1``. The key block holding the ragged tail of the keys is masked throughout.
@@ -55,11 +46,6 @@ def q_block_ranges(j, *, block_q: int, block_k: int, seq_q: int, seq_k: int, is_
   if is_causal:
     i_start = jnp.minimum(div(j * block_k, block_q), nq)
     i_full = jnp.minimum(cdiv(j * block_k + block_k - 1, block_q), nq)
-    # Key blocks past the attended keys (T < S): no query block at all. (Both bounds: the unmasked
-    # loop runs [i_full, nq).)
-    past = j * block_k >= seq_k
-    i_start = lax.select(past, jnp.int32(nq), jnp.asarray(i_start, jnp.int32))
-    i_full = lax.select(past, jnp.int32(nq), jnp.asarray(i_full, jnp.int32))
   else:
     i_start, i_full = 0, 0
   if tail:
@@ -69,56 +55,45 @@ def q_block_ranges(j, *, block_q: int, block_k: int, seq_q: int, seq_k: int, is_
   return i_start, i_full, nq
 
 
-def _row_lse(lse_ref, head, start, size):
-  """Load ``size`` rows of the backward's lse (:func:`~.forward.lse_for_backward`: raw-logit or
-  base-2 units; a row with no key already maps to a recomputed P of 0)."""
-  return plgpu.load(lse_ref.at[head, pl.ds(start, size)])  # [size] f32
+def _row_lse2(lse_ref, head, start, size):
+  """Load ``size`` logsumexp values and turn them into base-2 units for ``exp2``.
 
-
-def _probs(s, lse, *, scale: float):
-  """Recomputed ``P_ij = exp(scale * S_ij - L_i)`` (Alg. 2 line 11) from raw logits ``s``
-  ``[rows, cols]`` and the row lse ``[rows]`` in the kernels' units: ``exp2((s - lse) * c)`` (a
-  subtract and a multiply per element; the former ``exp2(s*c - lse2)`` was one FMA but not exact-safe,
-  the same reason as the forward's) or, for tiny |scale|, ``exp2(s*c - lse)`` (one FMA)."""
-  c = scale * LOG2E
-  if raw_units(scale):
-    return jnp.exp2((s - lse[:, None]) * c)
-  return jnp.exp2(s * c - lse[:, None])
+  A row with no key (lse = -inf) maps to +inf so that its recomputed P is 0, not NaN.
+  """
+  lse = plgpu.load(lse_ref.at[head, pl.ds(start, size)])  # [size] f32, natural log
+  return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: float,
-                 is_causal: bool, seq_q: int, seq_k: int, n_keys: int, head_dim: int, group: int,
-                 block_q: int, block_k: int, f32: bool):
-  # q_ref, do_ref: [T, G, hp] (the G query heads of this KV head); k_ref, v_ref: [S, hp] (seq_k = S
-  # rows, of which the first n_keys are attended); lse_ref, delta_ref: [G, Tp] f32; outputs dk_ref,
-  # dv_ref: [S, hp].
+                 is_causal: bool, seq_q: int, seq_k: int, head_dim: int, group: int, block_q: int,
+                 block_k: int, f32: bool):
+  # q_ref, do_ref: [T, G, hp] (the G query heads of this KV head); k_ref, v_ref: [S, hp];
+  # lse_ref, delta_ref: [G, Tp] f32; outputs dk_ref, dv_ref: [S, hp].
   dk_ref, dv_ref = rest
   hp = k_ref.shape[-1]
+  c = scale * LOG2E
   j = pl.program_id(0)
   k_start = j * block_k
-  # Loads stop at the attended keys (rows past them read 0); stores cover all S rows (zeros there).
-  load_limit = None if (n_keys == seq_k and seq_k % block_k == 0) else n_keys
-  store_limit = None if seq_k % block_k == 0 else seq_k
-  key_tail = n_keys if n_keys % block_k else None  # masked keys of the ragged attended-key tail
+  kv_limit = None if seq_k % block_k == 0 else seq_k
   q_limit = None if seq_q % block_q == 0 else seq_q
-  k = load_tile(k_ref, k_start, block_k, load_limit, head_dim)  # K_j [block_k, hp], stays on chip
-  v = load_tile(v_ref, k_start, block_k, load_limit, head_dim)  # V_j [block_k, hp]
+  k = load_tile(k_ref, k_start, block_k, kv_limit, head_dim)  # K_j [block_k, hp], stays on chip
+  v = load_tile(v_ref, k_start, block_k, kv_limit, head_dim)  # V_j [block_k, hp]
   k_pos = k_start + jnp.arange(block_k)[None, :]  # [1, block_k]
   i_start, i_full, nq = q_block_ranges(j, block_q=block_q, block_k=block_k, seq_q=seq_q,
-                                       seq_k=n_keys, is_causal=is_causal)
+                                       seq_k=seq_k, is_causal=is_causal)
 
   def body(i, carry, g, masked: bool):
     dk, dv = carry  # [block_k, hp] f32 each
     start = i * block_q
     q = load_tile(q_ref, start, block_q, q_limit, head_dim, head=g)  # Q_i [block_q, hp]
     do = load_tile(do_ref, start, block_q, q_limit, head_dim, head=g)  # dO_i [block_q, hp]
-    lse = _row_lse(lse_ref, g, start, block_q)  # L_i in the kernels' units, [block_q]
+    lse2 = _row_lse2(lse_ref, g, start, block_q)  # L_i in base 2, [block_q]
     delta = plgpu.load(delta_ref.at[g, pl.ds(start, block_q)])  # D_i [block_q]
     s = dot(q, k, trans_b=True, f32=f32)  # S_ij [block_q, block_k]
-    p = _probs(s, lse, scale=scale)  # P_ij, recomputed (Alg. 2 line 11)
+    p = jnp.exp2(s * c - lse2[:, None])  # P_ij = exp(scale*S_ij - L_i), recomputed (Alg. 2 line 11)
     if masked:
       q_pos = start + jnp.arange(block_q)[:, None]
-      keep = allowed(q_pos, k_pos, is_causal=is_causal, seq_k=key_tail)
+      keep = allowed(q_pos, k_pos, is_causal=is_causal, seq_k=kv_limit)
       if keep is not None:
         p = jnp.where(keep, p, 0.0)
     dv = dv + dot(p.astype(do.dtype), do, trans_a=True, f32=f32)  # dV_j += P^T dO_i
@@ -136,32 +111,31 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: 
     dk, dv = over_queries(jnp.int32(0), carry)
   else:
     dk, dv = lax.fori_loop(0, group, over_queries, carry)  # GQA: sum over the query-head group
-  store_tile(dk_ref, k_start, dk * scale, store_limit, head_dim)
-  store_tile(dv_ref, k_start, dv, store_limit, head_dim)
+  store_tile(dk_ref, k_start, dk * scale, kv_limit, head_dim)
+  store_tile(dv_ref, k_start, dv, kv_limit, head_dim)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale: float,
                is_causal: bool, seq_q: int, seq_k: int, head_dim: int, block_q: int, block_k: int,
                f32: bool):
-  # q_ref, do_ref, dq_ref: [T, hp]; k_ref, v_ref: [S, hp] (KV head h // G), of which the first seq_k
-  # rows (attended_keys) are read; lse_ref, delta_ref: [1, Tp].
+  # q_ref, do_ref, dq_ref: [T, hp]; k_ref, v_ref: [S, hp] (KV head h // G); lse_ref, delta_ref: [1, Tp].
   hp = q_ref.shape[-1]
+  c = scale * LOG2E
   i = pl.program_id(0)
   start = i * block_q
   q_limit = None if seq_q % block_q == 0 else seq_q
   q = load_tile(q_ref, start, block_q, q_limit, head_dim)  # Q_i [block_q, hp]
   do = load_tile(do_ref, start, block_q, q_limit, head_dim)  # dO_i
-  lse = _row_lse(lse_ref, jnp.int32(0), start, block_q)
+  lse2 = _row_lse2(lse_ref, jnp.int32(0), start, block_q)
   delta = plgpu.load(delta_ref.at[jnp.int32(0), pl.ds(start, block_q)])
   q_pos = start + jnp.arange(block_q)[:, None]
 
   def body(j, dq, masked: bool):
     k_start = j * block_k
-    # Masked blocks hold the key tail: rows >= seq_k read as 0, whatever the array holds there.
     k = load_tile(k_ref, k_start, block_k, seq_k if masked else None, head_dim)
     v = load_tile(v_ref, k_start, block_k, seq_k if masked else None, head_dim)
     s = dot(q, k, trans_b=True, f32=f32)
-    p = _probs(s, lse, scale=scale)
+    p = jnp.exp2(s * c - lse2[:, None])
     if masked:
       k_pos = k_start + jnp.arange(block_k)[None, :]
       keep = allowed(q_pos, k_pos, is_causal=is_causal,
@@ -182,18 +156,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
 
 def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool, block_q_dkv: int,
              block_k_dkv: int, block_q_dq: int, block_k_dq: int, num_warps: int, num_stages: int,
-             interpret: bool, lse_raw=None):
+             interpret: bool):
   """Gradients of attention w.r.t. q, k, v.
 
   Args:
-    q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; lse: ``[B, N, T]`` f32 natural log, from the
-      forward.
+    q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; lse: ``[B, N, T]`` f32 from the forward.
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
-    lse_raw: optional ``[B, N, T]``, the forward's ``return_lse_raw`` output. Given, the kernels use
-      it as is and ``lse`` is not read; otherwise it is derived per row from ``lse``
-      (:func:`~.forward.lse_from_natural`), which is exact-safe unless ``|lse|`` is huge (beyond
-      ~1e6 one float32 step of ``lse / scale`` moves ``P`` visibly, at ~1e9 by overflowing factors).
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v.
@@ -203,19 +172,14 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   group = n // kh
   hp = padded_head_dim(h)
   f32 = q.dtype == jnp.float32
-  n_keys = attended_keys(t, s, is_causal)
   tp = round_up(t, max(block_q_dkv, block_q_dq))
   # D_i = rowsum(dO_i ∘ O_i) (Alg. 2 line 4), in f32; lse and delta padded to Tp with zeros so that the
-  # kernels read whole tiles without masks (padded rows have Q = dO = 0, hence P^T dO = 0 and
-  # dS = P ∘ (0 − 0) = 0 against the finite attended keys).
+  # kernels read whole tiles without masks (padded rows have Q = dO = 0, hence dS = 0).
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
   if dlse is not None:
     delta = delta - dlse
-  if lse_raw is None:
-    lse_raw = lse_from_natural(lse.astype(jnp.float32), float(scale))
-  lse_b = lse_for_backward(lse_raw.astype(jnp.float32), float(scale))  # per row, not per element
   pad = ((0, 0), (0, 0), (0, tp - t))
-  lse_p = jnp.pad(lse_b, pad)
+  lse_p = jnp.pad(lse, pad)
   delta_p = jnp.pad(delta, pad)
   params = compiler_params(num_warps, num_stages)
 
@@ -236,8 +200,8 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   out_shape = [out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)]
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=s,
-                        n_keys=n_keys, head_dim=h, group=group, block_q=block_q_dkv,
-                        block_k=block_k_dkv, f32=f32),
+                        head_dim=h, group=group, block_q=block_q_dkv, block_k=block_k_dkv,
+                        f32=f32),
       grid=(nk, b, kh),
       in_specs=in_specs,
       out_specs=out_specs,
@@ -249,7 +213,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
 
   # --- dQ --------------------------------------------------------------------------------------
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=n_keys,
+      functools.partial(_dq_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=s,
                         head_dim=h, block_q=block_q_dq, block_k=block_k_dq, f32=f32),
       grid=(pl.cdiv(t, block_q_dq), b, n),
       in_specs=[
