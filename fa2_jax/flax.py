@@ -1,4 +1,5 @@
-"""Flax integration: an ``attention_fn`` for flax's attention layers and ready causal modules.
+"""Flax integration: an ``attention_fn`` for flax's attention layers, and (from :mod:`fa2_jax.flax_layers`)
+ready causal modules.
 
 Flax is an optional dependency; importing :mod:`fa2_jax` does not import it, this module does::
 
@@ -370,157 +371,13 @@ def _flash_any_batch(kernel, query, key, value, is_causal: bool):
 attention_fn = make_attention_fn()
 
 
-# --- rotary position embeddings -------------------------------------------------------------------
-
-def rotary_embedding(x: jax.Array, positions: jax.Array | None = None, *,
-                     base: float = 10000.0) -> jax.Array:
-  """Rotary position embedding (RoPE, Su et al. 2021), "rotate half" convention as nnx.RoPE.
-
-  Channel ``i`` and ``i + H/2`` of each head are rotated by the angle ``pos * base**(-2i/H)``.
-  Computed in float32 and cast back to ``x.dtype``.
-
-  Args:
-    x: ``[batch..., length, heads, head_dim]`` with an even head_dim.
-    positions: integer positions ``[batch..., length]`` or ``[length]``; default ``arange(length)``.
-    base: the wavelength base (10000 in the paper).
-
-  Raises:
-    ValueError: odd head_dim, or positions whose length differs from x's.
-  """
-  t, h = x.shape[-3], x.shape[-1]
-  if h % 2:
-    raise ValueError(f"rotary embeddings need an even head_dim, got {h}")
-  if positions is None:
-    positions = jnp.arange(t)
-  elif positions.shape[-1] != t:
-    raise ValueError(f"positions must have length {t} (x's length axis), got shape "
-                     f"{positions.shape}")
-  half = h // 2
-  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, H/2]
-  cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # broadcast over heads
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+_LAYERS = ("CausalSelfAttention", "NnxCausalSelfAttention", "rotary_embedding")
 
 
-# --- causal self-attention modules ----------------------------------------------------------------
-
-def _check_heads(num_heads: int, num_kv_heads: int | None, head_dim: int, rotary: bool) -> int:
-  """Validates the head counts; returns num_kv_heads (default: num_heads, plain multi-head)."""
-  kv = num_heads if num_kv_heads is None else num_kv_heads
-  for name, v in (("num_heads", num_heads), ("num_kv_heads", kv), ("head_dim", head_dim)):
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-      raise ValueError(f"{name} must be a positive int, got {v!r}")
-  if num_heads % kv:
-    raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv}) "
-                     "(num_kv_heads < num_heads is grouped-query attention)")
-  if rotary and head_dim % 2:
-    raise ValueError(f"rotary=True needs an even head_dim, got head_dim={head_dim}")
-  return kv
-
-
-def _split_heads(qkv: jax.Array, num_heads: int, num_kv_heads: int):
-  """``[..., T, N + 2K, H]`` from the fused projection -> q ``[..., T, N, H]``, k, v ``[..., T, K, H]``."""
-  return jnp.split(qkv, [num_heads, num_heads + num_kv_heads], axis=-2)
-
-
-def _attend(q, k, v, attend_fn, rotary: bool, base: float, positions, mask):
-  if rotary:
-    q, k = rotary_embedding(q, positions, base=base), rotary_embedding(k, positions, base=base)
-  if mask is None:  # attention functions without a mask argument still work without a mask
-    return attend_fn(q, k, v, is_causal=True)
-  return attend_fn(q, k, v, mask=mask, is_causal=True)
-
-
-class CausalSelfAttention(nn.Module):
-  """Causal self-attention (linen) with GQA and optional rotary embeddings, on FlashAttention.
-
-  ``x [batch..., T, features] -> [batch..., T, out_features or features]``. One fused projection
-  makes ``num_heads`` query and ``num_kv_heads`` key/value heads of ``head_dim``; attention runs
-  through ``attention_fn(q, k, v, is_causal=True)`` (any function with that call form, e.g.
-  ``functools.partial(jax.nn.dot_product_attention, implementation="xla")``; with a ``mask``,
-  ``attention_fn(q, k, v, mask=mask, is_causal=True)``).
-
-  Attributes:
-    num_heads: query heads.
-    head_dim: channels per head.
-    num_kv_heads: key/value heads (default num_heads); must divide num_heads.
-    out_features: output width (default: the input width).
-    rotary: apply rotary position embeddings to q and k.
-    rotary_base: RoPE wavelength base.
-    use_bias: biases in the projections.
-    dtype: compute dtype (e.g. bfloat16); None infers from inputs and params.
-    param_dtype: parameter dtype.
-    kernel_init: initializer of the qkv projection.
-    out_kernel_init: initializer of the output projection (default kernel_init).
-    attention_fn: the attention core, default :data:`fa2_jax.flax.attention_fn`.
-  """
-
-  num_heads: int
-  head_dim: int
-  num_kv_heads: int | None = None
-  out_features: int | None = None
-  rotary: bool = False
-  rotary_base: float = 10000.0
-  use_bias: bool = False
-  dtype: Any = None
-  param_dtype: Any = jnp.float32
-  kernel_init: Callable = nn.linear.default_kernel_init
-  out_kernel_init: Callable | None = None
-  attention_fn: Callable[..., jax.Array] = attention_fn  # the module-level default above
-
-  def __post_init__(self):
-    _check_heads(self.num_heads, self.num_kv_heads, self.head_dim, self.rotary)
-    super().__post_init__()
-
-  @nn.compact
-  def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-               mask: jax.Array | None = None) -> jax.Array:
-    """Causal self-attention of ``x``.
-
-    Args:
-      x: ``[batch..., T, features]``.
-      positions: ``[batch..., T]`` integer positions for rotary (default ``arange(T)``).
-      mask: optional, broadcastable to ``[batch..., num_heads, T, T]``, nonzero where a query may
-        attend a key (e.g. ``nn.make_attention_mask(tokens != pad, tokens != pad)``), AND-ed with
-        the causal mask. The kernel takes no dense mask: see :func:`make_attention_fn`.
-    """
-    kv = self.num_kv_heads or self.num_heads
-    dense = functools.partial(nn.DenseGeneral, use_bias=self.use_bias, dtype=self.dtype,
-                              param_dtype=self.param_dtype)
-    qkv = dense(features=(self.num_heads + 2 * kv, self.head_dim), kernel_init=self.kernel_init,
-                name="qkv")(x)
-    q, k, v = _split_heads(qkv, self.num_heads, kv)
-    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask)
-    return dense(features=self.out_features or x.shape[-1], axis=(-2, -1),
-                 kernel_init=self.out_kernel_init or self.kernel_init, name="out")(y)
-
-
-class NnxCausalSelfAttention(nnx.Module):
-  """The nnx twin of :class:`CausalSelfAttention` (same arguments, plus in_features and rngs)."""
-
-  def __init__(self, in_features: int, num_heads: int, head_dim: int, *,
-               num_kv_heads: int | None = None, out_features: int | None = None,
-               rotary: bool = False, rotary_base: float = 10000.0, use_bias: bool = False,
-               dtype: Any = None, param_dtype: Any = jnp.float32,
-               kernel_init: Callable = nnx.nn.linear.default_kernel_init,
-               out_kernel_init: Callable | None = None,
-               attention_fn: Callable[..., jax.Array] = attention_fn, rngs: nnx.Rngs):
-    self.num_heads, self.head_dim = num_heads, head_dim
-    self.num_kv_heads = _check_heads(num_heads, num_kv_heads, head_dim, rotary)
-    self.rotary, self.rotary_base = rotary, rotary_base
-    self.attention_fn = attention_fn
-    linear = functools.partial(nnx.LinearGeneral, use_bias=use_bias, dtype=dtype,
-                               param_dtype=param_dtype, rngs=rngs)
-    self.qkv = linear(in_features, (num_heads + 2 * self.num_kv_heads, head_dim),
-                      kernel_init=kernel_init)
-    self.out = linear((num_heads, head_dim), out_features or in_features, axis=(-2, -1),
-                      kernel_init=out_kernel_init or kernel_init)
-
-  def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-               mask: jax.Array | None = None) -> jax.Array:
-    """x: ``[batch..., T, in_features]``; positions and mask as in :class:`CausalSelfAttention`."""
-    q, k, v = _split_heads(self.qkv(x), self.num_heads, self.num_kv_heads)
-    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask)
-    return self.out(y)
+def __getattr__(name):
+  # The ready layers live in fa2_jax.flax_layers, which imports attention_fn from here: resolved on
+  # first use, so either module can be imported first.
+  if name in _LAYERS:
+    from . import flax_layers
+    return getattr(flax_layers, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import fa2_jax
-from fa2_jax import masking
+from fa2_jax import block_ranges, masking
 from fa2_jax.masking import Variant, VariantArrays
 
 # --- implementations under test -------------------------------------------------------------------
@@ -533,7 +533,7 @@ def test_score_derivative_matches_autodiff(variant):
 def _tile_kernel(var, s, off, kv_len, slopes, *, block_q, block_k, interpret):
   """A Pallas (Triton) kernel that uses the masking functions as a kernel would: per (query block,
   batch element) it loads the per-batch scalars, loops over the key blocks of
-  :func:`masking.kv_block_range` and writes ``where(allowed, s' * ds'/ds, 0)`` of its tiles."""
+  :func:`block_ranges.kv_block_range` and writes ``where(allowed, s' * ds'/ds, 0)`` of its tiles."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   b, t, seq_k = s.shape
@@ -541,7 +541,7 @@ def _tile_kernel(var, s, off, kv_len, slopes, *, block_q, block_k, interpret):
   def kernel(off_ref, kv_len_ref, slope_ref, s_ref, o_ref):
     i, bi = pl.program_id(0), pl.program_id(1)
     off, kl, slope = off_ref[bi], kv_len_ref[bi], slope_ref[bi]  # scalars
-    lo, _, _, hi = masking.kv_block_range(var, i * block_q, block_q, block_k, seq_k, seq_q=t,
+    lo, _, _, hi = block_ranges.kv_block_range(var, i * block_q, block_q, block_k, seq_k, seq_q=t,
                                           q_offset=off, kv_len=kl)
     q_idx = off + i * block_q + jnp.arange(block_q, dtype=jnp.int32)[:, None]  # [bq, 1]
     o_ref[...] = jnp.zeros((block_q, seq_k), jnp.float32)
@@ -670,8 +670,8 @@ def test_block_ranges_are_sound_and_tight(variant, t, s, bq, bk):
                 has_q_lengths=variant.get("q_len", False), has_kv_lengths=variant.get("kv_len", False),
                 has_segments=segments, has_q_offset=variant.get("q_offset", False))
   kw = dict(batch=B, seq_q=t, seq_k=s, block_q=bq, block_k=bk)
-  tables = jax.jit(lambda a: (masking.kv_block_ranges(var, a, **kw),
-                              masking.q_block_ranges(var, a, **kw)))
+  tables = jax.jit(lambda a: (block_ranges.kv_block_ranges(var, a, **kw),
+                              block_ranges.q_block_ranges(var, a, **kw)))
   rng = np.random.default_rng(t * 100 + s)
   for trial in range(8):
     spec = Spec(causal=var.is_causal, window=var.window,
@@ -704,8 +704,8 @@ def test_block_range_of_one_tile_inside_a_kernel():
   """The scalar form (what a kernel evaluates per program) agrees with the vectorised table."""
   var = Variant(is_causal=True, window=(9, None), has_q_offset=True, has_kv_lengths=True)
   arrays = VariantArrays(kv_lengths=jnp.array([30, 17]), q_offset=jnp.array([5, -3]))
-  table = masking.kv_block_ranges(var, arrays, batch=2, seq_q=40, seq_k=33, block_q=8, block_k=8)
-  f = jax.jit(lambda i, off, kl: jnp.stack(masking.kv_block_range(
+  table = block_ranges.kv_block_ranges(var, arrays, batch=2, seq_q=40, seq_k=33, block_q=8, block_k=8)
+  f = jax.jit(lambda i, off, kl: jnp.stack(block_ranges.kv_block_range(
       var, i * 8, 8, 8, 33, seq_q=40, q_offset=off, kv_len=kl)))
   for b in range(2):
     for i in range(5):
@@ -718,14 +718,14 @@ def test_mask_fn_block_mask_matches_brute_force():
   fn = lambda b, h, p, j: ((p // 8) == (j // 8)) | ((h == 1) & (j < 4))  # noqa: E731
   var = Variant(mask_fn=fn, has_q_offset=True)
   arrays = VariantArrays(q_offset=jnp.array([0, 5]))
-  any_, all_ = masking.mask_fn_block_mask(var, arrays, batch=B, heads=N, seq_q=t, seq_k=s,
+  any_, all_ = block_ranges.mask_fn_block_mask(var, arrays, batch=B, heads=N, seq_q=t, seq_k=s,
                                           block_q=bq, block_k=bk)
   spec = Spec(q_offset=np.array([0, 5]), mask_np=fn)
   want_any, want_all = _block_table(np_mask(spec, B, N, t, s)[0], bq, bk)
   np.testing.assert_array_equal(any_, want_any)
   np.testing.assert_array_equal(all_, want_all)
   # A mask_fn of the positions only gives one row of batch and head.
-  any1, _ = masking.mask_fn_block_mask(Variant(mask_fn=lambda b, h, p, j: j <= p), VariantArrays(),
+  any1, _ = block_ranges.mask_fn_block_mask(Variant(mask_fn=lambda b, h, p, j: j <= p), VariantArrays(),
                                        batch=B, heads=N, seq_q=t, seq_k=s, block_q=bq, block_k=bk)
   assert any1.shape == (1, 1, 5, 3)
 

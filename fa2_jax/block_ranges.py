@@ -1,0 +1,269 @@
+"""Block ranges of the attention variants: which tiles a kernel can skip (no allowed pair) and which
+need no mask (every pair allowed), derived from the rule of :mod:`fa2_jax.masking`.
+
+* :func:`kv_block_range` / :func:`q_block_range`: one tile's key (query) blocks, analytic for causal,
+  window, lengths and offset; plain jnp on int32 scalars, usable inside a kernel.
+* :func:`kv_block_ranges` / :func:`q_block_ranges`: the table of a whole call ``[B, n_blocks, 4]``,
+  built by the wrapper (vectorised jnp), segments included through per-block min/max ids.
+* :func:`mask_fn_block_mask`: ``(any, all)`` per block pair for a user ``mask_fn``, computed once per call.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .masking import Variant, VariantArrays
+
+# --- block ranges (analytic: causal, window, lengths, offset) -------------------------------------
+
+def _i32(x):
+  return jnp.asarray(x, jnp.int32)
+
+
+def _div(x, m: int):
+  """``x // m`` for non-negative int32 ``x`` (truncating division, no sign fix-up in a kernel)."""
+  return lax.div(_i32(x), jnp.int32(m))
+
+
+def _cdiv(x, m: int):
+  """``ceil(x / m)`` for non-negative int32 ``x``."""
+  return _div(_i32(x) + (m - 1), m)
+
+
+def _key_end(variant: Variant, seq_k, kv_len):
+  """Keys ``j < key_end`` exist and are valid: ``min(seq_k, kv_len)`` clipped to ``[0, seq_k]``."""
+  end = _i32(seq_k)
+  if variant.has_kv_lengths:
+    end = jnp.clip(_i32(kv_len), 0, end)
+  return end
+
+
+def _row_end(variant: Variant, seq_q, q_len):
+  """Rows ``i < row_end`` hold real queries (None: unbounded)."""
+  end = None if seq_q is None else _i32(seq_q)
+  if variant.has_q_lengths:
+    ql = jnp.maximum(_i32(q_len), 0)
+    end = ql if end is None else jnp.minimum(end, ql)
+  return end
+
+
+def _normalize(lo, full_lo, full_hi, hi, nonempty, full_nonempty):
+  """Empty reach: all four 0. Empty full set: ``full_lo = full_hi = lo`` (every block masked)."""
+  zero = jnp.int32(0)
+  lo = jnp.where(nonempty, lo, zero)
+  hi = jnp.where(nonempty, jnp.maximum(hi, lo), zero)
+  full_ok = nonempty & full_nonempty & (full_lo < full_hi)
+  full_lo = jnp.where(full_ok, jnp.clip(full_lo, lo, hi), lo)
+  full_hi = jnp.where(full_ok, jnp.clip(full_hi, full_lo, hi), full_lo)
+  return lo, full_lo, full_hi, hi
+
+
+def kv_block_range(variant: Variant, q_start, q_rows: int, block_k: int, seq_k, *, seq_q=None,
+                   q_offset=None, q_len=None, kv_len=None):
+  """Key-block range of the query rows ``[q_start, q_start + q_rows)`` from the analytic terms
+  (causal, window, lengths, offset; segments and ``mask_fn`` are separate: :func:`kv_block_ranges`,
+  :func:`mask_fn_block_mask`).
+
+  Args:
+    variant: the static :class:`Variant`.
+    q_start: first row ``i`` of the query block (int32 scalar, or an array: vectorised).
+    q_rows: rows in the block (static).
+    block_k: keys per key block (static).
+    seq_k: keys ``S`` (static int or int32).
+    seq_q: rows ``T``; rows past it are ignored (None: every row of the block counts).
+    q_offset, q_len, kv_len: the batch element's values (scalars or broadcastable against
+      ``q_start``), needed when the variant has them.
+
+  Returns:
+    int32 ``(lo, full_lo, full_hi, hi)``, ``lo <= full_lo <= full_hi <= hi``: key blocks outside
+    ``[lo, hi)`` have no allowed pair (never load them); blocks in ``[full_lo, full_hi)`` have every
+    pair of the block's rows allowed (no mask; they also lie wholly below ``seq_k``); the rest need the
+    mask. A block with no valid row gives ``(0, 0, 0, 0)``.
+  """
+  left, right = variant.bounds
+  q_start = _i32(q_start)
+  off = _i32(q_offset) if variant.has_q_offset else jnp.int32(0)
+  key_end = _key_end(variant, seq_k, kv_len)
+  block_end = q_start + q_rows
+  if seq_q is not None:
+    block_end = jnp.minimum(block_end, _i32(seq_q))
+  row_end = _row_end(variant, seq_q, q_len)
+  reach_end = block_end if row_end is None else jnp.minimum(block_end, row_end)
+  nonempty = reach_end > q_start
+  # Full: every row of the block real (rows past q_len would need the mask).
+  rows_full = jnp.bool_(True) if not variant.has_q_lengths else block_end <= row_end
+  p_first = off + q_start
+  p_last = off + reach_end - 1  # last row any key can reach
+  p_last_all = off + block_end - 1  # last row of the block
+  zero = jnp.int32(0)
+  # Keys [reach_lo, reach_hi) meet some row; keys [full_lo_k, full_hi_k) meet every row.
+  reach_lo = zero if left is None else jnp.clip(p_first - left, 0, key_end)
+  reach_hi = key_end if right is None else jnp.clip(p_last + right + 1, 0, key_end)
+  full_lo_k = zero if left is None else jnp.clip(p_last_all - left, 0, key_end)
+  full_hi_k = key_end if right is None else jnp.clip(p_first + right + 1, 0, key_end)
+  nonempty = nonempty & (reach_lo < reach_hi)
+  return _normalize(_div(reach_lo, block_k), _cdiv(full_lo_k, block_k), _div(full_hi_k, block_k),
+                    _cdiv(reach_hi, block_k), nonempty, rows_full)
+
+
+def q_block_range(variant: Variant, k_start, k_cols: int, block_q: int, seq_q, *, seq_k=None,
+                  q_offset=None, q_len=None, kv_len=None):
+  """Query-block range of the keys ``[k_start, k_start + k_cols)`` (the dK/dV kernel's loop), from
+  the analytic terms, as :func:`kv_block_range` transposed.
+
+  Args:
+    k_start: first key ``j`` of the key block (int32 scalar or array).
+    k_cols: keys in the block (static).
+    block_q: rows per query block (static).
+    seq_q: rows ``T``.
+    seq_k: keys ``S``; keys past it are ignored (None: every key of the block counts).
+
+  Returns:
+    int32 ``(lo, full_lo, full_hi, hi)`` query-block indices: blocks outside ``[lo, hi)`` meet no key
+    of this block; blocks in ``[full_lo, full_hi)`` have every (row, key) pair allowed (every row real,
+    every key of the block below ``seq_k`` and ``kv_len``). A key block with no valid key gives
+    ``(0, 0, 0, 0)``.
+  """
+  left, right = variant.bounds
+  k_start = _i32(k_start)
+  off = _i32(q_offset) if variant.has_q_offset else jnp.int32(0)
+  block_end = k_start + k_cols
+  if seq_k is not None:
+    block_end = jnp.minimum(block_end, _i32(seq_k))
+  key_end = block_end
+  if variant.has_kv_lengths:
+    key_end = jnp.minimum(key_end, jnp.maximum(_i32(kv_len), 0))
+  nonempty = key_end > k_start
+  # Full: every key of the block valid (and the block inside seq_k when seq_k is given).
+  keys_full = (k_start + k_cols <= key_end)
+  row_end = _row_end(variant, seq_q, q_len)
+  zero = jnp.int32(0)
+  # Row i meets key j when p - left <= j <= p + right, p = off + i: i in [j - right - off, j + left - off].
+  j_first, j_last, j_last_all = k_start, key_end - 1, k_start + k_cols - 1
+  reach_lo = zero if right is None else jnp.clip(j_first - right - off, 0, row_end)
+  reach_hi = row_end if left is None else jnp.clip(j_last + left - off + 1, 0, row_end)
+  full_lo_r = zero if right is None else jnp.clip(j_last_all - right - off, 0, row_end)
+  full_hi_r = row_end if left is None else jnp.clip(j_first + left - off + 1, 0, row_end)
+  nonempty = nonempty & (reach_lo < reach_hi)
+  # A full query block needs all its rows real: [ib*bq, ib*bq + bq) within row_end.
+  return _normalize(_div(reach_lo, block_q), _cdiv(full_lo_r, block_q), _div(full_hi_r, block_q),
+                    _cdiv(reach_hi, block_q), nonempty, keys_full)
+
+
+# --- block ranges of a whole call (wrapper side, vectorised) --------------------------------------
+
+def _block_min_max(ids, block: int):
+  """Per-block min and max of ``ids [B, L]`` -> ``[B, ceil(L / block)]`` each (the tail block's
+  missing entries repeat its last id, so they change nothing)."""
+  b, length = ids.shape
+  nb = -(-length // block)
+  padded = jnp.pad(ids, ((0, 0), (0, nb * block - length)), mode="edge").reshape(b, nb, block)
+  return padded.min(-1), padded.max(-1)
+
+
+def _ranges_from_table(reach, full):
+  """``(lo, full_lo, full_hi, hi)`` along the last axis of bool tables ``reach``/``full``
+  ``[..., n]``: ``[lo, hi)`` spans every reachable block; ``[full_lo, full_hi)`` is the first run of
+  full blocks."""
+  n = reach.shape[-1]
+  idx = jnp.arange(n, dtype=jnp.int32)
+  big = jnp.int32(n)
+  lo = jnp.min(jnp.where(reach, idx, big), -1)
+  hi = jnp.max(jnp.where(reach, idx + 1, 0), -1)
+  full_lo = jnp.min(jnp.where(full, idx, big), -1)
+  full_hi = jnp.min(jnp.where((idx >= full_lo[..., None]) & ~full, idx, big), -1)
+  return _normalize(lo, full_lo, full_hi, hi, hi > lo, full_lo < big)
+
+
+def intersect_ranges(a, b):
+  """Both ``(lo, full_lo, full_hi, hi)`` rules at once: the intersection of the reach ranges and of
+  the full ranges."""
+  lo, hi = jnp.maximum(a[0], b[0]), jnp.minimum(a[3], b[3])
+  full_lo, full_hi = jnp.maximum(a[1], b[1]), jnp.minimum(a[2], b[2])
+  return _normalize(lo, full_lo, full_hi, hi, hi > lo, full_lo < full_hi)
+
+
+def _per_batch(variant: Variant, arrays: VariantArrays):
+  col = lambda x: None if x is None else _i32(x)[:, None]  # noqa: E731  [B] -> [B, 1]
+  return dict(q_offset=col(arrays.q_offset) if variant.has_q_offset else None,
+              q_len=col(arrays.q_lengths) if variant.has_q_lengths else None,
+              kv_len=col(arrays.kv_lengths) if variant.has_kv_lengths else None)
+
+
+def kv_block_ranges(variant: Variant, arrays: VariantArrays, *, batch: int, seq_q: int, seq_k: int,
+                    block_q: int, block_k: int):
+  """``[B, ceil(T / block_q), 4]`` int32 table of :func:`kv_block_range` per (batch element, query
+  block), segments included (from per-block min/max segment ids: a key block whose id interval does
+  not meet the query block's is unreachable; a block pair is full only when both hold one single, equal
+  id). ``mask_fn`` is not included (:func:`mask_fn_block_mask`)."""
+  nq = -(-seq_q // block_q)
+  q_start = (jnp.arange(nq, dtype=jnp.int32) * block_q)[None, :]  # [1, nq]
+  rng = kv_block_range(variant, q_start, block_q, block_k, seq_k, seq_q=seq_q,
+                       **_per_batch(variant, arrays))
+  rng = tuple(jnp.broadcast_to(x, (batch, nq)) for x in rng)
+  if variant.has_segments:
+    q_min, q_max = _block_min_max(_i32(arrays.q_segment_ids), block_q)  # [B, nq]
+    k_min, k_max = _block_min_max(_i32(arrays.kv_segment_ids), block_k)  # [B, nk]
+    reach = ((q_min[:, :, None] <= k_max[:, None, :]) & (k_min[:, None, :] <= q_max[:, :, None]))
+    full = ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
+            & (q_min[:, :, None] == k_min[:, None, :]))
+    rng = intersect_ranges(rng, _ranges_from_table(reach, full))
+  return jnp.stack(rng, -1)
+
+
+def q_block_ranges(variant: Variant, arrays: VariantArrays, *, batch: int, seq_q: int, seq_k: int,
+                   block_q: int, block_k: int):
+  """``[B, ceil(S / block_k), 4]`` int32 table of :func:`q_block_range` per (batch element, key
+  block), segments included as in :func:`kv_block_ranges` (for the dK/dV kernel)."""
+  nk = -(-seq_k // block_k)
+  k_start = (jnp.arange(nk, dtype=jnp.int32) * block_k)[None, :]  # [1, nk]
+  rng = q_block_range(variant, k_start, block_k, block_q, seq_q, seq_k=seq_k,
+                      **_per_batch(variant, arrays))
+  rng = tuple(jnp.broadcast_to(x, (batch, nk)) for x in rng)
+  if variant.has_segments:
+    q_min, q_max = _block_min_max(_i32(arrays.q_segment_ids), block_q)  # [B, nq]
+    k_min, k_max = _block_min_max(_i32(arrays.kv_segment_ids), block_k)  # [B, nk]
+    reach = ((k_min[:, :, None] <= q_max[:, None, :]) & (q_min[:, None, :] <= k_max[:, :, None]))
+    full = ((k_min == k_max)[:, :, None] & (q_min == q_max)[:, None, :]
+            & (k_min[:, :, None] == q_min[:, None, :]))
+    rng = intersect_ranges(rng, _ranges_from_table(reach, full))
+  return jnp.stack(rng, -1)
+
+
+def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: int,
+                       seq_q: int, seq_k: int, block_q: int, block_k: int):
+  """Per-block summary of ``mask_fn`` alone: ``(any_, all_)`` bool ``[B', N', nq, nk]`` (``B'`` is 1
+  when neither ``mask_fn`` nor ``q_offset`` depends on the batch element, ``N'`` is 1 when ``mask_fn``
+  ignores the head). ``any_`` False: no pair of the block pair passes ``mask_fn`` (skip it); ``all_``
+  True: every pair passes (``mask_fn`` needs no mask there). Rows ``>= T`` and keys ``>= S`` are
+  ignored. Evaluated one query block at a time (``lax.map``), so memory is ``O(B' N' block_q S)``;
+  compute it once per call and reuse it in the forward and backward."""
+  if variant.mask_fn is None:
+    raise ValueError("mask_fn_block_mask: the variant has no mask_fn")
+  nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
+  i32 = jnp.int32
+  probe = jax.eval_shape(variant.mask_fn, jax.ShapeDtypeStruct((batch, 1, 1, 1), i32),
+                         jax.ShapeDtypeStruct((1, heads, 1, 1), i32),
+                         jax.ShapeDtypeStruct((1, 1, block_q, 1), i32),
+                         jax.ShapeDtypeStruct((1, 1, 1, nk * block_k), i32)).shape
+  probe = (1,) * (4 - len(probe)) + tuple(probe)
+  nb = batch if (probe[0] != 1 or variant.has_q_offset) else 1
+  nh = heads if probe[1] != 1 else 1
+  b = jnp.arange(nb, dtype=i32)[:, None, None, None]
+  h = jnp.arange(nh, dtype=i32)[None, :, None, None]
+  off = (_i32(arrays.q_offset)[:nb, None, None, None] if variant.has_q_offset else i32(0))
+  kv_idx = jnp.arange(nk * block_k, dtype=i32)[None, None, None, :]
+  key_real = kv_idx < seq_k
+
+  def one_block(iq):
+    rows = iq * block_q + jnp.arange(block_q, dtype=i32)[None, None, :, None]
+    m = jnp.asarray(variant.mask_fn(b, h, rows + off, kv_idx), jnp.bool_)
+    m = jnp.broadcast_to(m, (nb, nh, block_q, nk * block_k))
+    real = (rows < seq_q) & key_real
+    any_ = (m & real).reshape(nb, nh, block_q, nk, block_k).any((2, 4))
+    all_ = (m | ~real).reshape(nb, nh, block_q, nk, block_k).all((2, 4))
+    return any_, all_
+
+  any_, all_ = lax.map(one_block, jnp.arange(nq, dtype=i32))  # [nq, B', N', nk]
+  return jnp.moveaxis(any_, 0, 2), jnp.moveaxis(all_, 0, 2)
