@@ -157,6 +157,10 @@ def describe(backend: str, query, key, *, is_causal: bool, implementation, block
     elif missing:
       why = (f"the kernels do not implement {', '.join(missing)} yet; the XLA formula runs every "
              "attention variant")
+    elif not all(isinstance(d, int) for d in (*query.shape, *key.shape)):
+      why = "symbolic shapes (jax.export): the kernels need static shapes"
+    elif 0 in (*query.shape[:2], key.shape[1]):
+      why = "an empty batch or sequence: the formula returns the empty (or all-zero) result"
     elif query.shape[-1] > MAX_HEAD_DIM:
       why = f"head_dim {query.shape[-1]} is larger than the kernels' {MAX_HEAD_DIM}"
     else:

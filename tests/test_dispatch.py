@@ -131,3 +131,16 @@ def test_compute_capability_parsing(monkeypatch):
   assert not D.is_hopper()
   Dev.compute_capability = "gfx942"  # not an NVIDIA capability: unknown, so not Hopper
   assert D.gpu_compute_capability() is None and not D.is_hopper()
+
+
+def test_backend_for_names_empty_and_symbolic_shapes(fake_gpu):
+  """On a GPU, empty and symbolic shapes run the formula, and backend_for says why (not "no GPU")."""
+  from jax import export
+  fake_gpu((9, 0))
+  q, k = _shapes(t=0)
+  d = fa2_jax.backend_for(q, k)
+  assert d.backend == "xla" and "empty" in d.reason
+  (t,) = export.symbolic_shape("t")
+  sym = jax.ShapeDtypeStruct((2, t, 8, 128), jnp.bfloat16)
+  d = fa2_jax.backend_for(sym, sym)
+  assert d.backend == "xla" and "symbolic" in d.reason
