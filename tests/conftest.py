@@ -14,7 +14,8 @@ jax.config.update("jax_num_cpu_devices", 4)
 #     no shrinking (a failure is printed as drawn, and the run stays bounded);
 #   ci-shrink: the ci examples, with failures minimised;
 #   long: fresh random examples, many of them (on demand);
-#   gpu: for `pytest -m gpu` on a GPU machine (compiled kernels, T/S up to 2k), derandomized, ~5 min.
+#   gpu: for `pytest -m gpu` on a GPU machine (compiled kernels, T/S up to 2k), derandomized, no
+#     shrinking (a device session is short), ~5 min.
 # deadline=None: an example's time is dominated by compiling its shape, which varies by seconds.
 try:
   from hypothesis import HealthCheck, Phase, settings
@@ -23,14 +24,13 @@ except ImportError:  # hypothesis is in the `test` extra; only test_fuzz.py need
 else:
   import os
   _slow = [HealthCheck.too_slow, HealthCheck.data_too_large]
-  settings.register_profile("ci-shrink", max_examples=12, derandomize=True, deadline=None,
+  settings.register_profile("ci-shrink", max_examples=16, derandomize=True, deadline=None,
                             suppress_health_check=_slow, print_blob=True)
   settings.register_profile("ci", settings.get_profile("ci-shrink"),
                             phases=[Phase.explicit, Phase.generate])
   settings.register_profile("long", max_examples=500, deadline=None, suppress_health_check=_slow,
                             print_blob=True)
-  settings.register_profile("gpu", max_examples=10, derandomize=True, deadline=None,
-                            suppress_health_check=_slow, print_blob=True)
+  settings.register_profile("gpu", settings.get_profile("ci"), max_examples=10)
   settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

@@ -36,8 +36,8 @@ Profiles (registered in ``conftest.py``; ``HYPOTHESIS_PROFILE`` selects one, ``c
     HYPOTHESIS_PROFILE=long pytest tests/test_fuzz.py           # many random examples, on demand
     HYPOTHESIS_PROFILE=gpu pytest -m gpu tests/test_fuzz.py     # on a GPU: compiled, bigger shapes
 
-``ci`` does not shrink (a failing run stays bounded): it prints the failing :class:`Call` as drawn;
-``ci-shrink`` and ``long`` minimise it. ``check_call(Call(...), "triton")`` (or ``"default"``,
+``ci`` and ``gpu`` do not shrink (a failing run stays bounded): they print the failing :class:`Call`
+as drawn; ``ci-shrink`` and ``long`` minimise it. ``check_call(Call(...), "triton")`` (or ``"default"``,
 ``"mosaic"``) replays a printed call outside hypothesis.
 """
 from __future__ import annotations
