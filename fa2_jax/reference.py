@@ -195,8 +195,12 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
     if mask is not None:
       row_live = jnp.broadcast_to(mask.any(3), (b, n, rows))  # [B, N, rows]
       q_blk = jnp.where(jnp.swapaxes(row_live, 1, 2)[..., None], q_blk, 0)
-    logits = jnp.einsum("btkgh,bskh->bkgts", q_blk.reshape(b, rows, kh, g, hd), k, precision=prec)
-    logits = logits.reshape(b, n, rows, s) * jnp.asarray(scale, compute_dtype)  # [B, N, rows, S]
+    # The scale goes into q before the dot, not onto the logits after it: XLA would fuse a
+    # `logits * scale` into each consumer and contract it with `- m` into an FMA, whose unrounded
+    # product no longer matches the rounded max (NaN at |scale * logit| ~ 1e9).
+    q_scaled = q_blk * jnp.asarray(scale, compute_dtype)
+    logits = jnp.einsum("btkgh,bskh->bkgts", q_scaled.reshape(b, rows, kh, g, hd), k, precision=prec)
+    logits = logits.reshape(b, n, rows, s)  # [B, N, rows, S], scaled
     if mask is not None:
       logits = jnp.where(mask, logits, 0)  # finite inputs for the soft cap / score_fn
     if variant.modifies_scores:

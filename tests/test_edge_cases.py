@@ -192,3 +192,16 @@ def test_float64_inputs_name_the_reference():
     with pytest.raises(TypeError, match="float64.*reference_attention"):
       fa2_jax.flash_attention(q, q, q)
     assert fa2_jax.reference_attention(q, q, q).dtype == jnp.float64
+
+
+def test_formula_under_jit_at_extreme_scale():
+  """The formula (the documented path for extreme logits) keeps the max it subtracts consistent
+  under jit: XLA used to fuse `logits * scale - m` into one FMA and return NaN."""
+  q = jnp.array([-1.7685119]).reshape(1, 1, 1, 1)
+  k = jnp.array([-0.96385425, -3.1063368]).reshape(1, 2, 1, 1)
+  v = jnp.array([-1.1422789, 1.2969154]).reshape(1, 2, 1, 1)
+  for impl in (None, "xla"):
+    out, lse = jax.jit(lambda q, k, v: fa2_jax.flash_attention(
+        q, k, v, scale=1e9, implementation=impl, return_residual=True))(q, k, v)
+    np.testing.assert_allclose(out, v[:, 1:], rtol=0)  # one-hot on the larger logit
+    np.testing.assert_allclose(lse, 1e9 * float(q[0, 0, 0, 0] * k[0, 1, 0, 0]), rtol=1e-6)
