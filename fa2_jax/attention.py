@@ -12,6 +12,7 @@ from . import dispatch, sharding
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .kernels.vma import cast_like, match_vma
+from .masking import Variant, VariantArrays
 from .reference import attention_formula
 from .validation import (check_bool, check_options, check_scale, check_variant, is_static_dim,
                          validate_qkv)
@@ -37,6 +38,17 @@ class _Static:
   interpret: bool
   blocks: BlockSizes | None = None  # the Triton kernels' tiles (clamped to the lengths)
   mosaic: MosaicConfig | None = None  # the Mosaic kernels' tiles (None: MosaicConfig.default)
+  variant: Variant | None = None  # the attention variant (None: dense, or causal by is_causal)
+  fields: tuple[str, ...] = ()  # the VariantArrays fields passed as the kernels' extra operands
+
+  def arrays(self, extras) -> VariantArrays:
+    """The :class:`VariantArrays` of the extra operands (in the order of ``fields``)."""
+    return VariantArrays(**dict(zip(self.fields, extras)))
+
+
+# Sharding layouts (fa2_jax.sharding) of the VariantArrays fields the kernels take.
+_FIELD_LAYOUTS = {"q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "bt",
+                  "kv_segment_ids": "bs", "q_offset": "b", "alibi_slopes": "bn"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,25 +197,39 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
                                  scale=call.scale)
   else:
     q, k, v = call.query, call.key, call.value
-    if call.is_causal and q.shape[1] < k.shape[1]:
+    variant, arrays = call.variant, call.arrays
+    if call.is_causal and q.shape[1] < k.shape[1] and not variant.has_q_offset:
       # Top-left causal: keys j >= T are never attended. Drop them before the kernels, so values
       # stored there (NaN, inf) cannot reach O or dQ through a masked 0 * NaN inside a matmul; their
       # dK/dV are exact zeros (the slice's transpose pads them).
-      k, v = k[:, :q.shape[1]], v[:, :q.shape[1]]
+      t = q.shape[1]
+      k, v = k[:, :t], v[:, :t]
+      if variant.has_segments:
+        arrays = arrays._replace(kv_segment_ids=arrays.kv_segment_ids[:, :t])
+      if variant.has_kv_lengths:
+        arrays = arrays._replace(kv_lengths=jnp.minimum(arrays.kv_lengths, t))
+    fields = tuple(f for f in VariantArrays._fields if getattr(arrays, f) is not None)
+    extras = tuple(getattr(arrays, f) for f in fields)
+    variant = None if variant == Variant(is_causal=call.is_causal) else variant
     h = q.shape[-1]
     if call.backend == "mosaic":
       mos = block_sizes if isinstance(block_sizes, MosaicConfig) else None
       if mos is not None and (why := mos.check(h, jnp.dtype(q.dtype).itemsize)) is not None:
         raise ValueError(f"block_sizes: {why}")
-      static = _Static(call.scale, call.is_causal, "mosaic", call.deterministic, False, mosaic=mos)
+      static = _Static(call.scale, call.is_causal, "mosaic", call.deterministic, False, mosaic=mos,
+                       variant=variant, fields=fields)
     else:
       tri = block_sizes if isinstance(block_sizes, BlockSizes) else None
       blocks = (tri or BlockSizes.default(h, q.dtype)).clamp(q.shape[1], k.shape[1])
       static = _Static(call.scale, call.is_causal, "triton", call.deterministic,
-                       bool(call.interpret), blocks=blocks)
+                       bool(call.interpret), blocks=blocks, variant=variant, fields=fields)
+    layouts = (sharding.Q, sharding.KV, sharding.KV, *(_FIELD_LAYOUTS[f] for f in fields))
+    names = (*sharding.QKV_NAMES, *fields)
     try:
       # Per device where Explicit mesh axes shard B or the heads (fa2_jax.sharding).
-      out, lse = sharding.local_call(lambda *a: _flash(*match_vma(*a), static), (q, k, v))
+      out, lse = sharding.local_call(
+          lambda q, k, v, *e: _flash(*match_vma(q, k, v), tuple(e), static), (q, k, v, *extras),
+          layouts, names=names)
     except TypeError as e:
       if "forward-mode autodiff" in str(e) or "can't apply forward-mode" in str(e):
         raise TypeError(_FORWARD_MODE) from e
@@ -237,21 +263,22 @@ def backend_for(query, key, value=None, *, is_causal=False, implementation=None,
 # constants into their index arithmetic, so every kernel is traced with x64 off and its f32 outputs
 # keep their dtypes.
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _forward(q, k, v, st: _Static):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _forward(q, k, v, extras, st: _Static):
   # A custom_jvp only to name the limit: the custom_vjp below never differentiates this function in
   # first-order reverse mode; a second-order derivative would (through the Pallas call, which has no
   # derivative rule and fails with a bare AssertionError).
   with jax.enable_x64(False):
     if st.backend == "mosaic":
       from .kernels.mosaic.forward import forward
-      out, lse = forward(q, k, v, scale=st.scale, is_causal=st.is_causal, config=st.mosaic)
+      out, lse = forward(q, k, v, scale=st.scale, is_causal=st.is_causal, config=st.mosaic,
+                         variant=st.variant, arrays=st.arrays(extras))
       return cast_like(q, out, lse)  # lse: [B, N, T]
     from .kernels.triton.forward import forward
     bs = st.blocks
     return forward(q, k, v, scale=st.scale, is_causal=st.is_causal, block_q=bs.block_q,
                    block_k=bs.block_k, num_warps=bs.num_warps_fwd, num_stages=bs.num_stages_fwd,
-                   interpret=st.interpret)
+                   interpret=st.interpret, variant=st.variant, arrays=st.arrays(extras))
 
 
 @_forward.defjvp
@@ -260,24 +287,29 @@ def _forward_jvp(st, primals, tangents):
   raise TypeError(_SECOND_ORDER)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q, k, v, st: _Static):
-  out, lse = sharding.forward(_forward, q, k, v, st)
+def _layouts(st: _Static) -> tuple[str, ...]:
+  return tuple(_FIELD_LAYOUTS[f] for f in st.fields)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, extras, st: _Static):
+  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st))
   return out, jnp.swapaxes(lse, 1, 2)
 
 
-def _flash_fwd(q, k, v, st: _Static):
-  out, lse = sharding.forward(_forward, q, k, v, st)
-  return (out, jnp.swapaxes(lse, 1, 2)), (q, k, v, out, lse)
+def _flash_fwd(q, k, v, extras, st: _Static):
+  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st))
+  return (out, jnp.swapaxes(lse, 1, 2)), (q, k, v, extras, out, lse)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _backward(st: _Static, q, k, v, out, lse, dout, dlse):
+def _backward(st: _Static, q, k, v, out, lse, dout, dlse, *extras):
   with jax.enable_x64(False):
     if st.backend == "mosaic":
       from .kernels.mosaic.backward import backward
       grads = backward(q, k, v, out, lse, dout, dlse=dlse, scale=st.scale, is_causal=st.is_causal,
-                       deterministic=st.deterministic, config=st.mosaic)
+                       deterministic=st.deterministic, config=st.mosaic, variant=st.variant,
+                       arrays=st.arrays(extras))
       return cast_like(q, *grads)
     from .kernels.triton.backward import backward
     bs = st.blocks
@@ -285,7 +317,7 @@ def _backward(st: _Static, q, k, v, out, lse, dout, dlse):
                     block_q_dkv=bs.block_q_dkv, block_k_dkv=bs.block_k_dkv,
                     block_q_dq=bs.block_q_dq, block_k_dq=bs.block_k_dq,
                     num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd,
-                    interpret=st.interpret)
+                    interpret=st.interpret, variant=st.variant, arrays=st.arrays(extras))
 
 
 @_backward.defjvp
@@ -295,11 +327,15 @@ def _backward_jvp(st, primals, tangents):
 
 
 def _flash_bwd(st: _Static, residuals, cotangents):
-  q, k, v, out, lse = residuals
+  q, k, v, extras, out, lse = residuals
   dout, dlse = cotangents
   # d lse_i / d S_ij = P_ij, so a cotangent on lse enters dS = P ∘ (dP − D + dlse): fold it into D.
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
-  return tuple(sharding.backward(_backward, st, q, k, v, out, lse, dout.astype(q.dtype), dlse))
+  dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, lse, dout.astype(q.dtype), dlse,
+                                 extras, _layouts(st))
+  # The variant operands (lengths, segment ids, offsets: integers; ALiBi slopes: not differentiated)
+  # get zero cotangents.
+  return dq, dk, dv, tuple(None for _ in extras)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -267,3 +267,46 @@ def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, h
 
   any_, all_ = lax.map(one_block, jnp.arange(nq, dtype=i32))  # [nq, B', N', nk]
   return jnp.moveaxis(any_, 0, 2), jnp.moveaxis(all_, 0, 2)
+
+
+# --- the tables the kernels read --------------------------------------------------------------------
+
+def _with_mask_fn(rng, any_, all_):
+  """Intersect ``(lo, full_lo, full_hi, hi)`` ``[B, n]`` with a ``mask_fn`` block mask ``[B', N', n,
+  m]`` -> ranges ``[B, N', n]``: reachable blocks must pass ``any_``, full ones ``all_``."""
+  m = any_.shape[-1]
+  idx = jnp.arange(m, dtype=jnp.int32)
+  lo, full_lo, full_hi, hi = (x[:, None, :, None] for x in rng)  # [B, 1, n, 1]
+  reach = (idx >= lo) & (idx < hi) & any_
+  full = (idx >= full_lo) & (idx < full_hi) & all_
+  return _ranges_from_table(reach, full)
+
+
+def kv_range_table(variant: Variant, arrays: VariantArrays, *, batch: int, heads: int, seq_q: int,
+                   seq_k: int, block_q: int, block_k: int):
+  """The key-block ranges a forward or dQ kernel reads: int32 ``[B, N', ceil(T / block_q), 4]``
+  (``N' = N`` when ``mask_fn`` depends on the head, else 1) of ``(lo, full_lo, full_hi, hi)`` per
+  (batch element, head, query block): analytic terms, segments and the ``mask_fn`` block mask."""
+  rng = kv_block_ranges(variant, arrays, batch=batch, seq_q=seq_q, seq_k=seq_k, block_q=block_q,
+                        block_k=block_k)  # [B, nq, 4]
+  if variant.mask_fn is None:
+    return rng[:, None]
+  any_, all_ = mask_fn_block_mask(variant, arrays, batch=batch, heads=heads, seq_q=seq_q,
+                                  seq_k=seq_k, block_q=block_q, block_k=block_k)  # [B', N', nq, nk]
+  out = _with_mask_fn(tuple(rng[..., c] for c in range(4)), any_, all_)
+  return jnp.stack(jnp.broadcast_arrays(*out), -1).astype(jnp.int32)
+
+
+def q_range_table(variant: Variant, arrays: VariantArrays, *, batch: int, heads: int, seq_q: int,
+                  seq_k: int, block_q: int, block_k: int):
+  """The query-block ranges a dK/dV kernel reads: int32 ``[B, N', ceil(S / block_k), 4]`` per
+  (batch element, query head, key block), as :func:`kv_range_table` transposed."""
+  rng = q_block_ranges(variant, arrays, batch=batch, seq_q=seq_q, seq_k=seq_k, block_q=block_q,
+                       block_k=block_k)  # [B, nk, 4]
+  if variant.mask_fn is None:
+    return rng[:, None]
+  any_, all_ = mask_fn_block_mask(variant, arrays, batch=batch, heads=heads, seq_q=seq_q,
+                                  seq_k=seq_k, block_q=block_q, block_k=block_k)  # [B', N', nq, nk]
+  out = _with_mask_fn(tuple(rng[..., c] for c in range(4)), jnp.swapaxes(any_, 2, 3),
+                      jnp.swapaxes(all_, 2, 3))
+  return jnp.stack(jnp.broadcast_arrays(*out), -1).astype(jnp.int32)

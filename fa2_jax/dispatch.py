@@ -64,7 +64,12 @@ def mosaic_reason(query, key, is_causal: bool, interpret) -> str | None:
 
 # The attention variants (fa2_jax.masking.Variant.features) each kernel family implements; a call
 # using any other feature runs on the XLA formula (implementation=None) or is refused (explicit).
-KERNEL_FEATURES = {"triton": frozenset(), "mosaic": frozenset()}
+KERNEL_FEATURES = {
+    "triton": frozenset({"query_seq_lengths", "key_value_seq_lengths", "local_window_size",
+                         "q_segment_ids/kv_segment_ids", "q_offset", "logits_soft_cap",
+                         "alibi_slopes", "mask_fn", "score_fn"}),
+    "mosaic": frozenset(),
+}
 
 
 def unsupported_features(backend: str, variant) -> tuple[str, ...]:

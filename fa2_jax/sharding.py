@@ -308,19 +308,22 @@ def partitioned(fn: Callable, arrays: Sequence, in_layouts: Sequence[str],
   return differentiable(*arrays)
 
 
-def forward(kernel: Callable, q, k, v, st):
-  """``kernel(q, k, v, st) -> (out [B, T, N, H], lse [B, N, T])``, partitioned."""
-  return partitioned(functools.partial(_call_forward, kernel, st), (q, k, v), (Q, KV, KV), (Q, LSE))
+def forward(kernel: Callable, q, k, v, st, extras=(), extra_layouts=()):
+  """``kernel(q, k, v, extras, st) -> (out [B, T, N, H], lse [B, N, T])``, partitioned; ``extras``
+  (the variant operands) are sharded by their ``extra_layouts`` (e.g. ``"b"``, ``"bt"``)."""
+  return partitioned(functools.partial(_call_forward, kernel, st), (q, k, v, *extras),
+                     (Q, KV, KV, *extra_layouts), (Q, LSE))
 
 
-def backward(kernel: Callable, st, q, k, v, out, lse, dout, dlse):
-  """``kernel(st, q, k, v, out, lse, dout, dlse) -> (dq, dk, dv)``, partitioned."""
-  return partitioned(functools.partial(_call_backward, kernel, st), (q, k, v, out, lse, dout, dlse),
-                     (Q, KV, KV, Q, LSE, Q, LSE), (Q, KV, KV))
+def backward(kernel: Callable, st, q, k, v, out, lse, dout, dlse, extras=(), extra_layouts=()):
+  """``kernel(st, q, k, v, out, lse, dout, dlse, *extras) -> (dq, dk, dv)``, partitioned."""
+  return partitioned(functools.partial(_call_backward, kernel, st),
+                     (q, k, v, out, lse, dout, dlse, *extras),
+                     (Q, KV, KV, Q, LSE, Q, LSE, *extra_layouts), (Q, KV, KV))
 
 
-def _call_forward(kernel, st, q, k, v):
-  return tuple(kernel(q, k, v, st))
+def _call_forward(kernel, st, q, k, v, *extras):
+  return tuple(kernel(q, k, v, tuple(extras), st))
 
 
 def _call_backward(kernel, st, *arrays):

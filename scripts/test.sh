@@ -6,4 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh "test,examples,bench"
 . .venv/bin/activate
-exec pytest -q -m "not gpu" --durations=15 "$@"
+# Two worker processes (pytest-xdist; the CI machine has 2 cores): the interpret-mode kernels are
+# CPU-bound and single-threaded.
+exec pytest -q -n "${FA2_TEST_WORKERS:-2}" -m "not gpu" --durations=15 "$@"

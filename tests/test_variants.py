@@ -22,13 +22,14 @@ from fa2_jax import block_ranges, masking
 from fa2_jax.masking import Variant, VariantArrays
 
 # --- implementations under test -------------------------------------------------------------------
-# Today only the XLA formula implements the variants. The kernel backends add themselves here when
-# they implement them, e.g. "triton": dict(implementation="triton", interpret=not on_gpu()) and
-# "mosaic": dict(implementation="mosaic") (GPU only); the tolerances in TOL apply to float32 inputs.
+# Every backend that implements the variants (fa2_jax.dispatch.KERNEL_FEATURES), on float32 inputs:
+# the Triton kernels in interpret mode off a GPU.
 IMPLEMENTATIONS = {
     "xla": dict(implementation="xla"),
+    "triton": dict(implementation="triton", interpret=jax.default_backend() == "cpu"),
 }
-TOL = {"xla": 2e-5}  # max |error| / (max |reference| + 1), float32 inputs vs the float64 reference
+# max |error| / (max |reference| + 1), float32 inputs vs the float64 reference
+TOL = {"xla": 2e-5, "triton": 2e-5}
 
 
 # --- the independent numpy reference --------------------------------------------------------------
@@ -732,10 +733,12 @@ def test_mask_fn_block_mask_matches_brute_force():
 
 # --- dispatch -------------------------------------------------------------------------------------
 
-def test_variants_run_on_the_formula_and_backend_for_says_why():
+def test_variants_run_on_the_kernels_and_backend_for_says_why():
   q, k, v, _, _ = qkv(1, 8, 8, 2, 2)
   d = fa2_jax.backend_for(q, k, local_window_size=4, interpret=True)
-  assert d.backend == "xla" and "local_window_size" in d.reason, d
+  assert d.backend == "triton", d
+  d = fa2_jax.backend_for(q, k, local_window_size=4)
+  assert d.backend == "xla" and "interpret=True" in d.reason, d
   # The causal mask alone still runs the kernels.
   assert fa2_jax.backend_for(q, k, is_causal=True, interpret=True).backend == "triton"
   # A static zero offset (or one nothing reads) is no variant.
@@ -749,7 +752,8 @@ def test_variants_run_on_the_formula_and_backend_for_says_why():
                "out")
 
 
-@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+@pytest.mark.parametrize("impl", [i for i in ("triton", "mosaic")
+                                  if not fa2_jax.dispatch.KERNEL_FEATURES[i]])
 @pytest.mark.parametrize("kwargs, name", [
     (dict(local_window_size=4), "local_window_size"),
     (dict(query_seq_lengths=jnp.array([3])), "query_seq_lengths"),

@@ -515,7 +515,8 @@ def prologue(out, do, lse, dlse=None):
 
 
 def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
-             deterministic: bool = True, config: MosaicConfig | None = None):
+             deterministic: bool = True, config: MosaicConfig | None = None, variant=None,
+             arrays=None):
   """Gradients of attention w.r.t. q, k, v on Hopper.
 
   Args:

@@ -189,7 +189,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
               n_end=n_end, block_k=bk, stages=stages)
 
 
-def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | None = None):
+def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | None = None,
+            variant=None, arrays=None):
   """Attention forward on Hopper.
 
   Args:
@@ -203,6 +204,8 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
   reason = supports(q.shape, k.shape, q.dtype, q.shape[-1], is_causal)
   if reason is not None:
     raise ValueError(f"fa2_jax mosaic forward: {reason}")
+  if variant is not None:
+    raise NotImplementedError(f"fa2_jax mosaic forward: attention variants ({variant.features})")
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   b, t, n, h = q.shape

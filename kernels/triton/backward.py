@@ -26,11 +26,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...masking import allowed
+from ...block_ranges import kv_range_table, q_range_table
+from ...masking import Variant, VariantArrays, allowed
 from ..vma import out_struct
 from .common import (LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim, round_up,
                      store_tile)
 from .forward import kv_block_ranges
+from .variant import Refs, any_along, uses_table
+from .variant import inputs as variant_inputs
 
 
 def q_block_ranges(j, *, block_q: int, block_k: int, seq_q: int, seq_k: int, is_causal: bool):
@@ -65,22 +68,26 @@ def _row_lse2(lse_ref, head, start, size):
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: float,
-                 is_causal: bool, seq_q: int, seq_k: int, head_dim: int, group: int, block_q: int,
-                 block_k: int, f32: bool):
+                 variant: Variant, names: tuple[str, ...], seq_q: int, seq_k: int, head_dim: int,
+                 group: int, block_q: int, block_k: int, f32: bool):
   # q_ref, do_ref: [T, G, hp] (the G query heads of this KV head); k_ref, v_ref: [S, hp];
-  # lse_ref, delta_ref: [G, Tp] f32; outputs dk_ref, dv_ref: [S, hp].
-  dk_ref, dv_ref = rest
+  # lse_ref, delta_ref: [G, Tp] f32; then the variant operands named by `names` (per-head ones as
+  # [G] / [G, 4] slices); outputs dk_ref, dv_ref: [S, hp].
+  var_refs, (dk_ref, dv_ref) = rest[:len(names)], rest[len(names):]
   hp = k_ref.shape[-1]
+  j, b, hk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  table = uses_table(variant)
+  vr = Refs(variant, names, var_refs) if table else None
+  fold = not variant.modifies_scores
   c = scale * LOG2E
-  j = pl.program_id(0)
   k_start = j * block_k
   kv_limit = None if seq_k % block_k == 0 else seq_k
   q_limit = None if seq_q % block_q == 0 else seq_q
-  k = load_tile(k_ref, k_start, block_k, kv_limit, head_dim)  # K_j [block_k, hp], stays on chip
-  v = load_tile(v_ref, k_start, block_k, kv_limit, head_dim)  # V_j [block_k, hp]
+  # Keys past kv_len read as 0 (values held there never reach dK/dV or dQ).
+  k_end = vr.key_end(seq_k) if table else kv_limit
+  k = load_tile(k_ref, k_start, block_k, k_end, head_dim)  # K_j [block_k, hp], stays on chip
+  v = load_tile(v_ref, k_start, block_k, k_end, head_dim)  # V_j [block_k, hp]
   k_pos = k_start + jnp.arange(block_k)[None, :]  # [1, block_k]
-  i_start, i_full, nq = q_block_ranges(j, block_q=block_q, block_k=block_k, seq_q=seq_q,
-                                       seq_k=seq_k, is_causal=is_causal)
 
   def body(i, carry, g, masked: bool):
     dk, dv = carry  # [block_k, hp] f32 each
@@ -90,21 +97,48 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: 
     lse2 = _row_lse2(lse_ref, g, start, block_q)  # L_i in base 2, [block_q]
     delta = plgpu.load(delta_ref.at[g, pl.ds(start, block_q)])  # D_i [block_q]
     s = dot(q, k, trans_b=True, f32=f32)  # S_ij [block_q, block_k]
-    p = jnp.exp2(s * c - lse2[:, None])  # P_ij = exp(scale*S_ij - L_i), recomputed (Alg. 2 line 11)
+    deriv = None
+    if fold:
+      p = jnp.exp2(s * c - lse2[:, None])  # P_ij = exp(scale*S_ij - L_i), recomputed (Alg. 2 l. 11)
+    else:
+      h = hk * group + g
+      s2, deriv = vr.scores(s, scale, b, h, start, k_start, g=g, derivative=True)
+      p = jnp.exp2(s2 - lse2[:, None])
+    keep = None
     if masked:
-      q_pos = start + jnp.arange(block_q)[:, None]
-      keep = allowed(q_pos, k_pos, is_causal=is_causal, seq_k=kv_limit)
+      if table:
+        keep = vr.keep(b, hk * group + g, start, block_q, k_start, block_k, seq_q, seq_k)
+        # Query rows that attend no key of this tile (padding) must not reach dK, dV as 0 * NaN.
+        row_any = any_along(keep, 1)[:, None]
+        q = jnp.where(row_any, q, jnp.zeros_like(q))
+        do = jnp.where(row_any, do, jnp.zeros_like(do))
+      else:
+        q_pos = start + jnp.arange(block_q)[:, None]
+        keep = allowed(q_pos, k_pos, is_causal=variant.is_causal, seq_k=kv_limit)
       if keep is not None:
         p = jnp.where(keep, p, 0.0)
     dv = dv + dot(p.astype(do.dtype), do, trans_a=True, f32=f32)  # dV_j += P^T dO_i
     dp = dot(do, v, trans_b=True, f32=f32)  # dP_ij = dO_i V_j^T
     ds = p * (dp - delta[:, None])  # dS_ij = P_ij ∘ (dP_ij − D_i)   (eq. 4, unscaled)
+    if deriv is not None:
+      ds = ds * deriv  # through soft cap / score_fn: d s_out / d s_in
+    if table and keep is not None:
+      ds = jnp.where(keep, ds, 0.0)  # masked pairs: no 0 * NaN from dP or the derivative
     dk = dk + dot(ds.astype(q.dtype), q, trans_a=True, f32=f32)  # dK_j += dS^T Q_i
     return dk, dv
 
   def over_queries(g, carry):
-    carry = lax.fori_loop(i_start, i_full, functools.partial(body, g=g, masked=True), carry)
-    return lax.fori_loop(i_full, nq, functools.partial(body, g=g, masked=False), carry)
+    masked = functools.partial(body, g=g, masked=True)
+    unmasked = functools.partial(body, g=g, masked=False)
+    if table:
+      lo, full_lo, full_hi, hi = vr.ranges(g)
+      carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
+      carry = lax.fori_loop(lo, full_lo, masked, carry)
+      return lax.fori_loop(full_hi, hi, masked, carry)
+    i_start, i_full, nq = q_block_ranges(j, block_q=block_q, block_k=block_k, seq_q=seq_q,
+                                         seq_k=seq_k, is_causal=variant.is_causal)
+    carry = lax.fori_loop(i_start, i_full, masked, carry)
+    return lax.fori_loop(i_full, nq, unmasked, carry)
 
   carry = (jnp.zeros((block_k, hp), jnp.float32), jnp.zeros((block_k, hp), jnp.float32))
   if group == 1:
@@ -115,13 +149,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: 
   store_tile(dv_ref, k_start, dv, kv_limit, head_dim)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale: float,
-               is_causal: bool, seq_q: int, seq_k: int, head_dim: int, block_q: int, block_k: int,
-               f32: bool):
-  # q_ref, do_ref, dq_ref: [T, hp]; k_ref, v_ref: [S, hp] (KV head h // G); lse_ref, delta_ref: [1, Tp].
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: float,
+               variant: Variant, names: tuple[str, ...], seq_q: int, seq_k: int, head_dim: int,
+               block_q: int, block_k: int, f32: bool):
+  # q_ref, do_ref, dq_ref: [T, hp]; k_ref, v_ref: [S, hp] (KV head h // G); lse_ref, delta_ref:
+  # [1, Tp]; then the variant operands named by `names`.
+  var_refs, (dq_ref,) = rest[:len(names)], rest[len(names):]
   hp = q_ref.shape[-1]
+  i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  table = uses_table(variant)
+  vr = Refs(variant, names, var_refs) if table else None
+  fold = not variant.modifies_scores
   c = scale * LOG2E
-  i = pl.program_id(0)
   start = i * block_q
   q_limit = None if seq_q % block_q == 0 else seq_q
   q = load_tile(q_ref, start, block_q, q_limit, head_dim)  # Q_i [block_q, hp]
@@ -129,40 +168,64 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale
   lse2 = _row_lse2(lse_ref, jnp.int32(0), start, block_q)
   delta = plgpu.load(delta_ref.at[jnp.int32(0), pl.ds(start, block_q)])
   q_pos = start + jnp.arange(block_q)[:, None]
+  key_end = vr.key_end(seq_k) if table else seq_k
 
   def body(j, dq, masked: bool):
     k_start = j * block_k
-    k = load_tile(k_ref, k_start, block_k, seq_k if masked else None, head_dim)
-    v = load_tile(v_ref, k_start, block_k, seq_k if masked else None, head_dim)
+    k = load_tile(k_ref, k_start, block_k, key_end if masked else None, head_dim)
+    v = load_tile(v_ref, k_start, block_k, key_end if masked else None, head_dim)
     s = dot(q, k, trans_b=True, f32=f32)
-    p = jnp.exp2(s * c - lse2[:, None])
+    deriv = None
+    if fold:
+      p = jnp.exp2(s * c - lse2[:, None])
+    else:
+      s2, deriv = vr.scores(s, scale, b, h, start, k_start, derivative=True)
+      p = jnp.exp2(s2 - lse2[:, None])
+    keep = None
     if masked:
-      k_pos = k_start + jnp.arange(block_k)[None, :]
-      keep = allowed(q_pos, k_pos, is_causal=is_causal,
-                     seq_k=seq_k if seq_k % block_k else None)
+      if table:
+        keep = vr.keep(b, h, start, block_q, k_start, block_k, seq_q, seq_k)
+        # A key no row of this tile attends must not reach dS K as 0 * NaN.
+        k = jnp.where(any_along(keep, 0)[:, None], k, jnp.zeros_like(k))
+      else:
+        k_pos = k_start + jnp.arange(block_k)[None, :]
+        keep = allowed(q_pos, k_pos, is_causal=variant.is_causal,
+                       seq_k=seq_k if seq_k % block_k else None)
       if keep is not None:
         p = jnp.where(keep, p, 0.0)
     dp = dot(do, v, trans_b=True, f32=f32)
     ds = p * (dp - delta[:, None])
+    if deriv is not None:
+      ds = ds * deriv
+    if table and keep is not None:
+      ds = jnp.where(keep, ds, 0.0)
     return dq + dot(ds.astype(k.dtype), k, f32=f32)  # dQ_i += dS_ij K_j
 
-  n_full, n_end = kv_block_ranges(i, block_q=block_q, block_k=block_k, seq_k=seq_k,
-                                  is_causal=is_causal)
   dq = jnp.zeros((block_q, hp), jnp.float32)
-  dq = lax.fori_loop(0, n_full, functools.partial(body, masked=False), dq)
-  dq = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), dq)
+  masked, unmasked = functools.partial(body, masked=True), functools.partial(body, masked=False)
+  if table:
+    lo, full_lo, full_hi, hi = vr.ranges()
+    dq = lax.fori_loop(full_lo, full_hi, unmasked, dq)
+    dq = lax.fori_loop(lo, full_lo, masked, dq)
+    dq = lax.fori_loop(full_hi, hi, masked, dq)
+  else:
+    n_full, n_end = kv_block_ranges(i, block_q=block_q, block_k=block_k, seq_k=seq_k,
+                                    is_causal=variant.is_causal)
+    dq = lax.fori_loop(0, n_full, unmasked, dq)
+    dq = lax.fori_loop(n_full, n_end, masked, dq)
   store_tile(dq_ref, start, dq * scale, q_limit, head_dim)
 
 
 def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool, block_q_dkv: int,
              block_k_dkv: int, block_q_dq: int, block_k_dq: int, num_warps: int, num_stages: int,
-             interpret: bool):
+             interpret: bool, variant: Variant | None = None, arrays: VariantArrays | None = None):
   """Gradients of attention w.r.t. q, k, v.
 
   Args:
     q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; lse: ``[B, N, T]`` f32 from the forward.
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
+    variant, arrays: the attention variant (:mod:`fa2_jax.masking`; None: dense or ``is_causal``).
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v.
@@ -182,6 +245,18 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   lse_p = jnp.pad(lse, pad)
   delta_p = jnp.pad(delta, pad)
   params = compiler_params(num_warps, num_stages)
+  variant = variant or Variant(is_causal=bool(is_causal))
+  table = uses_table(variant)
+  dkv_ops, dkv_specs, dkv_names = [], [], ()
+  dq_ops, dq_specs, dq_names = [], [], ()
+  if table:
+    dims = dict(batch=b, heads=n, seq_q=t, seq_k=s)
+    q_table = q_range_table(variant, arrays, block_q=block_q_dkv, block_k=block_k_dkv, **dims)
+    dkv_ops, dkv_specs, dkv_names = variant_inputs(variant, arrays, q_table, kv_heads_grid=True,
+                                                   group=group)
+    kv_table = kv_range_table(variant, arrays, block_q=block_q_dq, block_k=block_k_dq, **dims)
+    dq_ops, dq_specs, dq_names = variant_inputs(variant, arrays, kv_table, kv_heads_grid=False,
+                                                group=group)
 
   # --- dK, dV ----------------------------------------------------------------------------------
   nk = pl.cdiv(s, block_k_dkv)
@@ -192,6 +267,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
       pl.BlockSpec((None, t, group, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # do
       pl.BlockSpec((None, group, tp), lambda j, bi, hk: (bi, hk, 0)),  # lse
       pl.BlockSpec((None, group, tp), lambda j, bi, hk: (bi, hk, 0)),  # delta
+      *dkv_specs,
   ]
   out_specs = [
       pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # dk
@@ -199,9 +275,9 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   ]
   out_shape = [out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)]
   dk, dv = pl.pallas_call(
-      functools.partial(_dkdv_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=s,
-                        head_dim=h, group=group, block_q=block_q_dkv, block_k=block_k_dkv,
-                        f32=f32),
+      functools.partial(_dkdv_kernel, scale=float(scale), variant=variant, names=dkv_names,
+                        seq_q=t, seq_k=s, head_dim=h, group=group, block_q=block_q_dkv,
+                        block_k=block_k_dkv, f32=f32),
       grid=(nk, b, kh),
       in_specs=in_specs,
       out_specs=out_specs,
@@ -209,12 +285,12 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
       compiler_params=params,
       interpret=interpret,
       name="fa2_backward_dkdv",
-  )(q, k, v, do, lse_p, delta_p)
+  )(q, k, v, do, lse_p, delta_p, *dkv_ops)
 
   # --- dQ --------------------------------------------------------------------------------------
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=s,
-                        head_dim=h, block_q=block_q_dq, block_k=block_k_dq, f32=f32),
+      functools.partial(_dq_kernel, scale=float(scale), variant=variant, names=dq_names, seq_q=t,
+                        seq_k=s, head_dim=h, block_q=block_q_dq, block_k=block_k_dq, f32=f32),
       grid=(pl.cdiv(t, block_q_dq), b, n),
       in_specs=[
           pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),  # q
@@ -223,11 +299,12 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
           pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),  # do
           pl.BlockSpec((None, 1, tp), lambda i, bi, hi: (bi, hi, 0)),  # lse
           pl.BlockSpec((None, 1, tp), lambda i, bi, hi: (bi, hi, 0)),  # delta
+          *dq_specs,
       ],
       out_specs=pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),
       out_shape=out_struct(q.shape, q.dtype, q),
       compiler_params=params,
       interpret=interpret,
       name="fa2_backward_dq",
-  )(q, k, v, do, lse_p, delta_p)
+  )(q, k, v, do, lse_p, delta_p, *dq_ops)
   return dq, dk, dv

@@ -24,10 +24,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...masking import allowed
+from ...block_ranges import kv_range_table
+from ...masking import Variant, VariantArrays, allowed
 from ..vma import out_struct
 from .common import (LN2, LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim,
                      store_tile)
+from .variant import Refs, any_along, uses_table
+from .variant import inputs as variant_inputs
 
 
 def kv_block_ranges(i, *, block_q: int, block_k: int, seq_k: int, is_causal: bool):
@@ -46,77 +49,97 @@ def kv_block_ranges(i, *, block_q: int, block_k: int, seq_k: int, is_causal: boo
   return n_full, n_end
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, scale: float, is_causal: bool, seq_q: int,
-                seq_k: int, head_dim: int, block_q: int, block_k: int, f32: bool):
-  # q_ref, o_ref: [T, hp] (this batch, head); k_ref, v_ref: [S, hp] (its KV head); lse_ref: [T] f32.
+def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: tuple[str, ...],
+                seq_q: int, seq_k: int, head_dim: int, block_q: int, block_k: int, f32: bool):
+  # q_ref, o_ref: [T, hp] (this batch, head); k_ref, v_ref: [S, hp] (its KV head); lse_ref: [T] f32;
+  # between them the variant operands named by `names` (variant.inputs).
+  var_refs, (o_ref, lse_ref) = rest[:len(names)], rest[len(names):]
   hp = q_ref.shape[-1]
-  # scale > 0: track the running max on raw logits and fold scale*log2(e) into one FMA inside exp2,
-  # p = exp2(s*c - m*c). Otherwise (scale <= 0, rare) scale the logits first.
-  c = scale * LOG2E
-  fold = scale > 0
+  i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  table = uses_table(variant)
+  vr = Refs(variant, names, var_refs) if table else None
+  # scale > 0 and no score modification: track the running max on raw logits and fold scale*log2(e)
+  # into one FMA inside exp2, p = exp2(s*c - m*c). Otherwise work on base-2 logits s2 = modify(scale *
+  # s) * log2(e) (c = 1 below).
+  fold = scale > 0 and not variant.modifies_scores
+  c = scale * LOG2E if fold else 1.0
   q_limit = None if seq_q % block_q == 0 else seq_q
+  row0 = i * block_q
+  q = load_tile(q_ref, row0, block_q, q_limit, head_dim)  # [block_q, hp]
+  q_pos = row0 + jnp.arange(block_q)[:, None]  # [block_q, 1]
+  key_end = vr.key_end(seq_k) if table else seq_k
 
-  def one_query_block(i):
-    q = load_tile(q_ref, i * block_q, block_q, q_limit, head_dim)  # [block_q, hp]
-    q_pos = i * block_q + jnp.arange(block_q)[:, None]  # [block_q, 1]
-
-    def body(j, carry, masked: bool):
-      acc, m_i, l_i = carry  # [block_q, hp] f32, [block_q] f32, [block_q] f32
-      start = j * block_k
-      k = load_tile(k_ref, start, block_k, seq_k if masked else None, head_dim)  # [block_k, hp]
-      v = load_tile(v_ref, start, block_k, seq_k if masked else None, head_dim)  # [block_k, hp]
-      s = dot(q, k, trans_b=True, f32=f32)  # S_ij = Q_i K_j^T, [block_q, block_k] f32
-      if not fold:
-        s = s * c
-      if masked:
+  def body(j, carry, masked: bool):
+    acc, m_i, l_i = carry  # [block_q, hp] f32, [block_q] f32, [block_q] f32
+    start = j * block_k
+    k = load_tile(k_ref, start, block_k, key_end if masked else None, head_dim)  # [block_k, hp]
+    v = load_tile(v_ref, start, block_k, key_end if masked else None, head_dim)  # [block_k, hp]
+    s = dot(q, k, trans_b=True, f32=f32)  # S_ij = Q_i K_j^T, [block_q, block_k] f32
+    if variant.modifies_scores:
+      s, _ = vr.scores(s, scale, b, h, row0, start)  # base-2 modified logits
+    elif not fold:
+      s = s * (scale * LOG2E)
+    if masked:
+      if table:
+        keep = vr.keep(b, h, row0, block_q, start, block_k, seq_q, seq_k)
+        # A key no row of this tile may attend must not reach P V as 0 * NaN.
+        v = jnp.where(any_along(keep, 0)[:, None], v, jnp.zeros_like(v))
+      else:
         k_pos = start + jnp.arange(block_k)[None, :]
-        keep = allowed(q_pos, k_pos, is_causal=is_causal,
+        keep = allowed(q_pos, k_pos, is_causal=variant.is_causal,
                        seq_k=seq_k if seq_k % block_k else None)
-        if keep is not None:
-          s = jnp.where(keep, s, -jnp.inf)
-      # Online softmax (Alg. 1 lines 9-10): m_new = max(m_old, rowmax(S_ij)), P~ = exp(S_ij - m_new).
-      m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-      # A row whose keys so far are all masked keeps m = -inf; use 0 there so exp2 gives 0, not NaN.
-      m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
-      mc = m_use * c if fold else m_use
-      alpha = jnp.exp2((m_i * c if fold else m_i) - mc)  # e^{m_old - m_new}: rescales old state
-      p = jnp.exp2((s * c if fold else s) - mc[:, None])  # [block_q, block_k] f32
-      l_new = alpha * l_i + jnp.sum(p, axis=1)
-      acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, f32=f32)  # unscaled (§3.1.1 tweak 1)
-      return acc, m_new, l_new
+      if keep is not None:
+        s = jnp.where(keep, s, -jnp.inf)
+    # Online softmax (Alg. 1 lines 9-10): m_new = max(m_old, rowmax(S_ij)), P~ = exp(S_ij - m_new).
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    # A row whose keys so far are all masked keeps m = -inf; use 0 there so exp2 gives 0, not NaN.
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+    mc = m_use * c
+    alpha = jnp.exp2(m_i * c - mc)  # e^{m_old - m_new}: rescales old state
+    p = jnp.exp2(s * c - mc[:, None])  # [block_q, block_k] f32
+    l_new = alpha * l_i + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, f32=f32)  # unscaled (§3.1.1 tweak 1)
+    return acc, m_new, l_new
 
-    acc = jnp.zeros((block_q, hp), jnp.float32)
-    m_i = jnp.full((block_q,), -jnp.inf, jnp.float32)
-    l_i = jnp.zeros((block_q,), jnp.float32)
+  carry = (jnp.zeros((block_q, hp), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+           jnp.zeros((block_q,), jnp.float32))
+  masked, unmasked = functools.partial(body, masked=True), functools.partial(body, masked=False)
+  if table:
+    # Key blocks [lo, full_lo) and [full_hi, hi) need the mask, [full_lo, full_hi) none; the rest
+    # have no allowed pair and are never loaded (fa2_jax.block_ranges).
+    lo, full_lo, full_hi, hi = vr.ranges()
+    carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
+    carry = lax.fori_loop(lo, full_lo, masked, carry)
+    acc, m_i, l_i = lax.fori_loop(full_hi, hi, masked, carry)
+  else:
     n_full, n_end = kv_block_ranges(i, block_q=block_q, block_k=block_k, seq_k=seq_k,
-                                    is_causal=is_causal)
-    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), (acc, m_i, l_i))
-    acc, m_i, l_i = lax.fori_loop(n_full, n_end, functools.partial(body, masked=True), carry)
+                                    is_causal=variant.is_causal)
+    carry = lax.fori_loop(0, n_full, unmasked, carry)
+    acc, m_i, l_i = lax.fori_loop(n_full, n_end, masked, carry)
 
-    # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. A row with no key (not reachable with today's
-    # masks) returns zeros and lse = -inf.
-    empty = l_i == 0.0
-    l_safe = jnp.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
-    store_tile(o_ref, i * block_q, out, q_limit, head_dim)
-    # Alg. 1 line 13: L_i = m_i + log(l_i), stored in natural log (as jax.nn reports it).
-    m_nat = (m_i * c if fold else m_i) * LN2
-    lse = jnp.where(empty, -jnp.inf, m_nat + jnp.log(l_safe))
-    rows = lse_ref.at[pl.ds(i * block_q, block_q)]
-    if q_limit is None:
-      plgpu.store(rows, lse)
-    else:
-      plgpu.store(rows, lse, mask=i * block_q + jnp.arange(block_q) < q_limit)
-
-  one_query_block(pl.program_id(0))
+  # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. A row with no allowed key returns zeros and
+  # lse = -inf.
+  empty = l_i == 0.0
+  l_safe = jnp.where(empty, 1.0, l_i)
+  out = acc / l_safe[:, None]
+  store_tile(o_ref, row0, out, q_limit, head_dim)
+  # Alg. 1 line 13: L_i = m_i + log(l_i), stored in natural log (as jax.nn reports it).
+  lse = jnp.where(empty, -jnp.inf, m_i * c * LN2 + jnp.log(l_safe))
+  rows = lse_ref.at[pl.ds(row0, block_q)]
+  if q_limit is None:
+    plgpu.store(rows, lse)
+  else:
+    plgpu.store(rows, lse, mask=row0 + jnp.arange(block_q) < q_limit)
 
 
 def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: int, num_warps: int,
-            num_stages: int, interpret: bool):
+            num_stages: int, interpret: bool, variant: Variant | None = None,
+            arrays: VariantArrays | None = None):
   """Run the forward kernel.
 
   Args:
     q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` with ``N % K == 0``.
+    variant, arrays: the attention variant (:mod:`fa2_jax.masking`; None: dense or ``is_causal``).
 
   Returns:
     ``out [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, natural log.
@@ -126,8 +149,14 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
   group = n // kh
   hp = padded_head_dim(h)
   nq = pl.cdiv(t, block_q)
+  variant = variant or Variant(is_causal=bool(is_causal))
+  ops, specs, names = [], [], ()
+  if uses_table(variant):
+    table = kv_range_table(variant, arrays, batch=b, heads=n, seq_q=t, seq_k=s, block_q=block_q,
+                           block_k=block_k)  # [B, N', nq, 4]
+    ops, specs, names = variant_inputs(variant, arrays, table, kv_heads_grid=False, group=group)
   kernel = functools.partial(
-      _fwd_kernel, scale=float(scale), is_causal=is_causal, seq_q=t, seq_k=s, head_dim=h,
+      _fwd_kernel, scale=float(scale), variant=variant, names=names, seq_q=t, seq_k=s, head_dim=h,
       block_q=block_q, block_k=block_k, f32=q.dtype == jnp.float32)
   grid = (nq, b, n)
   qmap = lambda i, bi, hi: (bi, 0, hi, 0)
@@ -140,6 +169,7 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
           pl.BlockSpec((None, t, None, hp), qmap),
           pl.BlockSpec((None, s, None, hp), kvmap),
           pl.BlockSpec((None, s, None, hp), kvmap),
+          *specs,
       ],
       out_specs=[
           pl.BlockSpec((None, t, None, hp), qmap),
@@ -152,5 +182,5 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
       compiler_params=compiler_params(num_warps, num_stages),
       interpret=interpret,
       name="fa2_forward",
-  )(q, k, v)
+  )(q, k, v, *ops)
   return out, lse
