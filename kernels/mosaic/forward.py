@@ -39,12 +39,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ...masking import allowed
+from ...block_ranges import kv_range_table
+from ...masking import Variant, allowed
 from ..vma import out_struct
 from .config import LN2, LOG2E, MosaicConfig, supports
 from .lengths import pad_axis, plan_lengths
 from .schedule import causal_section, kv_block_ranges, lpt_tile
 from .ops import bcast_rows, emulating, iota2, mma, smem_transforms, stream_kv, ws_kernel
+from .variant import Refs
+from .variant import operands as variant_operands
+from .variant import supported as variant_supported
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,13 +72,19 @@ class _Fwd:
   n_heads: int = 1  # N
   n_bh: int = 1  # B * N: the (batch, head) pairs of the grid
   section: int = 1  # causal launch order: heads per LPT section (schedule.lpt_tile)
+  variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
+  names: tuple[str, ...] = ()  # its operands, after v
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem, lse_smem, q_bar,
-                k_bar, v_bar, k_free, v_free, sched=None, st: _Fwd):
-  # q_ref, o_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref: [B, N, T_lse] f32 (natural log).
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar,
+                k_free, v_free, sched=None, st: _Fwd):
+  # q_ref, o_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref: [B, N, T_lse] f32 (natural log);
+  # between them the variant operands named by st.names (kernels/mosaic/variant.py).
+  var_refs, (o_ref, lse_ref) = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
-  c = st.scale * LOG2E
+  variant = st.variant
+  # Score modifications work on base-2 logits modify(scale * s) * log2(e): c = 1 then.
+  c = 1.0 if variant is not None and variant.modifies_scores else st.scale * LOG2E
   b = lax.axis_index("b")
   h = lax.axis_index("h")
   qt = lax.axis_index("q")
@@ -87,8 +97,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
   cta_row0 = qt * (nwg * bq)
   # Both consumers run the CTA's key range, so their step counts (and barrier phases) always match;
   # the first warpgroup's extra diagonal tile (if block_k < 2*block_q) is fully masked, a no-op.
-  n_full, n_end = kv_block_ranges(cta_row0, nwg * bq, block_k=bk, seq_k=st.seq_k,
-                                  is_causal=st.is_causal)
+  if variant is None:
+    lo = 0
+    n_full, n_end = kv_block_ranges(cta_row0, nwg * bq, block_k=bk, seq_k=st.seq_k,
+                                    is_causal=st.is_causal)
+  else:  # the range table of the call (fa2_jax.block_ranges), the same for producer and consumers
+    vr = Refs(variant, st.names, var_refs, b)
+    lo, full_lo, full_hi, n_end = vr.ranges(qt)
   key_tail = st.seq_k % bk != 0
 
   def schedule():
@@ -112,7 +127,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
 
     def step(j, carry, masked: bool):
       acc, m_i, l_i = carry
-      slot = lax.rem(j, jnp.array(stages, j.dtype))
+      slot = lax.rem(j - lo, jnp.array(stages, j.dtype))
       plgpu.barrier_wait(k_bar.at[slot])
 
       # S_ij = Q_i K_j^T (Alg. 1 line 8): wgmma, f32 accumulate on the tensor cores. With pingpong the
@@ -122,10 +137,18 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
       plgpu.barrier_arrive(k_free.at[slot])
 
       # Online softmax, m kept in scaled base-2 units so p = exp2(s*c - m) is one FMA per element.
-      if masked:
-        q_pos = row0 + iota2((bq, bk), 0)
-        k_pos = j * bk + iota2((bq, bk), 1)
-        keep = allowed(q_pos, k_pos, is_causal=st.is_causal, seq_k=st.seq_k if key_tail else None)
+      if variant is not None and variant.modifies_scores:
+        s, _ = vr.scores(s, st.scale, h, row0, j * bk)  # base-2 modified logits (c = 1)
+      # A score_fn may return -inf for every key of a row: guard m there too, as in masked steps.
+      if masked or (variant is not None and variant.score_fn is not None):
+        keep = None
+        if masked and variant is None:
+          q_pos = row0 + iota2((bq, bk), 0)
+          k_pos = j * bk + iota2((bq, bk), 1)
+          keep = allowed(q_pos, k_pos, is_causal=st.is_causal,
+                         seq_k=st.seq_k if key_tail else None)
+        elif masked:
+          keep = vr.keep((bq, bk), h, row0, j * bk, seq_q=st.seq_q, seq_k=st.seq_k)
         sc = s * c if keep is None else jnp.where(keep, s * c, -jnp.inf)
         m_new = jnp.maximum(m_i, sc.max(axis=1))
         # A row with no visible key yet keeps m = -inf; use 0 there so exp2 gives 0, not NaN.
@@ -164,16 +187,31 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l_i
 
-    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (acc, m_i, l_i))
-    acc, m_i, l_i = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), carry)
+    masked, unmasked = functools.partial(step, masked=True), functools.partial(step, masked=False)
+    carry = (acc, m_i, l_i)
+    if variant is None:
+      carry = lax.fori_loop(0, n_full, unmasked, carry)
+      acc, m_i, l_i = lax.fori_loop(n_full, n_end, masked, carry)
+    else:  # in the producer's order: [lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, hi)
+      carry = lax.fori_loop(lo, full_lo, masked, carry)
+      carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
+      acc, m_i, l_i = lax.fori_loop(full_hi, n_end, masked, carry)
     if st.pingpong:
       pl.when(wg == 0)(schedule)
 
-    # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. Every row sees key 0, so l_i >= 1.
-    inv_l = 1.0 / l_i
+    # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. Causal or dense: every row sees key 0, so l_i >= 1;
+    # a variant's row may see no key (l_i = 0): output 0, lse -inf.
+    if variant is None:
+      inv_l = 1.0 / l_i
+      lse = m_i * LN2 + jnp.log(l_i)
+    else:
+      empty = l_i == 0.0
+      l_safe = jnp.where(empty, 1.0, l_i)
+      inv_l = 1.0 / l_safe
+      lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     q_s[...] = (acc * bcast_rows(inv_l, acc.shape)).astype(st.dtype)  # Q_i is dead: reuse its SMEM
     # Line 13: L_i = m_i + log(l_i), m_i in base-2 units -> natural log.
-    lse_smem.at[wg][...] = m_i * LN2 + jnp.log(l_i)
+    lse_smem.at[wg][...] = lse
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, o_ref.at[b, pl.ds(row0, bq), h], commit_group=False)
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, bq)],
@@ -186,7 +224,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, qo_smem, k_smem, v_smem,
     plgpu.set_max_registers(st.memory_registers, action="decrease")
 
     stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, b=b, kvh=kvh,
-              n_end=n_end, block_k=bk, stages=stages)
+              n_end=n_end, block_k=bk, stages=stages, start=lo)
 
 
 def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | None = None,
@@ -204,8 +242,6 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
   reason = supports(q.shape, k.shape, q.dtype, q.shape[-1], is_causal)
   if reason is not None:
     raise ValueError(f"fa2_jax mosaic forward: {reason}")
-  if variant is not None:
-    raise NotImplementedError(f"fa2_jax mosaic forward: attention variants ({variant.features})")
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   b, t, n, h = q.shape
@@ -215,16 +251,28 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
     raise ValueError(why)
   rows = cfg.num_wgs * cfg.block_q
   plan = plan_lengths(t, s, q_tile=rows, k_tile=cfg.block_k, mode=cfg.ragged)
-  out, lse = _forward_call(q, k, v, scale=float(scale), is_causal=bool(is_causal), cfg=cfg,
+  extras, names = (), ()
+  if variant is not None:
+    n_tiles = -(-plan.t_hbm // rows)
+    table = kv_range_table(variant, arrays, batch=b, heads=n, seq_q=t, seq_k=s, block_q=rows,
+                           block_k=cfg.block_k)  # [B, N', cdiv(T, rows), 4]
+    if (why := variant_supported(variant, table.shape[1])) is not None:
+      raise NotImplementedError(f"fa2_jax mosaic forward: {why}")
+    table = jnp.pad(table, ((0, 0), (0, 0), (0, n_tiles - table.shape[2]), (0, 0)))
+    k_tiles = -(-plan.s_hbm // cfg.block_k)
+    extras, names = variant_operands(variant, arrays, table, t_pad=n_tiles * rows,
+                                     s_pad=k_tiles * cfg.block_k)
+  out, lse = _forward_call(q, k, v, *extras, scale=float(scale), is_causal=bool(is_causal), cfg=cfg,
                            plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_lse=plan.t_lse,
-                           emulate=emulating())
+                           emulate=emulating(), variant=variant, names=tuple(names))
   return out, lse
 
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
 @functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'cfg', 'plan_t', 'plan_s', 't_lse',
-                                             'emulate'))
-def _forward_call(q, k, v, *, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_lse, emulate):
+                                             'emulate', 'variant', 'names'))
+def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_lse,
+                  emulate, variant=None, names=()):
   """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,H], lse [B,N,T]."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
@@ -239,7 +287,8 @@ def _forward_call(q, k, v, *, scale, is_causal, cfg: MosaicConfig, plan_t, plan_
             n_q_tiles=n_q_tiles, dtype=q.dtype, registers=cfg.registers(cfg.num_wgs),
             memory_registers=cfg.memory_registers, emulate=emulate, n_heads=n, n_bh=b * n,
             section=causal_section(cfg, n_bh=b * n, group=n // kh,
-                                   kv_bytes=2 * plan_s * h * q.dtype.itemsize))
+                                   kv_bytes=2 * plan_s * h * q.dtype.itemsize),
+            variant=variant, names=names)
   tf = smem_transforms()
   nwg, stages = cfg.num_wgs, cfg.num_stages
   scratch = dict(
@@ -260,7 +309,7 @@ def _forward_call(q, k, v, *, scale, is_causal, cfg: MosaicConfig, plan_t, plan_
       out_type=(out_struct(qp.shape, q.dtype, q), out_struct((b, n, t_lse), jnp.float32, q)),
       scratch=scratch, grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"), num_consumers=nwg,
       name="fa2_mosaic_forward",
-  )(qp, kp, vp)
+  )(qp, kp, vp, *extras)
   if plan_t != t:
     out = out[:, :t]
   if t_lse != t:

@@ -181,36 +181,36 @@ def mma(shape, a, b, *, tb: bool = False, ta: bool = False, init=None, between=N
 
 
 def stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, b, kvh, n_end,
-              block_k: int, stages: int):
-  """The producer warpgroup of the forward and dQ kernels: TMA ``K_j, V_j`` (``j < n_end``, rows
-  ``[j*block_k, (j+1)*block_k)`` of KV head ``kvh``) into a ``stages``-deep SMEM ring.
+              block_k: int, stages: int, start=0):
+  """The producer warpgroup of the forward and dQ kernels: TMA ``K_j, V_j`` (``start <= j < n_end``,
+  rows ``[j*block_k, (j+1)*block_k)`` of KV head ``kvh``) into a ``stages``-deep SMEM ring.
 
-  Slot ``j % stages`` is refilled once every consumer has arrived on its free barrier for block
-  ``j - stages``; K and V have separate barriers so a consumer can start ``S = Q K^T`` before ``V``
-  lands. The drain at the end observes the consumers' last releases, so every barrier phase is waited
-  exactly once (the GPU does not need it; it keeps the protocol symmetric and interpret mode's checks
-  happy).
+  Slot ``(j - start) % stages`` is refilled once every consumer has arrived on its free barrier for
+  block ``j - stages``; K and V have separate barriers so a consumer can start ``S = Q K^T`` before
+  ``V`` lands. The drain at the end observes the consumers' last releases, so every barrier phase is
+  waited exactly once (the GPU does not need it; it keeps the protocol symmetric and interpret mode's
+  checks happy).
   """
 
-  @pl.loop(0, n_end)
+  @pl.loop(start, n_end)
   def _(j):
-    slot = lax.rem(j, jnp.array(stages, j.dtype))
+    slot = lax.rem(j - start, jnp.array(stages, j.dtype))
     rows = (b, pl.ds(j * block_k, block_k), kvh)
 
-    @pl.when(j >= stages)
+    @pl.when(j - start >= stages)
     def _():
       plgpu.barrier_wait(k_free.at[slot])  # every consumer is done with K in this slot
 
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
 
-    @pl.when(j >= stages)
+    @pl.when(j - start >= stages)
     def _():
       plgpu.barrier_wait(v_free.at[slot])
 
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
 
-  @pl.loop(jnp.maximum(n_end - stages, 0), n_end)
+  @pl.loop(jnp.maximum(n_end - stages, start), n_end)
   def _(j):
-    slot = lax.rem(j, jnp.array(stages, j.dtype))
+    slot = lax.rem(j - start, jnp.array(stages, j.dtype))
     plgpu.barrier_wait(k_free.at[slot])
     plgpu.barrier_wait(v_free.at[slot])

@@ -93,7 +93,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
     # Online softmax (Alg. 1 lines 9-10): m_new = max(m_old, rowmax(S_ij)), P~ = exp(S_ij - m_new).
     m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
     # A row whose keys so far are all masked keeps m = -inf; use 0 there so exp2 gives 0, not NaN.
-    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if masked else m_new
+    # (A score_fn may return -inf for a whole row of an unmasked tile too.)
+    guard = masked or variant.score_fn is not None
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
     mc = m_use * c
     alpha = jnp.exp2(m_i * c - mc)  # e^{m_old - m_new}: rescales old state
     p = jnp.exp2(s * c - mc[:, None])  # [block_q, block_k] f32
