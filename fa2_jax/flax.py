@@ -18,16 +18,28 @@ Flax is an optional dependency; importing :mod:`fa2_jax` does not import it, thi
     fa2_flax.CausalSelfAttention(num_heads=8, num_kv_heads=2, head_dim=64, rotary=True)
     fa2_flax.NnxCausalSelfAttention(512, num_heads=8, num_kv_heads=2, head_dim=64, rngs=nnx.Rngs(0))
 
-The kernel takes causal masking only as the ``is_causal`` flag: it never sees a dense ``[T, S]``
-mask. A ``mask`` whose values are known while tracing (a concrete array, not one computed inside
-``jax.jit``) and that provably equals no mask or the causal mask (e.g. ``nn.make_causal_mask(x)``
-built eagerly, or a padding mask without padding) is replaced by the flag and runs the kernel.
-Calls the kernel cannot honour exactly (any other mask: padding, a ``decode=True`` cache, a traced
-mask; a ``bias``, attention dropout, ``sow_weights``, custom einsums, a value head_dim different
-from the query's, float64) are computed with flax's own ``dot_product_attention`` instead, after a
-one-time :class:`FlashAttentionFallbackWarning` that names what to pass to run the kernel, where
-such an argument exists: the math never changes silently. Fully masked query rows (padding) get
-flax's finite value, never NaN.
+The attention variants of :func:`fa2_jax.flash_attention` reach it through the adapters: the static
+ones (``local_window_size``, ``logits_soft_cap``, ``alibi_slopes``, ``mask_fn``, ``score_fn``) as
+arguments of :func:`make_attention_fn` (or fields of the modules), the per-batch arrays
+(``query_seq_lengths``, ``key_value_seq_lengths``, ``q_segment_ids``, ``kv_segment_ids``,
+``q_offset``, and ``alibi_slopes`` per batch element) as keyword arguments of each call::
+
+    fn = fa2_flax.make_attention_fn(is_causal=True, local_window_size=(256, 0), logits_soft_cap=30.0)
+    out = fn(q, k, v, q_segment_ids=seg, kv_segment_ids=seg)   # packed documents, [batch..., T]
+    block = fa2_flax.CausalSelfAttention(num_heads=8, head_dim=64, local_window_size=(256, 0))
+    y = block.apply(params, x, positions=pos, q_segment_ids=seg, kv_segment_ids=seg)
+
+The kernel never sees a dense ``[T, S]`` mask: causal masking is the ``is_causal`` flag, padding and
+packed documents are lengths and segment ids. A ``mask`` whose values are known while tracing (a
+concrete array, not one computed inside ``jax.jit``) and that provably equals no mask or the causal
+mask (e.g. ``nn.make_causal_mask(x)`` built eagerly, or a padding mask without padding) is replaced
+by the flag and runs the kernel. Calls the kernel cannot honour exactly (any other mask: padding, a
+``decode=True`` cache, a traced mask; a ``bias``, attention dropout, ``sow_weights``, custom einsums,
+a value head_dim different from the query's, float64) are computed with flax's own
+``dot_product_attention`` instead, after a one-time :class:`FlashAttentionFallbackWarning` that names
+what to pass to run the kernel, where such an argument exists: the math never changes silently.
+Fully masked query rows (padding) get flax's finite value, never NaN. flax's formula has no variants,
+so such a call with a variant argument raises a ValueError instead of dropping the variant.
 """
 from __future__ import annotations
 
@@ -47,7 +59,7 @@ from .attention import flash_attention
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .validation import DTYPES as _KERNEL_DTYPES
-from .validation import check_bool, check_options, is_static_dim
+from .validation import _check_soft_cap, _check_window, check_bool, check_options, is_static_dim
 
 __all__ = [
     "attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning", "rotary_embedding",
@@ -64,9 +76,26 @@ _warned: set[str] = set()  # fallback messages already reported (one warning per
 # What to pass instead of a causal mask, in each flax API.
 _CAUSAL_FLAG = ("pass is_causal=True and no mask instead (nnx: layer(x, is_causal=True); linen: "
                 "attention_fn=fa2_jax.flax.make_attention_fn(is_causal=True))")
-# Padding and decode-cache masks have no kernel argument (no per-sequence lengths) yet.
-_NO_MASK_ARGUMENT = ("Padding and decode-cache masks have no kernel equivalent yet: dense masks "
+# What to pass instead of a dense mask (every such advice ends in "dense masks run the XLA formula":
+# tests and users match on it).
+_NO_MASK_ARGUMENT = ("To run the kernel, pass q_segment_ids/kv_segment_ids or query_seq_lengths/"
+                     "key_value_seq_lengths instead of a dense mask (padding, packed documents), "
+                     "local_window_size or mask_fn for other patterns (fa2_jax.flax's attention_fn "
+                     "and CausalSelfAttention take them as keyword arguments); a decode cache's "
+                     "mask has no such argument: dense masks run the XLA formula.")
+# What to pass instead of a dense bias.
+_NO_BIAS_ARGUMENT = ("To run the kernel, pass alibi_slopes (ALiBi) or score_fn (any elementwise "
+                     "function of the score and its indices) instead of a dense bias: dense biases "
                      "run the XLA formula.")
+
+# The per-batch variant arrays of fa2_jax.flash_attention, with the dims that follow [batch...] in
+# their shape (t: q_length, s: kv_length, n: num_heads). alibi_slopes may also be [num_heads], shared
+# by the batch (the only form make_attention_fn takes).
+_PER_BATCH_DIMS = {
+    "query_seq_lengths": lambda t, s, n: (), "key_value_seq_lengths": lambda t, s, n: (),
+    "q_offset": lambda t, s, n: (), "q_segment_ids": lambda t, s, n: (t,),
+    "kv_segment_ids": lambda t, s, n: (s,), "alibi_slopes": lambda t, s, n: (n,),
+}
 
 
 def _warn_once(reason: str, advice: str) -> None:
@@ -138,8 +167,7 @@ def _fallback_reason(query, value, dtype, bias, dropout_rate, deterministic, mod
   The mask is judged separately (:func:`_mask_as_flag`): only this call's other arguments here.
   """
   if bias is not None:
-    return ("an attention `bias` was passed",
-            "The kernel takes no bias: dense biases run the XLA formula.")
+    return ("an attention `bias` was passed", _NO_BIAS_ARGUMENT)
   if dropout_rate > 0.0 and not deterministic:
     return (f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) was asked for",
             "The kernel has no attention dropout: pass deterministic=True (or dropout_rate=0.0) "
@@ -256,7 +284,10 @@ def _flax_formula(query, key, value, *, linen_caller: bool, is_causal: bool, pro
 def make_attention_fn(implementation: str | None = None,
                       block_sizes: BlockSizes | MosaicConfig | None = None,
                       deterministic: bool = False, interpret: bool | None = None, *,
-                      is_causal: bool = False) -> Callable[..., jax.Array]:
+                      is_causal: bool = False, local_window_size: Any = None,
+                      logits_soft_cap: float | None = None, alibi_slopes: Any = None,
+                      mask_fn: Callable | None = None,
+                      score_fn: Callable | None = None) -> Callable[..., jax.Array]:
   """Returns an ``attention_fn`` for flax's attention layers that runs :func:`fa2_jax.flash_attention`.
 
   Args:
@@ -272,18 +303,32 @@ def make_attention_fn(implementation: str | None = None,
       passes ``is_causal`` per call and the two are OR-ed. A call with a single query row
       (``q_length == 1``: the step of a layer with ``decode=True``, whose cache mask already admits
       only the keys up to the current position) is the newest position, so this flag masks none of
-      its keys there; a per-call ``is_causal`` keeps flax's top-left meaning.
+      its keys there (unless the call gives ``q_offset``, the row's position); a per-call
+      ``is_causal`` keeps flax's top-left meaning.
+    local_window_size, logits_soft_cap, alibi_slopes, mask_fn, score_fn: the static variants of
+      every call, as in :func:`fa2_jax.flash_attention` (``alibi_slopes``: ``[num_heads]`` here;
+      per-batch slopes go to the call). A call may give these instead, but not the same one twice.
+      With extra batch dims (``[b1, b2, ..., T, N, H]``) ``mask_fn``/``score_fn`` see the batch
+      index ``b`` of the folded batch, ``b1_index * b2 + b2_index``.
+
+  The returned function also takes, per call, ``query_seq_lengths``, ``key_value_seq_lengths``,
+  ``q_offset`` (``[batch...]``), ``q_segment_ids`` (``[batch..., q_length]``), ``kv_segment_ids``
+  (``[batch..., kv_length]``) and ``alibi_slopes`` (``[num_heads]`` or ``[batch..., num_heads]``).
 
   Raises:
-    ValueError: unknown ``implementation``.
+    ValueError: unknown ``implementation``, a bad ``local_window_size`` or ``logits_soft_cap``.
     TypeError: ``block_sizes`` not a BlockSizes/MosaicConfig (or one that does not match
-      ``implementation``), or a flag that is not a bool.
+      ``implementation``), a flag that is not a bool, a ``mask_fn``/``score_fn`` that is not
+      callable, ``alibi_slopes`` that is not an array.
   """
   check_options(implementation, block_sizes)
   deterministic = check_bool("deterministic", deterministic)
   always_causal = check_bool("is_causal", is_causal)
   if interpret is not None:
     interpret = check_bool("interpret", interpret)
+  fixed = _check_static_variants(local_window_size=local_window_size,
+                                 logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+                                 mask_fn=mask_fn, score_fn=score_fn)
   kernel = functools.partial(flash_attention, implementation=implementation,
                              block_sizes=block_sizes, deterministic=deterministic,
                              interpret=interpret)
@@ -297,7 +342,12 @@ def make_attention_fn(implementation: str | None = None,
                    force_fp32_for_softmax: bool | None = None,
                    qk_attn_weights_einsum: Callable | None = None,
                    attn_weights_value_einsum: Callable | None = None,
-                   promote_dtype: Callable | None = None, **kwargs) -> jax.Array:
+                   promote_dtype: Callable | None = None, query_seq_lengths: Any = None,
+                   key_value_seq_lengths: Any = None, q_segment_ids: Any = None,
+                   kv_segment_ids: Any = None, q_offset: Any = None, alibi_slopes: Any = None,
+                   local_window_size: Any = None, logits_soft_cap: float | None = None,
+                   mask_fn: Callable | None = None, score_fn: Callable | None = None,
+                   **kwargs) -> jax.Array:
     """FlashAttention with the signature of flax's ``dot_product_attention``.
 
     Args:
@@ -316,18 +366,32 @@ def make_attention_fn(implementation: str | None = None,
       force_fp32_for_softmax: the kernel's softmax is always float32; passed on on fallbacks.
       qk_attn_weights_einsum, attn_weights_value_einsum, promote_dtype: flax's hooks; custom
         einsums fall back, ``promote_dtype`` is used to promote the inputs.
+      query_seq_lengths, key_value_seq_lengths, q_offset: integer ``[batch...]`` (``q_offset`` may
+        be an int); q_segment_ids, kv_segment_ids: integer ``[batch..., q_length]`` and
+        ``[batch..., kv_length]``; alibi_slopes: ``[num_heads]`` or ``[batch..., num_heads]``;
+        local_window_size, logits_soft_cap, mask_fn, score_fn: as in
+        :func:`fa2_jax.flash_attention` (those not already given to :func:`make_attention_fn`).
       **kwargs: future flax arguments: ``None`` values are ignored, others fall back to flax.
 
     Returns:
       ``[batch..., q_length, num_heads, head_dim]`` in the compute dtype.
 
     Raises:
-      TypeError, ValueError: an argument of the wrong type or shape, named in the message.
+      TypeError, ValueError: an argument of the wrong type or shape, named in the message; a
+        ValueError for a variant argument in a call that runs flax's formula (which has none).
     """
     _check_arrays(query, key, value, bias, mask)
     _check_dropout(dropout_rate, deterministic, dropout_rng)
-    # The factory's flag leaves a single query row (a decode step) unmasked; see make_attention_fn.
-    causal = check_bool("is_causal", is_causal) or (always_causal and query.shape[-3] != 1)
+    given = dict(query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+                 **_check_static_variants(
+                     local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                     alibi_slopes=alibi_slopes, mask_fn=mask_fn, score_fn=score_fn))
+    variants = _merge_variants(fixed, given)
+    # The factory's flag leaves a single query row (a decode step) unmasked, unless q_offset says
+    # where that row sits; see make_attention_fn.
+    causal = check_bool("is_causal", is_causal) or (
+        always_causal and (query.shape[-3] != 1 or q_offset is not None))
     extra = {k: v for k, v in kwargs.items() if v is not None}
     einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
     if promote_dtype is not None:
@@ -343,6 +407,11 @@ def make_attention_fn(implementation: str | None = None,
       else:
         mask, causal = None, flag
     if why is not None:
+      if variants:
+        raise ValueError(
+            f"fa2_jax.flax.attention_fn: {why[0]}, which only flax's dot_product_attention formula "
+            f"can compute, and that formula has none of the variant arguments given "
+            f"({', '.join(sorted(variants))}). {why[1]}")
       _warn_once(*why)
       return _flax_formula(
           query, key, value, linen_caller=force_fp32_for_softmax is not None, is_causal=causal,
@@ -352,18 +421,65 @@ def make_attention_fn(implementation: str | None = None,
           broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
           dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
           precision=precision, module=module)
-    return _flash_any_batch(kernel, query, key, value, causal)
+    return _flash_any_batch(kernel, query, key, value, causal, variants)
 
   return attention_fn
 
 
-def _flash_any_batch(kernel, query, key, value, is_causal: bool):
-  """Calls the kernel on ``[batch..., T, N, H]`` inputs by folding the batch dims into one."""
+def _check_static_variants(**static) -> dict[str, Any]:
+  """The static variant arguments that are set, checked as far as they can be without the arrays."""
+  window, cap = static.get("local_window_size"), static.get("logits_soft_cap")
+  if window is not None:
+    _check_window(window)
+  if cap is not None:
+    _check_soft_cap(cap)
+  for name in ("mask_fn", "score_fn"):
+    fn = static.get(name)
+    if fn is not None and not callable(fn):
+      raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
+  slopes = static.get("alibi_slopes")
+  if slopes is not None and (not hasattr(slopes, "shape") or not hasattr(slopes, "dtype")):
+    raise TypeError(f"alibi_slopes must be a float array of shape [num_heads] (or, per call, "
+                    f"[batch..., num_heads]), got {type(slopes).__name__}")
+  return {k: v for k, v in static.items() if v is not None}
+
+
+def _merge_variants(fixed: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+  """The factory's variants and a call's, set ones only; one given twice is a ValueError."""
+  given = {k: v for k, v in given.items() if v is not None}
+  twice = sorted(set(fixed) & set(given))
+  if twice:
+    raise ValueError(f"{', '.join(twice)} given both to make_attention_fn and to the call: set "
+                     "each variant argument in one place")
+  return {**fixed, **given}
+
+
+def _fold_variant(name: str, x, batch: tuple, t: int, s: int, n: int):
+  """A per-batch variant array ``[batch..., *dims]`` -> ``[prod(batch), *dims]``."""
+  if not hasattr(x, "shape") or (name == "q_offset" and isinstance(x, (int, np.integer))):
+    return x  # a Python int q_offset, or something flash_attention rejects with its own message
+  dims = _PER_BATCH_DIMS[name](t, s, n)
+  if name == "alibi_slopes" and tuple(x.shape) == dims:
+    return x  # [num_heads]: shared by every batch element
+  if tuple(x.shape) != (*batch, *dims):
+    trailing = {"q_segment_ids": ", q_length", "kv_segment_ids": ", kv_length",
+                "alibi_slopes": ", num_heads"}.get(name, "")
+    raise ValueError(f"{name} must have shape [batch...{trailing}] = {(*batch, *dims)} (query "
+                     f"batch dims {tuple(batch)}), got shape {tuple(x.shape)}")
+  return x.reshape(math.prod(batch), *dims)
+
+
+def _flash_any_batch(kernel, query, key, value, is_causal: bool, variants: dict[str, Any]):
+  """Calls the kernel on ``[batch..., T, N, H]`` inputs by folding the batch dims (and the per-batch
+  variant arrays' batch dims) into one."""
   batch = query.shape[:-3]
   if len(batch) <= 1:
-    return kernel(query, key, value, is_causal=is_causal)
+    return kernel(query, key, value, is_causal=is_causal, **variants)
+  t, n, s = query.shape[-3], query.shape[-2], key.shape[-3]
+  variants = {k: _fold_variant(k, v, batch, t, s, n) if k in _PER_BATCH_DIMS else v
+              for k, v in variants.items()}
   fold = lambda x: x.reshape(math.prod(batch), *x.shape[-3:])
-  out = kernel(fold(query), fold(key), fold(value), is_causal=is_causal)
+  out = kernel(fold(query), fold(key), fold(value), is_causal=is_causal, **variants)
   return out.reshape(*batch, *out.shape[1:])
 
 

@@ -1,5 +1,7 @@
-"""Ready Flax layers on fa2_jax: causal self-attention blocks (linen and nnx) with grouped-query heads and
-rotary position embeddings. Re-exported by :mod:`fa2_jax.flax`; import them from there."""
+"""Ready Flax layers on fa2_jax: causal self-attention blocks (linen and nnx) with grouped-query heads,
+rotary position embeddings and the attention variants of :func:`fa2_jax.flash_attention` (sliding
+windows, soft-capping, ALiBi, ``mask_fn``/``score_fn`` as fields; packed documents, padding lengths and
+query offsets per call). Re-exported by :mod:`fa2_jax.flax`; import them from there."""
 from __future__ import annotations
 
 import functools
@@ -9,9 +11,10 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from .flax import attention_fn
+from .flax import _check_static_variants, attention_fn
 
 
 # --- rotary position embeddings -------------------------------------------------------------------
@@ -69,12 +72,42 @@ def _split_heads(qkv: jax.Array, num_heads: int, num_kv_heads: int):
   return jnp.split(qkv, [num_heads, num_heads + num_kv_heads], axis=-2)
 
 
-def _attend(q, k, v, attend_fn, rotary: bool, base: float, positions, mask):
+def _static_variants(local_window_size, logits_soft_cap, alibi_slopes, mask_fn, score_fn) -> dict:
+  """The module's static variant fields that are set, as keyword arguments of the attention_fn."""
+  if alibi_slopes is not None:
+    alibi_slopes = jnp.asarray(alibi_slopes, jnp.float32)  # [num_heads]
+  static = dict(local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                alibi_slopes=alibi_slopes, mask_fn=mask_fn, score_fn=score_fn)
+  return {k: v for k, v in static.items() if v is not None}
+
+
+def _check_static_fields(num_heads: int, local_window_size, logits_soft_cap, alibi_slopes, mask_fn,
+                         score_fn) -> None:
+  """The static variant fields, checked when the module is made (ValueError/TypeError naming one)."""
+  _check_static_variants(local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                         mask_fn=mask_fn, score_fn=score_fn)
+  if alibi_slopes is not None:
+    slopes = np.asarray(alibi_slopes)
+    if slopes.shape != (num_heads,) or slopes.dtype.kind not in "fiu":
+      raise ValueError(f"alibi_slopes must be {num_heads} real numbers (one per query head), got "
+                       f"{alibi_slopes!r}")
+
+
+def _attend(q, k, v, attend_fn, rotary: bool, base: float, positions, mask, variants: dict):
+  """Rotary embeddings, then ``attend_fn(q, k, v, [mask=mask,] is_causal=True, **variants)`` with the
+  variant arguments that are set (functions without them still work without them)."""
   if rotary:
     q, k = rotary_embedding(q, positions, base=base), rotary_embedding(k, positions, base=base)
-  if mask is None:  # attention functions without a mask argument still work without a mask
-    return attend_fn(q, k, v, is_causal=True)
-  return attend_fn(q, k, v, mask=mask, is_causal=True)
+  variants = {k_: v_ for k_, v_ in variants.items() if v_ is not None}
+  if mask is not None:
+    variants["mask"] = mask
+  return attend_fn(q, k, v, is_causal=True, **variants)
+
+
+def _call_variants(query_seq_lengths, key_value_seq_lengths, q_segment_ids, kv_segment_ids,
+                   q_offset) -> dict:
+  return dict(query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset)
 
 
 class CausalSelfAttention(nn.Module):
@@ -84,7 +117,9 @@ class CausalSelfAttention(nn.Module):
   makes ``num_heads`` query and ``num_kv_heads`` key/value heads of ``head_dim``; attention runs
   through ``attention_fn(q, k, v, is_causal=True)`` (any function with that call form, e.g.
   ``functools.partial(jax.nn.dot_product_attention, implementation="xla")``; with a ``mask``,
-  ``attention_fn(q, k, v, mask=mask, is_causal=True)``).
+  ``attention_fn(q, k, v, mask=mask, is_causal=True)``). The variant fields and call arguments that
+  are set are passed to it as keyword arguments of :func:`fa2_jax.flash_attention`'s names (and only
+  those: a function without them works as long as they are unset).
 
   Attributes:
     num_heads: query heads.
@@ -99,6 +134,12 @@ class CausalSelfAttention(nn.Module):
     kernel_init: initializer of the qkv projection.
     out_kernel_init: initializer of the output projection (default kernel_init).
     attention_fn: the attention core, default :data:`fa2_jax.flax.attention_fn`.
+    local_window_size: sliding window, an int ``w`` or ``(left, right)`` as in
+      :func:`fa2_jax.flash_attention`; with the causal mask ``(w, 0)``: query ``p`` attends keys
+      ``p - w .. p``. None: no window.
+    logits_soft_cap: ``cap * tanh(s / cap)`` on the scaled logits (a float > 0), or None.
+    alibi_slopes: one ALiBi slope per query head (a tuple of floats), or None.
+    mask_fn, score_fn: as in :func:`fa2_jax.flash_attention`, or None.
   """
 
   num_heads: int
@@ -113,22 +154,40 @@ class CausalSelfAttention(nn.Module):
   kernel_init: Callable = nn.linear.default_kernel_init
   out_kernel_init: Callable | None = None
   attention_fn: Callable[..., jax.Array] = attention_fn  # the module-level default above
+  local_window_size: int | tuple[int | None, int | None] | None = None
+  logits_soft_cap: float | None = None
+  alibi_slopes: tuple[float, ...] | None = None
+  mask_fn: Callable | None = None
+  score_fn: Callable | None = None
 
   def __post_init__(self):
     _check_heads(self.num_heads, self.num_kv_heads, self.head_dim, self.rotary)
+    _check_static_fields(self.num_heads, self.local_window_size, self.logits_soft_cap,
+                         self.alibi_slopes, self.mask_fn, self.score_fn)
     super().__post_init__()
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-               mask: jax.Array | None = None) -> jax.Array:
+               mask: jax.Array | None = None, *, query_seq_lengths: jax.Array | None = None,
+               key_value_seq_lengths: jax.Array | None = None,
+               q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+               q_offset: jax.Array | int | None = None) -> jax.Array:
     """Causal self-attention of ``x``.
 
     Args:
       x: ``[batch..., T, features]``.
-      positions: ``[batch..., T]`` integer positions for rotary (default ``arange(T)``).
+      positions: ``[batch..., T]`` integer positions for rotary (default ``arange(T)``); e.g.
+        restarting at 0 at each packed document.
       mask: optional, broadcastable to ``[batch..., num_heads, T, T]``, nonzero where a query may
         attend a key (e.g. ``nn.make_attention_mask(tokens != pad, tokens != pad)``), AND-ed with
-        the causal mask. The kernel takes no dense mask: see :func:`make_attention_fn`.
+        the causal mask. The kernel takes no dense mask: pass the segment ids or lengths below
+        instead (see :func:`make_attention_fn`).
+      query_seq_lengths, key_value_seq_lengths: integer ``[batch...]``: rows / keys past them are
+        padding (padded rows get output 0).
+      q_segment_ids, kv_segment_ids: integer ``[batch..., T]`` (both, usually the same array):
+        tokens attend only tokens of their own segment (packed documents).
+      q_offset: int or integer ``[batch...]``: the position of query row 0 for the causal mask and
+        the window (not for ``positions``).
     """
     kv = self.num_kv_heads or self.num_heads
     dense = functools.partial(nn.DenseGeneral, use_bias=self.use_bias, dtype=self.dtype,
@@ -136,7 +195,12 @@ class CausalSelfAttention(nn.Module):
     qkv = dense(features=(self.num_heads + 2 * kv, self.head_dim), kernel_init=self.kernel_init,
                 name="qkv")(x)
     q, k, v = _split_heads(qkv, self.num_heads, kv)
-    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask)
+    variants = _static_variants(self.local_window_size, self.logits_soft_cap, self.alibi_slopes,
+                                self.mask_fn, self.score_fn)
+    variants.update(_call_variants(query_seq_lengths, key_value_seq_lengths, q_segment_ids,
+                                   kv_segment_ids, q_offset))
+    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask,
+                variants)
     return dense(features=self.out_features or x.shape[-1], axis=(-2, -1),
                  kernel_init=self.out_kernel_init or self.kernel_init, name="out")(y)
 
@@ -150,11 +214,21 @@ class NnxCausalSelfAttention(nnx.Module):
                dtype: Any = None, param_dtype: Any = jnp.float32,
                kernel_init: Callable = nnx.nn.linear.default_kernel_init,
                out_kernel_init: Callable | None = None,
-               attention_fn: Callable[..., jax.Array] = attention_fn, rngs: nnx.Rngs):
+               attention_fn: Callable[..., jax.Array] = attention_fn,
+               local_window_size: int | tuple[int | None, int | None] | None = None,
+               logits_soft_cap: float | None = None, alibi_slopes: tuple[float, ...] | None = None,
+               mask_fn: Callable | None = None, score_fn: Callable | None = None,
+               rngs: nnx.Rngs):
     self.num_heads, self.head_dim = num_heads, head_dim
     self.num_kv_heads = _check_heads(num_heads, num_kv_heads, head_dim, rotary)
+    _check_static_fields(num_heads, local_window_size, logits_soft_cap, alibi_slopes, mask_fn,
+                         score_fn)
     self.rotary, self.rotary_base = rotary, rotary_base
     self.attention_fn = attention_fn
+    # Static: a plain tuple / float / function (no arrays), so nnx keeps them out of the state.
+    self.local_window_size, self.logits_soft_cap = local_window_size, logits_soft_cap
+    self.alibi_slopes = None if alibi_slopes is None else tuple(float(a) for a in alibi_slopes)
+    self.mask_fn, self.score_fn = mask_fn, score_fn
     linear = functools.partial(nnx.LinearGeneral, use_bias=use_bias, dtype=dtype,
                                param_dtype=param_dtype, rngs=rngs)
     self.qkv = linear(in_features, (num_heads + 2 * self.num_kv_heads, head_dim),
@@ -163,8 +237,16 @@ class NnxCausalSelfAttention(nnx.Module):
                       kernel_init=out_kernel_init or kernel_init)
 
   def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-               mask: jax.Array | None = None) -> jax.Array:
-    """x: ``[batch..., T, in_features]``; positions and mask as in :class:`CausalSelfAttention`."""
+               mask: jax.Array | None = None, *, query_seq_lengths: jax.Array | None = None,
+               key_value_seq_lengths: jax.Array | None = None,
+               q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+               q_offset: jax.Array | int | None = None) -> jax.Array:
+    """x: ``[batch..., T, in_features]``; the other arguments as in :class:`CausalSelfAttention`."""
     q, k, v = _split_heads(self.qkv(x), self.num_heads, self.num_kv_heads)
-    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask)
+    variants = _static_variants(self.local_window_size, self.logits_soft_cap, self.alibi_slopes,
+                                self.mask_fn, self.score_fn)
+    variants.update(_call_variants(query_seq_lengths, key_value_seq_lengths, q_segment_ids,
+                                   kv_segment_ids, q_offset))
+    y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask,
+                variants)
     return self.out(y)

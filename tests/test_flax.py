@@ -593,6 +593,239 @@ def test_rotary_matches_nnx_rope():
                              atol=1e-5, rtol=1e-5)
 
 
+# --- attention variants ---------------------------------------------------------------------------
+
+WINDOW = (3, 0)  # sliding window: each query sees itself and the 3 keys before it
+SOFT_CAP = 2.0  # small enough that tanh changes the logits of these unit-variance inputs
+
+
+def mask_fn_even_keys_or_diagonal(b, h, q_idx, kv_idx):
+  """A pattern no other argument gives: even keys, or the query's own position."""
+  return (kv_idx % 2 == 0) | (kv_idx == q_idx)
+
+
+def score_fn_head_bias(score, b, h, q_idx, kv_idx):
+  return score + 0.25 * h.astype(score.dtype)
+
+
+def qkv(batch=(B,), t=T, heads=HEADS, kv_heads=KV_HEADS, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(keys[0], (*batch, t, heads, 8))
+  k, v = (jax.random.normal(kk, (*batch, t, kv_heads, 8)) for kk in keys[1:])
+  return q, k, v
+
+
+def packed_segments(batch, t):
+  """``[batch..., t]`` int32: two documents per sequence, split at a place that varies by row."""
+  n = int(np.prod(batch))
+  split = 3 + (np.arange(n) * 4) % (t - 4)
+  return jnp.asarray(np.arange(t) >= split[:, None], jnp.int32).reshape(*batch, t)
+
+
+def value_and_grads(fn, q, k, v):
+  def loss(q, k, v):
+    y = fn(q, k, v)
+    return jnp.sum(y * jnp.cos(y)), y  # a nonuniform cotangent
+  (_, y), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+  return y, grads
+
+
+def test_attention_fn_passes_every_variant_to_flash_attention(spy):
+  """Static variants from the factory, per-batch arrays from the call: the outputs and gradients are
+  fa2_jax.flash_attention's with the same arguments (the XLA formula), and the call reached it with
+  every argument."""
+  q, k, v = qkv()
+  segments = packed_segments((B,), T)
+  lengths = jnp.array([T, T - 3])
+  per_call = dict(q_segment_ids=segments, kv_segment_ids=segments, query_seq_lengths=lengths,
+                  key_value_seq_lengths=lengths, q_offset=jnp.array([0, 2]),
+                  alibi_slopes=jnp.array([[0.5, 0.25, 0.125, 0.0625]] * B))
+  static = dict(local_window_size=WINDOW, logits_soft_cap=SOFT_CAP,
+                mask_fn=mask_fn_even_keys_or_diagonal, score_fn=score_fn_head_bias)
+  ours = kernel_fn(is_causal=True, **static)
+  with no_fallback():
+    y, g = value_and_grads(lambda q, k, v: ours(q, k, v, **per_call), q, k, v)
+  y_ref, g_ref = value_and_grads(functools.partial(
+      fa2_jax.flash_attention, is_causal=True, implementation="xla", **static, **per_call), q, k, v)
+  assert_finite((y, g))
+  assert_trees_close((y, g), (y_ref, g_ref), **TOL)
+  assert spy and all(set(c) >= set(static) | set(per_call) and c["is_causal"] for c in spy)
+  assert all(c["local_window_size"] == WINDOW and c["mask_fn"] is mask_fn_even_keys_or_diagonal
+             for c in spy)
+
+
+def test_variants_with_extra_batch_dims():
+  """[2, 3, T, N, H] inputs with [2, 3, ...] per-batch arrays: the batch dims are folded together
+  with the arrays', so each (i, j) element gets its own segments, lengths and slopes."""
+  batch = (2, 3)
+  q, k, v = qkv(batch)
+  segments = packed_segments(batch, T)  # [2, 3, T]
+  lengths = jnp.asarray(T - np.arange(6).reshape(batch))  # [2, 3]
+  slopes = jnp.linspace(0.1, 0.6, 6 * HEADS).reshape(*batch, HEADS)  # [2, 3, N]
+  fn = fa2_flax.make_attention_fn(implementation="xla", local_window_size=WINDOW)
+  out = fn(q, k, v, is_causal=True, q_segment_ids=segments, kv_segment_ids=segments,
+           key_value_seq_lengths=lengths, alibi_slopes=slopes)
+  fold = lambda x: x.reshape(6, *x.shape[2:])
+  expected = fa2_jax.reference_attention(
+      fold(q), fold(k), fold(v), is_causal=True, local_window_size=WINDOW,
+      q_segment_ids=fold(segments), kv_segment_ids=fold(segments),
+      key_value_seq_lengths=fold(lengths), alibi_slopes=fold(slopes))
+  np.testing.assert_allclose(out, expected.reshape(out.shape), **FORMULA_TOL)
+  # [N] slopes are shared by every batch element; [batch...] arrays of the wrong shape are named.
+  shared = fn(q, k, v, alibi_slopes=slopes[0, 0])
+  np.testing.assert_allclose(shared, fa2_jax.reference_attention(
+      fold(q), fold(k), fold(v), local_window_size=WINDOW,
+      alibi_slopes=slopes[0, 0]).reshape(out.shape), **FORMULA_TOL)
+  with pytest.raises(ValueError, match=r"q_segment_ids must have shape \[batch\.\.\., q_length\] "
+                     r"= \(2, 3, 12\)"):
+    fn(q, k, v, q_segment_ids=segments[0], kv_segment_ids=segments[0])
+  with pytest.raises(ValueError, match="key_value_seq_lengths must have shape"):
+    fn(q, k, v, key_value_seq_lengths=lengths.reshape(6))
+
+
+def test_lengths_and_segments_replace_a_padding_mask():
+  """What the fallback warning advises: lengths, or segment ids, give flax's padding-mask output on
+  the valid rows, through the kernel path."""
+  q, k, v = qkv()
+  rows = valid_tokens((B,), T)  # [B, T], True on each sequence's tokens
+  lengths = rows.sum(-1)
+  expected = nnx.dot_product_attention(q, k, v, mask=nn.make_attention_mask(rows, rows),
+                                       is_causal=True)
+  fn = kernel_fn(is_causal=True)
+  with no_fallback():
+    by_lengths = jax.jit(lambda q, k, v: fn(q, k, v, query_seq_lengths=lengths,
+                                            key_value_seq_lengths=lengths))(q, k, v)
+    segments = rows.astype(jnp.int32)  # padding is its own segment, never attended by the tokens
+    by_segments = jax.jit(lambda q, k, v: fn(q, k, v, q_segment_ids=segments,
+                                             kv_segment_ids=segments))(q, k, v)
+  assert_rows_close(by_lengths, expected, rows, **TOL)
+  assert_rows_close(by_segments, expected, rows, **TOL)
+  np.testing.assert_array_equal(np.asarray(by_lengths)[~np.asarray(rows)], 0.0)  # padded rows
+
+
+def test_fallback_warnings_name_the_arguments_to_pass():
+  q, _, _ = qkv(kv_heads=HEADS)
+  rows = valid_tokens((B,), T)
+  fn = fa2_flax.make_attention_fn(implementation="xla")
+  with pytest.warns(FlashAttentionFallbackWarning) as record:
+    fn(q, q, q, mask=nn.make_attention_mask(rows, rows))
+  message = str(record[0].message)
+  assert "q_segment_ids/kv_segment_ids" in message and PAD_WARNING in message
+  assert "query_seq_lengths/key_value_seq_lengths" in message
+  with pytest.warns(FlashAttentionFallbackWarning, match="pass alibi_slopes.*or score_fn"):
+    fn(q, q, q, bias=jnp.zeros((T, T)))
+
+
+def test_variants_cannot_fall_back_to_flax_formula(spy):
+  """flax's formula has no variants: a call that would need it raises instead of dropping them."""
+  q, _, _ = qkv(kv_heads=HEADS)
+  rows = valid_tokens((B,), T)
+  fn = fa2_flax.make_attention_fn(implementation="xla", local_window_size=WINDOW)
+  with pytest.raises(ValueError, match=r"dense `mask`.*\(local_window_size\).*q_segment_ids"):
+    fn(q, q, q, mask=nn.make_attention_mask(rows, rows))
+  with pytest.raises(ValueError, match=r"bias.*\(key_value_seq_lengths\)"):
+    fa2_flax.make_attention_fn(implementation="xla")(
+        q, q, q, bias=jnp.zeros((T, T)), key_value_seq_lengths=rows.sum(-1))
+  assert not spy
+  # A mask that is provably the causal mask is still the flag: the variant keeps the kernel path.
+  with no_fallback():
+    out = fn(q, q, q, mask=nn.make_causal_mask(q[..., 0, 0]))
+  np.testing.assert_allclose(out, fa2_jax.reference_attention(
+      q, q, q, is_causal=True, local_window_size=WINDOW), **FORMULA_TOL)
+
+
+def test_single_query_row_with_q_offset_is_causal(spy):
+  """The factory's causal flag skips a lone query row (a decode step at an unknown position), but
+  not one whose position q_offset gives."""
+  q, k, v = qkv()
+  fn = fa2_flax.make_attention_fn(implementation="xla", is_causal=True)
+  out = fn(q[:, 5:6], k, v, q_offset=5)
+  np.testing.assert_allclose(out, fa2_jax.reference_attention(q, k, v, is_causal=True)[:, 5:6],
+                             **FORMULA_TOL)
+  assert [c["is_causal"] for c in spy] == [True]
+
+
+def test_variant_arguments_raise_clear_errors():
+  with pytest.raises(ValueError, match="local_window_size"):
+    fa2_flax.make_attention_fn(local_window_size=-1)
+  with pytest.raises(TypeError, match="local_window_size"):
+    fa2_flax.make_attention_fn(local_window_size=2.5)
+  with pytest.raises(ValueError, match="logits_soft_cap"):
+    fa2_flax.make_attention_fn(logits_soft_cap=0.0)
+  with pytest.raises(TypeError, match="mask_fn must be a callable"):
+    fa2_flax.make_attention_fn(mask_fn=True)
+  with pytest.raises(TypeError, match="alibi_slopes must be a float array"):
+    fa2_flax.make_attention_fn(alibi_slopes=[0.5, 0.25])
+  q, k, v = qkv()
+  fn = fa2_flax.make_attention_fn(implementation="xla", logits_soft_cap=SOFT_CAP)
+  with pytest.raises(ValueError, match="logits_soft_cap given both to make_attention_fn and to "
+                     "the call"):
+    fn(q, k, v, logits_soft_cap=SOFT_CAP)
+  with pytest.raises(TypeError, match="score_fn must be a callable"):
+    fn(q, k, v, score_fn="tanh")
+  with pytest.raises(ValueError, match="q_segment_ids and kv_segment_ids must be given together"):
+    fn(q, k, v, q_segment_ids=packed_segments((B,), T))
+  with pytest.raises(ValueError, match="alibi_slopes must be 4 real numbers"):
+    fa2_flax.CausalSelfAttention(num_heads=HEADS, head_dim=8, alibi_slopes=(0.5, 0.25))
+  with pytest.raises(ValueError, match="local_window_size"):
+    fa2_flax.NnxCausalSelfAttention(D, HEADS, 8, local_window_size=(2, -1), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="logits_soft_cap"):
+    fa2_flax.CausalSelfAttention(num_heads=HEADS, head_dim=8, logits_soft_cap=-1.0)
+
+
+MODULE_VARIANTS = dict(local_window_size=WINDOW, logits_soft_cap=SOFT_CAP,
+                       alibi_slopes=(0.5, 0.25, 0.125, 0.0625))
+
+
+def test_causal_modules_with_variants_match_the_reference():
+  """Both modules with window, soft cap and ALiBi fields and per-call segment ids and lengths,
+  against the same module on fa2_jax.reference_attention; the nnx twin with the linen module's
+  parameters gives the same. (The gradients of the variants through the adapter:
+  test_attention_fn_passes_every_variant_to_flash_attention.)"""
+  x = inputs()
+  segments = packed_segments((B,), T)
+  call = dict(q_segment_ids=segments, kv_segment_ids=segments,
+              key_value_seq_lengths=jnp.array([T, T - 2]))
+  ours = fa2_flax.CausalSelfAttention(**MODULE_KW, **MODULE_VARIANTS, attention_fn=kernel_fn())
+  ref = fa2_flax.CausalSelfAttention(**MODULE_KW, **MODULE_VARIANTS,
+                                     attention_fn=fa2_jax.reference_attention)
+  params = jax.jit(ref.init)(jax.random.PRNGKey(1), x)
+  with no_fallback():
+    y = jax.jit(functools.partial(ours.apply, **call))(params, x)
+  y_ref = jax.jit(functools.partial(ref.apply, **call))(params, x)
+  assert_finite(y)
+  assert_trees_close(y, y_ref, **TOL)
+  # The window and the segments do change the output (the fields are not ignored).
+  plain = fa2_flax.CausalSelfAttention(**MODULE_KW, attention_fn=kernel_fn())
+  assert not np.allclose(y, jax.jit(plain.apply)(params, x), **TOL)
+
+  module = fa2_flax.NnxCausalSelfAttention(D, **MODULE_KW, **MODULE_VARIANTS,
+                                           attention_fn=kernel_fn(), rngs=nnx.Rngs(0))
+  module.qkv.kernel[...] = params["params"]["qkv"]["kernel"]
+  module.out.kernel[...] = params["params"]["out"]["kernel"]
+  with no_fallback():
+    y_nnx = nnx.jit(lambda m, x: m(x, **call))(module, x)
+  assert_trees_close(y_nnx, y_ref, **TOL)
+
+
+def test_packed_documents_equal_separate_documents():
+  """Two documents packed into one sequence (segment ids, rotary positions restarting at 0) give
+  each token the output it has when its document runs alone."""
+  n1, n2 = 5, T - 5
+  x = inputs(shape=(1, T, D))
+  segments = jnp.asarray([[0] * n1 + [1] * n2], jnp.int32)  # [1, T]
+  positions = jnp.asarray([list(range(n1)) + list(range(n2))])  # [1, T]
+  module = fa2_flax.CausalSelfAttention(**MODULE_KW, local_window_size=(6, 0),
+                                        attention_fn=kernel_fn())
+  params = jax.jit(module.init)(jax.random.PRNGKey(1), x)
+  apply = jax.jit(module.apply)
+  with no_fallback():
+    packed = apply(params, x, positions, q_segment_ids=segments, kv_segment_ids=segments)
+    first, second = apply(params, x[:, :n1]), apply(params, x[:, n1:])
+  np.testing.assert_allclose(packed[:, :n1], first, **TOL)
+  np.testing.assert_allclose(packed[:, n1:], second, **TOL)
+
+
 # --- errors and packaging -------------------------------------------------------------------------
 
 def test_bad_arguments_raise_clear_errors():
