@@ -1,5 +1,7 @@
 """The attention implementations every benchmark compares: one registry, each entry a callable
-``f(q, k, v, *, causal) -> out`` on ``q [B, T, N, H]``, ``k, v [B, S, K, H]`` (``N % K == 0``).
+``f(q, k, v, *, causal, **variant) -> out`` on ``q [B, T, N, H]``, ``k, v [B, S, K, H]`` (``N % K == 0``);
+``variant``: keyword arguments passed to that implementation's own call as they are (its names, e.g.
+``local_window_size`` for fa2 and cuDNN, ``window_size`` for fa3; benchmarks/variants.py).
 
 =============  ==================================================================================
 ``fa2``        ``fa2_jax.flash_attention`` with its defaults (the Mosaic kernels on Hopper, Triton
@@ -78,32 +80,34 @@ def _interpret():
 
 
 def _fa2(**kw):
-  def f(q, k, v, *, causal):
+  def f(q, k, v, *, causal, **variant):
     import fa2_jax
-    return fa2_jax.flash_attention(q, k, v, is_causal=causal, interpret=_interpret(), **kw)
+    return fa2_jax.flash_attention(q, k, v, is_causal=causal, interpret=_interpret(), **kw, **variant)
   return f
 
 
 def _fa2_describe(**kw):
-  def d(q, k, v, *, causal):
+  def d(q, k, v, *, causal, **variant):
     import fa2_jax
-    return fa2_jax.backend_for(q, k, v, is_causal=causal, interpret=_interpret(), **kw)
+    return fa2_jax.backend_for(q, k, v, is_causal=causal, interpret=_interpret(), **kw, **variant)
   return d
 
 
 def _jax_nn(implementation):
-  def f(q, k, v, *, causal):
+  def f(q, k, v, *, causal, **variant):
     import jax
-    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation,
+                                        **variant)
   return f
 
 
-def _tokamax(q, k, v, *, causal):
-  return _import("tokamax").dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic")
+def _tokamax(q, k, v, *, causal, **variant):
+  return _import("tokamax").dot_product_attention(q, k, v, is_causal=causal, implementation="mosaic",
+                                                  **variant)
 
 
-def _fa3(q, k, v, *, causal):
-  return _import("flash_attn3_jax").flash_mha(q, k, v, softmax_scale=None, is_causal=causal)
+def _fa3(q, k, v, *, causal, **variant):
+  return _import("flash_attn3_jax").flash_mha(q, k, v, softmax_scale=None, is_causal=causal, **variant)
 
 
 # --- per-shape limits ---------------------------------------------------------------------------------
@@ -132,7 +136,7 @@ def _xla_shapes(q_shape, kv_shape, dtype, causal):
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
-  """One implementation: ``impl(q, k, v, causal=...)`` runs it."""
+  """One implementation: ``impl(q, k, v, causal=..., **variant)`` runs it."""
 
   name: str
   label: str
@@ -142,8 +146,8 @@ class Impl:
   shapes: Callable[..., str | None] = lambda *a: None
   describe: Callable | None = None  # fa2_jax entries: fa2_jax.backend_for of the same call
 
-  def __call__(self, q, k, v, *, causal: bool):
-    return self.fn(q, k, v, causal=causal)
+  def __call__(self, q, k, v, *, causal: bool, **variant):
+    return self.fn(q, k, v, causal=causal, **variant)
 
 
 IMPLS = {i.name: i for i in (

@@ -4,7 +4,8 @@
   ``iters`` (10) back-to-back calls, ``block_until_ready`` once at the end of each repetition;
 * forward: ``jit(f)``; forward+backward: ``jit(grad(lambda q, k, v: f(q, k, v).astype(f32).sum(),
   argnums=(0, 1, 2)))`` (the forward runs inside, as in training); backward time = forward+backward
-  time − forward time;
+  time − forward time; ``aux`` arrays (segment ids, lengths) are further arguments of the jitted
+  function, never differentiated, so they are runtime data as in training, not compile-time constants;
 * latency: every call synchronised on its own, median over many calls, inputs rotated over a few sets.
 
 Inputs are fresh random normals, never zeros. ``clock`` and ``block`` are parameters so that the
@@ -81,21 +82,26 @@ def forward_fn(f):
 
 
 def fwd_bwd_fn(f):
-  """The anchors' forward+backward: ``(q, k, v) -> (dq, dk, dv)`` of the f32 sum of the output."""
+  """The anchors' forward+backward: ``(q, k, v, *aux) -> (dq, dk, dv)`` of the f32 sum of the output
+  (``aux``: further arguments of ``f``, not differentiated)."""
   import jax
   import jax.numpy as jnp
-  return jax.jit(jax.grad(lambda q, k, v: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+  return jax.jit(jax.grad(lambda q, k, v, *aux: f(q, k, v, *aux).astype(jnp.float32).sum(),
+                          argnums=(0, 1, 2)))
 
 
 def measure(f, q, k, v, *, flops_fwd: float, passes=("fwd", "fwd+bwd"), iters: int = ITERS,
-            reps: int = REPS, warmup: int = WARMUP, clock=time.perf_counter, block=_block) -> dict:
-  """Time ``f(q, k, v)`` forward and forward+backward; errors are recorded per pass, never raised.
+            reps: int = REPS, warmup: int = WARMUP, clock=time.perf_counter, block=_block,
+            aux=()) -> dict:
+  """Time ``f(q, k, v, *aux)`` forward and forward+backward; errors are recorded per pass, never raised.
+  ``aux``: arrays passed to the jitted function after ``q, k, v`` (not differentiated).
 
   Returns ``{"timing": {pass: stats}, "ms": {...}, "tflops": {...}, "<pass>_error": str, "out": the
   forward output}``; ``bwd`` is derived (forward+backward − forward) when both passes ran.
   """
   res = {"timing": {}, "ms": {}, "tflops": {}, "out": None}
-  fns = {"fwd": lambda: (forward_fn(f), (q, k, v)), "fwd+bwd": lambda: (fwd_bwd_fn(f), (q, k, v))}
+  call_args = (q, k, v, *aux)
+  fns = {"fwd": lambda: (forward_fn(f), call_args), "fwd+bwd": lambda: (fwd_bwd_fn(f), call_args)}
   for p in passes:
     try:
       fn, args = fns[p]()

@@ -13,6 +13,9 @@
 #                                                --attention named (flash, flash_triton, flash_mosaic,
 #                                                cudnn, xla (with --remat true); default: flash cudnn)
 #   bash scripts/gpu.sh gpt pmap                 the same with flash, data-parallel over every GPU
+#   bash scripts/gpu.sh variants [args]          the attention variants' speed and bars
+#                                                (python -m benchmarks.variants); split it with --cells,
+#                                                e.g. variants --cells 'window-*' --tag a
 #   bash scripts/gpu.sh latency|memory|numerics|ablation|tune [args]   python -m benchmarks.<mode>
 #   bash scripts/gpu.sh all      [args]          python -m benchmarks.run_all --quick
 #
@@ -22,7 +25,7 @@
 # shared host's GPUs out of service); optional peer wheels carried in .peer/ (tokamax, flash_attn3_jax,
 # and a stub/ folder) are installed to /tmp/peer and put on PYTHONPATH, so the benchmarks add their rows.
 set -uo pipefail
-MODES="tests grid gpt latency memory numerics ablation tune all"
+MODES="tests grid gpt variants latency memory numerics ablation tune all"
 mode="${1:-}"
 if [ -z "$mode" ] || [[ " $MODES " != *" $mode "* ]]; then
   echo "scripts/gpu.sh: mode must be one of: $MODES; got '$mode'" >&2

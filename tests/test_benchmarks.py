@@ -285,6 +285,82 @@ def test_gpu_script_rejects_an_unknown_mode(tmp_path):
     assert r.returncode == 2 and msg in r.stderr, r.stderr
 
 
+# --- the variants' speed bars ----------------------------------------------------------------------------
+
+def test_variants_attended_pairs_match_the_library_masks():
+  """Every row's pair count is the number of (query, key) pairs its reference attends: with q = k = 0
+  each row's lse is log(number of allowed keys), read back from fa2_jax.reference_attention."""
+  from benchmarks import variants
+  assert variants.causal_pairs(5) == 15 and variants.causal_pairs(5, 1) == 9  # 1 + 2 + 2 + 2 + 2
+  i, j = np.arange(300)[:, None], np.arange(300)[None, :]
+  for left in (0, 7, 298, 299, 1000):
+    assert variants.causal_pairs(300, left) == int(((j <= i) & (j >= i - left)).sum()), left
+  counted = {}
+  for cell in variants.build_cells("smoke"):
+    for row in cell.rows:
+      key = (cell.id, row.layout, repr(sorted(row.ref.items())))  # rows of one attention: counted once
+      if key not in counted:
+        kw = variants._resolve(row.ref, cell.arrays)
+        z = np.zeros((*cell.layouts[row.layout], 1, 8), np.float32)
+        lse = jax.jit(lambda z: fa2_jax.reference_attention(z, z, z, return_residual=True, **kw)[1])(z)
+        counted[key] = float(jnp.exp(lse).sum())
+      assert counted[key] == pytest.approx(row.pairs, rel=1e-5), (cell.id, row.name)
+
+
+def test_variants_cells_documents_and_bars():
+  from benchmarks import variants
+  lens = variants.ragged_lengths(32768, 100, 8192)
+  assert sum(lens) == 32768 and min(lens) >= 100 and max(lens) <= 8192 and len(lens) > 4
+  assert lens == variants.ragged_lengths(32768, 100, 8192)  # a fixed seed: the same documents
+  with pytest.raises(ValueError, match="lo <= hi"):
+    variants.ragged_lengths(10, 20, 10)
+  cells = {c.id: c for c in variants.build_cells("full")}
+  assert list(cells) == ["window-32k", "window-128k", "packed-8x4k", "packed-ragged", "softcap-8k-c",
+                         "softcap-8k-nc", "padding-8k-nc", "padding-8k-c", "maskfn-causal-32k",
+                         "maskfn-window-32k"]
+  packed = cells["packed-8x4k"]
+  assert packed.layouts == {"packed": (1, 32768), "batch": (8, 4096)}
+  assert {r.name: r.pairs for r in packed.rows} == dict.fromkeys(
+      ("fa2", "fa2_batch", "fa3_varlen", "cudnn_batch"), 8 * 4096 * 4097 // 2)
+  assert packed.arrays["cu"].tolist() == list(range(0, 32769, 4096))
+  ragged = cells["packed-ragged"]
+  assert ragged.layouts["batch"] == (len(lens), -(-max(lens) // 128) * 128)
+  assert variants.timed_fn(ragged.rows[0])[1] == ("seg", "seg")  # runtime arrays, one per argument
+  # Bars: window rate >= 0.9x dense causal per pass; padding time <= 0.55x; missing rows give n/a.
+  row = lambda cid, kind, name, ms, tf: dict(id=cid, kind=kind, row=name, ms=ms, tflops=tf)  # noqa: E731
+  fake = [row("w", "window", "fa2", {}, {"fwd": 450.0, "fwd+bwd": 300.0}),
+          row("w", "window", "fa2_dense", {}, {"fwd": 500.0, "fwd+bwd": 400.0}),
+          row("p", "padding", "fa2", {"fwd": 1.0, "fwd+bwd": 2.0}, {}),
+          row("p", "padding", "fa2_full", {"fwd": 2.0, "fwd+bwd": 4.0}, {}),
+          row("m", "maskfn", "fa2", {"fwd": 1.0, "fwd+bwd": 2.0}, {})]
+  got = {b["cell"]: b for b in variants.evaluate(fake)}
+  assert got["w"]["ratio"] == {"fwd": pytest.approx(0.9), "fwd+bwd": pytest.approx(0.75)}
+  assert got["w"]["ok"] == {"fwd": True, "fwd+bwd": False} and got["w"]["verdict"] == "fail"
+  assert got["p"]["ratio"]["fwd+bwd"] == pytest.approx(0.5) and got["p"]["verdict"] == "pass"
+  assert got["m"]["verdict"] == "n/a"
+  with pytest.raises(SystemExit, match="xla has no rows here"):
+    variants.main(["--impls", "fa2,xla", "--list-cells"])
+
+
+def test_variants_smoke_on_cpu(tmp_path):
+  from benchmarks import variants
+  data = variants.main(["--smoke", "--out", str(tmp_path), "--cells", "padding-*-nc"])
+  js = _load(tmp_path / "variants.json")
+  assert js["status"] == "done" and js["config"]["smoke"] and data["files"][0].endswith("variants.json")
+  by = {c["row"]: c for c in js["cells"]}
+  assert set(by) == {"fa2", "fa2_full", "cudnn"}
+  assert by["cudnn"]["status"] == "unavailable" and "GPU" in by["cudnn"]["error"]  # named, not measured
+  for name in ("fa2", "fa2_full"):
+    c = by[name]
+    assert c["status"] == "ok", c
+    assert c["ms"]["fwd"] > 0 and c["tflops"]["fwd+bwd"] > 0 and c["rel_err"] < 2e-2, c
+    assert c["flops_fwd"] == 4.0 * c["heads"] * c["head_dim"] * c["pairs"]
+  assert by["fa2"]["pairs"] * 4 == by["fa2_full"]["pairs"]  # half the rows and half the keys
+  md = (tmp_path / "variants.md").read_text()
+  assert "## Bars" in md and "fa2 at 50% fill ≤ 0.55× the unpadded time" in md and "absent" in md
+  assert (tmp_path / "variants.png").read_bytes()[:8] == PNG_MAGIC
+
+
 # --- the ablation's kernel variants --------------------------------------------------------------------
 
 def test_ablation_kernels_match_the_reference():
@@ -408,6 +484,19 @@ def test_grid_cell_on_gpu(tmp_path):
   for n in ("fa2", "cudnn", "xla"):
     assert by[n]["status"] == "ok" and by[n]["rel_err"] < 2e-2 and by[n]["tflops"]["fwd+bwd"] > 1, by[n]
   assert by["fa2"]["vs_cudnn"]["fwd+bwd"] > 0
+
+
+@pytest.mark.gpu
+def test_variants_packed_cell_on_gpu(tmp_path):
+  """The packed documents' cell compiled: fa2 (segment ids), fa2 on the batch, cuDNN on the batch and,
+  when flash_attn3_jax imports, FA3's varlen call, each matching the f32 reference."""
+  from benchmarks import variants
+  data = variants.main(["--cells", "packed-8x4k", "--iters", "2", "--reps", "2", "--out", str(tmp_path)])
+  by = {c["row"]: c for c in data["cells"]}
+  for name in ("fa2", "fa2_batch", "cudnn_batch") + (("fa3_varlen",) if impls.unavailable("fa3") is None
+                                                     else ()):
+    c = by[name]
+    assert c["status"] == "ok" and c["rel_err"] < 2e-2 and c["tflops"]["fwd+bwd"] > 1, c
 
 
 @pytest.mark.gpu
