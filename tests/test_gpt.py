@@ -333,6 +333,16 @@ def cli_error(argv, capsys) -> str:
                                             "--attention xla does not use; pass --attention flash "
                                             "or flash_triton"),
     (["--remat", "maybe"], "argument --remat: expected true/false, got 'maybe'"),
+    (["--window", "-1"], "--window must be an int >= 0 (unset: the whole context), got -1"),
+    (["--soft-cap", "0"], "--soft-cap must be a finite number > 0 (unset: no cap), got 0.0"),
+    (["--attention", "xla", "--packing"], "--packing needs fa2_jax attention (--attention flash, "
+                                          "flash_triton or flash_mosaic): "
+                                          "jax.nn.dot_product_attention (--attention xla) has no "
+                                          "segment ids"),
+    (["--attention", "xla", "--soft-cap", "30"], "--soft-cap needs fa2_jax attention (--attention "
+                                                 "flash, flash_triton or flash_mosaic): "
+                                                 "jax.nn.dot_product_attention (--attention xla) "
+                                                 "has no logits soft cap"),
 ])
 def test_cli_rejects_bad_values_with_a_usage_error(argv, message, capsys):
   assert cli_error(argv, capsys) == f"python -m examples.flax_gpt.train: error: {message}"
@@ -366,7 +376,7 @@ def test_every_boolean_flag_is_a_switch_or_takes_a_value():
   parser = train_lib.build_parser()
   bool_flags = {a.option_strings[0]: a.dest for a in parser._actions if a.type is train_lib._bool}
   assert set(bool_flags) == {"--interpret", "--tie-embeddings", "--remat", "--scan-layers",
-                             "--resume", "--no-progress"}
+                             "--packing", "--resume", "--no-progress"}
   for flag, dest in bool_flags.items():
     assert getattr(parser.parse_args([flag]), dest) is True, flag
     assert getattr(parser.parse_args([flag, "--steps", "3"]), dest) is True, flag
@@ -452,3 +462,132 @@ def test_readme_matches_the_cli():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert str(model.seq_len) in cells and str(train.batch_size) in cells, row
     assert str(train.steps) in cells and format(train.lr, "g") in cells, row
+
+
+# --- packing, sliding window, soft cap ------------------------------------------------------------
+
+def test_packed_batch_marks_the_documents():
+  """get_packed_batch: the windows of get_batch, each byte's document as its segment id, positions
+  from 0 where a document starts in the window, and weight 0 on the targets in the next document;
+  load_documents: one document per file of a folder, the starts carried across the 90/10 split."""
+  docs = [b"abc" * 5, b"x" * 40, b"hello\n" * 3, b"yz" * 20]  # 15, 40, 18 and 40 bytes
+  split = data_lib.Split(np.frombuffer(b"".join(docs), np.uint8), np.array([0, 15, 55, 73]))
+  packed = data_lib.get_packed_batch(split, 3, batch_size=6, seq_len=16, seed=1)
+  x, y = data_lib.get_batch(split.tokens, 3, batch_size=6, seq_len=16, seed=1)
+  np.testing.assert_array_equal(packed.tokens, x)
+  np.testing.assert_array_equal(packed.targets, y)
+  doc_of = np.repeat(np.arange(4), [15, 40, 18, 40])  # each byte's document
+  for row in range(6):
+    start = next(s for s in range(len(split.tokens)) if np.array_equal(
+        split.tokens[s:s + 16], packed.tokens[row]))  # the window's offset
+    docs_here = doc_of[start:start + 17]  # inputs and the last target
+    np.testing.assert_array_equal(packed.segment_ids[row], docs_here[:-1])
+    np.testing.assert_array_equal(packed.weights[row], docs_here[:-1] == docs_here[1:])
+    for i in range(16):  # tokens since the document's start, or since the window's
+      earlier = [j for j in range(i + 1) if docs_here[j] == docs_here[i]]
+      assert packed.positions[row, i] == i - earlier[0]
+  assert any(len(set(r)) > 1 for r in packed.segment_ids)  # the draw holds a boundary
+
+  folder = pathlib.Path(__file__).parent  # these .py files: many documents
+  train, val = data_lib.load_documents(str(folder), 20_000, 32)
+  assert len(train.tokens) + len(val.tokens) == 20_000
+  assert train.doc_starts[0] == val.doc_starts[0] == 0 and len(train.doc_starts) > 1
+  assert np.all(np.diff(train.doc_starts) > 0)
+  assert b"".join(data_lib.text_documents(folder, 20_000)) == data_lib.text_bytes(folder, 20_000)
+
+
+# Window and soft cap small enough to change this model's attention (seq_len 32).
+VARIANT_MODEL = dataclasses.replace(MODEL, attention="flash", window=6, soft_cap=2.0)
+
+
+@pytest.mark.parametrize("config", [
+    VARIANT_MODEL,  # rotary positions
+    dataclasses.replace(VARIANT_MODEL, position="learned", n_layer=2, scan_layers=True)],
+    ids=["rotary", "learned-scan"])
+def test_packing_gives_the_loss_of_separate_documents(config):
+  """Two documents packed into one sequence give the loss summed over the same tokens of each
+  document run alone: segment ids keep attention inside each, positions restart, and the target
+  crossing into the second document is left out. The packed loss goes through the training loss
+  (train_lib.make_steps); the separate documents through the model alone."""
+  n1 = 13  # the first document's length; the second fills the sequence
+  docs = [np.asarray(jax.random.randint(jax.random.key(i), (n,), 0, 256), np.int32)
+          for i, n in enumerate((n1 + 1, config.seq_len - n1))]  # doc 0 has one byte as its end
+  stream = np.concatenate(docs)  # [seq_len + 1]: inputs and targets of one window
+  split = data_lib.Split(stream.astype(np.uint8), np.array([0, n1 + 1]))
+  packed = data_lib.get_packed_batch(split, 0, batch_size=1, seq_len=config.seq_len, seed=0)
+  np.testing.assert_array_equal(packed.tokens[0], stream[:-1])  # the only window there is
+  model = GPT(config)
+  params = jax.jit(model.init)(jax.random.key(1), packed.tokens)["params"]
+  _, eval_step = train_lib.make_steps(model, train_lib.make_optimizer(TRAIN), None)
+  weight = packed.weights.sum()
+  assert weight == config.seq_len - 1  # every target but the one in the next document
+  packed_sum = float(jax.jit(eval_step)(params, *train_lib.packed_batch(packed))) * weight
+
+  separate_sum = 0.0
+  for doc in docs:  # each alone, from position 0: its next-byte losses within itself
+    logits = jax.jit(model.apply)({"params": params}, doc[None, :-1])  # [1, n - 1, vocab]
+    logp = jax.nn.log_softmax(logits[0], axis=-1)
+    separate_sum -= np.sum(np.take_along_axis(np.asarray(logp, np.float64), doc[1:, None], -1))
+  np.testing.assert_allclose(packed_sum, separate_sum, rtol=1e-5)
+
+  # Without the segment ids the second document sees the first: the loss differs.
+  unpacked = train_lib.packed_batch(packed._replace(segment_ids=np.zeros_like(packed.segment_ids)))
+  assert abs(float(jax.jit(eval_step)(params, *unpacked)) * weight - packed_sum) > 1e-3
+
+
+def test_window_soft_cap_and_packing_train_from_the_cli(tmp_path, capsys):
+  """A short run with --packing --window --soft-cap on a folder of documents: the flags reach the
+  configs, the dispatch line and the summary; the loss is finite and the attended FLOPs are fewer
+  than the dense ones."""
+  folder = tmp_path / "docs"
+  folder.mkdir()
+  for i, path in enumerate(sorted((ROOT / "examples" / "flax_gpt").glob("*.py"))):
+    (folder / f"{i}.txt").write_bytes(path.read_bytes())
+  argv = ["--preset", "tiny", "--seq-len", "32", "--n-layer", "1", "--n-kv-head", "2",
+          "--n-embd", "64", "--position", "rotary", "--attention", "flash", "--batch-size", "4",
+          "--steps", "40", "--stop-at", "2", "--eval-every", "0", "--eval-batches", "1",
+          "--log-every", "1", "--data-bytes", "20000", "--data", str(folder), "--packing",
+          "--window", "6", "--soft-cap", "2", "--sample-tokens", "0",
+          "--out", str(tmp_path / "summary.json")]
+  mc, tc = train_lib.configs_from_args(train_lib.parse_args(argv))
+  assert (mc.window, mc.soft_cap, tc.packing) == (6, 2.0, True)
+  summary = train_lib.main(argv)
+  out = capsys.readouterr().out
+  assert train_lib.describe_attention(mc, packing=True) in out
+  expected = fa2_jax.backend_for(
+      jax.ShapeDtypeStruct((1, 32, 4, 16), np.float32), jax.ShapeDtypeStruct((1, 32, 2, 16),
+                                                                             np.float32),
+      is_causal=True, local_window_size=(6, 0), logits_soft_cap=2.0,
+      q_segment_ids=jax.ShapeDtypeStruct((1, 32), np.int32),
+      kv_segment_ids=jax.ShapeDtypeStruct((1, 32), np.int32))
+  assert train_lib.attention_dispatch(mc, packing=True) == expected
+  assert np.isfinite(summary["final_train_loss"]) and summary["end_step"] == 2
+  saved = json.loads((tmp_path / "summary.json").read_text())
+  assert saved["model_config"]["window"] == 6 and saved["train_config"]["packing"] is True
+  # 32 tokens, window 6: query i sees min(i, 6) + 1 keys.
+  assert train_lib.attended_pairs(mc) == sum(min(i, 6) + 1 for i in range(32))
+  dense_attention = saved["flops_per_sequence"] - 6 * 32 * saved["n_params"]
+  attended_attention = saved["attended_flops_per_sequence"] - 6 * 32 * saved["n_params"]
+  assert attended_attention / dense_attention == pytest.approx(train_lib.attended_pairs(mc) / 32**2)
+
+
+@pytest.mark.skipif(jax.local_device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
+def test_packed_loss_under_pmap_is_the_global_weighted_mean():
+  """Devices whose shares of the batch leave out different numbers of targets: the pmean of their
+  losses is still the weighted mean over the global batch, as on one device."""
+  config = dataclasses.replace(VARIANT_MODEL, n_layer=1)
+  lengths = [5, 9, 3, 30, 7, 2, 40, 11, 6, 25, 4, 60]  # many short documents: boundaries vary
+  split = data_lib.Split(np.arange(sum(lengths), dtype=np.uint8) % 251,
+                         np.cumsum([0] + lengths[:-1]))
+  packed = data_lib.get_packed_batch(split, 0, batch_size=8, seq_len=config.seq_len, seed=3)
+  per_device = packed.weights.reshape(4, -1).sum(-1)
+  assert len(set(per_device.tolist())) > 1, per_device  # the test needs unequal shares
+  model = GPT(config)
+  params = jax.jit(model.init)(jax.random.key(1), packed.tokens)["params"]
+  tx = train_lib.make_optimizer(TRAIN)
+  x, y = train_lib.packed_batch(packed)
+  single = float(jax.jit(train_lib.make_steps(model, tx, None)[1])(params, x, y))
+  runner = train_lib.Runner.create("pmap", model, tx, 8)
+  replicated = jax.tree.map(lambda p: np.broadcast_to(p, (4, *p.shape)), params)
+  multi = runner.eval_step(replicated, runner.shard(x), runner.shard(y))
+  np.testing.assert_allclose(np.asarray(multi), single, rtol=1e-5)

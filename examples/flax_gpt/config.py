@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 ATTENTIONS = ("flash", "flash_triton", "flash_mosaic", "xla", "cudnn")
 POSITIONS = ("learned", "rotary")
@@ -35,6 +36,9 @@ class GPTConfig:
     remat: recompute each block's activations in the backward pass (saves memory at long seq).
     scan_layers: run the blocks with ``flax.linen.scan`` (parameters stacked on a leading layer axis):
       one traced and compiled block instead of ``n_layer``, so compile time does not grow with depth.
+    window: sliding-window attention: each token attends itself and the ``window`` tokens before it
+      (``local_window_size=(window, 0)`` with the causal mask); None: the whole context.
+    soft_cap: attention logits soft cap, ``cap * tanh(s / cap)`` (``logits_soft_cap``); None: none.
   """
 
   vocab_size: int = BYTE_VOCAB
@@ -51,6 +55,8 @@ class GPTConfig:
   flash_interpret: bool = False
   remat: bool = False
   scan_layers: bool = False
+  window: int | None = None
+  soft_cap: float | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "mlp_ratio"):
@@ -71,6 +77,14 @@ class GPTConfig:
       raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
     if self.dtype not in DTYPES:
       raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+    if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                    or self.window < 0):
+      raise ValueError(f"window must be an int >= 0 (unset: the whole context), got "
+                       f"{self.window!r}")
+    if self.soft_cap is not None and not (isinstance(self.soft_cap, (int, float))
+                                          and math.isfinite(self.soft_cap) and self.soft_cap > 0):
+      raise ValueError(f"soft_cap must be a finite number > 0 (unset: no cap), got "
+                       f"{self.soft_cap!r}")
 
   @property
   def head_dim(self) -> int:
@@ -100,6 +114,9 @@ class TrainConfig:
     ckpt_every: steps between checkpoints when --ckpt-dir is given (0: only at the end).
     seed: parameter initialisation and data sampling seed (>= 0: numpy seeds the batches with it).
     data_bytes: cap on the bytes of text read (the corpus is split 90/10 into train/val).
+    packing: each file of the corpus is a document; the windows over their concatenation carry
+      per-token segment ids (no attention across documents), positions restarting at 0 at each
+      document, and leave the targets in the next document out of the loss (data.py).
   """
 
   batch_size: int = 32
@@ -117,6 +134,7 @@ class TrainConfig:
   ckpt_every: int = 0
   seed: int = 0
   data_bytes: int = 32 * 2**20
+  packing: bool = False
 
   def __post_init__(self):
     for name in ("batch_size", "steps", "eval_batches", "log_every", "data_bytes"):
@@ -127,6 +145,8 @@ class TrainConfig:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
     if self.seed < 0:
       raise ValueError(f"seed must be >= 0, got {self.seed}")
+    if not isinstance(self.packing, bool):
+      raise TypeError(f"packing must be a bool, got {self.packing!r}")
     if not self.lr > 0:
       raise ValueError(f"lr must be > 0, got {self.lr}")
     if not 0.0 <= self.min_lr_ratio <= 1.0:

@@ -4,11 +4,20 @@ Tokens are raw bytes (vocabulary 256). The corpus is read in a fixed (sorted) or
 deterministically: the first 90% of the bytes train, the last 10% validate. Batches are random
 windows; batch ``i`` depends only on ``(seed, i)``, so a resumed run sees exactly the batches an
 uninterrupted one would.
+
+Packing (``--packing``): each file of the corpus is a document (a single ``--data`` file is one
+document). The documents are concatenated as always, so a window holds the end of one, whole short
+ones and the start of another; :func:`get_packed_batch` adds per-token segment ids (the document's
+index), so attention never crosses documents, and positions that restart at 0 where each document
+starts in the window (a document cut by the window's start begins at 0, as every unpacked window
+does). The targets that cross into the next document are left out of the loss (weight 0): each
+token is then trained on exactly as it would be in a sequence of its document alone.
 """
 from __future__ import annotations
 
 import pathlib
 import sysconfig
+from typing import NamedTuple
 
 import numpy as np
 
@@ -30,35 +39,80 @@ def _sorted_files(root: pathlib.Path, pattern: str) -> list[pathlib.Path]:
   return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
-def _read_capped(files, max_bytes: int) -> bytes:
-  """Concatenates files (each followed by a newline) until ``max_bytes``; skips binary files."""
+def _read_documents(files, max_bytes: int) -> list[bytes]:
+  """The files' texts (each followed by a newline), until ``max_bytes`` in all; skips binary files."""
   chunks, total = [], 0
   for path in files:
     data = path.read_bytes()
     if b"\0" in data:  # not text
       continue
-    data = data[:max_bytes - total] + b"\n"
+    data = (data[:max_bytes - total] + b"\n")[:max_bytes - total]
     chunks.append(data)
     total += len(data)
     if total >= max_bytes:
       break
-  return b"".join(chunks)[:max_bytes]
+  return chunks
+
+
+def _read_capped(files, max_bytes: int) -> bytes:
+  """Concatenates files (each followed by a newline) until ``max_bytes``; skips binary files."""
+  return b"".join(_read_documents(files, max_bytes))
 
 
 def stdlib_source_bytes(max_bytes: int) -> bytes:
   """Up to ``max_bytes`` of the standard library's ``*.py`` files, sorted by relative path."""
+  return b"".join(stdlib_source_documents(max_bytes))
+
+
+def stdlib_source_documents(max_bytes: int) -> list[bytes]:
+  """:func:`stdlib_source_bytes` as one text per file."""
   root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-  return _read_capped(_sorted_files(root, "*.py"), max_bytes)
+  return _read_documents(_sorted_files(root, "*.py"), max_bytes)
+
+
+def text_documents(path: str | pathlib.Path, max_bytes: int) -> list[bytes]:
+  """Up to ``max_bytes`` of a text file (one document), or of every (non-binary) file under a folder,
+  sorted (one document per file)."""
+  path = pathlib.Path(path)
+  if path.is_file():
+    return [path.read_bytes()[:max_bytes]]
+  if path.is_dir():
+    return _read_documents(_sorted_files(path, "*"), max_bytes)
+  raise FileNotFoundError(f"--data {str(path)!r} is neither a file nor a folder")
 
 
 def text_bytes(path: str | pathlib.Path, max_bytes: int) -> bytes:
   """Up to ``max_bytes`` of a text file, or of every (non-binary) file under a folder, sorted."""
-  path = pathlib.Path(path)
-  if path.is_file():
-    return path.read_bytes()[:max_bytes]
-  if path.is_dir():
-    return _read_capped(_sorted_files(path, "*"), max_bytes)
-  raise FileNotFoundError(f"--data {str(path)!r} is neither a file nor a folder")
+  return b"".join(text_documents(path, max_bytes))
+
+
+class Split(NamedTuple):
+  """One split of a corpus of documents: its bytes and where each document starts in them."""
+
+  tokens: np.ndarray  # [n] uint8
+  doc_starts: np.ndarray  # [documents] int64, increasing, doc_starts[0] == 0
+
+
+def load_documents(path: str | None, max_bytes: int, seq_len: int) -> tuple[Split, Split]:
+  """The (train, val) splits of ``path`` (default: the stdlib sources) with their documents' starts
+  (one document per file; a document cut by the 90/10 split continues in val as a document).
+
+  Raises:
+    FileNotFoundError: ``path`` is neither a file nor a folder.
+    DataError: either split is shorter than one training window of ``seq_len + 1`` bytes.
+  """
+  docs = stdlib_source_documents(max_bytes) if path is None else text_documents(path, max_bytes)
+  tokens = np.frombuffer(b"".join(docs), dtype=np.uint8)
+  starts = np.cumsum([0] + [len(d) for d in docs[:-1]], dtype=np.int64)  # [documents]
+  n_val = int(len(tokens) * VAL_FRACTION)
+  cut = len(tokens) - n_val
+  if min(cut, n_val) < seq_len + 1:
+    raise DataError(f"the data ({len(tokens)} bytes) are too short for seq_len={seq_len}: each "
+                    f"split needs at least {seq_len + 1} bytes")
+  train = Split(tokens[:cut], starts[starts < cut])
+  val_starts = starts[starts >= cut] - cut
+  val = Split(tokens[cut:], np.concatenate([[0], val_starts[val_starts > 0]]).astype(np.int64))
+  return train, val
 
 
 def load_splits(path: str | None, max_bytes: int, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -68,14 +122,8 @@ def load_splits(path: str | None, max_bytes: int, seq_len: int) -> tuple[np.ndar
     FileNotFoundError: ``path`` is neither a file nor a folder.
     DataError: either split is shorter than one training window of ``seq_len + 1`` bytes.
   """
-  raw = stdlib_source_bytes(max_bytes) if path is None else text_bytes(path, max_bytes)
-  tokens = np.frombuffer(raw, dtype=np.uint8)
-  n_val = int(len(tokens) * VAL_FRACTION)
-  train, val = tokens[:len(tokens) - n_val], tokens[len(tokens) - n_val:]
-  if min(len(train), len(val)) < seq_len + 1:
-    raise DataError(f"the data ({len(tokens)} bytes) are too short for seq_len={seq_len}: each "
-                    f"split needs at least {seq_len + 1} bytes")
-  return train, val
+  train, val = load_documents(path, max_bytes, seq_len)
+  return train.tokens, val.tokens
 
 
 def get_batch(tokens: np.ndarray, step: int, *, batch_size: int, seq_len: int,
@@ -89,6 +137,34 @@ def get_batch(tokens: np.ndarray, step: int, *, batch_size: int, seq_len: int,
   starts = rng.integers(0, len(tokens) - seq_len, size=batch_size)
   windows = np.stack([tokens[s:s + seq_len + 1] for s in starts]).astype(np.int32)
   return windows[:, :-1], windows[:, 1:]
+
+
+class PackedBatch(NamedTuple):
+  """A batch of windows over concatenated documents, ``[batch_size, seq_len]`` int32 each."""
+
+  tokens: np.ndarray  # the inputs
+  targets: np.ndarray  # the next bytes
+  segment_ids: np.ndarray  # each input's document (its index in the split)
+  positions: np.ndarray  # each input's position in its document's part of the window (from 0)
+  weights: np.ndarray  # 1 where the target is in the input's document, else 0 (left out of the loss)
+
+
+def get_packed_batch(split: Split, step: int, *, batch_size: int, seq_len: int,
+                     seed: int) -> PackedBatch:
+  """Batch number ``step`` of :func:`get_batch` (the same windows) with the documents marked: the
+  segment ids, positions restarting at 0 where a document starts, and loss weights that leave out
+  the targets in the next document."""
+  tokens, targets = get_batch(split.tokens, step, batch_size=batch_size, seq_len=seq_len, seed=seed)
+  rng = np.random.default_rng([seed, step])  # get_batch's windows: the same draws
+  starts = rng.integers(0, len(split.tokens) - seq_len, size=batch_size)  # [batch_size]
+  index = starts[:, None] + np.arange(seq_len + 1)  # [batch_size, seq_len + 1]: the window's bytes
+  doc = np.searchsorted(split.doc_starts, index, side="right") - 1  # their documents
+  # Where each byte's document starts in the window (0 for one that started before it).
+  first = np.maximum(split.doc_starts[doc] - starts[:, None], 0)
+  positions = np.arange(seq_len + 1) - first
+  return PackedBatch(tokens, targets, doc[:, :-1].astype(np.int32),
+                     positions[:, :-1].astype(np.int32),
+                     (doc[:, :-1] == doc[:, 1:]).astype(np.int32))
 
 
 def opening_line(tokens: np.ndarray, max_bytes: int = PROMPT_MAX_BYTES) -> str:

@@ -1,8 +1,11 @@
 """A nanoGPT-like decoder in flax.linen whose attention is fa2_jax FlashAttention.
 
 Pre-LayerNorm blocks ``x + attn(ln(x))``, ``x + mlp(ln(x))``; learned or rotary positions; grouped-
-query attention when ``n_kv_head < n_head``; optionally tied input/output embeddings. Parameters are
-float32, matmuls run in ``config.dtype`` (bfloat16 on GPU), logits and the loss in float32.
+query attention when ``n_kv_head < n_head``; optionally tied input/output embeddings; optionally a
+sliding attention window (``config.window``) and soft-capped attention logits (``config.soft_cap``).
+Packed sequences pass per-token ``segment_ids`` (attention stays inside each document) and
+``positions``. Parameters are float32, matmuls run in ``config.dtype`` (bfloat16 on GPU), logits and
+the loss in float32.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ FLASH_IMPLEMENTATIONS = {"flash": None, "flash_triton": "triton", "flash_mosaic"
 
 
 def attention_core(config: GPTConfig) -> Callable[..., jax.Array]:
-  """The attention function ``f(q, k, v, is_causal=True)`` named by ``config.attention``.
+  """The attention function ``f(q, k, v, is_causal=True, **variants)`` named by ``config.attention``.
 
   ``flash`` is fa2_jax with its default backend (the Mosaic kernels on Hopper, the Triton kernels on
   other GPUs; on CPU its XLA formula, or the kernels in Pallas interpret mode with
@@ -68,53 +71,67 @@ class Block(nn.Module):
   config: GPTConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     c = self.config
     attn = fa2_flax.CausalSelfAttention(
         num_heads=c.n_head, num_kv_heads=c.kv_heads, head_dim=c.head_dim,
         rotary=c.position == "rotary", use_bias=True, dtype=c.dtype, param_dtype=jnp.float32,
         kernel_init=nn.initializers.normal(INIT_STD), out_kernel_init=_residual_init(c),
-        attention_fn=attention_core(c), name="attn")
-    x = x + attn(nn.LayerNorm(dtype=c.dtype, name="ln_1")(x))
+        attention_fn=attention_core(c),
+        local_window_size=None if c.window is None else (c.window, 0),
+        logits_soft_cap=c.soft_cap, name="attn")
+    x = x + attn(nn.LayerNorm(dtype=c.dtype, name="ln_1")(x), positions,
+                 q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
     return x + MLP(c, name="mlp")(nn.LayerNorm(dtype=c.dtype, name="ln_2")(x))
 
 
 class _ScanBlock(nn.Module):
-  """``Block`` in ``nn.scan``'s ``(carry, x) -> (carry, y)`` form."""
+  """``Block`` in ``nn.scan``'s ``(carry, x) -> (carry, y)`` form; positions and segment ids are
+  broadcast to every layer."""
 
   config: GPTConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, _) -> tuple[jax.Array, None]:
-    return Block(self.config, name="block")(x), None
+  def __call__(self, x: jax.Array, positions, segment_ids) -> tuple[jax.Array, None]:
+    return Block(self.config, name="block")(x, positions, segment_ids), None
 
 
 class GPT(nn.Module):
-  """``tokens [B, T] int -> logits [B, T, vocab] float32``."""
+  """``tokens [B, T] int -> logits [B, T, vocab] float32``.
+
+  ``positions`` ``[B, T]`` (default ``arange(T)``) index the learned position table or the rotary
+  angles; ``segment_ids`` ``[B, T]`` (default: one segment) keep each token's attention inside its
+  own segment (packed documents).
+  """
 
   config: GPTConfig
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     c = self.config
     if tokens.shape[-1] > c.seq_len:
       raise ValueError(f"sequence length {tokens.shape[-1]} exceeds seq_len={c.seq_len}")
+    for name, a in (("positions", positions), ("segment_ids", segment_ids)):
+      if a is not None and a.shape != tokens.shape:
+        raise ValueError(f"{name} must have the tokens' shape {tokens.shape}, got {a.shape}")
     wte = nn.Embed(c.vocab_size, c.n_embd, embedding_init=nn.initializers.normal(INIT_STD),
                    dtype=c.dtype, name="wte")
     x = wte(tokens)
     if c.position == "learned":
       wpe = nn.Embed(c.seq_len, c.n_embd, embedding_init=nn.initializers.normal(INIT_STD),
                      dtype=c.dtype, name="wpe")
-      x = x + wpe(jnp.arange(tokens.shape[-1]))
+      x = x + wpe(jnp.arange(tokens.shape[-1]) if positions is None else positions)
     if c.scan_layers:
       body = nn.remat(_ScanBlock) if c.remat else _ScanBlock
       stack = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
-                      length=c.n_layer)
-      x, _ = stack(c, name="h")(x, None)
+                      in_axes=(nn.broadcast, nn.broadcast), length=c.n_layer)
+      x, _ = stack(c, name="h")(x, positions, segment_ids)
     else:
       block = nn.remat(Block) if c.remat else Block
       for i in range(c.n_layer):
-        x = block(c, name=f"h_{i}")(x)
+        x = block(c, name=f"h_{i}")(x, positions, segment_ids)
     x = nn.LayerNorm(dtype=c.dtype, name="ln_f")(x)
     if c.tie_embeddings:
       logits = wte.attend(x)
@@ -128,6 +145,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   """Mean next-token cross-entropy (nats) in float32."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
   return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+
+def cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+  """Next-token cross-entropy (nats, float32) summed over the tokens, each times its weight."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  return jnp.sum(weights.astype(jnp.float32) * nll)
 
 
 def count_params(params) -> int:

@@ -11,9 +11,13 @@ terminal, else one plain line every ``--log-every`` steps. ``--help`` lists ever
 
 FLOPs per sequence follow the FlashAttention-2 paper (forward + backward):
 ``6 * seq_len * n_params + 12 * n_layer * n_embd * seq_len**2``, with every parameter counted
-(embeddings too) and the attention term not halved for causal masking. MFU divides the achieved
-FLOP/s by the dense bfloat16 peak of the devices: 989.4 TFLOP/s per H100/H200 SXM, 312 per A100
-(``--peak-tflops`` overrides it); on CPU it is "n/a".
+(embeddings too) and the attention term dense: every ``[T, T]`` pair, not halved for causal masking
+nor reduced by ``--window`` or ``--packing``. MFU divides the achieved FLOP/s by the dense bfloat16
+peak of the devices: 989.4 TFLOP/s per H100/H200 SXM, 312 per A100 (``--peak-tflops`` overrides it);
+on CPU it is "n/a". The JSON summary also gives the attended-pair count
+(``attended_flops_per_sequence``, ``attended_tflops_per_s``): ``12 * n_layer * n_embd`` times the
+(query, key) pairs the causal mask and the window leave (cross-document pairs of ``--packing`` still
+counted, as they vary by batch).
 """
 from __future__ import annotations
 
@@ -41,7 +45,8 @@ import fa2_jax
 from . import data as data_lib
 from .config import (ATTENTIONS, BYTE_VOCAB, DTYPES, POSITIONS, PRESETS, GPTConfig, TrainConfig,
                      get_preset)
-from .model import FLASH_IMPLEMENTATIONS, GPT, attention_core, count_params, cross_entropy
+from .model import (FLASH_IMPLEMENTATIONS, GPT, attention_core, count_params, cross_entropy,
+                    cross_entropy_sum)
 
 # Dense bfloat16 tensor-core peaks (TFLOP/s per device) from NVIDIA's data sheets, SXM parts.
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
@@ -89,15 +94,30 @@ def init_state(model: GPT, tx: optax.GradientTransformation, seed: int) -> Train
 
 
 def make_steps(model: GPT, tx: optax.GradientTransformation, axis_name: str | None):
-  """The (train_step, eval_step) functions; with ``axis_name`` they average over that axis."""
-  def loss_fn(params, x, y):
-    return cross_entropy(model.apply({"params": params}, x), y)
+  """The (train_step, eval_step) functions; with ``axis_name`` they average over that axis.
 
+  A batch is ``x`` tokens ``[B, T]`` and ``y`` targets ``[B, T]`` (loss: the mean over every token),
+  or, packed (:func:`packed_batch`), ``x = {"tokens", "positions", "segment_ids"}`` and
+  ``y = {"targets", "weights"}`` (loss: the weighted mean over the global batch).
+  """
   def mean(v):
     return jax.lax.pmean(v, axis_name) if axis_name else v
 
+  def loss_fn(params, x, y, weight_total):
+    if not isinstance(x, dict):
+      return cross_entropy(model.apply({"params": params}, x), y)
+    logits = model.apply({"params": params}, x["tokens"], x["positions"], x["segment_ids"])
+    return cross_entropy_sum(logits, y["targets"], y["weights"]) / weight_total
+
+  def weight_total(y):
+    """The packed loss's divisor: the global batch's weight, over the devices that ``mean`` averages,
+    so the mean of the devices' losses is the global batch's weighted mean."""
+    if not isinstance(y, dict):
+      return None
+    return jnp.maximum(mean(jnp.sum(y["weights"]).astype(jnp.float32)), 1.0)
+
   def train_step(state: TrainState, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y)
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y, weight_total(y))
     grads, loss = mean(grads), mean(loss)  # every device holds an equal share of the batch
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -105,9 +125,15 @@ def make_steps(model: GPT, tx: optax.GradientTransformation, axis_name: str | No
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   def eval_step(params, x, y):
-    return mean(loss_fn(params, x, y))
+    return mean(loss_fn(params, x, y, weight_total(y)))
 
   return train_step, eval_step
+
+
+def packed_batch(batch: data_lib.PackedBatch) -> tuple[dict, dict]:
+  """A :class:`data.PackedBatch` as the steps' ``(x, y)``."""
+  return ({"tokens": batch.tokens, "positions": batch.positions, "segment_ids": batch.segment_ids},
+          {"targets": batch.targets, "weights": batch.weights})
 
 
 @dataclasses.dataclass
@@ -158,9 +184,11 @@ class Runner:
       state = jax.tree.map(lambda x: x[0], state)
     return jax.device_get(state)
 
-  def shard(self, x: np.ndarray) -> np.ndarray:
-    """A global batch ``[B, ...]`` -> ``[devices, B / devices, ...]`` for pmap."""
-    return x if self.mode == "none" else x.reshape(self.n_devices, -1, *x.shape[1:])
+  def shard(self, x):
+    """A global batch ``[B, ...]`` (or a dict of them) -> ``[devices, B / devices, ...]`` for pmap."""
+    if self.mode == "none":
+      return x
+    return jax.tree.map(lambda a: a.reshape(self.n_devices, -1, *a.shape[1:]), x)
 
   def scalar(self, v) -> float:
     """A (replicated) metric as a Python float; waits for the device."""
@@ -182,9 +210,25 @@ def compiled_steps(mc: GPTConfig, tc: TrainConfig, data_parallel: str,
 # --- FLOPs, MFU -----------------------------------------------------------------------------------
 
 def flops_per_sequence(config: GPTConfig, n_params: int) -> float:
-  """Training FLOPs of one sequence (forward + backward), as in the FlashAttention-2 paper."""
+  """Training FLOPs of one sequence (forward + backward), as in the FlashAttention-2 paper: the
+  attention term counts every ``[T, T]`` pair (dense), whatever the causal mask, window or packing."""
   t = config.seq_len
   return 6.0 * t * n_params + 12.0 * config.n_layer * config.n_embd * t * t
+
+
+def attended_pairs(config: GPTConfig) -> int:
+  """The (query, key) pairs one sequence attends under the causal mask and ``config.window``: query
+  ``i`` sees ``min(i, window) + 1`` keys. (Packing's cross-document pairs are not subtracted.)"""
+  t = config.seq_len
+  w = t - 1 if config.window is None else min(config.window, t - 1)
+  return (w + 1) * t - w * (w + 1) // 2  # sum over i of min(i, w) + 1
+
+
+def attended_flops_per_sequence(config: GPTConfig, n_params: int) -> float:
+  """:func:`flops_per_sequence` with the attention term counting only :func:`attended_pairs`
+  (the forward's 4 FLOPs per pair and head channel, times 3 for forward + backward)."""
+  return (6.0 * config.seq_len * n_params
+          + 12.0 * config.n_layer * config.n_embd * attended_pairs(config))
 
 
 def peak_tflops(devices) -> float | None:
@@ -306,9 +350,10 @@ def cli_message(message: str) -> str:
   return message
 
 
-def attention_dispatch(mc: GPTConfig) -> fa2_jax.Dispatch | None:
-  """What fa2_jax runs for the model's attention here (``fa2_jax.backend_for`` on its shapes), or
-  None for ``xla``/``cudnn``, which are ``jax.nn.dot_product_attention``.
+def attention_dispatch(mc: GPTConfig, packing: bool = False) -> fa2_jax.Dispatch | None:
+  """What fa2_jax runs for the model's attention here (``fa2_jax.backend_for`` on its shapes and
+  variants: the window, the soft cap and, with ``packing``, segment ids), or None for
+  ``xla``/``cudnn``, which are ``jax.nn.dot_product_attention``.
 
   Raises:
     ValueError: the attention cannot run here (``flash_triton`` on CPU without ``flash_interpret``,
@@ -321,14 +366,18 @@ def attention_dispatch(mc: GPTConfig) -> fa2_jax.Dispatch | None:
   # The model's query and key/value shapes, [batch, seq_len, heads, head_dim] (the batch does not
   # change the choice).
   shape = lambda heads: jax.ShapeDtypeStruct((1, mc.seq_len, heads, mc.head_dim), jnp.dtype(mc.dtype))
+  segments = jax.ShapeDtypeStruct((1, mc.seq_len), jnp.int32) if packing else None
   return fa2_jax.backend_for(shape(mc.n_head), shape(mc.kv_heads), is_causal=True,
                              implementation=FLASH_IMPLEMENTATIONS[mc.attention],
-                             interpret=True if mc.flash_interpret else None)
+                             interpret=True if mc.flash_interpret else None,
+                             local_window_size=None if mc.window is None else (mc.window, 0),
+                             logits_soft_cap=mc.soft_cap, q_segment_ids=segments,
+                             kv_segment_ids=segments)
 
 
-def describe_attention(mc: GPTConfig) -> str:
+def describe_attention(mc: GPTConfig, packing: bool = False) -> str:
   """One line: the ``--attention`` choice and the kernels it runs here, in command-line terms."""
-  dispatch = attention_dispatch(mc)
+  dispatch = attention_dispatch(mc, packing)
   if dispatch is None:
     return f"attention {mc.attention}: jax.nn.dot_product_attention(implementation={mc.attention!r})"
   return f"attention {mc.attention}: fa2_jax {cli_message(str(dispatch))}"
@@ -351,6 +400,14 @@ def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_par
   if mc.flash_interpret and not mc.attention.startswith("flash"):
     raise ValueError(f"--interpret true runs the fa2_jax kernels, which --attention {mc.attention} "
                      "does not use; pass --attention flash or flash_triton")
+  if not mc.attention.startswith("flash"):
+    # jax.nn.dot_product_attention has a window (local_window_size) but no segment ids or soft cap.
+    for flag, used, missing in (("--packing", tc.packing, "segment ids"),
+                                ("--soft-cap", mc.soft_cap is not None, "logits soft cap")):
+      if used:
+        raise ValueError(f"{flag} needs fa2_jax attention (--attention flash, flash_triton or "
+                         f"flash_mosaic): jax.nn.dot_product_attention (--attention "
+                         f"{mc.attention}) has no {missing}")
   if data_parallel not in ("none", "pmap", "mesh"):
     raise ValueError(f"--data-parallel must be 'none', 'pmap' or 'mesh', got {data_parallel!r}")
   n = jax.local_device_count()
@@ -377,7 +434,7 @@ def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_par
   if peak is not None and not peak > 0:
     raise ValueError(f"--peak-tflops must be > 0, got {peak}")
   try:
-    return attention_dispatch(mc)
+    return attention_dispatch(mc, tc.packing)
   except ValueError as e:
     raise ValueError(cli_message(str(e))) from e
 
@@ -397,16 +454,19 @@ def progress_mode(progress: str | bool) -> str:
 def _summary(mc: GPTConfig, tc: TrainConfig, throughput: _Throughput, *, n_params: int,
              peak: float | None, devices, data_parallel: str, data_path: str | None) -> dict:
   """Throughput, MFU and the run's settings, for the JSON summary."""
-  tok_s = tflops = None
-  dispatch = attention_dispatch(mc)
+  tok_s = tflops = attended_tflops = None
+  dispatch = attention_dispatch(mc, tc.packing)
   if throughput.steps:
     tok_s = tc.batch_size * mc.seq_len * throughput.steps / throughput.seconds
-    flops = flops_per_sequence(mc, n_params) * tc.batch_size * throughput.steps
-    tflops = flops / throughput.seconds / 1e12
+    per_second = tc.batch_size * throughput.steps / throughput.seconds / 1e12  # sequences / 1e12
+    tflops = flops_per_sequence(mc, n_params) * per_second
+    attended_tflops = attended_flops_per_sequence(mc, n_params) * per_second
   return {
       "tokens_per_s": tok_s, "tflops_per_s": tflops,
       "mfu": tflops / peak if (tflops and peak) else None, "peak_tflops": peak,
       "n_params": n_params, "flops_per_sequence": flops_per_sequence(mc, n_params),
+      "attended_flops_per_sequence": attended_flops_per_sequence(mc, n_params),
+      "attended_tflops_per_s": attended_tflops,
       "attention": mc.attention,
       "attention_backend": (f"jax.nn.dot_product_attention/{mc.attention}" if dispatch is None
                             else f"fa2_jax/{dispatch.backend}"),
@@ -456,9 +516,9 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
             resume=resume, stop_at=stop_at, sample_tokens=sample_tokens, temperature=temperature,
             peak=peak)
   t_start = time.perf_counter()
-  train_tokens, val_tokens = data_lib.load_splits(data_path, tc.data_bytes, mc.seq_len)
+  train_data, val_data = data_lib.load_documents(data_path, tc.data_bytes, mc.seq_len)
   if prompt is None:
-    prompt = DEFAULT_PROMPT if data_path is None else data_lib.opening_line(train_tokens)
+    prompt = DEFAULT_PROMPT if data_path is None else data_lib.opening_line(train_data.tokens)
   model, tx, runner = compiled_steps(mc, tc, data_parallel, jax.local_device_count())
   state = init_state(model, tx, tc.seed)
   n_params = count_params(state.params)
@@ -481,11 +541,16 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
   flops_per_step = flops_per_sequence(mc, n_params) * tc.batch_size
   tokens_per_step = tc.batch_size * mc.seq_len
 
-  batch = lambda tokens, i, seed: data_lib.get_batch(tokens, i, batch_size=tc.batch_size,
-                                                     seq_len=mc.seq_len, seed=seed)
+  def batch(split: data_lib.Split, i: int, seed: int):
+    if tc.packing:
+      return packed_batch(data_lib.get_packed_batch(split, i, batch_size=tc.batch_size,
+                                                    seq_len=mc.seq_len, seed=seed))
+    return data_lib.get_batch(split.tokens, i, batch_size=tc.batch_size, seq_len=mc.seq_len,
+                              seed=seed)
+
   def validate(st) -> float:
     losses = [runner.scalar(runner.eval_step(st.params, *map(runner.shard, batch(
-        val_tokens, i, tc.seed + VAL_SEED_OFFSET)))) for i in range(tc.eval_batches)]
+        val_data, i, tc.seed + VAL_SEED_OFFSET)))) for i in range(tc.eval_batches)]
     return float(np.mean(losses))
 
   state = runner.put_state(state)
@@ -497,7 +562,7 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
     bar, say = None, lambda line: print(line, flush=True)
   t_window, steps_in_window = time.perf_counter(), 0
   for step in range(start, last):
-    x, y = batch(train_tokens, step, tc.seed)
+    x, y = batch(train_data, step, tc.seed)
     state, metrics = runner.train_step(state, runner.shard(x), runner.shard(y))
     steps_in_window += 1
     done = step + 1
@@ -559,7 +624,8 @@ _OVERRIDES = {
     "position": (GPTConfig, "position"), "dtype": (GPTConfig, "dtype"),
     "attention": (GPTConfig, "attention"), "tie_embeddings": (GPTConfig, "tie_embeddings"),
     "remat": (GPTConfig, "remat"), "scan_layers": (GPTConfig, "scan_layers"),
-    "interpret": (GPTConfig, "flash_interpret"),
+    "interpret": (GPTConfig, "flash_interpret"), "window": (GPTConfig, "window"),
+    "soft_cap": (GPTConfig, "soft_cap"), "packing": (TrainConfig, "packing"),
     "batch_size": (TrainConfig, "batch_size"), "steps": (TrainConfig, "steps"),
     "lr": (TrainConfig, "lr"), "warmup_steps": (TrainConfig, "warmup_steps"),
     "weight_decay": (TrainConfig, "weight_decay"), "grad_clip": (TrainConfig, "grad_clip"),
@@ -589,6 +655,16 @@ _FLAG_HELP = {
     "tie_embeddings": "the output layer reuses the token embedding matrix",
     "remat": "recompute each block's activations in the backward pass (saves memory)",
     "scan_layers": "run the blocks with flax.linen.scan (compile time independent of depth)",
+    "window": "sliding-window attention: each token attends itself and the N tokens before it "
+              "(local_window_size=(N, 0) with the causal mask; unset: the whole context). "
+              "TFLOP/s and MFU still count the dense [T, T] attention",
+    "soft_cap": "attention logits soft cap X: X * tanh(logits / X) (needs fa2_jax attention, "
+                "--attention flash*; unset: none)",
+    "packing": "each file of the data is a document: the training windows carry per-token segment "
+               "ids (no attention across documents), positions restarting at 0 at each document, "
+               "and targets in the next document left out of the loss (a single --data file is "
+               "one document; needs --attention flash*). TFLOP/s and MFU still count the dense "
+               "[T, T] attention",
     "batch_size": "global batch in sequences (split over the devices with --data-parallel pmap or "
                   "mesh)",
     "steps": "optimizer steps; also the length of the learning-rate schedule",
@@ -672,12 +748,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(_flag(name), type=int, help=_preset_help(name))
   for name in ("tie_embeddings", "remat", "scan_layers"):
     _add_bool(g, _flag(name), _preset_help(name, BARE_TRUE))
+  g.add_argument("--window", type=int, metavar="N", help=_preset_help("window"))
+  g.add_argument("--soft-cap", type=float, metavar="X", help=_preset_help("soft_cap"))
   g = p.add_argument_group("training (defaults: the preset's)")
   for name in ("batch_size", "steps", "warmup_steps", "eval_every", "eval_batches", "log_every",
                "ckpt_every", "seed", "data_bytes"):
     g.add_argument(_flag(name), type=int, help=_preset_help(name))
   for name in ("lr", "weight_decay", "grad_clip"):
     g.add_argument(_flag(name), type=float, help=_preset_help(name))
+  _add_bool(g, "--packing", _preset_help("packing", BARE_TRUE))
   g = p.add_argument_group("run")
   g.add_argument("--data", metavar="PATH",
                  help="a text file, or a folder whose files are read in sorted order (default: the "
@@ -696,7 +775,10 @@ def build_parser() -> argparse.ArgumentParser:
   g.add_argument("--out", metavar="PATH", help="write a JSON summary here (default: none)")
   g.add_argument("--peak-tflops", type=float,
                  help="dense peak TFLOP/s of all devices together, for MFU (default: from the "
-                      "device kind: 989.4 per H100/H200, 312 per A100; none on CPU)")
+                      "device kind: 989.4 per H100/H200, 312 per A100; none on CPU). MFU counts "
+                      "the FlashAttention-2 paper's dense FLOPs, 6 * seq * params + 12 * layers * "
+                      "width * seq^2: every [T, T] attention pair, whatever the causal mask, "
+                      "--window or --packing skip; the JSON summary adds the attended-pair count")
   g.add_argument("--prompt",
                  help="the sample's prompt (default: 'def fibonacci(n):' and a newline for the "
                       "default data, else the first line of --data)")
@@ -750,7 +832,7 @@ def main(argv=None) -> dict:
   devices = jax.local_devices()
   print(f"preset {args.preset}: {mc}\n{tc}\njax {jax.__version__}, {len(devices)} x "
         f"{devices[0].device_kind} ({jax.default_backend()}), data parallel: {args.data_parallel}")
-  print(describe_attention(mc), flush=True)
+  print(describe_attention(mc, tc.packing), flush=True)
   try:
     _, summary = train(mc, tc, progress="off" if args.no_progress else "auto", prompt=args.prompt,
                        **run_args)
