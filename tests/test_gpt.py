@@ -528,7 +528,8 @@ def test_packing_gives_the_loss_of_separate_documents(config):
     logits = jax.jit(model.apply)({"params": params}, doc[None, :-1])  # [1, n - 1, vocab]
     logp = jax.nn.log_softmax(logits[0], axis=-1)
     separate_sum -= np.sum(np.take_along_axis(np.asarray(logp, np.float64), doc[1:, None], -1))
-  np.testing.assert_allclose(packed_sum, separate_sum, rtol=1e-5)
+  # On a GPU the model's float32 XLA matmuls may use TF32, which rounds the two shapes differently.
+  np.testing.assert_allclose(packed_sum, separate_sum, rtol=1e-5 if not ON_GPU else 2e-3)
 
   # Without the segment ids the second document sees the first: the loss differs.
   unpacked = train_lib.packed_batch(packed._replace(segment_ids=np.zeros_like(packed.segment_ids)))
@@ -590,4 +591,4 @@ def test_packed_loss_under_pmap_is_the_global_weighted_mean():
   runner = train_lib.Runner.create("pmap", model, tx, 8)
   replicated = jax.tree.map(lambda p: np.broadcast_to(p, (4, *p.shape)), params)
   multi = runner.eval_step(replicated, runner.shard(x), runner.shard(y))
-  np.testing.assert_allclose(np.asarray(multi), single, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(multi), single, rtol=1e-5 if not ON_GPU else 2e-3)
