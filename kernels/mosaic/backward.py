@@ -49,11 +49,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ...masking import allowed
+from ...block_ranges import kv_range_table, q_range_table
+from ...masking import Variant, allowed
 from ..vma import out_struct
 from .config import LOG2E, WG_ROWS, MosaicConfig, dq_piece, dq_split, supports
 from .lengths import pad_axis, plan_lengths
 from .schedule import causal_section, kv_block_ranges, lpt_tile, q_block_ranges
+from .variant import Refs
+from .variant import operands as variant_operands
+from .variant import supported as variant_supported
+from .variant import zero_padding
 from .ops import (Product, bcast_cols, bcast_rows, emulating, iota2, mma, mma_fresh_and_carried,
                   mma_many, smem_transforms, smem_transforms_f32, stream_kv, ws_kernel,
                   zeros as _zeros)
@@ -92,9 +97,12 @@ class _Dkv:
   # or None (each consumer its own keys' full [block_q, H] partial: num_wgs reduce-adds of the same
   # rows). See dq_split.
   dq_split: str | None = None
+  seq_k: int = 0  # true S (keys past it are TMA zero fill; a variant's mask excludes them)
+  variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
+  names: tuple[str, ...] = ()  # its operands, after delta
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_smem, v_smem, q_smem,
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, k_smem, v_smem, q_smem,
                 do_smem, lse_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, lse_bar, delta_bar,
                 free, ds_smem=None, dq_smem=None, ds_bar=None, dq_acc_ref=None, closed_outs=None,
                 st: _Dkv):
@@ -106,7 +114,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
   # ds_smem [2, num_wgs, block_k, block_q]: dS^T per consumer, double-buffered by step parity so a
   # consumer can write step i+1's tile while the other still reads step i's (dq_split);
   # dq_smem [num_wgs, rows, cols]: each consumer's f32 dQ piece, the source of its reduce-add.
+  # Then the variant operands named by st.names (kernels/mosaic/variant.py).
+  var_refs, out_refs = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages, g_size = st.block_q, st.block_k, st.num_wgs, st.num_stages, st.group
+  variant = st.variant
   c = st.scale * LOG2E
   outs = list(out_refs if closed_outs is None else closed_outs)
   dk_ref = outs.pop(0) if st.want_dk else None
@@ -119,8 +130,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
                           section=st.section, longest_last=False)
   wg = lax.axis_index("wg")
   cta_k0 = kt * (nwg * bk)
-  i_start, i_full, nq = q_block_ranges(cta_k0, nwg * bk, block_q=bq, seq_q=st.seq_q,
-                                       is_causal=st.is_causal)
+  if variant is None:
+    i_start, i_full, nq = q_block_ranges(cta_k0, nwg * bk, block_q=bq, seq_q=st.seq_q,
+                                         is_causal=st.is_causal)
+  else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
+    vr = Refs(variant, st.names, var_refs, b)
+    i_start, full_lo, full_hi, nq = vr.ranges(kt)
   n_i = nq - i_start  # query tiles per group head (traced when causal)
   n_steps = n_i * g_size
 
@@ -189,11 +204,20 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
       st_ = mma((bk, bq), k_s, q_t, tb=True)  # S^T = K_j Q_i^T  [keys, rows]
       plgpu.barrier_wait(lse_bar.at[slot])
       lse2 = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      p_t = jnp.exp2(st_ * c - bcast_cols(lse2, st_.shape))  # P^T, recomputed from the lse
+      h = kvh * g_size + g
+      deriv = keep = None
+      if variant is not None and variant.modifies_scores:
+        s2, deriv = vr.scores(st_, st.scale, h, i * bq, k0, transposed=True, derivative=True)
+        p_t = jnp.exp2(s2 - bcast_cols(lse2, st_.shape))
+      else:
+        p_t = jnp.exp2(st_ * c - bcast_cols(lse2, st_.shape))  # P^T, recomputed from the lse
       if masked:
-        k_pos = k0 + iota2((bk, bq), 0)
-        q_pos = i * bq + iota2((bk, bq), 1)
-        keep = allowed(q_pos, k_pos, is_causal=st.is_causal)
+        if variant is None:
+          k_pos = k0 + iota2((bk, bq), 0)
+          q_pos = i * bq + iota2((bk, bq), 1)
+          keep = allowed(q_pos, k_pos, is_causal=st.is_causal)
+        else:
+          keep = vr.keep((bk, bq), h, i * bq, k0, seq_q=st.seq_q, seq_k=st.seq_k, transposed=True)
         if keep is not None:
           p_t = jnp.where(keep, p_t, 0.0)
       p16 = p_t.astype(st.dtype)
@@ -209,6 +233,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
         plgpu.barrier_wait(delta_bar.at[slot])
         delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         ds_t = p_t * (dp_t - bcast_cols(delta, dp_t.shape))  # dS^T = P^T ∘ (dP^T − D_i)  (eq. 4)
+        if deriv is not None:
+          ds_t = ds_t * deriv  # through soft cap / score_fn: d s_out / d s_in
+        if variant is not None and keep is not None:
+          ds_t = jnp.where(keep, ds_t, 0.0)  # masked pairs: no 0 * NaN from dP or the derivative
         ds16 = ds_t.astype(st.dtype)
         if not st.fused_dq:
           dk = mma((bk, st.head_dim), ds16, q_t, init=dk)  # dK_j += dS^T Q_i
@@ -218,8 +246,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
       return dk, dv
 
     def over_queries(g, carry):
-      carry = lax.fori_loop(i_start, i_full, functools.partial(step, g=g, masked=True), carry)
-      return lax.fori_loop(i_full, nq, functools.partial(step, g=g, masked=False), carry)
+      masked = functools.partial(step, g=g, masked=True)
+      unmasked = functools.partial(step, g=g, masked=False)
+      if variant is None:
+        carry = lax.fori_loop(i_start, i_full, masked, carry)
+        return lax.fori_loop(i_full, nq, unmasked, carry)
+      # In the producer's order: [lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, hi) masked.
+      carry = lax.fori_loop(i_start, full_lo, masked, carry)
+      carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
+      return lax.fori_loop(full_hi, nq, masked, carry)
 
     carry = (_zeros((bk, hd)) if st.want_dk else None, _zeros((bk, hd)) if st.want_dv else None)
     if g_size == 1:
@@ -274,9 +309,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *out_refs, k_sm
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
 @functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_q', 'cfg', 'want_dk', 'want_dv',
-                                             'num_wgs', 'emulate', 'fused_dq'))
-def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicConfig, want_dk,
-              want_dv, num_wgs, emulate, fused_dq=False):
+                                             'num_wgs', 'emulate', 'fused_dq', 'seq_k', 'variant',
+                                             'names'))
+def _dkv_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_q, cfg: MosaicConfig,
+              want_dk, want_dv, num_wgs, emulate, fused_dq=False, seq_k=0, variant=None, names=()):
   b, t_hbm, n, h = q.shape
   s_hbm, kh = k.shape[1], k.shape[2]
   bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv
@@ -288,7 +324,8 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
             dq_split=dq_split(bq, h, num_wgs) if fused_dq else None, n_heads=kh, n_bh=b * kh,
             n_k_tiles=n_k_tiles,
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
-                                   kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)))
+                                   kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
+            seq_k=seq_k, variant=variant, names=names)
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
@@ -327,7 +364,7 @@ def _dkv_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_q, cfg: MosaicC
         name=name + ("_dq" if fused_dq else ""),
     )(*operands)
 
-  operands = (q, k, v, do, lse2, delta)
+  operands = (q, k, v, do, lse2, delta, *extras)
   if not fused_dq:
     return tuple(launch(out_type, operands))
   # The dQ accumulator is a ref the kernel closes over: Pallas passes its zero-filled initial value in
@@ -379,12 +416,18 @@ class _Dq:
   n_heads: int = 1  # N
   n_bh: int = 1  # B * N
   section: int = 1  # causal launch order: heads per LPT section (schedule.lpt_tile)
+  seq_q: int = 0  # true T
+  variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
+  names: tuple[str, ...] = ()  # its operands, after delta
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_smem, do_smem,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, q_smem, do_smem,
                lse_smem, delta_smem, k_smem, v_smem, q_bar, do_bar, lse_bar, delta_bar, k_bar,
                v_bar, k_free, v_free, st: _Dq):
+  # Then the variant operands named by st.names, then dq_ref [B, T, N, H].
+  var_refs, (dq_ref,) = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
+  variant = st.variant
   c = st.scale * LOG2E
   b = lax.axis_index("b")
   h = lax.axis_index("h")
@@ -395,8 +438,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
   wg = lax.axis_index("wg")
   kvh = lax.div(h, jnp.array(st.group, h.dtype))
   cta_row0 = qt * (nwg * bq)
-  n_full, n_end = kv_block_ranges(cta_row0, nwg * bq, block_k=bk, seq_k=st.seq_k,
-                                  is_causal=st.is_causal)
+  if variant is None:
+    lo = 0
+    n_full, n_end = kv_block_ranges(cta_row0, nwg * bq, block_k=bk, seq_k=st.seq_k,
+                                    is_causal=st.is_causal)
+  else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
+    vr = Refs(variant, st.names, var_refs, b)
+    lo, full_lo, full_hi, n_end = vr.ranges(qt)
   key_tail = st.seq_k % bk != 0
 
   @pl.when(wg < nwg)
@@ -416,7 +464,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
     delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
     def step(j, dq, masked: bool):
-      slot = lax.rem(j, jnp.array(stages, j.dtype))
+      slot = lax.rem(j - lo, jnp.array(stages, j.dtype))
       k_t, v_t = k_smem.at[slot], v_smem.at[slot]
       plgpu.barrier_wait(k_bar.at[slot])
       plgpu.barrier_wait(v_bar.at[slot])
@@ -424,14 +472,27 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
       # S = Q_i K_j^T and dP = dO_i V_j^T, both in flight, one wait.
       s, dp = mma_many([Product((bq, bk), q_s, k_t, tb=True), Product((bq, bk), do_s, v_t, tb=True)])
       plgpu.barrier_arrive(v_free.at[slot])
-      p = jnp.exp2(s * c - bcast_rows(lse2, s.shape))  # P_ij from the saved lse
+      deriv = keep = None
+      if variant is not None and variant.modifies_scores:
+        s2, deriv = vr.scores(s, st.scale, h, row0, j * bk, derivative=True)
+        p = jnp.exp2(s2 - bcast_rows(lse2, s.shape))
+      else:
+        p = jnp.exp2(s * c - bcast_rows(lse2, s.shape))  # P_ij from the saved lse
       if masked:
-        q_pos = row0 + iota2((bq, bk), 0)
-        k_pos = j * bk + iota2((bq, bk), 1)
-        keep = allowed(q_pos, k_pos, is_causal=st.is_causal, seq_k=st.seq_k if key_tail else None)
+        if variant is None:
+          q_pos = row0 + iota2((bq, bk), 0)
+          k_pos = j * bk + iota2((bq, bk), 1)
+          keep = allowed(q_pos, k_pos, is_causal=st.is_causal,
+                         seq_k=st.seq_k if key_tail else None)
+        else:
+          keep = vr.keep((bq, bk), h, row0, j * bk, seq_q=st.seq_q, seq_k=st.seq_k)
         if keep is not None:
           p = jnp.where(keep, p, 0.0)
       ds = p * (dp - bcast_rows(delta, dp.shape))  # dS = P ∘ (dP − D_i)
+      if deriv is not None:
+        ds = ds * deriv  # through soft cap / score_fn
+      if variant is not None and keep is not None:
+        ds = jnp.where(keep, ds, 0.0)  # masked pairs: no 0 * NaN from dP or the derivative
       ds16 = ds.astype(st.dtype)
 
       dq = mma((bq, st.head_dim), ds16, k_t, init=dq)  # dQ_i += dS_ij K_j (line 15, no atomics)
@@ -439,8 +500,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
       return dq
 
     dq = _zeros((bq, st.head_dim))
-    dq = lax.fori_loop(0, n_full, functools.partial(step, masked=False), dq)
-    dq = lax.fori_loop(n_full, n_end, functools.partial(step, masked=True), dq)
+    masked, unmasked = functools.partial(step, masked=True), functools.partial(step, masked=False)
+    if variant is None:
+      dq = lax.fori_loop(0, n_full, unmasked, dq)
+      dq = lax.fori_loop(n_full, n_end, masked, dq)
+    else:  # in the producer's order
+      dq = lax.fori_loop(lo, full_lo, masked, dq)
+      dq = lax.fori_loop(full_lo, full_hi, unmasked, dq)
+      dq = lax.fori_loop(full_hi, n_end, masked, dq)
     q_s[...] = (dq * st.scale).astype(st.dtype)  # Q_i is dead: stage dQ_i in its SMEM
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, dq_ref.at[rows])
@@ -451,11 +518,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, q_sme
     plgpu.set_max_registers(st.memory_registers, action="decrease")
 
     stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, b=b, kvh=kvh,
-              n_end=n_end, block_k=bk, stages=stages)
+              n_end=n_end, block_k=bk, stages=stages, start=lo)
 
 
-@functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_k', 'cfg', 'emulate'))
-def _dq_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_k, cfg: MosaicConfig, emulate):
+@functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_k', 'cfg', 'emulate', 'seq_q',
+                                             'variant', 'names'))
+def _dq_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_k, cfg: MosaicConfig, emulate,
+             seq_q=0, variant=None, names=()):
   b, t_hbm, n, h = q.shape
   kh = k.shape[2]
   bq, bk, stages, nwg = cfg.block_q_dq, cfg.block_k_dq, cfg.num_stages_dq, cfg.num_wgs_dq
@@ -465,7 +534,8 @@ def _dq_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_k, cfg: MosaicCo
            registers=cfg.registers(nwg), memory_registers=cfg.memory_registers,
            emulate=emulate, n_heads=n, n_bh=b * n,
            section=causal_section(cfg, n_bh=b * n, group=n // kh,
-                                  kv_bytes=2 * k.shape[1] * h * k.dtype.itemsize))
+                                  kv_bytes=2 * k.shape[1] * h * k.dtype.itemsize),
+           seq_q=seq_q, variant=variant, names=names)
   tf = smem_transforms()
   scratch = dict(
       q_smem=plgpu.SMEM((nwg, bq, h), q.dtype, transforms=tf),
@@ -487,7 +557,7 @@ def _dq_call(q, k, v, do, lse2, delta, *, scale, is_causal, seq_k, cfg: MosaicCo
       functools.partial(_dq_kernel, st=st), out_type=out_struct(q.shape, q.dtype, q),
       scratch=scratch, grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"), num_consumers=nwg,
       name="fa2_mosaic_dq",
-  )(q, k, v, do, lse2, delta)
+  )(q, k, v, do, lse2, delta, *extras)
 
 
 # --- entry point -------------------------------------------------------------------------------------
@@ -511,7 +581,9 @@ def prologue(out, do, lse, dlse=None):
   delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
   if dlse is not None:
     delta = delta - dlse.astype(jnp.float32)
-  return delta, lse.astype(jnp.float32) * LOG2E
+  # A row with no allowed key (lse = -inf) maps to +inf, so that its recomputed P is 0, not NaN.
+  lse2 = lse.astype(jnp.float32) * LOG2E
+  return delta, jnp.where(lse == -jnp.inf, jnp.inf, lse2)
 
 
 def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
@@ -543,6 +615,9 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   q_tile, k_tile = backward_tiles(cfg)
   plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
 
+  if variant is not None:  # padded rows read as zeros (kernels/mosaic/variant.py, zero_padding)
+    q, do = zero_padding(q, arrays.q_lengths), zero_padding(do, arrays.q_lengths)
+    k, v = zero_padding(k, arrays.kv_lengths), zero_padding(v, arrays.kv_lengths)
   delta, lse2 = prologue(out, do, lse, dlse)
   # Zero rows past T: the padded query rows then contribute exactly nothing (see module docstring).
   delta = pad_axis(delta, 2, plan.t_lse)
@@ -552,6 +627,8 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   kp, vp = pad_axis(k, 1, plan.s_hbm), pad_axis(v, 1, plan.s_hbm)
 
   common = dict(scale=scale, is_causal=is_causal, seq_q=t, cfg=cfg, emulate=emulating())
+  if variant is not None:
+    return _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, plan=plan, **common)
   if cfg.dq_fused and not deterministic and not cfg.dkv_split:
     dk, dv, dq_acc = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
                                num_wgs=cfg.num_wgs_dkv, fused_dq=True, **common)
@@ -574,6 +651,40 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   if plan.pad_s:
     dk, dv = dk[:, :s], dv[:, :s]
   return dq, dk, dv
+
+
+def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, scale, is_causal,
+                      seq_q, cfg, emulate):
+  """The separate dK/dV and dQ kernels of an attention variant, each with its range table."""
+  b, t_hbm, n, h = qp.shape
+  s_hbm = kp.shape[1]
+  t, s = plan.t, plan.s
+  dims = dict(batch=b, heads=n, seq_q=t, seq_k=s)
+  nwg_kv, bk_kv = cfg.num_wgs_dkv, cfg.block_k_dkv
+  n_k_tiles = -(-s_hbm // (nwg_kv * bk_kv))
+  q_table = q_range_table(variant, arrays, block_q=cfg.block_q_dkv, block_k=nwg_kv * bk_kv, **dims)
+  nwg_q, bq_q = cfg.num_wgs_dq, cfg.block_q_dq
+  n_q_tiles = -(-t_hbm // (nwg_q * bq_q))
+  kv_table = kv_range_table(variant, arrays, block_q=nwg_q * bq_q, block_k=cfg.block_k_dq, **dims)
+  for table in (q_table, kv_table):
+    if (why := variant_supported(variant, table.shape[1])) is not None:
+      raise NotImplementedError(f"fa2_jax mosaic backward: {why}")
+  pad_tiles = lambda x, n_tiles: jnp.pad(x, ((0, 0), (0, 0), (0, n_tiles - x.shape[2]), (0, 0)))
+  t_pad = math.lcm(cfg.block_q_dkv, nwg_q * bq_q) * -(-t_hbm // math.lcm(cfg.block_q_dkv,
+                                                                          nwg_q * bq_q))
+  s_pad = math.lcm(cfg.block_k_dq, nwg_kv * bk_kv) * -(-s_hbm // math.lcm(cfg.block_k_dq,
+                                                                          nwg_kv * bk_kv))
+  dkv_ops, dkv_names = variant_operands(variant, arrays, pad_tiles(q_table, n_k_tiles),
+                                        t_pad=t_pad, s_pad=s_pad)
+  dq_ops, dq_names = variant_operands(variant, arrays, pad_tiles(kv_table, n_q_tiles), t_pad=t_pad,
+                                      s_pad=s_pad)
+  common = dict(scale=scale, is_causal=is_causal, cfg=cfg, emulate=emulate)
+  dk, dv = _dkv_call(qp, kp, vp, dop, lse2, delta, *dkv_ops, want_dk=True, want_dv=True,
+                     num_wgs=nwg_kv, seq_q=seq_q, seq_k=s, variant=variant, names=dkv_names,
+                     **common)
+  dq = _dq_call(qp, kp, vp, dop, lse2, delta, *dq_ops, seq_k=s, seq_q=seq_q, variant=variant,
+                names=dq_names, **common)
+  return dq[:, :t], dk[:, :s], dv[:, :s]
 
 
 __all__ = ["backward", "backward_tiles", "WG_ROWS"]

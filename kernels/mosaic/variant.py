@@ -131,6 +131,14 @@ class Refs:
     return s2 * LOG2E, deriv
 
 
-def ring_slot(j, lo, stages: int):
-  """SMEM ring slot of block ``j`` when a CTA streams blocks ``lo, lo + 1, ...``."""
-  return lax.rem(j - lo, jnp.array(stages, j.dtype))
+def zero_padding(x, lengths):
+  """``x [B, L, ...]`` with rows ``>= lengths[b]`` set to 0 (None: ``x``).
+
+  The wgmma products sum over whole tiles, where a masked ``P = 0`` times a NaN or inf stored in a
+  padded row would still be NaN; the Mosaic kernels therefore read padded rows (past the query or
+  key/value lengths) as zeros. One fused elementwise pass over ``x``."""
+  if lengths is None:
+    return x
+  rows = jnp.arange(x.shape[1], dtype=jnp.int32).reshape((1, -1) + (1,) * (x.ndim - 2))
+  keep = rows < jnp.asarray(lengths, jnp.int32).reshape((-1,) + (1,) * (x.ndim - 1))
+  return jnp.where(keep, x, jnp.zeros((), x.dtype))
