@@ -231,14 +231,17 @@ def q_block_ranges(variant: Variant, arrays: VariantArrays, *, batch: int, seq_q
   return jnp.stack(rng, -1)
 
 
+_MASK_CHUNK = 1 << 25  # elements of mask_fn evaluated per step of mask_fn_block_mask (32 Mi bools)
+
+
 def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: int,
                        seq_q: int, seq_k: int, block_q: int, block_k: int):
   """Per-block summary of ``mask_fn`` alone: ``(any_, all_)`` bool ``[B', N', nq, nk]`` (``B'`` is 1
   when neither ``mask_fn`` nor ``q_offset`` depends on the batch element, ``N'`` is 1 when ``mask_fn``
   ignores the head). ``any_`` False: no pair of the block pair passes ``mask_fn`` (skip it); ``all_``
   True: every pair passes (``mask_fn`` needs no mask there). Rows ``>= T`` and keys ``>= S`` are
-  ignored. Evaluated one query block at a time (``lax.map``), so memory is ``O(B' N' block_q S)``;
-  compute it once per call and reuse it in the forward and backward."""
+  ignored. Evaluated a few query blocks at a time (``lax.map`` over steps of about ``_MASK_CHUNK``
+  pairs), so memory stays bounded for any ``T * S``."""
   if variant.mask_fn is None:
     raise ValueError("mask_fn_block_mask: the variant has no mask_fn")
   nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
@@ -256,17 +259,37 @@ def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, h
   kv_idx = jnp.arange(nk * block_k, dtype=i32)[None, None, None, :]
   key_real = kv_idx < seq_k
 
-  def one_block(iq):
-    rows = iq * block_q + jnp.arange(block_q, dtype=i32)[None, None, :, None]
-    m = jnp.asarray(variant.mask_fn(b, h, rows + off, kv_idx), jnp.bool_)
-    m = jnp.broadcast_to(m, (nb, nh, block_q, nk * block_k))
-    real = (rows < seq_q) & key_real
-    any_ = (m & real).reshape(nb, nh, block_q, nk, block_k).any((2, 4))
-    all_ = (m | ~real).reshape(nb, nh, block_q, nk, block_k).all((2, 4))
-    return any_, all_
+  # Query blocks per lax.map step: as many as keep one step's [B', N', rows, S] mask near
+  # _MASK_CHUNK elements (a few large steps: each step is a separate kernel launch on a GPU).
+  per_step = max(1, min(nq, _MASK_CHUNK // max(1, nb * nh * block_q * nk * block_k)))
+  steps = -(-nq // per_step)
 
-  any_, all_ = lax.map(one_block, jnp.arange(nq, dtype=i32))  # [nq, B', N', nk]
-  return jnp.moveaxis(any_, 0, 2), jnp.moveaxis(all_, 0, 2)
+  def one_step(st):
+    rows = (st * per_step * block_q
+            + jnp.arange(per_step * block_q, dtype=i32)[None, None, :, None])
+    m = jnp.asarray(variant.mask_fn(b, h, rows + off, kv_idx), jnp.bool_)
+    m = jnp.broadcast_to(m, (nb, nh, per_step * block_q, nk * block_k))
+    real = (rows < seq_q) & key_real
+    shape = (nb, nh, per_step, block_q, nk, block_k)
+    any_ = (m & real).reshape(shape).any((3, 5))
+    all_ = (m | ~real).reshape(shape).all((3, 5))
+    return any_, all_  # [B', N', per_step, nk]
+
+  any_, all_ = lax.map(one_step, jnp.arange(steps, dtype=i32))  # [steps, B', N', per_step, nk]
+  any_, all_ = (jnp.moveaxis(x, 0, 2).reshape(nb, nh, steps * per_step, nk)[:, :, :nq]
+                for x in (any_, all_))
+  return any_, all_
+
+
+def mask_fn_depends_on_head(variant: Variant, heads: int) -> bool:
+  """True when ``variant.mask_fn``'s result varies over the head index (traced once, abstractly:
+  the broadcast shape of its result over ``h`` of shape ``[1, heads, 1, 1]``)."""
+  if variant.mask_fn is None or heads == 1:
+    return False
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+  shape = jax.eval_shape(variant.mask_fn, i32(1, 1, 1, 1), i32(1, heads, 1, 1), i32(1, 1, 1, 1),
+                         i32(1, 1, 1, 1)).shape
+  return len(shape) >= 3 and shape[-3] != 1
 
 
 # --- the tables the kernels read --------------------------------------------------------------------

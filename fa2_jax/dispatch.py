@@ -50,7 +50,7 @@ def is_hopper() -> bool:
   return cc is not None and cc[0] == 9
 
 
-def mosaic_reason(query, key, is_causal: bool, interpret) -> str | None:
+def mosaic_reason(query, key, is_causal: bool, interpret, variant=None) -> str | None:
   """None when the Mosaic GPU kernels can run this call here, else why not."""
   if interpret:
     return "it has no Pallas interpret mode here (interpret=True)"
@@ -59,7 +59,13 @@ def mosaic_reason(query, key, is_causal: bool, interpret) -> str | None:
     where = f"compute capability {cc[0]}.{cc[1]}" if cc else f"platform {jax.default_backend()}"
     return f"it needs an NVIDIA Hopper GPU (compute capability 9.x, wgmma); this is {where}"
   from .kernels.mosaic.config import supports
-  return supports(query.shape, key.shape, query.dtype, query.shape[-1], is_causal)
+  why = supports(query.shape, key.shape, query.dtype, query.shape[-1], is_causal)
+  if why is None and variant is not None:
+    from .block_ranges import mask_fn_depends_on_head
+    if mask_fn_depends_on_head(variant, query.shape[2]):
+      why = ("its mask_fn depends on the head (the Mosaic kernels read one block range per batch "
+             "element and tile, shared by the heads)")
+  return why
 
 
 # The attention variants (fa2_jax.masking.Variant.features) each kernel family implements; a call
@@ -68,7 +74,9 @@ KERNEL_FEATURES = {
     "triton": frozenset({"query_seq_lengths", "key_value_seq_lengths", "local_window_size",
                          "q_segment_ids/kv_segment_ids", "q_offset", "logits_soft_cap",
                          "alibi_slopes", "mask_fn", "score_fn"}),
-    "mosaic": frozenset(),
+    "mosaic": frozenset({"query_seq_lengths", "key_value_seq_lengths", "local_window_size",
+                         "q_segment_ids/kv_segment_ids", "q_offset", "logits_soft_cap",
+                         "alibi_slopes", "mask_fn", "score_fn"}),
 }
 
 
@@ -100,7 +108,7 @@ def choose_backend(implementation, interpret, query, key, is_causal: bool, block
       and not unsupported_features("mosaic", variant)):
     implementation = "mosaic"
   if implementation == "mosaic":
-    why = mosaic_reason(query, key, is_causal, interpret)
+    why = mosaic_reason(query, key, is_causal, interpret, variant)
     if why is not None:
       raise ValueError(f"implementation='mosaic' cannot run this call: {why}; use "
                        "implementation='triton' or None")
@@ -118,7 +126,7 @@ def choose_backend(implementation, interpret, query, key, is_causal: bool, block
   # implementation=None: Mosaic where supported, the Triton kernels on GPU (or wherever interpret=True
   # asks for them), else XLA.
   if (not isinstance(block_sizes, BlockSizes) and not unsupported_features("mosaic", variant)
-      and mosaic_reason(query, key, is_causal, interpret) is None):
+      and mosaic_reason(query, key, is_causal, interpret, variant) is None):
     return "mosaic"
   if kernel_ok and (interpret or on_gpu()) and not unsupported_features("triton", variant):
     return "triton"
@@ -176,7 +184,9 @@ def describe(backend: str, query, key, *, is_causal: bool, implementation, block
     h = query.shape[-1]
     cfg = block_sizes if isinstance(block_sizes, MosaicConfig) else MosaicConfig.default(
         h, query.dtype, is_causal)
-    fused = cfg.dq_fused and not deterministic and not cfg.dkv_split
+    # An attention variant runs the separate dQ kernel (kernels/mosaic/backward.py).
+    plain = variant is None or variant == type(variant)(is_causal=variant.is_causal)
+    fused = cfg.dq_fused and not deterministic and not cfg.dkv_split and plain
     if fused:
       bwd = ("mosaic dK/dV + fused dQ",)
     elif cfg.dkv_split:
@@ -194,6 +204,7 @@ def describe(backend: str, query, key, *, is_causal: bool, implementation, block
   elif interpret:
     why = "interpret=True runs the Triton kernels in Pallas interpret mode"
   else:
-    why = f"the Mosaic kernels cannot run it: {mosaic_reason(query, key, is_causal, interpret)}"
+    why = ("the Mosaic kernels cannot run it: "
+           f"{mosaic_reason(query, key, is_causal, interpret, variant)}")
   return Dispatch("triton", ("triton forward",), ("triton dK/dV", "triton dQ"), True,
                   bool(interpret), why)

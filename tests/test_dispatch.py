@@ -45,6 +45,22 @@ def test_non_hopper_gpus_get_the_triton_kernels(fake_gpu, cc, name):
     fa2_jax.backend_for(q, k, implementation="mosaic")
 
 
+def test_hopper_runs_variants_on_the_mosaic_kernels(fake_gpu):
+  fake_gpu((9, 0))
+  q, k = _shapes()
+  seg = jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.int32)
+  d = fa2_jax.backend_for(q, k, q_segment_ids=seg, kv_segment_ids=seg, logits_soft_cap=30.0)
+  assert d.backend == "mosaic" and d.backward == ("mosaic dK/dV", "mosaic dQ"), d  # no fused dQ
+  assert d.deterministic
+  # A mask_fn that reads the head: one range table per head, which the Mosaic kernels do not read.
+  per_head = dict(mask_fn=lambda b, h, i, j: (j <= i) | (h == 0))
+  d = fa2_jax.backend_for(q, k, **per_head)
+  assert d.backend == "triton" and "mask_fn depends on the head" in d.reason, d
+  with pytest.raises(ValueError, match="mask_fn depends on the head"):
+    fa2_jax.backend_for(q, k, implementation="mosaic", **per_head)
+  assert fa2_jax.backend_for(q, k, mask_fn=lambda b, h, i, j: j <= i).backend == "mosaic"
+
+
 @pytest.mark.parametrize("cc", [(9, 0), (9, 0xa)])
 def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
   fake_gpu(cc)

@@ -610,3 +610,82 @@ def test_equal_kernels_lower_once_per_program():
   text = jax.jit(loss).trace(sd, sd, sd).lower(lowering_platforms=("cuda",)).as_text()
   hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
   assert len(set(hashes)) == 3, len(set(hashes))
+
+
+# --- attention variants: emulated interpret numerics and sm90 lowering ----------------------------
+
+VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
+    "causal_window_segments_offset": (1, 200, 264, 2, 1, 64, lambda: dict(
+        is_causal=True, local_window_size=(70, 0), q_offset=jnp.array([40]),
+        q_segment_ids=jnp.array([[0] * 70 + [1] * 130]),
+        kv_segment_ids=jnp.array([[0] * 110 + [1] * 154]))),
+    "lengths_soft_cap_alibi": (2, 136, 200, 2, 2, 64, lambda: dict(
+        query_seq_lengths=jnp.array([100, 0]), key_value_seq_lengths=jnp.array([150, 77]),
+        logits_soft_cap=2.0, alibi_slopes=jnp.array([0.1, 0.3]))),
+    "mask_fn_score_fn": (1, 150, 150, 2, 1, 64, lambda: dict(
+        mask_fn=lambda b, h, i, j: (i - j) % 3 != 1,
+        score_fn=lambda x, b, h, i, j: x * 0.7 - (i - j).astype(x.dtype) / 64)),
+}
+
+
+def _variant_run(q, k, v, do, variant, arrays, scale, cfg=None):
+  out, lse = forward(q, k, v, scale=scale, is_causal=variant.is_causal, variant=variant,
+                     arrays=arrays, config=cfg)
+  grads = backward(q, k, v, out, lse, do, scale=scale, is_causal=variant.is_causal,
+                   variant=variant, arrays=arrays, config=cfg)
+  return (out, lse, *grads)
+
+
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_interpret_variants(name):
+  """Forward and backward of the Mosaic kernels with attention variants in emulated interpret mode,
+  against the float32 formula. Eager calls: under one ``jit`` the interpreter runs the independent
+  dK/dV and dQ kernels concurrently and its simulated barriers deadlock (a limit of the CPU
+  interpreter, not of the kernels)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from fa2_jax.validation import check_variant
+
+  b, t, s, n, kh, h, make_kwargs = VARIANT_CASES[name]
+  kwargs = make_kwargs()
+  ks = jax.random.split(jax.random.key(t + s), 4)
+  q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(BF16)
+  k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(BF16)
+  v = jax.random.normal(ks[2], (b, s, kh, h), jnp.float32).astype(BF16)
+  do = jax.random.normal(ks[3], (b, t, n, h), jnp.float32).astype(BF16)
+  variant, arrays = check_variant(q, k, **kwargs)
+  scale = 1.0 / math.sqrt(h)
+  with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    got = jax.block_until_ready(_variant_run(q, k, v, do, variant, arrays, scale))
+
+  def ref(q, k, v):
+    return fa2_jax.reference_attention(q, k, v, scale=scale, return_residual=True,
+                                       compute_dtype=jnp.float32, **kwargs)
+
+  (out, lse), vjp = jax.vjp(ref, q, k, v)
+  want = (out, jnp.swapaxes(lse, 1, 2), *vjp((do, jnp.zeros_like(lse))))
+  for what, x, r in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    x, r = np.asarray(x, np.float32), np.asarray(r, np.float32)
+    fin = np.isfinite(r)
+    np.testing.assert_array_equal(np.isfinite(x), fin, err_msg=what)
+    x, r = np.where(fin, x, 0), np.where(fin, r, 0)
+    err = np.abs(x - r).max() / (np.abs(r).max() + 1)
+    assert err < 1e-2, (what, err)
+
+
+@pytest.mark.parametrize("h", [128, 256])  # 256: the split dV, dK kernels
+def test_variant_kernels_lower_for_sm90(h):
+  from fa2_jax.validation import check_variant
+  b, t, s, n, kh = 2, 1000, 777, 4, 2
+  sd = jax.ShapeDtypeStruct
+  q, kv = sd((b, t, n, h), BF16), sd((b, s, kh, h), BF16)
+  kwargs = dict(is_causal=True, local_window_size=(300, 0), q_offset=jnp.array([5, 0]),
+                query_seq_lengths=jnp.array([900, 1000]), key_value_seq_lengths=jnp.array([777, 500]),
+                q_segment_ids=jnp.zeros((b, t), jnp.int32), kv_segment_ids=jnp.zeros((b, s), jnp.int32),
+                logits_soft_cap=30.0, alibi_slopes=jnp.ones((n,)),
+                mask_fn=lambda b_, h_, i, j: (i + j) % 5 != 0, score_fn=lambda x, *_: x * 0.5)
+  variant, arrays = check_variant(q, kv, **kwargs)
+  f = lambda q, k, v, do, arrays: _variant_run(q, k, v, do, variant, arrays, h ** -0.5)
+  text = jax.jit(f).trace(q, kv, kv, q, arrays).lower(lowering_platforms=("cuda",)).as_text()
+  kernels = ("forward", "dv", "dk", "dq") if h == 256 else ("forward", "dkdv", "dq")
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == len(kernels)
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv|dk|dv|dq)_mosaic_gpu", text)) == set(kernels)

@@ -655,35 +655,39 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
 
 def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, scale, is_causal,
                       seq_q, cfg, emulate):
-  """The separate dK/dV and dQ kernels of an attention variant, each with its range table."""
+  """The separate dK/dV (or dV, dK) and dQ kernels of an attention variant, each reading the range
+  table of its own tiles (no fused dQ)."""
   b, t_hbm, n, h = qp.shape
   s_hbm = kp.shape[1]
   t, s = plan.t, plan.s
   dims = dict(batch=b, heads=n, seq_q=t, seq_k=s)
-  nwg_kv, bk_kv = cfg.num_wgs_dkv, cfg.block_k_dkv
-  n_k_tiles = -(-s_hbm // (nwg_kv * bk_kv))
-  q_table = q_range_table(variant, arrays, block_q=cfg.block_q_dkv, block_k=nwg_kv * bk_kv, **dims)
-  nwg_q, bq_q = cfg.num_wgs_dq, cfg.block_q_dq
-  n_q_tiles = -(-t_hbm // (nwg_q * bq_q))
-  kv_table = kv_range_table(variant, arrays, block_q=nwg_q * bq_q, block_k=cfg.block_k_dq, **dims)
-  for table in (q_table, kv_table):
+  q_tile, k_tile = backward_tiles(cfg)
+  t_pad, s_pad = -(-t_hbm // q_tile) * q_tile, -(-s_hbm // k_tile) * k_tile  # segment-id padding
+
+  def inputs(table, n_tiles):
     if (why := variant_supported(variant, table.shape[1])) is not None:
       raise NotImplementedError(f"fa2_jax mosaic backward: {why}")
-  pad_tiles = lambda x, n_tiles: jnp.pad(x, ((0, 0), (0, 0), (0, n_tiles - x.shape[2]), (0, 0)))
-  t_pad = math.lcm(cfg.block_q_dkv, nwg_q * bq_q) * -(-t_hbm // math.lcm(cfg.block_q_dkv,
-                                                                          nwg_q * bq_q))
-  s_pad = math.lcm(cfg.block_k_dq, nwg_kv * bk_kv) * -(-s_hbm // math.lcm(cfg.block_k_dq,
-                                                                          nwg_kv * bk_kv))
-  dkv_ops, dkv_names = variant_operands(variant, arrays, pad_tiles(q_table, n_k_tiles),
-                                        t_pad=t_pad, s_pad=s_pad)
-  dq_ops, dq_names = variant_operands(variant, arrays, pad_tiles(kv_table, n_q_tiles), t_pad=t_pad,
-                                      s_pad=s_pad)
-  common = dict(scale=scale, is_causal=is_causal, cfg=cfg, emulate=emulate)
-  dk, dv = _dkv_call(qp, kp, vp, dop, lse2, delta, *dkv_ops, want_dk=True, want_dv=True,
-                     num_wgs=nwg_kv, seq_q=seq_q, seq_k=s, variant=variant, names=dkv_names,
-                     **common)
-  dq = _dq_call(qp, kp, vp, dop, lse2, delta, *dq_ops, seq_k=s, seq_q=seq_q, variant=variant,
-                names=dq_names, **common)
+    table = jnp.pad(table, ((0, 0), (0, 0), (0, n_tiles - table.shape[2]), (0, 0)))
+    return variant_operands(variant, arrays, table, t_pad=t_pad, s_pad=s_pad)
+
+  common = dict(scale=scale, is_causal=is_causal, cfg=cfg, emulate=emulate, variant=variant)
+
+  def dkv(want_dk, want_dv, num_wgs):
+    cols = num_wgs * cfg.block_k_dkv  # keys per CTA
+    ops, names = inputs(q_range_table(variant, arrays, block_q=cfg.block_q_dkv, block_k=cols,
+                                      **dims), -(-s_hbm // cols))
+    return _dkv_call(qp, kp, vp, dop, lse2, delta, *ops, want_dk=want_dk, want_dv=want_dv,
+                     num_wgs=num_wgs, seq_q=seq_q, seq_k=s, names=names, **common)
+
+  if cfg.dkv_split:
+    (dv,) = dkv(False, True, cfg.num_wgs_dkv)
+    (dk,) = dkv(True, False, cfg.num_wgs_dk)
+  else:
+    dk, dv = dkv(True, True, cfg.num_wgs_dkv)
+  rows = cfg.num_wgs_dq * cfg.block_q_dq  # query rows per dQ CTA
+  ops, names = inputs(kv_range_table(variant, arrays, block_q=rows, block_k=cfg.block_k_dq, **dims),
+                      -(-t_hbm // rows))
+  dq = _dq_call(qp, kp, vp, dop, lse2, delta, *ops, seq_k=s, seq_q=seq_q, names=names, **common)
   return dq[:, :t], dk[:, :s], dv[:, :s]
 
 

@@ -49,6 +49,7 @@ from .ops import bcast_rows, emulating, iota2, mma, smem_transforms, stream_kv, 
 from .variant import Refs
 from .variant import operands as variant_operands
 from .variant import supported as variant_supported
+from .variant import zero_padding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +254,7 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
   plan = plan_lengths(t, s, q_tile=rows, k_tile=cfg.block_k, mode=cfg.ragged)
   extras, names = (), ()
   if variant is not None:
+    v = zero_padding(v, arrays.kv_lengths)  # P V: a padded key's NaN must not meet P = 0
     n_tiles = -(-plan.t_hbm // rows)
     table = kv_range_table(variant, arrays, batch=b, heads=n, seq_q=t, seq_k=s, block_q=rows,
                            block_k=cfg.block_k)  # [B, N', cdiv(T, rows), 4]
