@@ -12,6 +12,7 @@ from . import dispatch, sharding
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .kernels.vma import cast_like, match_vma
+from .block_ranges import range_tables
 from .masking import Variant, VariantArrays
 from .reference import attention_formula
 from .validation import (check_bool, check_options, check_scale, check_variant, is_static_dim,
@@ -39,16 +40,30 @@ class _Static:
   blocks: BlockSizes | None = None  # the Triton kernels' tiles (clamped to the lengths)
   mosaic: MosaicConfig | None = None  # the Mosaic kernels' tiles (None: MosaicConfig.default)
   variant: Variant | None = None  # the attention variant (None: dense, or causal by is_causal)
-  fields: tuple[str, ...] = ()  # the VariantArrays fields passed as the kernels' extra operands
+  # The extra operands: VariantArrays fields, then "table_<name>" range tables (fa2_jax.block_ranges).
+  fields: tuple[str, ...] = ()
 
   def arrays(self, extras) -> VariantArrays:
     """The :class:`VariantArrays` of the extra operands (in the order of ``fields``)."""
-    return VariantArrays(**dict(zip(self.fields, extras)))
+    return VariantArrays(**{f: x for f, x in zip(self.fields, extras) if f in _FIELD_LAYOUTS})
+
+  def tables(self, extras) -> dict:
+    """The range tables among the extra operands, by kernel name (``"fwd"``, ``"dkv"``, ...)."""
+    return {f[len("table_"):]: x for f, x in zip(self.fields, extras) if f.startswith("table_")}
 
 
 # Sharding layouts (fa2_jax.sharding) of the VariantArrays fields the kernels take.
 _FIELD_LAYOUTS = {"q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "bt",
                   "kv_segment_ids": "bs", "q_offset": "b", "alibi_slopes": "bn"}
+# A range table [B, N', n_blocks, 4]: B with the batch, N' (N or 1) with the heads or whole, and its
+# own letter for the block axis (tables of different kernels have different block counts).
+_TABLE_BLOCK_AXIS = {"fwd": "c", "dkv": "e", "dk": "f", "dq": "g"}
+
+
+def _layout(field: str, extra) -> str:
+  if field in _FIELD_LAYOUTS:
+    return _FIELD_LAYOUTS[field]
+  return "b" + ("n" if extra.shape[1] > 1 else "a") + _TABLE_BLOCK_AXIS[field[len("table_"):]] + "d"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,14 +231,24 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       mos = block_sizes if isinstance(block_sizes, MosaicConfig) else None
       if mos is not None and (why := mos.check(h, jnp.dtype(q.dtype).itemsize)) is not None:
         raise ValueError(f"block_sizes: {why}")
-      static = _Static(call.scale, call.is_causal, "mosaic", call.deterministic, False, mosaic=mos,
-                       variant=variant, fields=fields)
+      tiles = (mos or MosaicConfig.default(h, q.dtype, call.is_causal)).range_tiles()
     else:
       tri = block_sizes if isinstance(block_sizes, BlockSizes) else None
       blocks = (tri or BlockSizes.default(h, q.dtype)).clamp(q.shape[1], k.shape[1])
+      tiles = blocks.range_tiles()
+    if variant is not None:
+      # The block ranges of every kernel, once per call, shared by the forward and the backward.
+      tables = range_tables(variant, arrays, tiles, batch=q.shape[0], heads=q.shape[2],
+                            seq_q=q.shape[1], seq_k=k.shape[1])
+      fields += tuple(f"table_{name}" for name in tables)
+      extras += tuple(tables.values())
+    if call.backend == "mosaic":
+      static = _Static(call.scale, call.is_causal, "mosaic", call.deterministic, False, mosaic=mos,
+                       variant=variant, fields=fields)
+    else:
       static = _Static(call.scale, call.is_causal, "triton", call.deterministic,
                        bool(call.interpret), blocks=blocks, variant=variant, fields=fields)
-    layouts = (sharding.Q, sharding.KV, sharding.KV, *(_FIELD_LAYOUTS[f] for f in fields))
+    layouts = (sharding.Q, sharding.KV, sharding.KV, *map(_layout, fields, extras))
     names = (*sharding.QKV_NAMES, *fields)
     try:
       # Per device where Explicit mesh axes shard B or the heads (fa2_jax.sharding).
@@ -272,13 +297,15 @@ def _forward(q, k, v, extras, st: _Static):
     if st.backend == "mosaic":
       from .kernels.mosaic.forward import forward
       out, lse = forward(q, k, v, scale=st.scale, is_causal=st.is_causal, config=st.mosaic,
-                         variant=st.variant, arrays=st.arrays(extras))
+                         variant=st.variant, arrays=st.arrays(extras),
+                         table=st.tables(extras).get("fwd"))
       return cast_like(q, out, lse)  # lse: [B, N, T]
     from .kernels.triton.forward import forward
     bs = st.blocks
     return forward(q, k, v, scale=st.scale, is_causal=st.is_causal, block_q=bs.block_q,
                    block_k=bs.block_k, num_warps=bs.num_warps_fwd, num_stages=bs.num_stages_fwd,
-                   interpret=st.interpret, variant=st.variant, arrays=st.arrays(extras))
+                   interpret=st.interpret, variant=st.variant, arrays=st.arrays(extras),
+                   table=st.tables(extras).get("fwd"))
 
 
 @_forward.defjvp
@@ -287,18 +314,18 @@ def _forward_jvp(st, primals, tangents):
   raise TypeError(_SECOND_ORDER)
 
 
-def _layouts(st: _Static) -> tuple[str, ...]:
-  return tuple(_FIELD_LAYOUTS[f] for f in st.fields)
+def _layouts(st: _Static, extras) -> tuple[str, ...]:
+  return tuple(map(_layout, st.fields, extras))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, extras, st: _Static):
-  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st))
+  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras))
   return out, jnp.swapaxes(lse, 1, 2)
 
 
 def _flash_fwd(q, k, v, extras, st: _Static):
-  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st))
+  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras))
   return (out, jnp.swapaxes(lse, 1, 2)), (q, k, v, extras, out, lse)
 
 
@@ -309,7 +336,7 @@ def _backward(st: _Static, q, k, v, out, lse, dout, dlse, *extras):
       from .kernels.mosaic.backward import backward
       grads = backward(q, k, v, out, lse, dout, dlse=dlse, scale=st.scale, is_causal=st.is_causal,
                        deterministic=st.deterministic, config=st.mosaic, variant=st.variant,
-                       arrays=st.arrays(extras))
+                       arrays=st.arrays(extras), tables=st.tables(extras))
       return cast_like(q, *grads)
     from .kernels.triton.backward import backward
     bs = st.blocks
@@ -317,7 +344,8 @@ def _backward(st: _Static, q, k, v, out, lse, dout, dlse, *extras):
                     block_q_dkv=bs.block_q_dkv, block_k_dkv=bs.block_k_dkv,
                     block_q_dq=bs.block_q_dq, block_k_dq=bs.block_k_dq,
                     num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd,
-                    interpret=st.interpret, variant=st.variant, arrays=st.arrays(extras))
+                    interpret=st.interpret, variant=st.variant, arrays=st.arrays(extras),
+                    tables=st.tables(extras))
 
 
 @_backward.defjvp
@@ -332,7 +360,7 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   # d lse_i / d S_ij = P_ij, so a cotangent on lse enters dS = P ∘ (dP − D + dlse): fold it into D.
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
   dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, lse, dout.astype(q.dtype), dlse,
-                                 extras, _layouts(st))
+                                 extras, _layouts(st, extras))
   # The variant operands (lengths, segment ids, offsets: integers; ALiBi slopes: not differentiated)
   # get zero cotangents.
   return dq, dk, dv, tuple(None for _ in extras)

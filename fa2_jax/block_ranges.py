@@ -234,6 +234,10 @@ def q_block_ranges(variant: Variant, arrays: VariantArrays, *, batch: int, seq_q
 _MASK_CHUNK = 1 << 25  # elements of mask_fn evaluated per step of mask_fn_block_mask (32 Mi bools)
 
 
+_STATIC_MASKS: dict = {}  # (variant, dims) -> concrete (any_, all_): see mask_fn_block_mask
+_STATIC_MASKS_MAX = 64
+
+
 def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: int,
                        seq_q: int, seq_k: int, block_q: int, block_k: int):
   """Per-block summary of ``mask_fn`` alone: ``(any_, all_)`` bool ``[B', N', nq, nk]`` (``B'`` is 1
@@ -241,9 +245,33 @@ def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, h
   ignores the head). ``any_`` False: no pair of the block pair passes ``mask_fn`` (skip it); ``all_``
   True: every pair passes (``mask_fn`` needs no mask there). Rows ``>= T`` and keys ``>= S`` are
   ignored. Evaluated a few query blocks at a time (``lax.map`` over steps of about ``_MASK_CHUNK``
-  pairs), so memory stays bounded for any ``T * S``."""
+  pairs), so memory stays bounded for any ``T * S``.
+
+  A ``mask_fn`` of the indices alone (no ``q_offset``, no closed-over traced array) gives the same
+  block mask at every call: it is evaluated once, when the call is traced (on the default device),
+  kept for later calls with the same ``mask_fn`` object and shapes, and enters the program as a
+  constant, so the kernels pay nothing for it at run time. Otherwise it is computed inside the
+  program at every call (``O(T S)`` evaluations of ``mask_fn``)."""
   if variant.mask_fn is None:
     raise ValueError("mask_fn_block_mask: the variant has no mask_fn")
+  dims = dict(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, block_q=block_q, block_k=block_k)
+  if variant.has_q_offset:
+    return _block_mask(variant, arrays, **dims)
+  key = (variant, tuple(sorted(dims.items())))
+  if key in _STATIC_MASKS:
+    return _STATIC_MASKS[key]
+  with jax.ensure_compile_time_eval():
+    masks = _block_mask(variant, VariantArrays(), **dims)
+  if any(isinstance(m, jax.core.Tracer) for m in masks):
+    return masks  # mask_fn reads a traced value: computed in the program
+  if len(_STATIC_MASKS) >= _STATIC_MASKS_MAX:
+    _STATIC_MASKS.pop(next(iter(_STATIC_MASKS)))
+  _STATIC_MASKS[key] = masks
+  return masks
+
+
+def _block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: int, seq_q: int,
+                seq_k: int, block_q: int, block_k: int):
   nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
   i32 = jnp.int32
   probe = jax.eval_shape(variant.mask_fn, jax.ShapeDtypeStruct((batch, 1, 1, 1), i32),
@@ -333,3 +361,15 @@ def q_range_table(variant: Variant, arrays: VariantArrays, *, batch: int, heads:
   out = _with_mask_fn(tuple(rng[..., c] for c in range(4)), jnp.swapaxes(any_, 2, 3),
                       jnp.swapaxes(all_, 2, 3))
   return jnp.stack(jnp.broadcast_arrays(*out), -1).astype(jnp.int32)
+
+
+def range_tables(variant: Variant, arrays: VariantArrays, tiles: dict, *, batch: int, heads: int,
+                 seq_q: int, seq_k: int) -> dict:
+  """Every range table a backend's kernels read, by name: ``tiles`` maps a name to ``("kv",
+  block_q, block_k)`` (:func:`kv_range_table`: forward and dQ kernels) or ``("q", block_q,
+  block_k)`` (:func:`q_range_table`: dK/dV kernels), as the backend's config gives them
+  (``BlockSizes.range_tiles``, ``MosaicConfig.range_tiles``). Computed once per call, outside the
+  kernels' ``custom_vjp``, and shared by the forward and the backward."""
+  build = {"kv": kv_range_table, "q": q_range_table}
+  return {name: build[kind](variant, arrays, batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k,
+                            block_q=bq, block_k=bk) for name, (kind, bq, bk) in tiles.items()}

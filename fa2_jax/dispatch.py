@@ -84,7 +84,12 @@ def unsupported_features(backend: str, variant) -> tuple[str, ...]:
   """The variant features (beyond ``is_causal``) that ``backend`` does not implement."""
   if variant is None or backend == "xla":
     return ()
-  return tuple(f for f in variant.features if f not in KERNEL_FEATURES[backend])
+  missing = tuple(f for f in variant.features if f not in KERNEL_FEATURES[backend])
+  from .masking import closes_over_arrays
+  if (fn := closes_over_arrays(variant)) is not None:
+    missing += (f"a {fn} that closes over an array or a traced value (a kernel needs it as an "
+                "operand)",)
+  return missing
 
 
 def choose_backend(implementation, interpret, query, key, is_causal: bool, block_sizes=None,
@@ -164,7 +169,7 @@ def describe(backend: str, query, key, *, is_causal: bool, implementation, block
   """The :class:`Dispatch` of a call whose backend is already chosen (shapes rank 4)."""
   if backend == "xla":
     tri, mos = unsupported_features("triton", variant), unsupported_features("mosaic", variant)
-    missing = tuple(f for f in variant.features if f in tri or f in mos) if tri and mos else ()
+    missing = tuple(dict.fromkeys(tri + mos)) if tri and mos else ()
     if implementation == "xla":
       why = "implementation='xla' asks for the reference formula"
     elif missing:

@@ -128,6 +128,22 @@ class Variant:
     return tuple(names)
 
 
+def closes_over_arrays(variant: Variant) -> str | None:
+  """The name of ``mask_fn`` or ``score_fn`` when it closes over a non-scalar array or a traced
+  value (which a kernel cannot capture: it must be an operand), else None. Traced abstractly once
+  on scalar int32 indices."""
+  i32 = jax.ShapeDtypeStruct((), jnp.int32)
+  for name, fn, args in (("mask_fn", variant.mask_fn, (i32,) * 4),
+                         ("score_fn", variant.score_fn, (jax.ShapeDtypeStruct((), jnp.float32),
+                                                         *(i32,) * 4))):
+    if fn is None:
+      continue
+    consts = jax.make_jaxpr(fn)(*args).consts
+    if any(isinstance(c, jax.core.Tracer) or jnp.ndim(c) > 0 for c in consts):
+      return name
+  return None
+
+
 class VariantArrays(NamedTuple):
   """The array part of a variant (a pytree), normalised by the public API; None where unused.
 

@@ -242,19 +242,21 @@ def _psum_loss(res):
     (64, True, 300, 300, 4, 2, 64)])  # no split: one partial per consumer
 def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv):
   """The fused dQ (TMA reduce-add in the dK/dV kernel) against the separate dQ kernel."""
-  from fa2_jax.kernels import mosaic as M
+  from fa2_jax.kernels.mosaic.backward import backward
+  from fa2_jax.kernels.mosaic.config import MosaicConfig
+  from fa2_jax.kernels.mosaic.forward import forward
   ks = jax.random.split(jax.random.key(7), 4)
   q = jax.random.normal(ks[0], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
   k = jax.random.normal(ks[1], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
   v = jax.random.normal(ks[2], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
   do = jax.random.normal(ks[3], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
   scale = h ** -0.5
-  out, lse = jax.jit(lambda q, k, v: M.forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
-  base = M.MosaicConfig.default(h)
+  out, lse = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
+  base = MosaicConfig.default(h)
   fused = base.replace(dq_fused=True, num_stages_dkv=min(base.num_stages_dkv, 2),
                        block_q_dkv=bq_dkv or base.block_q_dkv)
-  bwd = lambda cfg, det: jax.jit(lambda *a: M.backward(*a, scale=scale, is_causal=causal,
-                                                       config=cfg, deterministic=det))
+  bwd = lambda cfg, det: jax.jit(lambda *a: backward(*a, scale=scale, is_causal=causal,
+                                                     config=cfg, deterministic=det))
   ref = bwd(base, True)(q, k, v, out, lse, do)
   got = bwd(fused, False)(q, k, v, out, lse, do)
   for a, b in zip(got, ref):

@@ -873,6 +873,7 @@ def test_variant_compiled_on_gpu(impl, variant, t, s):
   h = 64 if impl == "mosaic" else 40
   spec = specs(t, s)[variant]
   q, k, v, dout, dlse = qkv(B, t, s, N, KH, h, seed=5, dtype=jnp.bfloat16)
+  dlse = dlse.astype(jnp.float32)  # the lse is float32
   kw = spec.kwargs(B, N)
   if impl == "mosaic" and variant in ("mask_fn", "combined") and spec.mask_jnp is not None:
     probe = Variant(mask_fn=spec.mask_jnp)
@@ -889,3 +890,40 @@ def test_variant_compiled_on_gpu(impl, variant, t, s):
     x_err = np.max(np.abs(np.asarray(xla, np.float64)[fin] - want[fin]), initial=0.0)
     scale = np.max(np.abs(want[fin]), initial=0.0) + 1
     assert_close(got, want, max(2 * x_err / scale, 2e-2), f"{impl} {what}")
+
+
+# --- mask_fn: block mask once per mask_fn, closures over arrays -----------------------------------
+
+def test_static_mask_fn_block_mask_is_computed_once_at_trace_time():
+  """A mask_fn of the indices alone: its block mask is evaluated when the call is traced, kept for
+  the next call with the same function and shapes, and is a constant of the program (no loop over
+  mask_fn in it). With a traced q_offset it is computed in the program."""
+  block_ranges._STATIC_MASKS.clear()
+  q = jnp.ones((1, 64, 2, 16))
+  fn = lambda b, h, i, j: (j <= i) & (i - j < 20)  # noqa: E731
+  f = jax.jit(lambda a: fa2_jax.flash_attention(a, a, a, mask_fn=fn, interpret=True))
+  f.lower(q)
+  cached = dict(block_ranges._STATIC_MASKS)
+  assert cached and all(k[0].mask_fn is fn for k in cached)
+  jax.jit(lambda a: 2 * fa2_jax.flash_attention(a, a, a, mask_fn=fn, interpret=True)).lower(q)
+  assert block_ranges._STATIC_MASKS.keys() == cached.keys()
+  variant = Variant(mask_fn=fn, has_q_offset=True)
+  arrays = VariantArrays(q_offset=jnp.array([3]))
+  jaxpr = jax.make_jaxpr(lambda off: block_ranges.mask_fn_block_mask(
+      variant, VariantArrays(q_offset=off), batch=1, heads=2, seq_q=64, seq_k=64, block_q=16,
+      block_k=16))(arrays.q_offset)
+  assert jaxpr.eqns  # computed in the program: it depends on the offset
+  assert block_ranges._STATIC_MASKS.keys() == cached.keys()
+
+
+def test_mask_fn_closing_over_an_array_runs_the_formula():
+  q, k, v, _, _ = qkv(1, 16, 16, 2, 2)
+  keep = jnp.arange(16) % 3 != 0
+  fn = lambda b, h, i, j: keep[j]  # noqa: E731
+  d = fa2_jax.backend_for(q, k, mask_fn=fn, interpret=True)
+  assert d.backend == "xla" and "closes over an array" in d.reason, d
+  with pytest.raises(ValueError, match="does not support a mask_fn that closes over an array"):
+    fa2_jax.flash_attention(q, k, v, mask_fn=fn, implementation="triton", interpret=True)
+  out = fa2_jax.flash_attention(q, k, v, mask_fn=fn, interpret=True)
+  want = fa2_jax.flash_attention(q, k, v, mask_fn=lambda b, h, i, j: j % 3 != 0, interpret=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5)

@@ -588,7 +588,7 @@ def prologue(out, do, lse, dlse=None):
 
 def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
              deterministic: bool = True, config: MosaicConfig | None = None, variant=None,
-             arrays=None):
+             arrays=None, tables=None):
   """Gradients of attention w.r.t. q, k, v on Hopper.
 
   Args:
@@ -628,7 +628,8 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
 
   common = dict(scale=scale, is_causal=is_causal, seq_q=t, cfg=cfg, emulate=emulating())
   if variant is not None:
-    return _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, plan=plan, **common)
+    return _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, plan=plan,
+                             tables=tables or {}, **common)
   if cfg.dq_fused and not deterministic and not cfg.dkv_split:
     dk, dv, dq_acc = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
                                num_wgs=cfg.num_wgs_dkv, fused_dq=True, **common)
@@ -653,8 +654,8 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   return dq, dk, dv
 
 
-def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, scale, is_causal,
-                      seq_q, cfg, emulate):
+def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, tables, scale,
+                      is_causal, seq_q, cfg, emulate):
   """The separate dK/dV (or dV, dK) and dQ kernels of an attention variant, each reading the range
   table of its own tiles (no fused dQ)."""
   b, t_hbm, n, h = qp.shape
@@ -672,21 +673,25 @@ def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, sc
 
   common = dict(scale=scale, is_causal=is_causal, cfg=cfg, emulate=emulate, variant=variant)
 
-  def dkv(want_dk, want_dv, num_wgs):
+  def dkv(want_dk, want_dv, num_wgs, name):
     cols = num_wgs * cfg.block_k_dkv  # keys per CTA
-    ops, names = inputs(q_range_table(variant, arrays, block_q=cfg.block_q_dkv, block_k=cols,
-                                      **dims), -(-s_hbm // cols))
+    table = tables.get(name)
+    if table is None:
+      table = q_range_table(variant, arrays, block_q=cfg.block_q_dkv, block_k=cols, **dims)
+    ops, names = inputs(table, -(-s_hbm // cols))
     return _dkv_call(qp, kp, vp, dop, lse2, delta, *ops, want_dk=want_dk, want_dv=want_dv,
                      num_wgs=num_wgs, seq_q=seq_q, seq_k=s, names=names, **common)
 
   if cfg.dkv_split:
-    (dv,) = dkv(False, True, cfg.num_wgs_dkv)
-    (dk,) = dkv(True, False, cfg.num_wgs_dk)
+    (dv,) = dkv(False, True, cfg.num_wgs_dkv, "dkv")
+    (dk,) = dkv(True, False, cfg.num_wgs_dk, "dk")
   else:
-    dk, dv = dkv(True, True, cfg.num_wgs_dkv)
+    dk, dv = dkv(True, True, cfg.num_wgs_dkv, "dkv")
   rows = cfg.num_wgs_dq * cfg.block_q_dq  # query rows per dQ CTA
-  ops, names = inputs(kv_range_table(variant, arrays, block_q=rows, block_k=cfg.block_k_dq, **dims),
-                      -(-t_hbm // rows))
+  table = tables.get("dq")
+  if table is None:
+    table = kv_range_table(variant, arrays, block_q=rows, block_k=cfg.block_k_dq, **dims)
+  ops, names = inputs(table, -(-t_hbm // rows))
   dq = _dq_call(qp, kp, vp, dop, lse2, delta, *ops, seq_k=s, seq_q=seq_q, names=names, **common)
   return dq[:, :t], dk[:, :s], dv[:, :s]
 

@@ -160,6 +160,16 @@ class MosaicConfig:
 
   replace = dataclasses.replace
 
+  def range_tiles(self) -> dict:
+    """The block-range tables the kernels read for an attention variant
+    (:func:`fa2_jax.block_ranges.range_tables`), one per CTA tiling: name -> (kind, rows, keys)."""
+    tiles = {"fwd": ("kv", self.num_wgs * self.block_q, self.block_k),
+             "dkv": ("q", self.block_q_dkv, self.num_wgs_dkv * self.block_k_dkv),
+             "dq": ("kv", self.num_wgs_dq * self.block_q_dq, self.block_k_dq)}
+    if self.dkv_split:  # the dK kernel has its own key tiles
+      tiles["dk"] = ("q", self.block_q_dkv, self.num_wgs_dk * self.block_k_dkv)
+    return tiles
+
   def registers(self, num_wgs: int) -> int:
     """setmaxnreg of the consumer warpgroups (the producer gets ``memory_registers``).
 

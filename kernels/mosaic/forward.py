@@ -229,13 +229,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, lse_smem, q
 
 
 def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | None = None,
-            variant=None, arrays=None):
+            variant=None, arrays=None, table=None):
   """Attention forward on Hopper.
 
   Args:
     q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` (``N % K == 0``), bfloat16 or float16.
     scale: static Python float. is_causal: top-left causal mask.
     config: a :class:`MosaicConfig`, default ``MosaicConfig.default(H)``.
+    variant, arrays: an attention variant (:mod:`fa2_jax.masking`; None: dense or ``is_causal``).
+    table: its precomputed range table (``config.range_tiles()["fwd"]``), or None to compute it.
 
   Returns:
     ``out [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, natural log.
@@ -256,8 +258,9 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
   if variant is not None:
     v = zero_padding(v, arrays.kv_lengths)  # P V: a padded key's NaN must not meet P = 0
     n_tiles = -(-plan.t_hbm // rows)
-    table = kv_range_table(variant, arrays, batch=b, heads=n, seq_q=t, seq_k=s, block_q=rows,
-                           block_k=cfg.block_k)  # [B, N', cdiv(T, rows), 4]
+    if table is None:
+      table = kv_range_table(variant, arrays, batch=b, heads=n, seq_q=t, seq_k=s, block_q=rows,
+                             block_k=cfg.block_k)  # [B, N', cdiv(T, rows), 4]
     if (why := variant_supported(variant, table.shape[1])) is not None:
       raise NotImplementedError(f"fa2_jax mosaic forward: {why}")
     table = jnp.pad(table, ((0, 0), (0, 0), (0, n_tiles - table.shape[2]), (0, 0)))

@@ -218,7 +218,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: fl
 
 def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool, block_q_dkv: int,
              block_k_dkv: int, block_q_dq: int, block_k_dq: int, num_warps: int, num_stages: int,
-             interpret: bool, variant: Variant | None = None, arrays: VariantArrays | None = None):
+             interpret: bool, variant: Variant | None = None, arrays: VariantArrays | None = None,
+             tables: dict | None = None):
   """Gradients of attention w.r.t. q, k, v.
 
   Args:
@@ -226,6 +227,8 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
     variant, arrays: the attention variant (:mod:`fa2_jax.masking`; None: dense or ``is_causal``).
+    tables: its precomputed range tables ``{"dkv": ..., "dq": ...}`` (``BlockSizes.range_tiles``),
+      or None to compute them here.
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v.
@@ -251,10 +254,15 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   dq_ops, dq_specs, dq_names = [], [], ()
   if table:
     dims = dict(batch=b, heads=n, seq_q=t, seq_k=s)
-    q_table = q_range_table(variant, arrays, block_q=block_q_dkv, block_k=block_k_dkv, **dims)
+    tables = tables or {}
+    q_table = tables.get("dkv")
+    if q_table is None:
+      q_table = q_range_table(variant, arrays, block_q=block_q_dkv, block_k=block_k_dkv, **dims)
     dkv_ops, dkv_specs, dkv_names = variant_inputs(variant, arrays, q_table, kv_heads_grid=True,
                                                    group=group)
-    kv_table = kv_range_table(variant, arrays, block_q=block_q_dq, block_k=block_k_dq, **dims)
+    kv_table = tables.get("dq")
+    if kv_table is None:
+      kv_table = kv_range_table(variant, arrays, block_q=block_q_dq, block_k=block_k_dq, **dims)
     dq_ops, dq_specs, dq_names = variant_inputs(variant, arrays, kv_table, kv_heads_grid=False,
                                                 group=group)
 

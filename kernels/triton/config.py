@@ -66,6 +66,13 @@ class BlockSizes:
     """Largest query tile: lse/delta/dQ buffers are padded to a multiple of it."""
     return max(self.block_q, self.block_q_dkv, self.block_q_dq)
 
+  def range_tiles(self) -> dict:
+    """The block-range tables the kernels read for an attention variant
+    (:func:`fa2_jax.block_ranges.range_tables`): name -> (kind, block_q, block_k)."""
+    return {"fwd": ("kv", self.block_q, self.block_k),
+            "dkv": ("q", self.block_q_dkv, self.block_k_dkv),
+            "dq": ("kv", self.block_q_dq, self.block_k_dq)}
+
   def clamp(self, seq_q: int, seq_k: int) -> "BlockSizes":
     """Shrink tiles for short sequences (no tile larger than the next power of two of the length)."""
     cq = max(_MIN_BLOCK, 1 << max(0, math.ceil(math.log2(max(seq_q, 1)))))

@@ -136,12 +136,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
 
 def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: int, num_warps: int,
             num_stages: int, interpret: bool, variant: Variant | None = None,
-            arrays: VariantArrays | None = None):
+            arrays: VariantArrays | None = None, table=None):
   """Run the forward kernel.
 
   Args:
     q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` with ``N % K == 0``.
     variant, arrays: the attention variant (:mod:`fa2_jax.masking`; None: dense or ``is_causal``).
+    table: its precomputed key-block range table (``BlockSizes.range_tiles()["fwd"]``), or None to
+      compute it here.
 
   Returns:
     ``out [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, natural log.
@@ -154,8 +156,9 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
   variant = variant or Variant(is_causal=bool(is_causal))
   ops, specs, names = [], [], ()
   if uses_table(variant):
-    table = kv_range_table(variant, arrays, batch=b, heads=n, seq_q=t, seq_k=s, block_q=block_q,
-                           block_k=block_k)  # [B, N', nq, 4]
+    if table is None:
+      table = kv_range_table(variant, arrays, batch=b, heads=n, seq_q=t, seq_k=s, block_q=block_q,
+                             block_k=block_k)  # [B, N', nq, 4]
     ops, specs, names = variant_inputs(variant, arrays, table, kv_heads_grid=False, group=group)
   kernel = functools.partial(
       _fwd_kernel, scale=float(scale), variant=variant, names=names, seq_q=t, seq_k=s, head_dim=h,
