@@ -39,6 +39,10 @@ Profiles (registered in ``conftest.py``; ``HYPOTHESIS_PROFILE`` selects one, ``c
 ``ci`` and ``gpu`` do not shrink (a failing run stays bounded): they print the failing :class:`Call`
 as drawn; ``ci-shrink`` and ``long`` minimise it. ``check_call(Call(...), "triton")`` (or ``"default"``,
 ``"mosaic"``) replays a printed call outside hypothesis.
+
+The attention variants are drawn by :func:`variant_calls` (every combination of causal, window,
+lengths, segment ids, offset, soft cap, ALiBi, ``mask_fn`` and ``score_fn``, GQA, ragged ``T``/``S``)
+and checked against ``test_variants``' numpy reference on the formula and the Triton kernels.
 """
 from __future__ import annotations
 
@@ -670,6 +674,59 @@ def test_unattended_keys_cannot_leak(backend, case):
   are zero."""
   call, poison = case
   check_call(call, backend, poison=poison)
+
+
+# --- attention variants: drawn combinations ------------------------------------------------------
+
+_MASK_FNS = (  # (numpy, jnp) pairs of the same rule, on absolute query positions p and keys j
+    (lambda b, h, p, j: (p - j) % 3 != 1, lambda b, h, p, j: (p - j) % 3 != 1),
+    (lambda b, h, p, j: (j != 2) | (b == 1), lambda b, h, p, j: (j != 2) | (b == 1)),
+)
+
+
+@st.composite
+def variant_calls(draw, max_len=24):
+  """A call with a drawn combination of attention variants: ``(spec, b, t, s, n, kh, h, seed)`` in
+  the terms of ``test_variants.Spec``, every variant argument independently present or not."""
+  from test_variants import Spec, _score_fn
+  b, t, s = draw(st.integers(1, 2)), draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+  kh = draw(st.sampled_from((1, 2)))
+  n = kh * draw(st.sampled_from((1, 2)))
+  h = draw(st.sampled_from((8, 16, 24)))
+  side = st.none() | st.integers(0, 10)
+  lengths = lambda hi: st.none() | st.lists(st.integers(0, hi), min_size=b, max_size=b)  # noqa: E731
+  ids = lambda size: st.lists(st.integers(0, 3), min_size=size, max_size=size)  # noqa: E731
+  spec = Spec(causal=draw(st.booleans()), window=draw(st.none() | st.tuples(side, side)))
+  if (q_len := draw(lengths(t))) is not None:
+    spec.q_len = np.array(q_len)
+  if (kv_len := draw(lengths(s))) is not None:
+    spec.kv_len = np.array(kv_len)
+  if draw(st.booleans()):  # packed documents: non-decreasing segment ids per row
+    spec.q_seg = np.sort(np.array([draw(ids(t)) for _ in range(b)]), axis=1).astype(np.int32)
+    spec.kv_seg = np.sort(np.array([draw(ids(s)) for _ in range(b)]), axis=1).astype(np.int32)
+  if draw(st.booleans()):
+    spec.q_offset = np.array(draw(st.lists(st.integers(-8, 16), min_size=b, max_size=b)))
+  spec.cap = draw(st.none() | st.sampled_from((0.75, 3.0)))
+  if draw(st.booleans()):
+    spec.slopes = np.array(draw(st.lists(st.sampled_from((0.0, 0.125, 0.5)), min_size=b * n,
+                                         max_size=b * n)), np.float32).reshape(b, n)
+  if (mask := draw(st.none() | st.sampled_from(_MASK_FNS))) is not None:
+    spec.mask_np, spec.mask_jnp = mask
+  if draw(st.booleans()):
+    spec.score = _score_fn()
+  return spec, b, t, s, n, kh, h, draw(st.integers(0, 2**16))
+
+
+@pytest.mark.parametrize("backend", ["xla", "triton"])
+@examples(0.5)
+@given(case=variant_calls())
+def test_variant_combinations_match_reference(backend, case):
+  """Any combination of causal, window, lengths, segment ids, offset, soft cap, ALiBi, mask_fn and
+  score_fn: out, lse and gradients against test_variants' independent float64 numpy reference (the
+  Triton kernels in interpret mode off a GPU)."""
+  from test_variants import check_against_numpy
+  spec, b, t, s, n, kh, h, seed = case
+  check_against_numpy(backend, spec, b, t, s, n, kh, h=h, seed=seed)
 
 
 # --- GPU: compiled, bigger shapes ---------------------------------------------------------------------

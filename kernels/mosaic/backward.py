@@ -3,7 +3,7 @@
 1. ``delta = rowsum(dO ∘ O)`` (Alg. 2 line 4, the ``D_i`` of eq. 4) is a memory-bound row reduction:
    one fused XLA op computes it (minus the lse cotangent, if any) before the kernels, together with
    ``lse * log2(e)`` so the kernels recompute ``P`` with a single exp2.
-2. **dK/dV kernel** — grid ``(batch, KV head, key tile)`` (FA2 §3.2: parallel over the *key* sequence,
+2. **dK/dV kernel** (``dkdv.py``) — grid ``(batch, KV head, key tile)`` (FA2 §3.2: parallel over the *key* sequence,
    so no two CTAs write the same dK/dV rows and no atomics are needed). Each consumer warpgroup owns 64
    keys: ``K_j, V_j`` sit in SMEM, ``dK_j, dV_j`` in f32 registers (wgmma accumulators). A producer
    warpgroup streams ``Q_i, dO_i, lse_i, delta_i`` tiles through a ``num_stages`` SMEM ring (TMA,
@@ -17,7 +17,7 @@
    are summed over the group on chip and written once per KV head (no XLA sum, no [B, S, N, H] buffer).
    For head_dim > 128 two 64 x H f32 accumulators do not fit in registers: ``dkv_split`` runs a dV-only
    pass and a dK-only pass (the dK pass with one consumer so K, V, Q, dO fit in SMEM).
-3. **dQ kernel** (deterministic; FA2 writes dQ with atomic adds, here a separate pass with grid
+3. **dQ kernel** (``dq.py``; deterministic; FA2 writes dQ with atomic adds, here a separate pass with grid
    ``(batch, head, query tile)`` owns each dQ_i and loops over key tiles, recomputing S, P, dP, dS — the
    structure of the forward): ``dQ_i += dS K_j`` (line 15), no atomics, bit-identical across runs.
 
@@ -32,532 +32,27 @@
 
 Causal (§3.1 "causal masking"): the dK/dV loop starts at the first query tile that reaches the CTA's
 keys and only tiles straddling the diagonal run the masked body; the dQ loop stops at the diagonal.
-The softmax scale multiplies dK and dQ once at the end (dS stays unscaled in the loops). Every row
-sees key 0 (top-left causal), so lse is finite and the recomputed P needs no -inf guard.
+The softmax scale multiplies dK and dQ once at the end (dS stays unscaled in the loops). A row with no
+allowed key (an attention variant) has lse = -inf, which the prologue maps to +inf: its recomputed P
+is 0, not NaN.
 Padded/out-of-bounds rows: Q, dO, lse2 and delta read as zero there, which makes their P^T dO and
 dS^T Q contributions exactly zero; padded keys have K = V = 0 and are masked in the dQ kernel.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 
-import jax
 import jax.numpy as jnp
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...block_ranges import kv_range_table, q_range_table
-from ...masking import Variant, allowed
-from ..vma import out_struct
-from .config import LOG2E, WG_ROWS, MosaicConfig, dq_piece, dq_split, supports
+from .config import LOG2E, WG_ROWS, MosaicConfig, supports
+from .dkdv import dkv_call
+from .dq import dq_call
 from .lengths import pad_axis, plan_lengths
-from .schedule import causal_section, kv_block_ranges, lpt_tile, q_block_ranges
-from .variant import Refs
+from .ops import emulating
 from .variant import operands as variant_operands
 from .variant import supported as variant_supported
 from .variant import zero_padding
-from .ops import (Product, bcast_cols, bcast_rows, emulating, iota2, mma, mma_fresh_and_carried,
-                  mma_many, smem_transforms, smem_transforms_f32, stream_kv, ws_kernel,
-                  zeros as _zeros)
-
-
-# --- dK / dV ---------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class _Dkv:
-  scale: float
-  is_causal: bool
-  seq_q: int  # true T
-  group: int
-  head_dim: int
-  block_q: int  # rows of each streamed Q/dO tile
-  block_k: int  # keys per consumer warpgroup (64)
-  num_stages: int
-  num_wgs: int
-  want_dk: bool
-  want_dv: bool
-  dtype: object
-  registers: int
-  memory_registers: int
-  emulate: bool = False
-  n_heads: int = 1  # K (KV heads)
-  n_bh: int = 1  # B * K
-  n_k_tiles: int = 1
-  section: int = 1  # causal launch order: KV heads per LPT section (schedule.lpt_tile)
-  # dQ inside this kernel (FA2 Alg. 2 line 15 with the paper's accumulation across key blocks): each
-  # step's dS_ij K_j goes to an f32 HBM accumulator by a TMA reduce-add (no separate dQ kernel, so S
-  # and dP are computed once instead of twice; not bit-reproducible: the adds' order varies).
-  fused_dq: bool = False
-  # How the fused dQ_i contribution of a CTA ([block_q, H] over all its num_wgs * block_k keys) is cut
-  # among the consumers: "cols" (each consumer H / num_wgs columns), "rows" (block_q / num_wgs rows)
-  # or None (each consumer its own keys' full [block_q, H] partial: num_wgs reduce-adds of the same
-  # rows). See dq_split.
-  dq_split: str | None = None
-  seq_k: int = 0  # true S (keys past it are TMA zero fill; a variant's mask excludes them)
-  variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
-  names: tuple[str, ...] = ()  # its operands, after delta
-
-
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, k_smem, v_smem, q_smem,
-                do_smem, lse_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, lse_bar, delta_bar,
-                free, ds_smem=None, dq_smem=None, ds_bar=None, dq_acc_ref=None, closed_outs=None,
-                st: _Dkv):
-  # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref (base 2), delta_ref: [B, N, T_lse]
-  # outputs: dk_ref and/or dv_ref [B, S, K, H] (per want_dk / want_dv).
-  # fused_dq: dq_acc_ref [B, T, N, H] f32, zero-initialised by the caller (a closed-over ref, so it is
-  # aliased in and out of the kernel); emulation: [n_k_tiles * num_wgs, B, T, N, H], one slab per
-  # consumer, summed by the caller (Pallas' GPU interpreter has no TMA reduce-add).
-  # ds_smem [2, num_wgs, block_k, block_q]: dS^T per consumer, double-buffered by step parity so a
-  # consumer can write step i+1's tile while the other still reads step i's (dq_split);
-  # dq_smem [num_wgs, rows, cols]: each consumer's f32 dQ piece, the source of its reduce-add.
-  # Then the variant operands named by st.names (kernels/mosaic/variant.py).
-  var_refs, out_refs = refs[:len(st.names)], refs[len(st.names):]
-  bq, bk, nwg, stages, g_size = st.block_q, st.block_k, st.num_wgs, st.num_stages, st.group
-  variant = st.variant
-  c = st.scale * LOG2E
-  outs = list(out_refs if closed_outs is None else closed_outs)
-  dk_ref = outs.pop(0) if st.want_dk else None
-  dv_ref = outs.pop(0) if st.want_dv else None
-  b = lax.axis_index("b")
-  kvh = lax.axis_index("h")
-  kt = lax.axis_index("k")
-  if st.is_causal:  # LPT: the first key tiles see the most queries, launch them first
-    b, kvh, kt = lpt_tile(b, kvh, kt, n_h=st.n_heads, n_t=st.n_k_tiles, n_bh=st.n_bh,
-                          section=st.section, longest_last=False)
-  wg = lax.axis_index("wg")
-  cta_k0 = kt * (nwg * bk)
-  if variant is None:
-    i_start, i_full, nq = q_block_ranges(cta_k0, nwg * bk, block_q=bq, seq_q=st.seq_q,
-                                         is_causal=st.is_causal)
-  else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
-    vr = Refs(variant, st.names, var_refs, b)
-    i_start, full_lo, full_hi, nq = vr.ranges(kt)
-  n_i = nq - i_start  # query tiles per group head (traced when causal)
-  n_steps = n_i * g_size
-
-  @pl.when(wg < nwg)
-  def _consumer():
-    plgpu.set_max_registers(st.registers, action="increase")
-    k0 = cta_k0 + wg * bk
-    k_s = k_smem.at[wg]
-    rows = (b, pl.ds(k0, bk), kvh)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_s, k_bar.at[wg])
-    if st.want_dk:
-      v_s = v_smem.at[wg]
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s, v_bar.at[wg])
-    plgpu.barrier_wait(k_bar.at[wg])
-    if st.want_dk:
-      plgpu.barrier_wait(v_bar.at[wg])
-
-    hd = st.head_dim
-    split = st.dq_split
-    rows_q, cols_q = dq_piece(bq, hd, nwg)  # this consumer's fused-dQ piece
-
-    def fused_dq_step(idx, i, g, ds16, q_t, dk):
-      """dK_j += dS^T Q_i and the fused dQ_i += dS_ij K_j (Alg. 2 lines 15-16), both wgmmas in
-      flight at once; the dQ piece leaves by TMA reduce-add into the f32 HBM accumulator."""
-      par = lax.rem(idx, jnp.array(2, idx.dtype))
-      ds_smem.at[par, wg][...] = ds16  # dS^T [keys, rows] staged so wgmma can read it transposed
-      plgpu.commit_smem()
-      if split is None:  # this consumer's keys only: A = (dS^T)^T [rows, keys], B = K_j [keys, H]
-        terms = [(ds_smem.at[par, wg], k_s)]
-      else:  # both consumers' keys (wait until both dS^T tiles are in SMEM)
-        plgpu.barrier_arrive(ds_bar.at[0])
-        plgpu.barrier_wait(ds_bar.at[0])
-        if split == "cols":
-          terms = [(ds_smem.at[par, w], k_smem.at[w, :, pl.ds(wg * cols_q, cols_q)])
-                   for w in range(nwg)]
-        else:
-          terms = [(ds_smem.at[par, w, :, pl.ds(wg * rows_q, rows_q)], k_smem.at[w])
-                   for w in range(nwg)]
-      (a0, b0), more = terms[0], [(a, b_, True, False) for a, b_ in terms[1:]]
-      dk, dq_part = mma_fresh_and_carried(  # dQ piece (fresh) and dK_j += dS^T Q_i, one wait
-          Product((rows_q, cols_q), a0, b0, ta=True, more=more),
-          Product((bk, hd), ds16, q_t, init=dk))
-      h = kvh * g_size + g
-      r0 = i * bq + wg * rows_q if split == "rows" else i * bq
-      dq_rows = (b, pl.ds(r0, rows_q), h)
-      if split == "cols":
-        dq_rows += (pl.ds(wg * cols_q, cols_q),)
-      if st.emulate:
-        dst = dq_acc_ref.at[(kt * nwg + wg,) + dq_rows]
-      else:
-        dst = dq_acc_ref.at[dq_rows]
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_smem
-      dq_smem.at[wg][...] = dq_part
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op=None if st.emulate else "add")
-      return dk
-
-    def step(i, carry, g, masked: bool):
-      dk, dv = carry
-      idx = g * n_i + (i - i_start)
-      slot = lax.rem(idx, jnp.array(stages, idx.dtype))
-      q_t = q_smem.at[slot]
-      do_t = do_smem.at[slot]
-      plgpu.barrier_wait(q_bar.at[slot])
-
-      st_ = mma((bk, bq), k_s, q_t, tb=True)  # S^T = K_j Q_i^T  [keys, rows]
-      plgpu.barrier_wait(lse_bar.at[slot])
-      lse2 = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      h = kvh * g_size + g
-      deriv = keep = None
-      if variant is not None and variant.modifies_scores:
-        s2, deriv = vr.scores(st_, st.scale, h, i * bq, k0, transposed=True, derivative=True)
-        p_t = jnp.exp2(s2 - bcast_cols(lse2, st_.shape))
-      else:
-        p_t = jnp.exp2(st_ * c - bcast_cols(lse2, st_.shape))  # P^T, recomputed from the lse
-      if masked:
-        if variant is None:
-          k_pos = k0 + iota2((bk, bq), 0)
-          q_pos = i * bq + iota2((bk, bq), 1)
-          keep = allowed(q_pos, k_pos, is_causal=st.is_causal)
-        else:
-          keep = vr.keep((bk, bq), h, i * bq, k0, seq_q=st.seq_q, seq_k=st.seq_k, transposed=True)
-        if keep is not None:
-          p_t = jnp.where(keep, p_t, 0.0)
-      p16 = p_t.astype(st.dtype)
-      plgpu.barrier_wait(do_bar.at[slot])
-      if st.want_dv and st.want_dk:  # both wgmmas in flight at once, one wait
-        dv, dp_t = mma_many([Product((bk, st.head_dim), p16, do_t, init=dv),  # dV_j += P^T dO_i
-                             Product((bk, bq), v_s, do_t, tb=True)])  # dP^T = V_j dO_i^T
-      elif st.want_dv:
-        dv = mma((bk, st.head_dim), p16, do_t, init=dv)
-      else:
-        dp_t = mma((bk, bq), v_s, do_t, tb=True)
-      if st.want_dk:
-        plgpu.barrier_wait(delta_bar.at[slot])
-        delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        ds_t = p_t * (dp_t - bcast_cols(delta, dp_t.shape))  # dS^T = P^T ∘ (dP^T − D_i)  (eq. 4)
-        if deriv is not None:
-          ds_t = ds_t * deriv  # through soft cap / score_fn: d s_out / d s_in
-        if variant is not None and keep is not None:
-          ds_t = jnp.where(keep, ds_t, 0.0)  # masked pairs: no 0 * NaN from dP or the derivative
-        ds16 = ds_t.astype(st.dtype)
-        if not st.fused_dq:
-          dk = mma((bk, st.head_dim), ds16, q_t, init=dk)  # dK_j += dS^T Q_i
-        else:
-          dk = fused_dq_step(idx, i, g, ds16, q_t, dk)
-      plgpu.barrier_arrive(free.at[slot])  # all wgmmas reading this slot have completed
-      return dk, dv
-
-    def over_queries(g, carry):
-      masked = functools.partial(step, g=g, masked=True)
-      unmasked = functools.partial(step, g=g, masked=False)
-      if variant is None:
-        carry = lax.fori_loop(i_start, i_full, masked, carry)
-        return lax.fori_loop(i_full, nq, unmasked, carry)
-      # In the producer's order: [lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, hi) masked.
-      carry = lax.fori_loop(i_start, full_lo, masked, carry)
-      carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-      return lax.fori_loop(full_hi, nq, masked, carry)
-
-    carry = (_zeros((bk, hd)) if st.want_dk else None, _zeros((bk, hd)) if st.want_dv else None)
-    if g_size == 1:
-      dk, dv = over_queries(jnp.int32(0), carry)
-    else:
-      dk, dv = lax.fori_loop(0, g_size, over_queries, carry)  # GQA: sum over the head group
-
-    if st.fused_dq and split is not None:  # the other consumer's last dQ wgmma has read our K_j
-      plgpu.barrier_arrive(ds_bar.at[0])
-      plgpu.barrier_wait(ds_bar.at[0])
-    # K_j / V_j are dead: reuse their SMEM to stage the results for the TMA store.
-    if st.want_dk:
-      k_s[...] = (dk * st.scale).astype(st.dtype)
-    if st.want_dv:
-      dv_s = v_smem.at[wg] if st.want_dk else k_s
-      dv_s[...] = dv.astype(st.dtype)
-    plgpu.commit_smem()
-    if st.want_dk:
-      plgpu.copy_smem_to_gmem(k_s, dk_ref.at[rows], commit_group=False)
-    if st.want_dv:
-      plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[rows], commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)
-
-  @pl.when(wg == nwg)
-  def _producer():
-    plgpu.set_max_registers(st.memory_registers, action="decrease")
-
-    @pl.loop(0, n_steps)
-    def _(idx):
-      slot = lax.rem(idx, jnp.array(stages, idx.dtype))
-      g = lax.div(idx, n_i)
-      i = i_start + lax.rem(idx, n_i)
-      h = kvh * g_size + g  # query head g of this KV head's group
-      rows = (b, pl.ds(i * bq, bq), h)
-      lse_rows = (b, h, pl.ds(i * bq, bq))
-
-      @pl.when(idx >= stages)
-      def _():
-        plgpu.barrier_wait(free.at[slot])
-
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[lse_rows], lse_smem.at[slot], lse_bar.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
-      if st.want_dk:
-        plgpu.copy_gmem_to_smem(delta_ref.at[lse_rows], delta_smem.at[slot], delta_bar.at[slot])
-
-    @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)  # drain (see forward)
-    def _(idx):
-      plgpu.barrier_wait(free.at[lax.rem(idx, jnp.array(stages, idx.dtype))])
-
-
-# jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
-@functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_q', 'cfg', 'want_dk', 'want_dv',
-                                             'num_wgs', 'emulate', 'fused_dq', 'seq_k', 'variant',
-                                             'names'))
-def _dkv_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_q, cfg: MosaicConfig,
-              want_dk, want_dv, num_wgs, emulate, fused_dq=False, seq_k=0, variant=None, names=()):
-  b, t_hbm, n, h = q.shape
-  s_hbm, kh = k.shape[1], k.shape[2]
-  bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv
-  n_k_tiles = -(-s_hbm // (num_wgs * bk))
-  st = _Dkv(scale=scale, is_causal=is_causal, seq_q=seq_q, group=n // kh, head_dim=h, block_q=bq,
-            block_k=bk, num_stages=stages, num_wgs=num_wgs, want_dk=want_dk, want_dv=want_dv,
-            dtype=q.dtype, registers=cfg.registers(num_wgs),
-            memory_registers=cfg.memory_registers, emulate=emulate, fused_dq=fused_dq,
-            dq_split=dq_split(bq, h, num_wgs) if fused_dq else None, n_heads=kh, n_bh=b * kh,
-            n_k_tiles=n_k_tiles,
-            section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
-                                   kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
-            seq_k=seq_k, variant=variant, names=names)
-  tf = smem_transforms()
-  scratch = dict(
-      k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
-      v_smem=plgpu.SMEM((num_wgs, bk, h), v.dtype, transforms=tf) if want_dk else None,
-      q_smem=plgpu.SMEM((stages, bq, h), q.dtype, transforms=tf),
-      do_smem=plgpu.SMEM((stages, bq, h), do.dtype, transforms=tf),
-      lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
-      delta_smem=plgpu.SMEM((stages, bq), jnp.float32) if want_dk else None,
-      k_bar=plgpu.Barrier(num_barriers=num_wgs),
-      v_bar=plgpu.Barrier(num_barriers=num_wgs) if want_dk else None,
-      q_bar=plgpu.Barrier(num_barriers=stages),
-      do_bar=plgpu.Barrier(num_barriers=stages),
-      lse_bar=plgpu.Barrier(num_barriers=stages),
-      delta_bar=plgpu.Barrier(num_barriers=stages) if want_dk else None,
-      free=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
-  )
-  if fused_dq:
-    rows_q, cols_q = dq_piece(bq, h, num_wgs)
-    scratch["ds_smem"] = plgpu.SMEM((2, num_wgs, bk, bq), q.dtype, transforms=tf)
-    scratch["dq_smem"] = plgpu.SMEM((num_wgs, rows_q, cols_q), jnp.float32,
-                                    transforms=smem_transforms_f32())
-    if st.dq_split is not None:
-      scratch["ds_bar"] = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1)
-  out_type = []
-  if want_dk:
-    out_type.append(out_struct(k.shape, k.dtype, q))
-  if want_dv:
-    out_type.append(out_struct(v.shape, v.dtype, q))
-  name = "fa2_mosaic_dkdv" if (want_dk and want_dv) else ("fa2_mosaic_dk" if want_dk else
-                                                           "fa2_mosaic_dv")
-
-  def launch(out_type, operands, **extra):
-    return ws_kernel(
-        functools.partial(_dkv_kernel, st=st, **extra), out_type=tuple(out_type), scratch=scratch,
-        grid=(b, kh, n_k_tiles), grid_names=("b", "h", "k"), num_consumers=num_wgs,
-        name=name + ("_dq" if fused_dq else ""),
-    )(*operands)
-
-  operands = (q, k, v, do, lse2, delta, *extras)
-  if not fused_dq:
-    return tuple(launch(out_type, operands))
-  # The dQ accumulator is a ref the kernel closes over: Pallas passes its zero-filled initial value in
-  # and aliases it to the output, which a TMA reduce-add needs (a kernel's own outputs start
-  # uninitialised). dK and dV are closed-over refs too, so every result leaves through the state.
-  acc_shape = (b, t_hbm, n, h) if not emulate else (n_k_tiles * num_wgs, b, t_hbm, n, h)
-
-  @jax.custom_batching.custom_vmap
-  def fused(*operands):
-    def stateful(refs):
-      acc_ref, dk_ref, dv_ref = refs
-      launch((), operands, dq_acc_ref=acc_ref, closed_outs=(dk_ref, dv_ref))
-
-    acc, dk, dv = pl.run_state(stateful)((jnp.zeros(acc_shape, jnp.float32),
-                                          jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)))
-    return dk, dv, (acc.sum(axis=0) if emulate else acc)
-
-  @fused.def_vmap
-  def _vmap(axis_size, in_batched, *args):
-    # run_state has no batching rule: fold the vmapped axis into the batch axis B (every operand has
-    # B first), run the kernel once over V * B, and unfold (unbatched operands are broadcast).
-    args = [x if bt else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, bt in zip(args, in_batched)]
-    merged = [x.reshape((axis_size * x.shape[1], *x.shape[2:])) for x in args]
-    outs = _dkv_call(*merged, scale=scale, is_causal=is_causal, seq_q=seq_q, cfg=cfg, want_dk=want_dk,
-                     want_dv=want_dv, num_wgs=num_wgs, emulate=emulate, fused_dq=True)
-    return tuple(o.reshape((axis_size, -1, *o.shape[1:])) for o in outs), (True, True, True)
-
-  return fused(*operands)
-
-
-# --- dQ ----------------------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class _Dq:
-  scale: float
-  is_causal: bool
-  seq_k: int  # true S
-  group: int
-  head_dim: int
-  block_q: int  # rows per consumer warpgroup (64)
-  block_k: int
-  num_stages: int
-  num_wgs: int
-  n_q_tiles: int
-  dtype: object
-  registers: int
-  memory_registers: int
-  emulate: bool = False
-  n_heads: int = 1  # N
-  n_bh: int = 1  # B * N
-  section: int = 1  # causal launch order: heads per LPT section (schedule.lpt_tile)
-  seq_q: int = 0  # true T
-  variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
-  names: tuple[str, ...] = ()  # its operands, after delta
-
-
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, q_smem, do_smem,
-               lse_smem, delta_smem, k_smem, v_smem, q_bar, do_bar, lse_bar, delta_bar, k_bar,
-               v_bar, k_free, v_free, st: _Dq):
-  # Then the variant operands named by st.names, then dq_ref [B, T, N, H].
-  var_refs, (dq_ref,) = refs[:len(st.names)], refs[len(st.names):]
-  bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
-  variant = st.variant
-  c = st.scale * LOG2E
-  b = lax.axis_index("b")
-  h = lax.axis_index("h")
-  qt = lax.axis_index("q")
-  if st.is_causal:  # LPT: the last query tiles see the most keys, launch them first
-    b, h, qt = lpt_tile(b, h, qt, n_h=st.n_heads, n_t=st.n_q_tiles, n_bh=st.n_bh,
-                        section=st.section, longest_last=True)
-  wg = lax.axis_index("wg")
-  kvh = lax.div(h, jnp.array(st.group, h.dtype))
-  cta_row0 = qt * (nwg * bq)
-  if variant is None:
-    lo = 0
-    n_full, n_end = kv_block_ranges(cta_row0, nwg * bq, block_k=bk, seq_k=st.seq_k,
-                                    is_causal=st.is_causal)
-  else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
-    vr = Refs(variant, st.names, var_refs, b)
-    lo, full_lo, full_hi, n_end = vr.ranges(qt)
-  key_tail = st.seq_k % bk != 0
-
-  @pl.when(wg < nwg)
-  def _consumer():
-    plgpu.set_max_registers(st.registers, action="increase")
-    row0 = cta_row0 + wg * bq
-    rows = (b, pl.ds(row0, bq), h)
-    lse_rows = (b, h, pl.ds(row0, bq))
-    q_s, do_s = q_smem.at[wg], do_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s, q_bar.at[wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s, do_bar.at[wg])
-    plgpu.copy_gmem_to_smem(lse_ref.at[lse_rows], lse_smem.at[wg], lse_bar.at[wg])
-    plgpu.copy_gmem_to_smem(delta_ref.at[lse_rows], delta_smem.at[wg], delta_bar.at[wg])
-    for bar in (q_bar, do_bar, lse_bar, delta_bar):
-      plgpu.barrier_wait(bar.at[wg])
-    lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-    delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-
-    def step(j, dq, masked: bool):
-      slot = lax.rem(j - lo, jnp.array(stages, j.dtype))
-      k_t, v_t = k_smem.at[slot], v_smem.at[slot]
-      plgpu.barrier_wait(k_bar.at[slot])
-      plgpu.barrier_wait(v_bar.at[slot])
-
-      # S = Q_i K_j^T and dP = dO_i V_j^T, both in flight, one wait.
-      s, dp = mma_many([Product((bq, bk), q_s, k_t, tb=True), Product((bq, bk), do_s, v_t, tb=True)])
-      plgpu.barrier_arrive(v_free.at[slot])
-      deriv = keep = None
-      if variant is not None and variant.modifies_scores:
-        s2, deriv = vr.scores(s, st.scale, h, row0, j * bk, derivative=True)
-        p = jnp.exp2(s2 - bcast_rows(lse2, s.shape))
-      else:
-        p = jnp.exp2(s * c - bcast_rows(lse2, s.shape))  # P_ij from the saved lse
-      if masked:
-        if variant is None:
-          q_pos = row0 + iota2((bq, bk), 0)
-          k_pos = j * bk + iota2((bq, bk), 1)
-          keep = allowed(q_pos, k_pos, is_causal=st.is_causal,
-                         seq_k=st.seq_k if key_tail else None)
-        else:
-          keep = vr.keep((bq, bk), h, row0, j * bk, seq_q=st.seq_q, seq_k=st.seq_k)
-        if keep is not None:
-          p = jnp.where(keep, p, 0.0)
-      ds = p * (dp - bcast_rows(delta, dp.shape))  # dS = P ∘ (dP − D_i)
-      if deriv is not None:
-        ds = ds * deriv  # through soft cap / score_fn
-      if variant is not None and keep is not None:
-        ds = jnp.where(keep, ds, 0.0)  # masked pairs: no 0 * NaN from dP or the derivative
-      ds16 = ds.astype(st.dtype)
-
-      dq = mma((bq, st.head_dim), ds16, k_t, init=dq)  # dQ_i += dS_ij K_j (line 15, no atomics)
-      plgpu.barrier_arrive(k_free.at[slot])
-      return dq
-
-    dq = _zeros((bq, st.head_dim))
-    masked, unmasked = functools.partial(step, masked=True), functools.partial(step, masked=False)
-    if variant is None:
-      dq = lax.fori_loop(0, n_full, unmasked, dq)
-      dq = lax.fori_loop(n_full, n_end, masked, dq)
-    else:  # in the producer's order
-      dq = lax.fori_loop(lo, full_lo, masked, dq)
-      dq = lax.fori_loop(full_lo, full_hi, unmasked, dq)
-      dq = lax.fori_loop(full_hi, n_end, masked, dq)
-    q_s[...] = (dq * st.scale).astype(st.dtype)  # Q_i is dead: stage dQ_i in its SMEM
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_s, dq_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
-
-  @pl.when(wg == nwg)
-  def _producer():
-    plgpu.set_max_registers(st.memory_registers, action="decrease")
-
-    stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, b=b, kvh=kvh,
-              n_end=n_end, block_k=bk, stages=stages, start=lo)
-
-
-@functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_k', 'cfg', 'emulate', 'seq_q',
-                                             'variant', 'names'))
-def _dq_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_k, cfg: MosaicConfig, emulate,
-             seq_q=0, variant=None, names=()):
-  b, t_hbm, n, h = q.shape
-  kh = k.shape[2]
-  bq, bk, stages, nwg = cfg.block_q_dq, cfg.block_k_dq, cfg.num_stages_dq, cfg.num_wgs_dq
-  n_q_tiles = -(-t_hbm // (nwg * bq))
-  st = _Dq(scale=scale, is_causal=is_causal, seq_k=seq_k, group=n // kh, head_dim=h, block_q=bq,
-           block_k=bk, num_stages=stages, num_wgs=nwg, n_q_tiles=n_q_tiles, dtype=q.dtype,
-           registers=cfg.registers(nwg), memory_registers=cfg.memory_registers,
-           emulate=emulate, n_heads=n, n_bh=b * n,
-           section=causal_section(cfg, n_bh=b * n, group=n // kh,
-                                  kv_bytes=2 * k.shape[1] * h * k.dtype.itemsize),
-           seq_q=seq_q, variant=variant, names=names)
-  tf = smem_transforms()
-  scratch = dict(
-      q_smem=plgpu.SMEM((nwg, bq, h), q.dtype, transforms=tf),
-      do_smem=plgpu.SMEM((nwg, bq, h), do.dtype, transforms=tf),
-      lse_smem=plgpu.SMEM((nwg, bq), jnp.float32),
-      delta_smem=plgpu.SMEM((nwg, bq), jnp.float32),
-      k_smem=plgpu.SMEM((stages, bk, h), k.dtype, transforms=tf),
-      v_smem=plgpu.SMEM((stages, bk, h), v.dtype, transforms=tf),
-      q_bar=plgpu.Barrier(num_barriers=nwg),
-      do_bar=plgpu.Barrier(num_barriers=nwg),
-      lse_bar=plgpu.Barrier(num_barriers=nwg),
-      delta_bar=plgpu.Barrier(num_barriers=nwg),
-      k_bar=plgpu.Barrier(num_barriers=stages),
-      v_bar=plgpu.Barrier(num_barriers=stages),
-      k_free=plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),
-      v_free=plgpu.Barrier(num_arrivals=nwg, num_barriers=stages),
-  )
-  return ws_kernel(
-      functools.partial(_dq_kernel, st=st), out_type=out_struct(q.shape, q.dtype, q),
-      scratch=scratch, grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"), num_consumers=nwg,
-      name="fa2_mosaic_dq",
-  )(q, k, v, do, lse2, delta, *extras)
 
 
 # --- entry point -------------------------------------------------------------------------------------
@@ -631,21 +126,21 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
     return _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, plan=plan,
                              tables=tables or {}, **common)
   if cfg.dq_fused and not deterministic and not cfg.dkv_split:
-    dk, dv, dq_acc = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
+    dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
                                num_wgs=cfg.num_wgs_dkv, fused_dq=True, **common)
     dq = (dq_acc[:, :t] * scale).astype(q.dtype)
     if plan.pad_s:
       dk, dv = dk[:, :s], dv[:, :s]
     return dq, dk, dv
   if cfg.dkv_split:
-    (dv,) = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=False, want_dv=True,
+    (dv,) = dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=False, want_dv=True,
                       num_wgs=cfg.num_wgs_dkv, **common)
-    (dk,) = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=False,
+    (dk,) = dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=False,
                       num_wgs=cfg.num_wgs_dk, **common)
   else:
-    dk, dv = _dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
+    dk, dv = dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
                        num_wgs=cfg.num_wgs_dkv, **common)
-  dq = _dq_call(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, seq_k=s, cfg=cfg,
+  dq = dq_call(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, seq_k=s, cfg=cfg,
                 emulate=emulating())
   if plan.pad_t:
     dq = dq[:, :t]
@@ -679,7 +174,7 @@ def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, ta
     if table is None:
       table = q_range_table(variant, arrays, block_q=cfg.block_q_dkv, block_k=cols, **dims)
     ops, names = inputs(table, -(-s_hbm // cols))
-    return _dkv_call(qp, kp, vp, dop, lse2, delta, *ops, want_dk=want_dk, want_dv=want_dv,
+    return dkv_call(qp, kp, vp, dop, lse2, delta, *ops, want_dk=want_dk, want_dv=want_dv,
                      num_wgs=num_wgs, seq_q=seq_q, seq_k=s, names=names, **common)
 
   if cfg.dkv_split:
@@ -692,7 +187,7 @@ def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, ta
   if table is None:
     table = kv_range_table(variant, arrays, block_q=rows, block_k=cfg.block_k_dq, **dims)
   ops, names = inputs(table, -(-t_hbm // rows))
-  dq = _dq_call(qp, kp, vp, dop, lse2, delta, *ops, seq_k=s, seq_q=seq_q, names=names, **common)
+  dq = dq_call(qp, kp, vp, dop, lse2, delta, *ops, seq_k=s, seq_q=seq_q, names=names, **common)
   return dq[:, :t], dk[:, :s], dv[:, :s]
 
 

@@ -44,8 +44,8 @@ from ...masking import Variant, allowed
 from ..vma import out_struct
 from .config import LN2, LOG2E, MosaicConfig, supports
 from .lengths import pad_axis, plan_lengths
-from .schedule import causal_section, kv_block_ranges, lpt_tile
-from .ops import bcast_rows, emulating, iota2, mma, smem_transforms, stream_kv, ws_kernel
+from .schedule import causal_section, cta_tile, kv_block_ranges
+from .ops import bcast_rows, emulating, iota2, kv_producer, mma, smem_transforms, ws_kernel
 from .variant import Refs
 from .variant import operands as variant_operands
 from .variant import supported as variant_supported
@@ -86,13 +86,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, lse_smem, q
   variant = st.variant
   # Score modifications work on base-2 logits modify(scale * s) * log2(e): c = 1 then.
   c = 1.0 if variant is not None and variant.modifies_scores else st.scale * LOG2E
-  b = lax.axis_index("b")
-  h = lax.axis_index("h")
-  qt = lax.axis_index("q")
-  if st.is_causal:
-    # LPT order: the last query tiles see the most keys, launch them first so the tail is short.
-    b, h, qt = lpt_tile(b, h, qt, n_h=st.n_heads, n_t=st.n_q_tiles, n_bh=st.n_bh,
-                        section=st.section, longest_last=True)
+  # Causal: the last query tiles see the most keys, launch them first so the tail is short (LPT).
+  b, h, qt = cta_tile("q", is_causal=st.is_causal, n_heads=st.n_heads, n_tiles=st.n_q_tiles,
+                      n_bh=st.n_bh, section=st.section, longest_last=True)
   wg = lax.axis_index("wg")
   kvh = lax.div(h, jnp.array(st.group, h.dtype))  # GQA: shared K/V head, never copied in HBM
   cta_row0 = qt * (nwg * bq)
@@ -220,12 +216,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, lse_smem, q
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
 
-  @pl.when(wg == nwg)
-  def _producer():
-    plgpu.set_max_registers(st.memory_registers, action="decrease")
-
-    stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, b=b, kvh=kvh,
-              n_end=n_end, block_k=bk, stages=stages, start=lo)
+  pl.when(wg == nwg)(functools.partial(
+      kv_producer, st.memory_registers, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem,
+      k_bar=k_bar, v_bar=v_bar, k_free=k_free, v_free=v_free, b=b, kvh=kvh, n_end=n_end,
+      block_k=bk, stages=stages, start=lo))
 
 
 def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | None = None,
@@ -248,7 +242,7 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
+  s = k.shape[1]
   cfg = config or MosaicConfig.default(h, q.dtype, is_causal)
   if (why := cfg.check(h, q.dtype.itemsize)) is not None:
     raise ValueError(why)

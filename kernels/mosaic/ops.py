@@ -180,6 +180,13 @@ def mma(shape, a, b, *, tb: bool = False, ta: bool = False, init=None, between=N
   return mma_many([Product(shape, a, b, tb=tb, ta=ta, init=init)], between=between)[0]
 
 
+def kv_producer(memory_registers: int, **stream_args):
+  """The producer warpgroup of the forward and dQ kernels: give registers back to the consumers
+  (``setmaxnreg``), then :func:`stream_kv`."""
+  plgpu.set_max_registers(memory_registers, action="decrease")
+  stream_kv(**stream_args)
+
+
 def stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, b, kvh, n_end,
               block_k: int, stages: int, start=0):
   """The producer warpgroup of the forward and dQ kernels: TMA ``K_j, V_j`` (``start <= j < n_end``,

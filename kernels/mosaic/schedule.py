@@ -113,6 +113,17 @@ def lpt_tile(b, h, t, *, n_h: int, n_t: int, n_bh: int, section: int, longest_la
   return _div(head, n_h), _rem(head, n_h), tile
 
 
+def cta_tile(tile_axis: str, *, is_causal: bool, n_heads: int, n_tiles: int, n_bh: int,
+              section: int, longest_last: bool):
+  """``(batch, head, tile)`` of the running CTA on a grid ``("b", "h", tile_axis)``: its launch
+  coordinates, remapped longest-first (:func:`lpt_tile`) for causal calls."""
+  b, h, t = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index(tile_axis)
+  if is_causal:
+    b, h, t = lpt_tile(b, h, t, n_h=n_heads, n_t=n_tiles, n_bh=n_bh, section=section,
+                       longest_last=longest_last)
+  return b, h, t
+
+
 def causal_section(cfg: "MosaicConfig", *, n_bh: int, group: int, kv_bytes: int,
                    dkv: bool = False) -> int:
   """Heads per LPT section for a kernel whose CTAs of one (batch, head) stream ``kv_bytes`` of

@@ -17,7 +17,6 @@ Operands in GMEM, per name: ``table [B, 1, n_tiles, 4]`` int32, ``q_offset``/``q
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
