@@ -318,14 +318,26 @@ def _layouts(st: _Static, extras) -> tuple[str, ...]:
   return tuple(map(_layout, st.fields, extras))
 
 
+def _partitionable(st: _Static) -> bool:
+  """False for the Mosaic kernels in Pallas GPU interpret mode (CPU tests with emulated wgmma): their
+  host callbacks carry ordered effects, which a custom_partitioning call cannot lower (a KeyError
+  inside JAX); on a CPU there is nothing to partition for them anyway."""
+  if st.backend != "mosaic":
+    return True
+  from .kernels.mosaic.ops import emulating
+  return not emulating()
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, extras, st: _Static):
-  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras))
+  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
+                              partition=_partitionable(st))
   return out, jnp.swapaxes(lse, 1, 2)
 
 
 def _flash_fwd(q, k, v, extras, st: _Static):
-  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras))
+  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
+                              partition=_partitionable(st))
   return (out, jnp.swapaxes(lse, 1, 2)), (q, k, v, extras, out, lse)
 
 
@@ -360,7 +372,7 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   # d lse_i / d S_ij = P_ij, so a cotangent on lse enters dS = P ∘ (dP − D + dlse): fold it into D.
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
   dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, lse, dout.astype(q.dtype), dlse,
-                                 extras, _layouts(st, extras))
+                                 extras, _layouts(st, extras), partition=_partitionable(st))
   # The variant operands (lengths, segment ids, offsets: integers; ALiBi slopes: not differentiated)
   # get zero cotangents.
   return dq, dk, dv, tuple(None for _ in extras)

@@ -308,18 +308,25 @@ def partitioned(fn: Callable, arrays: Sequence, in_layouts: Sequence[str],
   return differentiable(*arrays)
 
 
-def forward(kernel: Callable, q, k, v, st, extras=(), extra_layouts=()):
+def forward(kernel: Callable, q, k, v, st, extras=(), extra_layouts=(), partition: bool = True):
   """``kernel(q, k, v, extras, st) -> (out [B, T, N, H], lse [B, N, T])``, partitioned; ``extras``
-  (the variant operands) are sharded by their ``extra_layouts`` (e.g. ``"b"``, ``"bt"``)."""
-  return partitioned(functools.partial(_call_forward, kernel, st), (q, k, v, *extras),
-                     (Q, KV, KV, *extra_layouts), (Q, LSE))
+  (the variant operands) are sharded by their ``extra_layouts`` (e.g. ``"b"``, ``"bt"``).
+  ``partition=False`` calls the kernel as is (kernels that cannot be partitioned, see
+  ``attention._partitionable``)."""
+  fn = functools.partial(_call_forward, kernel, st)
+  if not partition:
+    return fn(q, k, v, *extras)
+  return partitioned(fn, (q, k, v, *extras), (Q, KV, KV, *extra_layouts), (Q, LSE))
 
 
-def backward(kernel: Callable, st, q, k, v, out, lse, dout, dlse, extras=(), extra_layouts=()):
+def backward(kernel: Callable, st, q, k, v, out, lse, dout, dlse, extras=(), extra_layouts=(),
+             partition: bool = True):
   """``kernel(st, q, k, v, out, lse, dout, dlse, *extras) -> (dq, dk, dv)``, partitioned."""
-  return partitioned(functools.partial(_call_backward, kernel, st),
-                     (q, k, v, out, lse, dout, dlse, *extras),
-                     (Q, KV, KV, Q, LSE, Q, LSE, *extra_layouts), (Q, KV, KV))
+  fn = functools.partial(_call_backward, kernel, st)
+  arrays = (q, k, v, out, lse, dout, dlse, *extras)
+  if not partition:
+    return fn(*arrays)
+  return partitioned(fn, arrays, (Q, KV, KV, Q, LSE, Q, LSE, *extra_layouts), (Q, KV, KV))
 
 
 def _call_forward(kernel, st, q, k, v, *extras):
