@@ -15,7 +15,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 #   ci-shrink: the ci examples, with failures minimised;
 #   long: fresh random examples, many of them (on demand);
 #   gpu: for `pytest -m gpu` on a GPU machine (compiled kernels, T/S up to 2k), derandomized, no
-#     shrinking (a device session is short), ~5 min.
+#     shrinking (time on a GPU machine is short), ~5 min.
 # deadline=None: an example's time is dominated by compiling its shape, which varies by seconds.
 try:
   from hypothesis import HealthCheck, Phase, settings
