@@ -3,7 +3,11 @@
 #
 #   bash scripts/gpu.sh tests    [pytest args]   compiled test suite: pytest -m gpu tests, then (when
 #                                                tests/test_fuzz.py is there) its GPU profile:
-#                                                HYPOTHESIS_PROFILE=gpu pytest -m gpu tests/test_fuzz.py
+#                                                HYPOTHESIS_PROFILE=gpu pytest -m gpu tests/test_fuzz.py;
+#                                                args starting with a test path run only those, e.g.
+#                                                tests tests/test_variants.py -k mosaic (the whole
+#                                                suite takes longer than one 10-minute device call:
+#                                                split it by files)
 #   bash scripts/gpu.sh grid     [args]          the README's throughput grid, every implementation in one
 #                                                process (python -m benchmarks.attention --grid headline);
 #                                                split it with --cells, e.g. grid --cells 'd64-*,d256-*'
@@ -82,6 +86,9 @@ case "$mode" in
   tests)
     pytest_gpu=(python3 -X faulthandler -m pytest -q -m gpu -p no:cacheprovider --tb=short
                 -o faulthandler_timeout=120)
+    if [ "$#" -gt 0 ] && [ -e "$1" ]; then  # test files or folders given: just those
+      run tests "${pytest_gpu[@]}" "$@"; exit $?
+    fi
     if [ -f tests/test_fuzz.py ]; then
       run tests "${pytest_gpu[@]}" tests --ignore=tests/test_fuzz.py "$@"; rc=$?
       HYPOTHESIS_PROFILE=gpu run fuzz "${pytest_gpu[@]}" tests/test_fuzz.py "$@" || rc=$?
