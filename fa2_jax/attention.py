@@ -176,8 +176,11 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       kernel's tile with scalar ``b``/``h`` in a kernel), returning a bool array broadcastable to
       their shape; ``q_idx`` is the absolute query position ``q_offset + i``, ``h`` the query head.
       False hides the pair. Traced once at the call on both forms (a TypeError naming ``mask_fn``
-      and the cause if that fails). The XLA formula also accepts closures over arrays; kernels
-      take closures over Python scalars only.
+      and the cause if that fails). The kernels take closures over Python scalars; a function that
+      closes over an array or a traced value runs the XLA formula (an explicit kernel raises). A
+      ``mask_fn`` of the indices alone has its block mask computed once, when the call is traced;
+      on Hopper one that reads ``h`` runs the Triton kernels (the Mosaic ones share block ranges
+      across heads).
     score_fn: ``score_fn(score, b, h, q_idx, kv_idx) -> score``: an elementwise jnp function of the
       float scores and the same index arrays, returning a float array of the score's shape, applied
       after the soft cap and ALiBi. Differentiated with respect to the score (and, on the formula
