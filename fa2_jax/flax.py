@@ -59,7 +59,7 @@ from .attention import flash_attention
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .validation import DTYPES as _KERNEL_DTYPES
-from .validation import _check_soft_cap, _check_window, check_bool, check_options, is_static_dim
+from .validation import check_bool, check_options, check_soft_cap, check_window, is_static_dim
 
 __all__ = [
     "attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning", "rotary_embedding",
@@ -430,9 +430,9 @@ def _check_static_variants(**static) -> dict[str, Any]:
   """The static variant arguments that are set, checked as far as they can be without the arrays."""
   window, cap = static.get("local_window_size"), static.get("logits_soft_cap")
   if window is not None:
-    _check_window(window)
+    check_window(window)
   if cap is not None:
-    _check_soft_cap(cap)
+    check_soft_cap(cap)
   for name in ("mask_fn", "score_fn"):
     fn = static.get(name)
     if fn is not None and not callable(fn):

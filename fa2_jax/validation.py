@@ -160,7 +160,7 @@ def _check_segments(name, x, b, length, rank3: bool):
   return x.reshape(b, length) if not isinstance(x, jax.ShapeDtypeStruct) else x
 
 
-def _check_window(window):
+def check_window(window):
   """``local_window_size`` -> ``(left, right)`` (None sides unbounded) or None."""
   if window is None:
     return None
@@ -187,7 +187,8 @@ def _check_window(window):
   return None if out == [None, None] else tuple(out)
 
 
-def _check_soft_cap(cap):
+def check_soft_cap(cap):
+  """``logits_soft_cap`` -> a float > 0 or None (a static Python number; traced values are refused)."""
   if cap is None:
     return None
   if _is_tracer(cap):
@@ -289,8 +290,8 @@ def check_variant(query, key, *, is_causal=False, query_seq_lengths=None, key_va
   if q_segment_ids is not None:
     q_seg = _check_segments("q_segment_ids", q_segment_ids, b, t, rank3)
     kv_seg = _check_segments("kv_segment_ids", kv_segment_ids, b, s, rank3)
-  window = _check_window(local_window_size)
-  cap = _check_soft_cap(logits_soft_cap)
+  window = check_window(local_window_size)
+  cap = check_soft_cap(logits_soft_cap)
   if alibi_slopes is not None:
     slopes = _check_alibi(alibi_slopes, b, n, rank3)
   for name, fn in (("mask_fn", mask_fn), ("score_fn", score_fn)):
