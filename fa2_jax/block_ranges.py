@@ -235,7 +235,7 @@ _MASK_CHUNK = 1 << 25  # elements of mask_fn evaluated per step of mask_fn_block
 
 
 _STATIC_MASKS: dict = {}  # (variant, dims) -> concrete (any_, all_): see mask_fn_block_mask
-_STATIC_MASKS_MAX = 64
+_STATIC_MASKS_MAX = 16  # at 128k x 128k with 64-row tiles one entry holds about 4 MiB
 
 
 def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: int,
