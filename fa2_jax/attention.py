@@ -239,25 +239,29 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       tri = block_sizes if isinstance(block_sizes, BlockSizes) else None
       blocks = (tri or BlockSizes.default(h, q.dtype)).clamp(q.shape[1], k.shape[1])
       tiles = blocks.range_tiles()
-    if variant is not None:
-      # The block ranges of every kernel, once per call, shared by the forward and the backward.
-      tables = range_tables(variant, arrays, tiles, batch=q.shape[0], heads=q.shape[2],
-                            seq_q=q.shape[1], seq_k=k.shape[1])
-      fields += tuple(f"table_{name}" for name in tables)
-      extras += tuple(tables.values())
+    tables = tuple(f"table_{name}" for name in tiles) if variant is not None else ()
     if call.backend == "mosaic":
       static = _Static(call.scale, call.is_causal, "mosaic", call.deterministic, False, mosaic=mos,
-                       variant=variant, fields=fields)
+                       variant=variant, fields=fields + tables)
     else:
       static = _Static(call.scale, call.is_causal, "triton", call.deterministic,
-                       bool(call.interpret), blocks=blocks, variant=variant, fields=fields)
-    layouts = (sharding.Q, sharding.KV, sharding.KV, *map(_layout, fields, extras))
+                       bool(call.interpret), blocks=blocks, variant=variant, fields=fields + tables)
+
+    def local(q, k, v, *extras):
+      # On each device's blocks (under Explicit mesh axes) or on the whole call: the block ranges of
+      # every kernel, once per call, shared by the forward and the backward.
+      if variant is not None:
+        local_arrays = VariantArrays(**dict(zip(fields, extras)))
+        extras += tuple(range_tables(variant, local_arrays, tiles, batch=q.shape[0],
+                                     heads=q.shape[2], seq_q=q.shape[1],
+                                     seq_k=k.shape[1]).values())
+      return _flash(*match_vma(q, k, v), tuple(extras), static)
+
+    layouts = (sharding.Q, sharding.KV, sharding.KV, *(_FIELD_LAYOUTS[f] for f in fields))
     names = (*sharding.QKV_NAMES, *fields)
     try:
       # Per device where Explicit mesh axes shard B or the heads (fa2_jax.sharding).
-      out, lse = sharding.local_call(
-          lambda q, k, v, *e: _flash(*match_vma(q, k, v), tuple(e), static), (q, k, v, *extras),
-          layouts, names=names)
+      out, lse = sharding.local_call(local, (q, k, v, *extras), layouts, names=names)
     except TypeError as e:
       if "forward-mode autodiff" in str(e) or "can't apply forward-mode" in str(e):
         raise TypeError(_FORWARD_MODE) from e
