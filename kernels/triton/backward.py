@@ -26,12 +26,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...block_ranges import kv_range_table, q_range_table
-from ...masking import Variant, VariantArrays, allowed
+from ...masking import Variant, VariantArrays
 from ..vma import out_struct
 from .common import (LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim, round_up,
                      store_tile)
 from .forward import kv_block_ranges
-from .variant import Refs, any_along, uses_table
+from .variant import Refs, tile_mask, uses_table, zero_unattended
 from .variant import inputs as variant_inputs
 
 
@@ -86,7 +86,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: 
   k_end = vr.key_end(seq_k) if table else kv_limit
   k = load_tile(k_ref, k_start, block_k, k_end, head_dim)  # K_j [block_k, hp], stays on chip
   v = load_tile(v_ref, k_start, block_k, k_end, head_dim)  # V_j [block_k, hp]
-  k_pos = k_start + jnp.arange(block_k)[None, :]  # [1, block_k]
 
   def body(i, carry, g, masked: bool):
     dk, dv = carry  # [block_k, hp] f32 each
@@ -105,15 +104,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: 
       p = jnp.exp2(s2 - lse2[:, None])
     keep = None
     if masked:
-      if table:
-        keep = vr.keep(b, hk * group + g, start, block_q, k_start, block_k, seq_q, seq_k)
-        # Query rows that attend no key of this tile (padding) must not reach dK, dV as 0 * NaN.
-        row_any = any_along(keep, 1)[:, None]
-        q = jnp.where(row_any, q, jnp.zeros_like(q))
-        do = jnp.where(row_any, do, jnp.zeros_like(do))
-      else:
-        q_pos = start + jnp.arange(block_q)[:, None]
-        keep = allowed(q_pos, k_pos, is_causal=variant.is_causal, seq_k=kv_limit)
+      keep = tile_mask(variant, vr, b, hk * group + g, start, block_q, k_start, block_k,
+                       seq_q=seq_q, seq_k=seq_k)
+      if table:  # rows attending no key of the tile (padding): no 0 * NaN into dK, dV
+        q, do = zero_unattended(keep, q, 1), zero_unattended(keep, do, 1)
       if keep is not None:
         p = jnp.where(keep, p, 0.0)
     dv = dv + dot(p.astype(do.dtype), do, trans_a=True, f32=f32)  # dV_j += P^T dO_i
@@ -166,7 +160,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: fl
   do = load_tile(do_ref, start, block_q, q_limit, head_dim)  # dO_i
   lse2 = _row_lse2(lse_ref, jnp.int32(0), start, block_q)
   delta = plgpu.load(delta_ref.at[jnp.int32(0), pl.ds(start, block_q)])
-  q_pos = start + jnp.arange(block_q)[:, None]
   key_end = vr.key_end(seq_k) if table else seq_k
 
   def body(j, dq, masked: bool):
@@ -182,14 +175,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: fl
       p = jnp.exp2(s2 - lse2[:, None])
     keep = None
     if masked:
+      keep = tile_mask(variant, vr, b, h, start, block_q, k_start, block_k, seq_q=seq_q,
+                       seq_k=seq_k)
       if table:
-        keep = vr.keep(b, h, start, block_q, k_start, block_k, seq_q, seq_k)
-        # A key no row of this tile attends must not reach dS K as 0 * NaN.
-        k = jnp.where(any_along(keep, 0)[:, None], k, jnp.zeros_like(k))
-      else:
-        k_pos = k_start + jnp.arange(block_k)[None, :]
-        keep = allowed(q_pos, k_pos, is_causal=variant.is_causal,
-                       seq_k=seq_k if seq_k % block_k else None)
+        k = zero_unattended(keep, k, 0)  # no 0 * NaN in dS K from a key the tile never attends
       if keep is not None:
         p = jnp.where(keep, p, 0.0)
     dp = dot(do, v, trans_b=True, f32=f32)

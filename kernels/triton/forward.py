@@ -24,11 +24,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ...block_ranges import kv_range_table
-from ...masking import Variant, VariantArrays, allowed
+from ...masking import Variant, VariantArrays
 from ..vma import out_struct
 from .common import (LN2, LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim,
                      store_tile)
-from .variant import Refs, any_along, uses_table
+from .variant import Refs, tile_mask, uses_table, zero_unattended
 from .variant import inputs as variant_inputs
 
 
@@ -65,7 +65,6 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
   q_limit = None if seq_q % block_q == 0 else seq_q
   row0 = i * block_q
   q = load_tile(q_ref, row0, block_q, q_limit, head_dim)  # [block_q, hp]
-  q_pos = row0 + jnp.arange(block_q)[:, None]  # [block_q, 1]
   key_end = vr.key_end(seq_k) if table else seq_k
 
   def body(j, carry, masked: bool):
@@ -79,14 +78,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
     elif not fold:
       s = s * (scale * LOG2E)
     if masked:
+      keep = tile_mask(variant, vr, b, h, row0, block_q, start, block_k, seq_q=seq_q, seq_k=seq_k)
       if table:
-        keep = vr.keep(b, h, row0, block_q, start, block_k, seq_q, seq_k)
-        # A key no row of this tile may attend must not reach P V as 0 * NaN.
-        v = jnp.where(any_along(keep, 0)[:, None], v, jnp.zeros_like(v))
-      else:
-        k_pos = start + jnp.arange(block_k)[None, :]
-        keep = allowed(q_pos, k_pos, is_causal=variant.is_causal,
-                       seq_k=seq_k if seq_k % block_k else None)
+        v = zero_unattended(keep, v, 0)  # no 0 * NaN in P V from a key the tile never attends
       if keep is not None:
         s = jnp.where(keep, s, -jnp.inf)
     # Online softmax (Alg. 1 lines 9-10): m_new = max(m_old, rowmax(S_ij)), P~ = exp(S_ij - m_new).

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...masking import (Variant, VariantArrays, allowed_pairs, modify_scores,
+from ...masking import (Variant, VariantArrays, allowed, allowed_pairs, modify_scores,
                         modify_scores_and_derivative)
 from .common import LOG2E
 
@@ -78,6 +78,25 @@ def inputs(variant: Variant, arrays: VariantArrays, table, *, kv_heads_grid: boo
 def any_along(mask, axis: int):
   """``jnp.any(mask, axis)`` as a max over int32 (the Triton lowering has no boolean reduction)."""
   return jnp.max(mask.astype(jnp.int32), axis=axis) > 0
+
+
+def tile_mask(variant: Variant, vr: "Refs | None", b, h, row0, rows: int, col0, cols: int, *,
+              seq_q: int, seq_k: int):
+  """``[rows, cols]`` allowed pairs of a masked tile (None: nothing masked): the variant's rule
+  through ``vr`` (:meth:`Refs.keep`), or, for a plain dense/causal call (``vr`` None), the causal
+  kernels' mask with the ragged key tail."""
+  if vr is not None:
+    return vr.keep(b, h, row0, rows, col0, cols, seq_q, seq_k)
+  q_pos = row0 + jnp.arange(rows)[:, None]
+  k_pos = col0 + jnp.arange(cols)[None, :]
+  return allowed(q_pos, k_pos, is_causal=variant.is_causal,
+                 seq_k=seq_k if seq_k % cols else None)
+
+
+def zero_unattended(keep, x, axis: int):
+  """``x`` with the rows that no pair of ``keep`` reaches set to 0 (``axis`` 0: ``x`` holds the
+  tile's keys; 1: its query rows), so that a NaN stored there cannot meet a masked ``P = 0``."""
+  return jnp.where(any_along(keep, axis)[:, None], x, jnp.zeros_like(x))
 
 
 class Refs:
