@@ -326,7 +326,7 @@ def make_attention_fn(implementation: str | None = None,
   always_causal = check_bool("is_causal", is_causal)
   if interpret is not None:
     interpret = check_bool("interpret", interpret)
-  fixed = _check_static_variants(local_window_size=local_window_size,
+  fixed = check_static_variants(local_window_size=local_window_size,
                                  logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                                  mask_fn=mask_fn, score_fn=score_fn)
   kernel = functools.partial(flash_attention, implementation=implementation,
@@ -384,7 +384,7 @@ def make_attention_fn(implementation: str | None = None,
     _check_dropout(dropout_rate, deterministic, dropout_rng)
     given = dict(query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
-                 **_check_static_variants(
+                 **check_static_variants(
                      local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
                      alibi_slopes=alibi_slopes, mask_fn=mask_fn, score_fn=score_fn))
     variants = _merge_variants(fixed, given)
@@ -426,7 +426,7 @@ def make_attention_fn(implementation: str | None = None,
   return attention_fn
 
 
-def _check_static_variants(**static) -> dict[str, Any]:
+def check_static_variants(**static) -> dict[str, Any]:
   """The static variant arguments that are set, checked as far as they can be without the arrays."""
   window, cap = static.get("local_window_size"), static.get("logits_soft_cap")
   if window is not None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .flax import _check_static_variants, attention_fn
+from .flax import check_static_variants, attention_fn
 
 
 # --- rotary position embeddings -------------------------------------------------------------------
@@ -84,7 +84,7 @@ def _static_variants(local_window_size, logits_soft_cap, alibi_slopes, mask_fn, 
 def _check_static_fields(num_heads: int, local_window_size, logits_soft_cap, alibi_slopes, mask_fn,
                          score_fn) -> None:
   """The static variant fields, checked when the module is made (ValueError/TypeError naming one)."""
-  _check_static_variants(local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+  check_static_variants(local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
                          mask_fn=mask_fn, score_fn=score_fn)
   if alibi_slopes is not None:
     slopes = np.asarray(alibi_slopes)
@@ -104,10 +104,14 @@ def _attend(q, k, v, attend_fn, rotary: bool, base: float, positions, mask, vari
   return attend_fn(q, k, v, is_causal=True, **variants)
 
 
-def _call_variants(query_seq_lengths, key_value_seq_lengths, q_segment_ids, kv_segment_ids,
-                   q_offset) -> dict:
-  return dict(query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset)
+def _module_variants(module, **call) -> dict:
+  """The variant keyword arguments of one call of either module: its static fields that are set
+  (:func:`_static_variants`) and this call's per-batch arrays (``query_seq_lengths`` ...
+  ``q_offset``)."""
+  variants = _static_variants(module.local_window_size, module.logits_soft_cap,
+                              module.alibi_slopes, module.mask_fn, module.score_fn)
+  variants.update(call)
+  return variants
 
 
 class CausalSelfAttention(nn.Module):
@@ -195,10 +199,10 @@ class CausalSelfAttention(nn.Module):
     qkv = dense(features=(self.num_heads + 2 * kv, self.head_dim), kernel_init=self.kernel_init,
                 name="qkv")(x)
     q, k, v = _split_heads(qkv, self.num_heads, kv)
-    variants = _static_variants(self.local_window_size, self.logits_soft_cap, self.alibi_slopes,
-                                self.mask_fn, self.score_fn)
-    variants.update(_call_variants(query_seq_lengths, key_value_seq_lengths, q_segment_ids,
-                                   kv_segment_ids, q_offset))
+    variants = _module_variants(self, query_seq_lengths=query_seq_lengths,
+                                key_value_seq_lengths=key_value_seq_lengths,
+                                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                q_offset=q_offset)
     y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask,
                 variants)
     return dense(features=self.out_features or x.shape[-1], axis=(-2, -1),
@@ -243,10 +247,10 @@ class NnxCausalSelfAttention(nnx.Module):
                q_offset: jax.Array | int | None = None) -> jax.Array:
     """x: ``[batch..., T, in_features]``; the other arguments as in :class:`CausalSelfAttention`."""
     q, k, v = _split_heads(self.qkv(x), self.num_heads, self.num_kv_heads)
-    variants = _static_variants(self.local_window_size, self.logits_soft_cap, self.alibi_slopes,
-                                self.mask_fn, self.score_fn)
-    variants.update(_call_variants(query_seq_lengths, key_value_seq_lengths, q_segment_ids,
-                                   kv_segment_ids, q_offset))
+    variants = _module_variants(self, query_seq_lengths=query_seq_lengths,
+                                key_value_seq_lengths=key_value_seq_lengths,
+                                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                q_offset=q_offset)
     y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask,
                 variants)
     return self.out(y)
