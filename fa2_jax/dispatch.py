@@ -191,7 +191,7 @@ def describe(backend: str, query, key, *, is_causal: bool, implementation, block
         h, query.dtype, is_causal)
     # An attention variant runs the separate dQ kernel (kernels/mosaic/backward.py).
     plain = variant is None or variant == type(variant)(is_causal=variant.is_causal)
-    fused = cfg.dq_fused and not deterministic and not cfg.dkv_split and plain
+    fused = plain and cfg.fuses_dq(query.shape[1], deterministic=deterministic)
     if fused:
       bwd = ("mosaic dK/dV + fused dQ",)
     elif cfg.dkv_split:

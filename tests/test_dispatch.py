@@ -67,10 +67,14 @@ def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
   q, k = _shapes()
   d = fa2_jax.backend_for(q, k, is_causal=True)
   assert d.backend == "mosaic" and d.forward == ("mosaic forward",)
-  assert d.backward == ("mosaic dK/dV", "mosaic dQ") and d.deterministic  # causal: separate dQ
-  nc = fa2_jax.backend_for(q, k, is_causal=False)
+  assert d.backward == ("mosaic dK/dV", "mosaic dQ") and d.deterministic  # causal 1k: separate dQ
+  long_c = fa2_jax.backend_for(*_shapes(t=4096), is_causal=True)  # causal from 4k rows: fused
+  assert long_c.backward == ("mosaic dK/dV + fused dQ",) and not long_c.deterministic
+  nc = fa2_jax.backend_for(*_shapes(t=2048), is_causal=False)  # non-causal from 2k rows: fused
   assert nc.backward == ("mosaic dK/dV + fused dQ",) and not nc.deterministic
-  det = fa2_jax.backend_for(q, k, is_causal=False, deterministic=True)
+  few = fa2_jax.backend_for(*_shapes(t=128), is_causal=False)  # few query rows: separate dQ
+  assert few.backward == ("mosaic dK/dV", "mosaic dQ") and few.deterministic
+  det = fa2_jax.backend_for(*_shapes(t=4096), is_causal=True, deterministic=True)
   assert det.backward == ("mosaic dK/dV", "mosaic dQ") and det.deterministic
   big = fa2_jax.backend_for(*_shapes(h=256))
   assert big.backward == ("mosaic dV", "mosaic dK", "mosaic dQ")

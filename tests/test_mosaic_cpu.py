@@ -85,13 +85,26 @@ def test_smem_budget_matches_docstring():
           == 2 * 2 * 32 * 1024 + 16 * 1024 + 2 * 64 * 4)
 
 
+def test_fuses_dq_default_rule():
+  # The fused dQ needs deterministic=False, unsplit dK/dV and enough query rows (2k / 4k causal).
+  nc, c = MosaicConfig.default(128), MosaicConfig.default(128, is_causal=True)
+  assert nc.fuses_dq(2048, deterministic=False) and not nc.fuses_dq(1024, deterministic=False)
+  assert c.fuses_dq(4096, deterministic=False) and not c.fuses_dq(2048, deterministic=False)
+  assert not c.fuses_dq(8192, deterministic=True)
+  assert MosaicConfig.default(64, is_causal=True).fuses_dq(8192, deterministic=False)
+  assert not MosaicConfig.default(256).fuses_dq(8192, deterministic=False)  # split dV, dK passes
+  assert c.registers(2) == 240 and c.memory_registers == 24 and nc.registers(2) == 232
+  for h in (64, 128):
+    for causal in (False, True):
+      assert MosaicConfig.default(h, is_causal=causal).check(h) is None
+
+
 def test_fused_dq_split_and_smem():
   from fa2_jax.kernels.mosaic.config import dq_split
   # head_dim 128, 64-row tiles: columns; head_dim 64 with 128-row tiles: rows; else none.
   assert dq_split(64, 128, 2) == "cols" and dq_split(128, 64, 2) == "rows"
   assert dq_split(64, 64, 2) is None and dq_split(64, 128, 1) is None
-  base = MosaicConfig.default(128, is_causal=True)
-  assert not base.dq_fused and MosaicConfig.default(128).dq_fused  # default: fused when non-causal
+  base = MosaicConfig.default(128, is_causal=True).replace(dq_fused=False)
   fused = base.replace(dq_fused=True)
   # + double-buffered dS^T (2 x 2 consumers x 64 x 64 bf16) + half a [64, 128] f32 tile per consumer
   assert fused.smem_dkv(128) - base.smem_dkv(128) == 2 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 4

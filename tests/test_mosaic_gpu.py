@@ -289,7 +289,7 @@ def test_mosaic_config_reaches_the_kernels(fake_hopper, deterministic, kernels):
   """block_sizes=MosaicConfig(dq_fused=True): the fused-dQ dK/dV kernel replaces the dQ kernel
   unless deterministic=True (checked in the sm90 lowering of grad)."""
   import re
-  cfg = fa2_jax.MosaicConfig.default(128).replace(dq_fused=True)
+  cfg = fa2_jax.MosaicConfig.default(128).replace(dq_fused=True, dq_fused_min_t=0)
   sd = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
   loss = lambda q, k, v: jnp.sum(fa2_jax.flash_attention(
       q, k, v, is_causal=True, block_sizes=cfg, deterministic=deterministic).astype(jnp.float32))
@@ -298,16 +298,18 @@ def test_mosaic_config_reaches_the_kernels(fake_hopper, deterministic, kernels):
   assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq)_mosaic_gpu", text)) == kernels
 
 
-@pytest.mark.parametrize("h, causal, deterministic, kernels", [
-    (128, False, False, {"forward", "dkdv_dq"}),  # the default: fused dQ on non-causal calls
-    (64, False, False, {"forward", "dkdv_dq"}),
-    (128, False, True, {"forward", "dkdv", "dq"}),  # deterministic: the separate dQ kernel
-    (128, True, False, {"forward", "dkdv", "dq"}),  # causal: separate (measured faster)
-    (256, False, False, {"forward", "dv", "dk", "dq"})])  # head_dim 256: split dK/dV, no fusion
-def test_default_backward_kernels(fake_hopper, h, causal, deterministic, kernels):
+@pytest.mark.parametrize("h, t, causal, deterministic, kernels", [
+    (128, 2048, False, False, {"forward", "dkdv_dq"}),  # the default: fused dQ from 2k rows non-causal
+    (64, 2048, False, False, {"forward", "dkdv_dq"}),
+    (128, 4096, True, False, {"forward", "dkdv_dq"}),  # and from 4k rows causal
+    (128, 2048, True, False, {"forward", "dkdv", "dq"}),  # fewer rows: the separate dQ kernel
+    (128, 256, False, False, {"forward", "dkdv", "dq"}),
+    (128, 4096, False, True, {"forward", "dkdv", "dq"}),  # deterministic: the separate dQ kernel
+    (256, 4096, False, False, {"forward", "dv", "dk", "dq"})])  # head_dim 256: split dK/dV, no fusion
+def test_default_backward_kernels(fake_hopper, h, t, causal, deterministic, kernels):
   """Which backward kernels implementation=None runs on Hopper (sm90 lowering of grad)."""
   import re
-  sd = jax.ShapeDtypeStruct((1, 256, 4, h), jnp.bfloat16)
+  sd = jax.ShapeDtypeStruct((1, t, 4, h), jnp.bfloat16)
   loss = lambda q, k, v: jnp.sum(fa2_jax.flash_attention(
       q, k, v, is_causal=causal, deterministic=deterministic).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(sd, sd, sd).lower(
@@ -317,10 +319,11 @@ def test_default_backward_kernels(fake_hopper, h, causal, deterministic, kernels
 
 @pytest.mark.parametrize("kv_axes", [0, None])
 def test_vmap_of_grad_lowers_with_fused_dq(fake_hopper, kv_axes):
-  """vmap(grad) of a non-causal call (the fused-dQ default) lowers for sm90 (the fused kernel's
+  """vmap(grad) of a non-causal call with the fused dQ lowers for sm90 (the fused kernel's
   run_state needs the custom_vmap that folds the vmapped axis into the batch)."""
   import re
-  loss = lambda q, k, v: jnp.sum(fa2_jax.flash_attention(q, k, v).astype(jnp.float32))
+  cfg = fa2_jax.MosaicConfig.default(128).replace(dq_fused_min_t=0)
+  loss = lambda q, k, v: jnp.sum(fa2_jax.flash_attention(q, k, v, block_sizes=cfg).astype(jnp.float32))
   g = jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=(0, kv_axes, kv_axes))
   qs = jax.ShapeDtypeStruct((3, 2, 256, 4, 128), jnp.bfloat16)
   kvs = qs if kv_axes == 0 else jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)

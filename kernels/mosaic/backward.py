@@ -28,7 +28,8 @@
    computed once instead of twice and the dQ kernel is skipped. The two consumers split each step's
    dQ tile (``dq_split``) so every element is reduce-added once per step (with one partial per
    consumer it had measured slower than the separate dQ kernel at head_dim 128 on an H200). The
-   default for non-causal head_dim 64/128 calls with ``deterministic=False`` (MosaicConfig.default).
+   default for head_dim 64/128 calls with ``deterministic=False`` and enough query rows
+   (``MosaicConfig.fuses_dq``).
 
 Causal (§3.1 "causal masking"): the dK/dV loop starts at the first query tile that reaches the CTA's
 keys and only tiles straddling the diagonal run the masked body; the dQ loop stops at the diagonal.
@@ -92,8 +93,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
     deterministic: True guarantees the separate dQ kernel (no atomics, bit-identical across runs).
-      False allows the fused dQ of ``config.dq_fused`` (TMA reduce-adds); with the default config
-      (``dq_fused=False``) both give the deterministic kernels.
+      False allows the fused dQ where ``config.fuses_dq`` says so (TMA reduce-adds).
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v (dk/dv already summed over each GQA group).
@@ -125,7 +125,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   if variant is not None:
     return _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, plan=plan,
                              tables=tables or {}, **common)
-  if cfg.dq_fused and not deterministic and not cfg.dkv_split:
+  if cfg.fuses_dq(t, deterministic=deterministic):
     dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
                                num_wgs=cfg.num_wgs_dkv, fused_dq=True, **common)
     dq = (dq_acc[:, :t] * scale).astype(q.dtype)

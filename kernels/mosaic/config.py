@@ -76,8 +76,8 @@ class MosaicConfig:
   ``dkv_split`` runs dV and dK as two passes, each keeping one f32 accumulator in registers instead of
   two (needed for head_dim > 128: two 64 x 256 f32 accumulators are 256 registers per thread).
   ``num_wgs_dk`` is the consumer count of the dK pass when split (its SMEM holds K, V, Q, dO).
-  ``dq_fused`` (on by default for non-causal head_dim 64/128, used only when the call allows a
-  non-deterministic backward and dK/dV are not split): the dK/dV kernel also computes ``dS_ij K_j``
+  ``dq_fused`` (on by default for head_dim 64/128, used only when the call allows a non-deterministic
+  backward, dK/dV are not split and T >= ``dq_fused_min_t``, see :meth:`fuses_dq`): the dK/dV kernel also computes ``dS_ij K_j``
   and adds it to an f32 dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ
   kernel and its second computation of S and dP; it stages dS^T (bf16, double-buffered) and the dQ piece (f32) in SMEM. With
   two consumers the [block_q_dkv, H] dQ tile is split between them (by columns when H >= 128, else by
@@ -114,6 +114,7 @@ class MosaicConfig:
   num_wgs_dq: int = 2
   ragged: str = "tma"
   dq_fused: bool = False
+  dq_fused_min_t: int = 0  # fused dQ only for calls with at least this many query rows (see fuses_dq)
   lpt_heads: int = 0
   lpt_heads_dkv: int = 0
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
@@ -192,21 +193,28 @@ class MosaicConfig:
     SMEM and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
     """
     del dtype  # same settings for bf16/fp16 until measured otherwise
-    # Fused dQ (used only when the call allows a non-deterministic backward) on non-causal calls, where
-    # it is the faster backward (docs/design.md#fused-dq-on-non-causal-calls); causal calls keep the
-    # separate dQ kernel, faster there (docs/design.md#causal-calls-keep-the-separate-dq-kernel).
-    fused = not is_causal
+    # Fused dQ (used only when the call allows a non-deterministic backward) from 2k query rows
+    # non-causal and 4k causal: with fewer query tiles the key tiles' reduce-adds pile onto few dQ rows
+    # and the separate dQ kernel is faster (docs/design.md#when-the-backward-fuses-dq). Causal calls
+    # give the backward's consumers 240 registers and the producer 24, non-causal calls keep 232/40
+    # (docs/design.md#register-split).
+    fused = dict(dq_fused=True, dq_fused_min_t=4096 if is_causal else 2048)
+    regs = dict(compute_registers=240, memory_registers=24) if is_causal else {}
     if head_dim <= 64:
-      # The fused dS^T/dQ staging needs the SMEM of the third dK/dV stage. Causal dK/dV keeps the
+      # The fused dS^T/dQ staging needs the SMEM of a third dK/dV stage. Causal dK/dV keeps the
       # per-head launch order (lpt_heads_dkv=1), faster than any L2 section for this kernel only
       # (docs/design.md#causal-launch-order).
-      return cls(block_k=256, num_stages=2 if is_causal else 3, block_q_dkv=128,
-                 num_stages_dkv=2 if fused else 3, block_k_dq=128, num_stages_dq=2, dq_fused=fused,
-                 lpt_heads_dkv=1)
+      return cls(block_k=256, num_stages=2 if is_causal else 3, block_q_dkv=128, num_stages_dkv=2,
+                 block_k_dq=128, num_stages_dq=2, lpt_heads_dkv=1, **fused, **regs)
     if head_dim <= 128:
-      return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, dq_fused=fused)
+      return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, **fused, **regs)
     return cls(block_k=64, num_stages=2, dkv_split=True, num_wgs_dkv=2, num_wgs_dk=1,
                num_stages_dkv=2, num_wgs_dq=1, num_stages_dq=2)
+
+  def fuses_dq(self, seq_q: int, *, deterministic: bool) -> bool:
+    """Whether a plain (no variant) backward of ``seq_q`` query rows runs dQ inside the dK/dV kernel."""
+    return (self.dq_fused and not deterministic and not self.dkv_split
+            and seq_q >= self.dq_fused_min_t)
 
   # --- shared-memory budget (bytes), one function per kernel ---------------------------------------
   def smem_forward(self, head_dim: int, itemsize: int = 2) -> int:

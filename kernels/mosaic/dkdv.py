@@ -35,8 +35,8 @@ from ...masking import Variant, allowed
 from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig, dq_piece, dq_split
-from .ops import (Product, bcast_cols, iota2, mma, mma_fresh_and_carried, mma_many,
-                  smem_transforms, smem_transforms_f32, ws_kernel, zeros as _zeros)
+from .ops import (acc_loop, accumulators, bcast_cols, iota2, smem_transforms, smem_transforms_f32, wgmma,
+                  wgmma_load, wgmma_wait, ws_kernel)
 from .schedule import causal_section, cta_tile, q_block_ranges
 from .variant import Refs
 
@@ -77,6 +77,9 @@ class _Dkv:
   seq_k: int = 0  # true S (keys past it are TMA zero fill; a variant's mask excludes them)
   variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
   names: tuple[str, ...] = ()  # its operands, after delta
+  # Order of a step's products: dP^T issued right behind S^T, so the softmax runs while dP^T is in
+  # flight (FA3's order), or issued after the softmax together with dV (then dV runs while dS is formed).
+  dp_early: bool = True
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, k_smem, v_smem, q_smem,
@@ -131,12 +134,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, k_smem, 
     split = st.dq_split
     rows_q, cols_q = dq_piece(bq, hd, nwg)  # this consumer's fused-dQ piece
 
-    def fused_dq_step(idx, i, g, ds16, q_t, dk):
-      """dK_j += dS^T Q_i and the fused dQ_i += dS_ij K_j (Alg. 2 lines 15-16), both wgmmas in
-      flight at once; the dQ piece leaves by TMA reduce-add into the f32 HBM accumulator."""
+    def stage_ds(idx, ds16):
+      """Fused dQ: dS^T [keys, rows] to SMEM (double-buffered by step parity, so a consumer can write
+      step i+1's tile while the other still reads step i's), where the dQ wgmma reads it transposed."""
       par = lax.rem(idx, jnp.array(2, idx.dtype))
-      ds_smem.at[par, wg][...] = ds16  # dS^T [keys, rows] staged so wgmma can read it transposed
+      ds_smem.at[par, wg][...] = ds16
       plgpu.commit_smem()
+      return par
+
+    def fused_dq_step(par, i, g, ds16, q_t, dk_acc):
+      """The fused dQ_i += dS_ij K_j (Alg. 2 line 15) and dK_j += dS^T Q_i (line 16): both issued, dQ
+      awaited while dK runs, then its piece leaves by TMA reduce-add into the f32 HBM accumulator."""
       if split is None:  # this consumer's keys only: A = (dS^T)^T [rows, keys], B = K_j [keys, H]
         terms = [(ds_smem.at[par, wg], k_s)]
       else:  # both consumers' keys (wait until both dS^T tiles are in SMEM)
@@ -148,10 +156,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, k_smem, 
         else:
           terms = [(ds_smem.at[par, w, :, pl.ds(wg * rows_q, rows_q)], k_smem.at[w])
                    for w in range(nwg)]
-      (a0, b0), more = terms[0], [(a, b_, True, False) for a, b_ in terms[1:]]
-      dk, dq_part = mma_fresh_and_carried(  # dQ piece (fresh) and dK_j += dS^T Q_i, one wait
-          Product((rows_q, cols_q), a0, b0, ta=True, more=more),
-          Product((bk, hd), ds16, q_t, init=dk))
+
+      def dq_piece_of_step(dq_acc):
+        for a, b_ in terms:
+          wgmma(dq_acc, a, b_, ta=True)
+        wgmma(dk_acc, ds16, q_t)  # dK_j += dS^T Q_i, in flight while the dQ piece is stored
+        return wgmma_load(dq_acc, wait_n=1)
+
+      dq_part = accumulators(dq_piece_of_step, (rows_q, cols_q))
       h = kvh * g_size + g
       r0 = i * bq + wg * rows_q if split == "rows" else i * bq
       dq_rows = (b, pl.ds(r0, rows_q), h)
@@ -165,45 +177,62 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, k_smem, 
       dq_smem.at[wg][...] = dq_part
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op=None if st.emulate else "add")
-      return dk
 
-    def step(i, carry, g, masked: bool):
-      dk, dv = carry
+    def step(i, g, masked: bool, dk_acc, dv_acc):
+      """One query tile: FA3's order of products, each awaited only where its result is needed."""
       idx = g * n_i + (i - i_start)
       slot = lax.rem(idx, jnp.array(stages, idx.dtype))
       q_t = q_smem.at[slot]
       do_t = do_smem.at[slot]
+      h = kvh * g_size + g
       plgpu.barrier_wait(q_bar.at[slot])
 
-      st_ = mma((bk, bq), k_s, q_t, tb=True)  # S^T = K_j Q_i^T  [keys, rows]
-      plgpu.barrier_wait(lse_bar.at[slot])
-      lse2 = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-      h = kvh * g_size + g
-      deriv = keep = None
-      if variant is not None and variant.modifies_scores:
-        s2, deriv = vr.scores(st_, st.scale, h, i * bq, k0, transposed=True, derivative=True)
-        p_t = jnp.exp2(s2 - bcast_cols(lse2, st_.shape))
-      else:
-        p_t = jnp.exp2(st_ * c - bcast_cols(lse2, st_.shape))  # P^T, recomputed from the lse
-      if masked:
-        if variant is None:
-          k_pos = k0 + iota2((bk, bq), 0)
-          q_pos = i * bq + iota2((bk, bq), 1)
-          keep = allowed(q_pos, k_pos, is_causal=st.is_causal)
+      def scores(s_acc, dp_acc=None):
+        """S^T = K_j Q_i^T and dP^T = V_j dO_i^T issued back to back; P^T (Alg. 2 lines 9-11, from the
+        lse) is computed while dP^T is still in flight."""
+        wgmma(s_acc, k_s, q_t, tb=True)  # [keys, rows]
+        if dp_acc is not None:
+          plgpu.barrier_wait(do_bar.at[slot])
+          wgmma(dp_acc, v_s, do_t, tb=True)  # line 13
+        s_t = wgmma_load(s_acc, wait_n=0 if dp_acc is None else 1)
+        plgpu.barrier_wait(lse_bar.at[slot])
+        lse2 = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        deriv = keep = None
+        if variant is not None and variant.modifies_scores:
+          s2, deriv = vr.scores(s_t, st.scale, h, i * bq, k0, transposed=True, derivative=True)
+          p_t = jnp.exp2(s2 - bcast_cols(lse2, s_t.shape))
         else:
-          keep = vr.keep((bk, bq), h, i * bq, k0, seq_q=st.seq_q, seq_k=st.seq_k, transposed=True)
-        if keep is not None:
-          p_t = jnp.where(keep, p_t, 0.0)
+          p_t = jnp.exp2(s_t * c - bcast_cols(lse2, s_t.shape))
+        if masked:
+          if variant is None:
+            k_pos = k0 + iota2((bk, bq), 0)
+            q_pos = i * bq + iota2((bk, bq), 1)
+            keep = allowed(q_pos, k_pos, is_causal=st.is_causal)
+          else:
+            keep = vr.keep((bk, bq), h, i * bq, k0, seq_q=st.seq_q, seq_k=st.seq_k, transposed=True)
+          if keep is not None:
+            p_t = jnp.where(keep, p_t, 0.0)
+        dp_t = None if dp_acc is None else wgmma_load(dp_acc)
+        return p_t, deriv, keep, dp_t
+
+      tile = (bk, bq)
+      early = st.want_dk and st.dp_early
+      p_t, deriv, keep, dp_t = accumulators(scores, *([tile, tile] if early else [tile]))
       p16 = p_t.astype(st.dtype)
-      plgpu.barrier_wait(do_bar.at[slot])
-      if st.want_dv and st.want_dk:  # both wgmmas in flight at once, one wait
-        dv, dp_t = mma_many([Product((bk, st.head_dim), p16, do_t, init=dv),  # dV_j += P^T dO_i
-                             Product((bk, bq), v_s, do_t, tb=True)])  # dP^T = V_j dO_i^T
-      elif st.want_dv:
-        dv = mma((bk, st.head_dim), p16, do_t, init=dv)
+      if not st.want_dk:
+        plgpu.barrier_wait(do_bar.at[slot])
+        wgmma(dv_acc, p16, do_t)  # dV_j += P^T dO_i  (line 12)
       else:
-        dp_t = mma((bk, bq), v_s, do_t, tb=True)
-      if st.want_dk:
+        if not early:  # dP^T issued now, dV_j += P^T dO_i behind it: dV runs while dS^T is formed
+          plgpu.barrier_wait(do_bar.at[slot])
+
+          def dp_then_dv(dp_acc):
+            wgmma(dp_acc, v_s, do_t, tb=True)  # line 13
+            if st.want_dv:
+              wgmma(dv_acc, p16, do_t)  # line 12
+            return wgmma_load(dp_acc, wait_n=1 if st.want_dv else 0)
+
+          dp_t = accumulators(dp_then_dv, tile)
         plgpu.barrier_wait(delta_bar.at[slot])
         delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         ds_t = p_t * (dp_t - bcast_cols(delta, dp_t.shape))  # dS^T = P^T ∘ (dP^T − D_i)  (eq. 4)
@@ -212,29 +241,43 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, k_smem, 
         if variant is not None and keep is not None:
           ds_t = jnp.where(keep, ds_t, 0.0)  # masked pairs: no 0 * NaN from dP or the derivative
         ds16 = ds_t.astype(st.dtype)
-        if not st.fused_dq:
-          dk = mma((bk, st.head_dim), ds16, q_t, init=dk)  # dK_j += dS^T Q_i
+        par = stage_ds(idx, ds16) if st.fused_dq else None
+        if st.want_dv and early:
+          wgmma(dv_acc, p16, do_t)  # dV_j += P^T dO_i (line 12), in flight from here on
+        if st.fused_dq:
+          fused_dq_step(par, i, g, ds16, q_t, dk_acc)
         else:
-          dk = fused_dq_step(idx, i, g, ds16, q_t, dk)
+          wgmma(dk_acc, ds16, q_t)  # dK_j += dS^T Q_i  (line 16)
+      wgmma_wait(0)
       plgpu.barrier_arrive(free.at[slot])  # all wgmmas reading this slot have completed
-      return dk, dv
 
-    def over_queries(g, carry):
-      masked = functools.partial(step, g=g, masked=True)
-      unmasked = functools.partial(step, g=g, masked=False)
+    def over_queries(g, dk_acc, dv_acc):
+      loop = functools.partial(acc_loop, accs=(dk_acc, dv_acc))
+      masked = functools.partial(step, g=g, masked=True, dk_acc=dk_acc, dv_acc=dv_acc)
+      unmasked = functools.partial(step, g=g, masked=False, dk_acc=dk_acc, dv_acc=dv_acc)
       if variant is None:
-        carry = lax.fori_loop(i_start, i_full, masked, carry)
-        return lax.fori_loop(i_full, nq, unmasked, carry)
+        loop(i_start, i_full, masked)
+        loop(i_full, nq, unmasked)
+        return
       # In the producer's order: [lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, hi) masked.
-      carry = lax.fori_loop(i_start, full_lo, masked, carry)
-      carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-      return lax.fori_loop(full_hi, nq, masked, carry)
+      loop(i_start, full_lo, masked)
+      loop(full_lo, full_hi, unmasked)
+      loop(full_hi, nq, masked)
 
-    carry = (_zeros((bk, hd)) if st.want_dk else None, _zeros((bk, hd)) if st.want_dv else None)
-    if g_size == 1:
-      dk, dv = over_queries(jnp.int32(0), carry)
-    else:
-      dk, dv = lax.fori_loop(0, g_size, over_queries, carry)  # GQA: sum over the head group
+    def all_queries(*accs):
+      """dK_j, dV_j accumulated in registers over every query tile (and GQA group head)."""
+      accs = list(accs)
+      dk_acc = accs.pop(0) if st.want_dk else None
+      dv_acc = accs.pop(0) if st.want_dv else None
+      body = functools.partial(over_queries, dk_acc=dk_acc, dv_acc=dv_acc)
+      if g_size == 1:
+        body(jnp.int32(0))
+      else:
+        acc_loop(0, g_size, body, (dk_acc, dv_acc))  # GQA: sum over the head group
+      return (wgmma_load(dk_acc) if st.want_dk else None,
+              wgmma_load(dv_acc) if st.want_dv else None)
+
+    dk, dv = accumulators(all_queries, *[(bk, hd)] * (int(st.want_dk) + int(st.want_dv)))
 
     if st.fused_dq and split is not None:  # the other consumer's last dQ wgmma has read our K_j
       plgpu.barrier_arrive(ds_bar.at[0])
@@ -299,7 +342,7 @@ def dkv_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_q, cfg: Mo
             n_k_tiles=n_k_tiles,
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                    kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
-            seq_k=seq_k, variant=variant, names=names)
+            seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq)
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),

@@ -180,6 +180,69 @@ def mma(shape, a, b, *, tb: bool = False, ta: bool = False, init=None, between=N
   return mma_many([Product(shape, a, b, tb=tb, ta=ta, init=init)], between=between)[0]
 
 
+class _EmulatedAccumulator:
+  """Emulation's stand-in for a wgmma accumulator ref: a traced f32 value, updated at issue."""
+
+  def __init__(self, shape):
+    self.value = jnp.zeros(shape, jnp.float32)
+
+
+def accumulators(body, *shapes):
+  """``body(*acc_refs)`` with fresh zero f32 wgmma accumulators of the given shapes, for the
+  asynchronous idiom: :func:`wgmma` issues a product without waiting, :func:`wgmma_load` reads an
+  accumulator once at most ``wait_n`` issued products are still in flight, :func:`wgmma_wait` waits
+  without reading. Accumulators allocated around a loop stay in registers across its steps; such a
+  loop is written with :func:`acc_loop`.
+
+  Emulation: each accumulator is a traced value, products run at issue, loops carry the values.
+  """
+  if emulating():
+    return body(*[_EmulatedAccumulator(tuple(s)) for s in shapes])
+  return pl.run_scoped(body, *[plgpu.ACC(tuple(s), jnp.float32) for s in shapes])
+
+
+def acc_loop(lower, upper, body, accs):
+  """``for i in [lower, upper): body(i)`` where ``body`` issues products into the accumulators
+  ``accs`` allocated outside the loop (None entries are ignored)."""
+  accs = [a for a in accs if a is not None]
+  if not emulating():
+    lax.fori_loop(lower, upper, lambda i, c: (body(i), c)[1], jnp.int32(0))
+    return
+
+  def carried(i, values):
+    for a, v in zip(accs, values):
+      a.value = v
+    body(i)
+    return tuple(a.value for a in accs)
+
+  values = lax.fori_loop(lower, upper, carried, tuple(a.value for a in accs))
+  for a, v in zip(accs, values):
+    a.value = v
+
+
+def wgmma(acc, a, b, *, ta: bool = False, tb: bool = False):
+  """Issue ``acc += a @ b`` (one wgmma commit group) without waiting; operands as in :class:`Product`
+  (a register A operand must stay unchanged until the product completes)."""
+  if emulating():
+    acc.value = acc.value + jnp.dot(_load(a, ta), _load(b, tb), preferred_element_type=jnp.float32)
+  else:
+    plgpu.wgmma(acc, _operand(a, ta), _operand(b, tb))
+
+
+def wgmma_load(acc, wait_n: int = 0):
+  """The accumulator's value once at most ``wait_n`` of the issued products are in flight (they
+  complete in issue order)."""
+  if emulating():
+    return acc.value
+  return plgpu.wgmma_accumulator_load(acc, wait_n=wait_n)
+
+
+def wgmma_wait(n: int = 0):
+  """Wait until at most ``n`` issued products are in flight."""
+  if not emulating():
+    plgpu.wgmma_wait(n)
+
+
 def kv_producer(memory_registers: int, **stream_args):
   """The producer warpgroup of the forward and dQ kernels: give registers back to the consumers
   (``setmaxnreg``), then :func:`stream_kv`."""
