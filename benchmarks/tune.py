@@ -61,9 +61,9 @@ MOSAIC_FWD = {
          dict(block_k=256, num_stages=2), dict(pingpong=False)],
 }
 MOSAIC_BWD = {
-    128: [dict(dq_fused=True), dict(dq_fused=False), dict(num_stages_dkv=3), dict(block_q_dkv=128),
+    128: [dict(dq_fused=True, dq_fused_min_t=0), dict(dq_fused=False), dict(num_stages_dkv=3), dict(block_q_dkv=128),
           dict(block_k_dq=128), dict(num_stages_dq=3)],
-    64: [dict(dq_fused=True, num_stages_dkv=2), dict(dq_fused=False), dict(num_stages_dkv=3),
+    64: [dict(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=2), dict(dq_fused=False), dict(num_stages_dkv=3),
          dict(block_q_dkv=128), dict(block_k_dq=128), dict(num_stages_dq=3)],
 }
 LPT_HEADS = (1, 2, 4, 8, 16)  # causal launch-order sections swept (0, the L2 default, is the baseline)

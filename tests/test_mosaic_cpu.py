@@ -105,11 +105,11 @@ def test_fused_dq_split_and_smem():
   assert dq_split(64, 128, 2) == "cols" and dq_split(128, 64, 2) == "rows"
   assert dq_split(64, 64, 2) is None and dq_split(64, 128, 1) is None
   base = MosaicConfig.default(128, is_causal=True).replace(dq_fused=False)
-  fused = base.replace(dq_fused=True)
+  fused = base.replace(dq_fused=True, dq_fused_min_t=0)
   # + double-buffered dS^T (2 x 2 consumers x 64 x 64 bf16) + half a [64, 128] f32 tile per consumer
   assert fused.smem_dkv(128) - base.smem_dkv(128) == 2 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 4
   assert fused.check(128) is None
-  h64 = MosaicConfig.default(64).replace(dq_fused=True, block_q_dkv=64)  # no split: whole tiles
+  h64 = MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, block_q_dkv=64)  # no split: whole tiles
   assert (h64.smem_dkv(64) - h64.replace(dq_fused=False).smem_dkv(64)
           == 2 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 4)
 
@@ -449,15 +449,16 @@ LOWER_CASES = [  # b, t, s, n, kh, h, causal, dtype, cfg, kernels
      MosaicConfig.default(128, is_causal=True).replace(pingpong=False, ragged="pad"), ("forward", "dkdv", "dq")),
     (1, 256, 200, 2, 2, 256, True, BF16, None, ("forward", "dv", "dk", "dq")),
     # fused dQ (TMA reduce-add inside the dK/dV kernel): no dQ kernel
-    (1, 1000, 777, 4, 2, 128, True, BF16, MosaicConfig.default(128).replace(dq_fused=True),
+    (1, 1000, 777, 4, 2, 128, True, BF16, MosaicConfig.default(128).replace(dq_fused=True, dq_fused_min_t=0),
      ("forward", "dkdv_dq")),
     (2, 512, 512, 4, 4, 64, False, BF16,
-     MosaicConfig.default(64).replace(dq_fused=True, num_stages_dkv=2), ("forward", "dkdv_dq")),
-    # fp16, non-causal: the default fused dQ (dS^T staged in fp16)
-    (1, 256, 320, 4, 2, 128, False, jnp.float16, MosaicConfig.default(128), ("forward", "dkdv_dq")),
+     MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=2), ("forward", "dkdv_dq")),
+    # fp16, non-causal: the default fused dQ (dS^T staged in fp16; fused here from any length)
+    (1, 256, 320, 4, 2, 128, False, jnp.float16, MosaicConfig.default(128).replace(dq_fused_min_t=0),
+     ("forward", "dkdv_dq")),
     # fused dQ with 64-row dK/dV tiles at head_dim 64: no split, one partial per consumer
     (1, 256, 256, 2, 2, 64, False, BF16,
-     MosaicConfig.default(64).replace(dq_fused=True, block_q_dkv=64), ("forward", "dkdv_dq")),
+     MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, block_q_dkv=64), ("forward", "dkdv_dq")),
 ]
 
 
@@ -511,12 +512,12 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     (1, 100, 77, 2, 2, 128, False,
      MosaicConfig.default(128).replace(ragged="pad", num_wgs=1, pingpong=False), True),
     # fused dQ: causal, GQA 2:1, ragged T/S, lse cotangent (emulated: per-consumer slabs, summed)
-    (1, 136, 200, 4, 2, 64, True, MosaicConfig.default(64).replace(dq_fused=True, num_stages_dkv=2),
+    (1, 136, 200, 4, 2, 64, True, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=2),
      True),
     # fused dQ at head_dim 128: the two consumers split each dQ tile by columns (dq_split "cols")
-    (1, 200, 136, 2, 1, 128, True, MosaicConfig.default(128).replace(dq_fused=True), False),
+    (1, 200, 136, 2, 1, 128, True, MosaicConfig.default(128).replace(dq_fused=True, dq_fused_min_t=0), False),
     # fused dQ, 64-row tiles at head_dim 64: no split (each consumer adds its own keys' partial)
-    (1, 136, 136, 2, 2, 64, False, MosaicConfig.default(64).replace(dq_fused=True, block_q_dkv=64),
+    (1, 136, 136, 2, 2, 64, False, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, block_q_dkv=64),
      False),
 ]
 
@@ -569,7 +570,7 @@ def test_interpret_causal_lpt_sections(monkeypatch, fused):
   h, t = 64, 144
   per_head = 2 * t * h * 2  # K+V (forward, dQ) or Q+dO (dK/dV) of one head, bf16
   monkeypatch.setattr(common, "L2_SECTION_BYTES", 4 * per_head)
-  cfg = MosaicConfig.default(h, is_causal=True).replace(dq_fused=fused, num_stages_dkv=2,
+  cfg = MosaicConfig.default(h, is_causal=True).replace(dq_fused=fused, dq_fused_min_t=0, num_stages_dkv=2,
                                                         lpt_heads_dkv=0)
   assert causal_section(cfg, n_bh=6, group=1, kv_bytes=per_head) == 4
   test_interpret_numerics((2, t, t, 3, 3, h, True, cfg, False))
@@ -580,8 +581,8 @@ def test_fused_dq_under_vmap_interpret():
   vmapped axis into the batch) equals the per-element results, with K/V shared (in_axes=None: they
   are broadcast, and their per-element gradients come back stacked)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  cfg = MosaicConfig.default(64)
-  assert cfg.dq_fused
+  cfg = MosaicConfig.default(64).replace(dq_fused_min_t=0)  # fused at this short length too
+  assert cfg.fuses_dq(136, deterministic=False)
   h, scale = 64, 1.0 / 8.0
   ks = jax.random.split(jax.random.key(3), 4)
   q = jax.random.normal(ks[0], (2, 1, 136, 2, h), jnp.float32).astype(BF16)  # [V, B, T, N, H]

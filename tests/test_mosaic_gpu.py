@@ -253,7 +253,7 @@ def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv):
   scale = h ** -0.5
   out, lse = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
   base = MosaicConfig.default(h)
-  fused = base.replace(dq_fused=True, num_stages_dkv=min(base.num_stages_dkv, 2),
+  fused = base.replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=min(base.num_stages_dkv, 2),
                        block_q_dkv=bq_dkv or base.block_q_dkv)
   bwd = lambda cfg, det: jax.jit(lambda *a: backward(*a, scale=scale, is_causal=causal,
                                                      config=cfg, deterministic=det))

@@ -114,7 +114,7 @@ def test_unattended_nonfinite_keys_triton(t, s, k_bad, v_bad):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", [None, MosaicConfig.default(64).replace(dq_fused=True,
+@pytest.mark.parametrize("cfg", [None, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0,
                                                                            num_stages_dkv=2)],
                          ids=["dq-kernel", "fused-dq"])
 def test_unattended_nonfinite_keys_mosaic(cfg):

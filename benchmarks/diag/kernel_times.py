@@ -29,7 +29,7 @@ def programs(head_dim: int, dtype, causal: bool) -> dict:
   from fa2_jax.kernels.mosaic.forward import forward
   scale = head_dim ** -0.5
   cfg = fa2_jax.MosaicConfig.default(head_dim, dtype, causal)
-  fused = cfg.replace(dq_fused=True)
+  fused = cfg.replace(dq_fused=True, dq_fused_min_t=0)
   if fused.check(head_dim, jax.numpy.dtype(dtype).itemsize):  # shared memory: a shallower dK/dV ring
     fused = fused.replace(num_stages_dkv=2)
 

@@ -8,6 +8,11 @@
 
 Several products passed to one ``mma_many`` call are issued back to back and awaited once.
 
+The asynchronous idiom (the dK/dV kernel, FlashAttention-3's schedule): :func:`accumulators` allocates
+accumulators (around a whole loop, written with :func:`acc_loop`, or per step), :func:`wgmma` issues a
+product without waiting, :func:`wgmma_load` reads an accumulator once at most ``wait_n`` products are
+still in flight, :func:`wgmma_wait` waits without reading.
+
 Emulation (CPU testing only): inside ``with emulated_mma():`` the same calls compute the products with
 ``jnp.dot`` on the loaded SMEM tiles instead of wgmma. Pallas' GPU interpret mode
 (``plgpu.force_gpu_interpret_mode``) cannot run wgmma with a register operand or ``run_state``, but it
@@ -152,27 +157,6 @@ def mma_many(products: Sequence[Product], between: Callable[[], None] | None = N
   inits = tuple(plgpu.ACC.init(zeros(p.shape) if p.init is None else p.init) for p in products)
   # run_state waits for all outstanding wgmmas before returning the final accumulators.
   return list(pl.run_state(issue)(inits))
-
-
-def mma_fresh_and_carried(fresh: Product, carried: Product):
-  """Two products in flight at once, one wait: ``fresh`` (``init`` None) into a scoped zero
-  accumulator, ``carried`` accumulated into its ``init``. Returns ``(carried, fresh)`` results.
-
-  (The fresh accumulator lives in ``run_scoped`` around the carried one's ``run_state``, whose exit
-  waits for every outstanding wgmma; putting both in one ``run_state`` did not lower when an operand
-  is an SMEM view indexed by a traced slot.)
-  """
-  assert fresh.init is None and carried.init is not None
-  if emulating():
-    return tuple(mma_many([carried, fresh]))
-
-  def scoped(fresh_ref):
-    for a, b, ta, tb in fresh.terms:
-      plgpu.wgmma(fresh_ref, _operand(a, ta), _operand(b, tb))
-    (out,) = mma_many([carried])  # run_state: waits for all wgmmas on exit
-    return out, fresh_ref[...]
-
-  return pl.run_scoped(scoped, plgpu.ACC(fresh.shape, jnp.float32))
 
 
 def mma(shape, a, b, *, tb: bool = False, ta: bool = False, init=None, between=None):
