@@ -146,8 +146,9 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       kernels; with ``implementation=None`` it selects them) or a :class:`fa2_jax.MosaicConfig`
       (tiles of the Mosaic kernels; with ``implementation=None`` it selects them).
     deterministic: guarantee a backward without atomics, bit-identical across runs. With False (the
-      default) the Mosaic kernels fuse dQ into the dK/dV kernel for non-causal head_dim 64/128 calls
-      (TMA reduce-adds, whose order varies); every other call is deterministic anyway.
+      default) the Mosaic kernels fuse dQ into the dK/dV kernel for head_dim 64/128 calls from 2k
+      query rows non-causal and 4k causal (TMA reduce-adds, whose order varies;
+      ``MosaicConfig.fuses_dq``); every other call is deterministic anyway.
     interpret: True runs the Pallas kernels in interpret mode on any platform (CPU tests).
     query_seq_lengths: integer ``[B]`` (rank-3 call: a scalar or ``[1]``), values in ``[0, T]``:
       query rows ``i >= query_seq_lengths[b]`` are padding, with output 0, lse ``-inf`` and zero

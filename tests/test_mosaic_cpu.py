@@ -135,6 +135,7 @@ def test_fused_dq_split_and_smem():
     (dict(memory_registers=264), ValueError, "memory_registers"),
     (dict(pingpong=1), TypeError, "pingpong"),
     (dict(dq_fused=1), TypeError, "dq_fused"),
+    (dict(dq_fused_variants=1), TypeError, "dq_fused_variants"),
     (dict(dkv_split="yes"), TypeError, "dkv_split"),
     (dict(block_k=128.0), TypeError, "block_k"),
     (dict(num_stages=True), TypeError, "num_stages"),
@@ -642,18 +643,23 @@ VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
 }
 
 
-def _variant_run(q, k, v, do, variant, arrays, scale, cfg=None):
+def _variant_run(q, k, v, do, variant, arrays, scale, cfg=None, deterministic=True):
   out, lse = forward(q, k, v, scale=scale, is_causal=variant.is_causal, variant=variant,
                      arrays=arrays, config=cfg)
   grads = backward(q, k, v, out, lse, do, scale=scale, is_causal=variant.is_causal,
-                   variant=variant, arrays=arrays, config=cfg)
+                   variant=variant, arrays=arrays, config=cfg, deterministic=deterministic)
   return (out, lse, *grads)
 
 
+FUSED_VARIANTS = MosaicConfig.default(64).replace(dq_fused_variants=True, dq_fused_min_t=0)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate_dq", "fused_dq"])
 @pytest.mark.parametrize("name", list(VARIANT_CASES))
-def test_interpret_variants(name):
+def test_interpret_variants(name, fused):
   """Forward and backward of the Mosaic kernels with attention variants in emulated interpret mode,
-  against the float32 formula. Eager calls: under one ``jit`` the interpreter runs the independent
+  against the float32 formula, with the separate dQ kernel and with dQ fused into the dK/dV kernel
+  (``dq_fused_variants``). Eager calls: under one ``jit`` the interpreter runs the independent
   dK/dV and dQ kernels concurrently and its simulated barriers deadlock (a limit of the CPU
   interpreter, not of the kernels)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -668,8 +674,11 @@ def test_interpret_variants(name):
   do = jax.random.normal(ks[3], (b, t, n, h), jnp.float32).astype(BF16)
   variant, arrays = check_variant(q, k, **kwargs)
   scale = 1.0 / math.sqrt(h)
+  cfg = FUSED_VARIANTS if fused else None
+  assert not fused or FUSED_VARIANTS.fuses_dq(t, deterministic=False, variant=True)
   with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    got = jax.block_until_ready(_variant_run(q, k, v, do, variant, arrays, scale))
+    got = jax.block_until_ready(_variant_run(q, k, v, do, variant, arrays, scale, cfg,
+                                             deterministic=not fused))
 
   def ref(q, k, v):
     return fa2_jax.reference_attention(q, k, v, scale=scale, return_residual=True,
@@ -686,8 +695,9 @@ def test_interpret_variants(name):
     assert err < 1e-2, (what, err)
 
 
-@pytest.mark.parametrize("h", [128, 256])  # 256: the split dV, dK kernels
-def test_variant_kernels_lower_for_sm90(h):
+@pytest.mark.parametrize("h, fused", [(128, False), (256, False), (128, True)])
+def test_variant_kernels_lower_for_sm90(h, fused):
+  """256: the split dV, dK kernels; fused: dQ inside the dK/dV kernel (``dq_fused_variants``)."""
   from fa2_jax.validation import check_variant
   b, t, s, n, kh = 2, 1000, 777, 4, 2
   sd = jax.ShapeDtypeStruct
@@ -698,8 +708,34 @@ def test_variant_kernels_lower_for_sm90(h):
                 logits_soft_cap=30.0, alibi_slopes=jnp.ones((n,)),
                 mask_fn=lambda b_, h_, i, j: (i + j) % 5 != 0, score_fn=lambda x, *_: x * 0.5)
   variant, arrays = check_variant(q, kv, **kwargs)
-  f = lambda q, k, v, do, arrays: _variant_run(q, k, v, do, variant, arrays, h ** -0.5)
+  cfg = MosaicConfig.default(h).replace(dq_fused_variants=True, dq_fused_min_t=0) if fused else None
+  f = lambda q, k, v, do, arrays: _variant_run(q, k, v, do, variant, arrays, h ** -0.5, cfg,
+                                               deterministic=not fused)
   text = jax.jit(f).trace(q, kv, kv, q, arrays).lower(lowering_platforms=("cuda",)).as_text()
-  kernels = ("forward", "dv", "dk", "dq") if h == 256 else ("forward", "dkdv", "dq")
+  kernels = (("forward", "dkdv_dq") if fused else
+             ("forward", "dv", "dk", "dq") if h == 256 else ("forward", "dkdv", "dq"))
   assert text.count("stablehlo.custom_call @mosaic_gpu") == len(kernels)
-  assert set(re.findall(r"fa2_mosaic_(forward|dkdv|dk|dv|dq)_mosaic_gpu", text)) == set(kernels)
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dk|dv|dq)_mosaic_gpu", text)) == set(kernels)
+
+
+def test_fused_dq_variant_under_vmap_lowers_for_sm90():
+  """vmap of a variant's backward with the fused dQ: the custom_vmap folds the vmapped axis into the
+  batch of every operand, the variant's (range table, lengths, segment ids) too."""
+  from fa2_jax.validation import check_variant
+  b, t, s, n, kh, h = 2, 300, 260, 2, 1, 128
+  sd = jax.ShapeDtypeStruct
+  q, kv = sd((b, t, n, h), BF16), sd((b, s, kh, h), BF16)
+  variant, arrays = check_variant(q, kv, is_causal=True, local_window_size=(100, 0),
+                                  key_value_seq_lengths=jnp.array([260, 200]),
+                                  q_segment_ids=jnp.zeros((b, t), jnp.int32),
+                                  kv_segment_ids=jnp.zeros((b, s), jnp.int32))
+  cfg = MosaicConfig.default(h).replace(dq_fused_variants=True, dq_fused_min_t=0)
+  f = lambda q, k, v, do, arrays: _variant_run(q, k, v, do, variant, arrays, h ** -0.5, cfg,
+                                               deterministic=False)
+  g = jax.vmap(f, in_axes=(0, 0, 0, 0, None))
+  qs, kvs = sd((3, b, t, n, h), BF16), sd((3, b, s, kh, h), BF16)
+  traced = jax.jit(g).trace(qs, kvs, kvs, qs, arrays)
+  assert [o.shape for o in traced.out_info[2:]] == [qs.shape, kvs.shape, kvs.shape]
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dk|dv|dq)_mosaic_gpu", text)) == {
+      "forward", "dkdv_dq"}

@@ -124,7 +124,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   common = dict(scale=scale, is_causal=is_causal, seq_q=t, cfg=cfg, emulate=emulating())
   if variant is not None:
     return _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, plan=plan,
-                             tables=tables or {}, **common)
+                             tables=tables or {}, deterministic=deterministic, **common)
   if cfg.fuses_dq(t, deterministic=deterministic):
     dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
                                num_wgs=cfg.num_wgs_dkv, fused_dq=True, **common)
@@ -150,9 +150,10 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
 
 
 def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, tables, scale,
-                      is_causal, seq_q, cfg, emulate):
-  """The separate dK/dV (or dV, dK) and dQ kernels of an attention variant, each reading the range
-  table of its own tiles (no fused dQ)."""
+                      is_causal, seq_q, cfg, emulate, deterministic):
+  """The backward kernels of an attention variant, each reading the range table of its own tiles:
+  dK/dV with the fused dQ where ``cfg.fuses_dq`` allows it (``dq_fused_variants``), else the separate
+  dK/dV (or dV, dK) and dQ kernels."""
   b, t_hbm, n, h = qp.shape
   s_hbm = kp.shape[1]
   t, s = plan.t, plan.s
@@ -168,15 +169,18 @@ def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, ta
 
   common = dict(scale=scale, is_causal=is_causal, cfg=cfg, emulate=emulate, variant=variant)
 
-  def dkv(want_dk, want_dv, num_wgs, name):
+  def dkv(want_dk, want_dv, num_wgs, name, fused_dq=False):
     cols = num_wgs * cfg.block_k_dkv  # keys per CTA
     table = tables.get(name)
     if table is None:
       table = q_range_table(variant, arrays, block_q=cfg.block_q_dkv, block_k=cols, **dims)
     ops, names = inputs(table, -(-s_hbm // cols))
     return dkv_call(qp, kp, vp, dop, lse2, delta, *ops, want_dk=want_dk, want_dv=want_dv,
-                     num_wgs=num_wgs, seq_q=seq_q, seq_k=s, names=names, **common)
+                     num_wgs=num_wgs, seq_q=seq_q, seq_k=s, names=names, fused_dq=fused_dq, **common)
 
+  if cfg.fuses_dq(t, deterministic=deterministic, variant=True):
+    dk, dv, dq_acc = dkv(True, True, cfg.num_wgs_dkv, "dkv", fused_dq=True)
+    return (dq_acc[:, :t] * scale).astype(qp.dtype), dk[:, :s], dv[:, :s]
   if cfg.dkv_split:
     (dv,) = dkv(False, True, cfg.num_wgs_dkv, "dkv")
     (dk,) = dkv(True, False, cfg.num_wgs_dk, "dk")

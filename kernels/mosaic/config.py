@@ -115,6 +115,7 @@ class MosaicConfig:
   ragged: str = "tma"
   dq_fused: bool = False
   dq_fused_min_t: int = 0  # fused dQ only for calls with at least this many query rows (see fuses_dq)
+  dq_fused_variants: bool = False  # fused dQ for calls with an attention variant too (not yet measured)
   lpt_heads: int = 0
   lpt_heads_dkv: int = 0
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
@@ -127,7 +128,7 @@ class MosaicConfig:
         if v not in RAGGED_MODES:
           raise ValueError(f"MosaicConfig.ragged must be one of {RAGGED_MODES}, got {v!r}")
         continue
-      if f.name in ("pingpong", "dkv_split", "dq_fused"):
+      if f.name in ("pingpong", "dkv_split", "dq_fused", "dq_fused_variants"):
         if not isinstance(v, bool):
           raise TypeError(f"MosaicConfig.{f.name} must be a bool, got {v!r}")
         continue
@@ -211,10 +212,11 @@ class MosaicConfig:
     return cls(block_k=64, num_stages=2, dkv_split=True, num_wgs_dkv=2, num_wgs_dk=1,
                num_stages_dkv=2, num_wgs_dq=1, num_stages_dq=2)
 
-  def fuses_dq(self, seq_q: int, *, deterministic: bool) -> bool:
-    """Whether a plain (no variant) backward of ``seq_q`` query rows runs dQ inside the dK/dV kernel."""
+  def fuses_dq(self, seq_q: int, *, deterministic: bool, variant: bool = False) -> bool:
+    """Whether a backward of ``seq_q`` query rows (``variant``: with an attention variant beyond
+    causal) runs dQ inside the dK/dV kernel."""
     return (self.dq_fused and not deterministic and not self.dkv_split
-            and seq_q >= self.dq_fused_min_t)
+            and seq_q >= self.dq_fused_min_t and (self.dq_fused_variants or not variant))
 
   # --- shared-memory budget (bytes), one function per kernel ---------------------------------------
   def smem_forward(self, head_dim: int, itemsize: int = 2) -> int:

@@ -402,11 +402,13 @@ def dkv_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_q, cfg: Mo
   @fused.def_vmap
   def _vmap(axis_size, in_batched, *args):
     # run_state has no batching rule: fold the vmapped axis into the batch axis B (every operand has
-    # B first), run the kernel once over V * B, and unfold (unbatched operands are broadcast).
+    # B first, the variant operands too), run the kernel once over V * B, and unfold (unbatched
+    # operands are broadcast).
     args = [x if bt else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, bt in zip(args, in_batched)]
     merged = [x.reshape((axis_size * x.shape[1], *x.shape[2:])) for x in args]
     outs = dkv_call(*merged, scale=scale, is_causal=is_causal, seq_q=seq_q, cfg=cfg, want_dk=want_dk,
-                     want_dv=want_dv, num_wgs=num_wgs, emulate=emulate, fused_dq=True)
+                     want_dv=want_dv, num_wgs=num_wgs, emulate=emulate, fused_dq=True, seq_k=seq_k,
+                     variant=variant, names=names)
     return tuple(o.reshape((axis_size, -1, *o.shape[1:])) for o in outs), (True, True, True)
 
   return fused(*operands)
