@@ -146,34 +146,26 @@ def plot(cells, out_dir, tag=None):
   groups = _groups(cells)
   if plt is None or not groups:
     return []
-  import numpy as np
   names = _order(cells)
   cmap = plt.get_cmap("tab10")
   colors = {n: cmap(i % 10) for i, n in enumerate(ROW_ORDER + tuple(x for x in names
                                                                     if x not in ROW_ORDER))}
-  ncol = 2 if len(groups) > 1 else 1
-  nrow = -(-len(groups) // ncol)
-  fig, axes = plt.subplots(nrow, ncol, figsize=(7.5 * ncol, 3.4 * nrow + 0.8), squeeze=False)
   by = {(c["impl"], c["id"]): c for c in cells}
-  for ax, (group, gcells) in zip(axes.flat, groups.items()):
-    shown = [n for n in names if any(((by.get((n, g["id"])) or {}).get("tflops") or {}).get("fwd+bwd")
-                                     for g in gcells)]
-    width = 0.8 / max(1, len(shown))
-    x = np.arange(len(gcells))
-    for k, n in enumerate(shown):
-      vals = [((by.get((n, g["id"])) or {}).get("tflops") or {}).get("fwd+bwd") or 0.0 for g in gcells]
-      ax.bar(x + (k - (len(shown) - 1) / 2) * width, vals, width, color=colors[n],
-             label=next(by[(n, g["id"])]["label"] for g in gcells if (n, g["id"]) in by))
-    ax.set_xticks(x, [column_label(g).replace(" (", "\n(") for g in gcells],
-                  fontsize=7 if group.startswith("head_dim") else 6)
-    ax.set_ylabel("fwd+bwd TFLOP/s")
-    ax.set_title(group, fontsize=10)
-    ax.grid(axis="y", alpha=0.3)
-  for ax in list(axes.flat)[len(groups):]:
-    ax.axis("off")
-  plots.shared_legend(fig, axes, ncol=6, fontsize=8)
-  fig.suptitle("Attention forward+backward throughput (TFLOP/s, higher is better)")
-  fig.tight_layout(rect=(0, 0.05, 1, 0.97))
+
+  def fwd_bwd(n, g):
+    return ((by.get((n, g["id"])) or {}).get("tflops") or {}).get("fwd+bwd")
+
+  panels = []
+  for group, gcells in groups.items():
+    shown = [n for n in names if any(fwd_bwd(n, g) for g in gcells)]
+    series = [(next(by[(n, g["id"])]["label"] for g in gcells if (n, g["id"]) in by), n,
+               [fwd_bwd(n, g) or 0.0 for g in gcells]) for n in shown]
+    panels.append((group, [column_label(g).replace(" (", "\n(") for g in gcells],
+                   7 if group.startswith("head_dim") else 6, series))
+  fig = plots.grouped_bar_panels(
+      plt, panels, colors=colors, ylabel="fwd+bwd TFLOP/s",
+      suptitle="Attention forward+backward throughput (TFLOP/s, higher is better)",
+      panel_size=(7.5, 3.4), extra_height=0.8, rect=(0, 0.05, 1, 0.97))
   return [plots.save_png(plt, fig, Path(out_dir) / out_name(STEM, tag, "png"))]
 
 

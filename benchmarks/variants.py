@@ -677,31 +677,19 @@ def plot(cells, out_dir, tag=None):
   kinds = [k for k in KINDS if any(next(iter(by.values())).get("kind") == k for by in by_cell.values())]
   if plt is None or not kinds:
     return []
-  import numpy as np_
   rows = list(dict.fromkeys([r for r in ROW_ORDER if any(c["row"] == r for c in cells)]
                             + [c["row"] for c in cells]))
   cmap = plt.get_cmap("tab20")
   colors = {r: cmap(i % 20) for i, r in enumerate(dict.fromkeys(ROW_ORDER + tuple(rows)))}
-  ncol = 2 if len(kinds) > 1 else 1
-  nrow = -(-len(kinds) // ncol)
-  fig, axes = plt.subplots(nrow, ncol, figsize=(7.0 * ncol, 3.2 * nrow + 0.9), squeeze=False)
-  for ax, kind in zip(axes.flat, kinds):
+  panels = []
+  for kind in kinds:
     ids = [cid for cid, by in by_cell.items() if next(iter(by.values())).get("kind") == kind]
     shown = [r for r in rows if any(_value(by_cell[i].get(r), "rate", "fwd+bwd") for i in ids)]
-    width = 0.8 / max(1, len(shown))
-    x = np_.arange(len(ids))
-    for j, r in enumerate(shown):
-      vals = [_value(by_cell[i].get(r), "rate", "fwd+bwd") or 0.0 for i in ids]
-      ax.bar(x + (j - (len(shown) - 1) / 2) * width, vals, width, color=colors[r], label=r)
-    ax.set_xticks(x, ids, fontsize=7)
-    ax.set_ylabel("fwd+bwd TFLOP/s")
-    ax.set_title(kind, fontsize=10)
-    ax.grid(axis="y", alpha=0.3)
-  for ax in list(axes.flat)[len(kinds):]:
-    ax.axis("off")
-  plots.shared_legend(fig, axes, ncol=6, fontsize=8)
-  fig.suptitle("Attention variants: forward+backward TFLOP/s over attended pairs (higher is better)")
-  fig.tight_layout(rect=(0, 0.07, 1, 0.96))
+    panels.append((kind, ids, 7, [(r, r, [_value(by_cell[i].get(r), "rate", "fwd+bwd") or 0.0
+                                          for i in ids]) for r in shown]))
+  fig = plots.grouped_bar_panels(
+      plt, panels, colors=colors, ylabel="fwd+bwd TFLOP/s",
+      suptitle="Attention variants: forward+backward TFLOP/s over attended pairs (higher is better)")
   return [plots.save_png(plt, fig, Path(out_dir) / out_name(STEM, tag, "png"))]
 
 
