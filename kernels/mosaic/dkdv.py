@@ -18,6 +18,13 @@ accumulators do not fit in registers: ``dkv_split`` runs a dV-only pass and a dK
 
 Fused dQ (``fused_dq``): the kernel also stages ``dS^T`` in SMEM, computes ``dS_ij K_j`` with wgmma and
 adds it to an f32 ``[B, T, N, H]`` dQ accumulator in HBM by TMA reduce-add (see ``backward.py``).
+
+Each product is issued asynchronously and awaited only where its result is needed (``ops.wgmma``,
+``ops.wgmma_load(wait_n)``); dK_j and dV_j are accumulators held across the whole query loop. With the
+fused dQ the step follows FlashAttention-3's order: S^T and dP^T issued together, P^T computed while
+dP^T runs; dS^T staged, dV issued and the consumers' barrier passed while it runs; the dQ product and
+dK issued, the dQ piece awaited and sent to its reduce-add while dK runs. Without it, dP^T is issued
+after the softmax with dV behind it (measured faster there; docs/design.md#the-backwards-step-order).
 An attention variant reads its query-tile range from the call's table (``kernels/mosaic/variant.py``).
 """
 from __future__ import annotations
