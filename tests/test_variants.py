@@ -870,18 +870,35 @@ GPU_CASES = CASES + [(v, 300, 520) for v in ("causal_window", "segments", "combi
 @pytest.mark.parametrize("impl", ["triton", "mosaic"])
 @pytest.mark.parametrize("variant, t, s", GPU_CASES)
 def test_variant_compiled_on_gpu(impl, variant, t, s):
-  h = 64 if impl == "mosaic" else 40
+  check_compiled(variant, t, s, 64 if impl == "mosaic" else 40, dict(implementation=impl))
+
+
+# The Mosaic dK/dV kernel with the fused dQ (MosaicConfig.dq_fused_variants, at any length).
+FUSED_GPU_CASES = [c for c in GPU_CASES if c[1] >= 300] + [
+    (v, 21, 13) for v in ("causal", "q_lengths", "segments", "combined")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant, t, s", FUSED_GPU_CASES)
+def test_variant_fused_dq_compiled_on_gpu(variant, t, s):
+  cfg = fa2_jax.MosaicConfig.default(64).replace(dq_fused_variants=True, dq_fused_min_t=0)
+  check_compiled(variant, t, s, 64, dict(implementation="mosaic", block_sizes=cfg,
+                                         deterministic=False))
+
+
+def check_compiled(variant, t, s, h, impl_kw):
   spec = specs(t, s)[variant]
   q, k, v, dout, dlse = qkv(B, t, s, N, KH, h, seed=5, dtype=jnp.bfloat16)
   dlse = dlse.astype(jnp.float32)  # the lse is float32
   kw = spec.kwargs(B, N)
+  impl = impl_kw["implementation"]
   if impl == "mosaic" and variant in ("mask_fn", "combined") and spec.mask_jnp is not None:
     probe = Variant(mask_fn=spec.mask_jnp)
     if block_ranges.mask_fn_depends_on_head(probe, N):
       with pytest.raises(ValueError, match="mask_fn depends on the head"):
-        run(q, k, v, dout, dlse, dict(kw, implementation="mosaic"))
+        run(q, k, v, dout, dlse, dict(kw, **impl_kw))
       return
-  (out, lse), grads = run(q, k, v, dout, dlse, dict(kw, implementation=impl))
+  (out, lse), grads = run(q, k, v, dout, dlse, dict(kw, **impl_kw))
   (x_out, x_lse), x_grads = run(q, k, v, dout, dlse, dict(kw, implementation="xla"))
   out_ref, lse_ref, grads_ref = np_attention(q, k, v, spec, 1 / np.sqrt(h), dout, dlse)
   for what, got, xla, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
