@@ -109,7 +109,8 @@ def test_fused_dq_split_and_smem():
   # + double-buffered dS^T (2 x 2 consumers x 64 x 64 bf16) + half a [64, 128] f32 tile per consumer
   assert fused.smem_dkv(128) - base.smem_dkv(128) == 2 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 4
   assert fused.check(128) is None
-  h64 = MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, block_q_dkv=64)  # no split: whole tiles
+  # no split with 64-row tiles at head_dim 64: whole tiles
+  h64 = MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, block_q_dkv=64)
   assert (h64.smem_dkv(64) - h64.replace(dq_fused=False).smem_dkv(64)
           == 2 * 2 * 64 * 64 * 2 + 2 * 64 * 64 * 4)
 
@@ -136,6 +137,8 @@ def test_fused_dq_split_and_smem():
     (dict(pingpong=1), TypeError, "pingpong"),
     (dict(dq_fused=1), TypeError, "dq_fused"),
     (dict(dq_fused_variants=1), TypeError, "dq_fused_variants"),
+    (dict(dq_fused_min_t=-1), ValueError, "dq_fused_min_t"),
+    (dict(dq_fused_min_t=2048.0), TypeError, "dq_fused_min_t"),
     (dict(dkv_split="yes"), TypeError, "dkv_split"),
     (dict(block_k=128.0), TypeError, "block_k"),
     (dict(num_stages=True), TypeError, "num_stages"),

@@ -153,6 +153,9 @@ class MosaicConfig:
     if self.compute_registers and (self.compute_registers % 8 or
                                    not 24 <= self.compute_registers <= 256):
       raise ValueError("MosaicConfig.compute_registers must be 0 or a multiple of 8 in [24, 256]")
+    if self.dq_fused_min_t < 0:
+      raise ValueError(f"MosaicConfig.dq_fused_min_t must be >= 0 (query rows), got "
+                       f"{self.dq_fused_min_t}")
     for name in ("lpt_heads", "lpt_heads_dkv"):
       if getattr(self, name) < 0:
         raise ValueError(f"MosaicConfig.{name} must be >= 0 (0: from the L2 budget), got "
