@@ -189,7 +189,7 @@ def describe(backend: str, query, key, *, is_causal: bool, implementation, block
     h = query.shape[-1]
     cfg = block_sizes if isinstance(block_sizes, MosaicConfig) else MosaicConfig.default(
         h, query.dtype, is_causal)
-    # An attention variant runs the separate dQ kernel unless MosaicConfig.dq_fused_variants.
+    # An attention variant fuses dQ only with MosaicConfig.dq_fused_variants (on in the defaults).
     plain = variant is None or variant == type(variant)(is_causal=variant.is_causal)
     fused = cfg.fuses_dq(query.shape[1], deterministic=deterministic, variant=not plain)
     if fused:

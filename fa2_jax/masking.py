@@ -244,20 +244,32 @@ def allowed(*args, is_causal: bool | None = None, seq_k=None, **kwargs):
 
 # --- scores ---------------------------------------------------------------------------------------
 
-def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bool):
+def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bool,
+            in_scale=1.0, out_scale=1.0):
+  """``(out_scale * modify_scores(in_scale * s), d s_out / d s_in)``. Without a ``score_fn`` the two
+  scales fold into the soft cap's and ALiBi's constants: a kernel's softmax scale (``in_scale``) and
+  base-2 conversion (``out_scale = log2 e``) then cost no multiply per score beyond the cap's own."""
   deriv = None
+  fold = variant.score_fn is None
+  if not fold:
+    s = s * in_scale
+    in_scale = 1.0
   if variant.soft_cap is not None:
     cap = variant.soft_cap
-    inv_cap = 1.0 / cap  # a multiply per score, not a division (several instructions on a GPU)
-    s = cap * jnp.tanh(s * inv_cap)
+    # cap * tanh(x / cap) with x = in_scale * s: one multiply into tanh, one out (times out_scale
+    # when folding); 1 / cap as a multiply, not a division (several instructions on a GPU)
+    t = jnp.tanh(s * (in_scale / cap))
+    s = (cap * out_scale if fold else cap) * t
     if with_derivative:
-      t = s * inv_cap
       deriv = 1.0 - t * t  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+  elif fold and in_scale * out_scale != 1.0:
+    s = s * (in_scale * out_scale)
   if variant.has_alibi:
     if slope is None:
       raise ValueError("modify_scores: the variant has ALiBi; pass slope")
     dist = jnp.abs(q_idx - kv_idx).astype(s.dtype)  # |p - j|, int32 -> float
-    s = s - jnp.asarray(slope).astype(s.dtype) * dist  # d/ds = 1
+    slope = jnp.asarray(slope).astype(s.dtype)
+    s = s - (slope * out_scale if fold else slope) * dist  # d/ds = 1
   if variant.score_fn is not None:
     fn = lambda x: variant.score_fn(x, b, h, q_idx, kv_idx)  # noqa: E731
     if with_derivative:
@@ -265,7 +277,18 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
       deriv = d_fn if deriv is None else deriv * d_fn
     else:
       s = fn(s)
+  if not fold and out_scale != 1.0:
+    s = s * out_scale
   return s, deriv
+
+
+def kernel_scores(variant: Variant, raw, b, h, q_idx, kv_idx, *, scale, out_scale, slope=None,
+                  derivative: bool = False):
+  """``(out_scale * modify_scores(scale * raw), d s_out / d s_in or None)`` of a tile of raw
+  ``q . k`` products, the form a kernel's softmax needs (``out_scale = log2 e`` for base-2 logits),
+  with the constants folded where no ``score_fn`` is involved. ``derivative=False`` gives None for
+  the derivative."""
+  return _modify(variant, raw, b, h, q_idx, kv_idx, slope, derivative, scale, out_scale)
 
 
 def modify_scores(variant: Variant, s, b, h, q_idx, kv_idx, *, slope=None):

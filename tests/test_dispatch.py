@@ -74,11 +74,14 @@ def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
   assert nc.backward == ("mosaic dK/dV + fused dQ",) and not nc.deterministic
   few = fa2_jax.backend_for(*_shapes(t=128), is_causal=False)  # few query rows: separate dQ
   assert few.backward == ("mosaic dK/dV", "mosaic dQ") and few.deterministic
-  window = dict(is_causal=True, local_window_size=(512, 0))  # a variant: separate dQ unless asked
-  assert fa2_jax.backend_for(*_shapes(t=4096), **window).backward == ("mosaic dK/dV", "mosaic dQ")
-  asked = fa2_jax.MosaicConfig.default(128, is_causal=True).replace(dq_fused_variants=True)
-  assert fa2_jax.backend_for(*_shapes(t=4096), block_sizes=asked, **window).backward == (
-      "mosaic dK/dV + fused dQ",)
+  window = dict(is_causal=True, local_window_size=(512, 0))  # a variant: the same length rule
+  assert fa2_jax.backend_for(*_shapes(t=4096), **window).backward == ("mosaic dK/dV + fused dQ",)
+  assert fa2_jax.backend_for(*_shapes(t=2048), **window).backward == ("mosaic dK/dV", "mosaic dQ")
+  off = fa2_jax.MosaicConfig.default(128, is_causal=True).replace(dq_fused_variants=False)
+  assert fa2_jax.backend_for(*_shapes(t=4096), block_sizes=off, **window).backward == (
+      "mosaic dK/dV", "mosaic dQ")
+  assert fa2_jax.backend_for(*_shapes(t=4096), block_sizes=off, is_causal=True).backward == (
+      "mosaic dK/dV + fused dQ",)  # dq_fused_variants leaves plain causal calls alone
   det = fa2_jax.backend_for(*_shapes(t=4096), is_causal=True, deterministic=True)
   assert det.backward == ("mosaic dK/dV", "mosaic dQ") and det.deterministic
   big = fa2_jax.backend_for(*_shapes(h=256))

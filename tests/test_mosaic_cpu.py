@@ -91,6 +91,10 @@ def test_fuses_dq_default_rule():
   assert nc.fuses_dq(2048, deterministic=False) and not nc.fuses_dq(1024, deterministic=False)
   assert c.fuses_dq(4096, deterministic=False) and not c.fuses_dq(2048, deterministic=False)
   assert not c.fuses_dq(8192, deterministic=True)
+  # attention variants follow the same length rule (dq_fused_variants is on in the defaults)
+  assert c.fuses_dq(4096, deterministic=False, variant=True)
+  assert not c.fuses_dq(2048, deterministic=False, variant=True)
+  assert not c.replace(dq_fused_variants=False).fuses_dq(8192, deterministic=False, variant=True)
   assert MosaicConfig.default(64, is_causal=True).fuses_dq(8192, deterministic=False)
   assert not MosaicConfig.default(256).fuses_dq(8192, deterministic=False)  # split dV, dK passes
   assert c.registers(2) == 240 and c.memory_registers == 24 and nc.registers(2) == 232

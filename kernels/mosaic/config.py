@@ -115,7 +115,7 @@ class MosaicConfig:
   ragged: str = "tma"
   dq_fused: bool = False
   dq_fused_min_t: int = 0  # fused dQ only for calls with at least this many query rows (see fuses_dq)
-  dq_fused_variants: bool = False  # fused dQ for calls with an attention variant too (not yet measured)
+  dq_fused_variants: bool = False  # fused dQ also for calls with an attention variant (see fuses_dq)
   lpt_heads: int = 0
   lpt_heads_dkv: int = 0
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
@@ -199,10 +199,11 @@ class MosaicConfig:
     del dtype  # same settings for bf16/fp16 until measured otherwise
     # Fused dQ (used only when the call allows a non-deterministic backward) from 2k query rows
     # non-causal and 4k causal: with fewer query tiles the key tiles' reduce-adds pile onto few dQ rows
-    # and the separate dQ kernel is faster (docs/design.md#when-the-backward-fuses-dq). Causal calls
+    # and the separate dQ kernel is faster; calls with an attention variant follow the same rule
+    # (docs/design.md#when-the-backward-fuses-dq). Causal calls
     # give the backward's consumers 240 registers and the producer 24, non-causal calls keep 232/40
     # (docs/design.md#register-split).
-    fused = dict(dq_fused=True, dq_fused_min_t=4096 if is_causal else 2048)
+    fused = dict(dq_fused=True, dq_fused_min_t=4096 if is_causal else 2048, dq_fused_variants=True)
     regs = dict(compute_registers=240, memory_registers=24) if is_causal else {}
     if head_dim <= 64:
       # The fused dS^T/dQ staging needs the SMEM of a third dK/dV stage. Causal dK/dV keeps the

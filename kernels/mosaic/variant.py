@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ...masking import (Variant, VariantArrays, allowed_pairs, modify_scores,
-                        modify_scores_and_derivative)
+from ...masking import Variant, VariantArrays, allowed_pairs, kernel_scores
 from .config import LOG2E
 from .ops import bcast_cols, bcast_rows, iota2
 
@@ -120,14 +119,8 @@ class Refs:
     """Base-2 logits ``modify_scores(scale * s) * log2(e)`` of a raw ``Q K^T`` tile (and ``d s_out
     / d s_in``, or None, when ``derivative``)."""
     rows, keys = self._indices(s.shape, row0, col0, transposed)
-    q_idx = rows + self.q_offset
-    if derivative:
-      s2, deriv = modify_scores_and_derivative(self.variant, s * scale, self.b, h, q_idx, keys,
-                                               slope=self.slope(h))
-    else:
-      s2, deriv = modify_scores(self.variant, s * scale, self.b, h, q_idx, keys,
-                                slope=self.slope(h)), None
-    return s2 * LOG2E, deriv
+    return kernel_scores(self.variant, s, self.b, h, rows + self.q_offset, keys, scale=scale,
+                         out_scale=LOG2E, slope=self.slope(h), derivative=derivative)
 
 
 def zero_padding(x, lengths):

@@ -19,8 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...masking import (Variant, VariantArrays, allowed, allowed_pairs, modify_scores,
-                        modify_scores_and_derivative)
+from ...masking import Variant, VariantArrays, allowed, allowed_pairs, kernel_scores
 from .common import LOG2E
 
 
@@ -167,10 +166,5 @@ class Refs:
     rows, cols = s.shape
     q_idx = row0 + jnp.arange(rows, dtype=jnp.int32)[:, None] + self.q_offset
     kv_idx = col0 + jnp.arange(cols, dtype=jnp.int32)[None, :]
-    if derivative:
-      s, deriv = modify_scores_and_derivative(self.variant, s * scale, b, h, q_idx, kv_idx,
-                                              slope=self.slope(g))
-    else:
-      s, deriv = modify_scores(self.variant, s * scale, b, h, q_idx, kv_idx,
-                               slope=self.slope(g)), None
-    return s * LOG2E, deriv
+    return kernel_scores(self.variant, s, b, h, q_idx, kv_idx, scale=scale, out_scale=LOG2E,
+                         slope=self.slope(g), derivative=derivative)
