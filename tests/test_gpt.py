@@ -3,7 +3,7 @@ command line as a user meets it (usage errors instead of tracebacks, boolean fla
 checkpoint messages, plain log lines without a terminal, the sample's prompt, the README).
 
 Tiny shapes on CPU; tests/conftest.py provides 4 CPU devices for the pmap test. Compiling is most of
-this file's time: the runs share one TrainConfig, so ``train_lib.compiled_steps`` reuses one set of
+this file's time: the runs share one TrainConfig, so ``steps_lib.compiled_steps`` reuses one set of
 compiled steps across them (``stop_at`` ends a run early without changing its schedule).
 """
 import dataclasses
@@ -23,7 +23,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fa2_jax  # noqa: E402
+from examples.flax_gpt import cli as cli_lib  # noqa: E402
 from examples.flax_gpt import data as data_lib  # noqa: E402
+from examples.flax_gpt import metrics as metrics_lib  # noqa: E402
+from examples.flax_gpt import steps as steps_lib  # noqa: E402
 from examples.flax_gpt import train as train_lib  # noqa: E402
 from examples.flax_gpt.config import PRESETS, GPTConfig, TrainConfig, get_preset  # noqa: E402
 from examples.flax_gpt.model import GPT, attention_core, count_params  # noqa: E402
@@ -133,11 +136,11 @@ def test_mesh_update_equals_single_device_update(text_file):
   and the compiled step moves no activations between devices: the attention runs on each device's
   batch rows (fa2_jax.sharding); the collectives are the all-reduces of the gradients and the loss."""
   flash = dataclasses.replace(MODEL, attention="flash", flash_interpret=not ON_GPU)
-  model, tx, runner = train_lib.compiled_steps(flash, TRAIN, "mesh", jax.local_device_count())
+  model, tx, runner = steps_lib.compiled_steps(flash, TRAIN, "mesh", jax.local_device_count())
   with pytest.raises(ValueError, match="--batch-size 6 must be divisible by the 4 local devices for "
                      "--data-parallel mesh"):
-    train_lib.Runner.create("mesh", model, tx, 6)
-  state = runner.put_state(train_lib.init_state(model, tx, TRAIN.seed))
+    steps_lib.Runner.create("mesh", model, tx, 6)
+  state = runner.put_state(steps_lib.init_state(model, tx, TRAIN.seed))
   tokens = runner.shard(np.zeros((TRAIN.batch_size, flash.seq_len), np.int32))
   hlo = runner.train_step.lower(state, tokens, tokens).compile().as_text()
   ops = set(re.findall(r"\b(all-gather|all-to-all|collective-permute|all-reduce)(?:-start)?\(", hlo))
@@ -202,7 +205,7 @@ def test_resume_is_bit_identical_on_gpu_with_deterministic_ops(text_file, tmp_pa
 def test_cli_run_logs_lines_and_writes_a_json_summary(text_file, tmp_path, capsys):
   argv = CLI_MODEL_TRAIN + ["--data", text_file, "--stop-at", "4", "--sample-tokens", "4",
                             "--out", str(tmp_path / "summary.json")]
-  assert train_lib.configs_from_args(train_lib.parse_args(argv)) == (MODEL, TRAIN)
+  assert cli_lib.configs_from_args(cli_lib.parse_args(argv)) == (MODEL, TRAIN)
   summary = train_lib.main(argv)
   out = capsys.readouterr().out  # captured: stdout is not a terminal, so no progress bar
   assert "\r" not in out
@@ -232,7 +235,7 @@ def test_attention_kernels_are_fa2_jax_public_dispatch():
   assert train_lib.attention_dispatch(flash) == expected
   assert expected.backend == ("xla" if not ON_GPU else "triton")  # float32: not the Mosaic kernels
   assert train_lib.describe_attention(flash) == (
-      f"attention flash: fa2_jax {train_lib.cli_message(str(expected))}")
+      f"attention flash: fa2_jax {cli_lib.cli_message(str(expected))}")
   interpreted = dataclasses.replace(flash, attention="flash_triton", flash_interpret=True)
   assert train_lib.attention_dispatch(interpreted) == fa2_jax.backend_for(
       q, k, is_causal=True, implementation="triton", interpret=True)
@@ -248,7 +251,7 @@ def test_presets_and_flop_formula():
   long8k, _ = get_preset("long8k")
   assert long8k.seq_len == 8192 and long8k.head_dim == 128
   t = small.seq_len
-  assert train_lib.flops_per_sequence(small, n) == 6 * t * n + 12 * 12 * 768 * t * t
+  assert metrics_lib.flops_per_sequence(small, n) == 6 * t * n + 12 * 12 * 768 * t * t
   with pytest.raises(ValueError, match="preset"):
     get_preset("huge")
   with pytest.raises(ValueError, match="n_kv_head"):
@@ -373,8 +376,8 @@ def test_cli_names_its_own_flags_for_gpu_only_attention(capsys):
 
 
 def test_every_boolean_flag_is_a_switch_or_takes_a_value():
-  parser = train_lib.build_parser()
-  bool_flags = {a.option_strings[0]: a.dest for a in parser._actions if a.type is train_lib._bool}
+  parser = cli_lib.build_parser()
+  bool_flags = {a.option_strings[0]: a.dest for a in parser._actions if a.type is cli_lib._bool}
   assert set(bool_flags) == {"--interpret", "--tie-embeddings", "--remat", "--scan-layers",
                              "--packing", "--resume", "--no-progress"}
   for flag, dest in bool_flags.items():
@@ -383,7 +386,7 @@ def test_every_boolean_flag_is_a_switch_or_takes_a_value():
     assert getattr(parser.parse_args([flag, "true"]), dest) is True, flag
     assert getattr(parser.parse_args([flag, "false"]), dest) is False, flag
     assert getattr(parser.parse_args([]), dest) in (None, False), flag  # None: the preset's
-  mc, _ = train_lib.configs_from_args(parser.parse_args(["--remat", "--scan-layers", "no"]))
+  mc, _ = cli_lib.configs_from_args(parser.parse_args(["--remat", "--scan-layers", "no"]))
   assert mc.remat is True and mc.scan_layers is False and mc.tie_embeddings is True
 
 
@@ -399,8 +402,8 @@ def test_help_shows_real_defaults(capsys):
   assert "--sample-tokens SAMPLE_TOKENS bytes to sample after training (0: no sample) " \
          "(default: 300)" in text
   # Every preset-derived flag lists each preset's value of its field.
-  for action in train_lib.build_parser()._actions:
-    if action.dest in train_lib._OVERRIDES:
+  for action in cli_lib.build_parser()._actions:
+    if action.dest in cli_lib._OVERRIDES:
       assert action.default is None and "default" in action.help, action.dest
       assert "in every preset" in action.help or all(name in action.help for name in PRESETS)
 
@@ -446,14 +449,14 @@ def test_prompt_from_the_data():
 
 def test_readme_matches_the_cli():
   text = README.read_text()
-  parser_flags = {s for a in train_lib.build_parser()._actions for s in a.option_strings
+  parser_flags = {s for a in cli_lib.build_parser()._actions for s in a.option_strings
                   if s.startswith("--")}
   # (not XLA's --xla_... flags: theirs have underscores)
   readme_flags = set(re.findall(r"(?<![\w=-])--[a-z][a-z0-9-]*(?![\w])", text))
   assert parser_flags - readme_flags == set(), "flags missing from the README"
   assert readme_flags - parser_flags == set(), "the README names flags the CLI does not have"
   for flag, listed in re.findall(r"`(--[a-z-]+) \{([\w,]+)\}", text):  # e.g. `--dtype {...}`
-    action = next(a for a in train_lib.build_parser()._actions if flag in a.option_strings)
+    action = next(a for a in cli_lib.build_parser()._actions if flag in a.option_strings)
     assert listed.split(",") == list(action.choices), flag
   installs = re.findall(r"pip install[^\n`]*", text)
   assert installs and all("-c constraints.txt" in line for line in installs), installs
@@ -508,7 +511,7 @@ def test_packing_gives_the_loss_of_separate_documents(config):
   """Two documents packed into one sequence give the loss summed over the same tokens of each
   document run alone: segment ids keep attention inside each, positions restart, and the target
   crossing into the second document is left out. The packed loss goes through the training loss
-  (train_lib.make_steps); the separate documents through the model alone."""
+  (steps_lib.make_steps); the separate documents through the model alone."""
   n1 = 13  # the first document's length; the second fills the sequence
   docs = [np.asarray(jax.random.randint(jax.random.key(i), (n,), 0, 256), np.int32)
           for i, n in enumerate((n1 + 1, config.seq_len - n1))]  # doc 0 has one byte as its end
@@ -518,10 +521,10 @@ def test_packing_gives_the_loss_of_separate_documents(config):
   np.testing.assert_array_equal(packed.tokens[0], stream[:-1])  # the only window there is
   model = GPT(config)
   params = jax.jit(model.init)(jax.random.key(1), packed.tokens)["params"]
-  _, eval_step = train_lib.make_steps(model, train_lib.make_optimizer(TRAIN), None)
+  _, eval_step = steps_lib.make_steps(model, steps_lib.make_optimizer(TRAIN), None)
   weight = packed.weights.sum()
   assert weight == config.seq_len - 1  # every target but the one in the next document
-  packed_sum = float(jax.jit(eval_step)(params, *train_lib.packed_batch(packed))) * weight
+  packed_sum = float(jax.jit(eval_step)(params, *steps_lib.packed_batch(packed))) * weight
 
   separate_sum = 0.0
   for doc in docs:  # each alone, from position 0: its next-byte losses within itself
@@ -532,7 +535,7 @@ def test_packing_gives_the_loss_of_separate_documents(config):
   np.testing.assert_allclose(packed_sum, separate_sum, rtol=1e-5 if not ON_GPU else 2e-3)
 
   # Without the segment ids the second document sees the first: the loss differs.
-  unpacked = train_lib.packed_batch(packed._replace(segment_ids=np.zeros_like(packed.segment_ids)))
+  unpacked = steps_lib.packed_batch(packed._replace(segment_ids=np.zeros_like(packed.segment_ids)))
   assert abs(float(jax.jit(eval_step)(params, *unpacked)) * weight - packed_sum) > 1e-3
 
 
@@ -550,7 +553,7 @@ def test_window_soft_cap_and_packing_train_from_the_cli(tmp_path, capsys):
           "--log-every", "1", "--data-bytes", "20000", "--data", str(folder), "--packing",
           "--window", "6", "--soft-cap", "2", "--sample-tokens", "0",
           "--out", str(tmp_path / "summary.json")]
-  mc, tc = train_lib.configs_from_args(train_lib.parse_args(argv))
+  mc, tc = cli_lib.configs_from_args(cli_lib.parse_args(argv))
   assert (mc.window, mc.soft_cap, tc.packing) == (6, 2.0, True)
   summary = train_lib.main(argv)
   out = capsys.readouterr().out
@@ -566,10 +569,11 @@ def test_window_soft_cap_and_packing_train_from_the_cli(tmp_path, capsys):
   saved = json.loads((tmp_path / "summary.json").read_text())
   assert saved["model_config"]["window"] == 6 and saved["train_config"]["packing"] is True
   # 32 tokens, window 6: query i sees min(i, 6) + 1 keys.
-  assert train_lib.attended_pairs(mc) == sum(min(i, 6) + 1 for i in range(32))
+  assert metrics_lib.attended_pairs(mc) == sum(min(i, 6) + 1 for i in range(32))
   dense_attention = saved["flops_per_sequence"] - 6 * 32 * saved["n_params"]
   attended_attention = saved["attended_flops_per_sequence"] - 6 * 32 * saved["n_params"]
-  assert attended_attention / dense_attention == pytest.approx(train_lib.attended_pairs(mc) / 32**2)
+  assert attended_attention / dense_attention == pytest.approx(
+      metrics_lib.attended_pairs(mc) / 32**2)
 
 
 @pytest.mark.skipif(jax.local_device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
@@ -585,10 +589,10 @@ def test_packed_loss_under_pmap_is_the_global_weighted_mean():
   assert len(set(per_device.tolist())) > 1, per_device  # the test needs unequal shares
   model = GPT(config)
   params = jax.jit(model.init)(jax.random.key(1), packed.tokens)["params"]
-  tx = train_lib.make_optimizer(TRAIN)
-  x, y = train_lib.packed_batch(packed)
-  single = float(jax.jit(train_lib.make_steps(model, tx, None)[1])(params, x, y))
-  runner = train_lib.Runner.create("pmap", model, tx, 8)
+  tx = steps_lib.make_optimizer(TRAIN)
+  x, y = steps_lib.packed_batch(packed)
+  single = float(jax.jit(steps_lib.make_steps(model, tx, None)[1])(params, x, y))
+  runner = steps_lib.Runner.create("pmap", model, tx, 8)
   replicated = jax.tree.map(lambda p: np.broadcast_to(p, (4, *p.shape)), params)
   multi = runner.eval_step(replicated, runner.shard(x), runner.shard(y))
   np.testing.assert_allclose(np.asarray(multi), single, rtol=1e-5 if not ON_GPU else 2e-3)

@@ -155,5 +155,5 @@ def cross_entropy_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array)
 
 
 def count_params(params) -> int:
-  """Every parameter, embeddings included (the convention of the FLOP formula in train.py)."""
+  """Every parameter, embeddings included (the convention of the FLOP formula in metrics.py)."""
   return sum(x.size for x in jax.tree.leaves(params))

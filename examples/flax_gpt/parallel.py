@@ -26,7 +26,7 @@ AXIS = "data"  # the mesh axis the batch is split over
 
 @dataclasses.dataclass
 class MeshRunner:
-  """Compiled steps on a 1-D mesh of every local device, with the :class:`train.Runner` interface:
+  """Compiled steps on a 1-D mesh of every local device, with the :class:`steps.Runner` interface:
   ``put_state`` / ``get_state`` move the state in and out, ``shard`` places a global batch, ``scalar``
   reads a metric."""
 

@@ -9,273 +9,44 @@ One ``jax.jit`` (or ``jax.pmap``) train step: AdamW with linear warm-up and cosi
 norm gradient clipping. Progress (loss, tokens/s, model TFLOP/s, MFU) is a tqdm bar when stdout is a
 terminal, else one plain line every ``--log-every`` steps. ``--help`` lists every flag with its default.
 
-FLOPs per sequence follow the FlashAttention-2 paper (forward + backward):
-``6 * seq_len * n_params + 12 * n_layer * n_embd * seq_len**2``, with every parameter counted
-(embeddings too) and the attention term dense: every ``[T, T]`` pair, not halved for causal masking
-nor reduced by ``--window`` or ``--packing``. MFU divides the achieved FLOP/s by the dense bfloat16
-peak of the devices: 989.4 TFLOP/s per H100/H200 SXM, 312 per A100 (``--peak-tflops`` overrides it);
-on CPU it is "n/a". The JSON summary also gives the attended-pair count
-(``attended_flops_per_sequence``, ``attended_tflops_per_s``): ``12 * n_layer * n_embd`` times the
-(query, key) pairs the causal mask and the window leave (cross-document pairs of ``--packing`` still
-counted, as they vary by batch).
+TFLOP/s and MFU count the FlashAttention-2 paper's dense FLOPs per sequence (forward + backward),
+``6 * seq_len * n_params + 12 * n_layer * n_embd * seq_len**2``; the JSON summary adds the
+attended-pair count (``attended_flops_per_sequence``, ``attended_tflops_per_s``); see metrics.py.
+
+This module holds the training loop (:func:`train`), the checks before a run, sampling and
+:func:`main`; the rest of the package: cli.py (the command line), steps.py (optimizer, train state,
+compiled steps), checkpoint.py (orbax checkpoints), metrics.py (FLOPs, MFU), parallel.py (the mesh
+mode), model.py, data.py, config.py.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import functools
 import json
 import os
 import pathlib
-import re
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
 
 import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import struct
 
 import fa2_jax
 
 from . import data as data_lib
-from .config import (ATTENTIONS, BYTE_VOCAB, DTYPES, POSITIONS, PRESETS, GPTConfig, TrainConfig,
-                     get_preset)
-from .model import (FLASH_IMPLEMENTATIONS, GPT, attention_core, count_params, cross_entropy,
-                    cross_entropy_sum)
+from .checkpoint import (checkpoint_manager, latest_checkpoint_step, restore_checkpoint,
+                         save_checkpoint)
+from .cli import build_parser, cli_message, configs_from_args, flag_names
+from .config import BYTE_VOCAB, GPTConfig, TrainConfig
+from .metrics import Throughput, attended_flops_per_sequence, flops_per_sequence, peak_tflops
+from .model import FLASH_IMPLEMENTATIONS, GPT, attention_core, count_params
+from .steps import TrainState, compiled_steps, init_state, packed_batch
 
-# Dense bfloat16 tensor-core peaks (TFLOP/s per device) from NVIDIA's data sheets, SXM parts.
-PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
-AXIS = "data"  # the pmap axis name
 VAL_SEED_OFFSET = 1_000_003  # validation batches use their own fixed seed stream
 DEFAULT_PROMPT = "def fibonacci(n):\n"  # the sample's prompt for the default data (Python sources)
 PROGRESS_MODES = ("auto", "bar", "lines", "off")
-
-
-@struct.dataclass
-class TrainState:
-  """Everything a checkpoint holds: the step, the parameters and the optimizer state."""
-
-  step: jax.Array
-  params: Any
-  opt_state: Any
-
-
-# --- optimizer, state and steps -------------------------------------------------------------------
-
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW on a warm-up + cosine schedule; no decay on vectors."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=tc.lr, warmup_steps=tc.warmup_steps,
-      decay_steps=max(tc.steps, tc.warmup_steps + 1), end_value=tc.lr * tc.min_lr_ratio)
-  decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # matrices only
-  adamw = optax.adamw(schedule, b1=tc.beta1, b2=tc.beta2, weight_decay=tc.weight_decay,
-                      mask=decay_mask)
-  if tc.grad_clip > 0:
-    return optax.chain(optax.clip_by_global_norm(tc.grad_clip), adamw)
-  return adamw
-
-
-@functools.lru_cache(maxsize=4)
-def _jitted_init(model: GPT) -> Callable:
-  """``jax.jit(model.init)``, one per model config: a later run of the same model skips its compile."""
-  return jax.jit(model.init)
-
-
-def init_state(model: GPT, tx: optax.GradientTransformation, seed: int) -> TrainState:
-  """Fresh parameters (from ``seed``) and optimizer state."""
-  tokens = jnp.zeros((1, model.config.seq_len), jnp.int32)
-  params = _jitted_init(model)(jax.random.PRNGKey(seed), tokens)["params"]
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-
-
-def make_steps(model: GPT, tx: optax.GradientTransformation, axis_name: str | None):
-  """The (train_step, eval_step) functions; with ``axis_name`` they average over that axis.
-
-  A batch is ``x`` tokens ``[B, T]`` and ``y`` targets ``[B, T]`` (loss: the mean over every token),
-  or, packed (:func:`packed_batch`), ``x = {"tokens", "positions", "segment_ids"}`` and
-  ``y = {"targets", "weights"}`` (loss: the weighted mean over the global batch).
-  """
-  def mean(v):
-    return jax.lax.pmean(v, axis_name) if axis_name else v
-
-  def loss_fn(params, x, y, weight_total):
-    if not isinstance(x, dict):
-      return cross_entropy(model.apply({"params": params}, x), y)
-    logits = model.apply({"params": params}, x["tokens"], x["positions"], x["segment_ids"])
-    return cross_entropy_sum(logits, y["targets"], y["weights"]) / weight_total
-
-  def weight_total(y):
-    """The packed loss's divisor: the global batch's weight, over the devices that ``mean`` averages,
-    so the mean of the devices' losses is the global batch's weighted mean."""
-    if not isinstance(y, dict):
-      return None
-    return jnp.maximum(mean(jnp.sum(y["weights"]).astype(jnp.float32)), 1.0)
-
-  def train_step(state: TrainState, x, y):
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y, weight_total(y))
-    grads, loss = mean(grads), mean(loss)  # every device holds an equal share of the batch
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-  def eval_step(params, x, y):
-    return mean(loss_fn(params, x, y, weight_total(y)))
-
-  return train_step, eval_step
-
-
-def packed_batch(batch: data_lib.PackedBatch) -> tuple[dict, dict]:
-  """A :class:`data.PackedBatch` as the steps' ``(x, y)``."""
-  return ({"tokens": batch.tokens, "positions": batch.positions, "segment_ids": batch.segment_ids},
-          {"targets": batch.targets, "weights": batch.weights})
-
-
-@dataclasses.dataclass
-class Runner:
-  """Compiled steps for one data-parallel mode, with the state/batch layout that mode needs.
-
-  ``none`` runs one ``jax.jit`` step on the default device. ``pmap`` keeps one replica of the state
-  per local device and splits each global batch evenly between them; gradients are averaged with
-  ``lax.pmean``, so the update equals the single-device update on the same global batch.
-  """
-
-  mode: str
-  train_step: Callable
-  eval_step: Callable
-  n_devices: int
-
-  @classmethod
-  def create(cls, mode: str, model: GPT, tx, batch_size: int) -> "Runner":
-    if mode == "none":
-      train_step, eval_step = make_steps(model, tx, None)
-      return cls(mode, jax.jit(train_step, donate_argnums=0), jax.jit(eval_step), 1)
-    if mode == "mesh":  # one jit step over a batch sharded on a device mesh (parallel.py)
-      from .parallel import MeshRunner
-      return MeshRunner.create(model, tx, batch_size, make_steps)
-    if mode != "pmap":
-      raise ValueError(f"--data-parallel must be 'none', 'pmap' or 'mesh', got {mode!r}")
-    n = jax.local_device_count()
-    if batch_size % n:
-      raise ValueError(f"--batch-size {batch_size} must be divisible by the {n} local devices "
-                       "for --data-parallel pmap")
-    train_step, eval_step = make_steps(model, tx, AXIS)
-    return cls(mode, jax.pmap(train_step, AXIS, donate_argnums=0), jax.pmap(eval_step, AXIS), n)
-
-  def put_state(self, state: TrainState) -> TrainState:
-    """Host/single-device state -> the layout the step takes (one replica per device for pmap)."""
-    if self.mode == "none":  # a copy: the step donates its input, the caller keeps `state`
-      return jax.tree.map(lambda x: jnp.array(x, copy=True), state)
-    # Committed, replicated device arrays: the layout (and avals) the pmap step returns, so the second
-    # step reuses the first step's executable instead of compiling again (seen on 2 x H200: a numpy
-    # input compiled the step twice and the second compile landed in the throughput window).
-    stacked = jax.tree.map(lambda x: np.broadcast_to(np.asarray(x), (self.n_devices, *x.shape)),
-                           state)
-    return jax.pmap(lambda s: s, AXIS)(stacked)
-
-  def get_state(self, state: TrainState) -> TrainState:
-    """The state as host numpy arrays (replica 0 for pmap)."""
-    if self.mode == "pmap":
-      state = jax.tree.map(lambda x: x[0], state)
-    return jax.device_get(state)
-
-  def shard(self, x):
-    """A global batch ``[B, ...]`` (or a dict of them) -> ``[devices, B / devices, ...]`` for pmap."""
-    if self.mode == "none":
-      return x
-    return jax.tree.map(lambda a: a.reshape(self.n_devices, -1, *a.shape[1:]), x)
-
-  def scalar(self, v) -> float:
-    """A (replicated) metric as a Python float; waits for the device."""
-    return float(v if self.mode == "none" else v[0])
-
-
-@functools.lru_cache(maxsize=4)
-def compiled_steps(mc: GPTConfig, tc: TrainConfig, data_parallel: str,
-                   n_devices: int) -> tuple[GPT, optax.GradientTransformation, Runner]:
-  """The model, optimizer and :class:`Runner` of a configuration, kept for later :func:`train` calls
-  with equal configs (a resumed run in the same process, runs on other data, the tests): a new jit
-  closure would compile again, and compiling is most of a short run's time. ``n_devices`` (the
-  local device count) keys the pmap layout."""
-  del n_devices  # only a cache key: Runner.create reads the device count itself
-  model, tx = GPT(mc), make_optimizer(tc)
-  return model, tx, Runner.create(data_parallel, model, tx, tc.batch_size)
-
-
-# --- FLOPs, MFU -----------------------------------------------------------------------------------
-
-def flops_per_sequence(config: GPTConfig, n_params: int) -> float:
-  """Training FLOPs of one sequence (forward + backward), as in the FlashAttention-2 paper: the
-  attention term counts every ``[T, T]`` pair (dense), whatever the causal mask, window or packing."""
-  t = config.seq_len
-  return 6.0 * t * n_params + 12.0 * config.n_layer * config.n_embd * t * t
-
-
-def attended_pairs(config: GPTConfig) -> int:
-  """The (query, key) pairs one sequence attends under the causal mask and ``config.window``: query
-  ``i`` sees ``min(i, window) + 1`` keys. (Packing's cross-document pairs are not subtracted.)"""
-  t = config.seq_len
-  w = t - 1 if config.window is None else min(config.window, t - 1)
-  return (w + 1) * t - w * (w + 1) // 2  # sum over i of min(i, w) + 1
-
-
-def attended_flops_per_sequence(config: GPTConfig, n_params: int) -> float:
-  """:func:`flops_per_sequence` with the attention term counting only :func:`attended_pairs`
-  (the forward's 4 FLOPs per pair and head channel, times 3 for forward + backward)."""
-  return (6.0 * config.seq_len * n_params
-          + 12.0 * config.n_layer * config.n_embd * attended_pairs(config))
-
-
-def peak_tflops(devices) -> float | None:
-  """Summed dense bf16 peak of ``devices``, or None when unknown (CPU, other GPUs)."""
-  if devices[0].platform != "gpu":
-    return None
-  kind = devices[0].device_kind
-  for name, tflops in PEAK_BF16_TFLOPS.items():
-    if name in kind:
-      return tflops * len(devices)
-  return None
-
-
-# --- checkpoints ----------------------------------------------------------------------------------
-
-def checkpoint_manager(ckpt_dir: str):
-  """An orbax CheckpointManager keeping the two newest checkpoints."""
-  import orbax.checkpoint as ocp
-  options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-  return ocp.CheckpointManager(os.path.abspath(ckpt_dir), options=options)
-
-
-def latest_checkpoint_step(ckpt_dir: str) -> int | None:
-  """The newest checkpoint's step in ``ckpt_dir``, or None when it holds none (or does not exist)."""
-  if not os.path.isdir(ckpt_dir):
-    return None
-  manager = checkpoint_manager(ckpt_dir)
-  try:
-    return manager.latest_step()
-  finally:
-    manager.close()
-
-
-def save_checkpoint(manager, state: TrainState) -> None:
-  import orbax.checkpoint as ocp
-  manager.save(int(state.step), args=ocp.args.StandardSave(state), force=True)
-
-
-def restore_checkpoint(manager, template: TrainState) -> TrainState | None:
-  """The newest checkpoint as host arrays shaped like ``template``, or None if there is none."""
-  import orbax.checkpoint as ocp
-  step = manager.latest_step()
-  if step is None:
-    return None
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
-                          template)
-  return jax.device_get(manager.restore(step, args=ocp.args.StandardRestore(abstract)))
 
 
 # --- sampling -------------------------------------------------------------------------------------
@@ -315,40 +86,7 @@ def generate(model: GPT, params, prompt: str, n_tokens: int, *, temperature: flo
   return data_lib.decode(ids)
 
 
-# --- the training loop ----------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class _Throughput:
-  """Accumulates timed steps (the first, compiling, step and evaluations are excluded)."""
-
-  seconds: float = 0.0
-  steps: int = 0
-
-  def add(self, seconds: float, steps: int) -> None:
-    self.seconds += seconds
-    self.steps += steps
-
-
 # --- attention backend and the checks before a run -----------------------------------------------
-
-# fa2_jax's argument names in its messages -> this command line's flags (longest first).
-_CLI_NAMES = (
-    ("implementation='triton' or None", "--attention flash_triton or --attention flash"),
-    ("implementation='xla' or None", "--attention xla or --attention flash"),
-    ("implementation='triton'", "--attention flash_triton"),
-    ("implementation='mosaic'", "--attention flash_mosaic"),
-    ("implementation='xla'", "--attention xla"),
-    ("implementation=None", "--attention flash"),
-    ("interpret=True", "--interpret true"),
-)
-
-
-def cli_message(message: str) -> str:
-  """An fa2_jax message with its argument names written as this command line's flags."""
-  for api_name, flag in _CLI_NAMES:
-    message = message.replace(api_name, flag)
-  return message
-
 
 def attention_dispatch(mc: GPTConfig, packing: bool = False) -> fa2_jax.Dispatch | None:
   """What fa2_jax runs for the model's attention here (``fa2_jax.backend_for`` on its shapes and
@@ -439,6 +177,8 @@ def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_par
     raise ValueError(cli_message(str(e))) from e
 
 
+# --- the training loop ----------------------------------------------------------------------------
+
 def progress_mode(progress: str | bool) -> str:
   """``"bar"``, ``"lines"`` or ``"off"`` for :func:`train`'s ``progress`` (``"auto"``: a bar when
   stdout is a terminal, plain lines when it is a file or a pipe; True/False: "auto"/"off")."""
@@ -451,7 +191,7 @@ def progress_mode(progress: str | bool) -> str:
   return progress
 
 
-def _summary(mc: GPTConfig, tc: TrainConfig, throughput: _Throughput, *, n_params: int,
+def _summary(mc: GPTConfig, tc: TrainConfig, throughput: Throughput, *, n_params: int,
              peak: float | None, devices, data_parallel: str, data_path: str | None) -> dict:
   """Throughput, MFU and the run's settings, for the JSON summary."""
   tok_s = tflops = attended_tflops = None
@@ -554,7 +294,7 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
     return float(np.mean(losses))
 
   state = runner.put_state(state)
-  history, throughput, loss, val_loss = [], _Throughput(), None, None
+  history, throughput, loss, val_loss = [], Throughput(), None, None
   if mode == "bar":
     bar = tqdm(total=last, initial=start, dynamic_ncols=True, unit="step", file=sys.stdout)
     say = bar.write  # prints above the bar
@@ -614,205 +354,6 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
   return state, summary
 
 
-# --- command line ---------------------------------------------------------------------------------
-
-# flag -> (config class, field). Flags left at None keep the preset's value.
-_OVERRIDES = {
-    "seq_len": (GPTConfig, "seq_len"), "n_layer": (GPTConfig, "n_layer"),
-    "n_head": (GPTConfig, "n_head"), "n_kv_head": (GPTConfig, "n_kv_head"),
-    "n_embd": (GPTConfig, "n_embd"), "vocab_size": (GPTConfig, "vocab_size"),
-    "position": (GPTConfig, "position"), "dtype": (GPTConfig, "dtype"),
-    "attention": (GPTConfig, "attention"), "tie_embeddings": (GPTConfig, "tie_embeddings"),
-    "remat": (GPTConfig, "remat"), "scan_layers": (GPTConfig, "scan_layers"),
-    "interpret": (GPTConfig, "flash_interpret"), "window": (GPTConfig, "window"),
-    "soft_cap": (GPTConfig, "soft_cap"), "packing": (TrainConfig, "packing"),
-    "batch_size": (TrainConfig, "batch_size"), "steps": (TrainConfig, "steps"),
-    "lr": (TrainConfig, "lr"), "warmup_steps": (TrainConfig, "warmup_steps"),
-    "weight_decay": (TrainConfig, "weight_decay"), "grad_clip": (TrainConfig, "grad_clip"),
-    "eval_every": (TrainConfig, "eval_every"), "eval_batches": (TrainConfig, "eval_batches"),
-    "log_every": (TrainConfig, "log_every"), "ckpt_every": (TrainConfig, "ckpt_every"),
-    "seed": (TrainConfig, "seed"), "data_bytes": (TrainConfig, "data_bytes"),
-}
-
-
-# The help of each preset-derived flag; _preset_help appends the presets' values.
-_FLAG_HELP = {
-    "attention": "flash: fa2_jax with its default backend (on CPU its XLA formula); flash_triton / "
-                 "flash_mosaic: one fa2_jax backend forced (flash_triton on CPU needs --interpret "
-                 "true; flash_mosaic needs a Hopper GPU); xla / cudnn: jax.nn.dot_product_attention "
-                 "(cudnn: GPU only)",
-    "interpret": "run the fa2_jax kernels in Pallas interpret mode (slow; lets --attention flash and "
-                 "flash_triton run the Triton kernels on CPU)",
-    "position": "learned absolute position embeddings or rotary (RoPE on q and k)",
-    "dtype": "compute dtype (parameters stay float32)",
-    "seq_len": "context length in tokens (bytes)",
-    "n_layer": "transformer blocks",
-    "n_head": "query heads",
-    "n_kv_head": "key/value heads, dividing --n-head; fewer than --n-head: grouped-query attention "
-                 "(unset: --n-head)",
-    "n_embd": "model width; head_dim = n_embd / n_head",
-    "vocab_size": "output classes, >= 256 (the tokens are bytes)",
-    "tie_embeddings": "the output layer reuses the token embedding matrix",
-    "remat": "recompute each block's activations in the backward pass (saves memory)",
-    "scan_layers": "run the blocks with flax.linen.scan (compile time independent of depth)",
-    "window": "sliding-window attention: each token attends itself and the N tokens before it "
-              "(local_window_size=(N, 0) with the causal mask; unset: the whole context). "
-              "TFLOP/s and MFU still count the dense [T, T] attention",
-    "soft_cap": "attention logits soft cap X: X * tanh(logits / X) (needs fa2_jax attention, "
-                "--attention flash*; unset: none)",
-    "packing": "each file of the data is a document: the training windows carry per-token segment "
-               "ids (no attention across documents), positions restarting at 0 at each document, "
-               "and targets in the next document left out of the loss (a single --data file is "
-               "one document; needs --attention flash*). TFLOP/s and MFU still count the dense "
-               "[T, T] attention",
-    "batch_size": "global batch in sequences (split over the devices with --data-parallel pmap or "
-                  "mesh)",
-    "steps": "optimizer steps; also the length of the learning-rate schedule",
-    "lr": "peak learning rate, after a linear warm-up; cosine decay to a tenth of it",
-    "warmup_steps": "linear learning-rate warm-up steps",
-    "weight_decay": "AdamW decoupled weight decay, on matrices only",
-    "grad_clip": "global-norm gradient clipping threshold (0: no clipping)",
-    "eval_every": "steps between validation losses (0: only at the end)",
-    "eval_batches": "batches averaged per validation loss",
-    "log_every": "steps between progress updates (bar or line; each waits for the device)",
-    "ckpt_every": "steps between checkpoints with --ckpt-dir (0: only at the end)",
-    "seed": "seed of the initialisation and of the batches, >= 0",
-    "data_bytes": "read at most this many bytes of text (split 90/10 into train/val)",
-}
-
-
-def _flag(name: str) -> str:
-  """``seq_len`` -> ``--seq-len``."""
-  return "--" + name.replace("_", "-")
-
-
-def _show(value) -> str:
-  """A config value as it is written on the command line."""
-  if isinstance(value, bool):
-    return "true" if value else "false"
-  if value is None:
-    return "unset"
-  return format(value, "g") if isinstance(value, float) else str(value)
-
-
-def _preset_help(name: str, note: str = "") -> str:
-  """``_FLAG_HELP[name] + note`` and the default of its field in each preset."""
-  cls, field = _OVERRIDES[name]
-  values = {preset: _show(getattr(configs[0 if cls is GPTConfig else 1], field))
-            for preset, configs in PRESETS.items()}
-  if len(set(values.values())) == 1:
-    return f"{_FLAG_HELP[name]}{note} (default: {next(iter(values.values()))} in every preset)"
-  per_preset = ", ".join(f"{preset} {value}" for preset, value in values.items())
-  return f"{_FLAG_HELP[name]}{note} (default per preset: {per_preset})"
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-  """Appends "(default: X)" to the flags with a fixed default; a preset-derived flag (default None)
-  lists the presets' values in its own help instead."""
-
-  def _get_help_string(self, action):
-    if action.default is None or action.default is argparse.SUPPRESS:
-      return action.help
-    return f"{action.help} (default: {_show(action.default)})"
-
-
-def _bool(s: str) -> bool:
-  if s.lower() in ("1", "true", "yes", "on"):
-    return True
-  if s.lower() in ("0", "false", "no", "off"):
-    return False
-  raise argparse.ArgumentTypeError(f"expected true/false, got {s!r}")
-
-
-BARE_TRUE = "; the bare flag means true"  # the help note of every boolean flag
-
-
-def _add_bool(group, flag: str, help: str, default: bool | None = None) -> None:
-  """A boolean flag: bare ``--flag`` is true, ``--flag true|false`` (or 1/0, yes/no, on/off) sets it."""
-  group.add_argument(flag, type=_bool, nargs="?", const=True, default=default,
-                     metavar="{true,false}", help=help)
-
-
-def build_parser() -> argparse.ArgumentParser:
-  """The command line. A model or training flag left out keeps its preset's value."""
-  p = argparse.ArgumentParser(prog="python -m examples.flax_gpt.train",
-                              description=__doc__.split("\n\n")[0], formatter_class=_HelpFormatter)
-  p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                 help="the model and training configs; the flags below override single fields")
-  g = p.add_argument_group("model (defaults: the preset's)")
-  g.add_argument("--attention", choices=ATTENTIONS, help=_preset_help("attention"))
-  _add_bool(g, "--interpret", _preset_help("interpret", BARE_TRUE))
-  g.add_argument("--position", choices=POSITIONS, help=_preset_help("position"))
-  g.add_argument("--dtype", choices=DTYPES, help=_preset_help("dtype"))
-  for name in ("seq_len", "n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size"):
-    g.add_argument(_flag(name), type=int, help=_preset_help(name))
-  for name in ("tie_embeddings", "remat", "scan_layers"):
-    _add_bool(g, _flag(name), _preset_help(name, BARE_TRUE))
-  g.add_argument("--window", type=int, metavar="N", help=_preset_help("window"))
-  g.add_argument("--soft-cap", type=float, metavar="X", help=_preset_help("soft_cap"))
-  g = p.add_argument_group("training (defaults: the preset's)")
-  for name in ("batch_size", "steps", "warmup_steps", "eval_every", "eval_batches", "log_every",
-               "ckpt_every", "seed", "data_bytes"):
-    g.add_argument(_flag(name), type=int, help=_preset_help(name))
-  for name in ("lr", "weight_decay", "grad_clip"):
-    g.add_argument(_flag(name), type=float, help=_preset_help(name))
-  _add_bool(g, "--packing", _preset_help("packing", BARE_TRUE))
-  g = p.add_argument_group("run")
-  g.add_argument("--data", metavar="PATH",
-                 help="a text file, or a folder whose files are read in sorted order (default: the "
-                      "Python standard library's sources)")
-  g.add_argument("--data-parallel", choices=("none", "pmap", "mesh"), default="none",
-                 help="pmap: split the global batch over every local device, average the gradients; "
-                 "mesh: the same with one jit step over a batch sharded on a device mesh")
-  g.add_argument("--ckpt-dir", metavar="DIR",
-                 help="save orbax checkpoints here, every --ckpt-every steps and at the end "
-                      "(default: none); a folder that holds checkpoints needs --resume")
-  _add_bool(g, "--resume", "continue from the newest checkpoint in --ckpt-dir (needs --ckpt-dir)"
-            + BARE_TRUE, default=False)
-  g.add_argument("--stop-at", type=int, metavar="STEP",
-                 help="stop after this step; the learning-rate schedule still spans --steps "
-                      "(default: run all --steps)")
-  g.add_argument("--out", metavar="PATH", help="write a JSON summary here (default: none)")
-  g.add_argument("--peak-tflops", type=float,
-                 help="dense peak TFLOP/s of all devices together, for MFU (default: from the "
-                      "device kind: 989.4 per H100/H200, 312 per A100; none on CPU). MFU counts "
-                      "the FlashAttention-2 paper's dense FLOPs, 6 * seq * params + 12 * layers * "
-                      "width * seq^2: every [T, T] attention pair, whatever the causal mask, "
-                      "--window or --packing skip; the JSON summary adds the attended-pair count")
-  g.add_argument("--prompt",
-                 help="the sample's prompt (default: 'def fibonacci(n):' and a newline for the "
-                      "default data, else the first line of --data)")
-  g.add_argument("--sample-tokens", type=int, default=300,
-                 help="bytes to sample after training (0: no sample)")
-  g.add_argument("--temperature", type=float, default=0.8,
-                 help="the sample's temperature, >= 0 (0: greedy)")
-  _add_bool(g, "--no-progress", "no progress bar or progress lines (evaluations and checkpoints "
-            "are still printed); without it: a bar when stdout is a terminal, else a line every "
-            "--log-every steps" + BARE_TRUE, default=False)
-  return p
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-  return build_parser().parse_args(argv)
-
-
-def _flag_names(message: str) -> str:
-  """A config error with its field names written as flags: ``n_head (4)`` -> ``--n-head (4)``."""
-  flags = {field: _flag(name) for name, (_, field) in _OVERRIDES.items()}
-  pattern = r"\b(" + "|".join(sorted(flags, key=len, reverse=True)) + r")\b"
-  return re.sub(pattern, lambda m: flags[m.group(1)], message)
-
-
-def configs_from_args(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]:
-  """The preset's configs with every flag that was given replacing its field."""
-  mc, tc = get_preset(args.preset)
-  changes: dict[type, dict[str, Any]] = {GPTConfig: {}, TrainConfig: {}}
-  for flag, (cls, field) in _OVERRIDES.items():
-    if getattr(args, flag) is not None:
-      changes[cls][field] = getattr(args, flag)
-  return dataclasses.replace(mc, **changes[GPTConfig]), dataclasses.replace(tc, **changes[TrainConfig])
-
-
 def main(argv=None) -> dict:
   """Parses ``argv`` (None: ``sys.argv``), trains, prints and returns the summary. A flag value that
   cannot work exits through ``parser.error`` (usage, the message, status 2), before any training."""
@@ -821,7 +362,7 @@ def main(argv=None) -> dict:
   try:
     mc, tc = configs_from_args(args)
   except (ValueError, TypeError) as e:
-    parser.error(_flag_names(str(e)))
+    parser.error(flag_names(str(e)))
   run_args = dict(data_path=args.data, data_parallel=args.data_parallel, ckpt_dir=args.ckpt_dir,
                   resume=args.resume, stop_at=args.stop_at, sample_tokens=args.sample_tokens,
                   temperature=args.temperature, peak=args.peak_tflops)

@@ -1,0 +1,48 @@
+"""Orbax checkpoints of the example GPT's train state (``--ckpt-dir``, ``--resume``).
+
+A checkpoint holds a :class:`.steps.TrainState` as host arrays. orbax is imported inside the
+functions, so a run without ``--ckpt-dir`` does not load it.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+from .steps import TrainState
+
+
+def checkpoint_manager(ckpt_dir: str):
+  """An orbax CheckpointManager keeping the two newest checkpoints."""
+  import orbax.checkpoint as ocp
+  options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+  return ocp.CheckpointManager(os.path.abspath(ckpt_dir), options=options)
+
+
+def latest_checkpoint_step(ckpt_dir: str) -> int | None:
+  """The newest checkpoint's step in ``ckpt_dir``, or None when it holds none (or does not exist)."""
+  if not os.path.isdir(ckpt_dir):
+    return None
+  manager = checkpoint_manager(ckpt_dir)
+  try:
+    return manager.latest_step()
+  finally:
+    manager.close()
+
+
+def save_checkpoint(manager, state: TrainState) -> None:
+  """Saves ``state`` as the checkpoint of its step (replacing one of the same step)."""
+  import orbax.checkpoint as ocp
+  manager.save(int(state.step), args=ocp.args.StandardSave(state), force=True)
+
+
+def restore_checkpoint(manager, template: TrainState) -> TrainState | None:
+  """The newest checkpoint as host arrays shaped like ``template``, or None if there is none."""
+  import orbax.checkpoint as ocp
+  step = manager.latest_step()
+  if step is None:
+    return None
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
+                          template)
+  return jax.device_get(manager.restore(step, args=ocp.args.StandardRestore(abstract)))
