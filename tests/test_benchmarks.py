@@ -290,13 +290,13 @@ def test_gpu_script_rejects_an_unknown_mode(tmp_path):
 def test_variants_attended_pairs_match_the_library_masks():
   """Every row's pair count is the number of (query, key) pairs its reference attends: with q = k = 0
   each row's lse is log(number of allowed keys), read back from fa2_jax.reference_attention."""
-  from benchmarks import variants
-  assert variants.causal_pairs(5) == 15 and variants.causal_pairs(5, 1) == 9  # 1 + 2 + 2 + 2 + 2
+  from benchmarks import variant_cells, variants
+  assert variant_cells.causal_pairs(5) == 15 and variant_cells.causal_pairs(5, 1) == 9  # 1 + 2 + 2 + 2 + 2
   i, j = np.arange(300)[:, None], np.arange(300)[None, :]
   for left in (0, 7, 298, 299, 1000):
-    assert variants.causal_pairs(300, left) == int(((j <= i) & (j >= i - left)).sum()), left
+    assert variant_cells.causal_pairs(300, left) == int(((j <= i) & (j >= i - left)).sum()), left
   counted = {}
-  for cell in variants.build_cells("smoke"):
+  for cell in variant_cells.build_cells("smoke"):
     for row in cell.rows:
       key = (cell.id, row.layout, repr(sorted(row.ref.items())))  # rows of one attention: counted once
       if key not in counted:
@@ -308,13 +308,13 @@ def test_variants_attended_pairs_match_the_library_masks():
 
 
 def test_variants_cells_documents_and_bars():
-  from benchmarks import variants
-  lens = variants.ragged_lengths(32768, 100, 8192)
+  from benchmarks import variant_cells, variants, variants_report
+  lens = variant_cells.ragged_lengths(32768, 100, 8192)
   assert sum(lens) == 32768 and min(lens) >= 100 and max(lens) <= 8192 and len(lens) > 4
-  assert lens == variants.ragged_lengths(32768, 100, 8192)  # a fixed seed: the same documents
+  assert lens == variant_cells.ragged_lengths(32768, 100, 8192)  # a fixed seed: the same documents
   with pytest.raises(ValueError, match="lo <= hi"):
-    variants.ragged_lengths(10, 20, 10)
-  cells = {c.id: c for c in variants.build_cells("full")}
+    variant_cells.ragged_lengths(10, 20, 10)
+  cells = {c.id: c for c in variant_cells.build_cells("full")}
   assert list(cells) == ["window-32k", "window-128k", "packed-8x4k", "packed-ragged", "softcap-8k-c",
                          "softcap-8k-nc", "padding-8k-nc", "padding-8k-c", "maskfn-causal-32k",
                          "maskfn-window-32k"]
@@ -333,7 +333,7 @@ def test_variants_cells_documents_and_bars():
           row("p", "padding", "fa2", {"fwd": 1.0, "fwd+bwd": 2.0}, {}),
           row("p", "padding", "fa2_full", {"fwd": 2.0, "fwd+bwd": 4.0}, {}),
           row("m", "maskfn", "fa2", {"fwd": 1.0, "fwd+bwd": 2.0}, {})]
-  got = {b["cell"]: b for b in variants.evaluate(fake)}
+  got = {b["cell"]: b for b in variants_report.evaluate(fake)}
   assert got["w"]["ratio"] == {"fwd": pytest.approx(0.9), "fwd+bwd": pytest.approx(0.75)}
   assert got["w"]["ok"] == {"fwd": True, "fwd+bwd": False} and got["w"]["verdict"] == "fail"
   assert got["p"]["ratio"]["fwd+bwd"] == pytest.approx(0.5) and got["p"]["verdict"] == "pass"
