@@ -286,7 +286,8 @@ def kernel_scores(variant: Variant, raw, b, h, q_idx, kv_idx, *, scale, out_scal
                   derivative: bool = False):
   """``(out_scale * modify_scores(scale * raw), d s_out / d s_in or None)`` of a tile of raw
   ``q . k`` products, the form a kernel's softmax needs (``out_scale = log2 e`` for base-2 logits),
-  with the constants folded where no ``score_fn`` is involved. ``derivative=False`` gives None for
+  with the constants folded where no ``score_fn`` is involved. ``scale`` and ``out_scale`` are
+  Python floats (static kernel settings), ``raw`` a float32 tile. ``derivative=False`` gives None for
   the derivative."""
   return _modify(variant, raw, b, h, q_idx, kv_idx, slope, derivative, scale, out_scale)
 

@@ -16,6 +16,11 @@ from .kernels.triton.config import BlockSizes
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
+# logits_soft_cap bounds: the float32 kernels multiply by cap * log2(e) and scale / cap, which must stay
+# normal numbers (float32 max 3.4e38, min normal 1.2e-38); a cap of 1e30 already leaves every logit
+# unchanged, one of 1e-30 makes every logit 0.
+SOFT_CAP_RANGE = (1e-30, 1e30)
+
 def check_bool(name, value):
   if not isinstance(value, (bool, np.bool_)):
     raise TypeError(f"{name} must be a Python bool, got {type(value).__name__} {value!r}")
@@ -202,6 +207,9 @@ def check_soft_cap(cap):
   cap = float(cap)
   if not math.isfinite(cap) or cap <= 0:
     raise ValueError(f"logits_soft_cap must be finite and > 0, got {cap}")
+  if not SOFT_CAP_RANGE[0] <= cap <= SOFT_CAP_RANGE[1]:
+    raise ValueError(f"logits_soft_cap must be in [{SOFT_CAP_RANGE[0]:g}, {SOFT_CAP_RANGE[1]:g}] (the "
+                     f"kernels compute cap * log2(e) and scale / cap in float32), got {cap:g}")
   return cap
 
 

@@ -75,7 +75,10 @@ def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
   few = fa2_jax.backend_for(*_shapes(t=128), is_causal=False)  # few query rows: separate dQ
   assert few.backward == ("mosaic dK/dV", "mosaic dQ") and few.deterministic
   window = dict(is_causal=True, local_window_size=(512, 0))  # a variant: the same length rule
-  assert fa2_jax.backend_for(*_shapes(t=4096), **window).backward == ("mosaic dK/dV + fused dQ",)
+  win = fa2_jax.backend_for(*_shapes(t=4096), **window)
+  assert win.backward == ("mosaic dK/dV + fused dQ",) and not win.deterministic
+  win_det = fa2_jax.backend_for(*_shapes(t=4096), deterministic=True, **window)
+  assert win_det.backward == ("mosaic dK/dV", "mosaic dQ") and win_det.deterministic
   assert fa2_jax.backend_for(*_shapes(t=2048), **window).backward == ("mosaic dK/dV", "mosaic dQ")
   off = fa2_jax.MosaicConfig.default(128, is_causal=True).replace(dq_fused_variants=False)
   assert fa2_jax.backend_for(*_shapes(t=4096), block_sizes=off, **window).backward == (

@@ -644,9 +644,12 @@ VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
     "lengths_soft_cap_alibi": (2, 136, 200, 2, 2, 64, lambda: dict(
         query_seq_lengths=jnp.array([100, 0]), key_value_seq_lengths=jnp.array([150, 77]),
         logits_soft_cap=2.0, alibi_slopes=jnp.array([0.1, 0.3]))),
-    "mask_fn_score_fn": (1, 150, 150, 2, 1, 64, lambda: dict(
+    "mask_fn_score_fn": (1, 150, 150, 2, 1, 64, lambda: dict(  # a score-dependent derivative
         mask_fn=lambda b, h, i, j: (i - j) % 3 != 1,
-        score_fn=lambda x, b, h, i, j: x * 0.7 - (i - j).astype(x.dtype) / 64)),
+        score_fn=lambda x, b, h, i, j: x * 0.7 + 0.3 * jnp.sin(2 * x) - (i - j).astype(x.dtype) / 64)),
+    "alibi_offsets_gqa": (2, 72, 130, 4, 2, 64, lambda: dict(  # ALiBi without a cap, per-batch offsets
+        is_causal=True, q_offset=jnp.array([30, 7]),
+        alibi_slopes=jnp.array([[0.1, 0.2, 0.3, 0.4], [0.05, 0.15, 0.25, 0.35]]))),
 }
 
 

@@ -531,19 +531,20 @@ def test_score_derivative_matches_autodiff(variant):
   np.testing.assert_allclose(jnp.ones_like(s) if deriv is None else deriv, d, rtol=0)
 
 
-
+@pytest.mark.parametrize("scale", [0.125, -0.125, 0.0])
 @pytest.mark.parametrize("variant", [Variant(), Variant(soft_cap=2.0), Variant(has_alibi=True),
                                      Variant(soft_cap=3.0, has_alibi=True),
+                                     Variant(has_alibi=True, score_fn=lambda x, b, h, p, j: x * x),
                                      Variant(soft_cap=1.0, has_alibi=True,
                                              score_fn=lambda x, b, h, p, j: jnp.exp(x / 4) * p)])
-def test_kernel_scores_fold_the_scales(variant):
+def test_kernel_scores_fold_the_scales(variant, scale):
   """kernel_scores (the kernels' form, scale and log2 e folded into the cap's and ALiBi's
   constants) equals out_scale * modify_scores(scale * raw), and gives the same derivative."""
   raw = jnp.asarray(np.random.default_rng(2).standard_normal((8, 16)) * 9, jnp.float32)
   b, h = jnp.int32(0), jnp.int32(1)
   p = jnp.arange(3, 11, dtype=jnp.int32)[:, None]
   j = jnp.arange(16, dtype=jnp.int32)[None, :]
-  scale, out_scale = 0.125, float(np.log2(np.e))
+  out_scale = float(np.log2(np.e))
   want, want_d = masking.modify_scores_and_derivative(variant, raw * scale, b, h, p, j, slope=0.5)
   got, got_d = masking.kernel_scores(variant, raw, b, h, p, j, scale=scale, out_scale=out_scale,
                                      slope=0.5, derivative=True)
@@ -555,6 +556,7 @@ def test_kernel_scores_fold_the_scales(variant):
   no_d = masking.kernel_scores(variant, raw, b, h, p, j, scale=scale, out_scale=out_scale, slope=0.5)
   np.testing.assert_array_equal(no_d[0], got)
   assert no_d[1] is None
+
 
 def _tile_kernel(var, s, off, kv_len, slopes, *, block_q, block_k, interpret):
   """A Pallas (Triton) kernel that uses the masking functions as a kernel would: per (query block,
@@ -820,6 +822,8 @@ def _bad_mask(b, h, p, j):
     (dict(q_offset=I32(3)), ValueError, r"q_offset must be an int or an integer array of shape \[2\]"),
     (dict(q_offset=1 << 30), ValueError, r"q_offset must satisfy \|q_offset\| < 2\*\*30"),
     (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be finite and > 0"),
+    (dict(logits_soft_cap=2.4e38), ValueError, r"logits_soft_cap must be in \[1e-30, 1e\+30\]"),
+    (dict(logits_soft_cap=1e-35), ValueError, "logits_soft_cap must be in"),
     (dict(logits_soft_cap=-2.0), ValueError, "logits_soft_cap must be finite and > 0"),
     (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap must be finite and > 0"),
     (dict(logits_soft_cap=float("nan")), ValueError, "logits_soft_cap must be finite and > 0"),

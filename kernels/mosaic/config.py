@@ -115,7 +115,7 @@ class MosaicConfig:
   ragged: str = "tma"
   dq_fused: bool = False
   dq_fused_min_t: int = 0  # fused dQ only for calls with at least this many query rows (see fuses_dq)
-  dq_fused_variants: bool = False  # fused dQ also for calls with an attention variant (see fuses_dq)
+  dq_fused_variants: bool = False  # fused dQ also with an attention variant (on in .default())
   lpt_heads: int = 0
   lpt_heads_dkv: int = 0
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
