@@ -903,8 +903,10 @@ def test_variant_compiled_on_gpu(impl, variant, t, s):
 
 
 # The Mosaic dK/dV kernel with the fused dQ (MosaicConfig.dq_fused_variants, at any length).
+# soft_cap / alibi: the folded scale constants (masking.kernel_scores); score_fn: not folded.
 FUSED_GPU_CASES = [c for c in GPU_CASES if c[1] >= 300] + [
-    (v, 21, 13) for v in ("causal", "q_lengths", "segments", "combined")]
+    (v, 21, 13) for v in ("causal", "q_lengths", "segments", "combined")] + [
+    (v, 300, 520) for v in ("soft_cap", "alibi", "score_fn")]
 
 
 @pytest.mark.gpu
@@ -913,6 +915,16 @@ def test_variant_fused_dq_compiled_on_gpu(variant, t, s):
   cfg = fa2_jax.MosaicConfig.default(64).replace(dq_fused_variants=True, dq_fused_min_t=0)
   check_compiled(variant, t, s, 64, dict(implementation="mosaic", block_sizes=cfg,
                                          deterministic=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant, causal", [("combined", True), ("soft_cap", False),
+                                             ("segments", False)])
+def test_variant_fused_dq_head_dim_128_compiled_on_gpu(variant, causal):
+  """Head_dim 128's fused dQ (the tile split by columns) with its default tiles and register split."""
+  cfg = fa2_jax.MosaicConfig.default(128, is_causal=causal).replace(dq_fused_min_t=0)
+  check_compiled(variant, 300, 520, 128, dict(implementation="mosaic", block_sizes=cfg,
+                                              deterministic=False))
 
 
 def check_compiled(variant, t, s, h, impl_kw):
