@@ -164,8 +164,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     q_segment_ids, kv_segment_ids: integer ``[B, T]`` and ``[B, S]`` (rank-3: ``[T]``, ``[S]``),
       both or neither: query ``i`` attends key ``j`` only where ``q_segment_ids[b, i] ==
       kv_segment_ids[b, j]`` (packed documents). Any int32 values.
-    q_offset: an int or an integer ``[B]`` (rank-3: scalar or ``[1]``), ``|q_offset| < 2**30``: the
-      absolute position of query row 0, used by ``is_causal``, ``local_window_size``,
+    q_offset: an int, an integer scalar (e.g. a traced decoding position) or an integer ``[B]``,
+      ``|q_offset| < 2**30``: the absolute position of query row 0, used by ``is_causal``, ``local_window_size``,
       ``alibi_slopes``, ``mask_fn`` and ``score_fn`` (bottom-right alignment ``S - T``, chunked
       prefill, decoding against a cache). Key ``j`` sits at position ``j``. Ignored when nothing
       reads positions.

@@ -49,11 +49,15 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
+
+try:
+  import flax.linen as nn
+  from flax import nnx
+except ImportError as e:  # flax is an optional dependency (the [flax] extra)
+  raise ImportError("fa2_jax.flax needs Flax: pip install 'fa2_jax[flax]' (or pip install flax)") from e
 
 from .attention import flash_attention
 from .kernels.mosaic.config import MosaicConfig
@@ -456,8 +460,9 @@ def _merge_variants(fixed: dict[str, Any], given: dict[str, Any]) -> dict[str, A
 
 def _fold_variant(name: str, x, batch: tuple, t: int, s: int, n: int):
   """A per-batch variant array ``[batch..., *dims]`` -> ``[prod(batch), *dims]``."""
-  if not hasattr(x, "shape") or (name == "q_offset" and isinstance(x, (int, np.integer))):
-    return x  # a Python int q_offset, or something flash_attention rejects with its own message
+  if not hasattr(x, "shape") or (name == "q_offset" and (isinstance(x, (int, np.integer))
+                                                       or getattr(x, "ndim", None) == 0)):
+    return x  # an int or scalar q_offset, or something flash_attention rejects with its own message
   dims = _PER_BATCH_DIMS[name](t, s, n)
   if name == "alibi_slopes" and tuple(x.shape) == dims:
     return x  # [num_heads]: shared by every batch element

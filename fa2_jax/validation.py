@@ -223,14 +223,16 @@ def _check_q_offset(q_offset, b, rank3: bool):
     return None if int(q_offset) == 0 else jnp.full((b,), int(q_offset), jnp.int32)
   raw = q_offset
   x = _int_array("q_offset", q_offset)
-  want = [(b,)] + ([()] if rank3 else [])
-  if tuple(x.shape) not in want:
-    raise ValueError(f"q_offset must be an int or an integer array of shape {_shape_str((b,))}"
-                     + (" or a scalar" if rank3 else "") + f", got shape {_shape_str(x.shape)}")
+  del rank3  # a scalar (e.g. a traced decoding position) serves every batch element
+  if tuple(x.shape) not in [(b,), ()]:
+    raise ValueError(f"q_offset must be an int, an integer scalar or an integer array of shape "
+                     f"{_shape_str((b,))}, got shape {_shape_str(x.shape)}")
   values = _concrete(raw)
   if values is not None and values.size and np.abs(values.astype(np.int64)).max() >= masking.INT32_SAFE:
     raise ValueError(f"q_offset must satisfy |q_offset| < 2**30, got {values}")
-  return x.reshape(b) if not isinstance(x, jax.ShapeDtypeStruct) else x
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((b,), x.dtype)
+  return jnp.broadcast_to(x, (b,))
 
 
 def _check_alibi(slopes, b, n, rank3: bool):

@@ -11,6 +11,7 @@ import functools
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -887,3 +888,13 @@ def test_importing_fa2_jax_does_not_import_flax():
   code = "import sys, fa2_jax; assert 'flax' not in sys.modules, 'flax imported'"
   subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
   assert fa2_jax.flash_attention is not None
+
+
+def test_missing_flax_names_the_extra():
+  """Without Flax installed, importing fa2_jax.flax says how to get it (a fresh process, with flax
+  hidden from the import system)."""
+  code = ("import sys; sys.modules['flax'] = None\n"
+          "try:\n  import fa2_jax.flax\nexcept ImportError as e:\n  print(e)\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=str(Path(__file__).resolve().parents[1]))
+  assert "pip install 'fa2_jax[flax]'" in out.stdout, (out.stdout, out.stderr[-2000:])

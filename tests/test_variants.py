@@ -819,7 +819,9 @@ def _bad_mask(b, h, p, j):
     (dict(local_window_size=1 << 31), ValueError, r"local_window_size sides must be < 2\*\*30"),
     (dict(q_offset=1.5), TypeError, "q_offset must be an integer array"),
     (dict(q_offset=jnp.zeros(2)), TypeError, "q_offset must have an integer dtype"),
-    (dict(q_offset=I32(3)), ValueError, r"q_offset must be an int or an integer array of shape \[2\]"),
+    (dict(q_offset=I32(3)), ValueError,
+     r"q_offset must be an int, an integer scalar or an integer array of shape \[2\]"),
+    (dict(q_offset=I32(2, 1)), ValueError, r"q_offset must be an int, an integer scalar or an"),
     (dict(q_offset=1 << 30), ValueError, r"q_offset must satisfy \|q_offset\| < 2\*\*30"),
     (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap must be finite and > 0"),
     (dict(logits_soft_cap=2.4e38), ValueError, r"logits_soft_cap must be in \[1e-30, 1e\+30\]"),
@@ -860,12 +862,29 @@ def test_bad_variant_arguments(kwargs, exc, match, entry):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(query_seq_lengths=I32(2)), r"query_seq_lengths must have shape \[1\] or be a scalar"),
     (dict(q_segment_ids=I32(2, 8), kv_segment_ids=I32(12)), r"q_segment_ids must have shape"),
-    (dict(q_offset=I32(2)), r"q_offset must be an int or an integer array of shape \[1\]"),
+    (dict(q_offset=I32(2)), r"q_offset must be an int, an integer scalar or an integer array of shape \[1\]"),
 ])
 def test_bad_variant_arguments_of_a_rank3_call(kwargs, match):
   with pytest.raises(ValueError, match=match):
     fa2_jax.flash_attention(Q4[0], KV4[0], KV4[0], **kwargs)
 
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_scalar_q_offset_serves_every_batch_element(impl):
+  """A 0-d q_offset (e.g. a traced decoding position under jit) equals the int and the [B] array."""
+  kw = IMPLEMENTATIONS[impl]
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (2, 3, 4, 16))  # T=3 query rows against S=12 cached keys
+  k, v = (jax.random.normal(x, (2, 12, 2, 16)) for x in ks[1:])
+  want = fa2_jax.flash_attention(q, k, v, is_causal=True, q_offset=5, **kw)
+  per_batch = fa2_jax.flash_attention(q, k, v, is_causal=True, q_offset=jnp.array([5, 5]), **kw)
+  scalar = fa2_jax.flash_attention(q, k, v, is_causal=True, q_offset=jnp.int32(5), **kw)
+  traced = jax.jit(lambda o: fa2_jax.flash_attention(q, k, v, is_causal=True, q_offset=o, **kw))(
+      jnp.int32(5))
+  for got in (per_batch, scalar, traced):
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=1e-6, atol=1e-6)
 
 def test_traced_values_are_not_range_checked():
   """Under jit the lengths are traced: out-of-range values are documented to act as clipped."""
