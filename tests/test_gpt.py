@@ -323,6 +323,8 @@ def cli_error(argv, capsys) -> str:
     (["--n-kv-head", "3"], "--n-head (4) must be a multiple of --n-kv-head (3)"),
     (["--n-kv-head", "0"], "--n-kv-head must be >= 1 (unset: --n-head), got 0"),
     (["--n-embd", "130"], "--n-embd (130) must be a multiple of --n-head (4)"),
+    (["--position", "rotary", "--n-embd", "132"],
+     "--position 'rotary' needs an even head_dim (--n-embd / --n-head), got 132 / 4 = 33"),
     (["--lr", "0"], "--lr must be > 0, got 0.0"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),

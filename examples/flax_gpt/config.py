@@ -73,6 +73,9 @@ class GPTConfig:
       raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.kv_heads})")
     if self.position not in POSITIONS:
       raise ValueError(f"position must be one of {POSITIONS}, got {self.position!r}")
+    if self.position == "rotary" and (self.n_embd // self.n_head) % 2:
+      raise ValueError(f"position 'rotary' needs an even head_dim (n_embd / n_head), got "
+                       f"{self.n_embd} / {self.n_head} = {self.n_embd // self.n_head}")
     if self.attention not in ATTENTIONS:
       raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
     if self.dtype not in DTYPES:
