@@ -25,7 +25,8 @@ from . import ablation_kernels, cli
 from .device import device_info
 from .flops import attention_flops
 from .recorder import Recorder, close_cell, finish_run
-from .report import err_str, fmt_num, fmt_tf, is_oom, md_table, meta_lines, out_name, ratio, seq_label
+from .report import (SMOKE_CAVEAT, err_str, fmt_num, fmt_tf, is_oom, is_smoke, md_table, meta_lines, out_name,
+                     ratio, seq_label)
 from .timing import ITERS, REPS, WARMUP, measure
 
 STEM = "ablation"
@@ -50,8 +51,10 @@ def build_parser():
   p.add_argument("--seqs", type=cli.parse_ints, default=None)
   p.add_argument("--causal", choices=["both", "true", "false"], default="both")
   p.add_argument("--no-small-batch", action="store_true", help="leave out the batch-1 cases")
-  p.add_argument("--iters", type=int, default=ITERS)
-  p.add_argument("--reps", type=int, default=REPS)
+  p.add_argument("--iters", type=cli.positive_int, default=ITERS,
+                 help=f"back-to-back calls per repetition (--smoke: {cli.SMOKE_ITERS})")
+  p.add_argument("--reps", type=cli.positive_int, default=REPS,
+                 help=f"repetitions, median taken (--smoke: {cli.SMOKE_REPS})")
   cli.add_common_args(p)
   return p
 
@@ -87,18 +90,18 @@ def run(args) -> dict:
   import jax.numpy as jnp
   info = device_info()
   cli.cpu_fallback(args, info, STEM)
+  cli.smoke_counts(args)
   out_dir = cli.resolve_out(args, info)
   todo = [(cs, v) for cs in cases(args) for v in VARIANTS if not (args.quick and v == "fa1_like")]
   rec = Recorder(out_dir / out_name(STEM, args.tag, "json"), info, dict(
       cases=cases(args), variants={v: dict(switches=s, pass_=p) for v, (s, p) in VARIANTS.items()},
-      dtype="bf16", iters=args.iters, reps=args.reps,
+      dtype="bf16", iters=args.iters, reps=args.reps, smoke=args.smoke,
       method="benchmarks.timing (median of reps x iters back-to-back calls); bwd time = fwd+bwd - "
              "fwd of the production forward of the same case"),
       STEM, key=cell_key, resume=args.resume)
   budget = cli.make_budget(args)
   bar = cli.progress(len(todo), STEM)
   inputs_key, inputs = None, None
-  iters, reps, warmup = (2, 2, WARMUP) if args.smoke else (args.iters, args.reps, WARMUP)
   for cs, var in todo:
     switches, pass_ = VARIANTS[var]
     fl = attention_flops(cs["batch"], cs["heads"], cs["seq"], cs["seq"], cs["head_dim"], cs["causal"])
@@ -122,7 +125,7 @@ def run(args) -> dict:
         inputs_key = _case_id(cs)
       f = functools.partial(ablation_kernels.attention, is_causal=cs["causal"], **switches)
       # Backward variants: fwd+bwd minus the production forward (timed in the same call).
-      res = measure(f, *inputs, flops_fwd=fl, iters=iters, reps=reps, warmup=warmup,
+      res = measure(f, *inputs, flops_fwd=fl, iters=args.iters, reps=args.reps, warmup=WARMUP,
                     passes=("fwd",) if pass_ == "fwd" else ("fwd", "fwd+bwd"))
       res.pop("out")
       cell.update(res)
@@ -200,7 +203,8 @@ def render(data, out_dir, tag=None):
 
 def summary(data) -> str:
   cells = [c for c in data.get("cells", []) if "variant" in c]
-  lines = [f"{STEM}: fwd TFLOP/s FA2 | (a) off xgain | (b) off xgain ; bwd separate | atomic xgain"]
+  lines = [f"{STEM}: fwd TFLOP/s FA2 | (a) off xgain | (b) off xgain ; bwd separate | atomic xgain"
+           + (f" ({SMOKE_CAVEAT})" if is_smoke(data) else "")]
   for r in ideas_rows(cells):
     lines.append(f"  {r['case']:<38} {fmt_tf(r['fwd_fa2']):>5} | {fmt_tf(r['no_deferred_norm']):>5} "
                  f"x{fmt_num(r['no_deferred_norm_gain'], '.2f')} | {fmt_tf(r['no_seq_parallel']):>5} "

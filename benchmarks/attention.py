@@ -91,21 +91,32 @@ def build_parser():
   p.add_argument("--impls", type=cli.impl_names, default=None,
                  help=f"comma list of {', '.join(impls.NAMES)} (default {','.join(DEFAULT_IMPLS)})")
   p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-  p.add_argument("--iters", type=int, default=ITERS, help="back-to-back calls per repetition")
-  p.add_argument("--reps", type=int, default=REPS, help="repetitions (median taken)")
+  p.add_argument("--iters", type=cli.positive_int, default=ITERS,
+                 help=f"back-to-back calls per repetition (--smoke: {cli.SMOKE_ITERS})")
+  p.add_argument("--reps", type=cli.positive_int, default=REPS,
+                 help=f"repetitions, median taken (--smoke: {cli.SMOKE_REPS})")
   p.add_argument("--no-check", action="store_true", help="skip the f32 reference check")
   p.add_argument("--no-matmul", action="store_true", help="skip the bf16 matmul ceiling")
   cli.add_common_args(p)
   return p
 
 
+def grid_name(args) -> str:
+  return "smoke" if args.smoke else "quick" if args.quick else args.grid
+
+
 def select_cells(args) -> list[dict]:
-  cells = GRIDS["smoke" if args.smoke else "quick" if args.quick else args.grid]()
-  if args.cells:
-    cells = [c for c in cells if any(fnmatch.fnmatchcase(c["id"], pat) for pat in args.cells)]
-    if not cells:
-      raise SystemExit(f"--cells {','.join(args.cells)} matches no cell of the grid; ids: "
-                       + " ".join(c["id"] for c in GRIDS[args.grid]()))
+  """The selected grid's cells (``--cells``: those matching a pattern); none matching is an error that
+  lists the ids of that grid, the one that would run."""
+  grid = grid_name(args)
+  every = GRIDS[grid]()
+  if not args.cells:
+    return every
+  cells = [c for c in every if any(fnmatch.fnmatchcase(c["id"], pat) for pat in args.cells)]
+  if not cells:
+    which = ("the CPU smoke grid (--smoke, or no GPU)" if grid == "smoke" else f"the {grid} grid")
+    raise SystemExit(f"--cells {','.join(args.cells)} matches no cell of {which}; its ids: "
+                     + " ".join(c["id"] for c in every))
   return cells
 
 
@@ -148,9 +159,8 @@ def measure_cell(name, cell, inputs, ref, args):
       row["backend"] = str(impl.describe(q, k, v, causal=cell["causal"]))
     except Exception as e:  # noqa: BLE001 - the call itself will report it
       row["backend"] = err_str(e, 200)
-  iters, reps, warmup = (2, 2, WARMUP) if args.smoke else (args.iters, args.reps, WARMUP)
   res = measure(functools.partial(impl, causal=cell["causal"]), q, k, v, flops_fwd=row["flops_fwd"],
-                iters=iters, reps=reps, warmup=warmup)
+                iters=args.iters, reps=args.reps, warmup=WARMUP)
   out = res.pop("out")
   row.update(res)
   if ref is not None and out is not None:
@@ -182,6 +192,7 @@ def run(args) -> dict:
     return {}
   info = device_info()
   cli.cpu_fallback(args, info, STEM)
+  cli.smoke_counts(args)
   cells = select_cells(args)
   names, absent = impls.split_available(args.impls or DEFAULT_IMPLS)
   info["absent_impls"] = absent
@@ -189,7 +200,7 @@ def run(args) -> dict:
   out_dir = cli.resolve_out(args, info)
   dtype = cli.jnp_dtype(args.dtype)
   rec = Recorder(out_dir / out_name(STEM, args.tag, "json"), info, dict(
-      grid="smoke" if args.smoke else "quick" if args.quick else args.grid, cells=cells,
+      grid=grid_name(args), cells=cells,
       impls=names, dtype=args.dtype, iters=args.iters, reps=args.reps, smoke=args.smoke,
       method="jit; 2 warm-up calls; median of reps x (iters back-to-back calls, then "
              "block_until_ready); fwd+bwd = jit(grad(f32 sum of the output)); bwd = fwd+bwd - fwd"),

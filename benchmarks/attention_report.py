@@ -5,7 +5,7 @@ from pathlib import Path
 
 from . import plots
 from .flops import PASSES
-from .report import fmt_num, fmt_tf, md_table, meta_lines, out_name, ratio, seq_label
+from .report import SMOKE_CAVEAT, fmt_num, fmt_tf, is_smoke, md_table, meta_lines, out_name, ratio, seq_label
 
 STEM = "attention"
 ROW_ORDER = ("fa2", "fa2_det", "fa2_triton", "cudnn", "fa3", "tokamax", "xla")
@@ -109,7 +109,12 @@ def render(data, out_dir, tag=None):
     lines.append(f"- dense bf16 matmul 8192³ on this device: {mm['tflops']:.0f} TFLOP/s")
   lines += [
       "- FLOPs: forward 4·B·N·T·S·H (halved when causal), forward+backward 3.5× that",
-      f"- timing: {cfg.get('method', '')}", "",
+      f"- timing: {cfg.get('method', '')}"]
+  if is_smoke(data):
+    lines.append("- smoke size on the CPU (Pallas interpret mode): the numbers check the harness, not "
+                 "the speed, and the ratios mean nothing here")
+  lines += [
+      "",
       "Cells: TFLOP/s `fwd / fwd+bwd`; `= fa2`: the same program as the fa2 row; n/a: shape not "
       "supported by that implementation; skip: left out (see below); ✗: failed; ⚠: output off the "
       "f32 reference."]
@@ -173,7 +178,8 @@ def summary(data) -> str:
   """Fixed-width lines for the end of a log: one per cell and implementation."""
   cells = attach_ratios([c for c in data.get("cells", []) if "impl" in c and "group" in c])
   has_cudnn = any(c["impl"] == "cudnn" and c.get("tflops") for c in cells)
-  lines = [f"{STEM} TFLOP/s fwd / fwd+bwd" + (" (fwd+bwd x cuDNN)" if has_cudnn else "")]
+  lines = [f"{STEM} TFLOP/s fwd / fwd+bwd" + (" (fwd+bwd x cuDNN)" if has_cudnn else "")
+           + (f" ({SMOKE_CAVEAT})" if is_smoke(data) else "")]
   order = _order(cells)
   for c in sorted(cells, key=lambda c: (c["group"], c["id"], order.index(c["impl"]))):
     r = (c.get("vs_cudnn") or {}).get("fwd+bwd")

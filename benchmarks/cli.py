@@ -13,10 +13,11 @@ from .report import merge_json, out_name, write_json
 
 DEFAULT_OUT = ROOT / "out"  # ignored by git; benchmarks/results/ only when --out names it
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+SMOKE_ITERS, SMOKE_REPS = 2, 2  # --smoke: a few calls check the harness; the numbers mean nothing
 
 
 def parse_ints(text: str) -> list[int]:
-  """'512,1k,2K,16384' -> [512, 1024, 2048, 16384]."""
+  """'512,1k,2K,16384' -> [512, 1024, 2048, 16384]; every size at least 1."""
   out = []
   for tok in str(text).replace(" ", "").split(","):
     if not tok:
@@ -26,7 +27,32 @@ def parse_ints(text: str) -> list[int]:
       out.append(int(float(tok[:-1] if mult > 1 else tok) * mult))
     except ValueError:
       raise argparse.ArgumentTypeError(f"not a list of sizes: {text!r}") from None
+    if out[-1] < 1:
+      raise argparse.ArgumentTypeError(f"sizes must be at least 1: {text!r}")
   return out
+
+
+def positive_int(text: str) -> int:
+  """A count or size flag (``--iters``, ``--reps``, ``--calls``, ``--heads`` ...): a whole number >= 1;
+  anything else is an argparse error (usage, the message, exit code 2)."""
+  try:
+    n = int(str(text).strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+  if n < 1:
+    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+  return n
+
+
+def positive_float(text: str) -> float:
+  """A time flag (``--budget-s``): a finite number of seconds > 0."""
+  try:
+    x = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+  if not (0.0 < x < float("inf")):
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+  return x
 
 
 def parse_strs(text: str) -> list[str]:
@@ -52,7 +78,7 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
   mode.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU in Pallas interpret mode: exercises the harness "
                          "(chosen automatically where there is no GPU)")
-  g.add_argument("--budget-s", type=float, default=None,
+  g.add_argument("--budget-s", type=positive_float, default=None,
                  help="skip (and record as skipped) the cells that would start after this many seconds")
   g.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)  # epoch s (run_all)
   g.add_argument("--merge", type=Path, nargs="+", default=None,
@@ -75,6 +101,13 @@ def cpu_fallback(args, info: dict, script: str) -> None:
   args.smoke, args.quick = True, False
 
 
+def smoke_counts(args) -> None:
+  """At the smoke size ``--iters`` / ``--reps`` become SMOKE_ITERS / SMOKE_REPS: call it after
+  ``cpu_fallback`` and before the config is recorded, so the result file names the counts that ran."""
+  if args.smoke:
+    args.iters, args.reps = SMOKE_ITERS, SMOKE_REPS
+
+
 def make_budget(args) -> Budget:
   deadline = args.deadline
   if args.budget_s is not None:
@@ -94,7 +127,12 @@ def script_main(argv, parser, run, render, summary, stem: str, key):
   args = parser.parse_args(argv)
   if not args.merge:
     return run(args)
-  data = merge_json(args.merge, key)
+  try:
+    data = merge_json(args.merge, key)
+  except OSError as e:  # missing file, a folder, no permission
+    parser.error(f"--merge: cannot read {e.filename}: {e.strerror}")
+  except ValueError as e:  # not JSON, not a benchmark result, results of different scripts
+    parser.error(f"--merge: {e}")
   tag = args.tag or "merged"
   out = Path(args.out) if args.out else Path(args.merge[0]).parent
   out.mkdir(parents=True, exist_ok=True)

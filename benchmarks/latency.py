@@ -36,12 +36,14 @@ def build_parser():
   p.add_argument("--impls", type=cli.impl_names, default=None,
                  help=f"comma list of {', '.join(impls.NAMES)} (default {','.join(DEFAULT_IMPLS)})")
   p.add_argument("--causal", choices=["both", "true", "false"], default="both")
-  p.add_argument("--heads", type=int, default=16)
-  p.add_argument("--head-dim", type=int, default=128)
-  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--heads", type=cli.positive_int, default=16)
+  p.add_argument("--head-dim", type=cli.positive_int, default=128)
+  p.add_argument("--batch", type=cli.positive_int, default=1)
   p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
-  p.add_argument("--calls", type=int, default=None, help="timed calls per cell (default 200, quick 100)")
-  p.add_argument("--input-sets", type=int, default=4, help="random input sets rotated over")
+  p.add_argument("--calls", type=cli.positive_int, default=None,
+                 help="timed calls per cell (default 200, quick 100, smoke 5)")
+  p.add_argument("--input-sets", type=cli.positive_int, default=4,
+                 help="random input sets rotated over")
   cli.add_common_args(p)
   return p
 

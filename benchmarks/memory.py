@@ -45,9 +45,9 @@ def build_parser():
   p.add_argument("--seqs", type=cli.parse_ints, default=None)
   p.add_argument("--impls", type=cli.impl_names, default=None,
                  help=f"comma list of {', '.join(impls.NAMES)} (default {','.join(DEFAULT_IMPLS)})")
-  p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--heads", type=int, default=16)
-  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--batch", type=cli.positive_int, default=1)
+  p.add_argument("--heads", type=cli.positive_int, default=16)
+  p.add_argument("--head-dim", type=cli.positive_int, default=128)
   p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
   p.add_argument("--causal", action="store_true", help="causal mask (default: none)")
   p.add_argument("--no-run", action="store_true", help="compile only (no peak_bytes_in_use)")

@@ -44,12 +44,12 @@ def build_parser():
   p.add_argument("--impls", type=cli.parse_strs, default=None, help=", ".join(IMPLS))
   p.add_argument("--causal", choices=["both", "true", "false"], default=None,
                  help="default: both (quick: false, the longest sums)")
-  p.add_argument("--head-dim", type=int, default=64)
-  p.add_argument("--heads", type=int, default=None,
+  p.add_argument("--head-dim", type=cli.positive_int, default=64)
+  p.add_argument("--heads", type=cli.positive_int, default=None,
                  help="default: 16384 // seq clamped to [1, 4] (batch is 1)")
   p.add_argument("--ref-device", choices=["cpu", "default"], default="cpu",
                  help="where the float64 reference runs (default cpu; 'default' = the accelerator)")
-  p.add_argument("--ref-chunk", type=int, default=2 ** 25,
+  p.add_argument("--ref-chunk", type=cli.positive_int, default=2 ** 25,
                  help="max query-rows x keys per reference chunk")
   cli.add_common_args(p)
   return p

@@ -91,6 +91,14 @@ def read_json(path):
     return json.load(fh)
 
 
+SMOKE_CAVEAT = "smoke size (CPU, Pallas interpret mode): not a measurement"  # the console at --smoke
+
+
+def is_smoke(data) -> bool:
+  """A result of the CPU smoke size (its config says so): its numbers check the harness only."""
+  return bool((data.get("config") or {}).get("smoke"))
+
+
 def out_name(stem: str, tag: str | None, ext: str) -> str:
   return f"{stem}{'_' + tag if tag else ''}.{ext}"
 
@@ -106,7 +114,12 @@ def merge_json(paths, key) -> dict:
   its ``source`` file), notes once each, the meta of the last file (the others' in ``merged_meta``)."""
   if not paths:
     raise ValueError("merge_json needs at least one file")
-  datas = [read_json(p) for p in paths]
+  datas = []
+  for p in paths:
+    try:
+      datas.append(read_json(p))
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+      raise ValueError(f"{p}: not a JSON file ({e})") from None
   for p, d in zip(paths, datas):
     if not isinstance(d, dict) or not isinstance(d.get("cells"), list):
       raise ValueError(f"{p}: not a benchmark result (a JSON object with a 'cells' list)")

@@ -53,7 +53,7 @@ def build_parser():
   p.add_argument("--out", type=Path, default=None,
                  help=f"output folder (default {cli.DEFAULT_OUT.name}/<gpu>/ in the checkout)")
   p.add_argument("--tag", default=None)
-  p.add_argument("--budget-s", type=float, default=None,
+  p.add_argument("--budget-s", type=cli.positive_float, default=None,
                  help="total seconds (default: quick 450, full 540, smoke 300)")
   p.add_argument("--grace-s", type=float, default=None,
                  help="seconds a stage may overrun its soft deadline before it is killed "

@@ -30,7 +30,8 @@ from . import cli
 from .device import device_info
 from .flops import attention_flops, tflops
 from .recorder import Recorder, close_cell, finish_run
-from .report import err_str, fmt_num, fmt_tf, md_table, meta_lines, out_name, ratio, seq_label
+from .report import (SMOKE_CAVEAT, err_str, fmt_num, fmt_tf, is_smoke, md_table, meta_lines, out_name, ratio,
+                     seq_label)
 from .timing import ITERS, REPS, WARMUP, measure
 
 STEM = "tune"
@@ -76,8 +77,10 @@ def build_parser():
   p.add_argument("--head-dims", type=cli.parse_ints, default=None)
   p.add_argument("--seqs", type=cli.parse_ints, default=None)
   p.add_argument("--causal", choices=["both", "true", "false"], default="both")
-  p.add_argument("--iters", type=int, default=ITERS)
-  p.add_argument("--reps", type=int, default=REPS)
+  p.add_argument("--iters", type=cli.positive_int, default=ITERS,
+                 help=f"back-to-back calls per repetition (--smoke: {cli.SMOKE_ITERS})")
+  p.add_argument("--reps", type=cli.positive_int, default=REPS,
+                 help=f"repetitions, median taken (--smoke: {cli.SMOKE_REPS})")
   cli.add_common_args(p)
   return p
 
@@ -135,18 +138,18 @@ def run(args) -> dict:
   import fa2_jax
   info = device_info()
   cli.cpu_fallback(args, info, STEM)
+  cli.smoke_counts(args)
   if args.backend == "mosaic" and not fa2_jax.dispatch.is_hopper():
     raise SystemExit("--backend mosaic needs a Hopper GPU (compute capability 9.x)")
   grid = "smoke" if args.smoke else "quick" if args.quick else "full"
   out_dir = cli.resolve_out(args, info)
   todo = [(cs, *v) for cs in cases(args) for v in variants(args.backend, cs, grid)]
   rec = Recorder(out_dir / out_name(f"{STEM}_{args.backend}", args.tag, "json"), info, dict(
-      backend=args.backend, cases=cases(args), grid=grid, iters=args.iters, reps=args.reps,
+      backend=args.backend, cases=cases(args), grid=grid, iters=args.iters, reps=args.reps, smoke=args.smoke,
       method="benchmarks.timing; bwd = fwd+bwd - the default's fwd of the same case"),
       STEM, key=cell_key, resume=args.resume)
   budget = cli.make_budget(args)
   bar = cli.progress(len(todo), f"{STEM} {args.backend}")
-  iters, reps, warmup = (2, 2, WARMUP) if args.smoke else (args.iters, args.reps, WARMUP)
   inputs_key, inputs, default_fwd = None, None, {}
   interpret = None if info.get("backend") != "cpu" else True
   for cs, sweep, pass_, changes in todo:
@@ -172,7 +175,7 @@ def run(args) -> dict:
         inputs_key = _case_id(cs)
       f = functools.partial(fa2_jax.flash_attention, is_causal=cs["causal"], block_sizes=cfg,
                             implementation=args.backend, interpret=interpret)
-      res = measure(f, *inputs, flops_fwd=fl, iters=iters, reps=reps, warmup=warmup,
+      res = measure(f, *inputs, flops_fwd=fl, iters=args.iters, reps=args.reps, warmup=WARMUP,
                     passes=("fwd", "fwd+bwd") if sweep == "default" else (pass_,))
       res.pop("out")
       cell.update(res, config=dataclasses.asdict(cfg))
@@ -258,7 +261,8 @@ def render(data, out_dir, tag=None):
 
 def summary(data) -> str:
   _, overall = best_rows([c for c in data.get("cells", []) if "sweep" in c])
-  return "\n".join([f"{STEM}: best setting per (head_dim, causal, sweep), × of each case's best"] + [
+  return "\n".join([f"{STEM}: best setting per (head_dim, causal, sweep), × of each case's best"
+                    + (f" ({SMOKE_CAVEAT})" if is_smoke(data) else "")] + [
       f"  d{o['head_dim']} {'c ' if o['causal'] else 'nc'} {o['sweep']:<8} {o['best']} ({o['rel']:.3f})"
       for o in overall])
 

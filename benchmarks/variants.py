@@ -59,7 +59,6 @@ FAMILIES = ("fa2", "cudnn", "fa3", "tokamax")  # the registry entries (benchmark
 REL_ERR_WARN = 2e-2  # forward output vs the f32 reference: a fast row must also be a right one
 REF_HEADS = 2  # the reference check compares batch 0, the first REF_HEADS heads
 DTYPE = "bf16"  # the inputs of every cell
-SMOKE_ITERS, SMOKE_REPS = 2, 2  # --smoke: the harness runs, the numbers mean nothing
 QUICK_SKIP = ("window-128k",)  # --quick leaves out the longest cell
 
 
@@ -176,23 +175,29 @@ def build_parser():
   p.add_argument("--impls", type=cli.impl_names, default=None,
                  help=f"rows of these registry entries only: comma list of {', '.join(FAMILIES)} "
                       "(default all)")
-  p.add_argument("--iters", type=int, default=ITERS, help="back-to-back calls per repetition")
-  p.add_argument("--reps", type=int, default=REPS, help="repetitions (median taken)")
+  p.add_argument("--iters", type=cli.positive_int, default=ITERS,
+                 help=f"back-to-back calls per repetition (--smoke: {cli.SMOKE_ITERS})")
+  p.add_argument("--reps", type=cli.positive_int, default=REPS,
+                 help=f"repetitions, median taken (--smoke: {cli.SMOKE_REPS})")
   p.add_argument("--no-check", action="store_true", help="skip the f32 reference check")
   cli.add_common_args(p)
   return p
 
 
 def select_cells(args) -> list[Cell]:
-  cells = build_cells("smoke" if args.smoke else "full")
+  """The cells of the size that runs (``--cells``: those matching a pattern); none matching is an error
+  that lists the ids of that size's cells."""
+  every = build_cells("smoke" if args.smoke else "full")
   if args.quick:
-    cells = [c for c in cells if c.id not in QUICK_SKIP]
-  if args.cells:
-    every = cells
-    cells = [c for c in cells if any(fnmatch.fnmatchcase(c.id, pat) for pat in args.cells)]
-    if not cells:
-      raise SystemExit(f"--cells {','.join(args.cells)} matches no cell; ids: "
-                       + " ".join(c.id for c in every))
+    every = [c for c in every if c.id not in QUICK_SKIP]
+  if not args.cells:
+    return every
+  cells = [c for c in every if any(fnmatch.fnmatchcase(c.id, pat) for pat in args.cells)]
+  if not cells:
+    which = ("the CPU smoke cells (--smoke, or no GPU)" if args.smoke else
+             "the quick GPU cells" if args.quick else "the GPU cells")
+    raise SystemExit(f"--cells {','.join(args.cells)} matches no cell of {which}; their ids: "
+                     + " ".join(c.id for c in every))
   return cells
 
 
@@ -216,6 +221,7 @@ def run(args) -> dict:
     return {}
   info = device_info()
   cli.cpu_fallback(args, info, STEM)
+  cli.smoke_counts(args)  # a few calls: the smoke size checks the harness
   cells = select_cells(args)
   names, absent = impls.split_available(families)
   info["absent_impls"] = absent
@@ -223,8 +229,6 @@ def run(args) -> dict:
   out_dir = cli.resolve_out(args, info)
   dtype = cli.jnp_dtype(DTYPE)
   size = "smoke" if args.smoke else "full"
-  if args.smoke:  # a few calls: the smoke size checks the harness
-    args.iters, args.reps = SMOKE_ITERS, SMOKE_REPS
   rec = Recorder(out_dir / out_name(STEM, args.tag, "json"), info, dict(
       size=size, sizes=SIZES[size], cells=[dict(id=c.id, kind=c.kind, title=c.title, layouts=c.layouts,
                                                 rows=[r.name for r in c.rows], **c.info) for c in cells],

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import plots
-from .report import finite, fmt_num, fmt_tf, md_table, meta_lines, out_name, ratio
+from .report import SMOKE_CAVEAT, finite, fmt_num, fmt_tf, is_smoke, md_table, meta_lines, out_name, ratio
 from .variant_cells import BARS, COMPARE, KINDS, PASSES
 
 STEM = "variants"
@@ -174,7 +174,9 @@ def plot(cells, out_dir, tag=None):
 
 def summary(data) -> str:
   cells = _cells(data)
-  lines = [f"{STEM}: ms fwd / fwd+bwd, TFLOP/s over attended pairs fwd / fwd+bwd"]
+  smoke = is_smoke(data)
+  lines = [f"{STEM}: ms fwd / fwd+bwd, TFLOP/s over attended pairs fwd / fwd+bwd"
+           + (f" ({SMOKE_CAVEAT}; the bars' verdicts mean nothing)" if smoke else "")]
   for c in cells:
     lines.append(f"  {c['id']:<18} {c['row']:<12} "
                  + (f"{_pair_text(c.get('ms'), _ms)} ms  {_pair_text(c.get('tflops'), fmt_tf)} TF"
@@ -182,6 +184,6 @@ def summary(data) -> str:
   for b in evaluate(cells):
     lines.append(f"  BAR {b['cell']:<18} {b['row']} vs {b['ref']} ({b['measure']} {b['op']} "
                  f"{b['threshold']:g}): " + " ".join(f"{p} {_ratio(b['ratio'][p])}" for p in PASSES)
-                 + f" -> {b['verdict']}")
+                 + f" -> {b['verdict']}" + (f" ({SMOKE_CAVEAT})" if smoke else ""))
   return "\n".join(lines)
 

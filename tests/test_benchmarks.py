@@ -217,6 +217,35 @@ def test_merge_later_measurement_wins_but_not_a_skip(tmp_path):
   assert len(data["cells"]) == 3 and (tmp_path / "m" / "attention_merged.md").exists()
 
 
+def test_merge_of_a_bad_file_is_a_usage_error(tmp_path, capsys):
+  """--merge with a missing, non-JSON or non-result file (or results of two scripts): usage and one
+  line naming the file, exit code 2, no traceback; in every script that has --merge."""
+  from benchmarks import latency, memory, tune, variants
+  good, listed, text = tmp_path / "a.json", tmp_path / "list.json", tmp_path / "text.json"
+  good.write_text(json.dumps(_result([_cell("d128-8k-c", "fa2", 500.0, 400.0)])))
+  listed.write_text("[1, 2]")
+  text.write_text("not json {")
+  other = tmp_path / "lat.json"
+  other.write_text(json.dumps(dict(_result([]), script="latency")))
+  cases = [([tmp_path / "missing.json"], f"--merge: cannot read {tmp_path / 'missing.json'}: No such file"),
+           ([tmp_path], f"--merge: cannot read {tmp_path}: Is a directory"),
+           ([listed], f"--merge: {listed}: not a benchmark result (a JSON object with a 'cells' list)"),
+           ([text], f"--merge: {text}: not a JSON file (Expecting value"),
+           ([good, other], "--merge: cannot merge results of different scripts")]
+  for paths, msg in cases:
+    with pytest.raises(SystemExit) as e:
+      attention.main(["--merge", *map(str, paths), "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err and "usage: python -m benchmarks.attention" in err, err
+  for mod in (variants, latency, memory, numerics, ablation, tune):
+    for paths, msg in cases[:1] + cases[2:3]:
+      with pytest.raises(SystemExit) as e:
+        mod.main(["--merge", *map(str, paths), "--out", str(tmp_path / "m")])
+      err = capsys.readouterr().err
+      assert e.value.code == 2 and msg in err and f"usage: python -m {mod.__name__}" in err, err
+  assert not (tmp_path / "m").exists()  # nothing written
+
+
 def test_grid_cells_and_filters():
   head = attention.GRIDS["headline"]()
   ids = [c["id"] for c in head]
@@ -234,15 +263,77 @@ def test_grid_cells_and_filters():
   assert got == {i for i in ids if i.startswith("d64-")} | {"d128-8k-c-kv8", "d128-4k-nc-kv8"}
   args = attention.build_parser().parse_args(["--cells", "d99-*"])
   args.smoke = False
-  with pytest.raises(SystemExit, match="matches no cell"):
+  with pytest.raises(SystemExit, match="matches no cell of the headline grid"):
     attention.select_cells(args)
+
+
+def test_cells_error_lists_the_ids_of_the_grid_that_runs():
+  """On the CPU the smoke grid runs: an id of the GPU grid matches nothing there, and the message lists
+  the smoke ids, not the GPU grid's (which hold the id asked for)."""
+  from benchmarks import variant_cells, variants
+  with pytest.raises(SystemExit) as e:
+    attention.main(["--cells", "d128-8k-c"])  # no GPU here: the CPU smoke size is chosen
+  smoke_ids = " ".join(c["id"] for c in attention.GRIDS["smoke"]())
+  assert str(e.value.code).endswith(f"matches no cell of the CPU smoke grid (--smoke, or no GPU); "
+                                    f"its ids: {smoke_ids}"), e.value.code
+  args = variants.build_parser().parse_args(["--smoke", "--cells", "window-32k"])
+  with pytest.raises(SystemExit) as e:
+    variants.select_cells(args)
+  smoke_ids = " ".join(c.id for c in variant_cells.build_cells("smoke"))
+  assert "window-32k" not in smoke_ids.split()
+  assert str(e.value.code).endswith(f"matches no cell of the CPU smoke cells (--smoke, or no GPU); "
+                                    f"their ids: {smoke_ids}"), e.value.code
+
+
+def test_smoke_summaries_say_they_are_no_measurement():
+  """The console summary of a smoke-size result says its numbers (and ratios, gains, best settings)
+  are no measurement; a GPU result's does not."""
+  from benchmarks import attention_report, tune
+  for summary in (attention_report.summary, ablation.summary, tune.summary):
+    for smoke in (False, True):
+      first = summary({"config": {"smoke": smoke}, "cells": []}).splitlines()[0]
+      assert first.endswith("(smoke size (CPU, Pallas interpret mode): not a measurement)") == smoke, (
+          summary.__module__, first)
+
+
+def test_count_flags_must_be_positive(capsys):
+  """--iters / --reps and the other counts and sizes: a whole number >= 1, else usage + exit code 2."""
+  from benchmarks import cli, latency, memory, run_all, tune, variants
+  bad = [(attention, ["--iters", "0"], "argument --iters: must be at least 1, got 0"),
+         (attention, ["--reps", "-3"], "argument --reps: must be at least 1, got -3"),
+         (variants, ["--iters", "2.5"], "argument --iters: not a whole number: '2.5'"),
+         (ablation, ["--reps", "0"], "argument --reps: must be at least 1"),
+         (tune, ["--iters", "0"], "argument --iters: must be at least 1"),
+         (latency, ["--calls", "0"], "argument --calls: must be at least 1"),
+         (latency, ["--input-sets", "0"], "argument --input-sets: must be at least 1"),
+         (memory, ["--heads", "0"], "argument --heads: must be at least 1"),
+         (numerics, ["--ref-chunk", "0"], "argument --ref-chunk: must be at least 1"),
+         (numerics, ["--seqs", "1k,0"], "argument --seqs: sizes must be at least 1"),
+         (attention, ["--budget-s", "0"], "argument --budget-s: must be a finite number > 0"),
+         (run_all, ["--budget-s", "-1"], "argument --budget-s: must be a finite number > 0")]
+  for mod, argv, msg in bad:
+    with pytest.raises(SystemExit) as e:
+      mod.build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and msg in err and "usage:" in err, (mod.__name__, argv, err)
+  args = attention.build_parser().parse_args(["--iters", "7", "--reps", "1", "--budget-s", "0.5"])
+  assert (args.iters, args.reps, args.budget_s) == (7, 1, 0.5)
+  args.smoke = True
+  cli.smoke_counts(args)  # the smoke size times a few calls, and the result file records those
+  assert (args.iters, args.reps) == (cli.SMOKE_ITERS, cli.SMOKE_REPS)
 
 
 # --- the CPU smoke run of the grid and of run_all ----------------------------------------------------
 
-def test_grid_smoke_on_cpu(tmp_path):
-  data = attention.main(["--smoke", "--out", str(tmp_path), "--cells", "d32-t32*"])
+def test_grid_smoke_on_cpu(tmp_path, capsys):
+  data = attention.main(["--smoke", "--out", str(tmp_path), "--cells", "d32-t32*", "--iters", "7",
+                         "--reps", "5"])
   js = _load(tmp_path / "attention.json")
+  # The smoke size times SMOKE_ITERS x SMOKE_REPS calls whatever --iters / --reps say: the config
+  # records the counts that ran.
+  assert (js["config"]["iters"], js["config"]["reps"]) == (2, 2) and js["config"]["smoke"]
+  assert capsys.readouterr().out.startswith(
+      "attention TFLOP/s fwd / fwd+bwd (smoke size (CPU, Pallas interpret mode): not a measurement)")
   # The command is the process's own argv (here pytest's, since main() runs in this process).
   assert js["status"] == "done" and js["meta"]["versions"]["jax"] and js["meta"]["command"].strip()
   assert "cudnn" in js["meta"]["absent_impls"]  # no GPU here: named, not measured
@@ -256,9 +347,11 @@ def test_grid_smoke_on_cpu(tmp_path):
       assert c["tflops"]["fwd"] > 0 and c["tflops"]["fwd+bwd"] > 0 and c["rel_err"] < 2e-2
       assert c["flops_fwd"] == attention_flops(c["batch"], c["heads"], c["seq_q"], c["seq_k"],
                                                c["head_dim"], c["causal"])
+      assert {(t["iters"], t["reps"]) for t in c["timing"].values()} == {(2, 2)}
   assert by[("d32-t32-s64-nc-kv2", "fa2")]["backend"].startswith("triton")
   md = (tmp_path / "attention.md").read_text()
   assert "## other shapes" in md and "GQA 4/2" in md and "= fa2" in md
+  assert "smoke size on the CPU (Pallas interpret mode)" in md
   assert (tmp_path / "attention.png").read_bytes()[:8] == PNG_MAGIC
   assert data["files"][0].endswith("attention.json")
 
@@ -338,15 +431,28 @@ def test_variants_cells_documents_and_bars():
   assert got["w"]["ok"] == {"fwd": True, "fwd+bwd": False} and got["w"]["verdict"] == "fail"
   assert got["p"]["ratio"]["fwd+bwd"] == pytest.approx(0.5) and got["p"]["verdict"] == "pass"
   assert got["m"]["verdict"] == "n/a"
+  # The log's BAR lines: a verdict of the smoke size is marked as no measurement, a GPU run's is not.
+  for smoke in (False, True):
+    text = variants_report.summary({"config": {"smoke": smoke}, "cells": fake})
+    bar = next(ln for ln in text.splitlines() if "BAR p " in ln)
+    assert bar.endswith("-> pass (smoke size (CPU, Pallas interpret mode): not a measurement)"
+                        if smoke else "-> pass"), bar
   with pytest.raises(SystemExit, match="xla has no rows here"):
     variants.main(["--impls", "fa2,xla", "--list-cells"])
 
 
-def test_variants_smoke_on_cpu(tmp_path):
+def test_variants_smoke_on_cpu(tmp_path, capsys):
   from benchmarks import variants
   data = variants.main(["--smoke", "--out", str(tmp_path), "--cells", "padding-*-nc"])
   js = _load(tmp_path / "variants.json")
   assert js["status"] == "done" and js["config"]["smoke"] and data["files"][0].endswith("variants.json")
+  assert (js["config"]["iters"], js["config"]["reps"]) == (2, 2)
+  # The console marks the bars' verdicts at the smoke size as no measurement, as the .md does.
+  out = capsys.readouterr().out
+  bars = [ln for ln in out.splitlines() if ln.lstrip().startswith("BAR ")]
+  assert bars and all(re.search(r"-> (pass|fail|n/a) \(smoke size \(CPU, Pallas interpret mode\): "
+                                r"not a measurement\)$", ln) for ln in bars), bars
+  assert "the bars' verdicts mean nothing" in out.splitlines()[0]
   by = {c["row"]: c for c in js["cells"]}
   assert set(by) == {"fa2", "fa2_full", "cudnn"}
   assert by["cudnn"]["status"] == "unavailable" and "GPU" in by["cudnn"]["error"]  # named, not measured
