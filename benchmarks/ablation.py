@@ -19,14 +19,13 @@ import functools
 import math
 import time
 import zlib
-from pathlib import Path
 
 from . import ablation_kernels, cli
 from .device import device_info
 from .flops import attention_flops
 from .recorder import Recorder, close_cell, finish_run
 from .report import (SMOKE_CAVEAT, err_str, fmt_num, fmt_tf, is_oom, is_smoke, md_table, meta_lines, out_name,
-                     ratio, seq_label)
+                     ratio, seq_label, write_md)
 from .timing import ITERS, REPS, WARMUP, measure
 
 STEM = "ablation"
@@ -196,8 +195,7 @@ def render(data, out_dir, tag=None):
   if fails:
     lines += ["", "## Left out and failures", ""]
     lines += [f"- {c['variant']} {_case_label(c)}: `{c['error'][:300]}`" for c in fails]
-  path = Path(out_dir) / out_name(STEM, tag, "md")
-  path.write_text("\n".join(lines) + "\n")
+  path = write_md(lines, out_dir, STEM, tag)
   return [path]
 
 

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from . import plots
 from .flops import PASSES
-from .report import SMOKE_CAVEAT, fmt_num, fmt_tf, is_smoke, md_table, meta_lines, out_name, ratio, seq_label
+from .report import (SMOKE_CAVEAT, fmt_num, fmt_tf, is_smoke, md_table, meta_lines, out_name, ratio,
+                     seq_label, write_md)
 
 STEM = "attention"
 ROW_ORDER = ("fa2", "fa2_det", "fa2_triton", "cudnn", "fa3", "tokamax", "xla")
@@ -140,8 +141,7 @@ def render(data, out_dir, tag=None):
     lines += ["", "fa2 ran (`fa2_jax.backend_for`): " + "; ".join(
         f"{k}: {v.split(':')[0]}" for k, v in backends.items())]
   out_dir = Path(out_dir)
-  md = out_dir / out_name(STEM, tag, "md")
-  md.write_text("\n".join(lines) + "\n")
+  md = write_md(lines, out_dir, STEM, tag)
   return [md] + plot(cells, out_dir, tag)
 
 

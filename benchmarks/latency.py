@@ -19,7 +19,7 @@ from pathlib import Path
 from . import cli, impls, plots
 from .device import device_info
 from .recorder import Recorder, close_cell, finish_run
-from .report import err_str, finite, fmt_num, md_table, meta_lines, out_name, seq_label
+from .report import err_str, finite, fmt_num, md_table, meta_lines, out_name, seq_label, write_md
 from .timing import forward_fn, fwd_bwd_fn, time_latency
 
 SEQS = [128, 256, 512, 1024, 2048, 4096]
@@ -180,8 +180,7 @@ def render(data, out_dir: Path, tag=None):
   if errs:
     lines += ["## Failures", ""]
     lines += [f"- {i} T={s} causal={cz}: `{(e or '')[:300]}`" for i, s, cz, e in errs]
-  md = out_dir / out_name(STEM, tag, "md")
-  md.write_text("\n".join(lines) + "\n")
+  md = write_md(lines, out_dir, STEM, tag)
   files = [md]
   files += plot(cells, out_dir, tag)
   return files

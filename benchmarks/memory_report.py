@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import plots
-from .report import finite, fmt_bytes, fmt_num, md_table, meta_lines, out_name, seq_label
+from .report import finite, fmt_bytes, fmt_num, md_table, meta_lines, out_name, seq_label, write_md
 
 STEM = "memory"
 DEFAULT_IMPLS = ("fa2", "cudnn", "fa3", "tokamax", "xla")
@@ -102,8 +102,7 @@ def render(data, out_dir: Path, tag=None):
                    f"`{(c.get('error') or c.get('run_error'))[:300]}`")
   for n in data.get("notes", []):
     lines.append(f"- note: {n}")
-  md = out_dir / out_name(STEM, tag, "md")
-  md.write_text("\n".join(lines) + "\n")
+  md = write_md(lines, out_dir, STEM, tag)
   files = [md]
   files += plot(cells, out_dir, tag, lim)
   return files

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import plots
-from .report import finite, fmt_num, md_table, meta_lines, out_name, seq_label
+from .report import finite, fmt_num, md_table, meta_lines, out_name, seq_label, write_md
 
 STEM = "numerics"
 DTYPE_NAMES = ["bf16", "fp16", "fp32"]
@@ -123,8 +123,7 @@ def render(data, out_dir: Path, tag=None):
     lines += ["", "## Failures", ""]
     lines += [f"- {i} ({', '.join(w[:6])}{'…' if len(w) > 6 else ''}): `{e[:300]}`"
               for (i, e), w in errs.items()]
-  md = out_dir / out_name(STEM, tag, "md")
-  md.write_text("\n".join(lines) + "\n")
+  md = write_md(lines, out_dir, STEM, tag)
   return [md] + plot(cells, out_dir, tag)
 
 

@@ -103,6 +103,13 @@ def out_name(stem: str, tag: str | None, ext: str) -> str:
   return f"{stem}{'_' + tag if tag else ''}.{ext}"
 
 
+def write_md(lines, out_dir, stem: str, tag: str | None = None) -> Path:
+  """A report's markdown ``lines`` to ``out_dir/<stem>[_<tag>].md``; returns the path."""
+  path = Path(out_dir) / out_name(stem, tag, "md")
+  path.write_text("\n".join(lines) + "\n")
+  return path
+
+
 def _measured(c) -> bool:
   return isinstance(c, dict) and c.get("status") not in ("skipped", "unavailable") and bool(
       c.get("tflops") or c.get("latency") or c.get("compiled") or c.get("errors") or c.get("ms"))

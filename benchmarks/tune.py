@@ -24,14 +24,13 @@ import functools
 import itertools
 import math
 import time
-from pathlib import Path
 
 from . import cli
 from .device import device_info
 from .flops import attention_flops, tflops
 from .recorder import Recorder, close_cell, finish_run
 from .report import (SMOKE_CAVEAT, err_str, fmt_num, fmt_tf, is_smoke, md_table, meta_lines, out_name, ratio,
-                     seq_label)
+                     seq_label, write_md)
 from .timing import ITERS, REPS, WARMUP, measure
 
 STEM = "tune"
@@ -254,8 +253,7 @@ def render(data, out_dir, tag=None):
     lines += ["## Invalid or failed settings", ""]
     lines += [f"- d{c['head_dim']} {seq_label(c['seq'])} {'c' if c['causal'] else 'nc'} "
               f"{c['sweep']} `{c['changes']}`: {c['error'][:200]}" for c in bad]
-  path = Path(out_dir) / out_name(STEM, tag, "md")
-  path.write_text("\n".join(lines) + "\n")
+  path = write_md(lines, out_dir, STEM, tag)
   return [path]
 
 

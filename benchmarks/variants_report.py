@@ -4,7 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import plots
-from .report import SMOKE_CAVEAT, finite, fmt_num, fmt_tf, is_smoke, md_table, meta_lines, out_name, ratio
+from .report import (SMOKE_CAVEAT, finite, fmt_num, fmt_tf, is_smoke, md_table, meta_lines,
+                     out_name, ratio, write_md)
 from .variant_cells import BARS, COMPARE, KINDS, PASSES
 
 STEM = "variants"
@@ -144,8 +145,7 @@ def render(data, out_dir, tag=None):
     lines.append("")
   lines += [f"- note: {n}" for n in data.get("notes", [])]
   out_dir = Path(out_dir)
-  md = out_dir / out_name(STEM, tag, "md")
-  md.write_text("\n".join(lines) + "\n")
+  md = write_md(lines, out_dir, STEM, tag)
   return [md] + plot(cells, out_dir, tag)
 
 
