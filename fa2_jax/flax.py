@@ -57,7 +57,8 @@ try:
   import flax.linen as nn
   from flax import nnx
 except ImportError as e:  # flax is an optional dependency (the [flax] extra)
-  raise ImportError("fa2_jax.flax needs Flax: pip install 'fa2_jax[flax]' (or pip install flax)") from e
+  raise ImportError("fa2_jax.flax needs Flax: pip install 'fa2_jax[flax]' (or pip install flax)"
+                    ) from e
 
 from .attention import flash_attention
 from .kernels.mosaic.config import MosaicConfig

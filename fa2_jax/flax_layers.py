@@ -190,8 +190,8 @@ class CausalSelfAttention(nn.Module):
         padding (padded rows get output 0).
       q_segment_ids, kv_segment_ids: integer ``[batch..., T]`` (both, usually the same array):
         tokens attend only tokens of their own segment (packed documents).
-      q_offset: int, integer scalar or integer ``[batch...]``: the position of query row 0 for the causal mask and
-        the window (not for ``positions``).
+      q_offset: int, integer scalar or integer ``[batch...]``: the position of query row 0 for the
+        causal mask and the window (not for ``positions``).
     """
     kv = self.num_kv_heads or self.num_heads
     dense = functools.partial(nn.DenseGeneral, use_bias=self.use_bias, dtype=self.dtype,
