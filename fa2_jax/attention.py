@@ -167,8 +167,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     q_offset: an int, an integer scalar (e.g. a traced decoding position) or an integer ``[B]``,
       ``|q_offset| < 2**30``: the absolute position of query row 0, used by ``is_causal``,
       ``local_window_size``, ``alibi_slopes``, ``mask_fn`` and ``score_fn`` (bottom-right alignment
-      ``S - T``, chunked prefill, decoding against a cache). Key ``j`` sits at position ``j``. Ignored when nothing
-      reads positions.
+      ``S - T``, chunked prefill, decoding against a cache). Key ``j`` sits at position ``j``.
+      Ignored when nothing reads positions.
     logits_soft_cap: a static float ``> 0``: the scaled logits become ``cap * tanh(s / cap)``.
     alibi_slopes: float ``[N]`` or ``[B, N]`` (used as float32): adds ``-slope[b, h] * |p - j|`` to
       the logits (after the soft cap). Not differentiated: its cotangent is zero.
