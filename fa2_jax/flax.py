@@ -44,7 +44,6 @@ so such a call with a variant argument raises a ValueError instead of dropping t
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -64,7 +63,8 @@ from .attention import flash_attention
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .validation import DTYPES as _KERNEL_DTYPES
-from .validation import check_bool, check_options, check_soft_cap, check_window, is_static_dim
+from .flax_variants import check_static_variants, flash_any_batch, merge_variants
+from .validation import check_bool, check_options, is_static_dim
 
 __all__ = [
     "attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning", "rotary_embedding",
@@ -92,16 +92,6 @@ _NO_MASK_ARGUMENT = ("To run the kernel, pass q_segment_ids/kv_segment_ids or qu
 _NO_BIAS_ARGUMENT = ("To run the kernel, pass alibi_slopes (ALiBi) or score_fn (any elementwise "
                      "function of the score and its indices) instead of a dense bias: dense biases "
                      "run the XLA formula.")
-
-# The per-batch variant arrays of fa2_jax.flash_attention, with the dims that follow [batch...] in
-# their shape (t: q_length, s: kv_length, n: num_heads). alibi_slopes may also be [num_heads], shared
-# by the batch (the only form make_attention_fn takes).
-_PER_BATCH_DIMS = {
-    "query_seq_lengths": lambda t, s, n: (), "key_value_seq_lengths": lambda t, s, n: (),
-    "q_offset": lambda t, s, n: (), "q_segment_ids": lambda t, s, n: (t,),
-    "kv_segment_ids": lambda t, s, n: (s,), "alibi_slopes": lambda t, s, n: (n,),
-}
-
 
 def _warn_once(reason: str, advice: str) -> None:
   message = (f"fa2_jax.flax.attention_fn: {reason}; the FlashAttention kernel cannot honour this, "
@@ -392,7 +382,7 @@ def make_attention_fn(implementation: str | None = None,
                  **check_static_variants(
                      local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
                      alibi_slopes=alibi_slopes, mask_fn=mask_fn, score_fn=score_fn))
-    variants = _merge_variants(fixed, given)
+    variants = merge_variants(fixed, given)
     # The factory's flag leaves a single query row (a decode step) unmasked, unless q_offset says
     # where that row sits; see make_attention_fn.
     causal = check_bool("is_causal", is_causal) or (
@@ -426,67 +416,9 @@ def make_attention_fn(implementation: str | None = None,
           broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
           dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
           precision=precision, module=module)
-    return _flash_any_batch(kernel, query, key, value, causal, variants)
+    return flash_any_batch(kernel, query, key, value, causal, variants)
 
   return attention_fn
-
-
-def check_static_variants(**static) -> dict[str, Any]:
-  """The static variant arguments that are set, checked as far as they can be without the arrays."""
-  window, cap = static.get("local_window_size"), static.get("logits_soft_cap")
-  if window is not None:
-    check_window(window)
-  if cap is not None:
-    check_soft_cap(cap)
-  for name in ("mask_fn", "score_fn"):
-    fn = static.get(name)
-    if fn is not None and not callable(fn):
-      raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
-  slopes = static.get("alibi_slopes")
-  if slopes is not None and (not hasattr(slopes, "shape") or not hasattr(slopes, "dtype")):
-    raise TypeError(f"alibi_slopes must be a float array of shape [num_heads] (or, per call, "
-                    f"[batch..., num_heads]), got {type(slopes).__name__}")
-  return {k: v for k, v in static.items() if v is not None}
-
-
-def _merge_variants(fixed: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
-  """The factory's variants and a call's, set ones only; one given twice is a ValueError."""
-  given = {k: v for k, v in given.items() if v is not None}
-  twice = sorted(set(fixed) & set(given))
-  if twice:
-    raise ValueError(f"{', '.join(twice)} given both to make_attention_fn and to the call: set "
-                     "each variant argument in one place")
-  return {**fixed, **given}
-
-
-def _fold_variant(name: str, x, batch: tuple, t: int, s: int, n: int):
-  """A per-batch variant array ``[batch..., *dims]`` -> ``[prod(batch), *dims]``."""
-  if not hasattr(x, "shape") or (name == "q_offset" and (isinstance(x, (int, np.integer))
-                                                       or getattr(x, "ndim", None) == 0)):
-    return x  # an int or scalar q_offset, or something flash_attention rejects with its own message
-  dims = _PER_BATCH_DIMS[name](t, s, n)
-  if name == "alibi_slopes" and tuple(x.shape) == dims:
-    return x  # [num_heads]: shared by every batch element
-  if tuple(x.shape) != (*batch, *dims):
-    trailing = {"q_segment_ids": ", q_length", "kv_segment_ids": ", kv_length",
-                "alibi_slopes": ", num_heads"}.get(name, "")
-    raise ValueError(f"{name} must have shape [batch...{trailing}] = {(*batch, *dims)} (query "
-                     f"batch dims {tuple(batch)}), got shape {tuple(x.shape)}")
-  return x.reshape(math.prod(batch), *dims)
-
-
-def _flash_any_batch(kernel, query, key, value, is_causal: bool, variants: dict[str, Any]):
-  """Calls the kernel on ``[batch..., T, N, H]`` inputs by folding the batch dims (and the per-batch
-  variant arrays' batch dims) into one."""
-  batch = query.shape[:-3]
-  if len(batch) <= 1:
-    return kernel(query, key, value, is_causal=is_causal, **variants)
-  t, n, s = query.shape[-3], query.shape[-2], key.shape[-3]
-  variants = {k: _fold_variant(k, v, batch, t, s, n) if k in _PER_BATCH_DIMS else v
-              for k, v in variants.items()}
-  fold = lambda x: x.reshape(math.prod(batch), *x.shape[-3:])
-  out = kernel(fold(query), fold(key), fold(value), is_causal=is_causal, **variants)
-  return out.reshape(*batch, *out.shape[1:])
 
 
 # The default attention_fn: implementation=None (kernels on GPU, XLA formula on CPU).

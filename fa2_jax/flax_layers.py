@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .flax import check_static_variants, attention_fn
+from .flax import attention_fn
+from .flax_variants import check_static_variants
 
 
 # --- rotary position embeddings -------------------------------------------------------------------
