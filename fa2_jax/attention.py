@@ -235,7 +235,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       mos = block_sizes if isinstance(block_sizes, MosaicConfig) else None
       if mos is not None and (why := mos.check(h, jnp.dtype(q.dtype).itemsize)) is not None:
         raise ValueError(f"block_sizes: {why}")
-      tiles = (mos or MosaicConfig.default(h, q.dtype, call.is_causal)).range_tiles()
+      tiles = (mos or MosaicConfig.default(h, q.dtype, call.is_causal)).range_tiles(
+          q.shape[1], deterministic=call.deterministic)
     else:
       tri = block_sizes if isinstance(block_sizes, BlockSizes) else None
       blocks = (tri or BlockSizes.default(h, q.dtype)).clamp(q.shape[1], k.shape[1])

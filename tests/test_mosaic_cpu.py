@@ -97,6 +97,11 @@ def test_fuses_dq_default_rule():
   assert not c.replace(dq_fused_variants=False).fuses_dq(8192, deterministic=False, variant=True)
   assert MosaicConfig.default(64, is_causal=True).fuses_dq(8192, deterministic=False)
   assert not MosaicConfig.default(256).fuses_dq(8192, deterministic=False)  # split dV, dK passes
+  # a variant call builds the dQ kernel's range table only when its backward runs that kernel
+  assert set(c.range_tiles(4096)) == {"fwd", "dkv"}
+  assert set(c.range_tiles(4096, deterministic=True)) == set(c.range_tiles(2048)) == {
+      "fwd", "dkv", "dq"} == set(c.range_tiles())
+  assert set(MosaicConfig.default(256).range_tiles(8192)) == {"fwd", "dkv", "dk", "dq"}
   assert c.registers(2) == 240 and c.memory_registers == 24 and nc.registers(2) == 232
   for h in (64, 128):
     for causal in (False, True):

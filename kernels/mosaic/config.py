@@ -165,12 +165,15 @@ class MosaicConfig:
 
   replace = dataclasses.replace
 
-  def range_tiles(self) -> dict:
+  def range_tiles(self, seq_q: int | None = None, *, deterministic: bool = False) -> dict:
     """The block-range tables the kernels read for an attention variant
-    (:func:`fa2_jax.block_ranges.range_tables`), one per CTA tiling: name -> (kind, rows, keys)."""
+    (:func:`fa2_jax.block_ranges.range_tables`), one per CTA tiling: name -> (kind, rows, keys).
+    Given ``seq_q``, a backward that fuses dQ (:meth:`fuses_dq`) reads no dQ table."""
     tiles = {"fwd": ("kv", self.num_wgs * self.block_q, self.block_k),
-             "dkv": ("q", self.block_q_dkv, self.num_wgs_dkv * self.block_k_dkv),
-             "dq": ("kv", self.num_wgs_dq * self.block_q_dq, self.block_k_dq)}
+             "dkv": ("q", self.block_q_dkv, self.num_wgs_dkv * self.block_k_dkv)}
+    if seq_q is not None and self.fuses_dq(seq_q, deterministic=deterministic, variant=True):
+      return tiles
+    tiles["dq"] = ("kv", self.num_wgs_dq * self.block_q_dq, self.block_k_dq)
     if self.dkv_split:  # the dK kernel has its own key tiles
       tiles["dk"] = ("q", self.block_q_dkv, self.num_wgs_dk * self.block_k_dkv)
     return tiles
