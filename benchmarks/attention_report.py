@@ -97,6 +97,42 @@ def table(cells, group_cells) -> str:
   return md_table(["impl"] + [column_label(g) for g in group_cells], rows)
 
 
+def row_label(c) -> str:
+  """A cell as one line of the overview: ``h128 causal 8k (B=2)``, GQA and other head counts named."""
+  seq = seq_label(c["seq_q"]) if c["seq_q"] == c["seq_k"] else (
+      f"T={seq_label(c['seq_q'])}, S={seq_label(c['seq_k'])}")
+  extra = [f"B={c['batch']}"]
+  if c["kv_heads"] != c["heads"]:
+    extra.append(f"GQA {c['heads']}/{c['kv_heads']}")
+  elif c["heads"] * c["head_dim"] != 2048:  # the paper's grid: hidden 2048
+    extra.append(f"N={c['heads']}")
+  return (f"h{c['head_dim']} {'causal' if c['causal'] else 'non-causal'} {seq} "
+          f"({', '.join(extra)})")
+
+
+def overview(cells) -> str:
+  """One table for the whole run (the README's): a row per cell, a column per implementation
+  (``fwd / fwd+bwd``), then fa2's fwd+bwd over cuDNN's and FA3's."""
+  names = [n for n in _order(cells) if any(c["impl"] == n and c.get("status") != "unavailable"
+                                           for c in cells)]
+  labels = {n: next(c["label"] for c in cells if c["impl"] == n) for n in names}
+  by = {(c["impl"], c["id"]): c for c in cells}
+  ratios = [(name, label) for name, label in RATIO_TO.items() if name in names]
+  rows = []
+  for group_cells in _groups(cells).values():
+    for g in group_cells:
+      row = [row_label(g)]
+      for n in names:
+        c = by.get((n, g["id"]))
+        row.append("=" if (c or {}).get("status") == "same" else cell_text(c))
+      fa2 = by.get(("fa2", g["id"])) or {}
+      row += [fmt_num((fa2.get(f"vs_{name}") or {}).get("fwd+bwd"), ".2f") for name, _ in ratios]
+      rows.append(row)
+  head = (["cell"] + [f"{labels[n]} (`{n}`)" for n in names]
+          + [f"fa2 ÷ {label}, fwd+bwd" for _, label in ratios])
+  return md_table(head, rows)
+
+
 def render(data, out_dir, tag=None):
   cells = attach_ratios([c for c in data.get("cells", []) if "impl" in c and "group" in c])
   cfg = data.get("config", {})
@@ -122,7 +158,7 @@ def render(data, out_dir, tag=None):
   present = [label for name, label in RATIO_TO.items() if any(c["impl"] == name for c in cells)]
   if present:
     lines.append("`fa2 ÷ X` rows: fa2's TFLOP/s over X's on the same cell (`fwd / fwd+bwd`).")
-  lines.append("")
+  lines += ["", "## Overview", "", "`=`: the same program as the fa2 column.", "", overview(cells), ""]
   for group, gcells in _groups(cells).items():
     lines += [f"## {group}", "", table(cells, gcells), ""]
   errs: dict = {}

@@ -185,6 +185,11 @@ def test_attention_markdown_rows_ratios_and_marks(tmp_path):
   assert row("fa2 ÷ FA3") == "| fa2 ÷ FA3 | 0.80 / 0.50 |"
   assert "## other shapes" in md and "| FA3 (`fa3`) | n/a |" in md
   assert "d256 8k causal (B=2, N=8)" in md
+  # the overview (the README's table): a row per cell, a column per implementation, fa2's ratios
+  assert row("h128 causal 8k (B=2)") == (
+      "| h128 causal 8k (B=2) | 500 / 400 | = | 400 / 500 | 625 / 800 | skip | 0.80 | 0.50 |")
+  assert row("h256 causal 8k (B=2)") == "| h256 causal 8k (B=2) | 300 / 200 | – | – | n/a | – | – | – |"
+  assert md.index("## Overview") < md.index("## head_dim 128, causal")
   assert (tmp_path / "attention.png").read_bytes()[:8] == PNG_MAGIC
   # Without cuDNN or FA3 rows nothing names them (the CPU smoke table).
   alone = [c for c in cells if c["impl"] not in ("cudnn", "fa3")]
