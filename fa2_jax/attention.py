@@ -99,8 +99,10 @@ def _prepare(query, key, value, scale, is_causal, implementation, return_residua
   check_options(implementation, block_sizes)
   variant, arrays = check_variant(query, key, is_causal=is_causal, **variant_args)
   squeeze = query.ndim == 3
-  if squeeze:
-    query, key, value = query[None], key[None], value[None]
+  if squeeze:  # arrays or jax.ShapeDtypeStruct (backend_for)
+    query, key, value = (jax.ShapeDtypeStruct((1, *x.shape), x.dtype)
+                         if isinstance(x, jax.ShapeDtypeStruct) else x[None]
+                         for x in (query, key, value))
   h = query.shape[-1]
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   symbolic = [d for d in (*query.shape, *key.shape) if not is_static_dim(d)]
@@ -177,11 +179,11 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       kernel's tile with scalar ``b``/``h`` in a kernel), returning a bool array broadcastable to
       their shape; ``q_idx`` is the absolute query position ``q_offset + i``, ``h`` the query head.
       False hides the pair. Traced once at the call on both forms (a TypeError naming ``mask_fn``
-      and the cause if that fails). The kernels take closures over Python scalars; a function that
-      closes over an array or a traced value runs the XLA formula (an explicit kernel raises). A
-      ``mask_fn`` of the indices alone has its block mask computed once, when the call is traced;
-      on Hopper one that reads ``h`` runs the Triton kernels (the Mosaic ones share block ranges
-      across heads).
+      and the cause if that fails). The kernels take closures over Python and numpy scalars; a
+      function that closes over a JAX array (0-d ones too) or a traced value runs the XLA formula (an
+      explicit kernel raises). A ``mask_fn`` of the indices alone has its block mask computed
+      once, when the call is traced; on Hopper one that reads ``h`` runs the Triton kernels (the
+      Mosaic ones share block ranges across heads).
     score_fn: ``score_fn(score, b, h, q_idx, kv_idx) -> score``: an elementwise jnp function of the
       float scores and the same index arrays, returning a float array of the score's shape, applied
       after the soft cap and ALiBi. Differentiated with respect to the score (and, on the formula

@@ -249,7 +249,8 @@ def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, h
 
   A ``mask_fn`` of the indices alone (no ``q_offset``, no closed-over traced array) gives the same
   block mask at every call: it is evaluated once, when the call is traced (on the default device),
-  kept for later calls with the same ``mask_fn`` object and shapes, and enters the program as a
+  kept for later calls with the same ``mask_fn`` object computing the same thing
+  (``Variant.functions``) and shapes, and enters the program as a
   constant, so the kernels pay nothing for it at run time. Otherwise it is computed inside the
   program at every call (``O(T S)`` evaluations of ``mask_fn``)."""
   if variant.mask_fn is None:
@@ -257,7 +258,7 @@ def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, h
   dims = dict(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, block_q=block_q, block_k=block_k)
   if variant.has_q_offset:
     return _block_mask(variant, arrays, **dims)
-  key = (variant, tuple(sorted(dims.items())))
+  key = (variant, tuple(sorted(dims.items())))  # variant.functions: what mask_fn computes now
   if key in _STATIC_MASKS:
     return _STATIC_MASKS[key]
   with jax.ensure_compile_time_eval():

@@ -76,6 +76,9 @@ class FlashAttentionFallbackWarning(UserWarning):
   """A call to :func:`attention_fn` was computed with flax's formula instead of the kernel."""
 
 
+# Variants that depend on the query row's position (a lone decode row is placed at the last key).
+_POSITIONAL = frozenset({"local_window_size", "alibi_slopes", "mask_fn", "score_fn"})
+
 _warned: set[str] = set()  # fallback messages already reported (one warning per reason per process)
 
 # What to pass instead of a causal mask, in each flax API.
@@ -298,8 +301,9 @@ def make_attention_fn(implementation: str | None = None,
       passes ``is_causal`` per call and the two are OR-ed. A call with a single query row
       (``q_length == 1``: the step of a layer with ``decode=True``, whose cache mask already admits
       only the keys up to the current position) is the newest position, so this flag masks none of
-      its keys there (unless the call gives ``q_offset``, the row's position); a per-call
-      ``is_causal`` keeps flax's top-left meaning.
+      its keys there, and the window, ALiBi and ``mask_fn``/``score_fn`` see the row at the last
+      key's position, ``kv_length - 1`` (unless the call gives ``q_offset``, the row's position); a
+      per-call ``is_causal`` keeps flax's top-left meaning.
     local_window_size, logits_soft_cap, alibi_slopes, mask_fn, score_fn: the static variants of
       every call, as in :func:`fa2_jax.flash_attention` (``alibi_slopes``: ``[num_heads]`` here;
       per-batch slopes go to the call). A call may give these instead, but not the same one twice.
@@ -385,8 +389,9 @@ def make_attention_fn(implementation: str | None = None,
     variants = merge_variants(fixed, given)
     # The factory's flag leaves a single query row (a decode step) unmasked, unless q_offset says
     # where that row sits; see make_attention_fn.
-    causal = check_bool("is_causal", is_causal) or (
-        always_causal and (query.shape[-3] != 1 or q_offset is not None))
+    per_call_causal = check_bool("is_causal", is_causal)
+    lone_row = always_causal and query.shape[-3] == 1 and q_offset is None
+    causal = per_call_causal or (always_causal and not lone_row)
     extra = {k: v for k, v in kwargs.items() if v is not None}
     einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
     if promote_dtype is not None:
@@ -416,6 +421,9 @@ def make_attention_fn(implementation: str | None = None,
           broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
           dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
           precision=precision, module=module)
+    if lone_row and not causal and _POSITIONAL.intersection(variants):
+      # The newest position is the last key's: the window, ALiBi and mask_fn/score_fn see it there.
+      causal, variants = True, {**variants, "q_offset": key.shape[-3] - 1}
     return flash_any_batch(kernel, query, key, value, causal, variants)
 
   return attention_fn

@@ -60,6 +60,9 @@ class Variant:
     has_alibi: the call has ``alibi_slopes`` (``VariantArrays.alibi_slopes``).
     mask_fn: ``mask_fn(b, h, q_idx, kv_idx) -> bool`` or None.
     score_fn: ``score_fn(score, b, h, q_idx, kv_idx) -> score`` or None.
+    functions: what ``mask_fn`` and ``score_fn`` compute (:func:`functions_fingerprint`, set by the
+      public API), so that the same function objects with a changed closure or global are another
+      variant to every cache keyed by it (jitted kernels, block masks).
   """
 
   is_causal: bool = False
@@ -72,6 +75,7 @@ class Variant:
   has_alibi: bool = False
   mask_fn: Callable | None = None
   score_fn: Callable | None = None
+  functions: str | None = None
 
   @classmethod
   def dense(cls) -> "Variant":
@@ -129,19 +133,38 @@ class Variant:
 
 
 def closes_over_arrays(variant: Variant) -> str | None:
-  """The name of ``mask_fn`` or ``score_fn`` when it closes over a non-scalar array or a traced
-  value (which a kernel cannot capture: it must be an operand), else None. Traced abstractly once
-  on scalar int32 indices."""
+  """The name of ``mask_fn`` or ``score_fn`` when it closes over a JAX array (of any rank, a 0-d
+  ``jnp.float32(x)`` too), a non-scalar numpy array or a traced value: a kernel cannot capture those
+  (it must get them as operands). Python and numpy scalars are inlined as literals and are fine.
+  Else None. Traced abstractly once on scalar int32 indices: what the function captures is what its
+  jaxpr keeps as constants."""
   i32 = jax.ShapeDtypeStruct((), jnp.int32)
   for name, fn, args in (("mask_fn", variant.mask_fn, (i32,) * 4),
                          ("score_fn", variant.score_fn, (jax.ShapeDtypeStruct((), jnp.float32),
                                                          *(i32,) * 4))):
     if fn is None:
       continue
-    consts = jax.make_jaxpr(fn)(*args).consts
-    if any(isinstance(c, jax.core.Tracer) or jnp.ndim(c) > 0 for c in consts):
+    if _trace(fn, args).consts:
       return name
   return None
+
+
+def functions_fingerprint(mask_fn, score_fn) -> str | None:
+  """What ``mask_fn`` and ``score_fn`` compute, as the text of their jaxprs on scalar indices (and a
+  float32 score): the Python scalars they read, closed over or global, appear there as literals, so
+  functions whose closure or globals changed get a new fingerprint (a cache keyed by the function
+  objects alone would not see the change). None when neither is given."""
+  if mask_fn is None and score_fn is None:
+    return None
+  i32, f32 = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
+  return "\n".join(str(_trace(fn, args)) if fn is not None else "-"
+                   for fn, args in ((mask_fn, (i32,) * 4), (score_fn, (f32, *(i32,) * 4))))
+
+
+def _trace(fn, args):
+  """``fn``'s closed jaxpr on ``args``, traced now: through a fresh wrapper, since ``make_jaxpr``
+  keeps the trace of a function object it has seen (with the globals of that time baked in)."""
+  return jax.make_jaxpr(lambda *a: fn(*a))(*args)
 
 
 class VariantArrays(NamedTuple):
@@ -271,7 +294,8 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
     slope = jnp.asarray(slope).astype(s.dtype)
     s = s - (slope * out_scale if fold else slope) * dist  # d/ds = 1
   if variant.score_fn is not None:
-    fn = lambda x: variant.score_fn(x, b, h, q_idx, kv_idx)  # noqa: E731
+    # in the scores' dtype whatever the function returns (a bfloat16 result would round the logits)
+    fn = lambda x: jnp.asarray(variant.score_fn(x, b, h, q_idx, kv_idx), x.dtype)  # noqa: E731
     if with_derivative:
       s, d_fn = jax.jvp(fn, (s,), (jnp.ones_like(s),))
       deriv = d_fn if deriv is None else deriv * d_fn

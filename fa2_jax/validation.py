@@ -2,6 +2,8 @@
 that names the argument."""
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import numbers
 
@@ -349,4 +351,6 @@ def check_variant(query, key, *, is_causal=False, query_seq_lengths=None, key_va
       want = jnp.broadcast_shapes(*(x.shape for x in structs))
       return [jax.ShapeDtypeStruct(want, jnp.float32), *structs]
     _trace_user_fn("score_fn", score_fn, forms, score_args, check_score)
+  if mask_fn is not None or score_fn is not None:  # checked: now what they compute, for the caches
+    variant = dataclasses.replace(variant, functions=masking.functions_fingerprint(mask_fn, score_fn))
   return variant, arrays

@@ -164,6 +164,18 @@ def test_compute_capability_parsing(monkeypatch):
   assert D.gpu_compute_capability() is None and not D.is_hopper()
 
 
+def test_backend_for_takes_rank3_shape_dtype_structs(fake_gpu):
+  """[T, N, H] inputs (no batch dim) as jax.ShapeDtypeStruct, as flash_attention takes arrays."""
+  fake_gpu((9, 0))
+  sd = jax.ShapeDtypeStruct
+  d = fa2_jax.backend_for(sd((1024, 8, 128), jnp.bfloat16), sd((1024, 2, 128), jnp.bfloat16),
+                          is_causal=True)
+  assert d.backend == "mosaic", d
+  d = fa2_jax.backend_for(sd((64, 4, 16), jnp.float32), sd((48, 2, 16), jnp.float32),
+                          interpret=True, local_window_size=(8, 0))
+  assert d.backend == "triton", d
+
+
 def test_backend_for_names_empty_and_symbolic_shapes(fake_gpu):
   """On a GPU, empty and symbolic shapes run the formula, and backend_for says why (not "no GPU")."""
   from jax import export

@@ -746,6 +746,20 @@ def test_single_query_row_with_q_offset_is_causal(spy):
   assert [c["is_causal"] for c in spy] == [True]
 
 
+def test_single_query_row_positional_variants_sit_at_the_last_key():
+  """A lone query row under the factory's causal flag is the newest position: the window and ALiBi
+  place it at the last key (kv_length - 1), as a decode step's position is, not at position 0."""
+  q, k, v = qkv()
+  slopes = jnp.linspace(0.25, 1.0, q.shape[2])
+  for variant in (dict(local_window_size=(2, 0)), dict(alibi_slopes=slopes)):
+    fn = fa2_flax.make_attention_fn(implementation="xla", is_causal=True, **variant)
+    want = fa2_jax.reference_attention(q, k, v, is_causal=True, **variant)[:, -1:]
+    np.testing.assert_allclose(fn(q[:, -1:], k, v), want, **FORMULA_TOL)
+    # q_offset given: the row sits where it says
+    want = fa2_jax.reference_attention(q, k, v, is_causal=True, **variant)[:, 3:4]
+    np.testing.assert_allclose(fn(q[:, 3:4], k, v, q_offset=3), want, **FORMULA_TOL)
+
+
 def test_variant_arguments_raise_clear_errors():
   with pytest.raises(ValueError, match="local_window_size"):
     fa2_flax.make_attention_fn(local_window_size=-1)

@@ -1004,3 +1004,40 @@ def test_mask_fn_closing_over_an_array_runs_the_formula():
   out = fa2_jax.flash_attention(q, k, v, mask_fn=fn, interpret=True)
   want = fa2_jax.flash_attention(q, k, v, mask_fn=lambda b, h, i, j: j % 3 != 0, interpret=True)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5)
+  # A 0-d JAX array is captured too (a Python or numpy scalar is inlined and runs the kernel).
+  width, temp = jnp.int32(4), jnp.float32(1.5)
+  for kw in (dict(mask_fn=lambda b, h, i, j: (i - j) < width),
+             dict(score_fn=lambda x, b, h, i, j: x / temp)):
+    assert fa2_jax.backend_for(q, k, interpret=True, **kw).backend == "xla"
+    with pytest.raises(ValueError, match=f"does not support a {next(iter(kw))} that closes over"):
+      fa2_jax.flash_attention(q, k, v, implementation="triton", interpret=True, **kw)
+  assert fa2_jax.backend_for(q, k, interpret=True,
+                             score_fn=lambda x, b, h, i, j: x / np.float32(1.5)).backend == "triton"
+
+
+def test_mask_fn_block_mask_follows_a_changed_closure():
+  """The cached block mask of a mask_fn is keyed by what the function computes, not only by the
+  function object: after the global it reads changes, the kernel skips the blocks of the new mask."""
+  block_ranges._STATIC_MASKS.clear()
+  q, k, v, _, _ = qkv(1, 48, 48, 2, 2)
+  tiles = fa2_jax.BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16,
+                             block_q_dq=16, block_k_dq=16)
+  width = [4]
+  fn = lambda b, h, i, j: (j <= i) & (i - j <= width[0])  # noqa: E731
+  for w in (4, 40):
+    width[0] = w
+    out = fa2_jax.flash_attention(q, k, v, mask_fn=fn, block_sizes=tiles, implementation="triton",
+                                  interpret=True)
+    want = fa2_jax.reference_attention(q, k, v, is_causal=True, local_window_size=(w, 0))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5, err_msg=f"width {w}")
+  assert len(block_ranges._STATIC_MASKS) == 2
+
+
+def test_score_fn_result_dtype_does_not_round_the_kernel_scores():
+  """A score_fn that returns bfloat16 is taken back to the kernel's float32 scores before the base-2
+  conversion: the kernel matches the formula on the same function."""
+  q, k, v, _, _ = qkv(1, 16, 16, 2, 2)
+  fn = lambda x, b, h, i, j: (x * 0.5).astype(jnp.bfloat16)  # noqa: E731
+  out = fa2_jax.flash_attention(q, k, v, score_fn=fn, implementation="triton", interpret=True)
+  want = fa2_jax.flash_attention(q, k, v, score_fn=fn, implementation="xla")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5)
