@@ -302,8 +302,9 @@ def make_attention_fn(implementation: str | None = None,
       (``q_length == 1``: the step of a layer with ``decode=True``, whose cache mask already admits
       only the keys up to the current position) is the newest position, so this flag masks none of
       its keys there, and the window, ALiBi and ``mask_fn``/``score_fn`` see the row at the last
-      key's position, ``kv_length - 1`` (unless the call gives ``q_offset``, the row's position); a
-      per-call ``is_causal`` keeps flax's top-left meaning.
+      key's position, ``kv_length - 1`` (``key_value_seq_lengths - 1`` when the call gives those;
+      unless it gives ``q_offset``, the row's position); a per-call ``is_causal`` keeps flax's
+      top-left meaning.
     local_window_size, logits_soft_cap, alibi_slopes, mask_fn, score_fn: the static variants of
       every call, as in :func:`fa2_jax.flash_attention` (``alibi_slopes``: ``[num_heads]`` here;
       per-batch slopes go to the call). A call may give these instead, but not the same one twice.
@@ -422,8 +423,11 @@ def make_attention_fn(implementation: str | None = None,
           dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
           precision=precision, module=module)
     if lone_row and not causal and _POSITIONAL.intersection(variants):
-      # The newest position is the last key's: the window, ALiBi and mask_fn/score_fn see it there.
-      causal, variants = True, {**variants, "q_offset": key.shape[-3] - 1}
+      # The newest position is the last (valid) key's: the window, ALiBi and mask_fn/score_fn see the
+      # row there.
+      kv_len = variants.get("key_value_seq_lengths")
+      last = key.shape[-3] - 1 if kv_len is None else jnp.asarray(kv_len, jnp.int32) - 1
+      causal, variants = True, {**variants, "q_offset": last}
     return flash_any_batch(kernel, query, key, value, causal, variants)
 
   return attention_fn

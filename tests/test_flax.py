@@ -758,6 +758,13 @@ def test_single_query_row_positional_variants_sit_at_the_last_key():
     # q_offset given: the row sits where it says
     want = fa2_jax.reference_attention(q, k, v, is_causal=True, **variant)[:, 3:4]
     np.testing.assert_allclose(fn(q[:, 3:4], k, v, q_offset=3), want, **FORMULA_TOL)
+    # key lengths given (a padded cache): the row sits at each batch element's last valid key
+    lengths = jnp.array([5, 2])[:q.shape[0]]
+    got = fn(q[:, :1], k, v, key_value_seq_lengths=lengths)
+    for b, n in enumerate(lengths.tolist()):
+      want = fa2_jax.reference_attention(q[b:b + 1, :1], k[b:b + 1, :n], v[b:b + 1, :n],
+                                         is_causal=True, q_offset=n - 1, **variant)
+      np.testing.assert_allclose(got[b:b + 1], want, **FORMULA_TOL)
 
 
 def test_variant_arguments_raise_clear_errors():
