@@ -132,6 +132,7 @@ class Variant:
     return tuple(names)
 
 
+@functools.lru_cache(maxsize=64)  # dispatch asks several times per call; the key holds .functions
 def closes_over_arrays(variant: Variant) -> str | None:
   """The name of ``mask_fn`` or ``score_fn`` when it closes over a JAX array (of any rank, a 0-d
   ``jnp.float32(x)`` too), a non-scalar numpy array or a traced value: a kernel cannot capture those
