@@ -48,7 +48,10 @@ def nvidia_smi() -> dict | None:
 
 
 def git_commit() -> str | None:
-  """Short commit of the checkout, ``+dirty`` when tracked files differ from it."""
+  """Short commit of the checkout, ``+dirty`` when tracked files differ from it; ``FA2_GIT_COMMIT``
+  names it where the checkout is a copy without git (a device machine's working tree)."""
+  if os.environ.get("FA2_GIT_COMMIT"):
+    return os.environ["FA2_GIT_COMMIT"]
   try:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                        text=True, timeout=10)
@@ -100,8 +103,6 @@ def device_info(init_backend: bool = True) -> dict:
       "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       "command": command_line(),
       "parent_command": os.environ.get("FA2_BENCH_PARENT_CMD"),
-      "cwd": os.getcwd(),
-      "hostname": platform.node(),
       "python": platform.python_version(),
       "versions": {p: pkg_version(p) for p in VERSIONED},
       "git_commit": git_commit(),

@@ -25,6 +25,7 @@
 #
 # Results go to $OUT/<mode>/ when OUT is set (a device tool's output folder), else ./out/<mode>/ (ignored
 # by git). GPU_TIMEOUT (seconds, default 570) bounds each command, so a device call's limit is not hit.
+# FA2_GIT_COMMIT names the commit in the results' metadata where the checkout is a copy without git.
 # Environment: NVLink multicast stays off (NCCL, PyTorch, NVSHMEM: a program that uses it can put a
 # shared host's GPUs out of service); optional peer wheels carried in .peer/ (tokamax, flash_attn3_jax,
 # and a stub/ folder) are installed to /tmp/peer and put on PYTHONPATH, so the benchmarks add their rows.
