@@ -65,8 +65,20 @@ def git_commit() -> str | None:
 
 
 def command_line() -> str:
+  """The command that ran, without machine paths: the checkout's root and a device tool's ``$OUT``
+  folder are written as relative paths and ``$OUT``."""
   argv = getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv]
-  return " ".join(shlex.quote(a) for a in argv)
+  out = os.environ.get("OUT")
+
+  def portable(arg: str) -> str:
+    if out and (arg == out or arg.startswith(out.rstrip("/") + "/")):
+      return "$OUT" + arg[len(out.rstrip("/")):]
+    if arg.startswith(str(ROOT) + "/"):
+      return arg[len(str(ROOT)) + 1:]
+    return arg
+
+  words = [portable(a) for a in argv]
+  return " ".join(w if w.startswith("$OUT") else shlex.quote(w) for w in words)
 
 
 def on_gpu() -> bool:
