@@ -7,5 +7,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh "test,examples,bench"
 . .venv/bin/activate
 # Two worker processes (pytest-xdist; the CI machine has 2 cores): the interpret-mode kernels are
-# CPU-bound and single-threaded.
-exec pytest -q -n "${FA2_TEST_WORKERS:-2}" -m "not gpu" --durations=15 "$@"
+# CPU-bound and single-threaded; idle workers take queued tests from busy ones (worksteal).
+exec pytest -q -n "${FA2_TEST_WORKERS:-2}" --dist worksteal -m "not gpu" --durations=15 "$@"
