@@ -6,6 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh "test,examples,bench"
 . .venv/bin/activate
+# XLA's CPU backend without LLVM optimisation (its HLO passes still run): the tests compile many small
+# interpret-mode programs, and compiling them dominates; this roughly halves the suite's CPU time
+# (docs/design.md, Tests). It does not reach the GPU: scripts/gpu.sh runs pytest itself.
+export XLA_FLAGS="--xla_backend_optimization_level=0${XLA_FLAGS:+ $XLA_FLAGS}"
 # Two worker processes (pytest-xdist; the CI machine has 2 cores): the interpret-mode kernels are
 # CPU-bound and single-threaded; idle workers take queued tests from busy ones (worksteal).
 exec pytest -q -n "${FA2_TEST_WORKERS:-2}" --dist worksteal -m "not gpu" --durations=15 "$@"

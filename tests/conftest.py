@@ -24,7 +24,7 @@ except ImportError:  # hypothesis is in the `test` extra; only test_fuzz.py need
 else:
   import os
   _slow = [HealthCheck.too_slow, HealthCheck.data_too_large]
-  settings.register_profile("ci-shrink", max_examples=12, derandomize=True, deadline=None,
+  settings.register_profile("ci-shrink", max_examples=16, derandomize=True, deadline=None,
                             suppress_health_check=_slow, print_blob=True)
   settings.register_profile("ci", settings.get_profile("ci-shrink"),
                             phases=[Phase.explicit, Phase.generate])
