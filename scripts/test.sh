@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh "test,examples,bench"
 . .venv/bin/activate
 # XLA's CPU backend without LLVM optimisation (its HLO passes still run): the tests compile many small
-# interpret-mode programs, and compiling them dominates; this roughly halves the suite's CPU time
+# interpret-mode programs, and compiling them dominates; this cuts the suite's CPU time by about 40%
 # (docs/design.md, Tests). It does not reach the GPU: scripts/gpu.sh runs pytest itself.
 export XLA_FLAGS="--xla_backend_optimization_level=0${XLA_FLAGS:+ $XLA_FLAGS}"
 # Two worker processes (pytest-xdist; the CI machine has 2 cores): the interpret-mode kernels are

@@ -625,3 +625,20 @@ def test_kernel_times_and_mosaic_tune_run_on_hopper(tmp_path):
   assert any(c["sweep"] == "default" and c["status"] == "ok" for c in cells)
   assert all(math.isfinite(c["ms"].get("fwd") or c["ms"].get("fwd+bwd")) for c in cells
              if c["status"] == "ok")
+
+
+def test_result_metadata_names_no_machine_paths(monkeypatch):
+  """A result's command writes the device tool's output folder as ``$OUT`` and the checkout's files
+  relative to it; no working directory or host name is recorded; ``FA2_GIT_COMMIT`` names the
+  commit where the checkout is a copy without git."""
+  from benchmarks import device
+  monkeypatch.setenv("OUT", "/scratch/out")
+  monkeypatch.setattr(sys, "orig_argv", ["python3", "-m", "benchmarks.attention", "--out",
+                                         "/scratch/out/grid", "--merge", str(device.ROOT / "a.json"),
+                                         "--cells", "d64-*", "/scratch/outside"])
+  assert device.command_line() == (
+      "python3 -m benchmarks.attention --out $OUT/grid --merge a.json --cells 'd64-*' /scratch/outside")
+  monkeypatch.setenv("FA2_GIT_COMMIT", "abc1234")
+  info = device.device_info(init_backend=False)
+  assert info["git_commit"] == "abc1234"
+  assert "cwd" not in info and "hostname" not in info
