@@ -41,6 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...block_ranges import kv_range_table
 from ...masking import Variant, allowed
+from ..softmax import huge_row_scale
 from ..vma import out_struct
 from .config import LN2, LOG2E, MosaicConfig, supports
 from .lengths import pad_axis, plan_lengths
@@ -123,7 +124,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, lse_smem, q
       pl.when(wg == 1)(schedule)
 
     def step(j, carry, masked: bool):
-      acc, m_i, l_i = carry
+      acc, m_i, l_i, r_i = carry  # r_i: see below
       slot = lax.rem(j - lo, jnp.array(stages, j.dtype))
       plgpu.barrier_wait(k_bar.at[slot])
 
@@ -136,30 +137,34 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, lse_smem, q
       # Online softmax, m kept in scaled base-2 units so p = exp2(s*c - m) is one FMA per element.
       if variant is not None and variant.modifies_scores:
         s, _ = vr.scores(s, st.scale, h, row0, j * bk)  # base-2 modified logits (c = 1)
-      # A score_fn may return -inf for every key of a row: guard m there too, as in masked steps.
-      if masked or (variant is not None and variant.score_fn is not None):
-        keep = None
-        if masked and variant is None:
-          q_pos = row0 + iota2((bq, bk), 0)
-          k_pos = j * bk + iota2((bq, bk), 1)
-          keep = allowed(q_pos, k_pos, is_causal=st.is_causal,
-                         seq_k=st.seq_k if key_tail else None)
-        elif masked:
-          keep = vr.keep((bq, bk), h, row0, j * bk, seq_q=st.seq_q, seq_k=st.seq_k)
+      keep = None
+      if masked and variant is None:
+        q_pos = row0 + iota2((bq, bk), 0)
+        k_pos = j * bk + iota2((bq, bk), 1)
+        keep = allowed(q_pos, k_pos, is_causal=st.is_causal, seq_k=st.seq_k if key_tail else None)
+      elif masked:
+        keep = vr.keep((bq, bk), h, row0, j * bk, seq_q=st.seq_q, seq_k=st.seq_k)
+      # A row with no visible key yet keeps m = -inf (use 0 there, so exp2 gives 0, not NaN); a
+      # score_fn may return -inf for every key of a row of an unmasked tile too.
+      guard = masked or (variant is not None and variant.score_fn is not None)
+      if c == 0.0:  # scale 0: every allowed logit is 0
         sc = s * c if keep is None else jnp.where(keep, s * c, -jnp.inf)
         m_new = jnp.maximum(m_i, sc.max(axis=1))
-        # A row with no visible key yet keeps m = -inf; use 0 there so exp2 gives 0, not NaN.
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp2(sc - bcast_rows(m_use, sc.shape))
-      elif c > 0:
-        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-        m_use = m_new
-        p = jnp.exp2(s * c - bcast_rows(m_new, s.shape))
-      else:  # scale <= 0 (unusual): scale first, max of the scaled logits
-        sc = s * c
-        m_new = jnp.maximum(m_i, sc.max(axis=1))
-        m_use = m_new
-        p = jnp.exp2(sc - bcast_rows(m_new, sc.shape))
+      else:
+        # r_i: the row's raw logit of largest s*c (an element of the row), m = r_i * c.
+        sr = s if keep is None else jnp.where(keep, s, -jnp.inf if c > 0 else jnp.inf)
+        r_i = jnp.maximum(r_i, sr.max(axis=1)) if c > 0 else jnp.minimum(r_i, sr.min(axis=1))
+        # = r_i * c, rounded: through a max, so that no compiler contracts m_i - r_i * c (alpha
+        # below) into an FMA with the product unrounded, which differs from the rounded m_i.
+        m_new = jnp.maximum(m_i, r_i * c)
+        r_use, m_use = r_i, m_new
+        if guard:
+          r_use = jnp.where(m_new == -jnp.inf, 0.0, r_i)
+          m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        c_row, t_row = huge_row_scale(r_use, m_use, c, st.dtype)  # (c, m) but for huge rows
+        p = jnp.exp2(sr * bcast_rows(c_row, sr.shape) - bcast_rows(t_row, sr.shape))
       alpha = jnp.exp2(m_i - m_use)  # e^{m_old - m_new}: rescales the old state (line 10)
       acc = acc * bcast_rows(alpha, acc.shape)  # unscaled accumulator (§3.1.1 tweak 1)
       l_i = l_i * alpha
@@ -182,17 +187,17 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, lse_smem, q
 
       acc = mma((bq, st.head_dim), p16, v_smem.at[slot], init=acc)  # O_i += P~_ij V_j (line 10)
       plgpu.barrier_arrive(v_free.at[slot])
-      return acc, m_new, l_i
+      return acc, m_new, l_i, r_i
 
     masked, unmasked = functools.partial(step, masked=True), functools.partial(step, masked=False)
-    carry = (acc, m_i, l_i)
+    carry = (acc, m_i, l_i, m_i if c >= 0 else -m_i)  # r_i: -inf, or +inf for c < 0
     if variant is None:
       carry = lax.fori_loop(0, n_full, unmasked, carry)
-      acc, m_i, l_i = lax.fori_loop(n_full, n_end, masked, carry)
+      acc, m_i, l_i, _ = lax.fori_loop(n_full, n_end, masked, carry)
     else:  # in the producer's order: [lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, hi)
       carry = lax.fori_loop(lo, full_lo, masked, carry)
       carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-      acc, m_i, l_i = lax.fori_loop(full_hi, n_end, masked, carry)
+      acc, m_i, l_i, _ = lax.fori_loop(full_hi, n_end, masked, carry)
     if st.pingpong:
       pl.when(wg == 0)(schedule)
 

@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...block_ranges import kv_range_table
 from ...masking import Variant, VariantArrays
+from ..softmax import huge_row_scale
 from ..vma import out_struct
 from .common import (LN2, LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim,
                      store_tile)
@@ -57,18 +58,20 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
   i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   table = uses_table(variant)
   vr = Refs(variant, names, var_refs) if table else None
-  # scale > 0 and no score modification: track the running max on raw logits and fold scale*log2(e)
-  # into one FMA inside exp2, p = exp2(s*c - m*c). Otherwise work on base-2 logits s2 = modify(scale *
-  # s) * log2(e) (c = 1 below).
-  fold = scale > 0 and not variant.modifies_scores
+  # scale != 0 and no score modification: track the row's raw logit of largest s*c (the maximum, the
+  # minimum when scale < 0) and fold scale*log2(e) into one FMA inside exp2, p = exp2(s*c - m*c).
+  # Otherwise work on base-2 logits s2 = modify(scale * s) * log2(e) (c = 1 below).
+  fold = scale != 0 and not variant.modifies_scores
   c = scale * LOG2E if fold else 1.0
+  fill = jnp.inf if c < 0 else -jnp.inf  # a masked raw logit: exp2(fill * c) = 0
   q_limit = None if seq_q % block_q == 0 else seq_q
   row0 = i * block_q
   q = load_tile(q_ref, row0, block_q, q_limit, head_dim)  # [block_q, hp]
   key_end = vr.key_end(seq_k) if table else seq_k
 
   def body(j, carry, masked: bool):
-    acc, m_i, l_i = carry  # [block_q, hp] f32, [block_q] f32, [block_q] f32
+    # [block_q, hp] f32; [block_q] f32 each: m_i = r_i * c (base 2), l_i, r_i the raw logit of m_i
+    acc, m_i, l_i, r_i = carry
     start = j * block_k
     k = load_tile(k_ref, start, block_k, key_end if masked else None, head_dim)  # [block_k, hp]
     v = load_tile(v_ref, start, block_k, key_end if masked else None, head_dim)  # [block_k, hp]
@@ -82,22 +85,29 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
       if table:
         v = zero_unattended(keep, v, 0)  # no 0 * NaN in P V from a key the tile never attends
       if keep is not None:
-        s = jnp.where(keep, s, -jnp.inf)
+        s = jnp.where(keep, s, fill)
     # Online softmax (Alg. 1 lines 9-10): m_new = max(m_old, rowmax(S_ij)), P~ = exp(S_ij - m_new).
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    r_new = jnp.minimum(r_i, jnp.min(s, axis=1)) if c < 0 else jnp.maximum(r_i, jnp.max(s, axis=1))
+    # = r_new * c, rounded: through a max, so that no compiler contracts m_i - r_new * c (alpha below)
+    # into an FMA with the product unrounded, which differs from the rounded m_i.
+    m_new = jnp.maximum(m_i, r_new * c)
     # A row whose keys so far are all masked keeps m = -inf; use 0 there so exp2 gives 0, not NaN.
     # (A score_fn may return -inf for a whole row of an unmasked tile too.)
     guard = masked or variant.score_fn is not None
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
-    mc = m_use * c
-    alpha = jnp.exp2(m_i * c - mc)  # e^{m_old - m_new}: rescales old state
-    p = jnp.exp2(s * c - mc[:, None])  # [block_q, block_k] f32
+    r_use = jnp.where(m_new == -jnp.inf, 0.0, r_new) if guard else r_new
+    alpha = jnp.exp2(m_i - m_use)  # e^{m_old - m_new}: rescales old state
+    if scale == 0:  # every allowed logit is 0
+      p = jnp.exp2(s - m_use[:, None])
+    else:  # (c, m), but rows past 2^30 in base 2 are scaled by a power of two (kernels/softmax.py)
+      c_row, t_row = huge_row_scale(r_use, m_use, c, v.dtype)
+      p = jnp.exp2(s * c_row[:, None] - t_row[:, None])  # [block_q, block_k] f32
     l_new = alpha * l_i + jnp.sum(p, axis=1)
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, f32=f32)  # unscaled (§3.1.1 tweak 1)
-    return acc, m_new, l_new
+    return acc, m_new, l_new, r_new
 
   carry = (jnp.zeros((block_q, hp), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
-           jnp.zeros((block_q,), jnp.float32))
+           jnp.zeros((block_q,), jnp.float32), jnp.full((block_q,), fill, jnp.float32))
   masked, unmasked = functools.partial(body, masked=True), functools.partial(body, masked=False)
   if table:
     # Key blocks [lo, full_lo) and [full_hi, hi) need the mask, [full_lo, full_hi) none; the rest
@@ -105,12 +115,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
     lo, full_lo, full_hi, hi = vr.ranges()
     carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
     carry = lax.fori_loop(lo, full_lo, masked, carry)
-    acc, m_i, l_i = lax.fori_loop(full_hi, hi, masked, carry)
+    acc, m_i, l_i, _ = lax.fori_loop(full_hi, hi, masked, carry)
   else:
     n_full, n_end = kv_block_ranges(i, block_q=block_q, block_k=block_k, seq_k=seq_k,
                                     is_causal=variant.is_causal)
     carry = lax.fori_loop(0, n_full, unmasked, carry)
-    acc, m_i, l_i = lax.fori_loop(n_full, n_end, masked, carry)
+    acc, m_i, l_i, _ = lax.fori_loop(n_full, n_end, masked, carry)
 
   # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. A row with no allowed key returns zeros and
   # lse = -inf.
@@ -119,7 +129,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
   out = acc / l_safe[:, None]
   store_tile(o_ref, row0, out, q_limit, head_dim)
   # Alg. 1 line 13: L_i = m_i + log(l_i), stored in natural log (as jax.nn reports it).
-  lse = jnp.where(empty, -jnp.inf, m_i * c * LN2 + jnp.log(l_safe))
+  lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
   rows = lse_ref.at[pl.ds(row0, block_q)]
   if q_limit is None:
     plgpu.store(rows, lse)
