@@ -31,9 +31,11 @@ def huge_row_scale(r, m, c: float, dtype):
   bookkeeping (``m``, ``alpha``, the lse) stays in ``c`` units.
   """
   huge = jnp.abs(m) >= HUGE_ROW.get(jnp.dtype(dtype).name, HUGE_ROW_DEFAULT)
-  biased_exp = (lax.bitcast_convert_type(r, jnp.int32) >> 23) & 0xFF  # E + 127
-  # 2^(30 - E) has the biased exponent 30 - E + 127 = 284 - (E + 127); clamped to a normal float.
-  pow2 = lax.bitcast_convert_type(jnp.clip(284 - biased_exp, 1, 254) << 23, jnp.float32)
+  # 2^(30 - E) has the biased exponent 30 - E + 127 = 284 - (E + 127): its bits are 284 << 23 minus
+  # r's exponent field, two integer operations. A huge row has E + 127 in [30, 254] (|r * c| >= 2^28
+  # with |c| < 2^128), so the result is a normal float; other rows ignore it.
+  exp_field = lax.bitcast_convert_type(r, jnp.uint32) & jnp.uint32(0x7F800000)
+  pow2 = lax.bitcast_convert_type(jnp.uint32(284 << 23) - exp_field, jnp.float32)
   if c < 0:  # the sign of c
     pow2 = -pow2
   return jnp.where(huge, pow2, c), jnp.where(huge, r * pow2, m)
