@@ -210,6 +210,10 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
                                      slope=slopes).astype(compute_dtype)
     if mask is not None:
       logits = jnp.where(mask, logits, -jnp.inf)
+    # Materialised: where the contraction is a plain multiply (head_dim 1), XLA would otherwise fuse
+    # it into `logits - m` below as one FMA with the product unrounded, unlike the rounded max (NaN or
+    # an empty row at |logit| ~ 1e10).
+    logits = lax.optimization_barrier(logits)
     m = lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True, initial=-jnp.inf))
     m = jnp.where(jnp.isfinite(m), m, 0)  # a row with no key: exp(-inf - 0) = 0
     p = jnp.exp(logits - m)  # [B, N, rows, S]

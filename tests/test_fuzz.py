@@ -801,3 +801,76 @@ def test_compiled_matches_reference_gpu(backend, call):
 def test_unattended_keys_cannot_leak_gpu(backend, case):
   call, poison = case
   check_call(gpu_blocks(call, backend), backend, poison=poison)
+
+
+# --- the forward at extreme logits --------------------------------------------------------------------
+
+@st.composite
+def extreme_calls(draw, **kw):
+  """A call whose |scale * q.k| reaches 1e5 to 1e30 (either sign of scale), the inputs unshrunk."""
+  call = draw(calls(transforms=("jit",), **kw))
+  scale = draw(st.sampled_from((1.0, -1.0))) * 10.0 ** draw(st.integers(5, 26))
+  return dataclasses.replace(call, b=max(call.b, 1), t=max(call.t, 1), s=max(call.s, 1),
+                             scale=scale, dlse=False)
+
+
+def check_extreme_forward(call: Call, backend: str):
+  """Out and lse finite; each output is a convex combination of the attended values (within the
+  dtype's rounding); the lse is the float64 one up to float32 rounding of logits this large."""
+  rng = np.random.default_rng(call.seed)
+  q_shape, kv_shape, _ = shapes(call)
+  dt = DTYPES[call.dtype]
+  q, k, v = (jnp.asarray(rng.standard_normal(sh, np.float32) * np.float32(call.amplitude)).astype(dt)
+             for sh in (q_shape, kv_shape, kv_shape))
+  ctx = mosaic_interpret() if backend == "mosaic" else contextlib.nullcontext()
+  with ctx:
+    out, lse = jax.jit(attention(call, backend))(q, k, v)
+  out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+  if call.rank3:
+    out, lse, q, k, v = out[None], lse[None], q[None], k[None], v[None]
+  assert np.isfinite(out).all() and np.isfinite(lse).all(), "non-finite forward at extreme logits"
+  qf, kf, vf = (np.asarray(x, np.float64) for x in (q, k, v))
+  g = call.n // call.kh
+  logits = call.scale * np.einsum("btnh,bsnh->bnts", qf, np.repeat(kf, g, axis=2))
+  if call.causal:
+    logits = np.where(np.tril(np.ones((call.t, call.s), bool)), logits, -np.inf)
+  live = np.isfinite(logits)  # [B, N, T, S]
+  vn = np.repeat(vf, g, axis=2).transpose(0, 2, 1, 3)[:, :, None]  # [B, N, 1, S, H]
+  lo = np.where(live[..., None], vn, np.inf).min(3).transpose(0, 2, 1, 3)  # [B, T, N, H]
+  hi = np.where(live[..., None], vn, -np.inf).max(3).transpose(0, 2, 1, 3)
+  has = live.any(3).transpose(0, 2, 1)[..., None]  # rows with no key: output 0
+  lo, hi = np.where(has, lo, 0.0), np.where(has, hi, 0.0)
+  slack = 4 * float(jnp.finfo(dt).eps) * np.maximum(np.abs(lo), np.abs(hi))
+  assert (out >= lo - slack).all() and (out <= hi + slack).all(), "output outside the values' hull"
+  m = np.max(logits, axis=3, keepdims=True)
+  ref_lse = np.where(live.any(3), (m[..., 0] + np.log(np.sum(np.exp(logits - np.where(
+      np.isfinite(m), m, 0)), axis=3))), -np.inf).transpose(0, 2, 1)
+  # The kernels' float32 dot products round each logit by up to H * 2^-24 * scale * sum |q_h k_h|.
+  absdot = abs(call.scale) * np.einsum("btnh,bsnh->bnts", np.abs(qf), np.repeat(np.abs(kf), g, axis=2))
+  bound = (np.where(live, absdot, 0).max(3).transpose(0, 2, 1) * call.h * 2.0 ** -22
+           + 1e-5 * np.abs(np.where(np.isfinite(ref_lse), ref_lse, 0)) + 1e-3)
+  fin = np.isfinite(ref_lse)
+  assert (np.abs(lse - ref_lse)[fin] <= bound[fin]).all(), "lse off"
+
+
+@pytest.mark.parametrize("backend", ["triton", "default"])
+@examples(0.3)
+@given(call=extreme_calls(max_len=40, heads=((1, 1), (2, 1), (4, 2))))
+# Found by the long profile on the kernels before the huge-row scaling: NaN at scale 1e9.
+@example(call=Call(b=2, t=1, s=33, n=1, kh=1, h=1, dtype="float32", causal=False, scale=1e9,
+                   blocks=fa2_jax.BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16,
+                                             block_q_dq=16, block_k_dq=16), rank3=False, transform="jit",
+                   stack=1, amplitude=1.0, dlse=False, seed=0))
+# And in the formula (the default on a CPU), at head_dim 1: an empty row (lse -inf) at scale 1e10.
+@example(call=Call(b=2, t=1, s=2, n=1, kh=1, h=1, dtype="float32", causal=False, scale=1e10,
+                   blocks=None, rank3=False, transform="jit", stack=1, amplitude=1.0, dlse=False,
+                   seed=0))
+def test_forward_finite_at_extreme_logits(backend, call):
+  check_extreme_forward(call, backend)
+
+
+@examples(0.1)
+@given(call=extreme_calls(max_len=80, head_dims=(64, 128), dtypes=("bfloat16", "float16"),
+                          max_batch=2, heads=((1, 1), (2, 1)), with_blocks=False))
+def test_forward_finite_at_extreme_logits_mosaic(call):
+  check_extreme_forward(call, "mosaic")
