@@ -3,9 +3,9 @@
 The kernels compute ``p = exp2(s*c - m)`` as one FMA per element, off by a per-row factor ``2^δ`` (the
 rounding of ``m``) that cancels in the output and the lse but must fit what ``P`` holds;
 ``kernels/softmax.py`` scales rows past 2^30 in base 2 (2^28 for float16) by a power of two. These
-cases are past it: ``|scale * q·k|`` from about 1e5 to 1e31, positive and negative scales, ties at the
-row maximum, causal (masked tiles), a ragged key tail and rows whose maximum arrives in a later key
-tile. The reference is the float32 formula (it subtracts the row maximum it rounded, exact there).
+cases run from below it to far past it, ``|scale * q·k|`` from about 1e6 to 1e32: positive and
+negative scales, ties at the row maximum, causal (masked tiles), a ragged key tail and rows whose
+maximum arrives in a later key tile. The reference is the float32 formula (it subtracts the row maximum it rounded, exact there).
 
 On CPU the Triton kernels run in Pallas interpret mode and the Mosaic kernels through the emulated
 interpret path (one case per feature: it is slow); the ``gpu``-marked test runs them compiled.
