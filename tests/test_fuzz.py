@@ -829,27 +829,19 @@ def check_extreme_forward(call: Call, backend: str):
   if call.rank3:
     out, lse, q, k, v = out[None], lse[None], q[None], k[None], v[None]
   assert np.isfinite(out).all() and np.isfinite(lse).all(), "non-finite forward at extreme logits"
-  qf, kf, vf = (np.asarray(x, np.float64) for x in (q, k, v))
-  g = call.n // call.kh
-  logits = call.scale * np.einsum("btnh,bsnh->bnts", qf, np.repeat(kf, g, axis=2))
-  if call.causal:
-    logits = np.where(np.tril(np.ones((call.t, call.s), bool)), logits, -np.inf)
-  live = np.isfinite(logits)  # [B, N, T, S]
-  vn = np.repeat(vf, g, axis=2).transpose(0, 2, 1, 3)[:, :, None]  # [B, N, 1, S, H]
-  lo = np.where(live[..., None], vn, np.inf).min(3).transpose(0, 2, 1, 3)  # [B, T, N, H]
-  hi = np.where(live[..., None], vn, -np.inf).max(3).transpose(0, 2, 1, 3)
-  has = live.any(3).transpose(0, 2, 1)[..., None]  # rows with no key: output 0
-  lo, hi = np.where(has, lo, 0.0), np.where(has, hi, 0.0)
+  x = _terms(q, k, v, np.zeros(q.shape), np.zeros(lse.shape), call.scale, call.causal, np.float64)
+  live = np.broadcast_to(x["visible"], x["logp"].shape)  # [B, N, T, S]
+  vn = x["vr"][:, :, None]  # [B, N, 1, S, H]
+  lo = _to_bthd(np.where(live[..., None], vn, np.inf).min(3))  # [B, T, N, H]
+  hi = _to_bthd(np.where(live[..., None], vn, -np.inf).max(3))
   slack = 4 * float(jnp.finfo(dt).eps) * np.maximum(np.abs(lo), np.abs(hi))
   assert (out >= lo - slack).all() and (out <= hi + slack).all(), "output outside the values' hull"
-  m = np.max(logits, axis=3, keepdims=True)
-  ref_lse = np.where(live.any(3), (m[..., 0] + np.log(np.sum(np.exp(logits - np.where(
-      np.isfinite(m), m, 0)), axis=3))), -np.inf).transpose(0, 2, 1)
-  # The kernels' float32 dot products round each logit by up to H * 2^-24 * scale * sum |q_h k_h|.
-  absdot = abs(call.scale) * np.einsum("btnh,bsnh->bnts", np.abs(qf), np.repeat(np.abs(kf), g, axis=2))
-  bound = (np.where(live, absdot, 0).max(3).transpose(0, 2, 1) * call.h * 2.0 ** -22
-           + 1e-5 * np.abs(np.where(np.isfinite(ref_lse), ref_lse, 0)) + 1e-3)
+  # The lse moves by at most the largest float32 rounding of a logit of its row.
+  ref_lse = _to_bthd(x["lse"])
   fin = np.isfinite(ref_lse)
+  bound = (_to_bthd(logit_error(np.asarray(q, np.float64), np.asarray(k, np.float64), call.scale,
+                                call.causal).max(-1))
+           + 1e-5 * np.abs(np.where(fin, ref_lse, 0)) + 1e-3)
   assert (np.abs(lse - ref_lse)[fin] <= bound[fin]).all(), "lse off"
 
 
