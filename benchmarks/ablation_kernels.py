@@ -33,6 +33,7 @@ from fa2_jax.kernels.triton import backward as prod_bwd
 from fa2_jax.kernels.triton import forward as prod_fwd
 from fa2_jax.kernels.triton.common import (LN2, LOG2E, compiler_params, div, dot, load_tile,
                                            padded_head_dim, round_up, store_tile)
+from fa2_jax.kernels.softmax import lse_from_stats
 from fa2_jax.masking import allowed
 from fa2_jax.validation import check_bool, check_scale, validate_qkv
 
@@ -231,30 +232,36 @@ class _Static:
 
 
 def _forward(q, k, v, st: _Static):
+  """``(out, lse [B, N, T], stats [B, N, 2, T])``: the production backward reads the row statistics
+  (``fa2_jax.kernels.softmax``), the ablated one the lse."""
   with jax.enable_x64(False):  # the kernels index with int32, as in fa2_jax.attention
     if st.normalize_each_step or not st.seq_parallel:
-      return forward(q, k, v, scale=st.scale, is_causal=st.is_causal, blocks=st.blocks,
-                     interpret=st.interpret, normalize_each_step=st.normalize_each_step,
-                     seq_parallel=st.seq_parallel)
+      out, lse = forward(q, k, v, scale=st.scale, is_causal=st.is_causal, blocks=st.blocks,
+                         interpret=st.interpret, normalize_each_step=st.normalize_each_step,
+                         seq_parallel=st.seq_parallel)
+      # Row statistics with the same P: r = lse / scale (so r * c = lse * log2(e)) and l = 1.
+      return out, lse, jnp.stack([lse / st.scale, jnp.ones_like(lse)], axis=2)
     bs = st.blocks
-    return prod_fwd.forward(q, k, v, scale=st.scale, is_causal=st.is_causal, block_q=bs.block_q,
-                            block_k=bs.block_k, num_warps=bs.num_warps_fwd,
-                            num_stages=bs.num_stages_fwd, interpret=st.interpret)
+    out, stats = prod_fwd.forward(q, k, v, scale=st.scale, is_causal=st.is_causal,
+                                  block_q=bs.block_q, block_k=bs.block_k,
+                                  num_warps=bs.num_warps_fwd, num_stages=bs.num_stages_fwd,
+                                  interpret=st.interpret)
+    return out, lse_from_stats(stats, st.scale, False), stats
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _attention(q, k, v, st: _Static):
-  out, lse = _forward(q, k, v, st)
+  out, lse, _ = _forward(q, k, v, st)
   return out, jnp.swapaxes(lse, 1, 2)
 
 
 def _attention_fwd(q, k, v, st: _Static):
-  out, lse = _forward(q, k, v, st)
-  return (out, jnp.swapaxes(lse, 1, 2)), (q, k, v, out, lse)
+  out, lse, stats = _forward(q, k, v, st)
+  return (out, jnp.swapaxes(lse, 1, 2)), (q, k, v, out, lse, stats)
 
 
 def _attention_bwd(st: _Static, res, cts):
-  q, k, v, out, lse = res
+  q, k, v, out, lse, stats = res
   dout, dlse = cts
   dout, dlse = dout.astype(q.dtype), jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # dlse [B, N, T]
   bs = st.blocks
@@ -262,7 +269,7 @@ def _attention_bwd(st: _Static, res, cts):
     if st.atomic_dq:
       return backward_atomic_dq(q, k, v, out, lse, dout, dlse=dlse, scale=st.scale,
                                 is_causal=st.is_causal, blocks=bs, interpret=st.interpret)
-    return prod_bwd.backward(q, k, v, out, lse, dout, dlse=dlse, scale=st.scale,
+    return prod_bwd.backward(q, k, v, out, stats, dout, dlse=dlse, scale=st.scale,
                              is_causal=st.is_causal, block_q_dkv=bs.block_q_dkv,
                              block_k_dkv=bs.block_k_dkv, block_q_dq=bs.block_q_dq,
                              block_k_dq=bs.block_k_dq, num_warps=bs.num_warps_bwd,

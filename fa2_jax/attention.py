@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from . import dispatch, sharding
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
+from .kernels.softmax import lse_from_stats
 from .kernels.vma import cast_like, match_vma
 from .block_ranges import range_tables
 from .masking import Variant, VariantArrays
@@ -307,10 +308,10 @@ def _forward(q, k, v, extras, st: _Static):
   with jax.enable_x64(False):
     if st.backend == "mosaic":
       from .kernels.mosaic.forward import forward
-      out, lse = forward(q, k, v, scale=st.scale, is_causal=st.is_causal, config=st.mosaic,
-                         variant=st.variant, arrays=st.arrays(extras),
-                         table=st.tables(extras).get("fwd"))
-      return cast_like(q, out, lse)  # lse: [B, N, T]
+      out, stats = forward(q, k, v, scale=st.scale, is_causal=st.is_causal, config=st.mosaic,
+                           variant=st.variant, arrays=st.arrays(extras),
+                           table=st.tables(extras).get("fwd"))
+      return cast_like(q, out, stats)  # stats: [B, N, 2, T] (kernels/softmax.py)
     from .kernels.triton.forward import forward
     bs = st.blocks
     return forward(q, k, v, scale=st.scale, is_causal=st.is_causal, block_q=bs.block_q,
@@ -339,31 +340,37 @@ def _partitionable(st: _Static) -> bool:
   return not emulating()
 
 
+def _lse(st: _Static, stats):
+  """flash_attention's ``lse [B, T, N]`` from the kernels' row statistics ``[B, N, 2, T]``."""
+  modifies = st.variant is not None and st.variant.modifies_scores
+  return jnp.swapaxes(lse_from_stats(stats, st.scale, modifies), 1, 2)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, extras, st: _Static):
-  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
-                              partition=_partitionable(st))
-  return out, jnp.swapaxes(lse, 1, 2)
+  out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
+                                partition=_partitionable(st))
+  return out, _lse(st, stats)
 
 
 def _flash_fwd(q, k, v, extras, st: _Static):
-  out, lse = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
-                              partition=_partitionable(st))
-  return (out, jnp.swapaxes(lse, 1, 2)), (q, k, v, extras, out, lse)
+  out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
+                                partition=_partitionable(st))
+  return (out, _lse(st, stats)), (q, k, v, extras, out, stats)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _backward(st: _Static, q, k, v, out, lse, dout, dlse, *extras):
+def _backward(st: _Static, q, k, v, out, stats, dout, dlse, *extras):
   with jax.enable_x64(False):
     if st.backend == "mosaic":
       from .kernels.mosaic.backward import backward
-      grads = backward(q, k, v, out, lse, dout, dlse=dlse, scale=st.scale, is_causal=st.is_causal,
+      grads = backward(q, k, v, out, stats, dout, dlse=dlse, scale=st.scale, is_causal=st.is_causal,
                        deterministic=st.deterministic, config=st.mosaic, variant=st.variant,
                        arrays=st.arrays(extras), tables=st.tables(extras))
       return cast_like(q, *grads)
     from .kernels.triton.backward import backward
     bs = st.blocks
-    return backward(q, k, v, out, lse, dout, dlse=dlse, scale=st.scale, is_causal=st.is_causal,
+    return backward(q, k, v, out, stats, dout, dlse=dlse, scale=st.scale, is_causal=st.is_causal,
                     block_q_dkv=bs.block_q_dkv, block_k_dkv=bs.block_k_dkv,
                     block_q_dq=bs.block_q_dq, block_k_dq=bs.block_k_dq,
                     num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd,
@@ -378,11 +385,11 @@ def _backward_jvp(st, primals, tangents):
 
 
 def _flash_bwd(st: _Static, residuals, cotangents):
-  q, k, v, extras, out, lse = residuals
+  q, k, v, extras, out, stats = residuals
   dout, dlse = cotangents
   # d lse_i / d S_ij = P_ij, so a cotangent on lse enters dS = P ∘ (dP − D + dlse): fold it into D.
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
-  dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, lse, dout.astype(q.dtype), dlse,
+  dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, stats, dout.astype(q.dtype), dlse,
                                  extras, _layouts(st, extras), partition=_partitionable(st))
   # The variant operands (lengths, segment ids, offsets: integers; ALiBi slopes: not differentiated)
   # get zero cotangents.

@@ -30,8 +30,8 @@ applied three ways:
   mechanisms step aside (``custom_partitioning`` lowers its body directly there).
 
 Operands are described by layouts, one letter per dimension: ``b`` batch, ``t`` query sequence, ``s``
-key sequence, ``n`` query heads, ``k`` KV heads, ``h`` head_dim (q ``"btnh"``, k/v ``"bskh"``, lse
-``"bnt"``). An operand the kernels gain later (lengths ``"b"``, segment ids ``"bt"``/``"bs"``,
+key sequence, ``n`` query heads, ``k`` KV heads, ``h`` head_dim, ``x`` the two row statistics (q
+``"btnh"``, k/v ``"bskh"``, the forward's row statistics ``"bnxt"``, the lse cotangent ``"bnt"``). An operand the kernels gain later (lengths ``"b"``, segment ids ``"bt"``/``"bs"``,
 per-head slopes ``"n"``, a scalar ``""``) is sharded by the same plan through its layout.
 
 Limits: under ``vmap`` the partitioned calls batch as the plain kernels do (their ``custom_vmap`` rule
@@ -60,12 +60,13 @@ AxisNames = tuple[str, ...]
 # Layouts of the kernels' operands, one letter per dimension (see the module docstring).
 Q = "btnh"  # q, out, dout, dq: [B, T, N, H]
 KV = "bskh"  # k, v, dk, dv: [B, S, K, H]
-LSE = "bnt"  # the kernels' lse and dlse: [B, N, T]
+LSE = "bnt"  # the kernels' lse cotangent dlse: [B, N, T]
+STATS = "bnxt"  # the forward's row statistics (r, l): [B, N, 2, T] (kernels/softmax.py)
 LSE_PUBLIC = "btn"  # flash_attention's lse: [B, T, N]
 QKV_NAMES = ("query", "key", "value")
 _WHAT = {"b": "batch axis B", "t": "sequence axis T", "s": "sequence axis S", "n": "heads",
          "k": "heads", "h": "head_dim H"}
-_WHOLE = "tsh"  # letters no mesh axis may shard
+_WHOLE = "tshx"  # letters no mesh axis may shard
 
 
 # --- the plan: which mesh axes shard B and the heads, and what cannot be kept ---------------------
@@ -309,24 +310,24 @@ def partitioned(fn: Callable, arrays: Sequence, in_layouts: Sequence[str],
 
 
 def forward(kernel: Callable, q, k, v, st, extras=(), extra_layouts=(), partition: bool = True):
-  """``kernel(q, k, v, extras, st) -> (out [B, T, N, H], lse [B, N, T])``, partitioned; ``extras``
+  """``kernel(q, k, v, extras, st) -> (out [B, T, N, H], stats [B, N, 2, T])``, partitioned; ``extras``
   (the variant operands) are sharded by their ``extra_layouts`` (e.g. ``"b"``, ``"bt"``).
   ``partition=False`` calls the kernel as is (kernels that cannot be partitioned, see
   ``attention._partitionable``)."""
   fn = functools.partial(_call_forward, kernel, st)
   if not partition:
     return fn(q, k, v, *extras)
-  return partitioned(fn, (q, k, v, *extras), (Q, KV, KV, *extra_layouts), (Q, LSE))
+  return partitioned(fn, (q, k, v, *extras), (Q, KV, KV, *extra_layouts), (Q, STATS))
 
 
-def backward(kernel: Callable, st, q, k, v, out, lse, dout, dlse, extras=(), extra_layouts=(),
+def backward(kernel: Callable, st, q, k, v, out, stats, dout, dlse, extras=(), extra_layouts=(),
              partition: bool = True):
-  """``kernel(st, q, k, v, out, lse, dout, dlse, *extras) -> (dq, dk, dv)``, partitioned."""
+  """``kernel(st, q, k, v, out, stats, dout, dlse, *extras) -> (dq, dk, dv)``, partitioned."""
   fn = functools.partial(_call_backward, kernel, st)
-  arrays = (q, k, v, out, lse, dout, dlse, *extras)
+  arrays = (q, k, v, out, stats, dout, dlse, *extras)
   if not partition:
     return fn(*arrays)
-  return partitioned(fn, arrays, (Q, KV, KV, Q, LSE, Q, LSE, *extra_layouts), (Q, KV, KV))
+  return partitioned(fn, arrays, (Q, KV, KV, Q, STATS, Q, LSE, *extra_layouts), (Q, KV, KV))
 
 
 def _call_forward(kernel, st, q, k, v, *extras):

@@ -1,4 +1,4 @@
-"""The online softmax's per-row scaling, shared by the Triton and Mosaic forward kernels.
+"""The online softmax's per-row scaling and row statistics, shared by the Triton and Mosaic kernels.
 
 The kernels compute ``p = exp2(s * c - m)`` with ``c = scale * log2(e)`` and ``m = max(s) * c`` as one
 FMA per element (docs/design.md, "Softmax form"). That is exact up to a per-row factor ``2^δ``, ``δ``
@@ -7,7 +7,10 @@ factor inside what ``P`` can hold, for any finite logits, with per-row work only
 """
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 # |m| (a row's scaled maximum, base 2) from which the forward scales the row by a power of two: the
@@ -39,3 +42,64 @@ def huge_row_scale(r, m, c: float, dtype):
   if c < 0:  # the sign of c
     pow2 = -pow2
   return jnp.where(huge, pow2, c), jnp.where(huge, r * pow2, m)
+
+
+# --- the forward's row statistics and what the backward makes of them ------------------------------
+#
+# Both forward kernels write, per query row, ``stats [B, N, 2, T]`` float32: ``r`` (the raw logit of
+# the row's largest ``s * c``, an element of the row) and ``l``, the row sum of the kernels' weights
+# ``exp2(s * c_row - t_row)`` divided by the weight of ``r`` itself (:func:`row_sum_at_max`; 0 for a
+# row with no allowed key). ``c`` is ``scale * log2(e)`` when the kernels fold the scale into the
+# exponent (:func:`exponent_scale`); otherwise (a score modification, or scale 0) the kernels work on
+# base-2 logits, ``c = 1`` and ``r`` is their maximum. The natural-log logsumexp is
+# ``lse = (r * c) * ln 2 + log l`` (:func:`lse_from_stats`); the backward recomputes ``P`` from
+# ``(r, l)`` (:func:`backward_rows`).
+
+LN2 = math.log(2.0)
+LOG2E = math.log2(math.e)
+
+
+def exponent_scale(scale: float, modifies_scores: bool) -> float:
+  """``c``: what multiplies a raw logit inside the kernels' ``exp2`` (1: they see base-2 logits)."""
+  return scale * LOG2E if scale != 0 and not modifies_scores else 1.0
+
+
+def lse_from_stats(stats, scale: float, modifies_scores: bool):
+  """``lse [B, N, T]`` float32 (natural log; ``-inf`` for a row with no allowed key) from the
+  forward's ``stats [B, N, 2, T]``: ``m + log2 l`` in base 2 with ``m = r * c`` rounded, as the
+  kernels computed it before (within that rounding of the exact ``r * c``)."""
+  r, l = stats[:, :, 0], stats[:, :, 1]
+  m = r * np.float32(exponent_scale(scale, modifies_scores))
+  empty = l == 0.0
+  return jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
+
+
+def row_sum_at_max(r, m, l, c: float, dtype):
+  """The row sum the forward stores: ``l`` rescaled so that the row maximum's weight counts as 1.
+
+  The kernels' ``p = exp2(s * c_row - t_row)`` gives the maximum ``2^x``, ``x = r * c_row - t_row``
+  as the compiler evaluates it: ``δ = r * c - m`` exactly when it contracts the product into an FMA
+  (Mosaic: ptxas), 0 when it rounds the product first (Pallas Triton on an H200), 0 for a huge row.
+  This evaluates ``x`` in the same form, per row, so the stored ``l * 2^-x`` is relative to ``r``
+  whichever the compiler did, and the backward's ``exp2((s - r) * c - log2 l)`` needs no
+  assumption about it. ``r``, ``m``: as for :func:`huge_row_scale`, 0 for a row with no key yet.
+  """
+  c_row, t_row = huge_row_scale(r, m, c, dtype)
+  return l * jnp.exp2(t_row - r * c_row)
+
+
+def backward_rows(stats):
+  """The backward kernels' per-row inputs ``[B, N, 2, T]`` float32: ``(r, u)`` with ``u = log2 l``,
+  such that ``P = exp2((s - r) * c - u)`` (``c`` of :func:`exponent_scale`; on base-2 logits ``s2``,
+  ``exp2((s2 - r) - u)``) is the forward's ``P`` for any finite logits.
+
+  The stored ``l`` is relative to ``r`` itself (:func:`row_sum_at_max`), so the only roundings are
+  the product's and the exponent's, as in the forward. Unlike one offset ``lse * log2(e)``, whose
+  rounding is a factor up to ``2^(ulp/2)`` on the whole row (``2^32`` and more past ``|lse| = 2^30``),
+  this keeps ``P`` as exact as the forward's at any logit size; a huge row's tied maxima get
+  ``1 / l`` each. A row with no allowed key gets ``r = 0, u = +inf``: ``P = 0``.
+  """
+  r, l = stats[:, :, 0], stats[:, :, 1]
+  empty = l == 0.0
+  u = jnp.log2(jnp.where(empty, 1.0, l))
+  return jnp.stack([jnp.where(empty, 0.0, r), jnp.where(empty, jnp.inf, u)], axis=2)

@@ -1,11 +1,14 @@
-"""The forward at extreme logits: no NaN or inf for any finite logits, on both backends.
+"""Attention at extreme logits, forward and gradients: no NaN for any finite logits, on both backends.
 
-The kernels compute ``p = exp2(s*c - m)`` as one FMA per element, off by a per-row factor ``2^δ`` (the
+The forward computes ``p = exp2(s*c - m)`` as one FMA per element, off by a per-row factor ``2^δ`` (the
 rounding of ``m``) that cancels in the output and the lse but must fit what ``P`` holds;
-``kernels/softmax.py`` scales rows past 2^30 in base 2 (2^28 for float16) by a power of two. These
-cases run from below it to far past it, ``|scale * q·k|`` from about 1e6 to 1e32: positive and
-negative scales, ties at the row maximum, causal (masked tiles), a ragged key tail and rows whose
-maximum arrives in a later key tile. The reference is the float32 formula (it subtracts the row maximum it rounded, exact there).
+``kernels/softmax.py`` scales rows past 2^30 in base 2 (2^28 for float16) by a power of two. The
+backward recomputes that ``P`` from the rows' raw maximum and sum, ``exp2((s - r)*c - u)``
+(``backward_rows``), not from the rounded lse. These cases run from below the threshold to far past
+it, ``|scale * q·k|`` from about 1e6 to 1e32: positive and negative scales, ties at the row maximum,
+causal (masked tiles), a ragged key tail and rows whose maximum arrives in a later key tile. The
+reference is the float32 formula (it subtracts the row maximum it rounded, exact there); the
+gradients' bounds are derived in ``_check``.
 
 On CPU the Triton kernels run in Pallas interpret mode and the Mosaic kernels through the emulated
 interpret path (one case per feature: it is slow); the ``gpu``-marked test runs them compiled.
@@ -37,29 +40,84 @@ def _inputs(t, h, dtype, ties, seed=0):
   return tuple(x.astype(dtype) for x in (q, k, v))
 
 
-def _check(out, lse, q, k, v, *, scale, causal):
-  ref, ref_lse = fa2_jax.reference_attention(*(x.astype(jnp.float32) for x in (q, k, v)),
-                                             scale=scale, is_causal=causal, return_residual=True)
+def _reference(q, k, v, do, *, scale, causal):
+  """The float32 formula's output, lse, gradients and probabilities."""
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  attend = lambda q, k, v: fa2_jax.reference_attention(q, k, v, scale=scale, is_causal=causal,
+                                                       return_residual=True)
+  (out, lse), vjp = jax.vjp(attend, *f32)
+  grads = vjp((do.astype(jnp.float32), jnp.zeros_like(lse)))
+  logits = jnp.einsum("btnh,bsnh->bnts", f32[0], f32[1]) * scale
+  if causal:
+    t, s = logits.shape[-2:]
+    logits = jnp.where(jnp.tril(jnp.ones((t, s), bool)), logits, -jnp.inf)
+  probs = jax.nn.softmax(logits, axis=-1)  # [B, N, T, S]
+  return out, lse, grads, probs
+
+
+def _check(out, lse, q, k, v, *, scale, causal, grads=None, do=None):
+  ref, ref_lse, ref_grads, probs = _reference(q, k, v, q if do is None else do, scale=scale,
+                                              causal=causal)
   out = np.asarray(out.astype(jnp.float32))
   assert np.isfinite(out).all() and np.isfinite(np.asarray(lse)).all()
   # One-hot rows (or the mean of tied values): exact up to the output dtype's rounding.
   eps = float(jnp.finfo(q.dtype).eps)
   np.testing.assert_allclose(out, np.asarray(ref), atol=4 * eps, rtol=0)
   np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=2e-6, atol=0)
+  if grads is None:
+    return
+  dq, dk, dv = (np.asarray(g.astype(jnp.float32)) for g in grads)
+  ref_dq, ref_dk, ref_dv = (np.asarray(g) for g in ref_grads)
+  t, h = q.shape[1], q.shape[-1]
+  # dV = P^T dO: the probabilities are 1 or 1/(number of ties), exact; the sum over up to T rows of
+  # dO in float32, then one rounding to the dtype.
+  p_abs_do = np.einsum("bnts,btnh->bsnh", np.asarray(probs), np.abs(np.asarray(do, np.float32)))
+  bound_dv = (2 * eps + t * 2.0 ** -24) * p_abs_do
+  # dS = P (dP - D): on a one-hot row the exact dS is 0 and what remains is rounding, dominated by
+  # D = rowsum(dO O) with O rounded to the output dtype (the formula's O is float32): per row at
+  # most e_i = (eps + H 2^-24) sum_h |dO_ih O_ih|, times |scale| and |K| (dQ) or the column's
+  # probabilities and |Q| (dK); plus each gradient's own rounding.
+  e_row = (eps + h * 2.0 ** -24) * np.sum(np.abs(np.asarray(do, np.float32) * np.asarray(ref)), -1)
+  kmax, qmax = (np.abs(np.asarray(x, np.float32)).max() for x in (k, q))
+  bound_dq = 4 * abs(scale) * e_row[..., None] * kmax + 2 * eps * np.abs(ref_dq)
+  col = np.einsum("bnts,btn->bsn", np.asarray(probs), e_row)  # sum_i P_ij e_i  [B, S, N]
+  bound_dk = 4 * abs(scale) * col[..., None] * qmax + 2 * eps * np.abs(ref_dk)
+  # Never NaN. Finite and within the bound wherever the dtype holds the reference plus the bound:
+  # with float16 and |scale| past ~1e7, |scale| times the rounding of O alone can pass 65504 (so
+  # it does for the float16 formula), and then the gradient may be inf.
+  big = 0.5 * float(jnp.finfo(q.dtype).max)
+  for name, g, r, bound in (("dq", dq, ref_dq, bound_dq), ("dk", dk, ref_dk, bound_dk),
+                            ("dv", dv, ref_dv, bound_dv)):
+    assert not np.isnan(g).any(), name
+    held = np.abs(r) + bound < big
+    assert np.isfinite(g[held]).all(), name
+    assert (np.abs(g - r) <= bound)[held].all(), (name, np.abs(g - r)[held].max())
+
+
+def _grad_inputs(q, seed=7):
+  return jax.random.normal(jax.random.key(seed), q.shape).astype(q.dtype)
+
+
+def _fwd_bwd(fn, q, k, v, do):
+  """``fn(q, k, v) -> (out, lse)``: its outputs and the gradients of ``sum(out * do)``."""
+  (out, lse), vjp = jax.vjp(fn, q, k, v)
+  return out, lse, vjp((do, jnp.zeros_like(lse)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("scale", SCALES)
-def test_forward_extreme_logits_triton(dtype, scale):
+def test_extreme_logits_triton(dtype, scale):
   """32-row tiles over T = S = 72: two full key tiles and a ragged one; causal and not, ties."""
   blocks = fa2_jax.BlockSizes(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32,
                               block_q_dq=32, block_k_dq=32)
   for causal, ties in itertools.product((False, True), (False, True)):
     q, k, v = _inputs(72, 32, dtype, ties)
-    out, lse = jax.jit(lambda q, k, v: fa2_jax.flash_attention(
+    do = _grad_inputs(q)
+    fn = lambda q, k, v: fa2_jax.flash_attention(
         q, k, v, scale=scale, is_causal=causal, implementation="triton", interpret=True,
-        block_sizes=blocks, return_residual=True))(q, k, v)
-    _check(out, lse, q, k, v, scale=scale, causal=causal)
+        block_sizes=blocks, return_residual=True)
+    out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
+    _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
 
 
 @pytest.mark.parametrize("dtype,scale,causal,ties,t", [
@@ -67,26 +125,37 @@ def test_forward_extreme_logits_triton(dtype, scale):
     (jnp.float16, -1e9, False, True, 256),   # negative scale (the row maximum is the raw minimum)
     (jnp.bfloat16, 1e30, True, True, 200),   # causal, ragged key tail: masked tiles
 ])
-def test_forward_extreme_logits_mosaic_emulated(dtype, scale, causal, ties, t):
+def test_extreme_logits_mosaic_emulated(dtype, scale, causal, ties, t):
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  from fa2_jax.kernels.mosaic.backward import backward
   from fa2_jax.kernels.mosaic.forward import forward
   from fa2_jax.kernels.mosaic.ops import emulated_mma
+  from fa2_jax.kernels.softmax import lse_from_stats
 
   q, k, v = _inputs(t, 128, dtype, ties)
+  do = _grad_inputs(q)
+
+  def run(q, k, v, do):
+    out, stats = forward(q, k, v, scale=scale, is_causal=causal)
+    grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=causal)
+    return out, jnp.swapaxes(lse_from_stats(stats, scale, False), 1, 2), grads
+
   with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    out, lse = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
-  _check(out, jnp.swapaxes(lse, 1, 2), q, k, v, scale=scale, causal=causal)
+    out, lse, grads = jax.jit(run)(q, k, v, do)
+  _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("implementation", ["mosaic", "triton"])
-def test_forward_extreme_logits_compiled(implementation):
+def test_extreme_logits_compiled(implementation):
   if implementation == "mosaic" and not dispatch.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   # T = 1000: full and ragged tiles; non-causal one-hot rows, causal rows with ties.
   for dtype, scale, causal in itertools.product((jnp.bfloat16, jnp.float16), SCALES, (False, True)):
     q, k, v = _inputs(1000, 128, dtype, ties=causal)
-    out, lse = jax.jit(lambda q, k, v: fa2_jax.flash_attention(
-        q, k, v, scale=scale, is_causal=causal, implementation=implementation,
-        return_residual=True))(q, k, v)
-    _check(out, lse, q, k, v, scale=scale, causal=causal)
+    do = _grad_inputs(q)
+    fn = lambda q, k, v: fa2_jax.flash_attention(q, k, v, scale=scale, is_causal=causal,
+                                                 implementation=implementation,
+                                                 return_residual=True)
+    out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
+    _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)

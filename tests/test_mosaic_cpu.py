@@ -30,6 +30,7 @@ from fa2_jax.kernels.mosaic.lengths import pad_axis, plan_lengths
 from fa2_jax.kernels.mosaic.schedule import (causal_section, kv_block_ranges, lpt_tile, q_block_ranges,
                                              section_heads)
 from fa2_jax.kernels.mosaic.ops import emulated_mma, emulating
+from fa2_jax.kernels.softmax import lse_from_stats
 from fa2_jax.masking import allowed
 
 BF16 = jnp.bfloat16
@@ -77,12 +78,12 @@ def test_default_configs_fit(h):
 
 
 def test_smem_budget_matches_docstring():
-  # default(128) forward: 2 x 2 x 32 KiB of K/V + 32 KiB of Q (+ 2 x 64 f32 lse rows).
-  assert MosaicConfig.default(128).smem_forward(128) == 160 * 1024 + 2 * 64 * 4
+  # default(128) forward: 2 x 2 x 32 KiB of K/V + 32 KiB of Q (+ 2 x 2 x 64 f32 row statistics).
+  assert MosaicConfig.default(128).smem_forward(128) == 160 * 1024 + 2 * 2 * 64 * 4
   # default(64), non-causal: 3-deep ring of 2 x 32 KiB K/V (256-key tiles) + 16 KiB Q; causal 2-deep.
-  assert MosaicConfig.default(64).smem_forward(64) == 3 * 2 * 32 * 1024 + 16 * 1024 + 2 * 64 * 4
+  assert MosaicConfig.default(64).smem_forward(64) == 3 * 2 * 32 * 1024 + 16 * 1024 + 2 * 2 * 64 * 4
   assert (MosaicConfig.default(64, is_causal=True).smem_forward(64)
-          == 2 * 2 * 32 * 1024 + 16 * 1024 + 2 * 64 * 4)
+          == 2 * 2 * 32 * 1024 + 16 * 1024 + 2 * 2 * 64 * 4)
 
 
 def test_fuses_dq_default_rule():
@@ -189,8 +190,8 @@ def test_check_rejects_oversized(h, kwargs, kernel):
     if kernel == "forward":
       forward(q, q, q, scale=1.0, is_causal=False, config=cfg)
     else:
-      lse = jnp.zeros((1, 1, 128), jnp.float32)
-      backward(q, q, q, q, lse, q, scale=1.0, is_causal=False, config=cfg)
+      stats = jnp.zeros((1, 1, 2, 128), jnp.float32)
+      backward(q, q, q, q, stats, q, scale=1.0, is_causal=False, config=cfg)
 
 
 def test_check_fp32_itemsize_doubles_need():
@@ -448,8 +449,9 @@ def _fwd_bwd(scale, causal, cfg=None, with_dlse=False):
   deterministic = not (cfg is not None and cfg.dq_fused)
 
   def f(q, k, v, do, dlse):
-    out, lse = forward(q, k, v, scale=scale, is_causal=causal, config=cfg)
-    dq, dk, dv = backward(q, k, v, out, lse, do, dlse=dlse if with_dlse else None, scale=scale,
+    out, stats = forward(q, k, v, scale=scale, is_causal=causal, config=cfg)
+    lse = lse_from_stats(stats, scale, False)
+    dq, dk, dv = backward(q, k, v, out, stats, do, dlse=dlse if with_dlse else None, scale=scale,
                           is_causal=causal, config=cfg, deterministic=deterministic)
     return out, lse, dq, dk, dv
   return f
@@ -604,8 +606,8 @@ def test_fused_dq_under_vmap_interpret():
   v = jax.random.normal(ks[3], (1, 72, 1, h), jnp.float32).astype(BF16)
 
   def one(q, k, v, do):
-    out, lse = forward(q, k, v, scale=scale, is_causal=False, config=cfg)
-    return backward(q, k, v, out, lse, do, scale=scale, is_causal=False, config=cfg,
+    out, stats = forward(q, k, v, scale=scale, is_causal=False, config=cfg)
+    return backward(q, k, v, out, stats, do, scale=scale, is_causal=False, config=cfg,
                     deterministic=False)
 
   with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
@@ -628,9 +630,9 @@ def test_equal_kernels_lower_once_per_program():
   def loss(q, k, v):
     x = q
     for _ in range(4):
-      out, lse = forward(x, k, v, scale=scale, is_causal=True)
+      out, stats = forward(x, k, v, scale=scale, is_causal=True)
       do = jnp.ones_like(out)
-      dq, dk, dv = backward(x, k, v, out, lse, do, scale=scale, is_causal=True)
+      dq, dk, dv = backward(x, k, v, out, stats, do, scale=scale, is_causal=True)
       x = (out + dq + dk + dv).astype(BF16)
     return x
 
@@ -659,11 +661,11 @@ VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
 
 
 def _variant_run(q, k, v, do, variant, arrays, scale, cfg=None, deterministic=True):
-  out, lse = forward(q, k, v, scale=scale, is_causal=variant.is_causal, variant=variant,
-                     arrays=arrays, config=cfg)
-  grads = backward(q, k, v, out, lse, do, scale=scale, is_causal=variant.is_causal,
+  out, stats = forward(q, k, v, scale=scale, is_causal=variant.is_causal, variant=variant,
+                       arrays=arrays, config=cfg)
+  grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=variant.is_causal,
                    variant=variant, arrays=arrays, config=cfg, deterministic=deterministic)
-  return (out, lse, *grads)
+  return (out, lse_from_stats(stats, scale, variant.modifies_scores), *grads)
 
 
 FUSED_VARIANTS = MosaicConfig.default(64).replace(dq_fused_variants=True, dq_fused_min_t=0)

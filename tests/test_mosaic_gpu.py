@@ -255,14 +255,14 @@ def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv):
   v = jax.random.normal(ks[2], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
   do = jax.random.normal(ks[3], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
   scale = h ** -0.5
-  out, lse = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
+  out, stats = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
   base = MosaicConfig.default(h)
   fused = base.replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=min(base.num_stages_dkv, 2),
                        block_q_dkv=bq_dkv or base.block_q_dkv)
   bwd = lambda cfg, det: jax.jit(lambda *a: backward(*a, scale=scale, is_causal=causal,
                                                      config=cfg, deterministic=det))
-  ref = bwd(base, True)(q, k, v, out, lse, do)
-  got = bwd(fused, False)(q, k, v, out, lse, do)
+  ref = bwd(base, True)(q, k, v, out, stats, do)
+  got = bwd(fused, False)(q, k, v, out, stats, do)
   for a, b in zip(got, ref):
     _close(a, b, SAME)
 

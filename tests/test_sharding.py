@@ -320,20 +320,23 @@ def _mosaic_static(h=128, causal=False):
 def test_mosaic_partition_callbacks_lower_local_blocks(fake_hopper, causal):
   """The Auto path for the Mosaic kernels, short of compiling: the partition callbacks keep B and
   the heads sharded and their per-device functions lower for a Hopper GPU at the local shapes."""
-  from fa2_jax.sharding import KV, LSE, Q
+  from fa2_jax.sharding import KV, LSE, STATS, Q
   mesh = _mesh((2, 2), ("data", "model"), AxisType.Auto)
   b, t, n, kh, h = 4, 256, 8, 4, 128
   io = NamedSharding(mesh, P("data", None, "model", None))
   lse = NamedSharding(mesh, P("data", "model", None))
+  stats = NamedSharding(mesh, P("data", "model", None, None))
   sds = lambda shape, s, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=s)
   q, kv = sds((b, t, n, h), io), sds((b, t, kh, h), io)
   lse_sds = sds((b, n, t), lse, jnp.float32)
+  stats_sds = sds((b, n, 2, t), stats, jnp.float32)
   st = _mosaic_static(h, causal)
   for fn, args, layouts, out_layouts, want_outs in [
       (functools.partial(sharding._call_forward, attention._forward, st), (q, kv, kv),
-       (Q, KV, KV), (Q, LSE), (io, lse)),
+       (Q, KV, KV), (Q, STATS), (io, stats)),
       (functools.partial(sharding._call_backward, attention._backward, st),
-       (q, kv, kv, q, lse_sds, q, lse_sds), (Q, KV, KV, Q, LSE, Q, LSE), (Q, KV, KV), (io,) * 3)]:
+       (q, kv, kv, q, stats_sds, q, lse_sds), (Q, KV, KV, Q, STATS, Q, LSE), (Q, KV, KV),
+       (io,) * 3)]:
     _, local_fn, outs, ins = sharding._partition(fn, layouts, out_layouts, mesh, args, None)
     assert ins == tuple(a.sharding for a in args) and outs == want_outs
     local = [jax.ShapeDtypeStruct(s.shard_shape(a.shape), a.dtype) for a, s in zip(args, ins)]

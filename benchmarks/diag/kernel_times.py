@@ -3,7 +3,7 @@
     python -m benchmarks.diag.kernel_times [--shapes "2,8192,16,128;2,8192,32,64"] [--causal both]
 
 For every shape ``B,T,N,H`` and mask: the Mosaic forward kernel, the backward's XLA prologue (delta and
-lse in base 2), the backward with the separate dQ kernel (``deterministic=True``), the backward with dQ
+the rows' (r, u) from the forward's row statistics), the backward with the separate dQ kernel (``deterministic=True``), the backward with dQ
 fused into the dK/dV kernel (``dq_fused=True``), and, for causal calls, forward and backward in the
 per-head launch order (``lpt_heads=1``); then fa2_jax's and cuDNN's forward+backward through the public
 API. Milliseconds per call (benchmarks/timing.py) and TFLOP/s counted with the matmuls each piece does
@@ -22,7 +22,7 @@ from ..timing import forward_fn, fwd_bwd_fn, time_calls
 
 def programs(head_dim: int, dtype, causal: bool) -> dict:
   """``{name: (jitted fn, argument names, matmuls per tile pair)}``; the arguments come from
-  ``q, k, v, do`` and the forward's ``out, lse``."""
+  ``q, k, v, do`` and the forward's ``out, stats``."""
   import fa2_jax
   import jax
   from fa2_jax.kernels.mosaic import backward as mb
@@ -40,11 +40,10 @@ def programs(head_dim: int, dtype, causal: bool) -> dict:
     return jax.jit(functools.partial(mb.backward, scale=scale, is_causal=causal, config=config,
                                      deterministic=deterministic))
 
-  grads = ("q", "k", "v", "out", "lse", "do")
+  grads = ("q", "k", "v", "out", "stats", "do")
   out = {
       "mosaic forward": (fwd(cfg), ("q", "k", "v"), 2),
-      "backward prologue (XLA)": (jax.jit(mb.prologue),
-                                  ("out", "do", "lse"), 0),
+      "backward prologue (XLA)": (jax.jit(mb.prologue), ("out", "do", "stats"), 0),
       "mosaic backward, separate dQ": (bwd(cfg, True), grads, 7),
       "mosaic backward, fused dQ": (bwd(fused, False), grads, 5),
   }
@@ -79,8 +78,8 @@ def main(argv=None):
     for causal in {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]:
       pair_flops = 2.0 * b * n * t * t * h / (2 if causal else 1)  # one [T, S] x H matmul
       progs = programs(h, q.dtype, causal)
-      out, lse = progs["mosaic forward"][0](q, k, v)
-      arrays = dict(q=q, k=k, v=v, do=do, out=out, lse=lse)
+      out, stats = progs["mosaic forward"][0](q, k, v)
+      arrays = dict(q=q, k=k, v=v, do=do, out=out, stats=stats)
       for name, (fn, arg_names, mm) in progs.items():
         row = dict(shape=shape, causal=causal, piece=name, matmuls=mm)
         try:

@@ -1,15 +1,16 @@
 """FlashAttention-2 backward (paper Alg. 2) as Pallas Mosaic GPU kernels for Hopper (sm90).
 
 1. ``delta = rowsum(dO ∘ O)`` (Alg. 2 line 4, the ``D_i`` of eq. 4) is a memory-bound row reduction:
-   one fused XLA op computes it (minus the lse cotangent, if any) before the kernels, together with
-   ``lse * log2(e)`` so the kernels recompute ``P`` with a single exp2.
+   one fused XLA op computes it (minus the lse cotangent, if any) before the kernels, and another the
+   rows' ``(r, u)`` from the forward's row statistics, with which the kernels recompute the forward's
+   ``P = exp2((S - r)*c - u)`` exactly at any logit size (``kernels/softmax.py``, ``backward_rows``).
 2. **dK/dV kernel** (``dkdv.py``) — grid ``(batch, KV head, key tile)`` (FA2 §3.2: parallel over the *key* sequence,
    so no two CTAs write the same dK/dV rows and no atomics are needed). Each consumer warpgroup owns 64
    keys: ``K_j, V_j`` sit in SMEM, ``dK_j, dV_j`` in f32 registers (wgmma accumulators). A producer
-   warpgroup streams ``Q_i, dO_i, lse_i, delta_i`` tiles through a ``num_stages`` SMEM ring (TMA,
+   warpgroup streams ``Q_i, dO_i, (r, u)_i, delta_i`` tiles through a ``num_stages`` SMEM ring (TMA,
    barriers, ``setmaxnreg``), and each consumer recomputes, in the transposed orientation so that every
    product has the warpgroup's 64 keys as wgmma's M dimension:
-       S^T = K_j Q_i^T,  P^T = exp2(S^T*c - lse2_i)              (Alg. 2 lines 9-11, P from the lse)
+       S^T = K_j Q_i^T,  P^T = exp2((S^T - r_i)*c - u_i)         (Alg. 2 lines 9-11, P recomputed)
        dV_j += P^T dO_i                                           (line 12)
        dP^T = V_j dO_i^T,  dS^T = P^T ∘ (dP^T − delta_i)           (lines 13-14)
        dK_j += dS^T Q_i                                           (line 16)
@@ -34,9 +35,8 @@
 Causal (§3.1 "causal masking"): the dK/dV loop starts at the first query tile that reaches the CTA's
 keys and only tiles straddling the diagonal run the masked body; the dQ loop stops at the diagonal.
 The softmax scale multiplies dK and dQ once at the end (dS stays unscaled in the loops). A row with no
-allowed key (an attention variant) has lse = -inf, which the prologue maps to +inf: its recomputed P
-is 0, not NaN.
-Padded/out-of-bounds rows: Q, dO, lse2 and delta read as zero there, which makes their P^T dO and
+allowed key (an attention variant) gets u = +inf: its recomputed P is 0, not NaN.
+Padded/out-of-bounds rows: Q, dO, (r, u) and delta read as zero there, which makes their P^T dO and
 dS^T Q contributions exactly zero; padded keys have K = V = 0 and are masked in the dQ kernel.
 """
 from __future__ import annotations
@@ -46,7 +46,8 @@ import math
 import jax.numpy as jnp
 
 from ...block_ranges import kv_range_table, q_range_table
-from .config import LOG2E, WG_ROWS, MosaicConfig, supports
+from ..softmax import backward_rows
+from .config import WG_ROWS, MosaicConfig, supports
 from .dkdv import dkv_call
 from .dq import dq_call
 from .lengths import pad_axis, plan_lengths
@@ -67,29 +68,27 @@ def backward_tiles(cfg: MosaicConfig) -> tuple[int, int]:
   return q_tile, math.lcm(*k_tiles)
 
 
-def prologue(out, do, lse, dlse=None):
-  """The kernels' f32 row inputs ``(delta, lse2)``, both ``[B, N, T]``, computed by XLA before them.
+def prologue(out, do, stats, dlse=None):
+  """The kernels' f32 row inputs, computed by XLA before them: ``delta [B, N, T]`` and the rows'
+  ``(r, u)`` ``[B, N, 2, T]`` (``kernels/softmax.py``, ``backward_rows``).
 
-  Alg. 2 line 4: ``D_i = rowsum(dO_i ∘ O_i)`` (minus the lse cotangent, if any), fused by XLA with the
-  lse conversion to base 2 (the kernels recompute P with a single exp2). A multiply + row sum rather
-  than an einsum, which XLA may turn into a TF32 dot on GPU.
+  Alg. 2 line 4: ``D_i = rowsum(dO_i ∘ O_i)`` (minus the lse cotangent, if any). A multiply + row sum
+  rather than an einsum, which XLA may turn into a TF32 dot on GPU.
   """
   delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
   if dlse is not None:
     delta = delta - dlse.astype(jnp.float32)
-  # A row with no allowed key (lse = -inf) maps to +inf, so that its recomputed P is 0, not NaN.
-  lse2 = lse.astype(jnp.float32) * LOG2E
-  return delta, jnp.where(lse == -jnp.inf, jnp.inf, lse2)
+  return delta, backward_rows(stats)
 
 
-def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
+def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool,
              deterministic: bool = True, config: MosaicConfig | None = None, variant=None,
              arrays=None, tables=None):
   """Gradients of attention w.r.t. q, k, v on Hopper.
 
   Args:
-    q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; lse: ``[B, N, T]`` f32 natural log (from
-      :func:`forward`).
+    q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; stats: ``[B, N, 2, T]`` f32, the row
+      statistics of :func:`forward`.
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
     deterministic: True guarantees the separate dQ kernel (no atomics, bit-identical across runs).
@@ -113,35 +112,35 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   if variant is not None:  # padded rows read as zeros (kernels/mosaic/variant.py, zero_padding)
     q, do = zero_padding(q, arrays.q_lengths), zero_padding(do, arrays.q_lengths)
     k, v = zero_padding(k, arrays.kv_lengths), zero_padding(v, arrays.kv_lengths)
-  delta, lse2 = prologue(out, do, lse, dlse)
+  delta, row_inputs = prologue(out, do, stats, dlse)
   # Zero rows past T: the padded query rows then contribute exactly nothing (see module docstring).
   delta = pad_axis(delta, 2, plan.t_lse)
-  lse2 = pad_axis(lse2, 2, plan.t_lse)
+  row_inputs = pad_axis(row_inputs, 3, plan.t_lse)
   do = do.astype(q.dtype)
   qp, dop = pad_axis(q, 1, plan.t_hbm), pad_axis(do, 1, plan.t_hbm)
   kp, vp = pad_axis(k, 1, plan.s_hbm), pad_axis(v, 1, plan.s_hbm)
 
   common = dict(scale=scale, is_causal=is_causal, seq_q=t, cfg=cfg, emulate=emulating())
   if variant is not None:
-    return _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, plan=plan,
+    return _variant_backward(qp, kp, vp, dop, row_inputs, delta, variant, arrays, plan=plan,
                              tables=tables or {}, deterministic=deterministic, **common)
   if cfg.fuses_dq(t, deterministic=deterministic):
-    dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
+    dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, row_inputs, delta, want_dk=True, want_dv=True,
                                num_wgs=cfg.num_wgs_dkv, fused_dq=True, **common)
     dq = (dq_acc[:, :t] * scale).astype(q.dtype)
     if plan.pad_s:
       dk, dv = dk[:, :s], dv[:, :s]
     return dq, dk, dv
   if cfg.dkv_split:
-    (dv,) = dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=False, want_dv=True,
+    (dv,) = dkv_call(qp, kp, vp, dop, row_inputs, delta, want_dk=False, want_dv=True,
                       num_wgs=cfg.num_wgs_dkv, **common)
-    (dk,) = dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=False,
+    (dk,) = dkv_call(qp, kp, vp, dop, row_inputs, delta, want_dk=True, want_dv=False,
                       num_wgs=cfg.num_wgs_dk, **common)
   else:
-    dk, dv = dkv_call(qp, kp, vp, dop, lse2, delta, want_dk=True, want_dv=True,
+    dk, dv = dkv_call(qp, kp, vp, dop, row_inputs, delta, want_dk=True, want_dv=True,
                        num_wgs=cfg.num_wgs_dkv, **common)
-  dq = dq_call(qp, kp, vp, dop, lse2, delta, scale=scale, is_causal=is_causal, seq_k=s, cfg=cfg,
-                emulate=emulating())
+  dq = dq_call(qp, kp, vp, dop, row_inputs, delta, scale=scale, is_causal=is_causal, seq_k=s,
+                cfg=cfg, emulate=emulating())
   if plan.pad_t:
     dq = dq[:, :t]
   if plan.pad_s:
@@ -149,7 +148,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   return dq, dk, dv
 
 
-def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, tables, scale,
+def _variant_backward(qp, kp, vp, dop, row_inputs, delta, variant, arrays, *, plan, tables, scale,
                       is_causal, seq_q, cfg, emulate, deterministic):
   """The backward kernels of an attention variant, each reading the range table of its own tiles:
   dK/dV with the fused dQ where ``cfg.fuses_dq`` allows it (``dq_fused_variants``), else the separate
@@ -175,7 +174,7 @@ def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, ta
     if table is None:
       table = q_range_table(variant, arrays, block_q=cfg.block_q_dkv, block_k=cols, **dims)
     ops, names = inputs(table, -(-s_hbm // cols))
-    return dkv_call(qp, kp, vp, dop, lse2, delta, *ops, want_dk=want_dk, want_dv=want_dv,
+    return dkv_call(qp, kp, vp, dop, row_inputs, delta, *ops, want_dk=want_dk, want_dv=want_dv,
                      num_wgs=num_wgs, seq_q=seq_q, seq_k=s, names=names, fused_dq=fused_dq, **common)
 
   if cfg.fuses_dq(t, deterministic=deterministic, variant=True):
@@ -191,7 +190,8 @@ def _variant_backward(qp, kp, vp, dop, lse2, delta, variant, arrays, *, plan, ta
   if table is None:
     table = kv_range_table(variant, arrays, block_q=rows, block_k=cfg.block_k_dq, **dims)
   ops, names = inputs(table, -(-t_hbm // rows))
-  dq = dq_call(qp, kp, vp, dop, lse2, delta, *ops, seq_k=s, seq_q=seq_q, names=names, **common)
+  dq = dq_call(qp, kp, vp, dop, row_inputs, delta, *ops, seq_k=s, seq_q=seq_q, names=names,
+               **common)
   return dq[:, :t], dk[:, :s], dv[:, :s]
 
 

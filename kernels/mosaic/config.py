@@ -229,7 +229,7 @@ class MosaicConfig:
   def smem_forward(self, head_dim: int, itemsize: int = 2) -> int:
     q_o = self.num_wgs * self.block_q * head_dim * itemsize  # Q tile, reused for O
     kv = self.num_stages * 2 * self.block_k * head_dim * itemsize
-    return q_o + kv + self.num_wgs * self.block_q * 4
+    return q_o + kv + self.num_wgs * 2 * self.block_q * 4  # + the row statistics (r, l)
 
   def smem_dkv(self, head_dim: int, itemsize: int = 2, *, want_dk=True, want_dv=True,
                num_wgs: int | None = None) -> int:
@@ -237,7 +237,8 @@ class MosaicConfig:
     tile_k = self.block_k_dkv * head_dim * itemsize
     tile_q = self.block_q_dkv * head_dim * itemsize
     resident = nwg * tile_k * (2 if want_dk else 1)  # K (and V for dP)
-    ring = self.num_stages_dkv * (2 * tile_q + self.block_q_dkv * 4 * (2 if want_dk else 1))
+    # Q, dO tiles; the row inputs (r, u) and, for dK, delta: f32 [block_q] each
+    ring = self.num_stages_dkv * (2 * tile_q + self.block_q_dkv * 4 * (3 if want_dk else 2))
     fused = 0
     if self.dq_fused and want_dk and want_dv and not self.dkv_split:
       # dS^T [keys, rows] per consumer in the input dtype, double-buffered, + each consumer's f32 dQ
@@ -247,7 +248,8 @@ class MosaicConfig:
     return resident + ring + fused
 
   def smem_dq(self, head_dim: int, itemsize: int = 2) -> int:
-    resident = self.num_wgs_dq * (2 * self.block_q_dq * head_dim * itemsize + 2 * self.block_q_dq * 4)
+    # Q, dO tiles; (r, u) and delta, f32 [block_q] each
+    resident = self.num_wgs_dq * (2 * self.block_q_dq * head_dim * itemsize + 3 * self.block_q_dq * 4)
     ring = self.num_stages_dq * 2 * self.block_k_dq * head_dim * itemsize
     return resident + ring
 

@@ -3,11 +3,12 @@
 Grid ``(batch, KV head, key tile)`` (FA2 §3.2: parallel over the *key* sequence, so no two CTAs write
 the same dK/dV rows and no atomics are needed). Each consumer warpgroup owns 64 keys: ``K_j, V_j`` sit
 in SMEM, ``dK_j, dV_j`` in f32 registers (wgmma accumulators). A producer warpgroup streams ``Q_i, dO_i,
-lse_i, delta_i`` tiles through a ``num_stages`` SMEM ring (TMA, barriers, ``setmaxnreg``), and each
+r_i, u_i, delta_i`` tiles through a ``num_stages`` SMEM ring (TMA, barriers, ``setmaxnreg``), and each
 consumer recomputes, in the transposed orientation so that every product has the warpgroup's 64 keys
 as wgmma's M dimension::
 
-    S^T = K_j Q_i^T,  P^T = exp2(S^T*c - lse2_i)              (Alg. 2 lines 9-11, P from the lse)
+    S^T = K_j Q_i^T,  P^T = exp2((S^T - r_i)*c - u_i)         (Alg. 2 lines 9-11, P from the forward's
+                                                               row statistics: kernels/softmax.py)
     dV_j += P^T dO_i                                           (line 12)
     dP^T = V_j dO_i^T,  dS^T = P^T ∘ (dP^T − delta_i)           (lines 13-14)
     dK_j += dS^T Q_i                                           (line 16)
@@ -89,11 +90,12 @@ class _Dkv:
   dp_early: bool = True
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, k_smem, v_smem, q_smem,
-                do_smem, lse_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, lse_bar, delta_bar,
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, k_smem, v_smem, q_smem,
+                do_smem, rows_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, rows_bar, delta_bar,
                 free, ds_smem=None, dq_smem=None, ds_bar=None, dq_acc_ref=None, closed_outs=None,
                 st: _Dkv):
-  # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref (base 2), delta_ref: [B, N, T_lse]
+  # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; rows_ref: [B, N, 2, T_lse] the rows'
+  # (r, u) (kernels/softmax.py, backward_rows); delta_ref: [B, N, T_lse]
   # outputs: dk_ref and/or dv_ref [B, S, K, H] (per want_dk / want_dv).
   # fused_dq: dq_acc_ref [B, T, N, H] f32, zero-initialised by the caller (a closed-over ref, so it is
   # aliased in and out of the kernel); emulation: [n_k_tiles * num_wgs, B, T, N, H], one slab per
@@ -196,20 +198,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, k_smem, 
 
       def scores(s_acc, dp_acc=None):
         """S^T = K_j Q_i^T and dP^T = V_j dO_i^T issued back to back; P^T (Alg. 2 lines 9-11, from the
-        lse) is computed while dP^T is still in flight."""
+        forward's row statistics) is computed while dP^T is still in flight."""
         wgmma(s_acc, k_s, q_t, tb=True)  # [keys, rows]
         if dp_acc is not None:
           plgpu.barrier_wait(do_bar.at[slot])
           wgmma(dp_acc, v_s, do_t, tb=True)  # line 13
         s_t = wgmma_load(s_acc, wait_n=0 if dp_acc is None else 1)
-        plgpu.barrier_wait(lse_bar.at[slot])
-        lse2 = plgpu.load(lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        plgpu.barrier_wait(rows_bar.at[slot])
+        row_r = bcast_cols(plgpu.load(rows_smem.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(0)),
+                           s_t.shape)
+        row_u = bcast_cols(plgpu.load(rows_smem.at[slot, 1], layout=plgpu.Layout.WGMMA.reduce(0)),
+                           s_t.shape)
         deriv = keep = None
         if variant is not None and variant.modifies_scores:
           s2, deriv = vr.scores(s_t, st.scale, h, i * bq, k0, transposed=True, derivative=True)
-          p_t = jnp.exp2(s2 - bcast_cols(lse2, s_t.shape))
-        else:
-          p_t = jnp.exp2(s_t * c - bcast_cols(lse2, s_t.shape))
+          p_t = jnp.exp2((s2 - row_r) - row_u)
+        else:  # P^T as the forward had it (kernels/softmax.py, backward_rows)
+          p_t = jnp.exp2((s_t - row_r) * c - row_u)
         if masked:
           if variant is None:
             k_pos = k0 + iota2((bk, bq), 0)
@@ -314,14 +319,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, k_smem, 
       i = i_start + lax.rem(idx, n_i)
       h = kvh * g_size + g  # query head g of this KV head's group
       rows = (b, pl.ds(i * bq, bq), h)
-      lse_rows = (b, h, pl.ds(i * bq, bq))
+      lse_rows = (b, h, pl.ds(i * bq, bq))  # this tile's rows of delta (and of r, u)
 
       @pl.when(idx >= stages)
       def _():
         plgpu.barrier_wait(free.at[slot])
 
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[lse_rows], lse_smem.at[slot], lse_bar.at[slot])
+      plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, pl.ds(i * bq, bq)], rows_smem.at[slot],
+                              rows_bar.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
       if st.want_dk:
         plgpu.copy_gmem_to_smem(delta_ref.at[lse_rows], delta_smem.at[slot], delta_bar.at[slot])
@@ -335,7 +341,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, k_smem, 
 @functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_q', 'cfg', 'want_dk', 'want_dv',
                                              'num_wgs', 'emulate', 'fused_dq', 'seq_k', 'variant',
                                              'names'))
-def dkv_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_q, cfg: MosaicConfig,
+def dkv_call(q, k, v, do, rows, delta, *extras, scale, is_causal, seq_q, cfg: MosaicConfig,
               want_dk, want_dv, num_wgs, emulate, fused_dq=False, seq_k=0, variant=None, names=()):
   b, t_hbm, n, h = q.shape
   s_hbm, kh = k.shape[1], k.shape[2]
@@ -356,13 +362,13 @@ def dkv_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_q, cfg: Mo
       v_smem=plgpu.SMEM((num_wgs, bk, h), v.dtype, transforms=tf) if want_dk else None,
       q_smem=plgpu.SMEM((stages, bq, h), q.dtype, transforms=tf),
       do_smem=plgpu.SMEM((stages, bq, h), do.dtype, transforms=tf),
-      lse_smem=plgpu.SMEM((stages, bq), jnp.float32),
+      rows_smem=plgpu.SMEM((stages, 2, bq), jnp.float32),
       delta_smem=plgpu.SMEM((stages, bq), jnp.float32) if want_dk else None,
       k_bar=plgpu.Barrier(num_barriers=num_wgs),
       v_bar=plgpu.Barrier(num_barriers=num_wgs) if want_dk else None,
       q_bar=plgpu.Barrier(num_barriers=stages),
       do_bar=plgpu.Barrier(num_barriers=stages),
-      lse_bar=plgpu.Barrier(num_barriers=stages),
+      rows_bar=plgpu.Barrier(num_barriers=stages),
       delta_bar=plgpu.Barrier(num_barriers=stages) if want_dk else None,
       free=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
@@ -388,7 +394,7 @@ def dkv_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_q, cfg: Mo
         name=name + ("_dq" if fused_dq else ""),
     )(*operands)
 
-  operands = (q, k, v, do, lse2, delta, *extras)
+  operands = (q, k, v, do, rows, delta, *extras)
   if not fused_dq:
     return tuple(launch(out_type, operands))
   # The dQ accumulator is a ref the kernel closes over: Pallas passes its zero-filled initial value in

@@ -52,10 +52,11 @@ class _Dq:
   names: tuple[str, ...] = ()  # its operands, after delta
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, q_smem, do_smem,
-               lse_smem, delta_smem, k_smem, v_smem, q_bar, do_bar, lse_bar, delta_bar, k_bar,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, q_smem, do_smem,
+               rows_smem, delta_smem, k_smem, v_smem, q_bar, do_bar, rows_bar, delta_bar, k_bar,
                v_bar, k_free, v_free, st: _Dq):
-  # Then the variant operands named by st.names, then dq_ref [B, T, N, H].
+  # rows_ref: [B, N, 2, T_lse] f32, the rows' (r, u) (kernels/softmax.py, backward_rows); delta_ref:
+  # [B, N, T_lse]. Then the variant operands named by st.names, then dq_ref [B, T, N, H].
   var_refs, (dq_ref,) = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
   variant = st.variant
@@ -80,15 +81,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, q_smem, d
     plgpu.set_max_registers(st.registers, action="increase")
     row0 = cta_row0 + wg * bq
     rows = (b, pl.ds(row0, bq), h)
-    lse_rows = (b, h, pl.ds(row0, bq))
+    lse_rows = (b, h, pl.ds(row0, bq))  # this tile's rows of delta (and of r, u)
     q_s, do_s = q_smem.at[wg], do_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s, q_bar.at[wg])
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s, do_bar.at[wg])
-    plgpu.copy_gmem_to_smem(lse_ref.at[lse_rows], lse_smem.at[wg], lse_bar.at[wg])
+    plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, pl.ds(row0, bq)], rows_smem.at[wg],
+                            rows_bar.at[wg])
     plgpu.copy_gmem_to_smem(delta_ref.at[lse_rows], delta_smem.at[wg], delta_bar.at[wg])
-    for bar in (q_bar, do_bar, lse_bar, delta_bar):
+    for bar in (q_bar, do_bar, rows_bar, delta_bar):
       plgpu.barrier_wait(bar.at[wg])
-    lse2 = plgpu.load(lse_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+    row_r = plgpu.load(rows_smem.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
+    row_u = plgpu.load(rows_smem.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
     def step(j, dq, masked: bool):
@@ -103,9 +106,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, q_smem, d
       deriv = keep = None
       if variant is not None and variant.modifies_scores:
         s2, deriv = vr.scores(s, st.scale, h, row0, j * bk, derivative=True)
-        p = jnp.exp2(s2 - bcast_rows(lse2, s.shape))
-      else:
-        p = jnp.exp2(s * c - bcast_rows(lse2, s.shape))  # P_ij from the saved lse
+        p = jnp.exp2((s2 - bcast_rows(row_r, s.shape)) - bcast_rows(row_u, s.shape))
+      else:  # P_ij as the forward had it (kernels/softmax.py, backward_rows)
+        p = jnp.exp2((s - bcast_rows(row_r, s.shape)) * c - bcast_rows(row_u, s.shape))
       if masked:
         if variant is None:
           q_pos = row0 + iota2((bq, bk), 0)
@@ -149,7 +152,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs, q_smem, d
 
 @functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_k', 'cfg', 'emulate', 'seq_q',
                                              'variant', 'names'))
-def dq_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_k, cfg: MosaicConfig, emulate,
+def dq_call(q, k, v, do, rows, delta, *extras, scale, is_causal, seq_k, cfg: MosaicConfig, emulate,
              seq_q=0, variant=None, names=()):
   b, t_hbm, n, h = q.shape
   kh = k.shape[2]
@@ -166,13 +169,13 @@ def dq_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_k, cfg: Mos
   scratch = dict(
       q_smem=plgpu.SMEM((nwg, bq, h), q.dtype, transforms=tf),
       do_smem=plgpu.SMEM((nwg, bq, h), do.dtype, transforms=tf),
-      lse_smem=plgpu.SMEM((nwg, bq), jnp.float32),
+      rows_smem=plgpu.SMEM((nwg, 2, bq), jnp.float32),
       delta_smem=plgpu.SMEM((nwg, bq), jnp.float32),
       k_smem=plgpu.SMEM((stages, bk, h), k.dtype, transforms=tf),
       v_smem=plgpu.SMEM((stages, bk, h), v.dtype, transforms=tf),
       q_bar=plgpu.Barrier(num_barriers=nwg),
       do_bar=plgpu.Barrier(num_barriers=nwg),
-      lse_bar=plgpu.Barrier(num_barriers=nwg),
+      rows_bar=plgpu.Barrier(num_barriers=nwg),
       delta_bar=plgpu.Barrier(num_barriers=nwg),
       k_bar=plgpu.Barrier(num_barriers=stages),
       v_bar=plgpu.Barrier(num_barriers=stages),
@@ -183,4 +186,4 @@ def dq_call(q, k, v, do, lse2, delta, *extras, scale, is_causal, seq_k, cfg: Mos
       functools.partial(_dq_kernel, st=st), out_type=out_struct(q.shape, q.dtype, q),
       scratch=scratch, grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"), num_consumers=nwg,
       name="fa2_mosaic_dq",
-  )(q, k, v, do, lse2, delta, *extras)
+  )(q, k, v, do, rows, delta, *extras)

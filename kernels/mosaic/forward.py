@@ -41,9 +41,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...block_ranges import kv_range_table
 from ...masking import Variant, allowed
-from ..softmax import huge_row_scale
+from ..softmax import huge_row_scale, row_sum_at_max
 from ..vma import out_struct
-from .config import LN2, LOG2E, MosaicConfig, supports
+from .config import LOG2E, MosaicConfig, supports
 from .lengths import pad_axis, plan_lengths
 from .schedule import causal_section, cta_tile, kv_block_ranges
 from .ops import bcast_rows, emulating, iota2, kv_producer, mma, smem_transforms, ws_kernel
@@ -78,11 +78,12 @@ class _Fwd:
   names: tuple[str, ...] = ()  # its operands, after v
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, lse_smem, q_bar, k_bar, v_bar,
-                k_free, v_free, sched=None, st: _Fwd):
-  # q_ref, o_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; lse_ref: [B, N, T_lse] f32 (natural log);
-  # between them the variant operands named by st.names (kernels/mosaic/variant.py).
-  var_refs, (o_ref, lse_ref) = refs[:len(st.names)], refs[len(st.names):]
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem, q_bar, k_bar,
+                v_bar, k_free, v_free, sched=None, st: _Fwd):
+  # q_ref, o_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; stats_ref: [B, N, 2, T_lse] f32, the row
+  # statistics (r, l) of kernels/softmax.py; between them the variant operands named by st.names
+  # (kernels/mosaic/variant.py).
+  var_refs, (o_ref, stats_ref) = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
   variant = st.variant
   # Score modifications work on base-2 logits modify(scale * s) * log2(e): c = 1 then.
@@ -193,30 +194,29 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, lse_smem, q
     carry = (acc, m_i, l_i, m_i if c >= 0 else -m_i)  # r_i: -inf, or +inf for c < 0
     if variant is None:
       carry = lax.fori_loop(0, n_full, unmasked, carry)
-      acc, m_i, l_i, _ = lax.fori_loop(n_full, n_end, masked, carry)
+      acc, m_i, l_i, r_i = lax.fori_loop(n_full, n_end, masked, carry)
     else:  # in the producer's order: [lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, hi)
       carry = lax.fori_loop(lo, full_lo, masked, carry)
       carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-      acc, m_i, l_i, _ = lax.fori_loop(full_hi, n_end, masked, carry)
+      acc, m_i, l_i, r_i = lax.fori_loop(full_hi, n_end, masked, carry)
     if st.pingpong:
       pl.when(wg == 0)(schedule)
 
     # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. Causal or dense: every row sees key 0, so l_i >= 1;
-    # a variant's row may see no key (l_i = 0): output 0, lse -inf.
-    if variant is None:
-      inv_l = 1.0 / l_i
-      lse = m_i * LN2 + jnp.log(l_i)
-    else:
-      empty = l_i == 0.0
-      l_safe = jnp.where(empty, 1.0, l_i)
-      inv_l = 1.0 / l_safe
-      lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
+    # a variant's row may see no key (l_i = 0): output 0.
+    inv_l = 1.0 / (l_i if variant is None else jnp.where(l_i == 0.0, 1.0, l_i))
     q_s[...] = (acc * bcast_rows(inv_l, acc.shape)).astype(st.dtype)  # Q_i is dead: reuse its SMEM
-    # Line 13: L_i = m_i + log(l_i), m_i in base-2 units -> natural log.
-    lse_smem.at[wg][...] = lse
+    # Line 13: the row statistics (r, l) instead of L_i = m_i + log(l_i): the lse and the backward's
+    # P follow from them (kernels/softmax.py); l relative to the maximum's weight. Scale 0 works on
+    # base-2 logits: r = m there, with weight 1.
+    if c != 0.0:
+      seen = m_i > -jnp.inf
+      l_i = row_sum_at_max(jnp.where(seen, r_i, 0.0), jnp.where(seen, m_i, 0.0), l_i, c, st.dtype)
+    stats_smem.at[wg, 0][...] = m_i if c == 0.0 else r_i
+    stats_smem.at[wg, 1][...] = l_i
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, o_ref.at[b, pl.ds(row0, bq), h], commit_group=False)
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row0, bq)],
+    plgpu.copy_smem_to_gmem(stats_smem.at[wg], stats_ref.at[b, h, :, pl.ds(row0, bq)],
                             commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0)
@@ -239,7 +239,8 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
     table: its precomputed range table (``config.range_tiles()["fwd"]``), or None to compute it.
 
   Returns:
-    ``out [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, natural log.
+    ``out [B, T, N, H]`` (q's dtype) and the row statistics ``stats [B, N, 2, T]`` float32
+    (``kernels/softmax.py``: the lse is ``lse_from_stats(stats, scale, modifies_scores)``).
   """
   reason = supports(q.shape, k.shape, q.dtype, q.shape[-1], is_causal)
   if reason is not None:
@@ -266,10 +267,9 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
     k_tiles = -(-plan.s_hbm // cfg.block_k)
     extras, names = variant_operands(variant, arrays, table, t_pad=n_tiles * rows,
                                      s_pad=k_tiles * cfg.block_k)
-  out, lse = _forward_call(q, k, v, *extras, scale=float(scale), is_causal=bool(is_causal), cfg=cfg,
-                           plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_lse=plan.t_lse,
-                           emulate=emulating(), variant=variant, names=tuple(names))
-  return out, lse
+  return _forward_call(q, k, v, *extras, scale=float(scale), is_causal=bool(is_causal), cfg=cfg,
+                       plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_lse=plan.t_lse, emulate=emulating(),
+                       variant=variant, names=tuple(names))
 
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
@@ -277,7 +277,7 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
                                              'emulate', 'variant', 'names'))
 def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_lse,
                   emulate, variant=None, names=()):
-  """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,H], lse [B,N,T]."""
+  """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,H], stats [B,N,2,T]."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   qp = pad_axis(q, 1, plan_t)
@@ -299,7 +299,7 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
       qo_smem=plgpu.SMEM((nwg, cfg.block_q, h), q.dtype, transforms=tf),
       k_smem=plgpu.SMEM((stages, cfg.block_k, h), k.dtype, transforms=tf),
       v_smem=plgpu.SMEM((stages, cfg.block_k, h), v.dtype, transforms=tf),
-      lse_smem=plgpu.SMEM((nwg, cfg.block_q), jnp.float32),
+      stats_smem=plgpu.SMEM((nwg, 2, cfg.block_q), jnp.float32),
       q_bar=plgpu.Barrier(num_barriers=nwg),
       k_bar=plgpu.Barrier(num_barriers=stages),
       v_bar=plgpu.Barrier(num_barriers=stages),
@@ -308,14 +308,14 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
   )
   if st.pingpong:
     scratch["sched"] = plgpu.Barrier(num_arrivals=nwg)
-  out, lse = ws_kernel(
+  out, stats = ws_kernel(
       functools.partial(_fwd_kernel, st=st),
-      out_type=(out_struct(qp.shape, q.dtype, q), out_struct((b, n, t_lse), jnp.float32, q)),
+      out_type=(out_struct(qp.shape, q.dtype, q), out_struct((b, n, 2, t_lse), jnp.float32, q)),
       scratch=scratch, grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"), num_consumers=nwg,
       name="fa2_mosaic_forward",
   )(qp, kp, vp, *extras)
   if plan_t != t:
     out = out[:, :t]
   if t_lse != t:
-    lse = lse[:, :, :t]
-  return out, lse
+    stats = stats[..., :t]
+  return out, stats

@@ -5,7 +5,8 @@
 2. dK/dV kernel: grid ``(key block j, batch b, KV head)``. Each program keeps ``K_j, V_j`` and the f32
    accumulators ``dK_j, dV_j`` on chip and loops over the query blocks ``i`` (and, for GQA/MQA, over the
    ``G`` query heads that share this KV head, so dK/dV are summed over the group on chip without any
-   atomics or repeated K/V in HBM), recomputing ``P_ij = exp(S_ij - L_i)`` from the saved logsumexp:
+   atomics or repeated K/V in HBM), recomputing the forward's ``P_ij = exp2((S_ij - r_i)*c - u_i)`` from
+   its row statistics (``kernels/softmax.py``, ``backward_rows``: exact at any logit size):
        dV_j += P_ij^T dO_i,   dP_ij = dO_i V_j^T,   dS_ij = P_ij ∘ (dP_ij - D_i),   dK_j += dS_ij^T Q_i.
 3. dQ_i = sum_j dS_ij K_j receives a contribution from every key block: a separate kernel with grid
    ``(query block i, batch, head)`` loops over key blocks and accumulates dQ_i on chip (recomputing P and
@@ -27,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...block_ranges import kv_range_table, q_range_table
 from ...masking import Variant, VariantArrays
+from ..softmax import backward_rows
 from ..vma import out_struct
 from .common import (LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim, round_up,
                      store_tile)
@@ -57,20 +59,23 @@ def q_block_ranges(j, *, block_q: int, block_k: int, seq_q: int, seq_k: int, is_
   return i_start, i_full, nq
 
 
-def _row_lse2(lse_ref, head, start, size):
-  """Load ``size`` logsumexp values and turn them into base-2 units for ``exp2``.
-
-  A row with no key (lse = -inf) maps to +inf so that its recomputed P is 0, not NaN.
-  """
-  lse = plgpu.load(lse_ref.at[head, pl.ds(start, size)])  # [size] f32, natural log
-  return jnp.where(lse == -jnp.inf, jnp.inf, lse * LOG2E)
+def _row_inputs(rows_ref, head, start, size):
+  """The rows' ``(r, u)`` (``kernels/softmax.py``, ``backward_rows``), ``[size]`` f32 each."""
+  return tuple(plgpu.load(rows_ref.at[head, jnp.int32(index), pl.ds(start, size)]) for index in (0, 1))
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: float,
+def _probabilities(s, r, u, c: float):
+  """The forward's ``P`` of a tile (``[rows, keys]``): ``exp2((s - r) * c - u)``, ``c = 1`` on
+  base-2 logits."""
+  shifted = s - r[:, None]
+  return jnp.exp2((shifted if c == 1.0 else shifted * c) - u[:, None])
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: float,
                  variant: Variant, names: tuple[str, ...], seq_q: int, seq_k: int, head_dim: int,
                  group: int, block_q: int, block_k: int, f32: bool):
   # q_ref, do_ref: [T, G, hp] (the G query heads of this KV head); k_ref, v_ref: [S, hp];
-  # lse_ref, delta_ref: [G, Tp] f32; then the variant operands named by `names` (per-head ones as
+  # rows_ref: [G, 2, Tp] f32 (r, u); delta_ref: [G, Tp] f32; then the variant operands named by `names` (per-head ones as
   # [G] / [G, 4] slices); outputs dk_ref, dv_ref: [S, hp].
   var_refs, (dk_ref, dv_ref) = rest[:len(names)], rest[len(names):]
   hp = k_ref.shape[-1]
@@ -92,16 +97,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: 
     start = i * block_q
     q = load_tile(q_ref, start, block_q, q_limit, head_dim, head=g)  # Q_i [block_q, hp]
     do = load_tile(do_ref, start, block_q, q_limit, head_dim, head=g)  # dO_i [block_q, hp]
-    lse2 = _row_lse2(lse_ref, g, start, block_q)  # L_i in base 2, [block_q]
+    r, u = _row_inputs(rows_ref, g, start, block_q)  # [block_q] each
     delta = plgpu.load(delta_ref.at[g, pl.ds(start, block_q)])  # D_i [block_q]
     s = dot(q, k, trans_b=True, f32=f32)  # S_ij [block_q, block_k]
     deriv = None
     if fold:
-      p = jnp.exp2(s * c - lse2[:, None])  # P_ij = exp(scale*S_ij - L_i), recomputed (Alg. 2 l. 11)
+      p = _probabilities(s, r, u, c)  # P_ij recomputed (Alg. 2 line 11)
     else:
       h = hk * group + g
       s2, deriv = vr.scores(s, scale, b, h, start, k_start, g=g, derivative=True)
-      p = jnp.exp2(s2 - lse2[:, None])
+      p = _probabilities(s2, r, u, 1.0)
     keep = None
     if masked:
       keep = tile_mask(variant, vr, b, hk * group + g, start, block_q, k_start, block_k,
@@ -142,11 +147,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: 
   store_tile(dv_ref, k_start, dv, kv_limit, head_dim)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: float,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: float,
                variant: Variant, names: tuple[str, ...], seq_q: int, seq_k: int, head_dim: int,
                block_q: int, block_k: int, f32: bool):
-  # q_ref, do_ref, dq_ref: [T, hp]; k_ref, v_ref: [S, hp] (KV head h // G); lse_ref, delta_ref:
-  # [1, Tp]; then the variant operands named by `names`.
+  # q_ref, do_ref, dq_ref: [T, hp]; k_ref, v_ref: [S, hp] (KV head h // G); rows_ref: [1, 2, Tp] (r,
+  # u); delta_ref: [1, Tp]; then the variant operands named by `names`.
   var_refs, (dq_ref,) = rest[:len(names)], rest[len(names):]
   hp = q_ref.shape[-1]
   i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -158,7 +163,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: fl
   q_limit = None if seq_q % block_q == 0 else seq_q
   q = load_tile(q_ref, start, block_q, q_limit, head_dim)  # Q_i [block_q, hp]
   do = load_tile(do_ref, start, block_q, q_limit, head_dim)  # dO_i
-  lse2 = _row_lse2(lse_ref, jnp.int32(0), start, block_q)
+  r, u = _row_inputs(rows_ref, jnp.int32(0), start, block_q)
   delta = plgpu.load(delta_ref.at[jnp.int32(0), pl.ds(start, block_q)])
   key_end = vr.key_end(seq_k) if table else seq_k
 
@@ -169,10 +174,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: fl
     s = dot(q, k, trans_b=True, f32=f32)
     deriv = None
     if fold:
-      p = jnp.exp2(s * c - lse2[:, None])
+      p = _probabilities(s, r, u, c)
     else:
       s2, deriv = vr.scores(s, scale, b, h, start, k_start, derivative=True)
-      p = jnp.exp2(s2 - lse2[:, None])
+      p = _probabilities(s2, r, u, 1.0)
     keep = None
     if masked:
       keep = tile_mask(variant, vr, b, h, start, block_q, k_start, block_k, seq_q=seq_q,
@@ -204,14 +209,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *rest, scale: fl
   store_tile(dq_ref, start, dq * scale, q_limit, head_dim)
 
 
-def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool, block_q_dkv: int,
+def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool, block_q_dkv: int,
              block_k_dkv: int, block_q_dq: int, block_k_dq: int, num_warps: int, num_stages: int,
              interpret: bool, variant: Variant | None = None, arrays: VariantArrays | None = None,
              tables: dict | None = None):
   """Gradients of attention w.r.t. q, k, v.
 
   Args:
-    q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; lse: ``[B, N, T]`` f32 from the forward.
+    q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; stats: ``[B, N, 2, T]`` f32, the forward's
+      row statistics.
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
     variant, arrays: the attention variant (:mod:`fa2_jax.masking`; None: dense or ``is_causal``).
@@ -227,16 +233,16 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
   hp = padded_head_dim(h)
   f32 = q.dtype == jnp.float32
   tp = round_up(t, max(block_q_dkv, block_q_dq))
-  # D_i = rowsum(dO_i ∘ O_i) (Alg. 2 line 4), in f32; lse and delta padded to Tp with zeros so that the
-  # kernels read whole tiles without masks (padded rows have Q = dO = 0, hence dS = 0).
+  # D_i = rowsum(dO_i ∘ O_i) (Alg. 2 line 4), in f32; (r, u) and delta padded to Tp with zeros so that
+  # the kernels read whole tiles without masks (padded rows have Q = dO = 0, hence dS = 0).
   delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), do.astype(jnp.float32))
   if dlse is not None:
     delta = delta - dlse
   pad = ((0, 0), (0, 0), (0, tp - t))
-  lse_p = jnp.pad(lse, pad)
+  variant = variant or Variant(is_causal=bool(is_causal))
+  rows_p = jnp.pad(backward_rows(stats), pad[:2] + ((0, 0),) + pad[2:])
   delta_p = jnp.pad(delta, pad)
   params = compiler_params(num_warps, num_stages)
-  variant = variant or Variant(is_causal=bool(is_causal))
   table = uses_table(variant)
   dkv_ops, dkv_specs, dkv_names = [], [], ()
   dq_ops, dq_specs, dq_names = [], [], ()
@@ -261,7 +267,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
       pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # k
       pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # v
       pl.BlockSpec((None, t, group, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # do
-      pl.BlockSpec((None, group, tp), lambda j, bi, hk: (bi, hk, 0)),  # lse
+      pl.BlockSpec((None, group, 2, tp), lambda j, bi, hk: (bi, hk, 0, 0)),  # (r, u)
       pl.BlockSpec((None, group, tp), lambda j, bi, hk: (bi, hk, 0)),  # delta
       *dkv_specs,
   ]
@@ -281,7 +287,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
       compiler_params=params,
       interpret=interpret,
       name="fa2_backward_dkdv",
-  )(q, k, v, do, lse_p, delta_p, *dkv_ops)
+  )(q, k, v, do, rows_p, delta_p, *dkv_ops)
 
   # --- dQ --------------------------------------------------------------------------------------
   dq = pl.pallas_call(
@@ -293,7 +299,7 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
           pl.BlockSpec((None, s, None, hp), lambda i, bi, hi: (bi, 0, div(hi, group), 0)),  # k
           pl.BlockSpec((None, s, None, hp), lambda i, bi, hi: (bi, 0, div(hi, group), 0)),  # v
           pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),  # do
-          pl.BlockSpec((None, 1, tp), lambda i, bi, hi: (bi, hi, 0)),  # lse
+          pl.BlockSpec((None, 1, 2, tp), lambda i, bi, hi: (bi, hi, 0, 0)),  # (r, u)
           pl.BlockSpec((None, 1, tp), lambda i, bi, hi: (bi, hi, 0)),  # delta
           *dq_specs,
       ],
@@ -302,5 +308,5 @@ def backward(q, k, v, out, lse, do, *, dlse=None, scale: float, is_causal: bool,
       compiler_params=params,
       interpret=interpret,
       name="fa2_backward_dq",
-  )(q, k, v, do, lse_p, delta_p, *dq_ops)
+  )(q, k, v, do, rows_p, delta_p, *dq_ops)
   return dq, dk, dv

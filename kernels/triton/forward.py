@@ -5,7 +5,8 @@ with batch 1 and 16 heads at 8k tokens there are still 64 x 16 = 1024 programs f
 keeps its ``Q_i`` tile on chip, streams the ``K_j, V_j`` tiles of its KV head (GQA: head ``h // G``, never
 copied in HBM) and keeps the online-softmax state ``m_i, l_i`` and the *unscaled* accumulator ``acc``
 (§3.1.1: one division by ``l_i`` at the end instead of a rescale per step). It writes ``O_i`` and
-``lse_i = m_i + log(l_i)`` (one float per row, the only residual the backward needs besides Q, K, V, O).
+the row statistics ``(r_i, l_i)`` (two floats per row, ``kernels/softmax.py``: the logsumexp follows from
+them, and they are the only residual the backward needs besides Q, K, V, O).
 
 Causal (§3.1.1 "causal masking"): the key blocks wholly above the diagonal are never loaded (the loop
 stops early) and only blocks that straddle the diagonal — or hold the ragged tail of the keys — pay for
@@ -25,9 +26,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...block_ranges import kv_range_table
 from ...masking import Variant, VariantArrays
-from ..softmax import huge_row_scale
+from ..softmax import huge_row_scale, row_sum_at_max
 from ..vma import out_struct
-from .common import (LN2, LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim,
+from .common import (LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim,
                      store_tile)
 from .variant import Refs, tile_mask, uses_table, zero_unattended
 from .variant import inputs as variant_inputs
@@ -51,9 +52,10 @@ def kv_block_ranges(i, *, block_q: int, block_k: int, seq_k: int, is_causal: boo
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: tuple[str, ...],
                 seq_q: int, seq_k: int, head_dim: int, block_q: int, block_k: int, f32: bool):
-  # q_ref, o_ref: [T, hp] (this batch, head); k_ref, v_ref: [S, hp] (its KV head); lse_ref: [T] f32;
-  # between them the variant operands named by `names` (variant.inputs).
-  var_refs, (o_ref, lse_ref) = rest[:len(names)], rest[len(names):]
+  # q_ref, o_ref: [T, hp] (this batch, head); k_ref, v_ref: [S, hp] (its KV head); stats_ref: [2, T]
+  # f32, the row statistics (r, l) of kernels/softmax.py; between them the variant operands named by
+  # `names` (variant.inputs).
+  var_refs, (o_ref, stats_ref) = rest[:len(names)], rest[len(names):]
   hp = q_ref.shape[-1]
   i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   table = uses_table(variant)
@@ -115,26 +117,24 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
     lo, full_lo, full_hi, hi = vr.ranges()
     carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
     carry = lax.fori_loop(lo, full_lo, masked, carry)
-    acc, m_i, l_i, _ = lax.fori_loop(full_hi, hi, masked, carry)
+    acc, m_i, l_i, r_i = lax.fori_loop(full_hi, hi, masked, carry)
   else:
     n_full, n_end = kv_block_ranges(i, block_q=block_q, block_k=block_k, seq_k=seq_k,
                                     is_causal=variant.is_causal)
     carry = lax.fori_loop(0, n_full, unmasked, carry)
-    acc, m_i, l_i, _ = lax.fori_loop(n_full, n_end, masked, carry)
+    acc, m_i, l_i, r_i = lax.fori_loop(n_full, n_end, masked, carry)
 
-  # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. A row with no allowed key returns zeros and
-  # lse = -inf.
-  empty = l_i == 0.0
-  l_safe = jnp.where(empty, 1.0, l_i)
-  out = acc / l_safe[:, None]
+  # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. A row with no allowed key returns zeros.
+  out = acc / jnp.where(l_i == 0.0, 1.0, l_i)[:, None]
   store_tile(o_ref, row0, out, q_limit, head_dim)
-  # Alg. 1 line 13: L_i = m_i + log(l_i), stored in natural log (as jax.nn reports it).
-  lse = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
-  rows = lse_ref.at[pl.ds(row0, block_q)]
-  if q_limit is None:
-    plgpu.store(rows, lse)
-  else:
-    plgpu.store(rows, lse, mask=row0 + jnp.arange(block_q) < q_limit)
+  # Line 13: the row statistics (r, l) instead of L_i = m_i + log(l_i): the lse and the backward's P
+  # follow from them (kernels/softmax.py); l relative to the maximum's weight.
+  if scale != 0:
+    seen = m_i > -jnp.inf
+    l_i = row_sum_at_max(jnp.where(seen, r_i, 0.0), jnp.where(seen, m_i, 0.0), l_i, c, v_ref.dtype)
+  mask = None if q_limit is None else row0 + jnp.arange(block_q) < q_limit
+  for index, value in ((0, r_i), (1, l_i)):
+    plgpu.store(stats_ref.at[jnp.int32(index), pl.ds(row0, block_q)], value, mask=mask)
 
 
 def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: int, num_warps: int,
@@ -149,7 +149,8 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
       compute it here.
 
   Returns:
-    ``out [B, T, N, H]`` (q's dtype) and ``lse [B, N, T]`` float32, natural log.
+    ``out [B, T, N, H]`` (q's dtype) and the row statistics ``stats [B, N, 2, T]`` float32
+    (``kernels/softmax.py``: the lse is ``lse_from_stats(stats, scale, modifies_scores)``).
   """
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
@@ -169,8 +170,8 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
   grid = (nq, b, n)
   qmap = lambda i, bi, hi: (bi, 0, hi, 0)
   kvmap = lambda i, bi, hi: (bi, 0, div(hi, group), 0)
-  lsemap = lambda i, bi, hi: (bi, hi, 0)
-  out, lse = pl.pallas_call(
+  statsmap = lambda i, bi, hi: (bi, hi, 0, 0)
+  out, stats = pl.pallas_call(
       kernel,
       grid=grid,
       in_specs=[
@@ -181,14 +182,14 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
       ],
       out_specs=[
           pl.BlockSpec((None, t, None, hp), qmap),
-          pl.BlockSpec((None, None, t), lsemap),
+          pl.BlockSpec((None, None, 2, t), statsmap),
       ],
       out_shape=[
           out_struct(q.shape, q.dtype, q),
-          out_struct((b, n, t), jnp.float32, q),
+          out_struct((b, n, 2, t), jnp.float32, q),
       ],
       compiler_params=compiler_params(num_warps, num_stages),
       interpret=interpret,
       name="fa2_forward",
   )(q, k, v, *ops)
-  return out, lse
+  return out, stats
