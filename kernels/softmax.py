@@ -103,3 +103,30 @@ def backward_rows(stats):
   empty = l == 0.0
   u = jnp.log2(jnp.where(empty, 1.0, l))
   return jnp.stack([jnp.where(empty, 0.0, r), jnp.where(empty, jnp.inf, u)], axis=2)
+
+
+# A (batch, head) whose rows all have |r * c| below this takes the backward's fast form of P, one FMA
+# per element: exp2(s * c - t) with t = r * c + log2 l rounded twice (|t| < 2^11: an error within
+# 2^-12, P within 2^-12 ln 2 = 1.7e-4, under half a float16 ulp). A head with a row past it takes the
+# exact form, one subtraction more per element (measured: docs/design.md, "Softmax form").
+FAST_FORM_LIMIT = 2.0 ** 10
+
+
+def exact_heads(stats, scale: float, modifies_scores: bool):
+  """``[B, N]`` int32: 1 where a row of that (batch, head) needs the backward's exact form."""
+  r, l = stats[:, :, 0], stats[:, :, 1]
+  m = r * np.float32(exponent_scale(scale, modifies_scores))
+  return jnp.any((l > 0.0) & ~(jnp.abs(m) < FAST_FORM_LIMIT), axis=-1).astype(jnp.int32)
+
+
+def probabilities(s, r, u, c: float, *, exact: bool, bcast):
+  """The forward's ``P`` of a tile of raw logits ``s`` (base-2 logits when ``c = 1``) from its rows'
+  ``(r, u)`` (:func:`backward_rows`); ``bcast(v, shape)`` spreads a per-row vector over the tile.
+
+  ``exact``: ``exp2((s - r) * c - u)``, exact at any logit size. Otherwise one FMA per element,
+  ``exp2(s * c - (r * c + u))``, for heads that :func:`exact_heads` leaves to it.
+  """
+  scaled = (lambda x: x) if c == 1.0 else (lambda x: x * c)
+  if exact:
+    return jnp.exp2(scaled(s - bcast(r, s.shape)) - bcast(u, s.shape))
+  return jnp.exp2(scaled(s) - bcast(scaled(r) + u, s.shape))

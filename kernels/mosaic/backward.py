@@ -46,7 +46,7 @@ import math
 import jax.numpy as jnp
 
 from ...block_ranges import kv_range_table, q_range_table
-from ..softmax import backward_rows
+from ..softmax import backward_rows, exact_heads
 from .config import WG_ROWS, MosaicConfig, supports
 from .dkdv import dkv_call
 from .dq import dq_call
@@ -113,34 +113,36 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     q, do = zero_padding(q, arrays.q_lengths), zero_padding(do, arrays.q_lengths)
     k, v = zero_padding(k, arrays.kv_lengths), zero_padding(v, arrays.kv_lengths)
   delta, row_inputs = prologue(out, do, stats, dlse)
+  exact = exact_heads(stats, scale, variant is not None and variant.modifies_scores)
   # Zero rows past T: the padded query rows then contribute exactly nothing (see module docstring).
   delta = pad_axis(delta, 2, plan.t_lse)
   row_inputs = pad_axis(row_inputs, 3, plan.t_lse)
   do = do.astype(q.dtype)
   qp, dop = pad_axis(q, 1, plan.t_hbm), pad_axis(do, 1, plan.t_hbm)
   kp, vp = pad_axis(k, 1, plan.s_hbm), pad_axis(v, 1, plan.s_hbm)
+  per_row = (row_inputs, delta, exact)  # every backward kernel's row operands, after Q, K, V, dO
 
   common = dict(scale=scale, is_causal=is_causal, seq_q=t, cfg=cfg, emulate=emulating())
   if variant is not None:
-    return _variant_backward(qp, kp, vp, dop, row_inputs, delta, variant, arrays, plan=plan,
+    return _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, plan=plan,
                              tables=tables or {}, deterministic=deterministic, **common)
   if cfg.fuses_dq(t, deterministic=deterministic):
-    dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, row_inputs, delta, want_dk=True, want_dv=True,
-                               num_wgs=cfg.num_wgs_dkv, fused_dq=True, **common)
+    dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, *per_row, want_dk=True, want_dv=True,
+                              num_wgs=cfg.num_wgs_dkv, fused_dq=True, **common)
     dq = (dq_acc[:, :t] * scale).astype(q.dtype)
     if plan.pad_s:
       dk, dv = dk[:, :s], dv[:, :s]
     return dq, dk, dv
   if cfg.dkv_split:
-    (dv,) = dkv_call(qp, kp, vp, dop, row_inputs, delta, want_dk=False, want_dv=True,
+    (dv,) = dkv_call(qp, kp, vp, dop, *per_row, want_dk=False, want_dv=True,
                       num_wgs=cfg.num_wgs_dkv, **common)
-    (dk,) = dkv_call(qp, kp, vp, dop, row_inputs, delta, want_dk=True, want_dv=False,
+    (dk,) = dkv_call(qp, kp, vp, dop, *per_row, want_dk=True, want_dv=False,
                       num_wgs=cfg.num_wgs_dk, **common)
   else:
-    dk, dv = dkv_call(qp, kp, vp, dop, row_inputs, delta, want_dk=True, want_dv=True,
+    dk, dv = dkv_call(qp, kp, vp, dop, *per_row, want_dk=True, want_dv=True,
                        num_wgs=cfg.num_wgs_dkv, **common)
-  dq = dq_call(qp, kp, vp, dop, row_inputs, delta, scale=scale, is_causal=is_causal, seq_k=s,
-                cfg=cfg, emulate=emulating())
+  dq = dq_call(qp, kp, vp, dop, *per_row, scale=scale, is_causal=is_causal, seq_k=s, cfg=cfg,
+                emulate=emulating())
   if plan.pad_t:
     dq = dq[:, :t]
   if plan.pad_s:
@@ -148,7 +150,7 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   return dq, dk, dv
 
 
-def _variant_backward(qp, kp, vp, dop, row_inputs, delta, variant, arrays, *, plan, tables, scale,
+def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables, scale,
                       is_causal, seq_q, cfg, emulate, deterministic):
   """The backward kernels of an attention variant, each reading the range table of its own tiles:
   dK/dV with the fused dQ where ``cfg.fuses_dq`` allows it (``dq_fused_variants``), else the separate
@@ -174,7 +176,7 @@ def _variant_backward(qp, kp, vp, dop, row_inputs, delta, variant, arrays, *, pl
     if table is None:
       table = q_range_table(variant, arrays, block_q=cfg.block_q_dkv, block_k=cols, **dims)
     ops, names = inputs(table, -(-s_hbm // cols))
-    return dkv_call(qp, kp, vp, dop, row_inputs, delta, *ops, want_dk=want_dk, want_dv=want_dv,
+    return dkv_call(qp, kp, vp, dop, *per_row, *ops, want_dk=want_dk, want_dv=want_dv,
                      num_wgs=num_wgs, seq_q=seq_q, seq_k=s, names=names, fused_dq=fused_dq, **common)
 
   if cfg.fuses_dq(t, deterministic=deterministic, variant=True):
@@ -190,8 +192,7 @@ def _variant_backward(qp, kp, vp, dop, row_inputs, delta, variant, arrays, *, pl
   if table is None:
     table = kv_range_table(variant, arrays, block_q=rows, block_k=cfg.block_k_dq, **dims)
   ops, names = inputs(table, -(-t_hbm // rows))
-  dq = dq_call(qp, kp, vp, dop, row_inputs, delta, *ops, seq_k=s, seq_q=seq_q, names=names,
-               **common)
+  dq = dq_call(qp, kp, vp, dop, *per_row, *ops, seq_k=s, seq_q=seq_q, names=names, **common)
   return dq[:, :t], dk[:, :s], dv[:, :s]
 
 

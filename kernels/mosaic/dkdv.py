@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...masking import Variant, allowed
+from ..softmax import probabilities
 from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig, dq_piece, dq_split
@@ -90,12 +91,14 @@ class _Dkv:
   dp_early: bool = True
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, k_smem, v_smem, q_smem,
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
+                q_smem,
                 do_smem, rows_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, rows_bar, delta_bar,
                 free, ds_smem=None, dq_smem=None, ds_bar=None, dq_acc_ref=None, closed_outs=None,
                 st: _Dkv):
   # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; rows_ref: [B, N, 2, T_lse] the rows'
-  # (r, u) (kernels/softmax.py, backward_rows); delta_ref: [B, N, T_lse]
+  # (r, u) (kernels/softmax.py, backward_rows); delta_ref: [B, N, T_lse]; exact_ref: [B, N] int32,
+  # the heads whose rows need the exact P (kernels/softmax.py, exact_heads)
   # outputs: dk_ref and/or dv_ref [B, S, K, H] (per want_dk / want_dv).
   # fused_dq: dq_acc_ref [B, T, N, H] f32, zero-initialised by the caller (a closed-over ref, so it is
   # aliased in and out of the kernel); emulation: [n_k_tiles * num_wgs, B, T, N, H], one slab per
@@ -187,7 +190,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, k_smem,
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op=None if st.emulate else "add")
 
-    def step(i, g, masked: bool, dk_acc, dv_acc):
+    def step(i, g, masked: bool, dk_acc, dv_acc, exact: bool):
       """One query tile: FA3's order of products, each awaited only where its result is needed."""
       idx = g * n_i + (i - i_start)
       slot = lax.rem(idx, jnp.array(stages, idx.dtype))
@@ -205,16 +208,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, k_smem,
           wgmma(dp_acc, v_s, do_t, tb=True)  # line 13
         s_t = wgmma_load(s_acc, wait_n=0 if dp_acc is None else 1)
         plgpu.barrier_wait(rows_bar.at[slot])
-        row_r = bcast_cols(plgpu.load(rows_smem.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(0)),
-                           s_t.shape)
-        row_u = bcast_cols(plgpu.load(rows_smem.at[slot, 1], layout=plgpu.Layout.WGMMA.reduce(0)),
-                           s_t.shape)
+        row_r = plgpu.load(rows_smem.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(0))
+        row_u = plgpu.load(rows_smem.at[slot, 1], layout=plgpu.Layout.WGMMA.reduce(0))
+        modifies = variant is not None and variant.modifies_scores
         deriv = keep = None
-        if variant is not None and variant.modifies_scores:
-          s2, deriv = vr.scores(s_t, st.scale, h, i * bq, k0, transposed=True, derivative=True)
-          p_t = jnp.exp2((s2 - row_r) - row_u)
-        else:  # P^T as the forward had it (kernels/softmax.py, backward_rows)
-          p_t = jnp.exp2((s_t - row_r) * c - row_u)
+        if modifies:
+          s_t, deriv = vr.scores(s_t, st.scale, h, i * bq, k0, transposed=True, derivative=True)
+        # P^T as the forward had it (kernels/softmax.py, backward_rows and exact_heads)
+        p_t = probabilities(s_t, row_r, row_u, 1.0 if modifies else c, exact=exact,
+                            bcast=bcast_cols)
         if masked:
           if variant is None:
             k_pos = k0 + iota2((bk, bq), 0)
@@ -263,10 +265,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, k_smem,
       wgmma_wait(0)
       plgpu.barrier_arrive(free.at[slot])  # all wgmmas reading this slot have completed
 
-    def over_queries(g, dk_acc, dv_acc):
+    def over_queries(g, dk_acc, dv_acc, exact):
       loop = functools.partial(acc_loop, accs=(dk_acc, dv_acc))
-      masked = functools.partial(step, g=g, masked=True, dk_acc=dk_acc, dv_acc=dv_acc)
-      unmasked = functools.partial(step, g=g, masked=False, dk_acc=dk_acc, dv_acc=dv_acc)
+      masked = functools.partial(step, g=g, masked=True, dk_acc=dk_acc, dv_acc=dv_acc, exact=exact)
+      unmasked = functools.partial(step, g=g, masked=False, dk_acc=dk_acc, dv_acc=dv_acc,
+                                   exact=exact)
       if variant is None:
         loop(i_start, i_full, masked)
         loop(i_full, nq, unmasked)
@@ -276,12 +279,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, k_smem,
       loop(full_lo, full_hi, unmasked)
       loop(full_hi, nq, masked)
 
-    def all_queries(*accs):
+    def all_queries(*accs, exact):
       """dK_j, dV_j accumulated in registers over every query tile (and GQA group head)."""
       accs = list(accs)
       dk_acc = accs.pop(0) if st.want_dk else None
       dv_acc = accs.pop(0) if st.want_dv else None
-      body = functools.partial(over_queries, dk_acc=dk_acc, dv_acc=dv_acc)
+      body = functools.partial(over_queries, dk_acc=dk_acc, dv_acc=dv_acc, exact=exact)
       if g_size == 1:
         body(jnp.int32(0))
       else:
@@ -289,24 +292,35 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, k_smem,
       return (wgmma_load(dk_acc) if st.want_dk else None,
               wgmma_load(dv_acc) if st.want_dv else None)
 
-    dk, dv = accumulators(all_queries, *[(bk, hd)] * (int(st.want_dk) + int(st.want_dv)))
+    def finish(exact: bool):
+      """The query loop and the epilogue, in the exact or the fast form of P (one per CTA)."""
+      dk, dv = accumulators(functools.partial(all_queries, exact=exact),
+                            *[(bk, hd)] * (int(st.want_dk) + int(st.want_dv)))
+      epilogue(dk, dv)
 
-    if st.fused_dq and split is not None:  # the other consumer's last dQ wgmma has read our K_j
-      plgpu.barrier_arrive(ds_bar.at[0])
-      plgpu.barrier_wait(ds_bar.at[0])
-    # K_j / V_j are dead: reuse their SMEM to stage the results for the TMA store.
-    if st.want_dk:
-      k_s[...] = (dk * st.scale).astype(st.dtype)
-    if st.want_dv:
-      dv_s = v_smem.at[wg] if st.want_dk else k_s
-      dv_s[...] = dv.astype(st.dtype)
-    plgpu.commit_smem()
-    if st.want_dk:
-      plgpu.copy_smem_to_gmem(k_s, dk_ref.at[rows], commit_group=False)
-    if st.want_dv:
-      plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[rows], commit_group=False)
-    plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)
+    def epilogue(dk, dv):
+      if st.fused_dq and split is not None:  # the other consumer's last dQ wgmma has read our K_j
+        plgpu.barrier_arrive(ds_bar.at[0])
+        plgpu.barrier_wait(ds_bar.at[0])
+      # K_j / V_j are dead: reuse their SMEM to stage the results for the TMA store.
+      if st.want_dk:
+        k_s[...] = (dk * st.scale).astype(st.dtype)
+      if st.want_dv:
+        dv_s = v_smem.at[wg] if st.want_dk else k_s
+        dv_s[...] = dv.astype(st.dtype)
+      plgpu.commit_smem()
+      if st.want_dk:
+        plgpu.copy_smem_to_gmem(k_s, dk_ref.at[rows], commit_group=False)
+      if st.want_dv:
+        plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[rows], commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      plgpu.wait_smem_to_gmem(0)
+
+    # Exact when any head of the group has a row past the fast form's range (a per-CTA choice).
+    needs_exact = functools.reduce(
+        jnp.logical_or, [exact_ref[b, kvh * g_size + g] != 0 for g in range(g_size)])
+    pl.when(needs_exact)(functools.partial(finish, True))
+    pl.when(jnp.logical_not(needs_exact))(functools.partial(finish, False))
 
   @pl.when(wg == nwg)
   def _producer():
@@ -341,7 +355,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, k_smem,
 @functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_q', 'cfg', 'want_dk', 'want_dv',
                                              'num_wgs', 'emulate', 'fused_dq', 'seq_k', 'variant',
                                              'names'))
-def dkv_call(q, k, v, do, rows, delta, *extras, scale, is_causal, seq_q, cfg: MosaicConfig,
+def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, cfg: MosaicConfig,
               want_dk, want_dv, num_wgs, emulate, fused_dq=False, seq_k=0, variant=None, names=()):
   b, t_hbm, n, h = q.shape
   s_hbm, kh = k.shape[1], k.shape[2]
@@ -394,7 +408,7 @@ def dkv_call(q, k, v, do, rows, delta, *extras, scale, is_causal, seq_q, cfg: Mo
         name=name + ("_dq" if fused_dq else ""),
     )(*operands)
 
-  operands = (q, k, v, do, rows, delta, *extras)
+  operands = (q, k, v, do, rows, delta, exact, *extras)
   if not fused_dq:
     return tuple(launch(out_type, operands))
   # The dQ accumulator is a ref the kernel closes over: Pallas passes its zero-filled initial value in

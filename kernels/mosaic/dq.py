@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...masking import Variant, allowed
+from ..softmax import probabilities
 from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig
@@ -52,11 +53,12 @@ class _Dq:
   names: tuple[str, ...] = ()  # its operands, after delta
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, q_smem, do_smem,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, q_smem, do_smem,
                rows_smem, delta_smem, k_smem, v_smem, q_bar, do_bar, rows_bar, delta_bar, k_bar,
                v_bar, k_free, v_free, st: _Dq):
   # rows_ref: [B, N, 2, T_lse] f32, the rows' (r, u) (kernels/softmax.py, backward_rows); delta_ref:
-  # [B, N, T_lse]. Then the variant operands named by st.names, then dq_ref [B, T, N, H].
+  # [B, N, T_lse]; exact_ref: [B, N] int32, the heads whose rows need the exact P (kernels/softmax.py,
+  # exact_heads). Then the variant operands named by st.names, then dq_ref [B, T, N, H].
   var_refs, (dq_ref,) = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
   variant = st.variant
@@ -94,7 +96,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, q_smem, 
     row_u = plgpu.load(rows_smem.at[wg, 1], layout=plgpu.Layout.WGMMA.reduce(1))
     delta = plgpu.load(delta_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
 
-    def step(j, dq, masked: bool):
+    def step(j, dq, masked: bool, exact: bool):
       slot = lax.rem(j - lo, jnp.array(stages, j.dtype))
       k_t, v_t = k_smem.at[slot], v_smem.at[slot]
       plgpu.barrier_wait(k_bar.at[slot])
@@ -104,11 +106,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, q_smem, 
       s, dp = mma_many([Product((bq, bk), q_s, k_t, tb=True), Product((bq, bk), do_s, v_t, tb=True)])
       plgpu.barrier_arrive(v_free.at[slot])
       deriv = keep = None
-      if variant is not None and variant.modifies_scores:
-        s2, deriv = vr.scores(s, st.scale, h, row0, j * bk, derivative=True)
-        p = jnp.exp2((s2 - bcast_rows(row_r, s.shape)) - bcast_rows(row_u, s.shape))
-      else:  # P_ij as the forward had it (kernels/softmax.py, backward_rows)
-        p = jnp.exp2((s - bcast_rows(row_r, s.shape)) * c - bcast_rows(row_u, s.shape))
+      modifies = variant is not None and variant.modifies_scores
+      if modifies:
+        s, deriv = vr.scores(s, st.scale, h, row0, j * bk, derivative=True)
+      # P_ij as the forward had it (kernels/softmax.py, backward_rows and exact_heads)
+      p = probabilities(s, row_r, row_u, 1.0 if modifies else c, exact=exact, bcast=bcast_rows)
       if masked:
         if variant is None:
           q_pos = row0 + iota2((bq, bk), 0)
@@ -130,19 +132,26 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, q_smem, 
       plgpu.barrier_arrive(k_free.at[slot])
       return dq
 
-    dq = _zeros((bq, st.head_dim))
-    masked, unmasked = functools.partial(step, masked=True), functools.partial(step, masked=False)
-    if variant is None:
-      dq = lax.fori_loop(0, n_full, unmasked, dq)
-      dq = lax.fori_loop(n_full, n_end, masked, dq)
-    else:  # in the producer's order
-      dq = lax.fori_loop(lo, full_lo, masked, dq)
-      dq = lax.fori_loop(full_lo, full_hi, unmasked, dq)
-      dq = lax.fori_loop(full_hi, n_end, masked, dq)
-    q_s[...] = (dq * st.scale).astype(st.dtype)  # Q_i is dead: stage dQ_i in its SMEM
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_s, dq_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+    def finish(exact: bool):
+      """The key loop and the store of dQ_i, in the exact or the fast form of P (one per CTA)."""
+      dq = _zeros((bq, st.head_dim))
+      masked = functools.partial(step, masked=True, exact=exact)
+      unmasked = functools.partial(step, masked=False, exact=exact)
+      if variant is None:
+        dq = lax.fori_loop(0, n_full, unmasked, dq)
+        dq = lax.fori_loop(n_full, n_end, masked, dq)
+      else:  # in the producer's order
+        dq = lax.fori_loop(lo, full_lo, masked, dq)
+        dq = lax.fori_loop(full_lo, full_hi, unmasked, dq)
+        dq = lax.fori_loop(full_hi, n_end, masked, dq)
+      q_s[...] = (dq * st.scale).astype(st.dtype)  # Q_i is dead: stage dQ_i in its SMEM
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_s, dq_ref.at[rows])
+      plgpu.wait_smem_to_gmem(0)
+
+    needs_exact = exact_ref[b, h] != 0
+    pl.when(needs_exact)(functools.partial(finish, True))
+    pl.when(jnp.logical_not(needs_exact))(functools.partial(finish, False))
 
   pl.when(wg == nwg)(functools.partial(
       kv_producer, st.memory_registers, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem,
@@ -152,7 +161,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *refs, q_smem, 
 
 @functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_k', 'cfg', 'emulate', 'seq_q',
                                              'variant', 'names'))
-def dq_call(q, k, v, do, rows, delta, *extras, scale, is_causal, seq_k, cfg: MosaicConfig, emulate,
+def dq_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_k, cfg: MosaicConfig, emulate,
              seq_q=0, variant=None, names=()):
   b, t_hbm, n, h = q.shape
   kh = k.shape[2]
@@ -186,4 +195,4 @@ def dq_call(q, k, v, do, rows, delta, *extras, scale, is_causal, seq_k, cfg: Mos
       functools.partial(_dq_kernel, st=st), out_type=out_struct(q.shape, q.dtype, q),
       scratch=scratch, grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"), num_consumers=nwg,
       name="fa2_mosaic_dq",
-  )(q, k, v, do, rows, delta, *extras)
+  )(q, k, v, do, rows, delta, exact, *extras)

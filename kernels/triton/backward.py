@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from ...block_ranges import kv_range_table, q_range_table
 from ...masking import Variant, VariantArrays
-from ..softmax import backward_rows
+from ..softmax import backward_rows, probabilities
 from ..vma import out_struct
 from .common import (LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim, round_up,
                      store_tile)
@@ -59,16 +59,15 @@ def q_block_ranges(j, *, block_q: int, block_k: int, seq_q: int, seq_k: int, is_
   return i_start, i_full, nq
 
 
+# P in the exact form for every head (kernels/softmax.py, probabilities): the Triton backward does not
+# branch to the fast form per head, as the Mosaic kernels do.
+_exact_p = functools.partial(probabilities, exact=True, bcast=lambda v, shape: v[:, None])
+
+
 def _row_inputs(rows_ref, head, start, size):
   """The rows' ``(r, u)`` (``kernels/softmax.py``, ``backward_rows``), ``[size]`` f32 each."""
-  return tuple(plgpu.load(rows_ref.at[head, jnp.int32(index), pl.ds(start, size)]) for index in (0, 1))
-
-
-def _probabilities(s, r, u, c: float):
-  """The forward's ``P`` of a tile (``[rows, keys]``): ``exp2((s - r) * c - u)``, ``c = 1`` on
-  base-2 logits."""
-  shifted = s - r[:, None]
-  return jnp.exp2((shifted if c == 1.0 else shifted * c) - u[:, None])
+  return tuple(plgpu.load(rows_ref.at[head, jnp.int32(index), pl.ds(start, size)])
+               for index in (0, 1))
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: float,
@@ -102,11 +101,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale:
     s = dot(q, k, trans_b=True, f32=f32)  # S_ij [block_q, block_k]
     deriv = None
     if fold:
-      p = _probabilities(s, r, u, c)  # P_ij recomputed (Alg. 2 line 11)
+      p = _exact_p(s, r, u, c)  # P_ij recomputed (Alg. 2 line 11)
     else:
       h = hk * group + g
       s2, deriv = vr.scores(s, scale, b, h, start, k_start, g=g, derivative=True)
-      p = _probabilities(s2, r, u, 1.0)
+      p = _exact_p(s2, r, u, 1.0)
     keep = None
     if masked:
       keep = tile_mask(variant, vr, b, hk * group + g, start, block_q, k_start, block_k,
@@ -174,10 +173,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: f
     s = dot(q, k, trans_b=True, f32=f32)
     deriv = None
     if fold:
-      p = _probabilities(s, r, u, c)
+      p = _exact_p(s, r, u, c)
     else:
       s2, deriv = vr.scores(s, scale, b, h, start, k_start, derivative=True)
-      p = _probabilities(s2, r, u, 1.0)
+      p = _exact_p(s2, r, u, 1.0)
     keep = None
     if masked:
       keep = tile_mask(variant, vr, b, h, start, block_q, k_start, block_k, seq_q=seq_q,
