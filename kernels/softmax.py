@@ -88,21 +88,29 @@ def row_sum_at_max(r, m, l, c: float, dtype):
   return l * jnp.exp2(t_row - r * c_row)
 
 
-def backward_rows(stats):
-  """The backward kernels' per-row inputs ``[B, N, 2, T]`` float32: ``(r, u)`` with ``u = log2 l``,
-  such that ``P = exp2((s - r) * c - u)`` (``c`` of :func:`exponent_scale`; on base-2 logits ``s2``,
-  ``exp2((s2 - r) - u)``) is the forward's ``P`` for any finite logits.
+def backward_rows(stats, exact=None, c: float = 1.0):
+  """The backward kernels' per-row inputs ``[B, N, 2, T]`` float32.
 
-  The stored ``l`` is relative to ``r`` itself (:func:`row_sum_at_max`), so the only roundings are
-  the product's and the exponent's, as in the forward. Unlike one offset ``lse * log2(e)``, whose
-  rounding is a factor up to ``2^(ulp/2)`` on the whole row (``2^32`` and more past ``|lse| = 2^30``),
-  this keeps ``P`` as exact as the forward's at any logit size; a huge row's tied maxima get
-  ``1 / l`` each. A row with no allowed key gets ``r = 0, u = +inf``: ``P = 0``.
+  For a head that needs the exact form (``exact [B, N]`` nonzero, or ``exact=None``: every head),
+  ``(r, u)`` with ``u = log2 l``: ``P = exp2((s - r) * c - u)`` (on base-2 logits ``s2``,
+  ``exp2((s2 - r) - u)``) is the forward's ``P`` for any finite logits. The stored ``l`` is
+  relative to ``r`` itself (:func:`row_sum_at_max`), so the only roundings are the product's and the
+  exponent's, as in the forward; unlike one offset ``lse * log2(e)``, whose rounding is a factor up
+  to ``2^(ulp/2)`` on the whole row (``2^32`` and more past ``|lse| = 2^30``), this keeps ``P`` as
+  exact as the forward's at any logit size; a huge row's tied maxima get ``1 / l`` each.
+
+  Any other head gets ``(t, u)``, ``t = r * c + u`` (``c`` of :func:`exponent_scale`), for the
+  one-FMA ``exp2(s * c - t)`` (:func:`probabilities`). A row with no allowed key gets ``r = t = 0,
+  u = +inf``: ``P = 0`` in either form.
   """
   r, l = stats[:, :, 0], stats[:, :, 1]
   empty = l == 0.0
   u = jnp.log2(jnp.where(empty, 1.0, l))
-  return jnp.stack([jnp.where(empty, 0.0, r), jnp.where(empty, jnp.inf, u)], axis=2)
+  r = jnp.where(empty, 0.0, r)
+  if exact is not None:
+    t = r * np.float32(c) + u
+    r = jnp.where(exact[:, :, None] != 0, r, jnp.where(empty, jnp.inf, t))
+  return jnp.stack([r, jnp.where(empty, jnp.inf, u)], axis=2)
 
 
 # A (batch, head) whose rows all have |r * c| below this takes the backward's fast form of P, one FMA
@@ -121,12 +129,13 @@ def exact_heads(stats, scale: float, modifies_scores: bool):
 
 def probabilities(s, r, u, c: float, *, exact: bool, bcast):
   """The forward's ``P`` of a tile of raw logits ``s`` (base-2 logits when ``c = 1``) from its rows'
-  ``(r, u)`` (:func:`backward_rows`); ``bcast(v, shape)`` spreads a per-row vector over the tile.
+  inputs (:func:`backward_rows`); ``bcast(v, shape)`` spreads a per-row vector over the tile.
 
-  ``exact``: ``exp2((s - r) * c - u)``, exact at any logit size. Otherwise one FMA per element,
-  ``exp2(s * c - (r * c + u))``, for heads that :func:`exact_heads` leaves to it.
+  ``exact``: ``exp2((s - r) * c - u)``, exact at any logit size. Otherwise ``r`` holds ``t`` and ``P``
+  is one FMA per element, ``exp2(s * c - t)``, for heads that :func:`exact_heads` leaves to it
+  (``u`` unused).
   """
   scaled = (lambda x: x) if c == 1.0 else (lambda x: x * c)
   if exact:
     return jnp.exp2(scaled(s - bcast(r, s.shape)) - bcast(u, s.shape))
-  return jnp.exp2(scaled(s) - bcast(scaled(r) + u, s.shape))
+  return jnp.exp2(scaled(s) - bcast(r, s.shape))

@@ -43,7 +43,8 @@ def programs(head_dim: int, dtype, causal: bool) -> dict:
   grads = ("q", "k", "v", "out", "stats", "do")
   out = {
       "mosaic forward": (fwd(cfg), ("q", "k", "v"), 2),
-      "backward prologue (XLA)": (jax.jit(mb.prologue), ("out", "do", "stats"), 0),
+      "backward prologue (XLA)": (jax.jit(functools.partial(mb.prologue, scale=scale)),
+                                  ("out", "do", "stats"), 0),
       "mosaic backward, separate dQ": (bwd(cfg, True), grads, 7),
       "mosaic backward, fused dQ": (bwd(fused, False), grads, 5),
   }

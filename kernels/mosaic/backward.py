@@ -1,16 +1,17 @@
 """FlashAttention-2 backward (paper Alg. 2) as Pallas Mosaic GPU kernels for Hopper (sm90).
 
 1. ``delta = rowsum(dO ∘ O)`` (Alg. 2 line 4, the ``D_i`` of eq. 4) is a memory-bound row reduction:
-   one fused XLA op computes it (minus the lse cotangent, if any) before the kernels, and another the
-   rows' ``(r, u)`` from the forward's row statistics, with which the kernels recompute the forward's
-   ``P = exp2((S - r)*c - u)`` exactly at any logit size (``kernels/softmax.py``, ``backward_rows``).
+   one fused XLA op computes it (minus the lse cotangent, if any) before the kernels, and others the
+   rows' inputs from the forward's row statistics (``kernels/softmax.py``): a head whose rows all
+   stay below ``|r c| = 2^10`` recomputes ``P = exp2(S*c - t)``, one FMA per element; any other head
+   (a per-CTA choice, from the ``[B, N]`` flag ``exact_heads``) the exact ``P = exp2((S - r)*c - u)``.
 2. **dK/dV kernel** (``dkdv.py``) — grid ``(batch, KV head, key tile)`` (FA2 §3.2: parallel over the *key* sequence,
    so no two CTAs write the same dK/dV rows and no atomics are needed). Each consumer warpgroup owns 64
    keys: ``K_j, V_j`` sit in SMEM, ``dK_j, dV_j`` in f32 registers (wgmma accumulators). A producer
    warpgroup streams ``Q_i, dO_i, (r, u)_i, delta_i`` tiles through a ``num_stages`` SMEM ring (TMA,
    barriers, ``setmaxnreg``), and each consumer recomputes, in the transposed orientation so that every
    product has the warpgroup's 64 keys as wgmma's M dimension:
-       S^T = K_j Q_i^T,  P^T = exp2((S^T - r_i)*c - u_i)         (Alg. 2 lines 9-11, P recomputed)
+       S^T = K_j Q_i^T,  P^T = exp2(S^T*c - t_i)                (Alg. 2 lines 9-11, P recomputed)
        dV_j += P^T dO_i                                           (line 12)
        dP^T = V_j dO_i^T,  dS^T = P^T ∘ (dP^T − delta_i)           (lines 13-14)
        dK_j += dS^T Q_i                                           (line 16)
@@ -46,7 +47,7 @@ import math
 import jax.numpy as jnp
 
 from ...block_ranges import kv_range_table, q_range_table
-from ..softmax import backward_rows, exact_heads
+from ..softmax import backward_rows, exact_heads, exponent_scale
 from .config import WG_ROWS, MosaicConfig, supports
 from .dkdv import dkv_call
 from .dq import dq_call
@@ -68,9 +69,10 @@ def backward_tiles(cfg: MosaicConfig) -> tuple[int, int]:
   return q_tile, math.lcm(*k_tiles)
 
 
-def prologue(out, do, stats, dlse=None):
-  """The kernels' f32 row inputs, computed by XLA before them: ``delta [B, N, T]`` and the rows'
-  ``(r, u)`` ``[B, N, 2, T]`` (``kernels/softmax.py``, ``backward_rows``).
+def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool = False):
+  """The kernels' row inputs, computed by XLA before them: ``delta [B, N, T]`` f32, the rows'
+  ``[B, N, 2, T]`` f32 and the heads that need the exact form of P, ``[B, N]`` int32
+  (``kernels/softmax.py``: ``backward_rows``, ``exact_heads``).
 
   Alg. 2 line 4: ``D_i = rowsum(dO_i ∘ O_i)`` (minus the lse cotangent, if any). A multiply + row sum
   rather than an einsum, which XLA may turn into a TF32 dot on GPU.
@@ -78,7 +80,9 @@ def prologue(out, do, stats, dlse=None):
   delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
   if dlse is not None:
     delta = delta - dlse.astype(jnp.float32)
-  return delta, backward_rows(stats)
+  exact = exact_heads(stats, scale, modifies_scores)
+  rows = backward_rows(stats, exact, exponent_scale(scale, modifies_scores))
+  return delta, rows, exact
 
 
 def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool,
@@ -112,8 +116,8 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   if variant is not None:  # padded rows read as zeros (kernels/mosaic/variant.py, zero_padding)
     q, do = zero_padding(q, arrays.q_lengths), zero_padding(do, arrays.q_lengths)
     k, v = zero_padding(k, arrays.kv_lengths), zero_padding(v, arrays.kv_lengths)
-  delta, row_inputs = prologue(out, do, stats, dlse)
-  exact = exact_heads(stats, scale, variant is not None and variant.modifies_scores)
+  delta, row_inputs, exact = prologue(out, do, stats, dlse, scale=scale, modifies_scores=(
+      variant is not None and variant.modifies_scores))
   # Zero rows past T: the padded query rows then contribute exactly nothing (see module docstring).
   delta = pad_axis(delta, 2, plan.t_lse)
   row_inputs = pad_axis(row_inputs, 3, plan.t_lse)

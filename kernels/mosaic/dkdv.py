@@ -7,8 +7,10 @@ r_i, u_i, delta_i`` tiles through a ``num_stages`` SMEM ring (TMA, barriers, ``s
 consumer recomputes, in the transposed orientation so that every product has the warpgroup's 64 keys
 as wgmma's M dimension::
 
-    S^T = K_j Q_i^T,  P^T = exp2((S^T - r_i)*c - u_i)         (Alg. 2 lines 9-11, P from the forward's
-                                                               row statistics: kernels/softmax.py)
+    S^T = K_j Q_i^T,  P^T = exp2(S^T*c - t_i)                (Alg. 2 lines 9-11, P from the forward's
+                                                               row statistics: kernels/softmax.py;
+                                                               exp2((S^T - r_i)*c - u_i) for a head
+                                                               with huge logits)
     dV_j += P^T dO_i                                           (line 12)
     dP^T = V_j dO_i^T,  dS^T = P^T ∘ (dP^T − delta_i)           (lines 13-14)
     dK_j += dS^T Q_i                                           (line 16)
@@ -209,7 +211,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
         s_t = wgmma_load(s_acc, wait_n=0 if dp_acc is None else 1)
         plgpu.barrier_wait(rows_bar.at[slot])
         row_r = plgpu.load(rows_smem.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(0))
-        row_u = plgpu.load(rows_smem.at[slot, 1], layout=plgpu.Layout.WGMMA.reduce(0))
+        row_u = plgpu.load(rows_smem.at[slot, 1], layout=plgpu.Layout.WGMMA.reduce(0)) if exact else None
         modifies = variant is not None and variant.modifies_scores
         deriv = keep = None
         if modifies:
