@@ -576,7 +576,7 @@ def test_kernel_times_programs_lower_for_hopper(monkeypatch):
   monkeypatch.setattr(fa2_jax.dispatch, "on_gpu", lambda: True)
   monkeypatch.setattr(fa2_jax.dispatch, "gpu_compute_capability", lambda: (9, 0))
   x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
-  arrays = dict(q=x, k=x, v=x, do=x, out=x, lse=jax.ShapeDtypeStruct((1, 2, 256), jnp.float32))
+  arrays = dict(q=x, k=x, v=x, do=x, out=x, stats=jax.ShapeDtypeStruct((1, 2, 2, 256), jnp.float32))
   progs = kernel_times.programs(64, jnp.bfloat16, causal=False)
   for name, kernel in (("mosaic forward", "forward"), ("backward prologue (XLA)", None),
                        ("mosaic backward, fused dQ", "dkdv_dq")):
