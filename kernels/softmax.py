@@ -131,11 +131,14 @@ def probabilities(s, r, u, c: float, *, exact: bool, bcast):
   """The forward's ``P`` of a tile of raw logits ``s`` (base-2 logits when ``c = 1``) from its rows'
   inputs (:func:`backward_rows`); ``bcast(v, shape)`` spreads a per-row vector over the tile.
 
-  ``exact``: ``exp2((s - r) * c - u)``, exact at any logit size. Otherwise ``r`` holds ``t`` and ``P``
-  is one FMA per element, ``exp2(s * c - t)``, for heads that :func:`exact_heads` leaves to it
-  (``u`` unused).
+  ``exact``: ``exp2((s - r) * c - u)``, exact at any logit size, and at most 1: where the recomputed
+  logit exceeds the forward's maximum (a dot product summed in another order: an ulp, which a huge
+  ``c`` turns into many binades) the exponent stops at 0 rather than overflow into inf and NaN.
+  Otherwise ``r`` holds ``t`` and ``P`` is one FMA per element, ``exp2(s * c - t)``, for heads that
+  :func:`exact_heads` leaves to it (``u`` unused; there an ulp of ``s`` moves ``P`` by a factor
+  within ``2^(2^-13)``).
   """
   scaled = (lambda x: x) if c == 1.0 else (lambda x: x * c)
   if exact:
-    return jnp.exp2(scaled(s - bcast(r, s.shape)) - bcast(u, s.shape))
+    return jnp.exp2(jnp.minimum(scaled(s - bcast(r, s.shape)) - bcast(u, s.shape), 0.0))
   return jnp.exp2(scaled(s) - bcast(r, s.shape))

@@ -8,7 +8,9 @@ backward recomputes that ``P`` from the rows' raw maximum and sum, ``exp2((s - r
 it, ``|scale * q·k|`` from about 1e6 to 1e32: positive and negative scales, ties at the row maximum,
 causal (masked tiles), a ragged key tail and rows whose maximum arrives in a later key tile. The
 reference is the float32 formula (it subtracts the row maximum it rounded, exact there); the
-gradients' bounds are derived in ``_check``.
+gradients' bounds are derived in ``_check``. The inputs' dot products are exact sums (keys of 8
+significant bits, q = 1), so the backward's recomputed logits equal the forward's in any summation
+order, as gradients this sensitive need (docs/design.md, "Softmax form").
 
 On CPU the Triton kernels run in Pallas interpret mode and the Mosaic kernels through the emulated
 interpret path (one case per feature: it is slow); the ``gpu``-marked test runs them compiled.
