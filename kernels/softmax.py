@@ -3,7 +3,9 @@
 The kernels compute ``p = exp2(s * c - m)`` with ``c = scale * log2(e)`` and ``m = max(s) * c`` as one
 FMA per element (docs/design.md, "Softmax form"). That is exact up to a per-row factor ``2^δ``, ``δ``
 the rounding error of ``m``, which cancels in the output and the lse; :func:`huge_row_scale` keeps the
-factor inside what ``P`` can hold, for any finite logits, with per-row work only.
+factor inside what ``P`` can hold, for any finite logits, with per-row work only. The forward stores
+two floats per row (below); from them the backward recomputes the forward's ``P`` in one FMA per
+element, or exactly for heads with huge logits (:func:`backward_rows`, :func:`probabilities`).
 """
 from __future__ import annotations
 
@@ -66,8 +68,8 @@ def exponent_scale(scale: float, modifies_scores: bool) -> float:
 
 def lse_from_stats(stats, scale: float, modifies_scores: bool):
   """``lse [B, N, T]`` float32 (natural log; ``-inf`` for a row with no allowed key) from the
-  forward's ``stats [B, N, 2, T]``: ``m + log2 l`` in base 2 with ``m = r * c`` rounded, as the
-  kernels computed it before (within that rounding of the exact ``r * c``)."""
+  forward's ``stats [B, N, 2, T]``: ``m + log2 l`` in base 2 with ``m = r * c`` rounded (within that
+  rounding of the exact ``r * c + log2 l``)."""
   r, l = stats[:, :, 0], stats[:, :, 1]
   m = r * np.float32(exponent_scale(scale, modifies_scores))
   empty = l == 0.0
