@@ -31,8 +31,9 @@ applied three ways:
 
 Operands are described by layouts, one letter per dimension: ``b`` batch, ``t`` query sequence, ``s``
 key sequence, ``n`` query heads, ``k`` KV heads, ``h`` head_dim, ``x`` the two row statistics (q
-``"btnh"``, k/v ``"bskh"``, the forward's row statistics ``"bnxt"``, the lse cotangent ``"bnt"``). An operand the kernels gain later (lengths ``"b"``, segment ids ``"bt"``/``"bs"``,
-per-head slopes ``"n"``, a scalar ``""``) is sharded by the same plan through its layout.
+``"btnh"``, k/v ``"bskh"``, the forward's row statistics ``"bnxt"``, the lse cotangent ``"bnt"``).
+An operand the kernels gain later (lengths ``"b"``, segment ids ``"bt"``/``"bs"``, per-head slopes
+``"n"``, a scalar ``""``) is sharded by the same plan through its layout.
 
 Limits: under ``vmap`` the partitioned calls batch as the plain kernels do (their ``custom_vmap`` rule
 maps the plain kernel), so a vmapped call gets XLA's default (gathering) partitioning; their

@@ -84,8 +84,11 @@ def row_sum_at_max(r, m, l, c: float, dtype):
   (Mosaic: ptxas), 0 when it rounds the product first (Pallas Triton on an H200), 0 for a huge row.
   This evaluates ``x`` in the same form, per row, so the stored ``l * 2^-x`` is relative to ``r``
   whichever the compiler did, and the backward's ``exp2((s - r) * c - log2 l)`` needs no
-  assumption about it. ``r``, ``m``: as for :func:`huge_row_scale`, 0 for a row with no key yet.
+  assumption about it. ``r``, ``m``: as for :func:`huge_row_scale`; a row with no key (``m = -inf``,
+  ``l = 0``) keeps ``l``.
   """
+  seen = m > -jnp.inf
+  r, m = jnp.where(seen, r, 0.0), jnp.where(seen, m, 0.0)
   c_row, t_row = huge_row_scale(r, m, c, dtype)
   return l * jnp.exp2(t_row - r * c_row)
 

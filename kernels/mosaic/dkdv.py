@@ -46,8 +46,8 @@ from ..softmax import probabilities
 from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig, dq_piece, dq_split
-from .ops import (acc_loop, accumulators, bcast_cols, iota2, smem_transforms, smem_transforms_f32, wgmma,
-                  wgmma_load, wgmma_wait, ws_kernel)
+from .ops import (acc_loop, accumulators, bcast_cols, iota2, per_cta_choice, smem_transforms,
+                  smem_transforms_f32, wgmma, wgmma_load, wgmma_wait, ws_kernel)
 from .schedule import causal_section, cta_tile, q_block_ranges
 from .variant import Refs
 
@@ -211,7 +211,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
         s_t = wgmma_load(s_acc, wait_n=0 if dp_acc is None else 1)
         plgpu.barrier_wait(rows_bar.at[slot])
         row_r = plgpu.load(rows_smem.at[slot, 0], layout=plgpu.Layout.WGMMA.reduce(0))
-        row_u = plgpu.load(rows_smem.at[slot, 1], layout=plgpu.Layout.WGMMA.reduce(0)) if exact else None
+        row_u = None  # the fast form reads t alone (kernels/softmax.py, backward_rows)
+        if exact:
+          row_u = plgpu.load(rows_smem.at[slot, 1], layout=plgpu.Layout.WGMMA.reduce(0))
         modifies = variant is not None and variant.modifies_scores
         deriv = keep = None
         if modifies:
@@ -321,8 +323,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
     # Exact when any head of the group has a row past the fast form's range (a per-CTA choice).
     needs_exact = functools.reduce(
         jnp.logical_or, [exact_ref[b, kvh * g_size + g] != 0 for g in range(g_size)])
-    pl.when(needs_exact)(functools.partial(finish, True))
-    pl.when(jnp.logical_not(needs_exact))(functools.partial(finish, False))
+    per_cta_choice(needs_exact, finish)
 
   @pl.when(wg == nwg)
   def _producer():
@@ -335,7 +336,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       i = i_start + lax.rem(idx, n_i)
       h = kvh * g_size + g  # query head g of this KV head's group
       rows = (b, pl.ds(i * bq, bq), h)
-      lse_rows = (b, h, pl.ds(i * bq, bq))  # this tile's rows of delta (and of r, u)
+      row_span = (b, h, pl.ds(i * bq, bq))  # this tile's rows of delta (and of r, u)
 
       @pl.when(idx >= stages)
       def _():
@@ -346,7 +347,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
                               rows_bar.at[slot])
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
       if st.want_dk:
-        plgpu.copy_gmem_to_smem(delta_ref.at[lse_rows], delta_smem.at[slot], delta_bar.at[slot])
+        plgpu.copy_gmem_to_smem(delta_ref.at[row_span], delta_smem.at[slot], delta_bar.at[slot])
 
     @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)  # drain (see forward)
     def _(idx):

@@ -21,8 +21,8 @@ from ..softmax import probabilities
 from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig
-from .ops import (Product, bcast_rows, iota2, kv_producer, mma, mma_many, smem_transforms,
-                  ws_kernel, zeros as _zeros)
+from .ops import (Product, bcast_rows, iota2, kv_producer, mma, mma_many, per_cta_choice,
+                  smem_transforms, ws_kernel, zeros as _zeros)
 from .schedule import causal_section, cta_tile, kv_block_ranges
 from .variant import Refs
 
@@ -83,13 +83,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
     plgpu.set_max_registers(st.registers, action="increase")
     row0 = cta_row0 + wg * bq
     rows = (b, pl.ds(row0, bq), h)
-    lse_rows = (b, h, pl.ds(row0, bq))  # this tile's rows of delta (and of r, u)
+    row_span = (b, h, pl.ds(row0, bq))  # this tile's rows of delta (and of r, u)
     q_s, do_s = q_smem.at[wg], do_smem.at[wg]
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_s, q_bar.at[wg])
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_s, do_bar.at[wg])
     plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, pl.ds(row0, bq)], rows_smem.at[wg],
                             rows_bar.at[wg])
-    plgpu.copy_gmem_to_smem(delta_ref.at[lse_rows], delta_smem.at[wg], delta_bar.at[wg])
+    plgpu.copy_gmem_to_smem(delta_ref.at[row_span], delta_smem.at[wg], delta_bar.at[wg])
     for bar in (q_bar, do_bar, rows_bar, delta_bar):
       plgpu.barrier_wait(bar.at[wg])
     row_r = plgpu.load(rows_smem.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -149,9 +149,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
       plgpu.copy_smem_to_gmem(q_s, dq_ref.at[rows])
       plgpu.wait_smem_to_gmem(0)
 
-    needs_exact = exact_ref[b, h] != 0
-    pl.when(needs_exact)(functools.partial(finish, True))
-    pl.when(jnp.logical_not(needs_exact))(functools.partial(finish, False))
+    per_cta_choice(exact_ref[b, h] != 0, finish)
 
   pl.when(wg == nwg)(functools.partial(
       kv_producer, st.memory_registers, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem,

@@ -210,8 +210,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
     # P follow from them (kernels/softmax.py); l relative to the maximum's weight. Scale 0 works on
     # base-2 logits: r = m there, with weight 1.
     if c != 0.0:
-      seen = m_i > -jnp.inf
-      l_i = row_sum_at_max(jnp.where(seen, r_i, 0.0), jnp.where(seen, m_i, 0.0), l_i, c, st.dtype)
+      l_i = row_sum_at_max(r_i, m_i, l_i, c, st.dtype)
     stats_smem.at[wg, 0][...] = m_i if c == 0.0 else r_i
     stats_smem.at[wg, 1][...] = l_i
     plgpu.commit_smem()

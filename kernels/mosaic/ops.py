@@ -24,6 +24,7 @@ checked only by lowering (``jax.jit(...).trace(...).lower(lowering_platforms=("c
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Callable, Sequence
 
 import jax.numpy as jnp
@@ -183,6 +184,14 @@ def accumulators(body, *shapes):
   if emulating():
     return body(*[_EmulatedAccumulator(tuple(s)) for s in shapes])
   return pl.run_scoped(body, *[plgpu.ACC(tuple(s), jnp.float32) for s in shapes])
+
+
+def per_cta_choice(flag, body):
+  """``body(True)`` where the traced scalar ``flag`` holds, else ``body(False)``: both forms are
+  compiled into the kernel and each CTA runs one (nothing crosses the branch; ``body`` stores its
+  results itself)."""
+  pl.when(flag)(functools.partial(body, True))
+  pl.when(jnp.logical_not(flag))(functools.partial(body, False))
 
 
 def acc_loop(lower, upper, body, accs):

@@ -130,8 +130,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
   # Line 13: the row statistics (r, l) instead of L_i = m_i + log(l_i): the lse and the backward's P
   # follow from them (kernels/softmax.py); l relative to the maximum's weight.
   if scale != 0:
-    seen = m_i > -jnp.inf
-    l_i = row_sum_at_max(jnp.where(seen, r_i, 0.0), jnp.where(seen, m_i, 0.0), l_i, c, v_ref.dtype)
+    l_i = row_sum_at_max(r_i, m_i, l_i, c, v_ref.dtype)
   mask = None if q_limit is None else row0 + jnp.arange(block_q) < q_limit
   for index, value in ((0, r_i), (1, l_i)):
     plgpu.store(stats_ref.at[jnp.int32(index), pl.ds(row0, block_q)], value, mask=mask)
