@@ -122,12 +122,22 @@ def test_extreme_logits_triton(dtype, scale):
     _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
 
 
-@pytest.mark.parametrize("dtype,scale,causal,ties,t", [
-    (jnp.bfloat16, 1e9, False, False, 256),  # two unmasked key tiles: the maximum moves to the 2nd
-    (jnp.float16, -1e9, False, True, 256),   # negative scale (the row maximum is the raw minimum)
-    (jnp.bfloat16, 1e30, True, True, 200),   # causal, ragged key tail: masked tiles
+def _fused_dq_config(head_dim, dtype, causal):
+  """The Mosaic config whose backward runs dQ inside the dK/dV kernel at any length."""
+  cfg = fa2_jax.MosaicConfig.default(head_dim, dtype, causal).replace(dq_fused=True,
+                                                                      dq_fused_min_t=0)
+  if cfg.check(head_dim, jnp.dtype(dtype).itemsize):  # shared memory: a shallower dK/dV ring
+    cfg = cfg.replace(num_stages_dkv=2)
+  return cfg
+
+
+@pytest.mark.parametrize("dtype,scale,causal,ties,t,fused", [
+    (jnp.bfloat16, 1e9, False, False, 256, False),  # two unmasked key tiles: the maximum moves
+    (jnp.float16, -1e9, False, True, 256, False),   # negative scale (the row maximum is the minimum)
+    (jnp.bfloat16, 1e30, True, True, 200, False),   # causal, ragged key tail: masked tiles
+    (jnp.bfloat16, 1e9, True, True, 256, True),     # dQ fused into the dK/dV kernel
 ])
-def test_extreme_logits_mosaic_emulated(dtype, scale, causal, ties, t):
+def test_extreme_logits_mosaic_emulated(dtype, scale, causal, ties, t, fused):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from fa2_jax.kernels.mosaic.backward import backward
   from fa2_jax.kernels.mosaic.forward import forward
@@ -136,10 +146,13 @@ def test_extreme_logits_mosaic_emulated(dtype, scale, causal, ties, t):
 
   q, k, v = _inputs(t, 128, dtype, ties)
   do = _grad_inputs(q)
+  cfg = _fused_dq_config(128, dtype, causal) if fused else None
+  assert cfg is None or cfg.fuses_dq(t, deterministic=False)
 
   def run(q, k, v, do):
     out, stats = forward(q, k, v, scale=scale, is_causal=causal)
-    grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=causal)
+    grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=causal, config=cfg,
+                     deterministic=not fused)
     return out, jnp.swapaxes(lse_from_stats(stats, scale, False), 1, 2), grads
 
   with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
@@ -160,4 +173,28 @@ def test_extreme_logits_compiled(implementation):
                                                  implementation=implementation,
                                                  return_residual=True)
     out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
+    _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
+
+
+@pytest.mark.gpu
+def test_extreme_logits_compiled_fused_dq():
+  if not dispatch.is_hopper():
+    pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
+  from fa2_jax.kernels.mosaic.backward import backward
+  from fa2_jax.kernels.mosaic.forward import forward
+  from fa2_jax.kernels.softmax import lse_from_stats
+
+  for scale, causal in itertools.product(SCALES, (False, True)):
+    q, k, v = _inputs(1000, 128, jnp.bfloat16, ties=causal)
+    do = _grad_inputs(q)
+    cfg = _fused_dq_config(128, jnp.bfloat16, causal)
+    assert cfg.fuses_dq(1000, deterministic=False)
+
+    def run(q, k, v, do):
+      out, stats = forward(q, k, v, scale=scale, is_causal=causal)
+      grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=causal, config=cfg,
+                       deterministic=False)
+      return out, jnp.swapaxes(lse_from_stats(stats, scale, False), 1, 2), grads
+
+    out, lse, grads = jax.jit(run)(q, k, v, do)
     _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)

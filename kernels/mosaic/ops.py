@@ -189,9 +189,12 @@ def accumulators(body, *shapes):
 def per_cta_choice(flag, body):
   """``body(True)`` where the traced scalar ``flag`` holds, else ``body(False)``: both forms are
   compiled into the kernel and each CTA runs one (nothing crosses the branch; ``body`` stores its
-  results itself)."""
-  pl.when(flag)(functools.partial(body, True))
-  pl.when(jnp.logical_not(flag))(functools.partial(body, False))
+  results itself).
+
+  One two-way branch (``lax.cond``: an if/else), not two ``pl.when`` in a row: after the first of two
+  sequential ifs the compiler must keep everything the second one reads live through the first one's
+  loop, which spilled registers in the dK/dV kernel (docs/design.md, "Softmax form")."""
+  lax.cond(flag, functools.partial(body, True), functools.partial(body, False))
 
 
 def acc_loop(lower, upper, body, accs):
