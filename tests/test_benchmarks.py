@@ -585,6 +585,28 @@ def test_kernel_times_programs_lower_for_hopper(monkeypatch):
     assert kernel is None or f"fa2_mosaic_{kernel}_mosaic_gpu" in text, name
 
 
+def test_registers_parses_ptxas_reports():
+  """The register diagnostic reads ptxas' -v report, one row per entry function."""
+  from benchmarks.diag import registers
+  text = """ptxas info    : (C7519) warpgroup.arrive is injected in around line 621 by compiler
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'fa2_mosaic_dkdv_dq_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for fa2_mosaic_dkdv_dq_mosaic_gpu_kernel
+    160 bytes stack frame, 208 bytes spill stores, 232 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 160 bytes cumulative stack size, 1 bytes smem
+ptxas info    : Compiling entry function 'fa2_mosaic_dq_mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for fa2_mosaic_dq_mosaic_gpu_kernel
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 16 barriers, 1 bytes smem
+"""
+  assert registers.parse_ptxas(text) == [
+      dict(kernel="fa2_mosaic_dkdv_dq", registers=168, stack_bytes=160, spill_store_bytes=208,
+           spill_load_bytes=232),
+      dict(kernel="fa2_mosaic_dq", registers=128, stack_bytes=0, spill_store_bytes=0,
+           spill_load_bytes=0)]
+  assert registers.parse_ptxas("ptxas info    : 0 bytes gmem\n") == []
+
+
 # --- on a GPU ----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -619,6 +641,10 @@ def test_kernel_times_and_mosaic_tune_run_on_hopper(tmp_path):
   kernel_times.main(["--shapes", "1,1024,4,128", "--out", str(tmp_path)])
   rows = _load(tmp_path / "kernel_times.json")["rows"]
   assert rows and all("ms" in r for r in rows), [r for r in rows if "ms" not in r]
+  from benchmarks.diag import registers
+  registers.main(["--shapes", "1,1024,4,128", "--causal", "true", "--out", str(tmp_path)])
+  rows = _load(tmp_path / "registers.json")["rows"]
+  assert any(r.get("kernel") == "fa2_mosaic_dkdv" and r["registers"] > 0 for r in rows), rows
   tune.main(["--backend", "mosaic", "--head-dims", "128", "--seqs", "1k", "--causal", "true",
              "--iters", "2", "--reps", "2", "--out", str(tmp_path)])
   cells = _load(tmp_path / "tune_mosaic.json")["cells"]

@@ -1,0 +1,112 @@
+"""Registers and spills of the Mosaic kernels that a forward+backward compiles (Hopper).
+
+    python -m benchmarks.diag.registers [--shapes "2,8192,32,64;32,512,16,128"] [--causal both]
+        [--impls fa2,fa2_det]
+
+For every shape ``B,T,N,H``, mask and implementation (``fa2``: the default backward, with dQ fused
+into the dK/dV kernel where the config says so; ``fa2_det``: ``deterministic=True``, the separate dQ
+kernel), compiles and runs ``jit(grad(sum f))`` once with ptxas' report switched on (Mosaic GPU's
+``MOSAIC_GPU_DUMP_PTXAS``, one file per compiled kernel in a temporary folder) and prints, per kernel:
+the registers per thread ptxas allocated (the launch value; ``setmaxnreg`` then moves registers
+between the producer and consumer warpgroups), and the bytes of stack frame, spill stores and spill
+loads. A kernel that spills is the first suspect of a pass slower than its arithmetic: a duplicated
+loop once spilled 268 bytes in the dK/dV kernel and cost 4-7% (docs/design.md, "Softmax form").
+Kernels compiled earlier in the process (the same kernel for another case) are not compiled, so not
+listed, again.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from .. import cli, impls
+from ..device import device_info
+from ..report import err_str, write_json
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas(text: str) -> list[dict]:
+  """``[{kernel, registers, stack_bytes, spill_store_bytes, spill_load_bytes}]``, one per entry
+  function of a ``ptxas -v`` report (the text ptxas prints with ``-v``)."""
+  out = []
+  parts = _ENTRY.split(text)  # [before, name, its report, name, its report, ...]
+  for name, body in zip(parts[1::2], parts[2::2]):
+    row = dict(kernel=name.removesuffix("_mosaic_gpu_kernel"))
+    if (m := _USED.search(body)) is not None:
+      row["registers"] = int(m.group(1))
+    if (m := _FRAME.search(body)) is not None:
+      row.update(stack_bytes=int(m.group(1)), spill_store_bytes=int(m.group(2)),
+                 spill_load_bytes=int(m.group(3)))
+    out.append(row)
+  return out
+
+
+def _reports(folder: Path, seen: set) -> list[dict]:
+  """The rows of the ptxas reports written to ``folder`` since the files in ``seen``."""
+  rows = []
+  for path in sorted(folder.glob("*.ptxas"), key=lambda p: p.stat().st_mtime):
+    if path.name in seen:
+      continue
+    seen.add(path.name)
+    rows += [dict(r, file=path.name) for r in parse_ptxas(path.read_text())]
+  return rows
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.diag.registers", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--shapes", default="2,8192,32,64;2,8192,16,128;32,512,16,128", help="B,T,N,H;...")
+  ap.add_argument("--causal", default="both", choices=("both", "true", "false"))
+  ap.add_argument("--impls", type=cli.impl_names, default=["fa2", "fa2_det"])
+  ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
+  args = ap.parse_args(argv)
+  folder = Path(tempfile.mkdtemp(prefix="fa2_ptxas_"))
+  # Read by Mosaic GPU when it compiles a kernel: set before the first compilation.
+  os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  os.environ["MOSAIC_GPU_DUMP_TO"] = str(folder)
+  import jax.numpy as jnp
+  from fa2_jax import dispatch
+  from ..timing import fwd_bwd_fn
+  if not dispatch.is_hopper():
+    raise SystemExit("registers reports the Mosaic kernels' ptxas allocation: it needs a Hopper GPU "
+                     "(compute capability 9.x)")
+  info = device_info()
+  rows, seen = [], set()
+  for shape in args.shapes.split(";"):
+    b, t, n, h = map(int, shape.split(","))
+    q, k, v = cli.random_inputs(t + h, [(b, t, n, h)] * 3, jnp.bfloat16)
+    for causal in {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]:
+      for name in args.impls:
+        case = dict(shape=shape, causal=causal, impl=name)
+        if (why := impls.unavailable(name)) is not None:
+          rows.append(dict(case, error=why))
+          continue
+        attn = impls.get(name)
+        try:
+          fwd_bwd_fn(lambda q, k, v: attn(q, k, v, causal=causal))(q, k, v)[0].block_until_ready()
+          found = _reports(folder, seen)
+          rows += [dict(case, **r) for r in found] or [dict(case, note="no new kernel compiled")]
+        except Exception as e:  # noqa: BLE001 - report and go on
+          rows.append(dict(case, error=err_str(e, 300)))
+  out = cli.resolve_out(argparse.Namespace(out=args.out), info)
+  write_json(out / "registers.json", {"meta": info, "rows": rows})
+  print(f"\n{'shape':<16} {'mask':<5} {'impl':<8} {'kernel':<22} {'regs':>5} {'stack':>6} "
+        f"{'spill st':>9} {'spill ld':>9}")
+  for r in rows:
+    head = f"{r['shape']:<16} {'c' if r['causal'] else 'nc':<5} {r['impl']:<8} "
+    if "kernel" not in r:
+      print(head + (r.get("error") or r.get("note", ""))[:80])
+      continue
+    print(head + f"{r['kernel']:<22} {r.get('registers', '-'):>5} {r.get('stack_bytes', '-'):>6} "
+          f"{r.get('spill_store_bytes', '-'):>9} {r.get('spill_load_bytes', '-'):>9}")
+  print(f"wrote {out / 'registers.json'}")
+
+
+if __name__ == "__main__":
+  main()
