@@ -59,6 +59,25 @@ def parse_strs(text: str) -> list[str]:
   return [t for t in str(text).replace(" ", "").split(",") if t]
 
 
+def add_shape_args(p: argparse.ArgumentParser, default_shapes: str) -> None:
+  """``--shapes "B,T,N,H;..."`` and ``--causal both|true|false`` of the kernel diagnostics; read them
+  back with :func:`shapes_and_masks`."""
+  p.add_argument("--shapes", default=default_shapes, help="B,T,N,H;...")
+  p.add_argument("--causal", default="both", choices=("both", "true", "false"))
+
+
+def shapes_and_masks(args) -> list[tuple[str, tuple[int, int, int, int], tuple[bool, ...]]]:
+  """``[(shape text, (B, T, N, H), causal values)]`` from :func:`add_shape_args`' arguments."""
+  masks = {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]
+  out = []
+  for shape in args.shapes.split(";"):
+    dims = tuple(int(x) for x in shape.split(","))
+    if len(dims) != 4:
+      raise SystemExit(f"--shapes: {shape!r} is not B,T,N,H")
+    out.append((shape, dims, masks))
+  return out
+
+
 def impl_names(text: str) -> list[str]:
   """``--impls``: names of benchmarks/impls.py entries; an unknown one is an argparse error naming it."""
   from . import impls

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is a package of the repository, not of the wheel
 
 import fa2_jax  # noqa: E402
-from benchmarks import ablation, ablation_kernels, attention, impls, numerics, report, timing  # noqa: E402
+from benchmarks import ablation, ablation_kernels, attention, cli, impls, numerics, report, timing  # noqa: E402
 from benchmarks.attention_report import attach_ratios  # noqa: E402
 from benchmarks.flops import attention_flops, tflops  # noqa: E402
 
@@ -583,6 +583,18 @@ def test_kernel_times_programs_lower_for_hopper(monkeypatch):
     fn, arg_names, _ = progs[name]
     text = fn.trace(*[arrays[a] for a in arg_names]).lower(lowering_platforms=("cuda",)).as_text()
     assert kernel is None or f"fa2_mosaic_{kernel}_mosaic_gpu" in text, name
+
+
+def test_diag_shape_args():
+  import argparse
+  ap = argparse.ArgumentParser()
+  cli.add_shape_args(ap, "1,2,3,4")
+  args = ap.parse_args(["--shapes", "1,256,2,64;2,512,4,128", "--causal", "true"])
+  assert cli.shapes_and_masks(args) == [("1,256,2,64", (1, 256, 2, 64), (True,)),
+                                        ("2,512,4,128", (2, 512, 4, 128), (True,))]
+  assert cli.shapes_and_masks(ap.parse_args([])) == [("1,2,3,4", (1, 2, 3, 4), (False, True))]
+  with pytest.raises(SystemExit, match="B,T,N,H"):
+    cli.shapes_and_masks(ap.parse_args(["--shapes", "1,2,3"]))
 
 
 def test_registers_parses_ptxas_reports():

@@ -63,8 +63,7 @@ def programs(head_dim: int, dtype, causal: bool) -> dict:
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m benchmarks.diag.kernel_times", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--shapes", default="2,8192,16,128;2,8192,32,64", help="B,T,N,H;...")
-  ap.add_argument("--causal", default="both", choices=("both", "true", "false"))
+  cli.add_shape_args(ap, "2,8192,16,128;2,8192,32,64")
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
   import jax.numpy as jnp
@@ -73,10 +72,9 @@ def main(argv=None):
     raise SystemExit("kernel_times times the Mosaic kernels: it needs a Hopper GPU (compute capability 9.x)")
   info = device_info()
   rows = []
-  for shape in args.shapes.split(";"):
-    b, t, n, h = map(int, shape.split(","))
+  for shape, (b, t, n, h), masks in cli.shapes_and_masks(args):
     q, k, v, do = cli.random_inputs(t + h, [(b, t, n, h)] * 4, jnp.bfloat16)
-    for causal in {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]:
+    for causal in masks:
       pair_flops = 2.0 * b * n * t * t * h / (2 if causal else 1)  # one [T, S] x H matmul
       progs = programs(h, q.dtype, causal)
       out, stats = progs["mosaic forward"][0](q, k, v)

@@ -61,8 +61,7 @@ def _reports(folder: Path, seen: set) -> list[dict]:
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m benchmarks.diag.registers", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--shapes", default="2,8192,32,64;2,8192,16,128;32,512,16,128", help="B,T,N,H;...")
-  ap.add_argument("--causal", default="both", choices=("both", "true", "false"))
+  cli.add_shape_args(ap, "2,8192,32,64;2,8192,16,128;32,512,16,128")
   ap.add_argument("--impls", type=cli.impl_names, default=["fa2", "fa2_det"])
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
@@ -78,10 +77,9 @@ def main(argv=None):
                      "(compute capability 9.x)")
   info = device_info()
   rows, seen = [], set()
-  for shape in args.shapes.split(";"):
-    b, t, n, h = map(int, shape.split(","))
+  for shape, (b, t, n, h), masks in cli.shapes_and_masks(args):
     q, k, v = cli.random_inputs(t + h, [(b, t, n, h)] * 3, jnp.bfloat16)
-    for causal in {"both": (False, True), "true": (True,), "false": (False,)}[args.causal]:
+    for causal in masks:
       for name in args.impls:
         case = dict(shape=shape, causal=causal, impl=name)
         if (why := impls.unavailable(name)) is not None:
