@@ -597,6 +597,27 @@ def test_diag_shape_args():
     cli.shapes_and_masks(ap.parse_args(["--shapes", "1,2,3"]))
 
 
+def test_ab_compares_a_copy_of_this_checkout(tmp_path):
+  """The A/B diagnostic imports another version's sources (here a copy of this checkout's, laid out
+  as `git archive` writes them) beside fa2_jax and times both: identical code gives identical
+  gradients, and every rate is positive."""
+  import shutil
+  from benchmarks.diag import ab
+  base = tmp_path / "base"
+  for name in ("fa2_jax", "kernels"):
+    shutil.copytree(ROOT / name, base / name, ignore=shutil.ignore_patterns("__pycache__"))
+  ab.main(["--base", str(base), "--cells", "1,64,2,32,c", "--rounds", "1", "--iters", "1",
+           "--reps", "1", "--out", str(tmp_path / "out")])
+  (row,) = _load(tmp_path / "out" / "ab.json")["rows"]
+  assert row["cell"] == "1,64,2,32,c" and row["grad_rel_diff"] == [0.0, 0.0, 0.0]
+  assert all(row["tflops"][v][p] > 0 for v in ("base", "new") for p in ("fwd", "fwd+bwd"))
+  assert sys.modules[ab.BASE_NAME].flash_attention.__module__.startswith(ab.BASE_NAME + ".")
+  with pytest.raises(SystemExit, match="--base"):
+    ab.import_base(str(tmp_path / "out"))
+  with pytest.raises(SystemExit, match="B,T,N,H,c"):
+    ab.parse_cells("1,64,2,32")
+
+
 def test_registers_parses_ptxas_reports():
   """The register diagnostic reads ptxas' -v report, one row per entry function."""
   from benchmarks.diag import registers

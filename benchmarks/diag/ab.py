@@ -1,0 +1,138 @@
+"""This checkout's fa2_jax against another version of it, side by side in one process.
+
+    git archive REV fa2_jax kernels | tar -x -C BASE_DIR     # the other version's sources
+    python -m benchmarks.diag.ab --base BASE_DIR [--cells "32,512,16,128,c;2,8192,32,64,nc"]
+        [--rounds 2] [--deterministic]
+
+Imports the sources under ``BASE_DIR`` (its ``fa2_jax/`` and ``kernels/`` folders, as ``git archive``
+writes them) as a second package, ``fa2_base``, beside this checkout's ``fa2_jax``, and times
+``flash_attention`` of both with the anchors' method (benchmarks/timing.py) on each cell
+``B,T,N,H,c|nc`` (bf16 random normals): forward and forward+backward, in ``--rounds`` rounds whose
+order alternates (base, new, new, base, then new, base, base, new), so that drift during the run falls
+on both alike. Per cell: each version's median TFLOP/s, the ratio new / base (above 1: this checkout
+is faster), and the largest relative difference of the gradients (max |new − base| / max |base|).
+A change that should cost nothing is measured this way; runs in separate processes drift by a few
+percent on the H200.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from .. import cli
+from ..device import device_info
+from ..flops import attention_flops, tflops
+from ..report import write_json
+from ..timing import forward_fn, fwd_bwd_fn, time_calls
+
+BASE_NAME = "fa2_base"
+
+
+def import_base(base_dir: str):
+  """The package of ``base_dir`` (``fa2_jax/`` and ``kernels/`` beside it, or ``fa2_jax/kernels/``),
+  imported as :data:`BASE_NAME` from a temporary copy laid out as the wheel installs it."""
+  src = Path(base_dir)
+  if not (src / "fa2_jax" / "__init__.py").is_file():
+    raise SystemExit(f"--base: {base_dir} holds no fa2_jax/__init__.py (make it with "
+                     "`git archive REV fa2_jax kernels | tar -x -C DIR`)")
+  root = Path(tempfile.mkdtemp(prefix="fa2_ab_"))
+  pkg = root / BASE_NAME
+  shutil.copytree(src / "fa2_jax", pkg, ignore=shutil.ignore_patterns("__pycache__"))
+  if not (pkg / "kernels").is_dir():
+    if not (src / "kernels" / "__init__.py").is_file():
+      raise SystemExit(f"--base: {base_dir} holds no kernels/ beside fa2_jax/")
+    shutil.copytree(src / "kernels", pkg / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+  sys.path.insert(0, str(root))
+  return importlib.import_module(BASE_NAME)
+
+
+def parse_cells(text: str) -> list[tuple[int, int, int, int, bool]]:
+  """``"B,T,N,H,c|nc;..."`` -> ``[(B, T, N, H, causal)]``."""
+  cells = []
+  for item in text.split(";"):
+    parts = item.split(",")
+    if len(parts) != 5 or parts[4] not in ("c", "nc") or not all(p.isdigit() for p in parts[:4]):
+      raise SystemExit(f"--cells: {item!r} is not B,T,N,H,c|nc")
+    cells.append((*map(int, parts[:4]), parts[4] == "c"))
+  return cells
+
+
+def _rel_diff(new, base) -> float:
+  import jax.numpy as jnp
+  new, base = jnp.asarray(new, jnp.float32), jnp.asarray(base, jnp.float32)
+  scale = float(jnp.max(jnp.abs(base)))
+  return float(jnp.max(jnp.abs(new - base))) / scale if scale > 0 else float(jnp.max(jnp.abs(new)))
+
+
+def compare(versions: dict, cells, *, rounds: int, deterministic: bool, iters: int, reps: int,
+            seed: int = 0) -> list[dict]:
+  """One row per cell: ``{cell, tflops: {version: {fwd, fwd+bwd}}, ratio: {fwd, fwd+bwd},
+  grad_rel_diff: [dq, dk, dv], samples}`` for ``versions = {"base": module, "new": module}``."""
+  import jax.numpy as jnp
+  rows = []
+  for b, t, n, h, causal in cells:
+    q, k, v = cli.random_inputs(seed + t + h, [(b, t, n, h)] * 3, jnp.bfloat16)
+    fns = {}
+    for name, mod in versions.items():
+      f = (lambda mod: lambda q, k, v: mod.flash_attention(q, k, v, is_causal=causal,
+                                                           deterministic=deterministic))(mod)
+      fns[name] = {"fwd": forward_fn(f), "fwd+bwd": fwd_bwd_fn(f)}
+    samples = {name: {"fwd": [], "fwd+bwd": []} for name in versions}
+    grads = {}
+    for r in range(rounds):
+      order = ["base", "new", "new", "base"] if r % 2 == 0 else ["new", "base", "base", "new"]
+      for name in order:
+        for pass_ in ("fwd", "fwd+bwd"):
+          st, out = time_calls(fns[name][pass_], (q, k, v), iters=iters, reps=reps)
+          samples[name][pass_].append(st["median_s"])
+          if pass_ == "fwd+bwd":
+            grads[name] = out
+    flops = attention_flops(b, n, t, t, h, causal)
+    rates = {name: {p: tflops(flops, p, statistics.median(s)) for p, s in by_pass.items()}
+             for name, by_pass in samples.items()}
+    rows.append(dict(
+        cell=f"{b},{t},{n},{h},{'c' if causal else 'nc'}", tflops=rates,
+        ratio={p: rates["new"][p] / rates["base"][p] for p in ("fwd", "fwd+bwd")},
+        grad_rel_diff=[_rel_diff(x, y) for x, y in zip(grads["new"], grads["base"])],
+        samples_s=samples))
+  return rows
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(prog="python -m benchmarks.diag.ab", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--base", required=True, help="folder with the other version's fa2_jax/ and kernels/")
+  ap.add_argument("--cells", default="32,512,16,128,c;8,2048,16,128,c;2,8192,16,128,nc;2,8192,32,64,nc",
+                  help="B,T,N,H,c|nc;...")
+  ap.add_argument("--rounds", type=cli.positive_int, default=2)
+  ap.add_argument("--deterministic", action="store_true", help="both versions with deterministic=True")
+  ap.add_argument("--iters", type=cli.positive_int, default=10)
+  ap.add_argument("--reps", type=cli.positive_int, default=5)
+  ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
+  args = ap.parse_args(argv)
+  cells = parse_cells(args.cells)
+  import fa2_jax
+  base = import_base(args.base)
+  info = device_info()
+  rows = compare({"base": base, "new": fa2_jax}, cells, rounds=args.rounds,
+                 deterministic=args.deterministic, iters=args.iters, reps=args.reps)
+  out = cli.resolve_out(argparse.Namespace(out=args.out), info)
+  write_json(out / "ab.json", {"meta": info, "deterministic": args.deterministic,
+                               "rounds": args.rounds, "rows": rows})
+  print(f"\n{'cell':<20} {'base fwd / fwd+bwd':>20} {'new fwd / fwd+bwd':>20} {'new/base fwd':>13} "
+        f"{'fwd+bwd':>8}  grad rel diff (dq, dk, dv)")
+  for r in rows:
+    tb, tn = r["tflops"]["base"], r["tflops"]["new"]
+    print(f"{r['cell']:<20} {tb['fwd']:>9.1f} / {tb['fwd+bwd']:>7.1f} {tn['fwd']:>11.1f} / "
+          f"{tn['fwd+bwd']:>7.1f} {r['ratio']['fwd']:>13.3f} {r['ratio']['fwd+bwd']:>8.3f}  "
+          + ", ".join(f"{d:.1e}" for d in r["grad_rel_diff"]))
+  print(f"wrote {out / 'ab.json'}")
+
+
+if __name__ == "__main__":
+  main()
