@@ -616,6 +616,11 @@ def test_ab_compares_a_copy_of_this_checkout(tmp_path):
     ab.import_base(str(tmp_path / "out"))
   with pytest.raises(SystemExit, match="B,T,N,H,c"):
     ab.parse_cells("1,64,2,32")
+  assert ab.parse_config("compute_registers=240,memory_registers=24,dq_fused=false") == dict(
+      compute_registers=240, memory_registers=24, dq_fused=False)
+  assert fa2_jax.MosaicConfig.default(64).replace(**ab.parse_config("dq_fused_min_t=0")).dq_fused_min_t == 0
+  with pytest.raises(SystemExit, match="--new-config: 'registers=240'"):
+    ab.parse_config("registers=240")
 
 
 def test_registers_parses_ptxas_reports():

@@ -2,7 +2,7 @@
 
     git archive REV fa2_jax kernels | tar -x -C BASE_DIR     # the other version's sources
     python -m benchmarks.diag.ab --base BASE_DIR [--cells "32,512,16,128,c;2,8192,32,64,nc"]
-        [--rounds 2] [--deterministic]
+        [--rounds 2] [--deterministic] [--new-config compute_registers=240,memory_registers=24]
 
 Imports the sources under ``BASE_DIR`` (its ``fa2_jax/`` and ``kernels/`` folders, as ``git archive``
 writes them) as a second package, ``fa2_base``, beside this checkout's ``fa2_jax``, and times
@@ -12,7 +12,9 @@ order alternates (base, new, new, base, then new, base, base, new), so that drif
 on both alike. Per cell: each version's median TFLOP/s, the ratio new / base (above 1: this checkout
 is faster), and the largest relative difference of the gradients (max |new − base| / max |base|).
 A change that should cost nothing is measured this way; runs in separate processes drift by a few
-percent on the H200.
+percent on the H200. ``--new-config`` gives this checkout's calls ``MosaicConfig.default(...)`` with
+those fields replaced (the Mosaic kernels; with ``--base`` a copy of this checkout, it times a config
+candidate against the default).
 """
 from __future__ import annotations
 
@@ -62,6 +64,26 @@ def parse_cells(text: str) -> list[tuple[int, int, int, int, bool]]:
   return cells
 
 
+def parse_config(text: str | None) -> dict:
+  """``"field=value,..."`` -> ``{field: value}`` for ``MosaicConfig.replace`` (ints, true/false, or
+  text); an unknown field is an error naming it."""
+  import dataclasses
+  from fa2_jax import MosaicConfig
+  if not text:
+    return {}
+  known = {f.name for f in dataclasses.fields(MosaicConfig)}
+  out = {}
+  for item in text.split(","):
+    name, sep, value = item.partition("=")
+    if not sep or name not in known:
+      raise SystemExit(f"--new-config: {item!r} is not FIELD=VALUE with a MosaicConfig field "
+                       f"({', '.join(sorted(known))})")
+    lowered = value.lower()
+    out[name] = (int(value) if value.lstrip("-").isdigit() else
+                 lowered == "true" if lowered in ("true", "false") else value)
+  return out
+
+
 def _rel_diff(new, base) -> float:
   import jax.numpy as jnp
   new, base = jnp.asarray(new, jnp.float32), jnp.asarray(base, jnp.float32)
@@ -70,17 +92,21 @@ def _rel_diff(new, base) -> float:
 
 
 def compare(versions: dict, cells, *, rounds: int, deterministic: bool, iters: int, reps: int,
-            seed: int = 0) -> list[dict]:
+            new_config: dict | None = None, seed: int = 0) -> list[dict]:
   """One row per cell: ``{cell, tflops: {version: {fwd, fwd+bwd}}, ratio: {fwd, fwd+bwd},
-  grad_rel_diff: [dq, dk, dv], samples}`` for ``versions = {"base": module, "new": module}``."""
+  grad_rel_diff: [dq, dk, dv], samples}`` for ``versions = {"base": module, "new": module}``;
+  ``new_config``: fields of the new version's ``MosaicConfig``."""
   import jax.numpy as jnp
   rows = []
   for b, t, n, h, causal in cells:
     q, k, v = cli.random_inputs(seed + t + h, [(b, t, n, h)] * 3, jnp.bfloat16)
     fns = {}
     for name, mod in versions.items():
-      f = (lambda mod: lambda q, k, v: mod.flash_attention(q, k, v, is_causal=causal,
-                                                           deterministic=deterministic))(mod)
+      blocks = None
+      if name == "new" and new_config:
+        blocks = mod.MosaicConfig.default(h, jnp.bfloat16, causal).replace(**new_config)
+      f = (lambda mod, blocks: lambda q, k, v: mod.flash_attention(
+          q, k, v, is_causal=causal, deterministic=deterministic, block_sizes=blocks))(mod, blocks)
       fns[name] = {"fwd": forward_fn(f), "fwd+bwd": fwd_bwd_fn(f)}
     samples = {name: {"fwd": [], "fwd+bwd": []} for name in versions}
     grads = {}
@@ -111,19 +137,23 @@ def main(argv=None):
                   help="B,T,N,H,c|nc;...")
   ap.add_argument("--rounds", type=cli.positive_int, default=2)
   ap.add_argument("--deterministic", action="store_true", help="both versions with deterministic=True")
+  ap.add_argument("--new-config", default=None,
+                  help="MosaicConfig fields for this checkout's calls: field=value,...")
   ap.add_argument("--iters", type=cli.positive_int, default=10)
   ap.add_argument("--reps", type=cli.positive_int, default=5)
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
   cells = parse_cells(args.cells)
+  new_config = parse_config(args.new_config)
   import fa2_jax
   base = import_base(args.base)
   info = device_info()
   rows = compare({"base": base, "new": fa2_jax}, cells, rounds=args.rounds,
-                 deterministic=args.deterministic, iters=args.iters, reps=args.reps)
+                 deterministic=args.deterministic, iters=args.iters, reps=args.reps,
+                 new_config=new_config)
   out = cli.resolve_out(argparse.Namespace(out=args.out), info)
   write_json(out / "ab.json", {"meta": info, "deterministic": args.deterministic,
-                               "rounds": args.rounds, "rows": rows})
+                               "new_config": new_config, "rounds": args.rounds, "rows": rows})
   print(f"\n{'cell':<20} {'base fwd / fwd+bwd':>20} {'new fwd / fwd+bwd':>20} {'new/base fwd':>13} "
         f"{'fwd+bwd':>8}  grad rel diff (dq, dk, dv)")
   for r in rows:
