@@ -125,11 +125,17 @@ def backward_rows(stats, exact=None, c: float = 1.0):
 FAST_FORM_LIMIT = 2.0 ** 10
 
 
-def exact_heads(stats, scale: float, modifies_scores: bool):
-  """``[B, N]`` int32: 1 where a row of that (batch, head) needs the backward's exact form."""
+def exact_heads(stats, scale: float, modifies_scores: bool, group: int = 1):
+  """``[B, N]`` int32: 1 where a row of that (batch, head) needs the backward's exact form, and then
+  for every head of its GQA group of ``group`` consecutive query heads (one KV head): a dK/dV
+  kernel runs a group's heads in one CTA, in one form, so their rows must all be in that form."""
   r, l = stats[:, :, 0], stats[:, :, 1]
   m = r * np.float32(exponent_scale(scale, modifies_scores))
-  return jnp.any((l > 0.0) & ~(jnp.abs(m) < FAST_FORM_LIMIT), axis=-1).astype(jnp.int32)
+  exact = jnp.any((l > 0.0) & ~(jnp.abs(m) < FAST_FORM_LIMIT), axis=-1)  # [B, N]
+  if group > 1:
+    b, n = exact.shape
+    exact = jnp.repeat(jnp.any(exact.reshape(b, n // group, group), axis=-1), group, axis=1)
+  return exact.astype(jnp.int32)
 
 
 def probabilities(s, r, u, c: float, *, exact: bool, bcast):

@@ -57,7 +57,22 @@ def _reference(q, k, v, do, *, scale, causal):
   return out, lse, grads, probs
 
 
+def _gqa_inputs(t, h, dtype):
+  """GQA, one KV head for two query heads whose logits differ in size: q = 1 (head 0, huge logits
+  at scale 1e9) and 2^-28 (head 1: |scale * q·k * log2 e| about 690 at scale 1e9 and h = 128, 170
+  at h = 32: the fast form's range); keys in [0.25, 0.495] but 1 at key 5, so both heads' rows are
+  one-hot."""
+  q = jnp.ones((1, t, 2, h), jnp.float32).at[:, :, 1].set(2.0 ** -28)
+  k = jax.random.uniform(jax.random.key(3), (1, t, 1, h), minval=0.25, maxval=0.495)
+  k = k.at[0, 5, 0].set(1.0)
+  v = jax.random.normal(jax.random.key(4), k.shape)
+  return tuple(x.astype(dtype) for x in (q, k, v))
+
+
 def _check(out, lse, q, k, v, *, scale, causal, grads=None, do=None):
+  group = q.shape[2] // k.shape[2]
+  if group > 1:  # GQA: check against the formula on each query head's copy of its KV head
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
   ref, ref_lse, ref_grads, probs = _reference(q, k, v, q if do is None else do, scale=scale,
                                               causal=causal)
   out = np.asarray(out.astype(jnp.float32))
@@ -87,6 +102,10 @@ def _check(out, lse, q, k, v, *, scale, causal, grads=None, do=None):
   # Never NaN. Finite and within the bound wherever the dtype holds the reference plus the bound:
   # with float16 and |scale| past ~1e7, |scale| times the rounding of O alone can pass 65504 (so
   # it does for the float16 formula), and then the gradient may be inf.
+  if group > 1:  # a KV head's gradient is the sum over its query heads' copies
+    b_, s_, n_, h_ = ref_dk.shape
+    ref_dk, ref_dv, bound_dk, bound_dv = (x.reshape(b_, s_, n_ // group, group, h_).sum(3)
+                                          for x in (ref_dk, ref_dv, bound_dk, bound_dv))
   big = 0.5 * float(jnp.finfo(q.dtype).max)
   for name, g, r, bound in (("dq", dq, ref_dq, bound_dq), ("dk", dk, ref_dk, bound_dk),
                             ("dv", dv, ref_dv, bound_dv)):
@@ -129,6 +148,41 @@ def _fused_dq_config(head_dim, dtype, causal):
   if cfg.check(head_dim, jnp.dtype(dtype).itemsize):  # shared memory: a shallower dK/dV ring
     cfg = cfg.replace(num_stages_dkv=2)
   return cfg
+
+
+def test_extreme_logits_gqa_mixed_group_triton():
+  q, k, v = _gqa_inputs(72, 32, jnp.bfloat16)
+  do = _grad_inputs(q)
+  blocks = fa2_jax.BlockSizes(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32,
+                              block_q_dq=32, block_k_dq=32)
+  fn = lambda q, k, v: fa2_jax.flash_attention(q, k, v, scale=1e9, implementation="triton",
+                                               interpret=True, block_sizes=blocks,
+                                               return_residual=True)
+  out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
+  _check(out, lse, q, k, v, scale=1e9, causal=False, grads=grads, do=do)
+
+
+def test_extreme_logits_gqa_mixed_group_mosaic_emulated():
+  """A KV head whose query heads need different forms of P (one huge, one ordinary): the dK/dV
+  kernel runs the group's heads in one CTA, so the whole group takes the exact form."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from fa2_jax.kernels.mosaic.backward import backward
+  from fa2_jax.kernels.mosaic.forward import forward
+  from fa2_jax.kernels.mosaic.ops import emulated_mma
+  from fa2_jax.kernels.softmax import lse_from_stats
+
+  scale = 1e9
+  q, k, v = _gqa_inputs(256, 128, jnp.bfloat16)
+  do = _grad_inputs(q)
+
+  def run(q, k, v, do):
+    out, stats = forward(q, k, v, scale=scale, is_causal=False)
+    grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=False)
+    return out, jnp.swapaxes(lse_from_stats(stats, scale, False), 1, 2), grads
+
+  with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    out, lse, grads = jax.jit(run)(q, k, v, do)
+  _check(out, lse, q, k, v, scale=scale, causal=False, grads=grads, do=do)
 
 
 @pytest.mark.parametrize("dtype,scale,causal,ties,t,fused", [
@@ -174,6 +228,13 @@ def test_extreme_logits_compiled(implementation):
                                                  return_residual=True)
     out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
     _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
+  # GQA, a group whose query heads need different forms of P (bfloat16: float16 flushes q = 2^-28)
+  q, k, v = _gqa_inputs(1000, 128, jnp.bfloat16)
+  do = _grad_inputs(q)
+  fn = lambda q, k, v: fa2_jax.flash_attention(q, k, v, scale=1e9, implementation=implementation,
+                                               return_residual=True)
+  out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
+  _check(out, lse, q, k, v, scale=1e9, causal=False, grads=grads, do=do)
 
 
 @pytest.mark.gpu

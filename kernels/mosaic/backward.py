@@ -69,7 +69,8 @@ def backward_tiles(cfg: MosaicConfig) -> tuple[int, int]:
   return q_tile, math.lcm(*k_tiles)
 
 
-def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool = False):
+def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool = False,
+             group: int = 1):
   """The kernels' row inputs, computed by XLA before them: ``delta [B, N, T]`` f32, the rows'
   ``[B, N, 2, T]`` f32 and the heads that need the exact form of P, ``[B, N]`` int32
   (``kernels/softmax.py``: ``backward_rows``, ``exact_heads``).
@@ -80,7 +81,7 @@ def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool =
   delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
   if dlse is not None:
     delta = delta - dlse.astype(jnp.float32)
-  exact = exact_heads(stats, scale, modifies_scores)
+  exact = exact_heads(stats, scale, modifies_scores, group)  # group: query heads per KV head
   rows = backward_rows(stats, exact, exponent_scale(scale, modifies_scores))
   return delta, rows, exact
 
@@ -117,7 +118,7 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     q, do = zero_padding(q, arrays.q_lengths), zero_padding(do, arrays.q_lengths)
     k, v = zero_padding(k, arrays.kv_lengths), zero_padding(v, arrays.kv_lengths)
   delta, row_inputs, exact = prologue(out, do, stats, dlse, scale=scale, modifies_scores=(
-      variant is not None and variant.modifies_scores))
+      variant is not None and variant.modifies_scores), group=n // k.shape[2])
   # Zero rows past T: the padded query rows then contribute exactly nothing (see module docstring).
   delta = pad_axis(delta, 2, plan.t_lse)
   row_inputs = pad_axis(row_inputs, 3, plan.t_lse)
