@@ -133,7 +133,7 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
                              tables=tables or {}, deterministic=deterministic, **common)
   if cfg.fuses_dq(t, deterministic=deterministic):
     dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, *per_row, want_dk=True, want_dv=True,
-                              num_wgs=cfg.num_wgs_dkv, fused_dq=True, **common)
+                              num_wgs=cfg.num_wgs_dkv, fused_dq=True, seq_k=s, **common)
     dq = (dq_acc[:, :t] * scale).astype(q.dtype)
     if plan.pad_s:
       dk, dv = dk[:, :s], dv[:, :s]

@@ -85,7 +85,7 @@ class _Dkv:
   # or None (each consumer its own keys' full [block_q, H] partial: num_wgs reduce-adds of the same
   # rows). See dq_split.
   dq_split: str | None = None
-  seq_k: int = 0  # true S (keys past it are TMA zero fill; a variant's mask excludes them)
+  seq_k: int = 0  # true S (keys past it are zero fill: a variant's mask excludes them, fused dQ masks dS)
   variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
   names: tuple[str, ...] = ()  # its operands, after delta
   # Order of a step's products: dP^T issued right behind S^T, so the softmax runs while dP^T is in
@@ -128,6 +128,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
     vr = Refs(variant, st.names, var_refs, b)
     i_start, full_lo, full_hi, nq = vr.ranges(kt)
   n_i = nq - i_start  # query tiles per group head (traced when causal)
+  # Fused dQ over a ragged key extent: the last key tile's rows past S are zero K, where the fast
+  # form's P = exp2(-t) is not bounded (it overflows for a row whose logits are all below -128 in
+  # base 2), and its dS^T times those zero rows of K would be NaN in dQ. The separate dQ kernel
+  # masks them itself; dK and dV of those keys are cut off by the caller.
+  key_tail = (variant is None and st.fused_dq and st.seq_k > 0
+              and st.n_k_tiles * nwg * bk > st.seq_k)
   n_steps = n_i * g_size
 
   @pl.when(wg < nwg)
@@ -262,6 +268,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
           ds_t = ds_t * deriv  # through soft cap / score_fn: d s_out / d s_in
         if variant is not None and keep is not None:
           ds_t = jnp.where(keep, ds_t, 0.0)  # masked pairs: no 0 * NaN from dP or the derivative
+        if key_tail:  # keys past S (zero K rows) leave dS^T as 0: no inf * 0 in the fused dS K
+          ds_t = jnp.where(k0 + iota2(tile, 0) < st.seq_k, ds_t, 0.0)
         ds16 = ds_t.astype(st.dtype)
         par = stage_ds(idx, ds16) if st.fused_dq else None
         if st.want_dv and early:
