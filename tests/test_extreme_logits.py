@@ -28,6 +28,9 @@ import fa2_jax
 from fa2_jax import dispatch
 
 SCALES = (1e5, 1e9, 1e30, -1e9)
+# 32-row Triton tiles: several key tiles, full and ragged, at the small lengths interpret mode affords
+TRITON_BLOCKS = fa2_jax.BlockSizes(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32,
+                                   block_q_dq=32, block_k_dq=32)
 
 
 def _inputs(t, h, dtype, ties, seed=0):
@@ -129,14 +132,12 @@ def _fwd_bwd(fn, q, k, v, do):
 @pytest.mark.parametrize("scale", SCALES)
 def test_extreme_logits_triton(dtype, scale):
   """32-row tiles over T = S = 72: two full key tiles and a ragged one; causal and not, ties."""
-  blocks = fa2_jax.BlockSizes(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32,
-                              block_q_dq=32, block_k_dq=32)
   for causal, ties in itertools.product((False, True), (False, True)):
     q, k, v = _inputs(72, 32, dtype, ties)
     do = _grad_inputs(q)
     fn = lambda q, k, v: fa2_jax.flash_attention(
         q, k, v, scale=scale, is_causal=causal, implementation="triton", interpret=True,
-        block_sizes=blocks, return_residual=True)
+        block_sizes=TRITON_BLOCKS, return_residual=True)
     out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
     _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
 
@@ -153,36 +154,43 @@ def _fused_dq_config(head_dim, dtype, causal):
 def test_extreme_logits_gqa_mixed_group_triton():
   q, k, v = _gqa_inputs(72, 32, jnp.bfloat16)
   do = _grad_inputs(q)
-  blocks = fa2_jax.BlockSizes(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32,
-                              block_q_dq=32, block_k_dq=32)
   fn = lambda q, k, v: fa2_jax.flash_attention(q, k, v, scale=1e9, implementation="triton",
-                                               interpret=True, block_sizes=blocks,
+                                               interpret=True, block_sizes=TRITON_BLOCKS,
                                                return_residual=True)
   out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
   _check(out, lse, q, k, v, scale=1e9, causal=False, grads=grads, do=do)
 
 
-def test_extreme_logits_gqa_mixed_group_mosaic_emulated():
-  """A KV head whose query heads need different forms of P (one huge, one ordinary): the dK/dV
-  kernel runs the group's heads in one CTA, so the whole group takes the exact form."""
+def _mosaic_fwd_bwd(q, k, v, do, *, scale, causal, config=None, emulate=False):
+  """The Mosaic kernels called directly: ``(out, lse [B, T, N], (dq, dk, dv))`` of ``sum(out * do)``;
+  with ``config`` fusing dQ (the non-deterministic backward); ``emulate``: in GPU interpret mode
+  with emulated wgmma (CPU)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from fa2_jax.kernels.mosaic.backward import backward
   from fa2_jax.kernels.mosaic.forward import forward
   from fa2_jax.kernels.mosaic.ops import emulated_mma
   from fa2_jax.kernels.softmax import lse_from_stats
-
-  scale = 1e9
-  q, k, v = _gqa_inputs(256, 128, jnp.bfloat16)
-  do = _grad_inputs(q)
+  fused = config is not None and config.fuses_dq(q.shape[1], deterministic=False)
 
   def run(q, k, v, do):
-    out, stats = forward(q, k, v, scale=scale, is_causal=False)
-    grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=False)
+    out, stats = forward(q, k, v, scale=scale, is_causal=causal)
+    grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=causal, config=config,
+                     deterministic=not fused)
     return out, jnp.swapaxes(lse_from_stats(stats, scale, False), 1, 2), grads
 
+  if not emulate:
+    return jax.jit(run)(q, k, v, do)
   with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    out, lse, grads = jax.jit(run)(q, k, v, do)
-  _check(out, lse, q, k, v, scale=scale, causal=False, grads=grads, do=do)
+    return jax.jit(run)(q, k, v, do)
+
+
+def test_extreme_logits_gqa_mixed_group_mosaic_emulated():
+  """A KV head whose query heads need different forms of P (one huge, one ordinary): the dK/dV
+  kernel runs the group's heads in one CTA, so the whole group takes the exact form."""
+  q, k, v = _gqa_inputs(256, 128, jnp.bfloat16)
+  do = _grad_inputs(q)
+  out, lse, grads = _mosaic_fwd_bwd(q, k, v, do, scale=1e9, causal=False, emulate=True)
+  _check(out, lse, q, k, v, scale=1e9, causal=False, grads=grads, do=do)
 
 
 @pytest.mark.parametrize("dtype,scale,causal,ties,t,fused", [
@@ -192,25 +200,12 @@ def test_extreme_logits_gqa_mixed_group_mosaic_emulated():
     (jnp.bfloat16, 1e9, True, True, 256, True),     # dQ fused into the dK/dV kernel
 ])
 def test_extreme_logits_mosaic_emulated(dtype, scale, causal, ties, t, fused):
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  from fa2_jax.kernels.mosaic.backward import backward
-  from fa2_jax.kernels.mosaic.forward import forward
-  from fa2_jax.kernels.mosaic.ops import emulated_mma
-  from fa2_jax.kernels.softmax import lse_from_stats
-
   q, k, v = _inputs(t, 128, dtype, ties)
   do = _grad_inputs(q)
   cfg = _fused_dq_config(128, dtype, causal) if fused else None
   assert cfg is None or cfg.fuses_dq(t, deterministic=False)
-
-  def run(q, k, v, do):
-    out, stats = forward(q, k, v, scale=scale, is_causal=causal)
-    grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=causal, config=cfg,
-                     deterministic=not fused)
-    return out, jnp.swapaxes(lse_from_stats(stats, scale, False), 1, 2), grads
-
-  with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    out, lse, grads = jax.jit(run)(q, k, v, do)
+  out, lse, grads = _mosaic_fwd_bwd(q, k, v, do, scale=scale, causal=causal, config=cfg,
+                                    emulate=True)
   _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
 
 
@@ -241,21 +236,10 @@ def test_extreme_logits_compiled(implementation):
 def test_extreme_logits_compiled_fused_dq():
   if not dispatch.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
-  from fa2_jax.kernels.mosaic.backward import backward
-  from fa2_jax.kernels.mosaic.forward import forward
-  from fa2_jax.kernels.softmax import lse_from_stats
-
   for scale, causal in itertools.product(SCALES, (False, True)):
     q, k, v = _inputs(1000, 128, jnp.bfloat16, ties=causal)
     do = _grad_inputs(q)
     cfg = _fused_dq_config(128, jnp.bfloat16, causal)
     assert cfg.fuses_dq(1000, deterministic=False)
-
-    def run(q, k, v, do):
-      out, stats = forward(q, k, v, scale=scale, is_causal=causal)
-      grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=causal, config=cfg,
-                       deterministic=False)
-      return out, jnp.swapaxes(lse_from_stats(stats, scale, False), 1, 2), grads
-
-    out, lse, grads = jax.jit(run)(q, k, v, do)
+    out, lse, grads = _mosaic_fwd_bwd(q, k, v, do, scale=scale, causal=causal, config=cfg)
     _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
