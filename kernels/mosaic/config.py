@@ -203,11 +203,10 @@ class MosaicConfig:
     # Fused dQ (used only when the call allows a non-deterministic backward) from 2k query rows
     # non-causal and 4k causal: with fewer query tiles the key tiles' reduce-adds pile onto few dQ rows
     # and the separate dQ kernel is faster; calls with an attention variant follow the same rule
-    # (docs/design.md#when-the-backward-fuses-dq). Causal calls
-    # give the backward's consumers 240 registers and the producer 24, non-causal calls keep 232/40
-    # (docs/design.md#register-split).
+    # (docs/design.md#when-the-backward-fuses-dq). The consumers get 240 registers and the producer
+    # 24 (docs/design.md#register-split).
     fused = dict(dq_fused=True, dq_fused_min_t=4096 if is_causal else 2048, dq_fused_variants=True)
-    regs = dict(compute_registers=240, memory_registers=24) if is_causal else {}
+    regs = dict(compute_registers=240, memory_registers=24)
     if head_dim <= 64:
       # The fused dS^T/dQ staging needs the SMEM of a third dK/dV stage. Causal dK/dV keeps the
       # per-head launch order (lpt_heads_dkv=1), faster than any L2 section for this kernel only

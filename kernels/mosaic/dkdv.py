@@ -146,10 +146,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
     if st.want_dk:
       v_s = v_smem.at[wg]
       plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s, v_bar.at[wg])
-    # Exact when any head of the group has a row past the fast form's range (a per-CTA choice; the
-    # flag is the group's, on each of its heads: exact_heads). Read before the waits, so that the
-    # load's latency hides behind the K_j / V_j copies.
-    needs_exact = exact_ref[b, kvh * g_size] != 0
     plgpu.barrier_wait(k_bar.at[wg])
     if st.want_dk:
       plgpu.barrier_wait(v_bar.at[wg])
@@ -332,7 +328,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       plgpu.commit_smem_to_gmem_group()
       plgpu.wait_smem_to_gmem(0)
 
-    per_cta_choice(needs_exact, finish)
+    # Exact when any head of the group has a row past the fast form's range (a per-CTA choice; the
+    # flag is the group's, on each of its heads: exact_heads). Read here, at the branch: read before
+    # the K_j / V_j waits it made the fused kernel 0.68x at head_dim 64 (docs/design.md, "Softmax form").
+    per_cta_choice(exact_ref[b, kvh * g_size] != 0, finish)
 
   @pl.when(wg == nwg)
   def _producer():

@@ -90,7 +90,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
     plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, pl.ds(row0, bq)], rows_smem.at[wg],
                             rows_bar.at[wg])
     plgpu.copy_gmem_to_smem(delta_ref.at[row_span], delta_smem.at[wg], delta_bar.at[wg])
-    needs_exact = exact_ref[b, h] != 0  # read before the waits: its latency hides behind the copies
     for bar in (q_bar, do_bar, rows_bar, delta_bar):
       plgpu.barrier_wait(bar.at[wg])
     row_r = plgpu.load(rows_smem.at[wg, 0], layout=plgpu.Layout.WGMMA.reduce(1))
@@ -150,7 +149,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
       plgpu.copy_smem_to_gmem(q_s, dq_ref.at[rows])
       plgpu.wait_smem_to_gmem(0)
 
-    per_cta_choice(needs_exact, finish)
+    per_cta_choice(exact_ref[b, h] != 0, finish)  # read at the branch (as in dkdv.py)
 
   pl.when(wg == nwg)(functools.partial(
       kv_producer, st.memory_registers, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem,

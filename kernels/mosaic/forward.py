@@ -11,12 +11,13 @@ the sequence, so 8k tokens x 16 heads x batch 2 give 1024 CTAs for 132 SMs):
 * one **producer warpgroup** that only issues TMA copies of ``K_j, V_j`` into a ``num_stages``-deep
   SMEM ring: a slot is refilled once both consumers have arrived on its "free" barrier, and consumers
   wait on its "full" barrier (TMA completes it with the byte count). ``setmaxnreg`` moves registers from
-  the producer (40) to the consumers (232). This is the Hopper form of FA2's "load K_j, V_j to SRAM"
+  the producer to the consumers (``MosaicConfig.registers``: 24 and 240 in the defaults). This is the Hopper form of FA2's "load K_j, V_j to SRAM"
   (Alg. 1 line 6) overlapped with compute.
 * Online softmax (Alg. 1 lines 8-10) with the *unscaled* accumulator (§3.1.1 tweak 1: ``O`` is
   rescaled by ``exp(m_old - m_new)`` only, and divided by ``l`` once at the end, line 12), exp2 with the
-  softmax scale folded into one FMA (§3.1), and only ``lse = m + log l`` saved for the backward (§3.1.1
-  tweak 2, line 13), natural log, f32, ``[B, N, T]``.
+  softmax scale folded into one FMA (§3.1), and, instead of the lse of §3.1.1 tweak 2 (line 13), two
+  floats per row saved for the backward: ``stats [B, N, 2, T]`` f32, the row's raw maximum and its
+  sum relative to that maximum's weight (``kernels/softmax.py``; the lse follows from them in XLA).
 * Causal (§3.1 "causal masking"): key tiles wholly above the diagonal are never loaded (the loop ends at
   ``n_end``); only tiles straddling the diagonal (and the ragged key tail) run the masked body.
 * ``pingpong`` (optional, default on): FlashAttention-3's inter-warpgroup schedule, after JAX's
