@@ -7,7 +7,7 @@ JSON, written after every cell, is rendered here). Time a stage does not use goe
 
     python -m benchmarks.run_all --quick [--budget-s 450] [--out DIR] [--archive FILE.tar.gz]
     python -m benchmarks.run_all --full --only attention --budget-s 540      # one part of the full set
-    python -m benchmarks.run_all --smoke --out /tmp/bench_smoke              # CPU, interpret mode
+    python -m benchmarks.run_all --smoke --out OUT_DIR                     # CPU, interpret mode
 
 Without a GPU (asked of jax in a child process) the smoke size is run whatever the mode. Results go to
 ``out/<gpu>/`` in the checkout (ignored by git) unless ``--out`` says otherwise.

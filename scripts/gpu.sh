@@ -28,7 +28,7 @@
 # FA2_GIT_COMMIT names the commit in the results' metadata where the checkout is a copy without git.
 # Environment: NVLink multicast stays off (NCCL, PyTorch, NVSHMEM: a program that uses it can put a
 # shared host's GPUs out of service); optional peer wheels carried in .peer/ (tokamax, flash_attn3_jax,
-# and a stub/ folder) are installed to /tmp/peer and put on PYTHONPATH, so the benchmarks add their rows.
+# and a stub/ folder) are installed to .peer/site and put on PYTHONPATH, so the benchmarks add their rows.
 set -uo pipefail
 MODES="tests grid gpt variants latency memory numerics ablation tune all"
 mode="${1:-}"
@@ -55,9 +55,9 @@ limit="${GPU_TIMEOUT:-570}"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # fa2_jax and benchmarks from this checkout
 if ls .peer/*.whl >/dev/null 2>&1; then
-  rm -rf /tmp/peer
-  python3 -m pip install -q --no-index --no-deps --target /tmp/peer .peer/*.whl \
-    && export PYTHONPATH="$root/.peer/stub:/tmp/peer:$PYTHONPATH" \
+  rm -rf .peer/site
+  python3 -m pip install -q --no-index --no-deps --target .peer/site .peer/*.whl \
+    && export PYTHONPATH="$root/.peer/stub:$root/.peer/site:$PYTHONPATH" \
     || echo "scripts/gpu.sh: installing the peer wheels of .peer/ failed; their rows are left out" >&2
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader \

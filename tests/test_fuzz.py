@@ -124,7 +124,9 @@ def _terms(q, k, v, do, dlse, scale, causal, dtype, shift=None):
 
   ``shift``: None, or ``(d_fwd, d_bwd)`` ``[B, N, T, S]`` perturbations of the logits: the forward
   uses ``s + d_fwd`` throughout, the backward recomputes ``P = exp(s + d_bwd - lse)`` from the
-  forward's lse (FlashAttention-2's backward); the check of :func:`logit_rounding_bound` uses it.
+  forward's lse (FlashAttention-2's backward; the kernels recompute it from the rows' statistics,
+  kernels/softmax.py, which round no large offset: a model that is conservative for them); the
+  check of :func:`logit_rounding_bound` uses it.
   """
   q, k, v, do, dlse = (np.asarray(x, dtype) for x in (q, k, v, do, dlse))
   scale = dtype(scale)
@@ -238,7 +240,8 @@ def logit_rounding_bound(q, k, v, do, dlse, scale, causal):
     -Delta: F_ij = |P' - P| bound (0 for a lone key); |dO| <= F |V|;
     |dlse| <= max(log sum_l P_il e^Delta_il, -log sum_l P_il e^-Delta_il) + 2 u |lse|;
   * backward (P recomputed as exp(s' - lse) from a second evaluation s' of the logits and the
-    forward's lse, as FlashAttention-2 does): |dP_ij| <= B_ij = P_ij (e^(Delta_ij + |dlse_i|) - 1);
+    forward's lse, as FlashAttention-2 does; the kernels' row-statistics form rounds less, so the
+    bound holds for them too): |dP_ij| <= B_ij = P_ij (e^(Delta_ij + |dlse_i|) - 1);
     |dD| <= |dO| . |dO|_fwd; dP - D, which cancels on peaked rows, carries its own float32 rounding
     C_ij = (H + 2) u (|dO_i| . |v_j| + |dO_i| . |O_i|); |d dS| <= B |dP - D + dlse| + (P + B)
     (|dD| + C); |d dQ| <= |scale| |d dS| |K|, |d dK| <= |scale| |d dS|^T |Q|, |d dV| <= B^T |dO|.

@@ -373,7 +373,7 @@ def test_section_heads():
   assert causal_section(cfg.replace(lpt_heads=64), n_bh=32, group=1, kv_bytes=4 * mib) == 32
   assert causal_section(cfg.replace(lpt_heads=1), n_bh=32, group=1, kv_bytes=4 * mib, dkv=True) == 8
   assert causal_section(cfg.replace(lpt_heads_dkv=1), n_bh=32, group=1, kv_bytes=4 * mib, dkv=True) == 1
-  assert MosaicConfig.default(64, is_causal=True).lpt_heads_dkv == 1  # measured (s9/lpt_gpu1.txt)
+  assert MosaicConfig.default(64, is_causal=True).lpt_heads_dkv == 1  # docs/design.md#causal-launch-order
 
 
 def test_plan_lengths_default_tiles():
@@ -385,7 +385,7 @@ def test_plan_lengths_default_tiles():
     assert (p.t, p.s) == (1000, 777)
     assert p.t_hbm == 1000 and p.pad_t == 0  # multiple of 8 and >= one tile: TMA bounds, no pad
     assert p.s_hbm == 896 and p.pad_s == 119  # 777 is not a multiple of 8: padded to 7 x 128
-    assert p.t_lse == 1024
+    assert p.t_rows == 1024
   # h256: 64-key forward tiles; the backward's dQ CTA has one consumer (64 rows) while the split
   # dV pass still covers 2 x 64 keys
   cfg = MosaicConfig.default(256)
@@ -393,11 +393,11 @@ def test_plan_lengths_default_tiles():
   assert plan_lengths(1000, 777, q_tile=128, k_tile=64, mode="tma").s_hbm == 832
   assert backward_tiles(cfg) == (64, 128)
   p = plan_lengths(1000, 777, q_tile=64, k_tile=128, mode="tma")
-  assert (p.t_hbm, p.s_hbm, p.t_lse) == (1000, 896, 1024)
+  assert (p.t_hbm, p.s_hbm, p.t_rows) == (1000, 896, 1024)
 
 
 @pytest.mark.parametrize("t,s,q_tile,k_tile,mode,want", [
-    # (t_hbm, s_hbm, t_lse)
+    # (t_hbm, s_hbm, t_rows)
     (1000, 1000, 128, 128, "tma", (1000, 1000, 1024)),
     (1000, 1000, 128, 128, "pad", (1024, 1024, 1024)),
     (1024, 1024, 128, 128, "pad", (1024, 1024, 1024)),
@@ -412,7 +412,7 @@ def test_plan_lengths_default_tiles():
 ])
 def test_plan_lengths_cases(t, s, q_tile, k_tile, mode, want):
   p = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=mode)
-  assert (p.t_hbm, p.s_hbm, p.t_lse) == want
+  assert (p.t_hbm, p.s_hbm, p.t_rows) == want
   assert (p.pad_t, p.pad_s) == (want[0] - t, want[1] - s)
 
 
@@ -426,8 +426,8 @@ def test_plan_lengths_invariants():
       else:  # unpadded: TMA needs 8-row multiples and at least one tile; pad mode only whole tiles
         assert t >= tile and (t % 8 == 0 if mode == "tma" else t % tile == 0)
     lcm = math.lcm(tile, 64)
-    assert p.t_lse % lcm == 0 and t <= p.t_lse < t + lcm
-    assert p.t_lse >= math.ceil(p.t_hbm / tile) * tile  # every lse tile store stays in bounds
+    assert p.t_rows % lcm == 0 and t <= p.t_rows < t + lcm
+    assert p.t_rows >= math.ceil(p.t_hbm / tile) * tile  # every lse tile store stays in bounds
   with pytest.raises(ValueError, match="ragged mode"):
     plan_lengths(10, 10, q_tile=128, k_tile=128, mode="zero")
 

@@ -4,8 +4,9 @@ Modules (import what you use; this package imports nothing eagerly, so ``import 
 
 * ``config``: :class:`MosaicConfig` (tiles, ring depths, warpgroups), its per-head_dim defaults, the
   shared-memory budget and ``supports(q_shape, k_shape, dtype, head_dim, is_causal) -> None | reason``.
-* ``forward``: ``forward(q, k, v, scale=..., is_causal=..., config=None) -> (out, lse [B, N, T])``.
-* ``backward``: ``backward(q, k, v, out, lse, do, dlse=None, scale=..., is_causal=...,
+* ``forward``: ``forward(q, k, v, scale=..., is_causal=..., config=None) -> (out, stats [B, N, 2, T])``
+  (the rows' statistics, ``kernels/softmax.py``; the lse follows from them).
+* ``backward``: ``backward(q, k, v, out, stats, do, dlse=None, scale=..., is_causal=...,
   deterministic=True, config=None) -> (dq, dk, dv)``.
 * ``schedule``: block ranges (causal block skipping) and the longest-first launch order.
 * ``lengths``: ragged sequence lengths (TMA bounds or an HBM pad).

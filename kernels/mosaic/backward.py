@@ -120,8 +120,8 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   delta, row_inputs, exact = prologue(out, do, stats, dlse, scale=scale, modifies_scores=(
       variant is not None and variant.modifies_scores), group=n // k.shape[2])
   # Zero rows past T: the padded query rows then contribute exactly nothing (see module docstring).
-  delta = pad_axis(delta, 2, plan.t_lse)
-  row_inputs = pad_axis(row_inputs, 3, plan.t_lse)
+  delta = pad_axis(delta, 2, plan.t_rows)
+  row_inputs = pad_axis(row_inputs, 3, plan.t_rows)
   do = do.astype(q.dtype)
   qp, dop = pad_axis(q, 1, plan.t_hbm), pad_axis(do, 1, plan.t_hbm)
   kp, vp = pad_axis(k, 1, plan.s_hbm), pad_axis(v, 1, plan.s_hbm)

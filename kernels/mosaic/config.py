@@ -72,7 +72,7 @@ class MosaicConfig:
   warpgroup, and streams ``block_k``-key tiles of K and V through a ``num_stages``-deep SMEM ring.
 
   dK/dV (Alg. 2): a CTA owns ``num_wgs_dkv * block_k_dkv`` keys, ``block_k_dkv`` (= 64) per consumer
-  warpgroup, and streams ``block_q_dkv``-row tiles of Q, dO, lse, delta (``num_stages_dkv`` deep).
+  warpgroup, and streams ``block_q_dkv``-row tiles of Q, dO, the rows' (r, u) and delta (``num_stages_dkv`` deep).
   ``dkv_split`` runs dV and dK as two passes, each keeping one f32 accumulator in registers instead of
   two (needed for head_dim > 128: two 64 x 256 f32 accumulators are 256 registers per thread).
   ``num_wgs_dk`` is the consumer count of the dK pass when split (its SMEM holds K, V, Q, dO).
@@ -118,6 +118,7 @@ class MosaicConfig:
   dq_fused_variants: bool = False  # fused dQ also with an attention variant (on in .default())
   lpt_heads: int = 0
   lpt_heads_dkv: int = 0
+  # setmaxnreg (registers()); .default() sets 240 / 24 for head_dim <= 128
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
   memory_registers: int = 40
 
@@ -181,7 +182,9 @@ class MosaicConfig:
   def registers(self, num_wgs: int) -> int:
     """setmaxnreg of the consumer warpgroups (the producer gets ``memory_registers``).
 
-    65536 registers per SM: 2 x 128 x 232 + 128 x 40 = 64512 fits; one consumer can take 240
+    ``compute_registers``, or with 0 the fallback: 232 with two consumers (65536 registers per SM:
+    2 x 128 x 232 + 128 x 40 = 64512 fits), 240 with one. :meth:`default` sets 240 for the consumers
+    and 24 for the producer (2 x 128 x 240 + 128 x 24 = 64512) at head_dim <= 128
     (docs/design.md#register-split).
     """
     if self.compute_registers:

@@ -98,8 +98,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
                 do_smem, rows_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, rows_bar, delta_bar,
                 free, ds_smem=None, dq_smem=None, ds_bar=None, dq_acc_ref=None, closed_outs=None,
                 st: _Dkv):
-  # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; rows_ref: [B, N, 2, T_lse] the rows'
-  # (r, u) (kernels/softmax.py, backward_rows); delta_ref: [B, N, T_lse]; exact_ref: [B, N] int32,
+  # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; rows_ref: [B, N, 2, T_rows] the rows'
+  # (r, u) (kernels/softmax.py, backward_rows); delta_ref: [B, N, T_rows]; exact_ref: [B, N] int32,
   # the heads whose rows need the exact P (kernels/softmax.py, exact_heads)
   # outputs: dk_ref and/or dv_ref [B, S, K, H] (per want_dk / want_dv).
   # fused_dq: dq_acc_ref [B, T, N, H] f32, zero-initialised by the caller (a closed-over ref, so it is

@@ -56,8 +56,8 @@ class _Dq:
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, q_smem, do_smem,
                rows_smem, delta_smem, k_smem, v_smem, q_bar, do_bar, rows_bar, delta_bar, k_bar,
                v_bar, k_free, v_free, st: _Dq):
-  # rows_ref: [B, N, 2, T_lse] f32, the rows' (r, u) (kernels/softmax.py, backward_rows); delta_ref:
-  # [B, N, T_lse]; exact_ref: [B, N] int32, the heads whose rows need the exact P (kernels/softmax.py,
+  # rows_ref: [B, N, 2, T_rows] f32, the rows' (r, u) (kernels/softmax.py, backward_rows); delta_ref:
+  # [B, N, T_rows]; exact_ref: [B, N] int32, the heads whose rows need the exact P (kernels/softmax.py,
   # exact_heads). Then the variant operands named by st.names, then dq_ref [B, T, N, H].
   var_refs, (dq_ref,) = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages

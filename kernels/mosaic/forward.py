@@ -27,7 +27,8 @@ the sequence, so 8k tokens x 16 heads x batch 2 give 1024 CTAs for 132 SMs):
 Ideas reused from JAX's ``attention_mgpu.py`` (Apache-2.0), re-written here: the producer/consumer
 barrier protocol, the ``run_scoped(ACC)`` / ``run_state(ACC.init)`` wgmma idioms and the (8, 64) tiled
 + 128-byte swizzled SMEM layout. Added here: softmax scale, ragged lengths, key-tail masking, GQA head
-mapping, LPT ordering of causal tiles (across L2-sized sections of heads), and an lse in natural log.
+mapping, LPT ordering of causal tiles (across L2-sized sections of heads), and the rows' statistics for an
+exact backward at any logit size (kernels/softmax.py; the natural-log lse follows in XLA).
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ class _Fwd:
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem, q_bar, k_bar,
                 v_bar, k_free, v_free, sched=None, st: _Fwd):
-  # q_ref, o_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; stats_ref: [B, N, 2, T_lse] f32, the row
+  # q_ref, o_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; stats_ref: [B, N, 2, T_rows] f32, the row
   # statistics (r, l) of kernels/softmax.py; between them the variant operands named by st.names
   # (kernels/mosaic/variant.py).
   var_refs, (o_ref, stats_ref) = refs[:len(st.names)], refs[len(st.names):]
@@ -268,14 +269,14 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
     extras, names = variant_operands(variant, arrays, table, t_pad=n_tiles * rows,
                                      s_pad=k_tiles * cfg.block_k)
   return _forward_call(q, k, v, *extras, scale=float(scale), is_causal=bool(is_causal), cfg=cfg,
-                       plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_lse=plan.t_lse, emulate=emulating(),
+                       plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_rows=plan.t_rows, emulate=emulating(),
                        variant=variant, names=tuple(names))
 
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
-@functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'cfg', 'plan_t', 'plan_s', 't_lse',
+@functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'cfg', 'plan_t', 'plan_s', 't_rows',
                                              'emulate', 'variant', 'names'))
-def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_lse,
+def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_rows,
                   emulate, variant=None, names=()):
   """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,H], stats [B,N,2,T]."""
   b, t, n, h = q.shape
@@ -310,12 +311,12 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
     scratch["sched"] = plgpu.Barrier(num_arrivals=nwg)
   out, stats = ws_kernel(
       functools.partial(_fwd_kernel, st=st),
-      out_type=(out_struct(qp.shape, q.dtype, q), out_struct((b, n, 2, t_lse), jnp.float32, q)),
+      out_type=(out_struct(qp.shape, q.dtype, q), out_struct((b, n, 2, t_rows), jnp.float32, q)),
       scratch=scratch, grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"), num_consumers=nwg,
       name="fa2_mosaic_forward",
   )(qp, kp, vp, *extras)
   if plan_t != t:
     out = out[:, :t]
-  if t_lse != t:
+  if t_rows != t:
     stats = stats[..., :t]
   return out, stats

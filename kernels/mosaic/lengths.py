@@ -16,15 +16,15 @@ class LengthPlan:
   """How the wrapper lays out the sequence axes in HBM before calling a kernel.
 
   ``t_hbm``/``s_hbm``: lengths of the arrays handed to the kernels (``t``/``s`` unless padded).
-  ``t_lse``: length of the f32 lse/delta rows (a whole number of query tiles, so every 1-D TMA of
-  them is in bounds and 16-byte aligned). The kernels always mask keys ``>= s``.
+  ``t_rows``: length of the f32 per-row arrays (row statistics, the backward's row inputs, delta): a
+  whole number of query tiles, so every 1-D TMA of them is in bounds and 16-byte aligned. The kernels always mask keys ``>= s``.
   """
 
   t: int
   s: int
   t_hbm: int
   s_hbm: int
-  t_lse: int
+  t_rows: int
 
   @property
   def pad_t(self) -> int:
@@ -43,8 +43,8 @@ def plan_lengths(t: int, s: int, *, q_tile: int, k_tile: int, mode: str) -> Leng
 
   ``mode="tma"``: a length that is a multiple of 8 (and at least one tile) stays as it is: TMA
   zero-fills the rows of a tile past the end on load and drops them on store, so the cost is only the
-  masked tail tile and the f32 lse/delta padding. Mosaic GPU's tiled TMA descriptors split the sequence
-  axis into 8-row tiles, so other lengths (and arrays shorter than one tile) are padded in HBM like
+  masked tail tile and the f32 per-row arrays' padding. Mosaic GPU's tiled TMA descriptors split the
+  sequence axis into 8-row tiles, so other lengths (and arrays shorter than one tile) are padded in HBM like
   ``"pad"``.
   ``mode="pad"``: T and S are padded to whole tiles in HBM whenever ragged (cost: a copy of q/k/v —
   and do/out in the backward — plus a slice of the outputs, about 2x the input bytes).
@@ -58,9 +58,9 @@ def plan_lengths(t: int, s: int, *, q_tile: int, k_tile: int, mode: str) -> Leng
       return n
     return round_up(n, tile)
 
-  lse_tile = math.lcm(q_tile, WG_ROWS)
+  rows_tile = math.lcm(q_tile, WG_ROWS)
   return LengthPlan(t=t, s=s, t_hbm=hbm_len(t, q_tile), s_hbm=hbm_len(s, k_tile),
-                    t_lse=round_up(t, lse_tile))
+                    t_rows=round_up(t, rows_tile))
 
 
 def pad_axis(x, axis: int, new_len: int):

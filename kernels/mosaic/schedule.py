@@ -55,7 +55,7 @@ def q_block_ranges(k_start, cols: int, *, block_q: int, seq_q: int, is_causal: b
   ``[i_full, nq)`` need no mask. Block ``i`` has a row at or below key ``k_start`` when
   ``(i+1)*block_q - 1 >= k_start`` (``i >= k_start // block_q``) and needs no mask when its first row
   is at or past the last key, ``i*block_q >= k_start + cols - 1``. Padded query rows (past ``seq_q``)
-  need no mask: their Q, dO, lse and delta are zero, so they add nothing to dK and dV.
+  need no mask: their Q, dO, row inputs and delta are zero, so they add nothing to dK and dV.
   """
   nq = cdiv(seq_q, block_q)
   if not is_causal:
