@@ -125,6 +125,14 @@ def backward_rows(stats, exact=None, c: float = 1.0):
 FAST_FORM_LIMIT = 2.0 ** 10
 
 
+def fast_form_suffices(soft_cap: float | None, adds_after_cap: bool) -> bool:
+  """Whether every row's ``|r * c|`` stays below :data:`FAST_FORM_LIMIT` whatever the inputs, so the
+  backward needs no exact form: the scores are a soft cap's ``cap * tanh(.)`` (base-2 logits, ``c =
+  1``: ``|r| <= cap * log2 e``) with nothing added after it (``adds_after_cap``: ALiBi, a
+  ``score_fn``). Half the limit as margin for the rounding of ``cap * log2 e``."""
+  return soft_cap is not None and not adds_after_cap and soft_cap * LOG2E <= FAST_FORM_LIMIT / 2
+
+
 def exact_heads(stats, scale: float, modifies_scores: bool, group: int = 1):
   """``[B, N]`` int32: 1 where a row of that (batch, head) needs the backward's exact form, and then
   for every head of its GQA group of ``group`` consecutive query heads (one KV head): a dK/dV

@@ -209,6 +209,59 @@ def test_extreme_logits_mosaic_emulated(dtype, scale, causal, ties, t, fused):
   _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate_dq", "fused_dq"])
+def test_extreme_logits_exact_form_everywhere_mosaic_emulated(fused):
+  """``MosaicConfig.backward_p="exact"``: every head in the exact form, one loop per kernel (no
+  per-CTA choice); huge logits with ties, and a GQA group of one huge and one ordinary head."""
+  cfg = (_fused_dq_config(128, jnp.bfloat16, True) if fused else
+         fa2_jax.MosaicConfig.default(128, jnp.bfloat16, True)).replace(backward_p="exact")
+  assert cfg.p_form() == "exact"
+  q, k, v = _inputs(256, 128, jnp.bfloat16, ties=True)
+  do = _grad_inputs(q)
+  out, lse, grads = _mosaic_fwd_bwd(q, k, v, do, scale=1e9, causal=True, config=cfg, emulate=True)
+  _check(out, lse, q, k, v, scale=1e9, causal=True, grads=grads, do=do)
+  q, k, v = _gqa_inputs(256, 128, jnp.bfloat16)
+  do = _grad_inputs(q)
+  out, lse, grads = _mosaic_fwd_bwd(q, k, v, do, scale=1e9, causal=False,
+                                    config=cfg.replace(dq_fused=False), emulate=True)
+  _check(out, lse, q, k, v, scale=1e9, causal=False, grads=grads, do=do)
+
+
+def test_soft_cap_with_huge_scale_takes_the_fast_form_mosaic_emulated():
+  """A soft cap bounds the logits whatever the scale, so the backward compiles the one-FMA form
+  alone (``backward_p="auto"``); at ``scale=1e6`` (the capped logits saturate at ±cap, with ties)
+  it still matches the float32 formula."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from fa2_jax.kernels.mosaic.backward import backward
+  from fa2_jax.kernels.mosaic.forward import forward
+  from fa2_jax.kernels.mosaic.ops import emulated_mma
+  from fa2_jax.kernels.softmax import lse_from_stats
+  from fa2_jax.validation import check_variant
+  ks = jax.random.split(jax.random.key(7), 4)
+  q, k, v, do = (jax.random.normal(kk, (1, 200, 2, 64), jnp.float32).astype(jnp.bfloat16)
+                 for kk in ks)
+  scale, cap = 1e6, 20.0
+  variant, arrays = check_variant(q, k, logits_soft_cap=cap)
+  assert fa2_jax.MosaicConfig.default(64).p_form(variant) == "fast"
+
+  def run(q, k, v, do):
+    out, stats = forward(q, k, v, scale=scale, is_causal=False, variant=variant, arrays=arrays)
+    grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=False, variant=variant,
+                     arrays=arrays)
+    return (out, jnp.swapaxes(lse_from_stats(stats, scale, True), 1, 2), *grads)
+
+  with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    got = jax.block_until_ready(run(q, k, v, do))
+  ref = lambda q, k, v: fa2_jax.reference_attention(
+      q, k, v, scale=scale, logits_soft_cap=cap, return_residual=True, compute_dtype=jnp.float32)
+  (out, lse), vjp = jax.vjp(ref, q, k, v)
+  want = (out, lse, *vjp((do, jnp.zeros_like(lse))))
+  for what, x, r in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    x, r = np.asarray(x, np.float32), np.asarray(r, np.float32)
+    assert np.isfinite(x).all(), what
+    assert np.abs(x - r).max() <= 1e-2 * (np.abs(r).max() + 1), (what, np.abs(x - r).max())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("implementation", ["mosaic", "triton"])
 def test_extreme_logits_compiled(implementation):

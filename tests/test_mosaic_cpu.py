@@ -153,6 +153,8 @@ def test_fused_dq_split_and_smem():
     (dict(block_k=128.0), TypeError, "block_k"),
     (dict(num_stages=True), TypeError, "num_stages"),
     (dict(memory_registers="40"), TypeError, "memory_registers"),
+    (dict(backward_p="fast"), ValueError, "backward_p"),
+    (dict(backward_p=None), ValueError, "backward_p"),
 ])
 def test_config_validation(kwargs, exc, field):
   with pytest.raises(exc, match=rf"MosaicConfig\.{field}\b"):
@@ -167,6 +169,20 @@ def test_config_valid_variants():
   MosaicConfig(block_k=256, block_q_dkv=192, block_k_dq=128, num_stages=1, num_stages_dq=6)
   assert MosaicConfig().registers(2) == 232 and MosaicConfig().registers(1) == 240
   assert MosaicConfig(compute_registers=200).registers(2) == 200
+
+
+def test_backward_p_form():
+  """``backward_p="auto"`` compiles the one-FMA form alone only where the logits are bounded below
+  its limit whatever the inputs (a soft cap, nothing added after it); else the per-head choice."""
+  from fa2_jax.masking import Variant
+  auto, exact = MosaicConfig.default(128), MosaicConfig.default(128).replace(backward_p="exact")
+  assert auto.backward_p == "auto" and auto.p_form() == auto.p_form(Variant()) == "per_head"
+  assert auto.p_form(Variant(is_causal=True, soft_cap=50.0, window=(100, 0))) == "fast"
+  assert auto.p_form(Variant(soft_cap=50.0, has_alibi=True)) == "per_head"  # ALiBi is unbounded
+  assert auto.p_form(Variant(soft_cap=50.0, score_fn=lambda x, *_: x)) == "per_head"
+  assert auto.p_form(Variant(soft_cap=1e4)) == "per_head"  # cap * log2 e past the limit
+  assert exact.p_form() == exact.p_form(Variant(soft_cap=50.0)) == "exact"
+  assert auto.replace(backward_p="per_head").p_form(Variant(soft_cap=50.0)) == "per_head"
 
 
 @pytest.mark.parametrize("h,kwargs,kernel", [
@@ -657,6 +673,8 @@ VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
     "alibi_offsets_gqa": (2, 72, 130, 2, 1, 64, lambda: dict(  # ALiBi without a cap, per-batch offsets
         is_causal=True, q_offset=jnp.array([30, 7]),
         alibi_slopes=jnp.array([[0.1, 0.3], [0.05, 0.25]]))),
+    "soft_cap_window_gqa": (1, 140, 200, 4, 2, 64, lambda: dict(  # the one-FMA backward alone
+        is_causal=True, local_window_size=(90, 0), logits_soft_cap=3.0)),
 }
 
 

@@ -4,7 +4,8 @@
    one fused XLA op computes it (minus the lse cotangent, if any) before the kernels, and others the
    rows' inputs from the forward's row statistics (``kernels/softmax.py``): a head whose rows all
    stay below ``|r c| = 2^10`` recomputes ``P = exp2(S*c - t)``, one FMA per element; any other head
-   (a per-CTA choice, from the ``[B, N]`` flag ``exact_heads``) the exact ``P = exp2((S - r)*c - u)``.
+   (a per-CTA choice, from the ``[B, N]`` flag ``exact_heads``) the exact ``P = exp2((S - r)*c - u)``
+   (``MosaicConfig.backward_p``: or one form for every head, compiled alone).
 2. **dK/dV kernel** (``dkdv.py``) — grid ``(batch, KV head, key tile)`` (FA2 §3.2: parallel over the *key* sequence,
    so no two CTAs write the same dK/dV rows and no atomics are needed). Each consumer warpgroup owns 64
    keys: ``K_j, V_j`` sit in SMEM, ``dK_j, dV_j`` in f32 registers (wgmma accumulators). A producer
@@ -70,10 +71,12 @@ def backward_tiles(cfg: MosaicConfig) -> tuple[int, int]:
 
 
 def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool = False,
-             group: int = 1):
+             group: int = 1, p_form: str = "per_head"):
   """The kernels' row inputs, computed by XLA before them: ``delta [B, N, T]`` f32, the rows'
   ``[B, N, 2, T]`` f32 and the heads that need the exact form of P, ``[B, N]`` int32
-  (``kernels/softmax.py``: ``backward_rows``, ``exact_heads``).
+  (``kernels/softmax.py``: ``backward_rows``, ``exact_heads``). ``p_form``
+  (``MosaicConfig.p_form``): with ``"exact"`` or ``"fast"`` every head's rows take that form and the
+  kernels do not read the flag.
 
   Alg. 2 line 4: ``D_i = rowsum(dO_i ∘ O_i)`` (minus the lse cotangent, if any). A multiply + row sum
   rather than an einsum, which XLA may turn into a TF32 dot on GPU.
@@ -81,9 +84,12 @@ def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool =
   delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, 2)
   if dlse is not None:
     delta = delta - dlse.astype(jnp.float32)
-  exact = exact_heads(stats, scale, modifies_scores, group)  # group: query heads per KV head
-  rows = backward_rows(stats, exact, exponent_scale(scale, modifies_scores))
-  return delta, rows, exact
+  c = exponent_scale(scale, modifies_scores)
+  if p_form == "per_head":
+    exact = exact_heads(stats, scale, modifies_scores, group)  # group: query heads per KV head
+    return delta, backward_rows(stats, exact, c), exact
+  exact = jnp.full(stats.shape[:2], p_form == "exact", jnp.int32)
+  return delta, backward_rows(stats, None if p_form == "exact" else exact, c), exact
 
 
 def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool,
@@ -118,7 +124,8 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     q, do = zero_padding(q, arrays.q_lengths), zero_padding(do, arrays.q_lengths)
     k, v = zero_padding(k, arrays.kv_lengths), zero_padding(v, arrays.kv_lengths)
   delta, row_inputs, exact = prologue(out, do, stats, dlse, scale=scale, modifies_scores=(
-      variant is not None and variant.modifies_scores), group=n // k.shape[2])
+      variant is not None and variant.modifies_scores), group=n // k.shape[2],
+      p_form=cfg.p_form(variant))
   # Zero rows past T: the padded query rows then contribute exactly nothing (see module docstring).
   delta = pad_axis(delta, 2, plan.t_rows)
   row_inputs = pad_axis(row_inputs, 3, plan.t_rows)

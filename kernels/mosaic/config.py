@@ -14,6 +14,8 @@ import math
 
 import jax.numpy as jnp
 
+from ..softmax import fast_form_suffices
+
 # exp(x) = exp2(x * log2 e): the kernels use exp2 with the softmax scale folded into the same multiply
 # (FA2 §3.1: fewer non-matmul FLOPs; exp2 is a single MUFU instruction).
 LOG2E = math.log2(math.e)
@@ -31,6 +33,8 @@ _TILE_SIDES = (64, 128, 192, 256)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128, 192, 256)
 RAGGED_MODES = ("tma", "pad")
+# How the backward recomputes P (MosaicConfig.backward_p; kernels/softmax.py, docs/design.md "Softmax form")
+BACKWARD_P_FORMS = ("auto", "per_head", "exact")
 # The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
 # outputs (and dQ's reduce-adds) passing through it (docs/design.md#causal-launch-order).
 L2_SECTION_BYTES = 32 * 1024 * 1024
@@ -95,6 +99,12 @@ class MosaicConfig:
   (batch, head) pairs per section within which the longest tiles go first; 0 (default) sizes the
   sections from an L2 budget per kernel (:func:`causal_section`), 1 is longest first within each head
   only. ``lpt_heads_dkv`` is the same for the dK/dV kernel.
+  ``backward_p``: how the backward kernels recompute P from the forward's row statistics
+  (``kernels/softmax.py``). ``"per_head"``: each CTA runs the one-FMA form, or the exact form for a
+  (batch, head) with huge logits (``exact_heads``; both forms compiled, one if/else per CTA);
+  ``"exact"``: the exact form everywhere (one loop per kernel, one subtraction more per element);
+  ``"auto"`` (default): the one-FMA form alone where the call's logits are bounded below its limit
+  whatever the inputs (a soft cap with no ALiBi or ``score_fn``), else ``"per_head"``.
   """
 
   block_q: int = 64
@@ -121,6 +131,7 @@ class MosaicConfig:
   # setmaxnreg (registers()); .default() sets 240 / 24 for head_dim <= 128
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
   memory_registers: int = 40
+  backward_p: str = "auto"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -128,6 +139,10 @@ class MosaicConfig:
       if f.name == "ragged":
         if v not in RAGGED_MODES:
           raise ValueError(f"MosaicConfig.ragged must be one of {RAGGED_MODES}, got {v!r}")
+        continue
+      if f.name == "backward_p":
+        if v not in BACKWARD_P_FORMS:
+          raise ValueError(f"MosaicConfig.backward_p must be one of {BACKWARD_P_FORMS}, got {v!r}")
         continue
       if f.name in ("pingpong", "dkv_split", "dq_fused", "dq_fused_variants"):
         if not isinstance(v, bool):
@@ -226,6 +241,18 @@ class MosaicConfig:
     causal) runs dQ inside the dK/dV kernel."""
     return (self.dq_fused and not deterministic and not self.dkv_split
             and seq_q >= self.dq_fused_min_t and (self.dq_fused_variants or not variant))
+
+  def p_form(self, variant=None) -> str:
+    """How a call's backward recomputes P (:attr:`backward_p` resolved for an attention ``variant``,
+    a ``fa2_jax.masking.Variant`` or None): ``"fast"`` (the one-FMA form alone: ``"auto"`` where the
+    logits are bounded below its limit, ``kernels/softmax.py``: ``fast_form_suffices``),
+    ``"per_head"`` or ``"exact"``."""
+    if self.backward_p != "auto":
+      return self.backward_p
+    if variant is not None and fast_form_suffices(
+        variant.soft_cap, variant.has_alibi or variant.score_fn is not None):
+      return "fast"
+    return "per_head"
 
   # --- shared-memory budget (bytes), one function per kernel ---------------------------------------
   def smem_forward(self, head_dim: int, itemsize: int = 2) -> int:

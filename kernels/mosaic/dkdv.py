@@ -91,6 +91,9 @@ class _Dkv:
   # Order of a step's products: dP^T issued right behind S^T, so the softmax runs while dP^T is in
   # flight (FA3's order), or issued after the softmax together with dV (then dV runs while dS is formed).
   dp_early: bool = True
+  # The form of P (MosaicConfig.p_form): "per_head" (both forms compiled, one per CTA by exact_ref),
+  # "exact" or "fast" (one loop).
+  p_form: str = "per_head"
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
@@ -328,10 +331,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       plgpu.commit_smem_to_gmem_group()
       plgpu.wait_smem_to_gmem(0)
 
-    # Exact when any head of the group has a row past the fast form's range (a per-CTA choice; the
-    # flag is the group's, on each of its heads: exact_heads). Read here, at the branch: read before
-    # the K_j / V_j waits it made the fused kernel 0.68x at head_dim 64 (docs/design.md, "Softmax form").
-    per_cta_choice(exact_ref[b, kvh * g_size] != 0, finish)
+    if st.p_form == "per_head":
+      # Exact when any head of the group has a row past the fast form's range (a per-CTA choice; the
+      # flag is the group's, on each of its heads: exact_heads). Read here, at the branch: read before
+      # the K_j / V_j waits it made the fused kernel 0.68x at head_dim 64 (docs/design.md, "Softmax
+      # form").
+      per_cta_choice(exact_ref[b, kvh * g_size] != 0, finish)
+    else:
+      finish(st.p_form == "exact")
 
   @pl.when(wg == nwg)
   def _producer():
@@ -380,7 +387,8 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
             n_k_tiles=n_k_tiles,
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                    kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
-            seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq)
+            seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq,
+            p_form=cfg.p_form(variant))
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),

@@ -51,6 +51,7 @@ class _Dq:
   seq_q: int = 0  # true T
   variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
   names: tuple[str, ...] = ()  # its operands, after delta
+  p_form: str = "per_head"  # the form of P (as in dkdv.py's _Dkv)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, q_smem, do_smem,
@@ -149,7 +150,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
       plgpu.copy_smem_to_gmem(q_s, dq_ref.at[rows])
       plgpu.wait_smem_to_gmem(0)
 
-    per_cta_choice(exact_ref[b, h] != 0, finish)  # read at the branch (as in dkdv.py)
+    if st.p_form == "per_head":
+      per_cta_choice(exact_ref[b, h] != 0, finish)  # read at the branch (as in dkdv.py)
+    else:
+      finish(st.p_form == "exact")
 
   pl.when(wg == nwg)(functools.partial(
       kv_producer, st.memory_registers, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem,
@@ -171,7 +175,7 @@ def dq_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_k, c
            emulate=emulate, n_heads=n, n_bh=b * n,
            section=causal_section(cfg, n_bh=b * n, group=n // kh,
                                   kv_bytes=2 * k.shape[1] * h * k.dtype.itemsize),
-           seq_q=seq_q, variant=variant, names=names)
+           seq_q=seq_q, variant=variant, names=names, p_form=cfg.p_form(variant))
   tf = smem_transforms()
   scratch = dict(
       q_smem=plgpu.SMEM((nwg, bq, h), q.dtype, transforms=tf),
