@@ -44,7 +44,12 @@ _EMULATE = [False]
 
 @contextlib.contextmanager
 def emulated_mma(on: bool = True):
-  """Trace the kernels with jnp.dot instead of wgmma (for GPU interpret mode on CPU)."""
+  """Trace the kernels with jnp.dot instead of wgmma (for GPU interpret mode on CPU).
+
+  A forward+backward under one ``jax.jit`` in this mode has been seen to hang, without error, when
+  JAX has a single CPU device; with several (``jax.config.update("jax_num_cpu_devices", 4)``
+  before the first use of JAX, as ``tests/conftest.py`` does) the same program runs. A limit of
+  Pallas' GPU interpreter on CPU, not of the kernels."""
   prev = _EMULATE[0]
   _EMULATE[0] = bool(on)
   try:
