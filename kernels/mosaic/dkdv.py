@@ -331,14 +331,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       plgpu.commit_smem_to_gmem_group()
       plgpu.wait_smem_to_gmem(0)
 
-    if st.p_form == "per_head":
-      # Exact when any head of the group has a row past the fast form's range (a per-CTA choice; the
-      # flag is the group's, on each of its heads: exact_heads). Read here, at the branch: read before
-      # the K_j / V_j waits it made the fused kernel 0.68x at head_dim 64 (docs/design.md, "Softmax
-      # form").
-      per_cta_choice(exact_ref[b, kvh * g_size] != 0, finish)
-    else:
-      finish(st.p_form == "exact")
+    # Per head: exact when any head of the group has a row past the fast form's range (the flag is
+    # the group's, on each of its heads: exact_heads). Read at the branch: read before the K_j / V_j
+    # waits it made the fused kernel 0.68x at head_dim 64 (docs/design.md, "Softmax form").
+    per_cta_choice(st.p_form, lambda: exact_ref[b, kvh * g_size] != 0, finish)
 
   @pl.when(wg == nwg)
   def _producer():

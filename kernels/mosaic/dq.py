@@ -150,10 +150,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
       plgpu.copy_smem_to_gmem(q_s, dq_ref.at[rows])
       plgpu.wait_smem_to_gmem(0)
 
-    if st.p_form == "per_head":
-      per_cta_choice(exact_ref[b, h] != 0, finish)  # read at the branch (as in dkdv.py)
-    else:
-      finish(st.p_form == "exact")
+    per_cta_choice(st.p_form, lambda: exact_ref[b, h] != 0, finish)  # as in dkdv.py
 
   pl.when(wg == nwg)(functools.partial(
       kv_producer, st.memory_registers, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem,

@@ -191,15 +191,19 @@ def accumulators(body, *shapes):
   return pl.run_scoped(body, *[plgpu.ACC(tuple(s), jnp.float32) for s in shapes])
 
 
-def per_cta_choice(flag, body):
-  """``body(True)`` where the traced scalar ``flag`` holds, else ``body(False)``: both forms are
-  compiled into the kernel and each CTA runs one (nothing crosses the branch; ``body`` stores its
-  results itself).
+def per_cta_choice(p_form: str, flag, body):
+  """Run ``body(exact)`` in the backward's form of P (``MosaicConfig.p_form``): ``"exact"`` or
+  ``"fast"`` compile that form alone; ``"per_head"`` compiles both and each CTA runs
+  ``body(True)`` where the traced scalar ``flag()`` holds, else ``body(False)`` (nothing crosses the
+  branch; ``body`` stores its results itself). ``flag`` is read only then, at the branch.
 
   One two-way branch (``lax.cond``: an if/else), not two ``pl.when`` in a row: after the first of two
   sequential ifs the compiler must keep everything the second one reads live through the first one's
   loop, which spilled registers in the dK/dV kernel (docs/design.md, "Softmax form")."""
-  lax.cond(flag, functools.partial(body, True), functools.partial(body, False))
+  if p_form != "per_head":
+    body(p_form == "exact")
+    return
+  lax.cond(flag(), functools.partial(body, True), functools.partial(body, False))
 
 
 def acc_loop(lower, upper, body, accs):
