@@ -139,8 +139,13 @@ def render(data, out_dir, tag=None):
   meta = data.get("meta", {})
   lines = [f"# Attention throughput ({cfg.get('dtype', 'bf16')})", ""] + meta_lines(meta)
   if data.get("merged_from"):
-    lines.append("- merged from " + ", ".join(f"`{p}`" for p in data["merged_from"]) + " (each "
-                 "cell's `source` in the JSON; ratios compare rows of one run)")
+    lines.append("- merged from these runs (each cell's `source` in the JSON; ratios compare rows of "
+                 "one run); the lines above are the last one's:")
+    metas = list(data.get("merged_meta") or []) + [meta]
+    for path, m in zip(data["merged_from"], metas if len(metas) == len(data["merged_from"]) else []):
+      m = m or {}
+      lines.append(f"  - `{path}`: fa2_jax commit {m.get('git_commit') or '–'}, {m.get('timestamp')}, "
+                   f"`{m.get('parent_command') or m.get('command')}`")
   mm = data.get("matmul") or {}
   if mm.get("tflops"):
     lines.append(f"- dense bf16 matmul 8192³ on this device: {mm['tflops']:.0f} TFLOP/s")

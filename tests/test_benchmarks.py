@@ -597,6 +597,20 @@ def test_diag_shape_args():
     cli.shapes_and_masks(ap.parse_args(["--shapes", "1,2,3"]))
 
 
+def test_compile_time_new_shapes_with_a_persistent_cache(tmp_path):
+  """``--shapes`` times one call site per shape in order (CPU-sized shapes without a GPU), and
+  ``--cache-dir`` turns on JAX's persistent compilation cache there: its entries are written."""
+  cache, out = tmp_path / "cache", tmp_path / "out"
+  cmd = [sys.executable, "-m", "benchmarks.diag.compile_time", "--impls", "fa2_triton",
+         "--shapes", "1,64,2,32;1,128,2,32", "--cache-dir", str(cache), "--out", str(out)]
+  subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300,
+                 cwd=Path(__file__).resolve().parents[1])
+  rows = json.loads((out / "compile_time_shapes.json").read_text())["rows"]
+  assert [r["order"] for r in rows] == [0, 1] and all("error" not in r for r in rows)
+  assert all(r["lower_s"] > 0 and r["compile_s"] > 0 for r in rows)
+  assert any(cache.iterdir())
+
+
 def test_ab_compares_a_copy_of_this_checkout(tmp_path):
   """The A/B diagnostic imports another version's sources (here a copy of this checkout's, laid out
   as `git archive` writes them) beside fa2_jax and times both: identical code gives identical

@@ -296,3 +296,19 @@ def test_extreme_logits_compiled_fused_dq():
     assert cfg.fuses_dq(1000, deterministic=False)
     out, lse, grads = _mosaic_fwd_bwd(q, k, v, do, scale=scale, causal=causal, config=cfg)
     _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["separate_dq", "fused_dq"])
+def test_extreme_logits_compiled_exact_form_everywhere(fused):
+  """``MosaicConfig.backward_p="exact"`` compiled: every head in the exact form, at huge, negative
+  and ordinary scales (the ordinary heads through the exact form too)."""
+  if not dispatch.is_hopper():
+    pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
+  for scale, causal in itertools.product((1e9, -1e9, 0.1), (False, True)):
+    q, k, v = _inputs(1000, 128, jnp.bfloat16, ties=causal)
+    do = _grad_inputs(q)
+    cfg = (_fused_dq_config(128, jnp.bfloat16, causal) if fused else
+           fa2_jax.MosaicConfig.default(128, jnp.bfloat16, causal)).replace(backward_p="exact")
+    out, lse, grads = _mosaic_fwd_bwd(q, k, v, do, scale=scale, causal=causal, config=cfg)
+    _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)

@@ -1,9 +1,17 @@
-"""How compile time grows with the number of attention call sites in one jitted program.
+"""Compile time of attention in a jitted program: per call site, and per new shape.
 
     python -m benchmarks.diag.compile_time [--impls fa2,fa2_triton] [--layers 1,2,4] [--shape B,T,N,H]
+    python -m benchmarks.diag.compile_time --impls fa2 --shapes "2,8192,16,128;4,4096,16,128"
+        [--cache-dir DIR]
 
 Prints lower / compile seconds of ``jit(grad)`` of L chained causal attention calls (default shape
 B=4, T=8192, N=8, H=128, bf16: the GPT long8k preset's), the first run and one more run.
+
+``--shapes``: one call site (L = 1), one shape after another in this process, for "time to first
+step": the first shape pays the process's one-time costs, each later one what a new shape costs. Run
+each implementation in a fresh process. ``--cache-dir`` turns on JAX's persistent compilation cache in
+DIR (every entry kept, however fast its compile): a second process with the same DIR shows what a
+shape seen by an earlier process costs.
 """
 from __future__ import annotations
 
@@ -21,23 +29,77 @@ def main(argv=None):
   ap.add_argument("--impls", type=cli.impl_names, default=["fa2", "fa2_triton"])
   ap.add_argument("--layers", type=cli.parse_ints, default=[1, 2, 4])
   ap.add_argument("--shape", default="4,8192,8,128", help="B,T,N,H")
+  ap.add_argument("--shapes", default=None,
+                  help="B,T,N,H;B,T,N,H...: one call site per shape, in order (see above)")
+  ap.add_argument("--cache-dir", default=None, help="JAX's persistent compilation cache folder")
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
   import jax
   import jax.numpy as jnp
+  if args.cache_dir:
+    jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   info = device_info()
-  b, t, n, h = map(int, args.shape.split(","))
+  shapes = ([tuple(map(int, s.split(","))) for s in args.shapes.split(";")] if args.shapes else
+            [tuple(map(int, args.shape.split(",")))])
   if info.get("backend") == "cpu":
-    b, t, n, h = 1, 64, 2, 32
-    print(f"no GPU: a CPU-sized shape instead, B={b} T={t} N={n} H={h}")
-  q, k, v = cli.random_inputs(0, [(b, t, n, h)] * 3, jnp.bfloat16)
+    shapes = [(1, 64 * (i + 1), 2, 32) for i in range(len(shapes))]
+    print(f"no GPU: CPU-sized shapes instead, {shapes}")
   rows = []
-  for name in args.impls:
+  if args.shapes:
+    for name in args.impls:
+      rows += _new_shapes(name, shapes, jax, jnp)
+  else:
+    rows = _call_sites(args.impls, args.layers, shapes[0], jax, jnp)
+  out = cli.resolve_out(argparse.Namespace(out=args.out), info)
+  write_json(out / ("compile_time_shapes.json" if args.shapes else "compile_time.json"),
+             {"meta": dict(info, cache_dir=bool(args.cache_dir)), "rows": rows})
+
+
+def _timed(fn, args):
+  """lower, compile, first run and second run seconds of ``jit(fn)`` on ``args``."""
+  import jax
+  t0 = time.perf_counter()
+  lowered = jax.jit(fn).lower(*args)
+  t1 = time.perf_counter()
+  compiled = lowered.compile()
+  t2 = time.perf_counter()
+  jax.block_until_ready(compiled(*args))
+  t3 = time.perf_counter()
+  jax.block_until_ready(compiled(*args))
+  return dict(lower_s=t1 - t0, compile_s=t2 - t1, first_run_s=t3 - t2,
+              run_s=time.perf_counter() - t3)
+
+
+def _new_shapes(name, shapes, jax, jnp):
+  attn = impls.get(name)
+  rows = []
+  for i, shape in enumerate(shapes):
+    q, k, v = cli.random_inputs(i, [shape] * 3, jnp.bfloat16)
+    loss = lambda q, k, v: jnp.sum(attn(q, k, v, causal=True).astype(jnp.float32))  # noqa: E731
+    row = dict(impl=name, shape=list(shape), order=i)
+    try:
+      row.update(_timed(jax.grad(loss, argnums=(0, 1, 2)), (q, k, v)))
+      print(f"{name:<10} {'x'.join(map(str, shape)):<16}: lower {row['lower_s']:6.2f} s  "
+            f"compile {row['compile_s']:6.2f} s  first run {row['first_run_s']:6.3f} s", flush=True)
+    except Exception as e:  # noqa: BLE001
+      row["error"] = err_str(e)
+      print(f"{name:<10} {shape}: {row['error']}", flush=True)
+    rows.append(row)
+  return rows
+
+
+def _call_sites(names, layer_counts, shape, jax, jnp):
+  q, k, v = cli.random_inputs(0, [shape] * 3, jnp.bfloat16)
+  b, t, n, h = shape
+  rows = []
+  for name in names:
     attn = impls.get(name)
     if impls.unavailable(name):
       print(f"{name}: {impls.unavailable(name)}")
       continue
-    for layers in args.layers:
+    for layers in layer_counts:
       def loss(q, k, v, layers=layers):
         x = q
         for _ in range(layers):
@@ -45,24 +107,14 @@ def main(argv=None):
         return jnp.sum(x.astype(jnp.float32))
       row = dict(impl=name, layers=layers, shape=[b, t, n, h])
       try:
-        t0 = time.perf_counter()
-        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v)
-        t1 = time.perf_counter()
-        compiled = lowered.compile()
-        t2 = time.perf_counter()
-        jax.block_until_ready(compiled(q, k, v))
-        t3 = time.perf_counter()
-        jax.block_until_ready(compiled(q, k, v))
-        row.update(lower_s=t1 - t0, compile_s=t2 - t1, first_run_s=t3 - t2,
-                   run_s=time.perf_counter() - t3)
+        row.update(_timed(jax.grad(loss, argnums=(0, 1, 2)), (q, k, v)))
         print(f"{name:<10} L={layers}: lower {row['lower_s']:6.2f} s  compile {row['compile_s']:6.2f} s  "
               f"first run {row['first_run_s']:6.3f} s  run {row['run_s']:6.3f} s", flush=True)
       except Exception as e:  # noqa: BLE001
         row["error"] = err_str(e)
         print(f"{name:<10} L={layers}: {row['error']}", flush=True)
       rows.append(row)
-  out = cli.resolve_out(argparse.Namespace(out=args.out), info)
-  write_json(out / "compile_time.json", {"meta": info, "rows": rows})
+  return rows
 
 
 if __name__ == "__main__":
