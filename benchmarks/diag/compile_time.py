@@ -79,14 +79,8 @@ def _new_shapes(name, shapes, jax, jnp):
     q, k, v = cli.random_inputs(i, [shape] * 3, jnp.bfloat16)
     loss = lambda q, k, v: jnp.sum(attn(q, k, v, causal=True).astype(jnp.float32))  # noqa: E731
     row = dict(impl=name, shape=list(shape), order=i)
-    try:
-      row.update(_timed(jax.grad(loss, argnums=(0, 1, 2)), (q, k, v)))
-      print(f"{name:<10} {'x'.join(map(str, shape)):<16}: lower {row['lower_s']:6.2f} s  "
-            f"compile {row['compile_s']:6.2f} s  first run {row['first_run_s']:6.3f} s", flush=True)
-    except Exception as e:  # noqa: BLE001
-      row["error"] = err_str(e)
-      print(f"{name:<10} {shape}: {row['error']}", flush=True)
-    rows.append(row)
+    rows.append(_measured_row(row, f"{name:<10} {'x'.join(map(str, shape)):<16}:", jax.grad(
+        loss, argnums=(0, 1, 2)), (q, k, v)))
   return rows
 
 
@@ -106,15 +100,21 @@ def _call_sites(names, layer_counts, shape, jax, jnp):
           x = attn(x, k, v, causal=True)
         return jnp.sum(x.astype(jnp.float32))
       row = dict(impl=name, layers=layers, shape=[b, t, n, h])
-      try:
-        row.update(_timed(jax.grad(loss, argnums=(0, 1, 2)), (q, k, v)))
-        print(f"{name:<10} L={layers}: lower {row['lower_s']:6.2f} s  compile {row['compile_s']:6.2f} s  "
-              f"first run {row['first_run_s']:6.3f} s  run {row['run_s']:6.3f} s", flush=True)
-      except Exception as e:  # noqa: BLE001
-        row["error"] = err_str(e)
-        print(f"{name:<10} L={layers}: {row['error']}", flush=True)
-      rows.append(row)
+      rows.append(_measured_row(row, f"{name:<10} L={layers}:", jax.grad(loss, argnums=(0, 1, 2)),
+                                (q, k, v)))
   return rows
+
+
+def _measured_row(row, label, fn, args):
+  """``row`` with :func:`_timed`'s seconds of ``fn`` (or the error), printed after ``label``."""
+  try:
+    row.update(_timed(fn, args))
+    print(f"{label} lower {row['lower_s']:6.2f} s  compile {row['compile_s']:6.2f} s  "
+          f"first run {row['first_run_s']:6.3f} s  run {row['run_s']:6.3f} s", flush=True)
+  except Exception as e:  # noqa: BLE001
+    row["error"] = err_str(e)
+    print(f"{label} {row['error']}", flush=True)
+  return row
 
 
 if __name__ == "__main__":
