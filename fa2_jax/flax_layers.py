@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .flax import attention_fn
+from .flax_attention import attention_fn
 from .flax_variants import check_static_variants
 
 

@@ -22,6 +22,7 @@ from flax import nnx
 
 import fa2_jax
 import fa2_jax.flax as fa2_flax
+import fa2_jax.flax_attention as adapter  # the adapter's module: its one-time warnings, its calls
 from fa2_jax.flax import FlashAttentionFallbackWarning
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -40,22 +41,22 @@ PAD_WARNING = "dense masks run the XLA formula"  # every fallback caused by a ma
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
   """Fallback warnings are one-time per reason; every test starts with none reported."""
-  fa2_flax._warned.clear()
+  adapter._warned.clear()
   yield
-  fa2_flax._warned.clear()
+  adapter._warned.clear()
 
 
 @pytest.fixture
 def spy(monkeypatch):
   """Records the keyword arguments of every fa2_jax.flash_attention call made by fa2_jax.flax."""
   calls = []
-  real = fa2_flax.flash_attention
+  real = adapter.flash_attention
 
   def recording(*args, **kwargs):
     calls.append(kwargs)
     return real(*args, **kwargs)
 
-  monkeypatch.setattr(fa2_flax, "flash_attention", recording)
+  monkeypatch.setattr(adapter, "flash_attention", recording)
   return calls
 
 
@@ -251,7 +252,7 @@ def test_attention_fn_mask_shapes_and_gqa(caller, causal):
       assert_trees_close((y, g), (y_ref, g_ref), **FORMULA_TOL)
     except AssertionError as e:
       raise AssertionError(f"mask {name}") from e
-    fa2_flax._warned.clear()
+    adapter._warned.clear()
 
 
 # --- a mask that provably is the causal mask (or no mask) keeps the kernel ------------------------
@@ -343,7 +344,7 @@ def test_linen_decode_matches_flax_step_by_step(adapter_causal):
                                               mask=key_mask if adapter_causal else init_mask)
   np.testing.assert_allclose(y, y_ref, **FORMULA_TOL)
   assert_trees_close(ours_variables, variables, atol=0, rtol=0)  # same params, an empty cache
-  fa2_flax._warned.clear()
+  adapter._warned.clear()
   # flax's decode step i is causal attention of query i: the full-length output's row i.
   y_full = ref.clone(decode=False).apply({"params": variables["params"]}, x, mask=init_mask)
 
@@ -574,7 +575,7 @@ def test_causal_modules_with_padding_mask(batch):
   assert_rows_close(y, y_ref, rows, **FORMULA_TOL)
   assert_trees_close(g, g_ref, **FORMULA_TOL)
 
-  fa2_flax._warned.clear()
+  adapter._warned.clear()
   make = lambda fn: fa2_flax.NnxCausalSelfAttention(D, **MODULE_KW, attention_fn=fn,
                                                     rngs=nnx.Rngs(0))
   nnx_ours, nnx_ref = make(kernel_fn()), make(nnx.dot_product_attention)

@@ -1,0 +1,396 @@
+"""The Flax adapter: :func:`attention_fn` and :func:`make_attention_fn`, a drop-in ``attention_fn`` for
+flax's attention layers that runs :func:`fa2_jax.flash_attention` (or says why it cannot, and uses
+flax's formula). Re-exported, with the ready layers, by :mod:`fa2_jax.flax`: import them from there
+(its docstring shows the use)."""
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+  import flax.linen as nn
+  from flax import nnx
+except ImportError as e:  # flax is an optional dependency (the [flax] extra)
+  raise ImportError("fa2_jax.flax needs Flax: pip install 'fa2_jax[flax]' (or pip install flax)"
+                    ) from e
+
+from .attention import flash_attention
+from .kernels.mosaic.config import MosaicConfig
+from .kernels.triton.config import BlockSizes
+from .validation import DTYPES as _KERNEL_DTYPES
+from .flax_variants import check_static_variants, flash_any_batch, merge_variants
+from .validation import check_bool, check_options, is_static_dim
+
+__all__ = ["attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning"]
+
+
+class FlashAttentionFallbackWarning(UserWarning):
+  """A call to :func:`attention_fn` was computed with flax's formula instead of the kernel."""
+
+
+# Variants that depend on the query row's position (a lone decode row is placed at the last key).
+_POSITIONAL = frozenset({"local_window_size", "alibi_slopes", "mask_fn", "score_fn"})
+
+_warned: set[str] = set()  # fallback messages already reported (one warning per reason per process)
+
+# What to pass instead of a causal mask, in each flax API.
+_CAUSAL_FLAG = ("pass is_causal=True and no mask instead (nnx: layer(x, is_causal=True); linen: "
+                "attention_fn=fa2_jax.flax.make_attention_fn(is_causal=True))")
+# What to pass instead of a dense mask (every such advice ends in "dense masks run the XLA formula":
+# tests and users match on it).
+_NO_MASK_ARGUMENT = ("To run the kernel, pass q_segment_ids/kv_segment_ids or query_seq_lengths/"
+                     "key_value_seq_lengths instead of a dense mask (padding, packed documents), "
+                     "local_window_size or mask_fn for other patterns (fa2_jax.flax's attention_fn "
+                     "and CausalSelfAttention take them as keyword arguments); a decode cache's "
+                     "mask has no such argument: dense masks run the XLA formula.")
+# What to pass instead of a dense bias.
+_NO_BIAS_ARGUMENT = ("To run the kernel, pass alibi_slopes (ALiBi) or score_fn (any elementwise "
+                     "function of the score and its indices) instead of a dense bias: dense biases "
+                     "run the XLA formula.")
+
+def _warn_once(reason: str, advice: str) -> None:
+  message = (f"fa2_jax.flax.attention_fn: {reason}; the FlashAttention kernel cannot honour this, "
+             f"so the call uses flax's dot_product_attention formula (the same math, with O(T*S) "
+             f"memory). {advice}")
+  if message in _warned:
+    return
+  _warned.add(message)
+  warnings.warn(message, FlashAttentionFallbackWarning, stacklevel=3)
+
+
+def _check_arrays(query, key, value, bias, mask) -> None:
+  """Shapes flax's layers produce; anything else raises an error naming the argument."""
+  for name, x in (("query", query), ("key", key), ("value", value), ("bias", bias),
+                  ("mask", mask)):
+    if x is not None and (not hasattr(x, "shape") or not hasattr(x, "dtype")):
+      raise TypeError(f"{name} must be a jax/numpy array, got {type(x).__name__}")
+  if query.ndim < 3:
+    raise ValueError(f"query must be [batch..., q_length, num_heads, head_dim] (rank >= 3), got "
+                     f"shape {tuple(query.shape)}")
+  for name, x in (("key", key), ("value", value)):
+    if x.ndim != query.ndim:
+      raise ValueError(f"{name} must have the rank of query ({query.ndim}: [batch..., kv_length, "
+                       f"num_kv_heads, head_dim]), got shape {tuple(x.shape)}")
+  if key.shape[:-1] != value.shape[:-1]:
+    raise ValueError(f"key and value must share [batch..., kv_length, num_kv_heads], got shapes "
+                     f"{tuple(key.shape)} and {tuple(value.shape)}")
+  if key.shape[:-3] != query.shape[:-3]:
+    raise ValueError(f"key/value batch dims {tuple(key.shape[:-3])} must equal query's "
+                     f"{tuple(query.shape[:-3])}")
+  if key.shape[-1] != query.shape[-1]:
+    raise ValueError(f"key head_dim {key.shape[-1]} must equal query head_dim {query.shape[-1]}")
+  n, kh = query.shape[-2], key.shape[-2]
+  if is_static_dim(n) and is_static_dim(kh) and (kh < 1 or n % kh):
+    raise ValueError(f"query num_heads ({n}) must be a multiple of key/value num_heads ({kh}) "
+                     "(fewer key/value heads is grouped-query attention)")
+  logits = (*query.shape[:-3], n, query.shape[-3], key.shape[-3])  # [batch..., N, T, S]
+  for name, x in (("mask", mask), ("bias", bias)):
+    if x is None:
+      continue
+    try:
+      fits = jnp.broadcast_shapes(tuple(x.shape), logits) == logits
+    except ValueError:
+      fits = False
+    if not fits:
+      raise ValueError(f"{name} must broadcast to [batch..., num_heads, q_length, kv_length] = "
+                       f"{logits}, got shape {tuple(x.shape)}")
+
+
+def _check_dropout(dropout_rate, deterministic, dropout_rng) -> None:
+  if isinstance(dropout_rate, jax.core.Tracer):
+    return
+  if isinstance(dropout_rate, (np.ndarray, jax.Array)) and dropout_rate.shape == ():
+    dropout_rate = dropout_rate.item()
+  if isinstance(dropout_rate, bool) or not isinstance(dropout_rate, (int, float, np.number)):
+    raise TypeError(f"dropout_rate must be a float in [0, 1), got {type(dropout_rate).__name__} "
+                    f"{dropout_rate!r}")
+  if not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+  if dropout_rate > 0.0 and deterministic is False and dropout_rng is None:
+    raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng")
+
+
+def _fallback_reason(query, value, dtype, bias, dropout_rate, deterministic, module, einsums,
+                     extra) -> tuple[str, str] | None:
+  """Why this call cannot run on the kernel and what to pass instead, or None when it can.
+
+  The mask is judged separately (:func:`_mask_as_flag`): only this call's other arguments here.
+  """
+  if bias is not None:
+    return ("an attention `bias` was passed", _NO_BIAS_ARGUMENT)
+  if dropout_rate > 0.0 and not deterministic:
+    return (f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) was asked for",
+            "The kernel has no attention dropout: pass deterministic=True (or dropout_rate=0.0) "
+            "to run it.")
+  if module is not None:
+    return ("the attention weights are to be sown (sow_weights=True / module=...)",
+            "The kernel never forms the weights: call without sow_weights to run it.")
+  if any(e is not None for e in einsums):
+    return ("custom attention einsums were passed",
+            "Leave qk_attn_weights_einsum / attn_weights_value_einsum unset to run the kernel.")
+  if extra:
+    return (f"unsupported arguments {sorted(extra)} were passed",
+            "Leave them unset (None) to run the kernel.")
+  if value.shape[-1] != query.shape[-1]:
+    return (f"value head_dim {value.shape[-1]} differs from the query/key head_dim "
+            f"{query.shape[-1]}", "The kernel needs one head_dim for query, key and value.")
+  if jnp.dtype(dtype) not in _KERNEL_DTYPES:
+    return (f"dtype {jnp.dtype(dtype)} is not bfloat16, float16 or float32",
+            "Pass dtype=jnp.float32 (or bfloat16/float16) to run the kernel.")
+  return None
+
+
+def _mask_reason(mask, is_causal: bool) -> tuple[str, str]:
+  """The fallback warning for a mask that :func:`_mask_as_flag` could not replace by the flag."""
+  if _values_known(mask):
+    return ("a dense `mask` that is neither all-True nor the causal mask was passed (padding, a "
+            "decode cache or another pattern)", _NO_MASK_ARGUMENT)
+  if is_causal:
+    return ("a dense `mask` was passed with is_causal=True, traced (its values are unknown while "
+            "tracing)",
+            "The causal part needs no mask: if the mask only repeats the causal mask, pass "
+            f"mask=None to run the kernel. {_NO_MASK_ARGUMENT}")
+  return ("a dense `mask` was passed, traced (its values are unknown while tracing)",
+          f"If it is a causal mask, {_CAUSAL_FLAG}. {_NO_MASK_ARGUMENT}")
+
+
+def _values_known(x) -> bool:
+  """Whether ``x``'s values can be read while tracing (a concrete array, not a tracer)."""
+  if isinstance(x, jax.core.Tracer):
+    return False
+  return not isinstance(x, jax.Array) or x.is_fully_addressable
+
+
+def _mask_as_flag(mask, is_causal: bool, t: int, s: int) -> bool | None:
+  """The kernel's ``is_causal`` that computes exactly what ``mask`` (AND the flag) does, or None.
+
+  Only for masks whose values are known while tracing; flax attends where the mask is nonzero.
+  A mask that allows every pair (the flag's causal pairs, with ``is_causal``) is dropped; one that
+  allows exactly the top-left causal pairs in every ``[T, S]`` slice becomes ``is_causal=True``.
+  """
+  if not _values_known(mask) or not all(is_static_dim(d) for d in (t, s)):
+    return None
+  allowed = np.asarray(mask) != 0  # [..., T|1, S|1]
+  allowed = allowed.reshape((1,) * max(0, 2 - allowed.ndim) + allowed.shape)
+  allowed = np.broadcast_to(allowed, allowed.shape[:-2] + (t, s))  # [..., T, S]
+  causal = np.tril(np.ones((t, s), np.bool_))  # top-left: query i sees keys j <= i
+  if is_causal:
+    return True if np.all(allowed | ~causal) else None  # mask AND causal == causal
+  if np.all(allowed):
+    return False
+  return True if np.all(allowed == causal) else None
+
+
+def _causal_mask(t: int, s: int):
+  """Top-left aligned causal mask ``[t, s]`` (query i sees keys j <= i), as flax's is_causal."""
+  return jnp.tril(jnp.ones((t, s), dtype=jnp.bool_))
+
+
+def _with_batch_dims(x, query):
+  """``x`` broadcastable to ``[batch..., N, T, S]`` -> rank ``query.ndim`` with query's batch dims.
+
+  nnx's formula folds ``[batch...]`` into one axis by reshaping every array, which is only right for
+  arrays that carry the full batch dims.
+  """
+  x = x.reshape((1,) * (query.ndim - x.ndim) + x.shape)
+  return jnp.broadcast_to(x, query.shape[:-3] + x.shape[-3:])
+
+
+def _flax_formula(query, key, value, *, linen_caller: bool, is_causal: bool, promote_dtype,
+                  force_fp32_for_softmax, qk_attn_weights_einsum, attn_weights_value_einsum,
+                  extra, mask, bias, **common):
+  """Exactly what flax's own ``dot_product_attention`` computes for this call.
+
+  ``flax.linen.MultiHeadDotProductAttention`` passes ``force_fp32_for_softmax``, so its presence
+  (``linen_caller``) selects linen's function; otherwise nnx's (which also knows GQA and
+  ``is_causal``). The causal flag is folded into a dense mask by broadcasting (``mask AND
+  causal``), which is what both flax functions do, for a mask of any rank flax accepts.
+  """
+  if mask is not None:
+    mask = jnp.asarray(mask).astype(jnp.bool_)  # flax attends where the mask is nonzero
+    if is_causal:
+      mask = jnp.logical_and(mask, _causal_mask(query.shape[-3], key.shape[-3]))
+      is_causal = False
+  if not linen_caller:
+    if promote_dtype is not None:
+      extra = {**extra, "promote_dtype": promote_dtype}
+    if query.ndim > 4:
+      mask, bias = (None if x is None else _with_batch_dims(x, query) for x in (mask, bias))
+    return nnx.dot_product_attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal,
+                                     **common, **extra)
+  # linen's function has neither ``is_causal`` nor GQA: fold them in without changing the math.
+  if is_causal:
+    mask = _causal_mask(query.shape[-3], key.shape[-3])
+  groups = query.shape[-2] // key.shape[-2]
+  if groups > 1:
+    key, value = (jnp.repeat(x, groups, axis=-2) for x in (key, value))
+  return nn.dot_product_attention(
+      query, key, value, mask=mask, bias=bias,
+      force_fp32_for_softmax=bool(force_fp32_for_softmax),
+      qk_attn_weights_einsum=qk_attn_weights_einsum,
+      attn_weights_value_einsum=attn_weights_value_einsum, **common, **extra)
+
+
+def make_attention_fn(implementation: str | None = None,
+                      block_sizes: BlockSizes | MosaicConfig | None = None,
+                      deterministic: bool = False, interpret: bool | None = None, *,
+                      is_causal: bool = False, local_window_size: Any = None,
+                      logits_soft_cap: float | None = None, alibi_slopes: Any = None,
+                      mask_fn: Callable | None = None,
+                      score_fn: Callable | None = None) -> Callable[..., jax.Array]:
+  """Returns an ``attention_fn`` for flax's attention layers that runs :func:`fa2_jax.flash_attention`.
+
+  Args:
+    implementation: passed to :func:`fa2_jax.flash_attention`: None (the kernels on GPU, the XLA
+      formula on CPU), ``"triton"``, ``"mosaic"`` or ``"xla"``.
+    block_sizes: None (defaults), a :class:`fa2_jax.BlockSizes` (Triton kernels) or a
+      :class:`fa2_jax.MosaicConfig` (Mosaic kernels); see :func:`fa2_jax.flash_attention`.
+    deterministic: the kernel's *backward* determinism (no atomics). Not to be confused with the
+      ``deterministic`` argument flax passes to the returned function, which switches dropout.
+    interpret: True runs the Pallas kernels in interpret mode (CPU tests).
+    is_causal: always attend causally (query i sees keys j <= i, top-left aligned). For
+      ``flax.linen.MultiHeadDotProductAttention``, which has no ``is_causal`` argument; nnx's layer
+      passes ``is_causal`` per call and the two are OR-ed. A call with a single query row
+      (``q_length == 1``: the step of a layer with ``decode=True``, whose cache mask already admits
+      only the keys up to the current position) is the newest position, so this flag masks none of
+      its keys there, and the window, ALiBi and ``mask_fn``/``score_fn`` see the row at the last
+      key's position, ``kv_length - 1`` (``key_value_seq_lengths - 1`` when the call gives those;
+      unless it gives ``q_offset``, the row's position); a per-call ``is_causal`` keeps flax's
+      top-left meaning.
+    local_window_size, logits_soft_cap, alibi_slopes, mask_fn, score_fn: the static variants of
+      every call, as in :func:`fa2_jax.flash_attention` (``alibi_slopes``: ``[num_heads]`` here;
+      per-batch slopes go to the call). A call may give these instead, but not the same one twice.
+      With extra batch dims (``[b1, b2, ..., T, N, H]``) ``mask_fn``/``score_fn`` see the batch
+      index ``b`` of the folded batch, ``b1_index * b2 + b2_index``.
+
+  The returned function also takes, per call, ``query_seq_lengths``, ``key_value_seq_lengths``,
+  ``q_offset`` (``[batch...]``), ``q_segment_ids`` (``[batch..., q_length]``), ``kv_segment_ids``
+  (``[batch..., kv_length]``) and ``alibi_slopes`` (``[num_heads]`` or ``[batch..., num_heads]``).
+
+  Raises:
+    ValueError: unknown ``implementation``, a bad ``local_window_size`` or ``logits_soft_cap``.
+    TypeError: ``block_sizes`` not a BlockSizes/MosaicConfig (or one that does not match
+      ``implementation``), a flag that is not a bool, a ``mask_fn``/``score_fn`` that is not
+      callable, ``alibi_slopes`` that is not an array.
+  """
+  check_options(implementation, block_sizes)
+  deterministic = check_bool("deterministic", deterministic)
+  always_causal = check_bool("is_causal", is_causal)
+  if interpret is not None:
+    interpret = check_bool("interpret", interpret)
+  fixed = check_static_variants(local_window_size=local_window_size,
+                                 logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
+                                 mask_fn=mask_fn, score_fn=score_fn)
+  kernel = functools.partial(flash_attention, implementation=implementation,
+                             block_sizes=block_sizes, deterministic=deterministic,
+                             interpret=interpret)
+
+  # The parameter names are the ones flax's layers pass (linen passes only the names listed here).
+  def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
+                   mask: jax.Array | None = None, broadcast_dropout: bool = True,
+                   dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
+                   deterministic: bool = False, dtype: Any = None, precision: Any = None,
+                   module: Any = None, is_causal: bool = False,
+                   force_fp32_for_softmax: bool | None = None,
+                   qk_attn_weights_einsum: Callable | None = None,
+                   attn_weights_value_einsum: Callable | None = None,
+                   promote_dtype: Callable | None = None, query_seq_lengths: Any = None,
+                   key_value_seq_lengths: Any = None, q_segment_ids: Any = None,
+                   kv_segment_ids: Any = None, q_offset: Any = None, alibi_slopes: Any = None,
+                   local_window_size: Any = None, logits_soft_cap: float | None = None,
+                   mask_fn: Callable | None = None, score_fn: Callable | None = None,
+                   **kwargs) -> jax.Array:
+    """FlashAttention with the signature of flax's ``dot_product_attention``.
+
+    Args:
+      query: ``[batch..., q_length, num_heads, head_dim]``.
+      key, value: ``[batch..., kv_length, num_kv_heads, head_dim]``, ``num_heads % num_kv_heads
+        == 0`` (grouped-query attention when smaller).
+      bias, mask: broadcastable to ``[batch..., num_heads, q_length, kv_length]``, as in flax (the
+        mask attends where nonzero). A mask runs the kernel only when its values are known while
+        tracing and it equals no mask or the causal mask; otherwise, and with any bias, the call
+        runs flax's formula.
+      broadcast_dropout, dropout_rng, dropout_rate, deterministic, module: as in flax; active
+        dropout or a module to sow weights into fall back to flax's formula.
+      dtype: compute dtype (default: the promoted input dtype), as in flax.
+      precision: ignored by the kernel (it accumulates in float32); honoured on fallbacks.
+      is_causal: top-left causal attention, reaching the kernel as a flag.
+      force_fp32_for_softmax: the kernel's softmax is always float32; passed on on fallbacks.
+      qk_attn_weights_einsum, attn_weights_value_einsum, promote_dtype: flax's hooks; custom
+        einsums fall back, ``promote_dtype`` is used to promote the inputs.
+      query_seq_lengths, key_value_seq_lengths, q_offset: integer ``[batch...]`` (``q_offset`` may
+        be an int); q_segment_ids, kv_segment_ids: integer ``[batch..., q_length]`` and
+        ``[batch..., kv_length]``; alibi_slopes: ``[num_heads]`` or ``[batch..., num_heads]``;
+        local_window_size, logits_soft_cap, mask_fn, score_fn: as in
+        :func:`fa2_jax.flash_attention` (those not already given to :func:`make_attention_fn`).
+      **kwargs: future flax arguments: ``None`` values are ignored, others fall back to flax.
+
+    Returns:
+      ``[batch..., q_length, num_heads, head_dim]`` in the compute dtype.
+
+    Raises:
+      TypeError, ValueError: an argument of the wrong type or shape, named in the message; a
+        ValueError for a variant argument in a call that runs flax's formula (which has none).
+    """
+    _check_arrays(query, key, value, bias, mask)
+    _check_dropout(dropout_rate, deterministic, dropout_rng)
+    given = dict(query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+                 **check_static_variants(
+                     local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
+                     alibi_slopes=alibi_slopes, mask_fn=mask_fn, score_fn=score_fn))
+    variants = merge_variants(fixed, given)
+    # The factory's flag leaves a single query row (a decode step) unmasked, unless q_offset says
+    # where that row sits; see make_attention_fn.
+    per_call_causal = check_bool("is_causal", is_causal)
+    lone_row = always_causal and query.shape[-3] == 1 and q_offset is None
+    causal = per_call_causal or (always_causal and not lone_row)
+    extra = {k: v for k, v in kwargs.items() if v is not None}
+    einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
+    if promote_dtype is not None:
+      query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    else:
+      query, key, value = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
+    why = _fallback_reason(query, value, query.dtype, bias, dropout_rate, deterministic, module,
+                           einsums, extra)
+    if why is None and mask is not None:
+      flag = _mask_as_flag(mask, causal, query.shape[-3], key.shape[-3])
+      if flag is None:
+        why = _mask_reason(mask, causal)
+      else:
+        mask, causal = None, flag
+    if why is not None:
+      if variants:
+        raise ValueError(
+            f"fa2_jax.flax.attention_fn: {why[0]}, which only flax's dot_product_attention formula "
+            f"can compute, and that formula has none of the variant arguments given "
+            f"({', '.join(sorted(variants))}). {why[1]}")
+      _warn_once(*why)
+      return _flax_formula(
+          query, key, value, linen_caller=force_fp32_for_softmax is not None, is_causal=causal,
+          promote_dtype=promote_dtype, force_fp32_for_softmax=force_fp32_for_softmax,
+          qk_attn_weights_einsum=qk_attn_weights_einsum,
+          attn_weights_value_einsum=attn_weights_value_einsum, extra=extra, bias=bias, mask=mask,
+          broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
+          dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
+          precision=precision, module=module)
+    if lone_row and not causal and _POSITIONAL.intersection(variants):
+      # The newest position is the last (valid) key's: the window, ALiBi and mask_fn/score_fn see the
+      # row there.
+      kv_len = variants.get("key_value_seq_lengths")
+      last = key.shape[-3] - 1 if kv_len is None else jnp.asarray(kv_len, jnp.int32) - 1
+      causal, variants = True, {**variants, "q_offset": last}
+    return flash_any_batch(kernel, query, key, value, causal, variants)
+
+  return attention_fn
+
+
+# The default attention_fn: implementation=None (kernels on GPU, XLA formula on CPU).
+attention_fn = make_attention_fn()
+
