@@ -155,6 +155,7 @@ def test_fused_dq_split_and_smem():
     (dict(memory_registers="40"), TypeError, "memory_registers"),
     (dict(backward_p="fast"), ValueError, "backward_p"),
     (dict(backward_p=None), ValueError, "backward_p"),
+    (dict(consumer_barrier="bar.sync"), ValueError, "consumer_barrier"),
 ])
 def test_config_validation(kwargs, exc, field):
   with pytest.raises(exc, match=rf"MosaicConfig\.{field}\b"):
@@ -635,6 +636,22 @@ def test_fused_dq_under_vmap_interpret():
     for g, e, name in zip(got, each[i], ("dq", "dk", "dv")):
       np.testing.assert_allclose(np.asarray(g[i], np.float32), np.asarray(e, np.float32),
                                  atol=2e-2, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("barrier", ["mbarrier", "named"])
+def test_consumer_barrier_lowers_for_sm90(barrier):
+  """``MosaicConfig.consumer_barrier="named"``: the fused dK/dV/dQ kernel's consumers meet on a
+  hardware barrier (``bar.sync`` of both warpgroups, in the kernel's PTX); the default keeps the
+  mbarrier."""
+  from fa2_jax.kernels.mosaic.ops import CONSUMERS_BARRIER_ID
+  cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0,
+                                                      consumer_barrier=barrier)
+  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
+  f = _fwd_bwd(128 ** -0.5, True, cfg)  # deterministic=False: the fused dQ
+  lse = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
+  text = jax.jit(f).trace(sd, sd, sd, sd, lse).lower(lowering_platforms=("cuda",)).as_text()
+  assert "fa2_mosaic_dkdv_dq" in text
+  assert (f"bar.sync {CONSUMERS_BARRIER_ID}, 256;" in text) == (barrier == "named")
 
 
 def test_equal_kernels_lower_once_per_program():

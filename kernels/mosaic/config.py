@@ -35,6 +35,9 @@ _HEAD_DIMS = (64, 128, 192, 256)
 RAGGED_MODES = ("tma", "pad")
 # How the backward recomputes P (MosaicConfig.backward_p; kernels/softmax.py, docs/design.md "Softmax form")
 BACKWARD_P_FORMS = ("auto", "per_head", "exact")
+# How the consumer warpgroups of the fused dK/dV/dQ kernel meet to exchange dS^T (MosaicConfig.
+# consumer_barrier; kernels/mosaic/ops.py, consumers_sync)
+CONSUMER_BARRIERS = ("mbarrier", "named")
 # The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
 # outputs (and dQ's reduce-adds) passing through it (docs/design.md#causal-launch-order).
 L2_SECTION_BYTES = 32 * 1024 * 1024
@@ -102,9 +105,14 @@ class MosaicConfig:
   ``backward_p``: how the backward kernels recompute P from the forward's row statistics
   (``kernels/softmax.py``). ``"per_head"``: each CTA runs the one-FMA form, or the exact form for a
   (batch, head) with huge logits (``exact_heads``; both forms compiled, one if/else per CTA);
-  ``"exact"``: the exact form everywhere (one loop per kernel, one subtraction more per element);
+  ``"exact"``: the exact form everywhere (one loop per kernel, a subtraction and a ``min`` more per
+  element: slower than ``"per_head"`` on the H200, docs/design.md "Softmax form");
   ``"auto"`` (default): the one-FMA form alone where the call's logits are bounded below its limit
   whatever the inputs (a soft cap with no ALiBi or ``score_fn``), else ``"per_head"``.
+  ``consumer_barrier``: how the fused dK/dV/dQ kernel's consumer warpgroups meet before reading each
+  other's ``dS^T`` tile: ``"mbarrier"`` (default: a shared-memory barrier, every warpgroup arrives
+  then waits on its phase) or ``"named"`` (one hardware ``bar.sync`` for both, as FlashAttention-3
+  does; compiled kernels only, the interpreter runs the mbarrier).
   """
 
   block_q: int = 64
@@ -132,6 +140,7 @@ class MosaicConfig:
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
   memory_registers: int = 40
   backward_p: str = "auto"
+  consumer_barrier: str = "mbarrier"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -143,6 +152,11 @@ class MosaicConfig:
       if f.name == "backward_p":
         if v not in BACKWARD_P_FORMS:
           raise ValueError(f"MosaicConfig.backward_p must be one of {BACKWARD_P_FORMS}, got {v!r}")
+        continue
+      if f.name == "consumer_barrier":
+        if v not in CONSUMER_BARRIERS:
+          raise ValueError(f"MosaicConfig.consumer_barrier must be one of {CONSUMER_BARRIERS}, "
+                           f"got {v!r}")
         continue
       if f.name in ("pingpong", "dkv_split", "dq_fused", "dq_fused_variants"):
         if not isinstance(v, bool):

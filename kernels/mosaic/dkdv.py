@@ -46,8 +46,8 @@ from ..softmax import probabilities
 from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig, dq_piece, dq_split
-from .ops import (acc_loop, accumulators, bcast_cols, iota2, per_cta_choice, smem_transforms,
-                  smem_transforms_f32, wgmma, wgmma_load, wgmma_wait, ws_kernel)
+from .ops import (acc_loop, accumulators, bcast_cols, consumers_sync, iota2, per_cta_choice,
+                  smem_transforms, smem_transforms_f32, wgmma, wgmma_load, wgmma_wait, ws_kernel)
 from .schedule import causal_section, cta_tile, q_block_ranges
 from .variant import Refs
 
@@ -94,6 +94,9 @@ class _Dkv:
   # The form of P (MosaicConfig.p_form): "per_head" (both forms compiled, one per CTA by exact_ref),
   # "exact" or "fast" (one loop).
   p_form: str = "per_head"
+  # How the consumers meet before the dS^T exchange (MosaicConfig.consumer_barrier == "named": a
+  # hardware bar.sync, else the mbarrier ds_bar)
+  named_barrier: bool = False
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
@@ -171,8 +174,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       if split is None:  # this consumer's keys only: A = (dS^T)^T [rows, keys], B = K_j [keys, H]
         terms = [(ds_smem.at[par, wg], k_s)]
       else:  # both consumers' keys (wait until both dS^T tiles are in SMEM)
-        plgpu.barrier_arrive(ds_bar.at[0])
-        plgpu.barrier_wait(ds_bar.at[0])
+        consumers_sync(ds_bar.at[0], nwg, st.named_barrier)
         if split == "cols":
           terms = [(ds_smem.at[par, w], k_smem.at[w, :, pl.ds(wg * cols_q, cols_q)])
                    for w in range(nwg)]
@@ -315,8 +317,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
 
     def epilogue(dk, dv):
       if st.fused_dq and split is not None:  # the other consumer's last dQ wgmma has read our K_j
-        plgpu.barrier_arrive(ds_bar.at[0])
-        plgpu.barrier_wait(ds_bar.at[0])
+        consumers_sync(ds_bar.at[0], nwg, st.named_barrier)
       # K_j / V_j are dead: reuse their SMEM to stage the results for the TMA store.
       if st.want_dk:
         k_s[...] = (dk * st.scale).astype(st.dtype)
@@ -384,7 +385,7 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                    kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
             seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq,
-            p_form=cfg.p_form(variant))
+            p_form=cfg.p_form(variant), named_barrier=cfg.consumer_barrier == "named")
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),

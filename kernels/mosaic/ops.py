@@ -32,6 +32,12 @@ from jax import lax
 from jax._src.state import types as state_types
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax._src.pallas.mosaic_gpu import helpers as mgpu_helpers
+
+# The hardware barrier of consumers_sync: 0 is the whole CTA's (__syncthreads) and Mosaic's own
+# warpgroup barriers take 1..num_warpgroups (mosaic/gpu/utils.py, warpgroup_barrier_idx); ids go to 15.
+CONSUMERS_BARRIER_ID = 8
+WARPGROUP_THREADS = 128
 
 # _COMPILE_NOTE: every kernel launch is wrapped in a jax.jit with its settings static, so a program that
 # calls attention at many sites (one per layer) lowers each distinct kernel once and the Mosaic GPU
@@ -189,6 +195,23 @@ def accumulators(body, *shapes):
   if emulating():
     return body(*[_EmulatedAccumulator(tuple(s)) for s in shapes])
   return pl.run_scoped(body, *[plgpu.ACC(tuple(s), jnp.float32) for s in shapes])
+
+
+def consumers_sync(barrier_ref, n_consumers: int, named: bool):
+  """The consumer warpgroups wait here for each other (all ``n_consumers`` of them must call it).
+
+  ``named``: one ``bar.sync`` of ``CONSUMERS_BARRIER_ID`` over their ``128 * n_consumers`` threads,
+  which also orders their shared-memory writes before it for every thread after it (the writers
+  fence their tiles for the tensor cores' async proxy first: ``plgpu.commit_smem``). Otherwise
+  ``barrier_ref`` (an mbarrier expecting ``n_consumers`` arrivals): arrive, then wait on its phase.
+  Pallas' GPU interpreter has no inline PTX, so emulation always takes the mbarrier.
+  """
+  if named and not emulating():
+    mgpu_helpers.inline_ptx(
+        f"bar.sync {CONSUMERS_BARRIER_ID}, {WARPGROUP_THREADS * n_consumers};")
+    return
+  plgpu.barrier_arrive(barrier_ref)
+  plgpu.barrier_wait(barrier_ref)
 
 
 def per_cta_choice(p_form: str, flag, body):
