@@ -94,9 +94,6 @@ class _Dkv:
   # The form of P (MosaicConfig.p_form): "per_head" (both forms compiled, one per CTA by exact_ref),
   # "exact" or "fast" (one loop).
   p_form: str = "per_head"
-  # How the consumers meet before the dS^T exchange (MosaicConfig.consumer_barrier == "named": a
-  # hardware bar.sync, else the mbarrier ds_bar)
-  named_barrier: bool = False
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
@@ -174,7 +171,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       if split is None:  # this consumer's keys only: A = (dS^T)^T [rows, keys], B = K_j [keys, H]
         terms = [(ds_smem.at[par, wg], k_s)]
       else:  # both consumers' keys (wait until both dS^T tiles are in SMEM)
-        consumers_sync(ds_bar.at[0], nwg, st.named_barrier)
+        consumers_sync(None if ds_bar is None else ds_bar.at[0], nwg)
         if split == "cols":
           terms = [(ds_smem.at[par, w], k_smem.at[w, :, pl.ds(wg * cols_q, cols_q)])
                    for w in range(nwg)]
@@ -317,7 +314,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
 
     def epilogue(dk, dv):
       if st.fused_dq and split is not None:  # the other consumer's last dQ wgmma has read our K_j
-        consumers_sync(ds_bar.at[0], nwg, st.named_barrier)
+        consumers_sync(None if ds_bar is None else ds_bar.at[0], nwg)
       # K_j / V_j are dead: reuse their SMEM to stage the results for the TMA store.
       if st.want_dk:
         k_s[...] = (dk * st.scale).astype(st.dtype)
@@ -385,7 +382,7 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                    kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
             seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq,
-            p_form=cfg.p_form(variant), named_barrier=cfg.consumer_barrier == "named")
+            p_form=cfg.p_form(variant))
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
@@ -407,7 +404,9 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
     scratch["ds_smem"] = plgpu.SMEM((2, num_wgs, bk, bq), q.dtype, transforms=tf)
     scratch["dq_smem"] = plgpu.SMEM((num_wgs, rows_q, cols_q), jnp.float32,
                                     transforms=smem_transforms_f32())
-    if st.dq_split is not None:
+    # The consumers' meeting before the dS^T exchange (ops.consumers_sync): this mbarrier, or with
+    # MosaicConfig.consumer_barrier="named" (compiled only) a hardware bar.sync and no ds_bar.
+    if st.dq_split is not None and (cfg.consumer_barrier != "named" or emulate):
       scratch["ds_bar"] = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1)
   out_type = []
   if want_dk:

@@ -197,16 +197,16 @@ def accumulators(body, *shapes):
   return pl.run_scoped(body, *[plgpu.ACC(tuple(s), jnp.float32) for s in shapes])
 
 
-def consumers_sync(barrier_ref, n_consumers: int, named: bool):
+def consumers_sync(barrier_ref, n_consumers: int):
   """The consumer warpgroups wait here for each other (all ``n_consumers`` of them must call it).
 
-  ``named``: one ``bar.sync`` of ``CONSUMERS_BARRIER_ID`` over their ``128 * n_consumers`` threads,
-  which also orders their shared-memory writes before it for every thread after it (the writers
-  fence their tiles for the tensor cores' async proxy first: ``plgpu.commit_smem``). Otherwise
-  ``barrier_ref`` (an mbarrier expecting ``n_consumers`` arrivals): arrive, then wait on its phase.
-  Pallas' GPU interpreter has no inline PTX, so emulation always takes the mbarrier.
+  ``barrier_ref``: an mbarrier expecting ``n_consumers`` arrivals (arrive, then wait on its phase),
+  or None: one hardware ``bar.sync`` of ``CONSUMERS_BARRIER_ID`` over their ``128 * n_consumers``
+  threads, which also orders their shared-memory writes before it for every thread after it (the
+  writers fence their tiles for the tensor cores' async proxy first: ``plgpu.commit_smem``). Pallas'
+  GPU interpreter has no inline PTX: emulated kernels use the mbarrier.
   """
-  if named and not emulating():
+  if barrier_ref is None:
     mgpu_helpers.inline_ptx(
         f"bar.sync {CONSUMERS_BARRIER_ID}, {WARPGROUP_THREADS * n_consumers};")
     return
