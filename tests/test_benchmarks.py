@@ -621,8 +621,11 @@ def test_ab_compares_a_copy_of_this_checkout(tmp_path):
   for name in ("fa2_jax", "kernels"):
     shutil.copytree(ROOT / name, base / name, ignore=shutil.ignore_patterns("__pycache__"))
   ab.main(["--base", str(base), "--cells", "1,64,2,32,c", "--rounds", "1", "--iters", "1",
-           "--reps", "1", "--out", str(tmp_path / "out")])
-  (row,) = _load(tmp_path / "out" / "ab.json")["rows"]
+           "--reps", "1", "--out", str(tmp_path / "out"),
+           "--kwargs", "{'logits_soft_cap': 5.0, 'local_window_size': [20, 0]}"])
+  report = _load(tmp_path / "out" / "ab.json")
+  (row,) = report["rows"]
+  assert report["kwargs"] == {"logits_soft_cap": "5.0", "local_window_size": "(20, 0)"}
   assert row["cell"] == "1,64,2,32,c" and row["grad_rel_diff"] == [0.0, 0.0, 0.0]
   assert all(row["tflops"][v][p] > 0 for v in ("base", "new") for p in ("fwd", "fwd+bwd"))
   assert sys.modules[ab.BASE_NAME].flash_attention.__module__.startswith(ab.BASE_NAME + ".")
@@ -635,6 +638,10 @@ def test_ab_compares_a_copy_of_this_checkout(tmp_path):
   assert fa2_jax.MosaicConfig.default(64).replace(**ab.parse_config("dq_fused_min_t=0")).dq_fused_min_t == 0
   with pytest.raises(SystemExit, match="--new-config: 'registers=240'"):
     ab.parse_config("registers=240")
+  with pytest.raises(SystemExit, match="--kwargs"):
+    ab.parse_kwargs("logits_soft_cap=5")
+  with pytest.raises(SystemExit, match="--kwargs"):
+    ab.parse_kwargs("[1, 2]")
 
 
 def test_registers_parses_ptxas_reports():

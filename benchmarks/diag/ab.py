@@ -3,6 +3,7 @@
     git archive REV fa2_jax kernels | tar -x -C BASE_DIR     # the other version's sources
     python -m benchmarks.diag.ab --base BASE_DIR [--cells "32,512,16,128,c;2,8192,32,64,nc"]
         [--rounds 2] [--deterministic] [--new-config compute_registers=240,memory_registers=24]
+        [--kwargs '{"logits_soft_cap": 50.0, "local_window_size": (4095, 0)}']
 
 Imports the sources under ``BASE_DIR`` (its ``fa2_jax/`` and ``kernels/`` folders, as ``git archive``
 writes them) as a second package, ``fa2_base``, beside this checkout's ``fa2_jax``, and times
@@ -14,7 +15,9 @@ is faster), and the largest relative difference of the gradients (max |new − b
 A change that should cost nothing is measured this way; runs in separate processes drift by a few
 percent on the H200. ``--new-config`` gives this checkout's calls ``MosaicConfig.default(...)`` with
 those fields replaced (the Mosaic kernels; with ``--base`` a copy of this checkout, it times a config
-candidate against the default).
+candidate against the default). ``--kwargs`` passes the same further arguments of ``flash_attention``
+to both versions (a variant); the rates then still count every pair of the cell (dense or causal), so
+compare their ratios, not their TFLOP/s with other reports.
 """
 from __future__ import annotations
 
@@ -84,6 +87,20 @@ def parse_config(text: str | None) -> dict:
   return out
 
 
+def parse_kwargs(text: str | None) -> dict:
+  """A Python dict literal of further ``flash_attention`` arguments -> dict (lists become tuples)."""
+  import ast
+  if not text:
+    return {}
+  try:
+    out = ast.literal_eval(text)
+  except (ValueError, SyntaxError) as e:
+    raise SystemExit(f"--kwargs: {text!r} is not a Python dict literal ({e})") from None
+  if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
+    raise SystemExit(f"--kwargs: {text!r} is not a dict of argument names")
+  return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
+
+
 def _rel_diff(new, base) -> float:
   import jax.numpy as jnp
   new, base = jnp.asarray(new, jnp.float32), jnp.asarray(base, jnp.float32)
@@ -92,10 +109,13 @@ def _rel_diff(new, base) -> float:
 
 
 def compare(versions: dict, cells, *, rounds: int, deterministic: bool, iters: int, reps: int,
-            new_config: dict | None = None, seed: int = 0) -> list[dict]:
+            new_config: dict | None = None, kwargs: dict | None = None,
+            seed: int = 0) -> list[dict]:
   """One row per cell: ``{cell, tflops: {version: {fwd, fwd+bwd}}, ratio: {fwd, fwd+bwd},
   grad_rel_diff: [dq, dk, dv], samples}`` for ``versions = {"base": module, "new": module}``;
-  ``new_config``: fields of the new version's ``MosaicConfig``."""
+  ``new_config``: fields of the new version's ``MosaicConfig``; ``kwargs``: further arguments of
+  both versions' calls."""
+  kwargs = dict(kwargs or {})
   import jax.numpy as jnp
   rows = []
   for b, t, n, h, causal in cells:
@@ -106,7 +126,8 @@ def compare(versions: dict, cells, *, rounds: int, deterministic: bool, iters: i
       if name == "new" and new_config:
         blocks = mod.MosaicConfig.default(h, jnp.bfloat16, causal).replace(**new_config)
       f = (lambda mod, blocks: lambda q, k, v: mod.flash_attention(
-          q, k, v, is_causal=causal, deterministic=deterministic, block_sizes=blocks))(mod, blocks)
+          q, k, v, is_causal=causal, deterministic=deterministic, block_sizes=blocks, **kwargs))(
+              mod, blocks)
       fns[name] = {"fwd": forward_fn(f), "fwd+bwd": fwd_bwd_fn(f)}
     samples = {name: {"fwd": [], "fwd+bwd": []} for name in versions}
     grads = {}
@@ -139,21 +160,25 @@ def main(argv=None):
   ap.add_argument("--deterministic", action="store_true", help="both versions with deterministic=True")
   ap.add_argument("--new-config", default=None,
                   help="MosaicConfig fields for this checkout's calls: field=value,...")
+  ap.add_argument("--kwargs", default=None,
+                  help="further flash_attention arguments for both versions, a Python dict literal")
   ap.add_argument("--iters", type=cli.positive_int, default=10)
   ap.add_argument("--reps", type=cli.positive_int, default=5)
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
   cells = parse_cells(args.cells)
   new_config = parse_config(args.new_config)
+  kwargs = parse_kwargs(args.kwargs)
   import fa2_jax
   base = import_base(args.base)
   info = device_info()
   rows = compare({"base": base, "new": fa2_jax}, cells, rounds=args.rounds,
                  deterministic=args.deterministic, iters=args.iters, reps=args.reps,
-                 new_config=new_config)
+                 new_config=new_config, kwargs=kwargs)
   out = cli.resolve_out(argparse.Namespace(out=args.out), info)
   write_json(out / "ab.json", {"meta": info, "deterministic": args.deterministic,
-                               "new_config": new_config, "rounds": args.rounds, "rows": rows})
+                               "new_config": new_config, "kwargs": {k: repr(v) for k, v in kwargs.items()},
+                               "rounds": args.rounds, "rows": rows})
   print(f"\n{'cell':<20} {'base fwd / fwd+bwd':>20} {'new fwd / fwd+bwd':>20} {'new/base fwd':>13} "
         f"{'fwd+bwd':>8}  grad rel diff (dq, dk, dv)")
   for r in rows:

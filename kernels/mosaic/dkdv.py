@@ -238,13 +238,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
             keep = vr.keep((bk, bq), h, i * bq, k0, seq_q=st.seq_q, seq_k=st.seq_k, transposed=True)
           if keep is not None:
             p_t = jnp.where(keep, p_t, 0.0)
+        # P^T times d s_out / d s_in (soft cap / score_fn) now, while P^T is at hand: only this
+        # product and P^T's bf16 copy stay live until dS^T, not P^T and the derivative both
+        pd_t = p_t if deriv is None else p_t * deriv
         dp_t = None if dp_acc is None else wgmma_load(dp_acc)
-        return p_t, deriv, keep, dp_t
+        if variant is not None and keep is not None and dp_t is not None:
+          # dS^T's mask on its two factors here, so that the mask need not stay live until dS^T:
+          # masked pairs get P^T d = 0 and dP^T = 0, no 0 * NaN from dP or the derivative
+          if deriv is not None:
+            pd_t = jnp.where(keep, pd_t, 0.0)
+          dp_t = jnp.where(keep, dp_t, 0.0)
+          keep = None
+        return p_t.astype(st.dtype), pd_t, keep, dp_t
 
       tile = (bk, bq)
       early = st.want_dk and st.dp_early
-      p_t, deriv, keep, dp_t = accumulators(scores, *([tile, tile] if early else [tile]))
-      p16 = p_t.astype(st.dtype)
+      p16, pd_t, keep, dp_t = accumulators(scores, *([tile, tile] if early else [tile]))
       if not st.want_dk:
         plgpu.barrier_wait(do_bar.at[slot])
         wgmma(dv_acc, p16, do_t)  # dV_j += P^T dO_i  (line 12)
@@ -261,11 +270,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
           dp_t = accumulators(dp_then_dv, tile)
         plgpu.barrier_wait(delta_bar.at[slot])
         delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        ds_t = p_t * (dp_t - bcast_cols(delta, dp_t.shape))  # dS^T = P^T ∘ (dP^T − D_i)  (eq. 4)
-        if deriv is not None:
-          ds_t = ds_t * deriv  # through soft cap / score_fn: d s_out / d s_in
-        if variant is not None and keep is not None:
-          ds_t = jnp.where(keep, ds_t, 0.0)  # masked pairs: no 0 * NaN from dP or the derivative
+        # dS^T = P^T ∘ (dP^T − D_i) (eq. 4), times d s_out / d s_in through a soft cap or score_fn
+        ds_t = pd_t * (dp_t - bcast_cols(delta, dp_t.shape))
+        if variant is not None and keep is not None:  # (dP^T issued late) masked pairs: no 0 * NaN
+          ds_t = jnp.where(keep, ds_t, 0.0)  # from dP or the derivative
         if key_tail:  # keys past S (zero K rows) leave dS^T as 0: no inf * 0 in the fused dS K
           ds_t = jnp.where(k0 + iota2(tile, 0) < st.seq_k, ds_t, 0.0)
         ds16 = ds_t.astype(st.dtype)
