@@ -9,7 +9,6 @@ element, or exactly for heads with huge logits (:func:`backward_rows`, :func:`pr
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax.numpy as jnp
@@ -162,53 +161,3 @@ def probabilities(s, r, u, c: float, *, exact: bool, bcast):
   if exact:
     return jnp.exp2(jnp.minimum(scaled(s - bcast(r, s.shape)) - bcast(u, s.shape), 0.0))
   return jnp.exp2(scaled(s) - bcast(r, s.shape))
-
-
-# 2^x on the FMA pipe instead of the MUFU unit (FlashAttention-4's move on Blackwell), for x <= 0:
-# 2^x = 2^n * q(f), n = round(x), f = x - n in [-1/2, 1/2], q a polynomial with q(0) = 1 (so the row
-# maximum keeps weight exactly 1) fitted for the least largest relative error on [-1/2, 1/2]:
-# degree 3, 1.0e-4 (a tenth of a bfloat16 rounding of P); degree 4, 2.8e-6 (float16 P: 2.4e-4).
-EXP2_POLY = {3: (0.6932829022407532, 0.24221062660217285, 0.05500869080424309),
-             4: (0.6931241750717163, 0.24024099111557007, 0.055906400084495544,
-                 0.009582829661667347)}
-# x + 1.5 * 2^23 rounds x to an integer held in the sum's low mantissa bits (float32 has 23: the ulp
-# of the sum is 1), for |x| < 2^22.
-_ROUND_MAGIC = 12582912.0
-# 2^n needs n >= -126 to stay a float32 exponent (q(f) >= 2^-1/2 keeps the result's exponent field
-# >= 0 there); 2^-126 stands for anything smaller, a weight 2^-102 below the row maximum's at least.
-_POLY_MIN_X = -126.0
-
-
-def exp2_poly(x, degree: int = 3, *, fenced: bool = False):
-  """``2^x`` for float32 ``x <= 0`` in about eight add/multiply/integer instructions (no MUFU): the
-  polynomial :data:`EXP2_POLY` of ``x - round(x)``, its exponent raised by ``round(x)`` through the
-  float's bits. ``x = -inf`` gives ``2^-126``, not 0: only for tiles whose logits are finite.
-  ``fenced``: an optimization barrier keeps XLA (the interpreter's compiler) from simplifying
-  ``(x + C) - C`` to ``x``; compiled Mosaic kernels (LLVM, ptxas) keep IEEE order without it."""
-  x = jnp.maximum(x, _POLY_MIN_X)
-  j = x + _ROUND_MAGIC  # bits: 0x4B400000 + n
-  if fenced:
-    j = lax.optimization_barrier(j)
-  n = j - _ROUND_MAGIC  # round(x), exact
-  f = x - n  # in [-1/2, 1/2], exact
-  coeffs = EXP2_POLY[degree]
-  q = coeffs[-1]
-  for a in coeffs[-2::-1]:
-    q = q * f + a
-  q = q * f + 1.0
-  # bits(q) + n * 2^23 adds n to the exponent field; bits(j) * 2^23 = n * 2^23 modulo 2^32, since
-  # 0x4B400000 * 2^23 = 0 modulo 2^32 (wrapping int32 arithmetic)
-  bits = lax.bitcast_convert_type(q, jnp.int32) + lax.bitcast_convert_type(j, jnp.int32) * (1 << 23)
-  return lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def exp2_split(x, poly_cols: int, degree: int = 3, *, fenced: bool = False):
-  """``2^x`` of a ``[rows, keys]`` tile: the last ``poly_cols`` key columns by :func:`exp2_poly`,
-  the rest by ``exp2`` (the MUFU unit), so that both pipes share the work."""
-  if poly_cols == 0:
-    return jnp.exp2(x)
-  keys = x.shape[1]
-  poly = functools.partial(exp2_poly, degree=degree, fenced=fenced)
-  if poly_cols == keys:
-    return poly(x)
-  return jnp.concatenate([jnp.exp2(x[:, :keys - poly_cols]), poly(x[:, keys - poly_cols:])], axis=1)

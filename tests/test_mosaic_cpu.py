@@ -156,10 +156,6 @@ def test_fused_dq_split_and_smem():
     (dict(backward_p="fast"), ValueError, "backward_p"),
     (dict(backward_p=None), ValueError, "backward_p"),
     (dict(consumer_barrier="bar.sync"), ValueError, "consumer_barrier"),
-    (dict(exp2_poly_cols=12), ValueError, "exp2_poly_cols"),
-    (dict(exp2_poly_cols=136), ValueError, "exp2_poly_cols"),
-    (dict(exp2_poly_cols=-8), ValueError, "exp2_poly_cols"),
-    (dict(exp2_poly_cols=64.0), TypeError, "exp2_poly_cols"),
 ])
 def test_config_validation(kwargs, exc, field):
   with pytest.raises(exc, match=rf"MosaicConfig\.{field}\b"):
@@ -795,69 +791,3 @@ def test_fused_dq_variant_under_vmap_lowers_for_sm90():
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dk|dv|dq)_mosaic_gpu", text)) == {
       "forward", "dkdv_dq"}
-
-
-@pytest.mark.parametrize("poly_cols", [64, 128])
-@pytest.mark.parametrize("cap", [None, 3.0])
-def test_exp2_poly_cols_forward(poly_cols, cap):
-  """``MosaicConfig.exp2_poly_cols``: the forward's unmasked steps take part of their ``exp2`` as a
-  polynomial (``kernels/softmax.py``, ``exp2_poly``); output and lse stay within the bfloat16
-  kernels' bounds of the float32 formula, and masked steps (causal diagonal, ragged keys) keep the
-  exact zeros of the MUFU form. The kernels lower for sm90 with the split tile."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
-  from fa2_jax.validation import check_variant
-  b, t, s, n, h = 1, 256, 200, 2, 64
-  ks = jax.random.split(jax.random.key(7), 3)
-  q = (2 * jax.random.normal(ks[0], (b, t, n, h), jnp.float32)).astype(BF16)
-  k = (2 * jax.random.normal(ks[1], (b, s, n, h), jnp.float32)).astype(BF16)
-  v = jax.random.normal(ks[2], (b, s, n, h), jnp.float32).astype(BF16)
-  kwargs = dict(is_causal=True) if cap is None else dict(is_causal=True, logits_soft_cap=cap)
-  variant, arrays = check_variant(q, k, **kwargs)
-  cfg = MosaicConfig.default(h).replace(block_k=128, exp2_poly_cols=poly_cols)
-  assert cfg.poly_cols(variant) == poly_cols
-  scale = 1.0 / math.sqrt(h)
-  with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-    out, stats = forward(q, k, v, scale=scale, is_causal=True, variant=variant, arrays=arrays,
-                         config=cfg)
-  lse = lse_from_stats(stats, scale, variant.modifies_scores)
-  want, want_lse = fa2_jax.reference_attention(q, k, v, scale=scale, return_residual=True,
-                                               compute_dtype=jnp.float32, **kwargs)
-  err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
-  assert err < 2e-2, err
-  np.testing.assert_allclose(np.asarray(lse), np.swapaxes(np.asarray(want_lse), 1, 2), atol=2e-3)
-  text = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=True, variant=variant,
-                                         arrays=arrays, config=cfg)).trace(q, k, v).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert "fa2_mosaic_forward" in text
-
-
-def test_exp2_poly_cols_auto():
-  """-1 (the default) resolves to EXP2_POLY_COLS_AUTO for a soft cap without a score_fn only."""
-  from fa2_jax.kernels.mosaic.config import EXP2_POLY_COLS_AUTO
-  from fa2_jax.validation import check_variant
-  sd = jax.ShapeDtypeStruct((1, 128, 2, 64), BF16)
-  cfg = MosaicConfig.default(64)
-  assert cfg.exp2_poly_cols == -1 and cfg.poly_cols(None) == 0
-  capped, _ = check_variant(sd, sd, logits_soft_cap=20.0)
-  with_fn, _ = check_variant(sd, sd, logits_soft_cap=20.0, score_fn=lambda x, *_: x)
-  assert cfg.poly_cols(capped) == min(EXP2_POLY_COLS_AUTO, cfg.block_k)
-  assert cfg.poly_cols(with_fn) == 0
-  assert cfg.replace(exp2_poly_cols=64).poly_cols(None) == 64
-
-
-def test_exp2_poly_accuracy():
-  """``exp2_poly`` within its fitted relative error of ``2^x`` over the float32 exponent range, 1 at
-  0, positive below it; fenced, XLA keeps its rounding step (unfenced, it folds ``(x + C) - C``)."""
-  from fa2_jax.kernels.softmax import exp2_poly, exp2_split
-  x = jnp.linspace(-126.0, 0.0, 200001, dtype=jnp.float32)
-  want = np.exp2(np.asarray(x, np.float64))
-  for degree, bound in ((3, 1.1e-4), (4, 3.5e-6)):
-    got = np.asarray(jax.jit(lambda x: exp2_poly(x, degree, fenced=True))(x), np.float64)
-    assert np.max(np.abs(got / want - 1)) < bound, degree
-    assert got[-1] == 1.0
-  low = jax.jit(lambda x: exp2_poly(x, fenced=True))(jnp.array([-jnp.inf, -1e30, -127.5]))
-  assert np.all(np.asarray(low) == np.float32(2.0 ** -126))
-  tile = jnp.asarray(np.random.default_rng(0).uniform(-40, 0, (64, 128)), jnp.float32)
-  got = jax.jit(lambda t: exp2_split(t, 64, fenced=True))(tile)
-  np.testing.assert_allclose(np.asarray(got[:, :64]), np.exp2(np.asarray(tile[:, :64])), rtol=1e-5)
-  np.testing.assert_allclose(np.asarray(got[:, 64:]), np.exp2(np.asarray(tile[:, 64:])), rtol=1.1e-4)

@@ -38,9 +38,6 @@ BACKWARD_P_FORMS = ("auto", "per_head", "exact")
 # How the consumer warpgroups of the fused dK/dV/dQ kernel meet to exchange dS^T (MosaicConfig.
 # consumer_barrier; kernels/mosaic/ops.py, consumers_sync)
 CONSUMER_BARRIERS = ("mbarrier", "named")
-# Key columns per forward step whose exp2 a soft-capped call computes on the FMA pipe
-# (MosaicConfig.exp2_poly_cols; docs/design.md "Soft cap")
-EXP2_POLY_COLS_AUTO = 0
 # The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
 # outputs (and dQ's reduce-adds) passing through it (docs/design.md#causal-launch-order).
 L2_SECTION_BYTES = 32 * 1024 * 1024
@@ -116,11 +113,6 @@ class MosaicConfig:
   other's ``dS^T`` tile: ``"mbarrier"`` (default: a shared-memory barrier, every warpgroup arrives
   then waits on its phase) or ``"named"`` (one hardware ``bar.sync`` for both, as FlashAttention-3
   does; compiled kernels only, the interpreter runs the mbarrier).
-  ``exp2_poly_cols``: in the forward's steps with no mask and finite logits, how many of the
-  ``block_k`` key columns take ``exp2`` as a polynomial on the FMA pipe
-  (``kernels/softmax.py``: ``exp2_poly``) instead of the MUFU unit, which a soft cap's ``tanh`` also
-  occupies; a multiple of 8 in ``[0, block_k]``, or -1 (default): :data:`EXP2_POLY_COLS_AUTO` for
-  calls with a soft cap (and no ``score_fn``), 0 otherwise.
   """
 
   block_q: int = 64
@@ -149,7 +141,6 @@ class MosaicConfig:
   memory_registers: int = 40
   backward_p: str = "auto"
   consumer_barrier: str = "mbarrier"
-  exp2_poly_cols: int = -1
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -201,10 +192,6 @@ class MosaicConfig:
                          f"{getattr(self, name)}")
     if self.memory_registers % 8 or not 24 <= self.memory_registers <= 256:
       raise ValueError("MosaicConfig.memory_registers must be a multiple of 8 in [24, 256]")
-    if self.exp2_poly_cols != -1 and (self.exp2_poly_cols % 8 or
-                                      not 0 <= self.exp2_poly_cols <= self.block_k):
-      raise ValueError(f"MosaicConfig.exp2_poly_cols must be -1 (auto) or a multiple of 8 in "
-                       f"[0, block_k={self.block_k}], got {self.exp2_poly_cols}")
 
   replace = dataclasses.replace
 
@@ -268,14 +255,6 @@ class MosaicConfig:
     causal) runs dQ inside the dK/dV kernel."""
     return (self.dq_fused and not deterministic and not self.dkv_split
             and seq_q >= self.dq_fused_min_t and (self.dq_fused_variants or not variant))
-
-  def poly_cols(self, variant=None) -> int:
-    """:attr:`exp2_poly_cols` resolved for a call's attention ``variant`` (a
-    ``fa2_jax.masking.Variant`` or None)."""
-    if self.exp2_poly_cols != -1:
-      return self.exp2_poly_cols
-    capped = variant is not None and variant.soft_cap is not None and variant.score_fn is None
-    return min(EXP2_POLY_COLS_AUTO, self.block_k) if capped else 0
 
   def p_form(self, variant=None) -> str:
     """How a call's backward recomputes P (:attr:`backward_p` resolved for an attention ``variant``,
