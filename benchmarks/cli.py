@@ -59,6 +59,22 @@ def parse_strs(text: str) -> list[str]:
   return [t for t in str(text).replace(" ", "").split(",") if t]
 
 
+def call_kwargs(text: str | None) -> dict:
+  """``--kwargs``: a Python dict literal of further ``flash_attention`` arguments (an attention
+  variant, e.g. ``{"logits_soft_cap": 50.0, "local_window_size": (4095, 0)}``) -> dict; lists
+  become tuples. SystemExit naming ``--kwargs`` when it is not one."""
+  import ast
+  if not text:
+    return {}
+  try:
+    out = ast.literal_eval(text)
+  except (ValueError, SyntaxError) as e:
+    raise SystemExit(f"--kwargs: {text!r} is not a Python dict literal ({e})") from None
+  if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
+    raise SystemExit(f"--kwargs: {text!r} is not a dict of argument names")
+  return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
+
+
 def add_shape_args(p: argparse.ArgumentParser, default_shapes: str) -> None:
   """``--shapes "B,T,N,H;..."`` and ``--causal both|true|false`` of the kernel diagnostics; read them
   back with :func:`shapes_and_masks`."""

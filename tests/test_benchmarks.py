@@ -639,9 +639,9 @@ def test_ab_compares_a_copy_of_this_checkout(tmp_path):
   with pytest.raises(SystemExit, match="--new-config: 'registers=240'"):
     ab.parse_config("registers=240")
   with pytest.raises(SystemExit, match="--kwargs"):
-    ab.parse_kwargs("logits_soft_cap=5")
+    cli.call_kwargs("logits_soft_cap=5")
   with pytest.raises(SystemExit, match="--kwargs"):
-    ab.parse_kwargs("[1, 2]")
+    cli.call_kwargs("[1, 2]")
 
 
 def test_registers_parses_ptxas_reports():
@@ -664,6 +664,12 @@ ptxas info    : Used 128 registers, used 16 barriers, 1 bytes smem
       dict(kernel="fa2_mosaic_dq", registers=128, stack_bytes=0, spill_store_bytes=0,
            spill_load_bytes=0)]
   assert registers.parse_ptxas("ptxas info    : 0 bytes gmem\n") == []
+  serial = ("ptxas info    : (C7510) Potential Performance Loss: wgmma.mma_async instructions are "
+            "serialized due to insufficient register resources for the wgmma pipeline in the function "
+            "'fa2_mosaic_dkdv_dq_mosaic_gpu_kernel'\n")
+  assert registers.advisories(text) == dict(serialized=0, arrive=1, codes={"C7519": 1})
+  assert registers.advisories(serial + text) == dict(serialized=1, arrive=1,
+                                                     codes={"C7510": 1, "C7519": 1})
 
 
 # --- on a GPU ----------------------------------------------------------------------------------------

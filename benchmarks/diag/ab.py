@@ -87,20 +87,6 @@ def parse_config(text: str | None) -> dict:
   return out
 
 
-def parse_kwargs(text: str | None) -> dict:
-  """A Python dict literal of further ``flash_attention`` arguments -> dict (lists become tuples)."""
-  import ast
-  if not text:
-    return {}
-  try:
-    out = ast.literal_eval(text)
-  except (ValueError, SyntaxError) as e:
-    raise SystemExit(f"--kwargs: {text!r} is not a Python dict literal ({e})") from None
-  if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
-    raise SystemExit(f"--kwargs: {text!r} is not a dict of argument names")
-  return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
-
-
 def _rel_diff(new, base) -> float:
   import jax.numpy as jnp
   new, base = jnp.asarray(new, jnp.float32), jnp.asarray(base, jnp.float32)
@@ -168,7 +154,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   cells = parse_cells(args.cells)
   new_config = parse_config(args.new_config)
-  kwargs = parse_kwargs(args.kwargs)
+  kwargs = cli.call_kwargs(args.kwargs)
   import fa2_jax
   base = import_base(args.base)
   info = device_info()

@@ -1,7 +1,7 @@
 """Registers and spills of the Mosaic kernels that a forward+backward compiles (Hopper).
 
     python -m benchmarks.diag.registers [--shapes "2,8192,32,64;32,512,16,128"] [--causal both]
-        [--impls fa2,fa2_det]
+        [--impls fa2,fa2_det] [--kwargs '{"logits_soft_cap": 50.0}']
 
 For every shape ``B,T,N,H``, mask and implementation (``fa2``: the default backward, with dQ fused
 into the dK/dV kernel where the config says so; ``fa2_det``: ``deterministic=True``, the separate dQ
@@ -9,8 +9,12 @@ kernel), compiles and runs ``jit(grad(sum f))`` once with ptxas' report switched
 ``MOSAIC_GPU_DUMP_PTXAS``, one file per compiled kernel in a temporary folder) and prints, per kernel:
 the registers per thread ptxas allocated (the launch value; ``setmaxnreg`` then moves registers
 between the producer and consumer warpgroups), and the bytes of stack frame, spill stores and spill
-loads. A kernel that spills is the first suspect of a pass slower than its arithmetic: a duplicated
-loop once spilled 268 bytes in the dK/dV kernel and cost 4-7% (docs/design.md, "Softmax form").
+loads, and ptxas' performance advisories for it (``(C7510)``-style lines: ``serialized`` counts those
+saying wgmma instructions are serialized, which costs the overlap of the tensor cores with everything
+else; ``arrive`` counts ``warpgroup.arrive is injected``, fences ptxas added). A kernel that spills
+is the first suspect of a pass slower than its arithmetic: a duplicated loop once spilled 268 bytes
+in the dK/dV kernel and cost 4-7% (docs/design.md, "Softmax form"). ``--kwargs`` gives the calls an
+attention variant's arguments (a Python dict literal, as ``benchmarks.diag.ab`` takes them).
 Kernels compiled earlier in the process (the same kernel for another case) are not compiled, so not
 listed, again.
 """
@@ -29,6 +33,20 @@ from ..report import err_str, write_json
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
+_ADVICE = re.compile(r"\((C\d+)\) (.*)")
+
+
+def advisories(text: str) -> dict:
+  """ptxas' coded advisories in a report: ``{serialized, arrive, codes: {code: count}}``;
+  ``serialized``: lines saying wgmma instructions are serialized; ``arrive``: lines saying a
+  ``warpgroup.arrive`` was injected."""
+  codes: dict[str, int] = {}
+  serialized = arrive = 0
+  for code, message in _ADVICE.findall(text):
+    codes[code] = codes.get(code, 0) + 1
+    serialized += "serialized" in message
+    arrive += "warpgroup.arrive is injected" in message
+  return dict(serialized=serialized, arrive=arrive, codes=codes)
 
 
 def parse_ptxas(text: str) -> list[dict]:
@@ -54,7 +72,8 @@ def _reports(folder: Path, seen: set) -> list[dict]:
     if path.name in seen:
       continue
     seen.add(path.name)
-    rows += [dict(r, file=path.name) for r in parse_ptxas(path.read_text())]
+    text = path.read_text()  # Mosaic GPU writes one kernel's report per file: its advisories
+    rows += [dict(r, file=path.name, advisories=advisories(text)) for r in parse_ptxas(text)]
   return rows
 
 
@@ -63,8 +82,11 @@ def main(argv=None):
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   cli.add_shape_args(ap, "2,8192,32,64;2,8192,16,128;32,512,16,128")
   ap.add_argument("--impls", type=cli.impl_names, default=["fa2", "fa2_det"])
+  ap.add_argument("--kwargs", default=None,
+                  help="further flash_attention arguments (an attention variant), a Python dict literal")
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
+  kwargs = cli.call_kwargs(args.kwargs)
   folder = Path(tempfile.mkdtemp(prefix="fa2_ptxas_"))
   # Read by Mosaic GPU when it compiles a kernel: set before the first compilation.
   os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
@@ -87,22 +109,24 @@ def main(argv=None):
           continue
         attn = impls.get(name)
         try:
-          fwd_bwd_fn(lambda q, k, v: attn(q, k, v, causal=causal))(q, k, v)[0].block_until_ready()
+          fwd_bwd_fn(lambda q, k, v: attn(q, k, v, causal=causal, **kwargs))(q, k, v)[0].block_until_ready()
           found = _reports(folder, seen)
           rows += [dict(case, **r) for r in found] or [dict(case, note="no new kernel compiled")]
         except Exception as e:  # noqa: BLE001 - report and go on
           rows.append(dict(case, error=err_str(e, 300)))
   out = cli.resolve_out(argparse.Namespace(out=args.out), info)
-  write_json(out / "registers.json", {"meta": info, "rows": rows})
+  write_json(out / "registers.json", {"meta": info, "kwargs": {k: repr(v) for k, v in kwargs.items()},
+                                      "rows": rows})
   print(f"\n{'shape':<16} {'mask':<5} {'impl':<8} {'kernel':<22} {'regs':>5} {'stack':>6} "
-        f"{'spill st':>9} {'spill ld':>9}")
+        f"{'spill st':>9} {'spill ld':>9} {'serialized':>10} {'arrive':>6}")
   for r in rows:
     head = f"{r['shape']:<16} {'c' if r['causal'] else 'nc':<5} {r['impl']:<8} "
     if "kernel" not in r:
       print(head + (r.get("error") or r.get("note", ""))[:80])
       continue
     print(head + f"{r['kernel']:<22} {r.get('registers', '-'):>5} {r.get('stack_bytes', '-'):>6} "
-          f"{r.get('spill_store_bytes', '-'):>9} {r.get('spill_load_bytes', '-'):>9}")
+          f"{r.get('spill_store_bytes', '-'):>9} {r.get('spill_load_bytes', '-'):>9} "
+          f"{r['advisories']['serialized']:>10} {r['advisories']['arrive']:>6}")
   print(f"wrote {out / 'registers.json'}")
 
 
