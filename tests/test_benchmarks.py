@@ -670,6 +670,13 @@ ptxas info    : Used 128 registers, used 16 barriers, 1 bytes smem
   assert registers.advisories(text) == dict(serialized=0, arrive=1, codes={"C7519": 1})
   assert registers.advisories(serial + text) == dict(serialized=1, arrive=1,
                                                      codes={"C7510": 1, "C7519": 1})
+  case = dict(shape="2,8192,16,128", causal=True, impl="fa2")
+  line = registers.format_row(dict(case, **registers.parse_ptxas(text)[0],
+                                   advisories=registers.advisories(serial)))
+  assert line.split() == ["2,8192,16,128", "c", "fa2", "fa2_mosaic_dkdv_dq", "168", "160", "208", "232",
+                          "1", "0"]
+  assert registers.format_row(dict(case, causal=False, error="boom")).split() == [
+      "2,8192,16,128", "nc", "fa2", "boom"]
 
 
 # --- on a GPU ----------------------------------------------------------------------------------------

@@ -98,36 +98,42 @@ def main(argv=None):
     raise SystemExit("registers reports the Mosaic kernels' ptxas allocation: it needs a Hopper GPU "
                      "(compute capability 9.x)")
   info = device_info()
+  out = cli.resolve_out(argparse.Namespace(out=args.out), info)
   rows, seen = [], set()
+  # Each case compiles its kernels (seconds each): rows are printed and the JSON rewritten as they
+  # come, so a run cut short by a time limit still reports the cases it finished.
+  print(f"{'shape':<16} {'mask':<5} {'impl':<8} {'kernel':<22} {'regs':>5} {'stack':>6} "
+        f"{'spill st':>9} {'spill ld':>9} {'serialized':>10} {'arrive':>6}", flush=True)
   for shape, (b, t, n, h), masks in cli.shapes_and_masks(args):
     q, k, v = cli.random_inputs(t + h, [(b, t, n, h)] * 3, jnp.bfloat16)
     for causal in masks:
       for name in args.impls:
         case = dict(shape=shape, causal=causal, impl=name)
         if (why := impls.unavailable(name)) is not None:
-          rows.append(dict(case, error=why))
-          continue
-        attn = impls.get(name)
-        try:
-          fwd_bwd_fn(lambda q, k, v: attn(q, k, v, causal=causal, **kwargs))(q, k, v)[0].block_until_ready()
-          found = _reports(folder, seen)
-          rows += [dict(case, **r) for r in found] or [dict(case, note="no new kernel compiled")]
-        except Exception as e:  # noqa: BLE001 - report and go on
-          rows.append(dict(case, error=err_str(e, 300)))
-  out = cli.resolve_out(argparse.Namespace(out=args.out), info)
-  write_json(out / "registers.json", {"meta": info, "kwargs": {k: repr(v) for k, v in kwargs.items()},
-                                      "rows": rows})
-  print(f"\n{'shape':<16} {'mask':<5} {'impl':<8} {'kernel':<22} {'regs':>5} {'stack':>6} "
-        f"{'spill st':>9} {'spill ld':>9} {'serialized':>10} {'arrive':>6}")
-  for r in rows:
-    head = f"{r['shape']:<16} {'c' if r['causal'] else 'nc':<5} {r['impl']:<8} "
-    if "kernel" not in r:
-      print(head + (r.get("error") or r.get("note", ""))[:80])
-      continue
-    print(head + f"{r['kernel']:<22} {r.get('registers', '-'):>5} {r.get('stack_bytes', '-'):>6} "
-          f"{r.get('spill_store_bytes', '-'):>9} {r.get('spill_load_bytes', '-'):>9} "
-          f"{r['advisories']['serialized']:>10} {r['advisories']['arrive']:>6}")
+          new = [dict(case, error=why)]
+        else:
+          attn = impls.get(name)
+          try:
+            fwd_bwd_fn(lambda q, k, v: attn(q, k, v, causal=causal, **kwargs))(q, k, v)[0].block_until_ready()
+            new = [dict(case, **r) for r in _reports(folder, seen)] or [dict(case, note="no new kernel compiled")]
+          except Exception as e:  # noqa: BLE001 - report and go on
+            new = [dict(case, error=err_str(e, 300))]
+        rows += new
+        for r in new:
+          print(format_row(r), flush=True)
+        write_json(out / "registers.json", {"meta": info, "kwargs": {k: repr(v) for k, v in kwargs.items()},
+                                            "rows": rows})
   print(f"wrote {out / 'registers.json'}")
+
+
+def format_row(r: dict) -> str:
+  """One printed line of the report: a kernel's allocation, or the case's error or note."""
+  head = f"{r['shape']:<16} {'c' if r['causal'] else 'nc':<5} {r['impl']:<8} "
+  if "kernel" not in r:
+    return head + (r.get("error") or r.get("note", ""))[:80]
+  return head + (f"{r['kernel']:<22} {r.get('registers', '-'):>5} {r.get('stack_bytes', '-'):>6} "
+                 f"{r.get('spill_store_bytes', '-'):>9} {r.get('spill_load_bytes', '-'):>9} "
+                 f"{r['advisories']['serialized']:>10} {r['advisories']['arrive']:>6}")
 
 
 if __name__ == "__main__":
