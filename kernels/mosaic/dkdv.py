@@ -138,6 +138,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   key_tail = (variant is None and st.fused_dq and st.seq_k > 0
               and st.n_k_tiles * nwg * bk > st.seq_k)
   n_steps = n_i * g_size
+  # Variants: rows past T only in a partial last query tile (the range table stops at T), keys past
+  # S only where the key tiles overhang it.
+  q_tail = st.seq_q % bq != 0
+  k_tail = st.n_k_tiles * nwg * bk > st.seq_k
 
   @pl.when(wg < nwg)
   def _consumer():
@@ -235,7 +239,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
             q_pos = i * bq + iota2((bk, bq), 1)
             keep = allowed(q_pos, k_pos, is_causal=st.is_causal)
           else:
-            keep = vr.keep((bk, bq), h, i * bq, k0, seq_q=st.seq_q, seq_k=st.seq_k, transposed=True)
+            keep = vr.keep((bk, bq), h, i * bq, k0, seq_q=st.seq_q if q_tail else None,
+                           seq_k=st.seq_k if k_tail else None, transposed=True)
           if keep is not None:
             p_t = jnp.where(keep, p_t, 0.0)
         # P^T times d s_out / d s_in (soft cap / score_fn) now, while P^T is at hand: only this

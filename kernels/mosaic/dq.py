@@ -78,6 +78,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
     vr = Refs(variant, st.names, var_refs, b)
     lo, full_lo, full_hi, n_end = vr.ranges(qt)
   key_tail = st.seq_k % bk != 0
+  q_tail = st.n_q_tiles * nwg * bq > st.seq_q  # rows past T in the last query tiles
 
   @pl.when(wg < nwg)
   def _consumer():
@@ -119,7 +120,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
           keep = allowed(q_pos, k_pos, is_causal=st.is_causal,
                          seq_k=st.seq_k if key_tail else None)
         else:
-          keep = vr.keep((bq, bk), h, row0, j * bk, seq_q=st.seq_q, seq_k=st.seq_k)
+          keep = vr.keep((bq, bk), h, row0, j * bk, seq_q=st.seq_q if q_tail else None,
+                         seq_k=st.seq_k if key_tail else None)
         if keep is not None:
           p = jnp.where(keep, p, 0.0)
       ds = p * (dp - bcast_rows(delta, dp.shape))  # dS = P ∘ (dP − D_i)

@@ -106,6 +106,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
     vr = Refs(variant, st.names, var_refs, b)
     lo, full_lo, full_hi, n_end = vr.ranges(qt)
   key_tail = st.seq_k % bk != 0
+  q_tail = st.n_q_tiles * nwg * bq > st.seq_q  # rows past T in the last query tiles
 
   def schedule():
     plgpu.barrier_arrive(sched)
@@ -146,7 +147,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
         k_pos = j * bk + iota2((bq, bk), 1)
         keep = allowed(q_pos, k_pos, is_causal=st.is_causal, seq_k=st.seq_k if key_tail else None)
       elif masked:
-        keep = vr.keep((bq, bk), h, row0, j * bk, seq_q=st.seq_q, seq_k=st.seq_k)
+        keep = vr.keep((bq, bk), h, row0, j * bk, seq_q=st.seq_q if q_tail else None,
+                       seq_k=st.seq_k if key_tail else None)
       # A row with no visible key yet keeps m = -inf (use 0 there, so exp2 gives 0, not NaN); a
       # score_fn may return -inf for every key of a row of an unmasked tile too.
       guard = masked or (variant is not None and variant.score_fn is not None)

@@ -99,9 +99,12 @@ class Refs:
       return bcast_cols(q_seg, shape), bcast_rows(kv_seg, shape)
     return bcast_rows(q_seg, shape), bcast_cols(kv_seg, shape)
 
-  def keep(self, shape, h, row0, col0, *, seq_q: int, seq_k: int, transposed: bool = False):
+  def keep(self, shape, h, row0, col0, *, seq_q: int | None, seq_k: int | None,
+           transposed: bool = False):
     """Bool tile: the allowed pairs (:func:`fa2_jax.masking.allowed_pairs`), rows past ``seq_q``
-    and keys past ``seq_k`` excluded."""
+    and keys past ``seq_k`` excluded. A kernel passes None for an extent its tiles never pass (a
+    whole number of tiles: the range tables stop at ``T`` and ``S``), which saves two compares
+    per element of every masked tile."""
     rows, keys = self._indices(shape, row0, col0, transposed)
     q_seg = kv_seg = None
     if self.variant.has_segments:
@@ -109,7 +112,9 @@ class Refs:
     keep = allowed_pairs(self.variant, self.b, h, rows + self.q_offset, keys, q_len=self.q_len,
                          kv_len=self.kv_len, q_seg=q_seg, kv_seg=kv_seg, q_offset=self.q_offset,
                          seq_k=seq_k)
-    return keep & (rows < seq_q)
+    if seq_q is None:
+      return keep
+    return rows < seq_q if keep is None else keep & (rows < seq_q)
 
   def slope(self, h):
     return self._refs["slopes"][self.b, h] if "slopes" in self._refs else None
