@@ -31,6 +31,13 @@ def _cdiv(x, m: int):
   return _div(_i32(x) + (m - 1), m)
 
 
+def _clip_add(a, b, lo, hi):
+  """``clip(a + b, lo, hi)`` for int32 ``a`` and ``0 <= b <= 2**30 + 1`` without overflowing int32
+  where ``a + b`` would (an offset and a window side both near 2**30): ``clip(a, lo - b, hi - b) + b``.
+  """
+  return jnp.clip(a, lo - b, hi - b) + b
+
+
 def _key_end(variant: Variant, seq_k, kv_len):
   """Keys ``j < key_end`` exist and are valid: ``min(seq_k, kv_len)`` clipped to ``[0, seq_k]``."""
   end = _i32(seq_k)
@@ -99,9 +106,9 @@ def kv_block_range(variant: Variant, q_start, q_rows: int, block_k: int, seq_k, 
   zero = jnp.int32(0)
   # Keys [reach_lo, reach_hi) meet some row; keys [full_lo_k, full_hi_k) meet every row.
   reach_lo = zero if left is None else jnp.clip(p_first - left, 0, key_end)
-  reach_hi = key_end if right is None else jnp.clip(p_last + right + 1, 0, key_end)
+  reach_hi = key_end if right is None else _clip_add(p_last, _i32(right + 1), zero, key_end)
   full_lo_k = zero if left is None else jnp.clip(p_last_all - left, 0, key_end)
-  full_hi_k = key_end if right is None else jnp.clip(p_first + right + 1, 0, key_end)
+  full_hi_k = key_end if right is None else _clip_add(p_first, _i32(right + 1), zero, key_end)
   nonempty = nonempty & (reach_lo < reach_hi)
   return _normalize(_div(reach_lo, block_k), _cdiv(full_lo_k, block_k), _div(full_hi_k, block_k),
                     _cdiv(reach_hi, block_k), nonempty, rows_full)
@@ -140,11 +147,12 @@ def q_block_range(variant: Variant, k_start, k_cols: int, block_q: int, seq_q, *
   row_end = _row_end(variant, seq_q, q_len)
   zero = jnp.int32(0)
   # Row i meets key j when p - left <= j <= p + right, p = off + i: i in [j - right - off, j + left - off].
-  j_first, j_last, j_last_all = k_start, key_end - 1, k_start + k_cols - 1
-  reach_lo = zero if right is None else jnp.clip(j_first - right - off, 0, row_end)
-  reach_hi = row_end if left is None else jnp.clip(j_last + left - off + 1, 0, row_end)
-  full_lo_r = zero if right is None else jnp.clip(j_last_all - right - off, 0, row_end)
-  full_hi_r = row_end if left is None else jnp.clip(j_first + left - off + 1, 0, row_end)
+  # In row units: j - off (|j - off| < 2**31), then the sides through _clip_add (no int32 overflow).
+  j_first, j_last, j_last_all = k_start - off, key_end - 1 - off, k_start + k_cols - 1 - off
+  reach_lo = zero if right is None else jnp.clip(j_first - right, 0, row_end)
+  reach_hi = row_end if left is None else _clip_add(j_last, _i32(left + 1), zero, row_end)
+  full_lo_r = zero if right is None else jnp.clip(j_last_all - right, 0, row_end)
+  full_hi_r = row_end if left is None else _clip_add(j_first, _i32(left + 1), zero, row_end)
   nonempty = nonempty & (reach_lo < reach_hi)
   # A full query block needs all its rows real: [ib*bq, ib*bq + bq) within row_end.
   return _normalize(_div(reach_lo, block_q), _cdiv(full_lo_r, block_q), _div(full_hi_r, block_q),

@@ -87,8 +87,9 @@ def unsupported_features(backend: str, variant) -> tuple[str, ...]:
   missing = tuple(f for f in variant.features if f not in KERNEL_FEATURES[backend])
   from .masking import closes_over_arrays
   if (fn := closes_over_arrays(variant)) is not None:
-    missing += (f"a {fn} that closes over an array or a traced value (a kernel needs it as an "
-                "operand)",)
+    missing += (f"a {fn} whose trace holds an array constant (an array it closes over or builds, "
+                "e.g. jnp.asarray of a list) or a traced value (a kernel needs it as an operand; "
+                "close over Python scalars instead)",)
   return missing
 
 

@@ -40,8 +40,9 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-# Bound on |window side|, |q_offset| and sequence lengths: the sum of two such int32 values (p + right,
-# p - left) cannot overflow int32 (2**31 - 1).
+# Bound on |window side|, |q_offset| and sequence lengths: with each below 2**30, j - p and p - left
+# stay inside int32; p + right can pass 2**31, so the rule compares j - p with the sides and the block
+# ranges add a side through a clip (block_ranges._clip_add).
 INT32_SAFE = 1 << 30
 
 
@@ -214,10 +215,13 @@ def allowed_pairs(variant: Variant, b, h, q_idx, kv_idx, *, q_len=None, kv_len=N
   """
   terms = []
   left, right = variant.bounds
+  # The window as bounds on j - p (|j - p| < 2**31 for any valid inputs), not on p +- a side, which
+  # overflows int32 once the offset and a side are both near 2**30; causal (0) is a plain compare.
+  offset = None if (left in (None, 0) and right in (None, 0)) else kv_idx - q_idx  # j - p
   if right is not None:
-    terms.append(kv_idx <= (q_idx + right if right else q_idx))  # causal: right = 0, no add
+    terms.append(kv_idx <= q_idx if right == 0 else offset <= right)
   if left is not None:
-    terms.append(kv_idx >= (q_idx - left if left else q_idx))
+    terms.append(kv_idx >= q_idx if left == 0 else offset >= -left)
   if variant.has_q_lengths:
     if q_len is None:
       raise ValueError("allowed_pairs: the variant has query lengths; pass q_len")

@@ -22,6 +22,9 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32
 # normal numbers (float32 max 3.4e38, min normal 1.2e-38); a cap of 1e30 already leaves every logit
 # unchanged, one of 1e-30 makes every logit 0.
 SOFT_CAP_RANGE = (1e-30, 1e30)
+# alibi_slopes bound: the kernels fold scale * log2(e) into the slope in float32, which must stay finite
+# (float32 max 3.4e38; log2(e) = 1.44); a slope of 1e30 already masks every pair but the diagonal.
+ALIBI_SLOPE_MAX = 1e30
 
 def check_bool(name, value):
   if not isinstance(value, (bool, np.bool_)):
@@ -158,7 +161,12 @@ def _check_lengths(name, x, b, limit, rank3: bool):
 
 
 def _check_segments(name, x, b, length, rank3: bool):
+  raw = x
   x = _int_array(name, x)
+  values = None if isinstance(raw, (int, np.integer)) else _concrete(raw)
+  if values is not None and values.size and (values.min() < -2 ** 31 or values.max() >= 2 ** 31):
+    raise ValueError(f"{name} must fit int32 (ids that differ must stay different), got values in "
+                     f"[{values.min()}, {values.max()}]")
   want = [(b, length)] + ([(length,)] if rank3 else [])
   if tuple(x.shape) not in want:
     raise ValueError(f"{name} must have shape {_shape_str((b, length))}"
@@ -249,6 +257,10 @@ def _check_alibi(slopes, b, n, rank3: bool):
   values = _concrete(slopes)
   if values is not None and not np.all(np.isfinite(values.astype(np.float64))):
     raise ValueError("alibi_slopes must be finite")
+  if values is not None and values.size and np.abs(values.astype(np.float64)).max() > ALIBI_SLOPE_MAX:
+    raise ValueError(f"alibi_slopes must satisfy |slope| <= {ALIBI_SLOPE_MAX:g} (the kernels multiply "
+                     f"it by the softmax scale and log2(e) in float32), got "
+                     f"{np.abs(values.astype(np.float64)).max():g}")
   if isinstance(slopes, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct((b, n), jnp.float32)
   return jnp.broadcast_to(jnp.asarray(slopes).astype(jnp.float32), (b, n))
@@ -321,13 +333,16 @@ def check_variant(query, key, *, is_causal=False, query_seq_lengths=None, key_va
       score_fn=score_fn)
   arrays = masking.VariantArrays(q_len, kv_len, q_seg, kv_seg, offset, slopes)
 
-  # The user functions, traced on the two forms they meet: the formula's whole arrays and a kernel's
-  # tile (scalar batch and head indices, a [block_q, 1] column of rows, a [1, block_k] row of keys).
+  # The user functions, traced on the forms they meet: the formula's whole arrays, a kernel's tile
+  # (scalar batch and head indices, a [block_q, 1] column of rows, a [1, block_k] row of keys) and
+  # single pairs (scalars: the caches' fingerprint of what they compute). The functions must be
+  # elementwise: a reduction over the tile would see different pairs on each path.
   bb, nn, tt, ss = _sizes((b, n, t, s))
   tile_q, tile_k = 16, 32  # a kernel tile's rows and keys (any sizes; distinct to catch mix-ups)
   forms = [("whole arrays", ((bb, 1, 1, 1), (1, nn, 1, 1), (bb if offset is not None else 1, 1, tt, 1),
                              (1, 1, 1, ss))),
-           ("a kernel tile", ((), (), (tile_q, 1), (1, tile_k)))]
+           ("a kernel tile", ((), (), (tile_q, 1), (1, tile_k))),
+           ("single pairs", ((), (), (), ()))]
   if mask_fn is not None:
     def check_mask(out, want, form):
       if out.dtype != jnp.bool_:

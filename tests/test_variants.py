@@ -836,6 +836,12 @@ def _bad_mask(b, h, p, j):
     (dict(alibi_slopes=jnp.ones((4, 2))), ValueError, "alibi_slopes must have shape"),
     (dict(alibi_slopes=[0.5] * 4), TypeError, "alibi_slopes must be a float array"),
     (dict(alibi_slopes=jnp.array([1, 1, 1, jnp.nan])), ValueError, "alibi_slopes must be finite"),
+    (dict(alibi_slopes=jnp.array([1, 1, 1, 2.5e38])), ValueError,
+     r"alibi_slopes must satisfy \|slope\| <= 1e\+30"),
+    (dict(q_segment_ids=np.full((2, 8), 2 ** 32, np.int64), kv_segment_ids=np.zeros((2, 12), np.int64)),
+     ValueError, "q_segment_ids must fit int32"),
+    (dict(score_fn=lambda s, b, h, p, j: s - s.max(axis=-1, keepdims=True)), TypeError,
+     "score_fn could not be traced.*single pairs"),
     (dict(mask_fn="causal"), TypeError, "mask_fn must be a callable"),
     (dict(score_fn=3), TypeError, "score_fn must be a callable"),
     (dict(mask_fn=lambda b, h, p: p > 0), TypeError, "mask_fn could not be traced.*TypeError"),
@@ -885,6 +891,32 @@ def test_scalar_q_offset_serves_every_batch_element(impl):
   for got in (per_batch, scalar, traced):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=1e-6, atol=1e-6)
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_offset_and_window_sides_near_int32_limit(impl):
+  """q_offset and both window sides just under 2**30: positions plus a side pass 2**31, which must not
+  wrap around in the rule or the block ranges (it masked whole rows). Row i then attends keys j >= i,
+  as q_offset=0 with local_window_size=(0, None) does; 16-row/16-key tiles, so ranges matter."""
+  kw = dict(IMPLEMENTATIONS[impl])
+  if impl == "triton":
+    kw["block_sizes"] = fa2_jax.BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16,
+                                           block_q_dq=16, block_k_dq=16)
+  q, k, v, do, _ = qkv(1, 40, 40, 2, 1)
+  big = 2 ** 30 - 1
+
+  def run(**variant):
+    f = lambda q, k, v: fa2_jax.flash_attention(q, k, v, **variant, **kw)  # noqa: E731
+    out, vjp = jax.vjp(f, q, k, v)
+    return (out, *vjp(do))
+
+  got = run(q_offset=big, local_window_size=(big, big))
+  want = run(local_window_size=(0, None))
+  for what, x, r in zip(("out", "dq", "dk", "dv"), got, want):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(r), rtol=1e-5, atol=1e-5, err_msg=what)
+  rows, keys = jnp.arange(40)[:, None] + big, jnp.arange(40)[None, :]
+  mask = masking.allowed_pairs(Variant(window=(big, big), has_q_offset=True), 0, 0, rows, keys)
+  np.testing.assert_array_equal(np.asarray(mask), np.arange(40)[None, :] >= np.arange(40)[:, None])
+
 
 def test_traced_values_are_not_range_checked():
   """Under jit the lengths are traced: out-of-range values are documented to act as clipped."""
@@ -998,8 +1030,8 @@ def test_mask_fn_closing_over_an_array_runs_the_formula():
   keep = jnp.arange(16) % 3 != 0
   fn = lambda b, h, i, j: keep[j]  # noqa: E731
   d = fa2_jax.backend_for(q, k, mask_fn=fn, interpret=True)
-  assert d.backend == "xla" and "closes over an array" in d.reason, d
-  with pytest.raises(ValueError, match="does not support a mask_fn that closes over an array"):
+  assert d.backend == "xla" and "array constant" in d.reason, d
+  with pytest.raises(ValueError, match="does not support a mask_fn whose trace holds an array constant"):
     fa2_jax.flash_attention(q, k, v, mask_fn=fn, implementation="triton", interpret=True)
   out = fa2_jax.flash_attention(q, k, v, mask_fn=fn, interpret=True)
   want = fa2_jax.flash_attention(q, k, v, mask_fn=lambda b, h, i, j: j % 3 != 0, interpret=True)
@@ -1009,7 +1041,7 @@ def test_mask_fn_closing_over_an_array_runs_the_formula():
   for kw in (dict(mask_fn=lambda b, h, i, j: (i - j) < width),
              dict(score_fn=lambda x, b, h, i, j: x / temp)):
     assert fa2_jax.backend_for(q, k, interpret=True, **kw).backend == "xla"
-    with pytest.raises(ValueError, match=f"does not support a {next(iter(kw))} that closes over"):
+    with pytest.raises(ValueError, match=f"does not support a {next(iter(kw))} whose trace holds"):
       fa2_jax.flash_attention(q, k, v, implementation="triton", interpret=True, **kw)
   assert fa2_jax.backend_for(q, k, interpret=True,
                              score_fn=lambda x, b, h, i, j: x / np.float32(1.5)).backend == "triton"
