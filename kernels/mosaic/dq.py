@@ -22,7 +22,7 @@ from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig
 from .ops import (Product, bcast_rows, iota2, kv_producer, mma, mma_many, per_cta_choice,
-                  smem_transforms, ws_kernel, zeros as _zeros)
+                  smem_transforms, step_loop, ws_kernel, zeros as _zeros)
 from .schedule import causal_section, cta_tile, kv_block_ranges
 from .variant import Refs
 
@@ -141,12 +141,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
       masked = functools.partial(step, masked=True, exact=exact)
       unmasked = functools.partial(step, masked=False, exact=exact)
       if variant is None:
-        dq = lax.fori_loop(0, n_full, unmasked, dq)
-        dq = lax.fori_loop(n_full, n_end, masked, dq)
+        dq = step_loop(0, n_full, unmasked, dq)
+        dq = step_loop(n_full, n_end, masked, dq)
       else:  # in the producer's order
-        dq = lax.fori_loop(lo, full_lo, masked, dq)
-        dq = lax.fori_loop(full_lo, full_hi, unmasked, dq)
-        dq = lax.fori_loop(full_hi, n_end, masked, dq)
+        dq = step_loop(lo, full_lo, masked, dq)
+        dq = step_loop(full_lo, full_hi, unmasked, dq)
+        dq = step_loop(full_hi, n_end, masked, dq)
       q_s[...] = (dq * st.scale).astype(st.dtype)  # Q_i is dead: stage dQ_i in its SMEM
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_s, dq_ref.at[rows])

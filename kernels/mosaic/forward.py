@@ -48,7 +48,8 @@ from ..vma import out_struct
 from .config import LOG2E, MosaicConfig, supports
 from .lengths import pad_axis, plan_lengths
 from .schedule import causal_section, cta_tile, kv_block_ranges
-from .ops import bcast_rows, emulating, iota2, kv_producer, mma, smem_transforms, ws_kernel
+from .ops import (bcast_rows, emulating, iota2, kv_producer, mma, smem_transforms, step_loop,
+                  ws_kernel)
 from .variant import Refs
 from .variant import operands as variant_operands
 from .variant import supported as variant_supported
@@ -197,12 +198,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
     masked, unmasked = functools.partial(step, masked=True), functools.partial(step, masked=False)
     carry = (acc, m_i, l_i, m_i if c >= 0 else -m_i)  # r_i: -inf, or +inf for c < 0
     if variant is None:
-      carry = lax.fori_loop(0, n_full, unmasked, carry)
-      acc, m_i, l_i, r_i = lax.fori_loop(n_full, n_end, masked, carry)
+      carry = step_loop(0, n_full, unmasked, carry)
+      acc, m_i, l_i, r_i = step_loop(n_full, n_end, masked, carry)
     else:  # in the producer's order: [lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, hi)
-      carry = lax.fori_loop(lo, full_lo, masked, carry)
-      carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
-      acc, m_i, l_i, r_i = lax.fori_loop(full_hi, n_end, masked, carry)
+      carry = step_loop(lo, full_lo, masked, carry)
+      carry = step_loop(full_lo, full_hi, unmasked, carry)
+      acc, m_i, l_i, r_i = step_loop(full_hi, n_end, masked, carry)
     if st.pingpong:
       pl.when(wg == 0)(schedule)
 

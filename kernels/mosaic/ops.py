@@ -229,9 +229,27 @@ def per_cta_choice(p_form: str, flag, body):
   lax.cond(flag(), functools.partial(body, True), functools.partial(body, False))
 
 
+def statically_empty(lower, upper) -> bool:
+  """True when ``[lower, upper)`` is known empty at trace time (both bounds Python ints): such a loop
+  is not traced at all, so its body is neither lowered nor compiled (e.g. the masked step of a
+  non-causal call whose tiles have no ragged tail; ``lax.fori_loop`` would still trace it)."""
+  return isinstance(lower, int) and isinstance(upper, int) and lower >= upper
+
+
+def step_loop(lower, upper, body, carry):
+  """``lax.fori_loop(lower, upper, body, carry)``, with no trace of ``body`` for a range that is
+  :func:`statically_empty`."""
+  if statically_empty(lower, upper):
+    return carry
+  return lax.fori_loop(lower, upper, body, carry)
+
+
 def acc_loop(lower, upper, body, accs):
   """``for i in [lower, upper): body(i)`` where ``body`` issues products into the accumulators
-  ``accs`` allocated outside the loop (None entries are ignored)."""
+  ``accs`` allocated outside the loop (None entries are ignored); a :func:`statically_empty` range
+  is not traced."""
+  if statically_empty(lower, upper):
+    return
   accs = [a for a in accs if a is not None]
   if not emulating():
     lax.fori_loop(lower, upper, lambda i, c: (body(i), c)[1], jnp.int32(0))
