@@ -609,6 +609,10 @@ def test_compile_time_new_shapes_with_a_persistent_cache(tmp_path):
   assert [r["order"] for r in rows] == [0, 1] and all("error" not in r for r in rows)
   assert all(r["lower_s"] > 0 and r["compile_s"] > 0 for r in rows)
   assert any(cache.iterdir())
+  subprocess.run(cmd[:-2] + ["--non-causal", "--out", str(out)], check=True, capture_output=True,
+                 text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+  rows = json.loads((out / "compile_time_shapes.json").read_text())["rows"]
+  assert [r["causal"] for r in rows] == [False, False] and all("error" not in r for r in rows)
 
 
 def test_ab_compares_a_copy_of_this_checkout(tmp_path):

@@ -2,9 +2,10 @@
 
     python -m benchmarks.diag.compile_time [--impls fa2,fa2_triton] [--layers 1,2,4] [--shape B,T,N,H]
     python -m benchmarks.diag.compile_time --impls fa2 --shapes "2,8192,16,128;4,4096,16,128"
-        [--cache-dir DIR]
+        [--cache-dir DIR] [--non-causal]
 
-Prints lower / compile seconds of ``jit(grad)`` of L chained causal attention calls (default shape
+Prints lower / compile seconds of ``jit(grad)`` of L chained causal attention calls (``--non-causal``:
+non-causal ones; default shape
 B=4, T=8192, N=8, H=128, bf16: the GPT long8k preset's), the first run and one more run.
 
 ``--shapes``: one call site (L = 1), one shape after another in this process, for "time to first
@@ -32,6 +33,7 @@ def main(argv=None):
   ap.add_argument("--shapes", default=None,
                   help="B,T,N,H;B,T,N,H...: one call site per shape, in order (see above)")
   ap.add_argument("--cache-dir", default=None, help="JAX's persistent compilation cache folder")
+  ap.add_argument("--non-causal", action="store_true", help="time non-causal calls (default causal)")
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
   import jax
@@ -49,12 +51,13 @@ def main(argv=None):
   rows = []
   if args.shapes:
     for name in args.impls:
-      rows += _new_shapes(name, shapes, jax, jnp)
+      rows += _new_shapes(name, shapes, jax, jnp, causal=not args.non_causal)
   else:
-    rows = _call_sites(args.impls, args.layers, shapes[0], jax, jnp)
+    rows = _call_sites(args.impls, args.layers, shapes[0], jax, jnp, causal=not args.non_causal)
   out = cli.resolve_out(argparse.Namespace(out=args.out), info)
   write_json(out / ("compile_time_shapes.json" if args.shapes else "compile_time.json"),
-             {"meta": dict(info, cache_dir=bool(args.cache_dir)), "rows": rows})
+             {"meta": dict(info, cache_dir=bool(args.cache_dir), causal=not args.non_causal),
+              "rows": rows})
 
 
 def _timed(fn, args):
@@ -72,19 +75,19 @@ def _timed(fn, args):
               run_s=time.perf_counter() - t3)
 
 
-def _new_shapes(name, shapes, jax, jnp):
+def _new_shapes(name, shapes, jax, jnp, *, causal: bool):
   attn = impls.get(name)
   rows = []
   for i, shape in enumerate(shapes):
     q, k, v = cli.random_inputs(i, [shape] * 3, jnp.bfloat16)
-    loss = lambda q, k, v: jnp.sum(attn(q, k, v, causal=True).astype(jnp.float32))  # noqa: E731
-    row = dict(impl=name, shape=list(shape), order=i)
+    loss = lambda q, k, v: jnp.sum(attn(q, k, v, causal=causal).astype(jnp.float32))  # noqa: E731
+    row = dict(impl=name, shape=list(shape), order=i, causal=causal)
     rows.append(_measured_row(row, f"{name:<10} {'x'.join(map(str, shape)):<16}:", jax.grad(
         loss, argnums=(0, 1, 2)), (q, k, v)))
   return rows
 
 
-def _call_sites(names, layer_counts, shape, jax, jnp):
+def _call_sites(names, layer_counts, shape, jax, jnp, *, causal: bool):
   q, k, v = cli.random_inputs(0, [shape] * 3, jnp.bfloat16)
   b, t, n, h = shape
   rows = []
@@ -97,9 +100,9 @@ def _call_sites(names, layer_counts, shape, jax, jnp):
       def loss(q, k, v, layers=layers):
         x = q
         for _ in range(layers):
-          x = attn(x, k, v, causal=True)
+          x = attn(x, k, v, causal=causal)
         return jnp.sum(x.astype(jnp.float32))
-      row = dict(impl=name, layers=layers, shape=[b, t, n, h])
+      row = dict(impl=name, layers=layers, shape=[b, t, n, h], causal=causal)
       rows.append(_measured_row(row, f"{name:<10} L={layers}:", jax.grad(loss, argnums=(0, 1, 2)),
                                 (q, k, v)))
   return rows
