@@ -217,11 +217,11 @@ def allowed_pairs(variant: Variant, b, h, q_idx, kv_idx, *, q_len=None, kv_len=N
   left, right = variant.bounds
   # The window as bounds on j - p (|j - p| < 2**31 for any valid inputs), not on p +- a side, which
   # overflows int32 once the offset and a side are both near 2**30; causal (0) is a plain compare.
-  offset = None if (left in (None, 0) and right in (None, 0)) else kv_idx - q_idx  # j - p
+  j_minus_p = None if (left in (None, 0) and right in (None, 0)) else kv_idx - q_idx
   if right is not None:
-    terms.append(kv_idx <= q_idx if right == 0 else offset <= right)
+    terms.append(kv_idx <= q_idx if right == 0 else j_minus_p <= right)
   if left is not None:
-    terms.append(kv_idx >= q_idx if left == 0 else offset >= -left)
+    terms.append(kv_idx >= q_idx if left == 0 else j_minus_p >= -left)
   if variant.has_q_lengths:
     if q_len is None:
       raise ValueError("allowed_pairs: the variant has query lengths; pass q_len")

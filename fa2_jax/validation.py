@@ -163,7 +163,9 @@ def _check_lengths(name, x, b, limit, rank3: bool):
 def _check_segments(name, x, b, length, rank3: bool):
   raw = x
   x = _int_array(name, x)
-  values = None if isinstance(raw, (int, np.integer)) else _concrete(raw)
+  # Only a 64-bit (or unsigned 32-bit) dtype can hold ids past int32: others need no host copy.
+  wide = hasattr(raw, "dtype") and (np.dtype(raw.dtype).itemsize > 4 or np.dtype(raw.dtype) == np.uint32)
+  values = _concrete(raw) if wide else None
   if values is not None and values.size and (values.min() < -2 ** 31 or values.max() >= 2 ** 31):
     raise ValueError(f"{name} must fit int32 (ids that differ must stay different), got values in "
                      f"[{values.min()}, {values.max()}]")

@@ -135,13 +135,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   # form's P = exp2(-t) is not bounded (it overflows for a row whose logits are all below -128 in
   # base 2), and its dS^T times those zero rows of K would be NaN in dQ. The separate dQ kernel
   # masks them itself; dK and dV of those keys are cut off by the caller.
-  key_tail = (variant is None and st.fused_dq and st.seq_k > 0
-              and st.n_k_tiles * nwg * bk > st.seq_k)
+  k_tail = st.n_k_tiles * nwg * bk > st.seq_k  # key tiles overhang S
+  key_tail = variant is None and st.fused_dq and st.seq_k > 0 and k_tail
   n_steps = n_i * g_size
-  # Variants: rows past T only in a partial last query tile (the range table stops at T), keys past
-  # S only where the key tiles overhang it.
+  # Variants: rows past T only in a partial last query tile (the range table stops at T).
   q_tail = st.seq_q % bq != 0
-  k_tail = st.n_k_tiles * nwg * bk > st.seq_k
 
   @pl.when(wg < nwg)
   def _consumer():
