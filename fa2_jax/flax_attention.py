@@ -5,6 +5,7 @@ flax's formula). Re-exported, with the ready layers, by :mod:`fa2_jax.flax`: imp
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,10 @@ class FlashAttentionFallbackWarning(UserWarning):
 # Variants that depend on the query row's position (a lone decode row is placed at the last key).
 _POSITIONAL = frozenset({"local_window_size", "alibi_slopes", "mask_fn", "score_fn"})
 
+# What computes a call whose dense mask the kernels cannot take when it has variants.
+_VARIANTS_FORMULA = ("fa2_jax's XLA formula (implementation=\"xla\") with the variants and the mask "
+                     "as a mask_fn")
+
 _warned: set[str] = set()  # fallback messages already reported (one warning per reason per process)
 
 # What to pass instead of a causal mask, in each flax API.
@@ -54,10 +59,10 @@ _NO_BIAS_ARGUMENT = ("To run the kernel, pass alibi_slopes (ALiBi) or score_fn (
                      "function of the score and its indices) instead of a dense bias: dense biases "
                      "run the XLA formula.")
 
-def _warn_once(reason: str, advice: str) -> None:
+def _warn_once(reason: str, advice: str, formula: str = "flax's dot_product_attention formula"
+               ) -> None:
   message = (f"fa2_jax.flax.attention_fn: {reason}; the FlashAttention kernel cannot honour this, "
-             f"so the call uses flax's dot_product_attention formula (the same math, with O(T*S) "
-             f"memory). {advice}")
+             f"so the call uses {formula} (the same math, with O(T*S) memory). {advice}")
   if message in _warned:
     return
   _warned.add(message)
@@ -187,6 +192,40 @@ def _mask_as_flag(mask, is_causal: bool, t: int, s: int) -> bool | None:
   return True if np.all(allowed == causal) else None
 
 
+def _folded_mask(mask, query):
+  """A flax mask broadcastable to ``[batch..., N, T, S]`` -> bool ``[prod(batch) | 1, N | 1, T | 1,
+  S | 1]``, the batch dims folded as :func:`flash_any_batch` folds them."""
+  allowed = jnp.asarray(mask) != 0  # flax attends where the mask is nonzero
+  batch = query.shape[:-3]
+  allowed = allowed.reshape((1,) * (len(batch) + 3 - allowed.ndim) + allowed.shape)
+  if any(d != 1 for d in allowed.shape[:-3]):
+    allowed = jnp.broadcast_to(allowed, batch + allowed.shape[-3:])
+    return allowed.reshape(math.prod(batch), *allowed.shape[-3:])
+  return allowed.reshape(1, *allowed.shape[-3:])
+
+
+def _mask_as_mask_fn(allowed, user_mask_fn: Callable | None) -> Callable:
+  """A ``mask_fn`` that reads the folded dense mask ``allowed`` ``[B|1, N|1, T|1, S|1]`` (AND the
+  user's ``mask_fn``, when given); size-1 axes are broadcast."""
+  def mask_fn(b, h, i, j):
+    index = tuple(x if n > 1 else 0 for x, n in zip((b, h, i, j), allowed.shape))
+    keep = allowed[index]
+    return keep if user_mask_fn is None else jnp.logical_and(keep, user_mask_fn(b, h, i, j))
+  return mask_fn
+
+
+def _last_allowed_key(allowed, batch_size: int, s: int, kv_len):
+  """Per folded batch element, the last of ``s`` keys a lone query row may attend (its position in a
+  decode cache): the mask's last allowed key, below ``kv_len`` when given; -1 where there is none."""
+  row = allowed[:, :, 0, :]  # [B|1, N|1, S|1]: the lone query row
+  row = jnp.broadcast_to(row, row.shape[:-1] + (s,))
+  keys = jnp.arange(s, dtype=jnp.int32)
+  if kv_len is not None:
+    row = jnp.logical_and(row, keys < jnp.reshape(jnp.asarray(kv_len, jnp.int32), (-1, 1, 1)))
+  last = jnp.max(jnp.where(row, keys, -1), axis=(1, 2))  # [B|1]
+  return jnp.broadcast_to(last, (batch_size,))
+
+
 def _causal_mask(t: int, s: int):
   """Top-left aligned causal mask ``[t, s]`` (query i sees keys j <= i), as flax's is_causal."""
   return jnp.tril(jnp.ones((t, s), dtype=jnp.bool_))
@@ -260,9 +299,9 @@ def make_attention_fn(implementation: str | None = None,
       (``q_length == 1``: the step of a layer with ``decode=True``, whose cache mask already admits
       only the keys up to the current position) is the newest position, so this flag masks none of
       its keys there, and the window, ALiBi and ``mask_fn``/``score_fn`` see the row at the last
-      key's position, ``kv_length - 1`` (``key_value_seq_lengths - 1`` when the call gives those;
-      unless it gives ``q_offset``, the row's position); a per-call ``is_causal`` keeps flax's
-      top-left meaning.
+      key's position, ``kv_length - 1`` (``key_value_seq_lengths - 1`` when the call gives those,
+      the last key its dense mask allows when it gives one; unless it gives ``q_offset``, the
+      row's position); a per-call ``is_causal`` keeps flax's top-left meaning.
     local_window_size, logits_soft_cap, alibi_slopes, mask_fn, score_fn: the static variants of
       every call, as in :func:`fa2_jax.flash_attention` (``alibi_slopes``: ``[num_heads]`` here;
       per-batch slopes go to the call). A call may give these instead, but not the same one twice.
@@ -290,6 +329,8 @@ def make_attention_fn(implementation: str | None = None,
   kernel = functools.partial(flash_attention, implementation=implementation,
                              block_sizes=block_sizes, deterministic=deterministic,
                              interpret=interpret)
+  # A call with variants and a dense mask the kernels cannot take (a decode cache's, padding)
+  formula = functools.partial(flash_attention, implementation="xla")
 
   # The parameter names are the ones flax's layers pass (linen passes only the names listed here).
   def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
@@ -315,7 +356,8 @@ def make_attention_fn(implementation: str | None = None,
       bias, mask: broadcastable to ``[batch..., num_heads, q_length, kv_length]``, as in flax (the
         mask attends where nonzero). A mask runs the kernel only when its values are known while
         tracing and it equals no mask or the causal mask; otherwise, and with any bias, the call
-        runs flax's formula.
+        runs flax's formula, or, with variants and a mask (no bias), fa2_jax's XLA formula with
+        the mask as a ``mask_fn`` (a lone query row then sits at the last key the mask allows).
       broadcast_dropout, dropout_rng, dropout_rate, deterministic, module: as in flax; active
         dropout or a module to sow weights into fall back to flax's formula.
       dtype: compute dtype (default: the promoted input dtype), as in flax.
@@ -336,7 +378,8 @@ def make_attention_fn(implementation: str | None = None,
 
     Raises:
       TypeError, ValueError: an argument of the wrong type or shape, named in the message; a
-        ValueError for a variant argument in a call that runs flax's formula (which has none).
+        ValueError for a variant argument in a call that needs flax's formula (a bias, dropout,
+        sown weights, custom einsums: flax's formula has no variants).
     """
     _check_arrays(query, key, value, bias, mask)
     _check_dropout(dropout_rate, deterministic, dropout_rng)
@@ -362,6 +405,19 @@ def make_attention_fn(implementation: str | None = None,
     if why is None and mask is not None:
       flag = _mask_as_flag(mask, causal, query.shape[-3], key.shape[-3])
       if flag is None:
+        # Only the mask stands in the kernel's way: with variants, fa2_jax's own formula computes
+        # the call, the mask as a mask_fn (flax's formula has no variants).
+        if variants:
+          _warn_once(*_mask_reason(mask, causal), formula=_VARIANTS_FORMULA)
+          allowed = _folded_mask(mask, query)
+          b = math.prod(query.shape[:-3])
+          if lone_row and not causal and _POSITIONAL.intersection(variants):
+            # The decode step's position: the last key its mask (and lengths) allow.
+            last = _last_allowed_key(allowed, b, key.shape[-3],
+                                     variants.get("key_value_seq_lengths"))
+            causal, variants = True, {**variants, "q_offset": last}
+          variants = {**variants, "mask_fn": _mask_as_mask_fn(allowed, variants.get("mask_fn"))}
+          return flash_any_batch(formula, query, key, value, causal, variants)
         why = _mask_reason(mask, causal)
       else:
         mask, causal = None, flag

@@ -36,6 +36,7 @@ B, T, D, HEADS = 2, 12, 32, 4  # head_dim D / HEADS = 8; T not a multiple of the
 T_CROSS = 8  # query length of the cross-attention cases (key/value length T)
 KV_HEADS = 2  # grouped-query attention: 2 query heads per key/value head
 PAD_WARNING = "dense masks run the XLA formula"  # every fallback caused by a mask says this
+VARIANT_FORMULA = "uses fa2_jax's XLA formula"  # a masked call with variants runs it
 
 
 @pytest.fixture(autouse=True)
@@ -718,22 +719,95 @@ def test_fallback_warnings_name_the_arguments_to_pass():
     fn(q, q, q, bias=jnp.zeros((T, T)))
 
 
-def test_variants_cannot_fall_back_to_flax_formula(spy):
-  """flax's formula has no variants: a call that would need it raises instead of dropping them."""
+def test_variants_with_a_dense_mask_run_the_variant_formula(spy):
+  """flax's formula has no variants: a call with variants and a dense mask the kernels cannot take
+  runs fa2_jax's XLA formula with the mask as a mask_fn (warning once); a dense bias with variants
+  raises instead of dropping them."""
   q, _, _ = qkv(kv_heads=HEADS)
   rows = valid_tokens((B,), T)
+  lengths = rows.sum(-1).astype(jnp.int32)
   fn = fa2_flax.make_attention_fn(implementation="xla", local_window_size=WINDOW)
-  with pytest.raises(ValueError, match=r"dense `mask`.*\(local_window_size\).*q_segment_ids"):
-    fn(q, q, q, mask=nn.make_attention_mask(rows, rows))
+  want = fa2_jax.reference_attention(q, q, q, local_window_size=WINDOW, query_seq_lengths=lengths,
+                                     key_value_seq_lengths=lengths)
+  for jit in (False, True):  # the mask's values known while tracing, and traced
+    adapter._warned.clear()
+    call = lambda q, mask: fn(q, q, q, mask=mask)
+    with pytest.warns(FlashAttentionFallbackWarning, match=VARIANT_FORMULA):
+      out = (jax.jit(call) if jit else call)(q, nn.make_attention_mask(rows, rows))
+    assert_rows_close(out, want, rows, **FORMULA_TOL)
+    assert_finite(out)
+  assert [c["implementation"] for c in spy] == ["xla", "xla"]
+  spy.clear()
   with pytest.raises(ValueError, match=r"bias.*\(key_value_seq_lengths\)"):
     fa2_flax.make_attention_fn(implementation="xla")(
-        q, q, q, bias=jnp.zeros((T, T)), key_value_seq_lengths=rows.sum(-1))
+        q, q, q, bias=jnp.zeros((T, T)), key_value_seq_lengths=lengths)
   assert not spy
   # A mask that is provably the causal mask is still the flag: the variant keeps the kernel path.
   with no_fallback():
     out = fn(q, q, q, mask=nn.make_causal_mask(q[..., 0, 0]))
   np.testing.assert_allclose(out, fa2_jax.reference_attention(
       q, q, q, is_causal=True, local_window_size=WINDOW), **FORMULA_TOL)
+
+
+@pytest.mark.parametrize("variant", ["window", "soft_cap", "alibi", "mask_fn"])
+def test_nnx_decode_with_static_variants_matches_the_full_sequence(variant):
+  """A decode=True layer whose attention_fn has static variants: step i (the cache's mask, traced
+  under nnx.jit, runs the variant formula) equals row i of the full causal call, the row's
+  position taken from the cache mask's last allowed key."""
+  static = {"window": dict(local_window_size=(2, 0)), "soft_cap": dict(logits_soft_cap=SOFT_CAP),
+            "alibi": dict(alibi_slopes=jnp.linspace(0.25, 1.0, HEADS)),
+            "mask_fn": dict(mask_fn=mask_fn_even_keys_or_diagonal)}[variant]
+  x = inputs()
+  layer = nnx.MultiHeadAttention(HEADS, D, decode=True, rngs=nnx.Rngs(0),
+                                 attention_fn=kernel_fn(is_causal=True, **static))
+  y_full = layer(x, decode=False)  # T > 1 rows: the kernels, causal, with the variant
+
+  @nnx.jit
+  def step(module, x_t):
+    def loss(module, x_t):
+      y = module(x_t)
+      return jnp.sum(y * jnp.cos(y)), y
+    (_, y), grads = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(module, x_t)
+    return y, grads
+
+  layer.init_cache(x.shape)
+  for i in range(T):
+    # Traced (and warning) once, at the first step.
+    with pytest.warns(FlashAttentionFallbackWarning, match=VARIANT_FORMULA) if i == 0 else \
+        no_fallback():
+      y, grads = step(layer, x[:, i:i + 1])
+    assert_finite((y, nnx.state(grads[0], nnx.Param), grads[1]))
+    np.testing.assert_allclose(y[:, 0], y_full[:, i], **TOL)
+
+
+def test_linen_decode_with_a_window_matches_the_full_sequence():
+  """linen's decode=True with a padded cache and the causal adapter's window: every step equals
+  the full-length call's row (valid rows), the row placed at the cache mask's last allowed key."""
+  x = inputs()
+  rows = valid_tokens((B,), T)
+  key_mask = rows[:, None, None, :]  # [B, 1, 1, T]
+  module = nn.MultiHeadDotProductAttention(
+      num_heads=HEADS, decode=True, attention_fn=kernel_fn(is_causal=True, local_window_size=(2, 0)))
+  with pytest.warns(FlashAttentionFallbackWarning):
+    _, variables = module.init_with_output(jax.random.PRNGKey(1), x, mask=key_mask)
+  y_full = module.clone(decode=False).apply({"params": variables["params"]}, x, mask=key_mask)
+
+  @jax.jit
+  def step(cache, x_t):
+    y, updated = module.apply({"params": variables["params"], "cache": cache}, x_t, mask=key_mask,
+                              mutable=["cache"])
+    return y, updated["cache"]
+
+  cache = variables["cache"]
+  adapter._warned.clear()
+  for i in range(T):
+    with pytest.warns(FlashAttentionFallbackWarning, match=VARIANT_FORMULA) if i == 0 else \
+        no_fallback():
+      y, cache = step(cache, x[:, i:i + 1])
+    assert_finite(y)
+    valid = np.asarray(rows[:, i])
+    np.testing.assert_allclose(np.asarray(y[:, 0])[valid], np.asarray(y_full[:, i])[valid],
+                               **FORMULA_TOL)
 
 
 def test_single_query_row_with_q_offset_is_causal(spy):
