@@ -110,11 +110,14 @@ def choose_backend(implementation, interpret, query, key, is_causal: bool, block
     return "xla"
   # With implementation=None the type of block_sizes names the kernels it tunes (if they run the
   # variant).
-  if (implementation is None and isinstance(block_sizes, MosaicConfig)
-      and not unsupported_features("mosaic", variant)):
-    implementation = "mosaic"
-  if implementation == "mosaic":
+  by_config = (implementation is None and isinstance(block_sizes, MosaicConfig)
+               and not unsupported_features("mosaic", variant))
+  if implementation == "mosaic" or by_config:
     why = mosaic_reason(query, key, is_causal, interpret, variant)
+    if why is not None and by_config:
+      raise ValueError(f"block_sizes is a MosaicConfig, which asks for the Mosaic kernels, and they "
+                       f"cannot run this call: {why}; pass block_sizes=None (or a BlockSizes) to "
+                       "let implementation=None choose")
     if why is not None:
       raise ValueError(f"implementation='mosaic' cannot run this call: {why}; use "
                        "implementation='triton' or None")

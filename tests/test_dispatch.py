@@ -125,7 +125,8 @@ def test_block_sizes_type_selects_the_kernels(fake_gpu):
   assert fa2_jax.backend_for(q, k, block_sizes=fa2_jax.BlockSizes()).backend == "triton"
   assert fa2_jax.backend_for(q, k, block_sizes=fa2_jax.MosaicConfig()).backend == "mosaic"
   q32, k32 = _shapes(dtype=jnp.float32)
-  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*float32"):
+  with pytest.raises(ValueError, match="block_sizes is a MosaicConfig, which asks for the Mosaic "
+                     "kernels, and they cannot run this call: .*float32.*block_sizes=None"):
     fa2_jax.backend_for(q32, k32, block_sizes=fa2_jax.MosaicConfig())
 
 
