@@ -151,8 +151,19 @@ def _fallback_reason(query, value, dtype, bias, dropout_rate, deterministic, mod
   return None
 
 
-def _mask_reason(mask, is_causal: bool) -> tuple[str, str]:
-  """The fallback warning for a mask that :func:`_mask_as_flag` could not replace by the flag."""
+# What to pass instead of a decode step's cache mask.
+_NO_CACHE_MASK_ARGUMENT = ("flax's decode=True layers hand their key/value cache to attention_fn with "
+                           "a dense mask, which the kernel cannot take; called directly, "
+                           "fa2_jax.flax.attention_fn takes the cache's key_value_seq_lengths and "
+                           "q_offset instead and runs the kernel: dense masks run the XLA formula.")
+
+
+def _mask_reason(mask, is_causal: bool, lone_row: bool = False) -> tuple[str, str]:
+  """The fallback warning for a mask that :func:`_mask_as_flag` could not replace by the flag;
+  ``lone_row``: the call has one query row (as a decode step has)."""
+  if lone_row:
+    return ("a dense `mask` was passed for a single query row (as a decode=True layer's cache "
+            "mask is)", _NO_CACHE_MASK_ARGUMENT)
   if _values_known(mask):
     return ("a dense `mask` that is neither all-True nor the causal mask was passed (padding, a "
             "decode cache or another pattern)", _NO_MASK_ARGUMENT)
@@ -172,18 +183,22 @@ def _values_known(x) -> bool:
   return not isinstance(x, jax.Array) or x.is_fully_addressable
 
 
-def _mask_as_flag(mask, is_causal: bool, t: int, s: int) -> bool | None:
+def _mask_as_flag(mask, is_causal: bool, t: int, s: int, shifted: bool = False) -> bool | None:
   """The kernel's ``is_causal`` that computes exactly what ``mask`` (AND the flag) does, or None.
 
   Only for masks whose values are known while tracing; flax attends where the mask is nonzero.
   A mask that allows every pair (the flag's causal pairs, with ``is_causal``) is dropped; one that
   allows exactly the top-left causal pairs in every ``[T, S]`` slice becomes ``is_causal=True``.
+  ``shifted``: the call gives ``q_offset``, which moves the flag's causal pairs but not the mask's
+  rows, so only a mask that allows every pair is dropped.
   """
   if not _values_known(mask) or not all(is_static_dim(d) for d in (t, s)):
     return None
   allowed = np.asarray(mask) != 0  # [..., T|1, S|1]
   allowed = allowed.reshape((1,) * max(0, 2 - allowed.ndim) + allowed.shape)
   allowed = np.broadcast_to(allowed, allowed.shape[:-2] + (t, s))  # [..., T, S]
+  if shifted:
+    return is_causal if np.all(allowed) else None
   causal = np.tril(np.ones((t, s), np.bool_))  # top-left: query i sees keys j <= i
   if is_causal:
     return True if np.all(allowed | ~causal) else None  # mask AND causal == causal
@@ -204,26 +219,36 @@ def _folded_mask(mask, query):
   return allowed.reshape(1, *allowed.shape[-3:])
 
 
-def _mask_as_mask_fn(allowed, user_mask_fn: Callable | None) -> Callable:
+def _mask_as_mask_fn(allowed, user_mask_fn: Callable | None, q_offset) -> Callable:
   """A ``mask_fn`` that reads the folded dense mask ``allowed`` ``[B|1, N|1, T|1, S|1]`` (AND the
-  user's ``mask_fn``, when given); size-1 axes are broadcast."""
-  def mask_fn(b, h, i, j):
-    index = tuple(x if n > 1 else 0 for x, n in zip((b, h, i, j), allowed.shape))
+  user's ``mask_fn``, when given); size-1 axes are broadcast. A ``mask_fn`` sees absolute query
+  positions, ``q_offset + i`` (``q_offset``: None, an int or folded ``[B]``): mask row ``i`` is
+  read there."""
+  if q_offset is not None and getattr(q_offset, "ndim", 0) > 0:
+    q_offset = jnp.asarray(q_offset).reshape(-1)  # [batch...] -> the folded batch
+
+  def mask_fn(b, h, q_idx, kv_idx):
+    row = q_idx
+    if q_offset is not None:
+      row = q_idx - (q_offset[b] if getattr(q_offset, "ndim", 0) > 0 else q_offset)
+    index = tuple(x if n > 1 else 0 for x, n in zip((b, h, row, kv_idx), allowed.shape))
     keep = allowed[index]
-    return keep if user_mask_fn is None else jnp.logical_and(keep, user_mask_fn(b, h, i, j))
+    return keep if user_mask_fn is None else jnp.logical_and(keep,
+                                                             user_mask_fn(b, h, q_idx, kv_idx))
   return mask_fn
 
 
-def _last_allowed_key(allowed, batch_size: int, s: int, kv_len):
-  """Per folded batch element, the last of ``s`` keys a lone query row may attend (its position in a
-  decode cache): the mask's last allowed key, below ``kv_len`` when given; -1 where there is none."""
-  row = allowed[:, :, 0, :]  # [B|1, N|1, S|1]: the lone query row
+def _last_allowed_key(allowed, batch: tuple, s: int, kv_len):
+  """Per batch element (``[batch...]``), the last of ``s`` keys a lone query row may attend (its
+  position in a decode cache): the mask's last allowed key, below ``kv_len`` when given; -1 where
+  there is none. ``allowed``: folded ``[B|1, 1, 1, S|1]`` (one head axis)."""
+  row = allowed[:, 0, 0, :]  # [B|1, S|1]: the lone query row
   row = jnp.broadcast_to(row, row.shape[:-1] + (s,))
   keys = jnp.arange(s, dtype=jnp.int32)
   if kv_len is not None:
-    row = jnp.logical_and(row, keys < jnp.reshape(jnp.asarray(kv_len, jnp.int32), (-1, 1, 1)))
-  last = jnp.max(jnp.where(row, keys, -1), axis=(1, 2))  # [B|1]
-  return jnp.broadcast_to(last, (batch_size,))
+    row = jnp.logical_and(row, keys < jnp.reshape(jnp.asarray(kv_len, jnp.int32), (-1, 1)))
+  last = jnp.max(jnp.where(row, keys, -1), axis=-1)  # [B|1]
+  return jnp.broadcast_to(last, (math.prod(batch),)).reshape(batch)
 
 
 def _causal_mask(t: int, s: int):
@@ -403,22 +428,30 @@ def make_attention_fn(implementation: str | None = None,
     why = _fallback_reason(query, value, query.dtype, bias, dropout_rate, deterministic, module,
                            einsums, extra)
     if why is None and mask is not None:
-      flag = _mask_as_flag(mask, causal, query.shape[-3], key.shape[-3])
+      flag = _mask_as_flag(mask, causal, query.shape[-3], key.shape[-3],
+                           shifted="q_offset" in variants)
       if flag is None:
+        reason = _mask_reason(mask, causal, lone_row=query.shape[-3] == 1)
         # Only the mask stands in the kernel's way: with variants, fa2_jax's own formula computes
         # the call, the mask as a mask_fn (flax's formula has no variants).
         if variants:
-          _warn_once(*_mask_reason(mask, causal), formula=_VARIANTS_FORMULA)
           allowed = _folded_mask(mask, query)
-          b = math.prod(query.shape[:-3])
           if lone_row and not causal and _POSITIONAL.intersection(variants):
+            if allowed.shape[1] != 1:
+              raise ValueError(
+                  "fa2_jax.flax.attention_fn: a single query row (a decode step) with a `mask` "
+                  f"that has a head axis ({mask.shape}) and a variant that depends on the row's "
+                  f"position ({', '.join(sorted(_POSITIONAL.intersection(variants)))}): the row "
+                  "would sit at a different key in each head; pass q_offset (the row's position)")
             # The decode step's position: the last key its mask (and lengths) allow.
-            last = _last_allowed_key(allowed, b, key.shape[-3],
+            last = _last_allowed_key(allowed, query.shape[:-3], key.shape[-3],
                                      variants.get("key_value_seq_lengths"))
             causal, variants = True, {**variants, "q_offset": last}
-          variants = {**variants, "mask_fn": _mask_as_mask_fn(allowed, variants.get("mask_fn"))}
+          _warn_once(*reason, formula=_VARIANTS_FORMULA)
+          variants = {**variants, "mask_fn": _mask_as_mask_fn(allowed, variants.get("mask_fn"),
+                                                               variants.get("q_offset"))}
           return flash_any_batch(formula, query, key, value, causal, variants)
-        why = _mask_reason(mask, causal)
+        why = reason
       else:
         mask, causal = None, flag
     if why is not None:

@@ -749,6 +749,50 @@ def test_variants_with_a_dense_mask_run_the_variant_formula(spy):
       q, q, q, is_causal=True, local_window_size=WINDOW), **FORMULA_TOL)
 
 
+def test_dense_mask_rows_stay_rows_under_q_offset():
+  """q_offset moves the query rows' positions, not the mask's rows: mask row i applies to query row
+  i (flax's [..., q_length, kv_length] layout), traced or concrete, with or without the flag."""
+  q, k, v = qkv(batch=(1,), t=4, kv_heads=HEADS)
+  rows = jnp.array([[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], bool)
+  mask = rows[None, None]  # [1, 1, T, S]
+  capped = fa2_flax.make_attention_fn(implementation="xla", logits_soft_cap=SOFT_CAP)
+  with pytest.warns(FlashAttentionFallbackWarning, match=VARIANT_FORMULA):
+    want = capped(q, k, v, mask=mask)  # the soft cap does not depend on positions
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", FlashAttentionFallbackWarning)  # traced under jit: another reason
+    for call in (capped, jax.jit(capped)):
+      np.testing.assert_allclose(call(q, k, v, mask=mask, q_offset=2), want, **FORMULA_TOL)
+  # A concrete causal mask with the per-call flag and q_offset: the mask's rows AND the shifted flag.
+  causal_rows = jnp.tril(jnp.ones((4, 4), bool))
+  fn = fa2_flax.make_attention_fn(implementation="xla")
+  out = fn(q, k, v, mask=causal_rows[None, None], is_causal=True, q_offset=jnp.array([2]))
+  want = fa2_jax.reference_attention(q, k, v, is_causal=True, q_offset=2,
+                                     mask_fn=lambda b, h, i, j: causal_rows[i - 2, j])
+  np.testing.assert_allclose(out, want, **FORMULA_TOL)
+  assert np.abs(np.asarray(out - fn(q, k, v, is_causal=True, q_offset=2))).max() > 1e-2
+
+
+def test_lone_row_mask_with_extra_batch_dims_and_per_head_masks():
+  """A decode step's cache mask on [b1, b2, 1, N, H] queries places each row at its own last
+  allowed key; a mask with a head axis and a positional variant asks for q_offset instead."""
+  q, k, v = qkv(batch=(2, 2), t=6, kv_heads=HEADS)
+  q = q[:, :, -1:]
+  last = jnp.array([[3, 5], [0, 2]])
+  mask = (jnp.arange(6) <= last[..., None])[:, :, None, None, :]  # [b1, b2, 1, 1, S]
+  fn = fa2_flax.make_attention_fn(implementation="xla", is_causal=True, local_window_size=(2, 0))
+  with pytest.warns(FlashAttentionFallbackWarning, match="single query row"):
+    out = fn(q, k, v, mask=mask)
+  for b1 in range(2):
+    for b2 in range(2):
+      n = int(last[b1, b2]) + 1
+      want = fa2_jax.reference_attention(q[b1, b2][None], k[b1, b2][None, :n], v[b1, b2][None, :n],
+                                         is_causal=True, q_offset=n - 1, local_window_size=(2, 0))
+      np.testing.assert_allclose(out[b1, b2], want[0], **FORMULA_TOL)
+  per_head = jnp.broadcast_to(mask[0, 0], (1, HEADS, 1, 6)).at[:, 1, :, 3:].set(False)
+  with pytest.raises(ValueError, match=r"head axis.*local_window_size.*pass q_offset"):
+    fn(q[0], k[0], v[0], mask=jnp.broadcast_to(per_head, (2, HEADS, 1, 6)))
+
+
 @pytest.mark.parametrize("variant", ["window", "soft_cap", "alibi", "mask_fn"])
 def test_nnx_decode_with_static_variants_matches_the_full_sequence(variant):
   """A decode=True layer whose attention_fn has static variants: step i (the cache's mask, traced
