@@ -251,6 +251,28 @@ def _last_allowed_key(allowed, batch: tuple, s: int, kv_len):
   return jnp.broadcast_to(last, (math.prod(batch),)).reshape(batch)
 
 
+def _masked_variant_formula(formula, query, key, value, mask, causal: bool, variants: dict,
+                            lone_row: bool):
+  """fa2_jax's formula (``formula``) for a call with variants and a dense ``mask`` the kernels
+  cannot take: the mask becomes a ``mask_fn`` (AND the call's own). A lone decode row (the factory's
+  ``is_causal``, one query row, no ``q_offset``) with a positional variant sits at the last key its
+  mask (and ``key_value_seq_lengths``) allows."""
+  allowed = _folded_mask(mask, query)
+  if lone_row and not causal and _POSITIONAL.intersection(variants):
+    if allowed.shape[1] != 1:
+      raise ValueError(
+          "fa2_jax.flax.attention_fn: a single query row (a decode step) with a `mask` that has a "
+          f"head axis ({mask.shape}) and a variant that depends on the row's position "
+          f"({', '.join(sorted(_POSITIONAL.intersection(variants)))}): the row would sit at a "
+          "different key in each head; pass q_offset (the row's position)")
+    last = _last_allowed_key(allowed, query.shape[:-3], key.shape[-3],
+                             variants.get("key_value_seq_lengths"))
+    causal, variants = True, {**variants, "q_offset": last}
+  variants = {**variants, "mask_fn": _mask_as_mask_fn(allowed, variants.get("mask_fn"),
+                                                       variants.get("q_offset"))}
+  return flash_any_batch(formula, query, key, value, causal, variants)
+
+
 def _causal_mask(t: int, s: int):
   """Top-left aligned causal mask ``[t, s]`` (query i sees keys j <= i), as flax's is_causal."""
   return jnp.tril(jnp.ones((t, s), dtype=jnp.bool_))
@@ -435,22 +457,10 @@ def make_attention_fn(implementation: str | None = None,
         # Only the mask stands in the kernel's way: with variants, fa2_jax's own formula computes
         # the call, the mask as a mask_fn (flax's formula has no variants).
         if variants:
-          allowed = _folded_mask(mask, query)
-          if lone_row and not causal and _POSITIONAL.intersection(variants):
-            if allowed.shape[1] != 1:
-              raise ValueError(
-                  "fa2_jax.flax.attention_fn: a single query row (a decode step) with a `mask` "
-                  f"that has a head axis ({mask.shape}) and a variant that depends on the row's "
-                  f"position ({', '.join(sorted(_POSITIONAL.intersection(variants)))}): the row "
-                  "would sit at a different key in each head; pass q_offset (the row's position)")
-            # The decode step's position: the last key its mask (and lengths) allow.
-            last = _last_allowed_key(allowed, query.shape[:-3], key.shape[-3],
-                                     variants.get("key_value_seq_lengths"))
-            causal, variants = True, {**variants, "q_offset": last}
+          out = _masked_variant_formula(formula, query, key, value, mask, causal, variants,
+                                        lone_row)
           _warn_once(*reason, formula=_VARIANTS_FORMULA)
-          variants = {**variants, "mask_fn": _mask_as_mask_fn(allowed, variants.get("mask_fn"),
-                                                               variants.get("q_offset"))}
-          return flash_any_batch(formula, query, key, value, causal, variants)
+          return out
         why = reason
       else:
         mask, causal = None, flag
