@@ -179,6 +179,35 @@ def test_checkpoint_resume_is_bit_identical_and_says_so(text_file, baseline, tmp
     np.testing.assert_allclose(s2["final_val_loss"], baseline[1]["final_val_loss"], rtol=2e-2)
 
 
+def test_resume_with_other_model_flags_is_a_usage_error(text_file, baseline, tmp_path, capsys):
+  """A checkpoint of another model (other layers: another tree; another width: other shapes) is
+  refused with a usage error, not restored with its own shapes or an orbax traceback."""
+  ckpt = tmp_path / "ckpt"
+  run(text_file, ckpt_dir=str(ckpt), stop_at=2)
+  capsys.readouterr()
+  base = CLI_MODEL_TRAIN + ["--data", text_file, "--ckpt-dir", str(ckpt), "--resume"]
+  for flags, what in ((["--n-layer", "2"], "another model or optimizer state"),
+                      (["--n-embd", "32"], "arrays of other shapes")):
+    message = cli_error(base + flags, capsys)
+    assert f"--resume: the checkpoint of step 2 in {ckpt} holds {what}" in message
+    assert message.endswith("resume with the flags it was trained with, or give another --ckpt-dir")
+
+
+def test_validation_at_the_last_step_run_and_with_its_train_loss(text_file, capsys):
+  """An evaluation step that is not a logging step reports that step's train loss, and a run that
+  stop_at ends early still validates at its last step."""
+  train = dataclasses.replace(TRAIN, eval_every=5, log_every=10)
+  _, summary = train_lib.train(MODEL, train, data_path=text_file, progress="off", stop_at=7)
+  _, every = train_lib.train(MODEL, dataclasses.replace(train, log_every=1), data_path=text_file,
+                             progress="off", stop_at=7)
+  out = capsys.readouterr().out
+  loss_at = {h["step"]: h["loss"] for h in every["history"] if "loss" in h}
+  assert f"step 5: train loss {loss_at[5]:.4f}, val loss" in out
+  assert f"step 7: train loss {loss_at[7]:.4f}, val loss" in out
+  vals = [h["step"] for h in summary["history"] if "val_loss" in h]
+  assert vals == [5, 7] and summary["final_val_loss"] is not None
+
+
 @pytest.mark.gpu
 def test_resume_is_bit_identical_on_gpu_with_deterministic_ops(text_file, tmp_path):
   """With XLA's deterministic GPU ops a resumed run ends exactly where an uninterrupted one does
@@ -263,7 +292,8 @@ def test_presets_and_flop_formula():
     GPTConfig(scan_layers="yes")
   with pytest.raises(ValueError, match="attention must be one of"):
     GPTConfig(attention="flash_cuda")
-  for field, bad in (("lr", 0.0), ("lr", float("nan")), ("seed", -1), ("beta2", 1.0)):
+  for field, bad in (("lr", 0.0), ("lr", float("nan")), ("lr", float("inf")), ("seed", -1),
+                     ("beta2", 1.0), ("grad_clip", float("nan")), ("weight_decay", float("inf"))):
     with pytest.raises(ValueError, match=field):
       TrainConfig(**{field: bad})
 
@@ -325,7 +355,10 @@ def cli_error(argv, capsys) -> str:
     (["--n-embd", "130"], "--n-embd (130) must be a multiple of --n-head (4)"),
     (["--position", "rotary", "--n-embd", "132"],
      "--position 'rotary' needs an even head_dim (--n-embd / --n-head), got 132 / 4 = 33"),
-    (["--lr", "0"], "--lr must be > 0, got 0.0"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0, got nan"),
+    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--warmup-steps", "-1"], "--warmup-steps must be >= 0, got -1"),
     (["--vocab-size", "100"], "--vocab-size must be >= 256 (the tokens are bytes), got 100"),
@@ -399,8 +432,9 @@ def test_help_shows_real_defaults(capsys):
   text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
   assert "default: None" not in text
   steps = ", ".join(f"{name} {train.steps}" for name, (_, train) in PRESETS.items())
-  assert f"optimizer steps; also the length of the learning-rate schedule (default per preset: " \
-         f"{steps})" in text
+  assert f"optimizer steps; also the length of the learning-rate schedule (warm-up, then cosine " \
+         f"decay; a run of at most --warmup-steps steps stops before the peak --lr) (default per " \
+         f"preset: {steps})" in text
   assert "--sample-tokens SAMPLE_TOKENS bytes to sample after training (0: no sample) " \
          "(default: 300)" in text
   # Every preset-derived flag lists each preset's value of its field.

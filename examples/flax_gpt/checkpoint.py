@@ -37,12 +37,36 @@ def save_checkpoint(manager, state: TrainState) -> None:
   manager.save(int(state.step), args=ocp.args.StandardSave(state), force=True)
 
 
+class CheckpointMismatch(ValueError):
+  """The checkpoint holds another model or optimizer state than the run's flags build."""
+
+
 def restore_checkpoint(manager, template: TrainState) -> TrainState | None:
-  """The newest checkpoint as host arrays shaped like ``template``, or None if there is none."""
+  """The newest checkpoint as host arrays shaped like ``template``, or None if there is none.
+
+  Raises:
+    CheckpointMismatch: its arrays' tree, shapes or dtypes differ from ``template``'s.
+  """
   import orbax.checkpoint as ocp
   step = manager.latest_step()
   if step is None:
     return None
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype),
                           template)
-  return jax.device_get(manager.restore(step, args=ocp.args.StandardRestore(abstract)))
+  try:
+    restored = manager.restore(step, args=ocp.args.StandardRestore(abstract))
+  except ValueError as e:  # orbax: the trees (or shapes) differ
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    raise CheckpointMismatch(
+        f"--resume: the checkpoint of step {step} in {manager.directory} holds another model or "
+        f"optimizer state than these flags build ({first[:300]}); resume with the flags it was "
+        "trained with, or give another --ckpt-dir") from e
+  leaves = jax.tree_util.tree_leaves_with_path(restored)
+  mismatched = [jax.tree_util.keystr(path) for (path, got), want in zip(
+      leaves, jax.tree.leaves(abstract)) if np.shape(got) != want.shape]
+  if mismatched:
+    raise CheckpointMismatch(
+        f"--resume: the checkpoint of step {step} in {manager.directory} holds arrays of other "
+        f"shapes than these flags build ({', '.join(mismatched[:3])}); resume with the flags it "
+        "was trained with, or give another --ckpt-dir")
+  return jax.device_get(restored)

@@ -68,12 +68,13 @@ _FLAG_HELP = {
                "[T, T] attention",
     "batch_size": "global batch in sequences (split over the devices with --data-parallel pmap or "
                   "mesh)",
-    "steps": "optimizer steps; also the length of the learning-rate schedule",
+    "steps": "optimizer steps; also the length of the learning-rate schedule (warm-up, then cosine "
+             "decay; a run of at most --warmup-steps steps stops before the peak --lr)",
     "lr": "peak learning rate, after a linear warm-up; cosine decay to a tenth of it",
     "warmup_steps": "linear learning-rate warm-up steps",
     "weight_decay": "AdamW decoupled weight decay, on matrices only",
     "grad_clip": "global-norm gradient clipping threshold (0: no clipping)",
-    "eval_every": "steps between validation losses (0: only at the end)",
+    "eval_every": "steps between validation losses (0: only at the last step run)",
     "eval_batches": "batches averaged per validation loss",
     "log_every": "steps between progress updates (bar or line; each waits for the device)",
     "ckpt_every": "steps between checkpoints with --ckpt-dir (0: only at the end)",

@@ -143,15 +143,18 @@ class TrainConfig:
     for name in ("batch_size", "steps", "eval_batches", "log_every", "data_bytes"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    for name in ("warmup_steps", "eval_every", "ckpt_every", "weight_decay", "grad_clip"):
+    for name in ("warmup_steps", "eval_every", "ckpt_every"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+    for name in ("weight_decay", "grad_clip"):  # NaN fails every comparison: test finiteness too
+      if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
     if self.seed < 0:
       raise ValueError(f"seed must be >= 0, got {self.seed}")
     if not isinstance(self.packing, bool):
       raise TypeError(f"packing must be a bool, got {self.packing!r}")
-    if not self.lr > 0:
-      raise ValueError(f"lr must be > 0, got {self.lr}")
+    if not (math.isfinite(self.lr) and self.lr > 0):
+      raise ValueError(f"lr must be a finite number > 0, got {self.lr}")
     if not 0.0 <= self.min_lr_ratio <= 1.0:
       raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
     for name in ("beta1", "beta2"):

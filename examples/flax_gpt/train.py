@@ -36,8 +36,8 @@ import optax
 import fa2_jax
 
 from . import data as data_lib
-from .checkpoint import (checkpoint_manager, latest_checkpoint_step, restore_checkpoint,
-                         save_checkpoint)
+from .checkpoint import (CheckpointMismatch, checkpoint_manager, latest_checkpoint_step,
+                         restore_checkpoint, save_checkpoint)
 from .cli import build_parser, cli_message, configs_from_args, flag_names
 from .config import BYTE_VOCAB, GPTConfig, TrainConfig
 from .metrics import Throughput, attended_flops_per_sequence, flops_per_sequence, peak_tflops
@@ -306,7 +306,9 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
     state, metrics = runner.train_step(state, runner.shard(x), runner.shard(y))
     steps_in_window += 1
     done = step + 1
-    if done % tc.log_every == 0 or done == last or step == start:
+    # Evaluations at every eval_every steps and at the last step run (stop_at included).
+    evaluate = (tc.eval_every and done % tc.eval_every == 0) or done == last
+    if done % tc.log_every == 0 or done == last or step == start or evaluate:
       loss = runner.scalar(metrics["loss"])  # waits for the device
       dt = time.perf_counter() - t_window
       if step != start:  # the first step includes compilation
@@ -319,11 +321,10 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
         bar.set_postfix({"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}",
                          "TFLOP/s": f"{tflops:.3g}", "MFU": mfu})
         bar.update(done - bar.n)
-      elif mode == "lines":
+      elif mode == "lines" and (done % tc.log_every == 0 or done == last or step == start):
         say(f"step {done}/{last}: loss {loss:.4f}, {tok_s:,.0f} tok/s, {tflops:.3g} TFLOP/s, "
             f"MFU {mfu}" + (" (includes compilation)" if step == start else ""))
       t_window, steps_in_window = time.perf_counter(), 0
-    evaluate = (tc.eval_every and done % tc.eval_every == 0) or done == tc.steps
     if evaluate:
       val_loss = validate(state)
       history.append({"step": done, "val_loss": val_loss})
@@ -379,6 +380,8 @@ def main(argv=None) -> dict:
                        **run_args)
   except data_lib.DataError as e:
     parser.error(f"{e}; give more text (--data, --data-bytes) or a shorter --seq-len")
+  except CheckpointMismatch as e:
+    parser.error(str(e))
   summary["preset"] = args.preset
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
   print(f"\n{summary['n_params']:,} parameters; final train loss "
