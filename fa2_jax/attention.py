@@ -13,7 +13,7 @@ from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .kernels.softmax import lse_from_stats
 from .kernels.vma import cast_like, match_vma
-from .block_ranges import range_tables
+from .block_ranges import index_reads, range_tables, warm_static_masks
 from .masking import Variant, VariantArrays
 from .reference import attention_formula
 from .validation import (check_bool, check_options, check_scale, check_variant, is_static_dim,
@@ -264,9 +264,13 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
 
     layouts = (sharding.Q, sharding.KV, sharding.KV, *(_FIELD_LAYOUTS[f] for f in fields))
     names = (*sharding.QKV_NAMES, *fields)
+    if variant is not None:  # on the whole call: a shard_map cannot evaluate them while tracing
+      warm_static_masks(variant, tiles, batch=q.shape[0], heads=q.shape[2], seq_q=q.shape[1],
+                        seq_k=k.shape[1])
     try:
       # Per device where Explicit mesh axes shard B or the heads (fa2_jax.sharding).
-      out, lse = sharding.local_call(local, (q, k, v, *extras), layouts, names=names)
+      out, lse = sharding.local_call(local, (q, k, v, *extras), layouts, names=names,
+                                     whole=_unsplittable(variant, q.shape[0], q.shape[2]))
     except TypeError as e:
       if "forward-mode autodiff" in str(e) or "can't apply forward-mode" in str(e):
         raise TypeError(_FORWARD_MODE) from e
@@ -330,6 +334,20 @@ def _layouts(st: _Static, extras) -> tuple[str, ...]:
   return tuple(map(_layout, st.fields, extras))
 
 
+def _unsplittable(variant: Variant | None, batch: int, heads: int) -> dict[str, str]:
+  """The axes (``"b"``: B, ``"n"``: the heads) that a call's kernels cannot split over devices, with
+  the reason for fa2_jax.sharding: those its ``mask_fn``/``score_fn`` reads, whose index the kernels
+  take from their grid (a device's own rows or heads, counted from 0)."""
+  what = {"b": ("b", "batch index b", "B"), "h": ("n", "head index h", "the heads")}
+  out = {}
+  for index in sorted(index_reads(variant, batch=batch, heads=heads)):
+    axis, name, shard = what[index]
+    out[axis] = (f"mask_fn/score_fn reads the {name}, which the kernels on one device's share "
+                 f"would count from 0: shard {shard} only for functions that ignore it, or use "
+                 "implementation='xla'")
+  return out
+
+
 def _partitionable(st: _Static) -> bool:
   """False for the Mosaic kernels in Pallas GPU interpret mode (CPU tests with emulated wgmma): their
   host callbacks carry ordered effects, which a custom_partitioning call cannot lower (a KeyError
@@ -349,13 +367,15 @@ def _lse(st: _Static, stats):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, extras, st: _Static):
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
-                                partition=_partitionable(st))
+                                partition=_partitionable(st),
+                                whole=_unsplittable(st.variant, q.shape[0], q.shape[2]))
   return out, _lse(st, stats)
 
 
 def _flash_fwd(q, k, v, extras, st: _Static):
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
-                                partition=_partitionable(st))
+                                partition=_partitionable(st),
+                                whole=_unsplittable(st.variant, q.shape[0], q.shape[2]))
   return (out, _lse(st, stats)), (q, k, v, extras, out, stats)
 
 
@@ -390,7 +410,8 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   # d lse_i / d S_ij = P_ij, so a cotangent on lse enters dS = P ∘ (dP − D + dlse): fold it into D.
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
   dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, stats, dout.astype(q.dtype), dlse,
-                                 extras, _layouts(st, extras), partition=_partitionable(st))
+                                 extras, _layouts(st, extras), partition=_partitionable(st),
+                                 whole=_unsplittable(st.variant, q.shape[0], q.shape[2]))
   # The variant operands (lengths, segment ids, offsets: integers; ALiBi slopes: not differentiated)
   # get zero cotangents.
   return dq, dk, dv, tuple(None for _ in extras)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .masking import Variant, VariantArrays
@@ -266,30 +267,82 @@ def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, h
   dims = dict(batch=batch, heads=heads, seq_q=seq_q, seq_k=seq_k, block_q=block_q, block_k=block_k)
   if variant.has_q_offset:
     return _block_mask(variant, arrays, **dims)
-  key = (variant, tuple(sorted(dims.items())))  # variant.functions: what mask_fn computes now
+  # Keyed by the extents the mask has ([B', N']), so that a device's share of the batch or heads
+  # finds the mask of the whole call (warm_static_masks) when mask_fn does not read that index.
+  nb, nh = _mask_extent(variant, batch, heads, block_q, -(-seq_k // block_k) * block_k)
+  key = (variant, tuple(sorted({**dims, "batch": nb, "heads": nh}.items())))  # variant.functions
   if key in _STATIC_MASKS:
     return _STATIC_MASKS[key]
   with jax.ensure_compile_time_eval():
     masks = _block_mask(variant, VariantArrays(), **dims)
   if any(isinstance(m, jax.core.Tracer) for m in masks):
     return masks  # mask_fn reads a traced value: computed in the program
+  # Host copies: a plain constant in any program (a device array made under a mesh carries that
+  # mesh's sharding, which a shard_map cannot close over).
+  masks = tuple(np.asarray(m) for m in masks)
   if len(_STATIC_MASKS) >= _STATIC_MASKS_MAX:
     _STATIC_MASKS.pop(next(iter(_STATIC_MASKS)))
   _STATIC_MASKS[key] = masks
   return masks
 
 
-def _block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: int, seq_q: int,
-                seq_k: int, block_q: int, block_k: int):
-  nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
+def warm_static_masks(variant: Variant, tiles: dict, *, batch: int, heads: int, seq_q: int,
+                      seq_k: int) -> None:
+  """Computes (and keeps) the block masks of a ``mask_fn`` of the indices alone for every tile of
+  ``tiles`` (as :func:`range_tables` takes them), where the call is traced: a per-device call inside
+  a ``shard_map`` then finds them, since it cannot evaluate anything at trace time under its manual
+  mesh axes. Nothing to do without a ``mask_fn``, or with ``q_offset`` (computed in the program)."""
+  if variant.mask_fn is None or variant.has_q_offset:
+    return
+  for _, block_q, block_k in tiles.values():
+    mask_fn_block_mask(variant, VariantArrays(), batch=batch, heads=heads, seq_q=seq_q,
+                       seq_k=seq_k, block_q=block_q, block_k=block_k)
+
+
+def _mask_extent(variant: Variant, batch: int, heads: int, block_q: int, keys: int):
+  """``(B', N')``: the batch and head extents of ``mask_fn``'s block mask, ``batch`` / ``heads``
+  where its result varies over that index (or with ``q_offset``, per batch element), else 1."""
   i32 = jnp.int32
   probe = jax.eval_shape(variant.mask_fn, jax.ShapeDtypeStruct((batch, 1, 1, 1), i32),
                          jax.ShapeDtypeStruct((1, heads, 1, 1), i32),
                          jax.ShapeDtypeStruct((1, 1, block_q, 1), i32),
-                         jax.ShapeDtypeStruct((1, 1, 1, nk * block_k), i32)).shape
+                         jax.ShapeDtypeStruct((1, 1, 1, keys), i32)).shape
   probe = (1,) * (4 - len(probe)) + tuple(probe)
-  nb = batch if (probe[0] != 1 or variant.has_q_offset) else 1
-  nh = heads if probe[1] != 1 else 1
+  return (batch if (probe[0] != 1 or variant.has_q_offset) else 1,
+          heads if probe[1] != 1 else 1)
+
+
+def index_reads(variant: Variant | None, *, batch: int, heads: int) -> frozenset[str]:
+  """Which of the batch (``"b"``) and head (``"h"``) indices the variant's ``mask_fn`` or
+  ``score_fn`` reads: those whose result varies over the index (traced once, abstractly, as
+  :func:`mask_fn_depends_on_head`). The kernels give these functions the index of their grid,
+  so an axis they read cannot be split over devices."""
+  if variant is None or (variant.mask_fn is None and variant.score_fn is None):
+    return frozenset()
+  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+  idx = (i32(max(batch, 2), 1, 1, 1), i32(1, max(heads, 2), 1, 1), i32(1, 1, 1, 1),
+         i32(1, 1, 1, 1))
+  shapes = []
+  if variant.mask_fn is not None:
+    shapes.append(jax.eval_shape(variant.mask_fn, *idx).shape)
+  if variant.score_fn is not None:
+    score = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32)
+    shapes.append(jax.eval_shape(variant.score_fn, score, *idx).shape)
+  reads = set()
+  for shape in shapes:
+    shape = (1,) * (4 - len(shape)) + tuple(shape)
+    if shape[0] != 1:
+      reads.add("b")
+    if shape[1] != 1:
+      reads.add("h")
+  return frozenset(reads)
+
+
+def _block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: int, seq_q: int,
+                seq_k: int, block_q: int, block_k: int):
+  nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
+  i32 = jnp.int32
+  nb, nh = _mask_extent(variant, batch, heads, block_q, nk * block_k)
   b = jnp.arange(nb, dtype=i32)[:, None, None, None]
   h = jnp.arange(nh, dtype=i32)[None, :, None, None]
   off = (_i32(arrays.q_offset)[:nb, None, None, None] if variant.has_q_offset else i32(0))

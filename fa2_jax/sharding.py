@@ -121,13 +121,17 @@ class Plan:
 
 
 def plan(axis_sizes: Mapping[str, int], shapes: Sequence[Sequence[int]], specs: Sequence,
-         layouts: Sequence[str] = (Q, KV, KV), names: Sequence[str] = QKV_NAMES) -> Plan:
+         layouts: Sequence[str] = (Q, KV, KV), names: Sequence[str] = QKV_NAMES,
+         whole: Mapping[str, str] | None = None) -> Plan:
   """The local split of a call whose operands (shapes, layouts, names for the messages) are sharded
   by ``specs`` over a mesh with ``axis_sizes``.
 
   B and the heads keep the first sharding found among the operands (q's, else k's, ...); whatever the
-  kernels cannot split is reported in ``problems`` and replicated.
+  kernels cannot split is reported in ``problems`` and replicated. ``whole``: ``"b"`` (B) and/or
+  ``"n"`` (the heads) that this call cannot split, each with the reason (e.g. a ``mask_fn`` that
+  reads the batch index).
   """
+  whole = whole or {}
   dims = [_entries(spec, len(layout)) for spec, layout in zip(specs, layouts)]
   problems = []
   sequence = [f"{name} is sharded along its {_WHAT[c]} (dim {i}) over {_show(d[i])}"
@@ -164,6 +168,12 @@ def plan(axis_sizes: Mapping[str, int], shapes: Sequence[Sequence[int]], specs: 
     problems.append(f"the batch axis B={b} is sharded over {_show(batch)} ({size(batch)} devices), "
                     "which does not divide it")
     batch = ()
+  if batch and "b" in whole:
+    problems.append(f"the batch axis B is sharded over {_show(batch)}, but {whole['b']}")
+    batch = ()
+  if heads and "n" in whole:
+    problems.append(f"the heads are sharded over {_show(heads)}, but {whole['n']}")
+    heads = ()
   if heads and set(heads) & set(batch):
     problems.append(f"{_show(heads)} shards the heads of {heads_of} and the batch axis of {batch_of}")
     heads = ()
@@ -196,19 +206,22 @@ def _explicit_spec(x) -> tuple[object, P] | None:
 
 
 def local_call(fn: Callable, arrays: Sequence, layouts: Sequence[str] = (Q, KV, KV),
-               out_layouts: Sequence[str] = (Q, LSE_PUBLIC), names: Sequence[str] = QKV_NAMES):
+               out_layouts: Sequence[str] = (Q, LSE_PUBLIC), names: Sequence[str] = QKV_NAMES,
+               whole: Mapping[str, str] | None = None):
   """``fn(*arrays)``, run per device (a ``shard_map``) when Explicit mesh axes shard the arrays;
-  called as is otherwise. ``arrays`` start with q, k, v; ``fn`` returns arrays of ``out_layouts``.
+  called as is otherwise. ``arrays`` start with q, k, v; ``fn`` returns arrays of ``out_layouts``;
+  ``whole``: as for :func:`plan`.
 
   Raises:
-    ValueError: an Explicit axis shards T, S or H, splits GQA groups, or shards operands unalike.
+    ValueError: an Explicit axis shards T, S or H, splits GQA groups, shards operands unalike, or
+      shards an axis named in ``whole``.
   """
   found = [_explicit_spec(x) for x in arrays]
   if not any(found):
     return fn(*arrays)
   mesh = next(f[0] for f in found if f)
   specs = [f[1] if f else P() for f in found]
-  p = plan(dict(mesh.shape), [x.shape for x in arrays], specs, layouts, names)
+  p = plan(dict(mesh.shape), [x.shape for x in arrays], specs, layouts, names, whole)
   if p.problems:
     raise ValueError(
         "flash_attention cannot run these Explicit-sharded inputs locally: " + "; ".join(p.problems)
@@ -233,7 +246,7 @@ def local_call(fn: Callable, arrays: Sequence, layouts: Sequence[str] = (Q, KV, 
 # --- Auto mesh axes: custom_partitioning around each kernel call ----------------------------------
 
 
-def _auto_plan(mesh, arg_shapes, layouts) -> Plan:
+def _auto_plan(mesh, arg_shapes, layouts, whole=()) -> Plan:
   """The plan from the shardings the compiler proposes for q, k, v (the first three operands: the
   others, such as the backward's dout, are resharded to match), warning about every sharding the
   kernels cannot keep (XLA gathers it)."""
@@ -243,7 +256,8 @@ def _auto_plan(mesh, arg_shapes, layouts) -> Plan:
     warnings.warn("flash_attention: the inputs' shardings name no mesh, so XLA gathers them and "
                   "every device computes the whole call")
     return Plan((), ())
-  p = plan(dict(mesh.shape), [a.shape for a in qkv], [a.sharding.spec for a in qkv], layouts[:3])
+  p = plan(dict(mesh.shape), [a.shape for a in qkv], [a.sharding.spec for a in qkv], layouts[:3],
+           whole=dict(whole))
   if p.problems:
     warnings.warn(
         "flash_attention: " + "; ".join(p.problems) + ". XLA gathers these axes so that every "
@@ -252,30 +266,30 @@ def _auto_plan(mesh, arg_shapes, layouts) -> Plan:
   return p
 
 
-def _partition(fn, in_layouts, out_layouts, mesh, arg_shapes, result_shape):
+def _partition(fn, in_layouts, out_layouts, whole, mesh, arg_shapes, result_shape):
   del result_shape
-  p = _auto_plan(mesh, arg_shapes, in_layouts)
+  p = _auto_plan(mesh, arg_shapes, in_layouts, whole)
   shard = lambda layout: NamedSharding(mesh, p.spec(layout))
   return (mesh, lambda *arrays: tuple(fn(*arrays)), tuple(map(shard, out_layouts)),
           tuple(map(shard, in_layouts)))
 
 
-def _rule(fn, in_layouts, out_layouts, mesh, value_types, result_types):
+def _rule(fn, in_layouts, out_layouts, whole, mesh, value_types, result_types):
   """The Shardy rule, e.g. ``b t n h, b s k h, b s k h -> b t n h, b n t``. The query heads N and
   the KV heads K are separate factors: relating them as N = (K G) would let propagation split K over
   part of a mesh axis (K % devices != 0), a sharding no PartitionSpec names; the partition callback
   shards K with N itself. T, S and H must stay whole (need-replication factors, listed in the order
   the rule first names them, as Shardy requires)."""
-  del fn, mesh, value_types, result_types
+  del fn, whole, mesh, value_types, result_types
   side = lambda layouts: ", ".join(" ".join(layout) for layout in layouts)
   order = dict.fromkeys("".join((*in_layouts, *out_layouts)))
   return (f"{side(in_layouts)} -> {side(out_layouts)}",
           dict(need_replication_factors=tuple(c for c in order if c in _WHOLE)))
 
 
-@functools.partial(custom_partitioning, static_argnums=(0, 1, 2))
-def _partitioned(fn, in_layouts, out_layouts, *arrays):
-  del in_layouts, out_layouts
+@functools.partial(custom_partitioning, static_argnums=(0, 1, 2, 3))
+def _partitioned(fn, in_layouts, out_layouts, whole, *arrays):
+  del in_layouts, out_layouts, whole
   return tuple(fn(*arrays))
 
 
@@ -283,15 +297,17 @@ _partitioned.def_partition(_partition, sharding_rule=_rule)
 
 
 def partitioned(fn: Callable, arrays: Sequence, in_layouts: Sequence[str],
-                out_layouts: Sequence[str]):
+                out_layouts: Sequence[str], whole: Mapping[str, str] | None = None):
   """``fn(*arrays)`` (a tuple of arrays of ``out_layouts``), partitioned over Auto mesh axes by the
-  plan of q, k, v (``arrays[:3]``). It batches (vmap) and differentiates (jvp) as ``fn`` does:
-  ``custom_partitioning`` has neither rule of its own. ``fn`` is a static argument: hashable."""
+  plan of q, k, v (``arrays[:3]``; ``whole`` as for :func:`plan`: gathered, with a warning). It
+  batches (vmap) and differentiates (jvp) as ``fn`` does: ``custom_partitioning`` has neither rule
+  of its own. ``fn`` is a static argument: hashable."""
   in_layouts, out_layouts = tuple(in_layouts), tuple(out_layouts)
+  whole = tuple(sorted((whole or {}).items()))  # a static argument: hashable
 
   @jax.custom_batching.custom_vmap
   def call(*xs):
-    return _partitioned(fn, in_layouts, out_layouts, *xs)
+    return _partitioned(fn, in_layouts, out_layouts, whole, *xs)
 
   @call.def_vmap
   def _vmap(axis_size, in_batched, *xs):
@@ -310,25 +326,26 @@ def partitioned(fn: Callable, arrays: Sequence, in_layouts: Sequence[str],
   return differentiable(*arrays)
 
 
-def forward(kernel: Callable, q, k, v, st, extras=(), extra_layouts=(), partition: bool = True):
+def forward(kernel: Callable, q, k, v, st, extras=(), extra_layouts=(), partition: bool = True,
+            whole: Mapping[str, str] | None = None):
   """``kernel(q, k, v, extras, st) -> (out [B, T, N, H], stats [B, N, 2, T])``, partitioned; ``extras``
   (the variant operands) are sharded by their ``extra_layouts`` (e.g. ``"b"``, ``"bt"``).
   ``partition=False`` calls the kernel as is (kernels that cannot be partitioned, see
-  ``attention._partitionable``)."""
+  ``attention._partitionable``); ``whole`` as for :func:`plan`."""
   fn = functools.partial(_call_forward, kernel, st)
   if not partition:
     return fn(q, k, v, *extras)
-  return partitioned(fn, (q, k, v, *extras), (Q, KV, KV, *extra_layouts), (Q, STATS))
+  return partitioned(fn, (q, k, v, *extras), (Q, KV, KV, *extra_layouts), (Q, STATS), whole)
 
 
 def backward(kernel: Callable, st, q, k, v, out, stats, dout, dlse, extras=(), extra_layouts=(),
-             partition: bool = True):
+             partition: bool = True, whole: Mapping[str, str] | None = None):
   """``kernel(st, q, k, v, out, stats, dout, dlse, *extras) -> (dq, dk, dv)``, partitioned."""
   fn = functools.partial(_call_backward, kernel, st)
   arrays = (q, k, v, out, stats, dout, dlse, *extras)
   if not partition:
     return fn(*arrays)
-  return partitioned(fn, arrays, (Q, KV, KV, Q, STATS, Q, LSE, *extra_layouts), (Q, KV, KV))
+  return partitioned(fn, arrays, (Q, KV, KV, Q, STATS, Q, LSE, *extra_layouts), (Q, KV, KV), whole)
 
 
 def _call_forward(kernel, st, q, k, v, *extras):

@@ -414,3 +414,63 @@ def test_batch_sharded_variants_run_locally(kind):
     _assert_local(compiled.as_text())
     got = compiled(*args, kw_sharded)
   _check(got, want)
+
+
+def _mask_reads_b(b, h, i, j):
+  """A mask_fn of the batch index: batch element b also sees the b keys after its own position."""
+  return j <= i + b
+
+
+def _mask_of_positions(b, h, i, j):
+  return (i + j) % 3 != 0
+
+
+def _score_reads_h(s, b, h, i, j):
+  return s * (1.0 + 0.5 * h)
+
+
+@needs4
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
+def test_index_functions_under_sharding(kind):
+  """The kernels give mask_fn/score_fn the index of their grid: under a split of B (heads) that is a
+  device's own row (head) counted from 0. A function of the positions alone runs locally (its block
+  mask computed on the whole call: inside the shard_map nothing can be evaluated while tracing); one
+  that reads a split axis's index is gathered with a warning (Auto) or refused (Explicit), never
+  computed with the wrong index."""
+  mesh = _mesh((2, 2), ("data", "model"), kind)
+  q, k, v = _qkv(seed=8)
+  spec = P("data", None, "model", None)
+
+  def grad_fn(**kw):
+    f = lambda q, k, v: jnp.sum(jnp.tanh(flash(q, k, v, **kw)))  # noqa: E731
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+  def want(**kw):
+    f = lambda q, k, v: jnp.sum(jnp.tanh(fa2_jax.reference_attention(q, k, v, **kw)))  # noqa: E731
+    return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+  with jax.set_mesh(mesh) if kind == AxisType.Explicit else contextlib.nullcontext():
+    args = tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v))
+    compiled = grad_fn(mask_fn=_mask_of_positions).lower(*args).compile()
+    _assert_local(compiled.as_text())
+    _check(compiled(*args), want(mask_fn=_mask_of_positions))
+    for kw, match in ((dict(mask_fn=_mask_reads_b), "batch axis B is sharded over mesh axis "
+                       "'data', but mask_fn/score_fn reads the batch index b"),
+                      (dict(score_fn=_score_reads_h), "heads are sharded over mesh axis 'model', "
+                       "but mask_fn/score_fn reads the head index h")):
+      if kind == AxisType.Explicit:
+        with pytest.raises(ValueError, match=match):
+          grad_fn(**kw)(*args)
+        continue
+      with pytest.warns(UserWarning, match=match):
+        compiled = grad_fn(**kw).lower(*args).compile()
+      _check(compiled(*args), want(**kw))
+
+
+def test_index_reads():
+  from fa2_jax.block_ranges import index_reads
+  from fa2_jax.masking import Variant
+  reads = lambda **kw: index_reads(Variant(**kw), batch=B, heads=N)  # noqa: E731
+  assert reads(mask_fn=_mask_reads_b) == {"b"} and reads(score_fn=_score_reads_h) == {"h"}
+  assert reads(mask_fn=_mask_of_positions) == set() and index_reads(None, batch=B, heads=N) == set()
+  assert reads(mask_fn=_mask_reads_b, score_fn=_score_reads_h) == {"b", "h"}
