@@ -11,6 +11,8 @@ Explicit-axes mesh the kernels' refs refuse sharded slicing outright. Which mesh
   device holds whole GQA groups (its query heads and the KV heads they read).
 * T, S (the sequence axes) and H (head_dim): none. Sharding T or S is context parallelism (ring or
   all-to-all attention), which these kernels do not implement.
+* Neither B nor the heads where the call's ``mask_fn``/``score_fn`` reads that index: the kernels pass
+  the index of their grid, which on a device's share counts from 0 (``whole`` of :func:`plan`).
 
 One plan (:func:`plan`) decides from the operands' PartitionSpecs; three kinds of mesh axes get it
 applied three ways:
