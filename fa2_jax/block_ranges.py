@@ -312,29 +312,31 @@ def _mask_extent(variant: Variant, batch: int, heads: int, block_q: int, keys: i
           heads if probe[1] != 1 else 1)
 
 
-def index_reads(variant: Variant | None, *, batch: int, heads: int) -> frozenset[str]:
+def index_reads(variant: Variant | None) -> frozenset[str]:
   """Which of the batch (``"b"``) and head (``"h"``) indices the variant's ``mask_fn`` or
-  ``score_fn`` reads: those whose result varies over the index (traced once, abstractly, as
-  :func:`mask_fn_depends_on_head`). The kernels give these functions the index of their grid,
-  so an axis they read cannot be split over devices."""
+  ``score_fn`` reads: those its result depends on, found abstractly on single pairs (the function
+  ``vmap``-ed over that index with an unmapped result fails to trace when the result varies with
+  it; any other failure counts as a read too). The kernels give these functions the index of their
+  grid, so an axis they read cannot be split over devices."""
   if variant is None or (variant.mask_fn is None and variant.score_fn is None):
     return frozenset()
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-  idx = (i32(max(batch, 2), 1, 1, 1), i32(1, max(heads, 2), 1, 1), i32(1, 1, 1, 1),
-         i32(1, 1, 1, 1))
-  shapes = []
+  i32, f32 = (jax.ShapeDtypeStruct((), t) for t in (jnp.int32, jnp.float32))
+  pair = (i32, i32, i32, i32)  # b, h, q_idx, kv_idx
+  calls = []
   if variant.mask_fn is not None:
-    shapes.append(jax.eval_shape(variant.mask_fn, *idx).shape)
+    calls.append((variant.mask_fn, pair, 0))
   if variant.score_fn is not None:
-    score = jax.ShapeDtypeStruct((1, 1, 1, 1), jnp.float32)
-    shapes.append(jax.eval_shape(variant.score_fn, score, *idx).shape)
+    calls.append((variant.score_fn, (f32, *pair), 1))
   reads = set()
-  for shape in shapes:
-    shape = (1,) * (4 - len(shape)) + tuple(shape)
-    if shape[0] != 1:
-      reads.add("b")
-    if shape[1] != 1:
-      reads.add("h")
+  for fn, args, first in calls:
+    for name, pos in (("b", first), ("h", first + 1)):
+      axes = tuple(0 if a == pos else None for a in range(len(args)))
+      mapped = tuple(jax.ShapeDtypeStruct((2,), jnp.int32) if a == pos else x
+                     for a, x in enumerate(args))
+      try:
+        jax.eval_shape(jax.vmap(fn, in_axes=axes, out_axes=None), *mapped)
+      except Exception:  # noqa: BLE001 - the result varies with the index (or cannot be told)
+        reads.add(name)
   return frozenset(reads)
 
 

@@ -158,12 +158,17 @@ _NO_CACHE_MASK_ARGUMENT = ("flax's decode=True layers hand their key/value cache
                            "q_offset instead and runs the kernel: dense masks run the XLA formula.")
 
 
-def _mask_reason(mask, is_causal: bool, lone_row: bool = False) -> tuple[str, str]:
+def _mask_reason(mask, is_causal: bool, one_row: bool = False,
+                 shifted: bool = False) -> tuple[str, str]:
   """The fallback warning for a mask that :func:`_mask_as_flag` could not replace by the flag;
-  ``lone_row``: the call has one query row (as a decode step has)."""
-  if lone_row:
+  ``one_row``: the call has one query row (as a decode step has); ``shifted``: it gives
+  ``q_offset``."""
+  if one_row:
     return ("a dense `mask` was passed for a single query row (as a decode=True layer's cache "
             "mask is)", _NO_CACHE_MASK_ARGUMENT)
+  if shifted and _values_known(mask):
+    return ("a dense `mask` that does not allow every pair was passed with q_offset (which moves "
+            "the query positions, not the mask's rows)", _NO_MASK_ARGUMENT)
   if _values_known(mask):
     return ("a dense `mask` that is neither all-True nor the causal mask was passed (padding, a "
             "decode cache or another pattern)", _NO_MASK_ARGUMENT)
@@ -264,7 +269,8 @@ def _masked_variant_formula(formula, query, key, value, mask, causal: bool, vari
           "fa2_jax.flax.attention_fn: a single query row (a decode step) with a `mask` that has a "
           f"head axis ({mask.shape}) and a variant that depends on the row's position "
           f"({', '.join(sorted(_POSITIONAL.intersection(variants)))}): the row would sit at a "
-          "different key in each head; pass q_offset (the row's position)")
+          "different key in each head; pass q_offset (the row's position), or a mask without a "
+          "head axis")
     last = _last_allowed_key(allowed, query.shape[:-3], key.shape[-3],
                              variants.get("key_value_seq_lengths"))
     causal, variants = True, {**variants, "q_offset": last}
@@ -402,7 +408,8 @@ def make_attention_fn(implementation: str | None = None,
         == 0`` (grouped-query attention when smaller).
       bias, mask: broadcastable to ``[batch..., num_heads, q_length, kv_length]``, as in flax (the
         mask attends where nonzero). A mask runs the kernel only when its values are known while
-        tracing and it equals no mask or the causal mask; otherwise, and with any bias, the call
+        tracing and it equals no mask or (without ``q_offset``) the causal mask; otherwise, and
+        with any bias, the call
         runs flax's formula, or, with variants and a mask (no bias), fa2_jax's XLA formula with
         the mask as a ``mask_fn`` (a lone query row then sits at the last key the mask allows).
       broadcast_dropout, dropout_rng, dropout_rate, deterministic, module: as in flax; active
@@ -453,7 +460,8 @@ def make_attention_fn(implementation: str | None = None,
       flag = _mask_as_flag(mask, causal, query.shape[-3], key.shape[-3],
                            shifted="q_offset" in variants)
       if flag is None:
-        reason = _mask_reason(mask, causal, lone_row=query.shape[-3] == 1)
+        reason = _mask_reason(mask, causal, one_row=query.shape[-3] == 1,
+                              shifted="q_offset" in variants)
         # Only the mask stands in the kernel's way: with variants, fa2_jax's own formula computes
         # the call, the mask as a mask_fn (flax's formula has no variants).
         if variants:

@@ -228,8 +228,8 @@ def local_call(fn: Callable, arrays: Sequence, layouts: Sequence[str] = (Q, KV, 
     raise ValueError(
         "flash_attention cannot run these Explicit-sharded inputs locally: " + "; ".join(p.problems)
         + ". Shard only the batch axis B and the heads (N of query, K of key/value, K a multiple of "
-        "the devices sharding them), alike in query, key and value; jax.sharding.reshard the other "
-        "axes to replicated.")
+        "the devices sharding them), alike in query, key and value, and neither of them where a "
+        "mask_fn/score_fn reads its index; jax.sharding.reshard the other axes to replicated.")
   in_specs = tuple(p.spec(layout) for layout in layouts)
   # An operand replicated where the plan shards it is sliced locally (no communication).
   arrays = [x if _entries(s, x.ndim) == _entries(want, x.ndim)

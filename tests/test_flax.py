@@ -758,10 +758,11 @@ def test_dense_mask_rows_stay_rows_under_q_offset():
   capped = fa2_flax.make_attention_fn(implementation="xla", logits_soft_cap=SOFT_CAP)
   with pytest.warns(FlashAttentionFallbackWarning, match=VARIANT_FORMULA):
     want = capped(q, k, v, mask=mask)  # the soft cap does not depend on positions
+  with pytest.warns(FlashAttentionFallbackWarning, match="passed with q_offset"):
+    np.testing.assert_allclose(capped(q, k, v, mask=mask, q_offset=2), want, **FORMULA_TOL)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", FlashAttentionFallbackWarning)  # traced under jit: another reason
-    for call in (capped, jax.jit(capped)):
-      np.testing.assert_allclose(call(q, k, v, mask=mask, q_offset=2), want, **FORMULA_TOL)
+    np.testing.assert_allclose(jax.jit(capped)(q, k, v, mask=mask, q_offset=2), want, **FORMULA_TOL)
   # A concrete causal mask with the per-call flag and q_offset: the mask's rows AND the shifted flag.
   causal_rows = jnp.tril(jnp.ones((4, 4), bool))
   fn = fa2_flax.make_attention_fn(implementation="xla")

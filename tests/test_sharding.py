@@ -125,7 +125,7 @@ def test_plan_covers_operands_by_layout():
   p = sharding.plan(SIZES, shapes, qkv + [P("model"), P()], layouts, names)
   assert p.problems == ("lengths is sharded along its batch axis B (dim 0) over mesh axis 'model', "
                         "but query over mesh axis 'data'",)
-  rule, kw = sharding._rule(None, layouts, (sharding.Q,), None, None, None)
+  rule, kw = sharding._rule(None, layouts, (sharding.Q,), (), None, None, None)
   assert rule == "b t n h, b s k h, b s k h, b, n -> b t n h"
   assert kw == dict(need_replication_factors=("t", "h", "s"))
 
@@ -337,7 +337,7 @@ def test_mosaic_partition_callbacks_lower_local_blocks(fake_hopper, causal):
       (functools.partial(sharding._call_backward, attention._backward, st),
        (q, kv, kv, q, stats_sds, q, lse_sds), (Q, KV, KV, Q, STATS, Q, LSE), (Q, KV, KV),
        (io,) * 3)]:
-    _, local_fn, outs, ins = sharding._partition(fn, layouts, out_layouts, mesh, args, None)
+    _, local_fn, outs, ins = sharding._partition(fn, layouts, out_layouts, (), mesh, args, None)
     assert ins == tuple(a.sharding for a in args) and outs == want_outs
     local = [jax.ShapeDtypeStruct(s.shard_shape(a.shape), a.dtype) for a, s in zip(args, ins)]
     text = jax.jit(local_fn).trace(*local).lower(lowering_platforms=("cuda",)).as_text()
@@ -470,7 +470,9 @@ def test_index_functions_under_sharding(kind):
 def test_index_reads():
   from fa2_jax.block_ranges import index_reads
   from fa2_jax.masking import Variant
-  reads = lambda **kw: index_reads(Variant(**kw), batch=B, heads=N)  # noqa: E731
+  reads = lambda **kw: index_reads(Variant(**kw))  # noqa: E731
   assert reads(mask_fn=_mask_reads_b) == {"b"} and reads(score_fn=_score_reads_h) == {"h"}
-  assert reads(mask_fn=_mask_of_positions) == set() and index_reads(None, batch=B, heads=N) == set()
+  assert reads(mask_fn=_mask_of_positions) == set() and index_reads(None) == set()
   assert reads(mask_fn=_mask_reads_b, score_fn=_score_reads_h) == {"b", "h"}
+  # A score_fn that keeps its result to the score's shape (as validation requires) still reads h.
+  assert reads(score_fn=lambda s, b, h, i, j: jnp.where(h == 0, s, 0.5 * s).reshape(s.shape)) == {"h"}
