@@ -43,6 +43,8 @@ class _Static:
   variant: Variant | None = None  # the attention variant (None: dense, or causal by is_causal)
   # The extra operands: VariantArrays fields, then "table_<name>" range tables (fa2_jax.block_ranges).
   fields: tuple[str, ...] = ()
+  # (axis, reason) of the axes the kernels cannot split over devices (_unsplittable).
+  whole: tuple[tuple[str, str], ...] = ()
 
   def arrays(self, extras) -> VariantArrays:
     """The :class:`VariantArrays` of the extra operands (in the order of ``fields``)."""
@@ -245,12 +247,14 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       blocks = (tri or BlockSizes.default(h, q.dtype)).clamp(q.shape[1], k.shape[1])
       tiles = blocks.range_tiles()
     tables = tuple(f"table_{name}" for name in tiles) if variant is not None else ()
+    whole = _unsplittable(variant, q.shape[0], q.shape[2])
     if call.backend == "mosaic":
       static = _Static(call.scale, call.is_causal, "mosaic", call.deterministic, False, mosaic=mos,
-                       variant=variant, fields=fields + tables)
+                       variant=variant, fields=fields + tables, whole=tuple(sorted(whole.items())))
     else:
       static = _Static(call.scale, call.is_causal, "triton", call.deterministic,
-                       bool(call.interpret), blocks=blocks, variant=variant, fields=fields + tables)
+                       bool(call.interpret), blocks=blocks, variant=variant, fields=fields + tables,
+                       whole=tuple(sorted(whole.items())))
 
     def local(q, k, v, *extras):
       # On each device's blocks (under Explicit mesh axes) or on the whole call: the block ranges of
@@ -270,7 +274,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     try:
       # Per device where Explicit mesh axes shard B or the heads (fa2_jax.sharding).
       out, lse = sharding.local_call(local, (q, k, v, *extras), layouts, names=names,
-                                     whole=_unsplittable(variant, q.shape[0], q.shape[2]))
+                                     whole=whole)
     except TypeError as e:
       if "forward-mode autodiff" in str(e) or "can't apply forward-mode" in str(e):
         raise TypeError(_FORWARD_MODE) from e
@@ -369,15 +373,13 @@ def _lse(st: _Static, stats):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, extras, st: _Static):
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
-                                partition=_partitionable(st),
-                                whole=_unsplittable(st.variant, q.shape[0], q.shape[2]))
+                                partition=_partitionable(st), whole=dict(st.whole))
   return out, _lse(st, stats)
 
 
 def _flash_fwd(q, k, v, extras, st: _Static):
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
-                                partition=_partitionable(st),
-                                whole=_unsplittable(st.variant, q.shape[0], q.shape[2]))
+                                partition=_partitionable(st), whole=dict(st.whole))
   return (out, _lse(st, stats)), (q, k, v, extras, out, stats)
 
 
@@ -413,7 +415,7 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
   dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, stats, dout.astype(q.dtype), dlse,
                                  extras, _layouts(st, extras), partition=_partitionable(st),
-                                 whole=_unsplittable(st.variant, q.shape[0], q.shape[2]))
+                                 whole=dict(st.whole))
   # The variant operands (lengths, segment ids, offsets: integers; ALiBi slopes: not differentiated)
   # get zero cotangents.
   return dq, dk, dv, tuple(None for _ in extras)

@@ -274,7 +274,7 @@ def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, h
   if key in _STATIC_MASKS:
     return _STATIC_MASKS[key]
   with jax.ensure_compile_time_eval():
-    masks = _block_mask(variant, VariantArrays(), **dims)
+    masks = _block_mask(variant, VariantArrays(), **dims, extent=(nb, nh))
   if any(isinstance(m, jax.core.Tracer) for m in masks):
     return masks  # mask_fn reads a traced value: computed in the program
   # Host copies: a plain constant in any program (a device array made under a mesh carries that
@@ -341,10 +341,11 @@ def index_reads(variant: Variant | None) -> frozenset[str]:
 
 
 def _block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: int, seq_q: int,
-                seq_k: int, block_q: int, block_k: int):
+                seq_k: int, block_q: int, block_k: int, extent: tuple[int, int] | None = None):
+  """``mask_fn_block_mask``'s computation; ``extent``: its ``_mask_extent`` when already known."""
   nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
   i32 = jnp.int32
-  nb, nh = _mask_extent(variant, batch, heads, block_q, nk * block_k)
+  nb, nh = extent or _mask_extent(variant, batch, heads, block_q, nk * block_k)
   b = jnp.arange(nb, dtype=i32)[:, None, None, None]
   h = jnp.arange(nh, dtype=i32)[None, :, None, None]
   off = (_i32(arrays.q_offset)[:nb, None, None, None] if variant.has_q_offset else i32(0))
