@@ -409,9 +409,9 @@ def make_attention_fn(implementation: str | None = None,
       bias, mask: broadcastable to ``[batch..., num_heads, q_length, kv_length]``, as in flax (the
         mask attends where nonzero). A mask runs the kernel only when its values are known while
         tracing and it equals no mask or (without ``q_offset``) the causal mask; otherwise, and
-        with any bias, the call
-        runs flax's formula, or, with variants and a mask (no bias), fa2_jax's XLA formula with
-        the mask as a ``mask_fn`` (a lone query row then sits at the last key the mask allows).
+        with any bias, the call runs flax's formula, or, with variants and a mask (no bias),
+        fa2_jax's XLA formula with the mask as a ``mask_fn`` (a lone query row then sits at the
+        last key the mask allows).
       broadcast_dropout, dropout_rng, dropout_rate, deterministic, module: as in flax; active
         dropout or a module to sow weights into fall back to flax's formula.
       dtype: compute dtype (default: the promoted input dtype), as in flax.
