@@ -269,7 +269,7 @@ def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, h
     return _block_mask(variant, arrays, **dims)
   # Keyed by the extents the mask has ([B', N']), so that a device's share of the batch or heads
   # finds the mask of the whole call (warm_static_masks) when mask_fn does not read that index.
-  nb, nh = _mask_extent(variant, batch, heads, block_q, -(-seq_k // block_k) * block_k)
+  nb, nh = _mask_extent(variant, batch, heads)
   key = (variant, tuple(sorted({**dims, "batch": nb, "heads": nh}.items())))  # variant.functions
   if key in _STATIC_MASKS:
     return _STATIC_MASKS[key]
@@ -299,33 +299,31 @@ def warm_static_masks(variant: Variant, tiles: dict, *, batch: int, heads: int, 
                        seq_k=seq_k, block_q=block_q, block_k=block_k)
 
 
-def _mask_extent(variant: Variant, batch: int, heads: int, block_q: int, keys: int):
+def _mask_extent(variant: Variant, batch: int, heads: int):
   """``(B', N')``: the batch and head extents of ``mask_fn``'s block mask, ``batch`` / ``heads``
-  where its result varies over that index (or with ``q_offset``, per batch element), else 1."""
-  i32 = jnp.int32
-  probe = jax.eval_shape(variant.mask_fn, jax.ShapeDtypeStruct((batch, 1, 1, 1), i32),
-                         jax.ShapeDtypeStruct((1, heads, 1, 1), i32),
-                         jax.ShapeDtypeStruct((1, 1, block_q, 1), i32),
-                         jax.ShapeDtypeStruct((1, 1, 1, keys), i32)).shape
-  probe = (1,) * (4 - len(probe)) + tuple(probe)
-  return (batch if (probe[0] != 1 or variant.has_q_offset) else 1,
-          heads if probe[1] != 1 else 1)
+  where ``mask_fn`` reads that index (:func:`index_reads`; with ``q_offset`` the mask is per batch
+  element anyway), else 1."""
+  reads = index_reads(variant, functions=("mask_fn",))
+  return (batch if ("b" in reads or variant.has_q_offset) else 1,
+          heads if "h" in reads else 1)
 
 
-def index_reads(variant: Variant | None) -> frozenset[str]:
+def index_reads(variant: Variant | None,
+                functions: tuple[str, ...] = ("mask_fn", "score_fn")) -> frozenset[str]:
   """Which of the batch (``"b"``) and head (``"h"``) indices the variant's ``mask_fn`` or
-  ``score_fn`` reads: those its result depends on, found abstractly on single pairs (the function
-  ``vmap``-ed over that index with an unmapped result fails to trace when the result varies with
-  it; any other failure counts as a read too). The kernels give these functions the index of their
-  grid, so an axis they read cannot be split over devices."""
-  if variant is None or (variant.mask_fn is None and variant.score_fn is None):
+  ``score_fn`` (those named in ``functions``) reads: those its result depends on, found abstractly
+  on single pairs (the function ``vmap``-ed over that index with an unmapped result fails to trace
+  when the result varies with it, through any operation, a reduction included; any other failure
+  counts as a read too). The kernels give these functions the index of their grid, so an axis they
+  read cannot be split over devices, and a ``mask_fn`` that reads ``h`` has a block mask per head."""
+  if variant is None:
     return frozenset()
   i32, f32 = (jax.ShapeDtypeStruct((), t) for t in (jnp.int32, jnp.float32))
   pair = (i32, i32, i32, i32)  # b, h, q_idx, kv_idx
   calls = []
-  if variant.mask_fn is not None:
+  if "mask_fn" in functions and variant.mask_fn is not None:
     calls.append((variant.mask_fn, pair, 0))
-  if variant.score_fn is not None:
+  if "score_fn" in functions and variant.score_fn is not None:
     calls.append((variant.score_fn, (f32, *pair), 1))
   reads = set()
   for fn, args, first in calls:
@@ -345,7 +343,7 @@ def _block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: i
   """``mask_fn_block_mask``'s computation; ``extent``: its ``_mask_extent`` when already known."""
   nq, nk = -(-seq_q // block_q), -(-seq_k // block_k)
   i32 = jnp.int32
-  nb, nh = extent or _mask_extent(variant, batch, heads, block_q, nk * block_k)
+  nb, nh = extent or _mask_extent(variant, batch, heads)
   b = jnp.arange(nb, dtype=i32)[:, None, None, None]
   h = jnp.arange(nh, dtype=i32)[None, :, None, None]
   off = (_i32(arrays.q_offset)[:nb, None, None, None] if variant.has_q_offset else i32(0))
@@ -375,14 +373,9 @@ def _block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: i
 
 
 def mask_fn_depends_on_head(variant: Variant, heads: int) -> bool:
-  """True when ``variant.mask_fn``'s result varies over the head index (traced once, abstractly:
-  the broadcast shape of its result over ``h`` of shape ``[1, heads, 1, 1]``)."""
-  if variant.mask_fn is None or heads == 1:
-    return False
-  i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-  shape = jax.eval_shape(variant.mask_fn, i32(1, 1, 1, 1), i32(1, heads, 1, 1), i32(1, 1, 1, 1),
-                         i32(1, 1, 1, 1)).shape
-  return len(shape) >= 3 and shape[-3] != 1
+  """True when ``variant.mask_fn`` reads the head index (:func:`index_reads`) and there are heads to
+  tell apart."""
+  return heads > 1 and "h" in index_reads(variant, functions=("mask_fn",))
 
 
 # --- the tables the kernels read --------------------------------------------------------------------

@@ -1073,3 +1073,24 @@ def test_score_fn_result_dtype_does_not_round_the_kernel_scores():
   out = fa2_jax.flash_attention(q, k, v, score_fn=fn, implementation="triton", interpret=True)
   want = fa2_jax.flash_attention(q, k, v, score_fn=fn, implementation="xla")
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5)
+
+
+
+def test_one_index_read_rule_serves_block_masks_dispatch_and_sharding():
+  """The block mask's batch/head extents, the Mosaic kernels' per-head refusal and the sharding
+  rule's whole axes all come from block_ranges.index_reads."""
+  cases = {(): lambda b, h, i, j: j <= i, ("b",): lambda b, h, i, j: j <= i + b,
+           ("h",): lambda b, h, i, j: j <= i - h, ("b", "h"): lambda b, h, i, j: j <= i + b - h}
+  for reads, fn in cases.items():
+    variant = Variant(mask_fn=fn)
+    assert block_ranges.index_reads(variant) == set(reads)
+    assert block_ranges._mask_extent(variant, 2, 3) == (2 if "b" in reads else 1,
+                                                        3 if "h" in reads else 1)
+    assert block_ranges.mask_fn_depends_on_head(variant, 3) == ("h" in reads)
+    assert not block_ranges.mask_fn_depends_on_head(variant, 1)
+    with_offset = Variant(mask_fn=fn, has_q_offset=True)
+    assert block_ranges._mask_extent(with_offset, 2, 3)[0] == 2  # the offset is per batch element
+  # A score_fn's reads count for sharding, not for the block mask.
+  both = Variant(mask_fn=cases[()], score_fn=lambda s, b, h, i, j: s - h)
+  assert block_ranges.index_reads(both) == {"h"}
+  assert block_ranges._mask_extent(both, 2, 3) == (1, 1)
