@@ -156,6 +156,7 @@ def test_fused_dq_split_and_smem():
     (dict(backward_p="fast"), ValueError, "backward_p"),
     (dict(backward_p=None), ValueError, "backward_p"),
     (dict(consumer_barrier="bar.sync"), ValueError, "consumer_barrier"),
+    (dict(dq_writer="warp"), ValueError, "dq_writer"),
 ])
 def test_config_validation(kwargs, exc, field):
   with pytest.raises(exc, match=rf"MosaicConfig\.{field}\b"):
@@ -551,6 +552,13 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # fused dQ, 64-row tiles at head_dim 64: no split (each consumer adds its own keys' partial)
     (1, 136, 136, 2, 2, 64, False, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, block_q_dkv=64),
      False),
+    # the reduce-adds issued by the producer warpgroup (dq_writer): column split, GQA 2:1, causal
+    (1, 200, 136, 4, 2, 128, True, MosaicConfig.default(128).replace(
+        dq_fused=True, dq_fused_min_t=0, dq_writer="producer"), True),
+    # ... and with no split (each consumer its own partial), a 3-deep ring, non-causal
+    (1, 136, 200, 2, 2, 64, False, MosaicConfig.default(64).replace(
+        dq_fused=True, dq_fused_min_t=0, block_q_dkv=64, num_stages_dkv=3, dq_writer="producer"),
+     False),
 ]
 
 
@@ -652,6 +660,19 @@ def test_consumer_barrier_lowers_for_sm90(barrier):
   text = jax.jit(f).trace(sd, sd, sd, sd, lse).lower(lowering_platforms=("cuda",)).as_text()
   assert "fa2_mosaic_dkdv_dq" in text
   assert (f"bar.sync {CONSUMERS_BARRIER_ID}, 256;" in text) == (barrier == "named")
+
+
+@pytest.mark.parametrize("writer", ["consumers", "producer"])
+def test_dq_writer_lowers_for_sm90(writer):
+  """``MosaicConfig.dq_writer``: the fused dK/dV/dQ kernel lowers for sm90 with its reduce-adds
+  issued by the consumers or by the producer warpgroup (which then has the dq_free barriers)."""
+  cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0,
+                                                      dq_writer=writer)
+  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
+  f = _fwd_bwd(128 ** -0.5, True, cfg)
+  lse = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
+  text = jax.jit(f).trace(sd, sd, sd, sd, lse).lower(lowering_platforms=("cuda",)).as_text()
+  assert "fa2_mosaic_dkdv_dq" in text
 
 
 def test_equal_kernels_lower_once_per_program():

@@ -38,6 +38,8 @@ BACKWARD_P_FORMS = ("auto", "per_head", "exact")
 # How the consumer warpgroups of the fused dK/dV/dQ kernel meet to exchange dS^T (MosaicConfig.
 # consumer_barrier; kernels/mosaic/ops.py, consumers_sync)
 CONSUMER_BARRIERS = ("mbarrier", "named")
+# Who issues the fused dQ pieces' reduce-adds (MosaicConfig.dq_writer; kernels/mosaic/dkdv.py)
+DQ_WRITERS = ("consumers", "producer")
 # The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
 # outputs (and dQ's reduce-adds) passing through it (docs/design.md#causal-launch-order).
 L2_SECTION_BYTES = 32 * 1024 * 1024
@@ -113,6 +115,11 @@ class MosaicConfig:
   other's ``dS^T`` tile: ``"mbarrier"`` (default: a shared-memory barrier, every warpgroup arrives
   then waits on its phase) or ``"named"`` (one hardware ``bar.sync`` for both, as FlashAttention-3
   does; compiled kernels only, the interpreter runs the mbarrier).
+  ``dq_writer``: who issues the fused dQ pieces' TMA reduce-adds: ``"consumers"`` (default: each
+  consumer right after staging its piece, awaiting the previous add's read first) or ``"producer"``
+  (the producer warpgroup, once a step's ring slot is freed; the consumers wait only for the read of
+  their previous piece, as FlashAttention-3 hands the adds to a producer warp). Not yet measured on
+  the H200 (docs/design.md, "Leads on the backward's gap to FlashAttention-3").
   """
 
   block_q: int = 64
@@ -141,6 +148,7 @@ class MosaicConfig:
   memory_registers: int = 40
   backward_p: str = "auto"
   consumer_barrier: str = "mbarrier"
+  dq_writer: str = "consumers"
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -152,6 +160,10 @@ class MosaicConfig:
       if f.name == "backward_p":
         if v not in BACKWARD_P_FORMS:
           raise ValueError(f"MosaicConfig.backward_p must be one of {BACKWARD_P_FORMS}, got {v!r}")
+        continue
+      if f.name == "dq_writer":
+        if v not in DQ_WRITERS:
+          raise ValueError(f"MosaicConfig.dq_writer must be one of {DQ_WRITERS}, got {v!r}")
         continue
       if f.name == "consumer_barrier":
         if v not in CONSUMER_BARRIERS:
