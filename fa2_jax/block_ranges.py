@@ -9,6 +9,8 @@ need no mask (every pair allowed), derived from the rule of :mod:`fa2_jax.maskin
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -312,19 +314,26 @@ def index_reads(variant: Variant | None,
                 functions: tuple[str, ...] = ("mask_fn", "score_fn")) -> frozenset[str]:
   """Which of the batch (``"b"``) and head (``"h"``) indices the variant's ``mask_fn`` or
   ``score_fn`` (those named in ``functions``) reads: those its result depends on, found abstractly
-  on single pairs (the function ``vmap``-ed over that index with an unmapped result fails to trace
-  when the result varies with it, through any operation, a reduction included; any other failure
-  counts as a read too). The kernels give these functions the index of their grid, so an axis they
-  read cannot be split over devices, and a ``mask_fn`` that reads ``h`` has a block mask per head."""
+  on a ``[1, 1]`` tile of pairs with scalar ``b`` and ``h``, as the kernels call them (the function
+  ``vmap``-ed over that index with an unmapped result fails to trace when the result varies with
+  it, through any operation, a reduction included; any other failure counts as a read too). The
+  kernels give these functions the index of their grid, so an axis they read cannot be split over
+  devices, and a ``mask_fn`` that reads ``h`` has a block mask per head. Memoized per variant."""
   if variant is None:
     return frozenset()
-  i32, f32 = (jax.ShapeDtypeStruct((), t) for t in (jnp.int32, jnp.float32))
-  pair = (i32, i32, i32, i32)  # b, h, q_idx, kv_idx
+  return _index_reads(variant, tuple(functions))
+
+
+@functools.lru_cache(maxsize=256)
+def _index_reads(variant: Variant, functions: tuple[str, ...]) -> frozenset[str]:
+  i32 = jax.ShapeDtypeStruct((), jnp.int32)
+  tile_i32, tile_f32 = (jax.ShapeDtypeStruct((1, 1), t) for t in (jnp.int32, jnp.float32))
+  pair = (i32, i32, tile_i32, tile_i32)  # b, h, q_idx, kv_idx
   calls = []
   if "mask_fn" in functions and variant.mask_fn is not None:
     calls.append((variant.mask_fn, pair, 0))
   if "score_fn" in functions and variant.score_fn is not None:
-    calls.append((variant.score_fn, (f32, *pair), 1))
+    calls.append((variant.score_fn, (tile_f32, *pair), 1))
   reads = set()
   for fn, args, first in calls:
     for name, pos in (("b", first), ("h", first + 1)):

@@ -559,6 +559,10 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     (1, 136, 200, 2, 2, 64, False, MosaicConfig.default(64).replace(
         dq_fused=True, dq_fused_min_t=0, block_q_dkv=64, num_stages_dkv=3, dq_writer="producer"),
      False),
+    # ... causal, T far below S: CTAs with no step, with fewer steps than the 3-deep ring, and with more
+    (1, 200, 456, 2, 1, 64, True, MosaicConfig.default(64).replace(
+        dq_fused=True, dq_fused_min_t=0, block_q_dkv=64, num_stages_dkv=3, dq_writer="producer"),
+     False),
 ]
 
 
@@ -662,17 +666,22 @@ def test_consumer_barrier_lowers_for_sm90(barrier):
   assert (f"bar.sync {CONSUMERS_BARRIER_ID}, 256;" in text) == (barrier == "named")
 
 
-@pytest.mark.parametrize("writer", ["consumers", "producer"])
-def test_dq_writer_lowers_for_sm90(writer):
+def test_dq_writer_lowers_for_sm90():
   """``MosaicConfig.dq_writer``: the fused dK/dV/dQ kernel lowers for sm90 with its reduce-adds
-  issued by the consumers or by the producer warpgroup (which then has the dq_free barriers)."""
-  cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0,
-                                                      dq_writer=writer)
-  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
-  f = _fwd_bwd(128 ** -0.5, True, cfg)
-  lse = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
-  text = jax.jit(f).trace(sd, sd, sd, sd, lse).lower(lowering_platforms=("cuda",)).as_text()
-  assert "fa2_mosaic_dkdv_dq" in text
+  issued by the consumers or by the producer warpgroup: a different kernel (the writer reaches it)."""
+  def fused_kernel_hash(writer):
+    cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0,
+                                                        dq_writer=writer)
+    sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
+    f = _fwd_bwd(128 ** -0.5, True, cfg)
+    lse = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
+    text = jax.jit(f).trace(sd, sd, sd, sd, lse).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "fa2_mosaic_dkdv_dq" in line]
+    assert calls, "no fused dK/dV/dQ kernel"
+    return set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', "\n".join(calls)))
+
+  consumers, producer = fused_kernel_hash("consumers"), fused_kernel_hash("producer")
+  assert consumers and producer and not consumers & producer
 
 
 def test_equal_kernels_lower_once_per_program():

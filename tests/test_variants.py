@@ -1071,7 +1071,7 @@ def test_score_fn_result_dtype_does_not_round_the_kernel_scores():
   16, scale 1/4) make every score exact in float32 whatever the order of the dot's sums, so the
   function's own bfloat16 rounding cannot fall differently in the kernel (compiled on a GPU its sums
   run in another order than XLA's), while a rounding after the base-2 conversion would still show."""
-  q, k, v, _, _ = qkv(1, 16, 16, 2, 2)
+  q, k, v, _, _ = qkv(1, 16, 16, 2, 2, h=16)  # default scale 1/4: exact on the integer scores
   q, k = jnp.round(3 * q), jnp.round(3 * k)
   fn = lambda x, b, h, i, j: (x * 0.5).astype(jnp.bfloat16)  # noqa: E731
   out = fa2_jax.flash_attention(q, k, v, score_fn=fn, implementation="triton", interpret=True)

@@ -398,7 +398,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       @pl.when(idx >= stages)
       def _():
         plgpu.barrier_wait(free.at[slot])
-        write_dq(idx - stages)
 
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, pl.ds(i * bq, bq)], rows_smem.at[slot],
@@ -406,6 +405,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
       if st.want_dk:
         plgpu.copy_gmem_to_smem(delta_ref.at[row_span], delta_smem.at[slot], delta_bar.at[slot])
+      if by_producer:  # after the slot's refill, so that the wait for the adds' read does not delay it
+        @pl.when(idx >= stages)
+        def _():
+          write_dq(idx - stages)
 
     @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)  # drain (see forward)
     def _(idx):
