@@ -82,12 +82,10 @@ def compiler_params():
   # approx_math: exp2/log/reciprocal may use the fast MUFU forms (as FA2 does with ex2.approx).
   # unsafe_no_auto_barriers: Pallas otherwise puts a warpgroup barrier before and after every SMEM
   # store of a register array and before every TMA load, for threads that read SMEM other threads
-  # wrote. No thread of these
-  # kernels reads SMEM written by threads: what they store (dS^T, the fused dQ piece, the epilogues'
-  # outputs) is read by wgmma or TMA only, after commit_smem (fence + barrier) or a consumers' barrier,
-  # and what they load (row inputs, delta) comes by TMA behind an mbarrier. So the automatic barriers
-  # order nothing here; the fused dK/dV/dQ kernel paid four per consumer step and its producer four
-  # (docs/design.md, "SMEM barriers").
+  # wrote. No thread of these kernels does: what they store (dS^T, the fused dQ piece, the epilogues'
+  # outputs) is read by wgmma or TMA only, after commit_smem (fence + barrier) or a consumers'
+  # barrier, and what they load (row inputs, delta) comes by TMA behind an mbarrier. A kernel that
+  # reads SMEM written by other threads needs its own barrier (docs/design.md, "SMEM barriers").
   return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True)
 
 
