@@ -372,13 +372,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   def _producer():
     plgpu.set_max_registers(st.memory_registers, action="decrease")
 
-    def write_dq(j):
+    def issue_dq(j):
       """dq_writer "producer": step j's slot is free, so both consumers' dQ pieces of step j are
-      staged and fenced: reduce-add them, and tell each consumer once its piece has been read."""
-      if not by_producer:
-        return
+      staged and fenced: issue their reduce-adds."""
       for w in range(nwg):
         reduce_add(dq_smem.at[w], dq_dst(i_start + lax.rem(j, n_i), lax.div(j, n_i), w))
+
+    def release_dq(j):
+      """Wait until step j's reduce-adds have read the pieces; tell each consumer."""
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       @pl.when(j < n_steps - 1)  # the consumers wait for it before every piece but the first
@@ -398,6 +399,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       @pl.when(idx >= stages)
       def _():
         plgpu.barrier_wait(free.at[slot])
+        if by_producer:  # issued before the refill, their read awaited after it
+          issue_dq(idx - stages)
 
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, pl.ds(i * bq, bq)], rows_smem.at[slot],
@@ -408,12 +411,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       if by_producer:  # after the slot's refill, so that the wait for the adds' read does not delay it
         @pl.when(idx >= stages)
         def _():
-          write_dq(idx - stages)
+          release_dq(idx - stages)
 
     @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)  # drain (see forward)
     def _(idx):
       plgpu.barrier_wait(free.at[lax.rem(idx, jnp.array(stages, idx.dtype))])
-      write_dq(idx)
+      if by_producer:
+        issue_dq(idx)
+        release_dq(idx)
 
     if by_producer:
       plgpu.wait_smem_to_gmem(0)  # every reduce-add has landed before the CTA exits
