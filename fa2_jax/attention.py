@@ -196,8 +196,11 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     ``s = scale * q_i . k_j``; ``s = cap * tanh(s / cap)``; ``s -= slope[b, h] * |p - j|``;
     ``s = score_fn(s, b, h, p, j)``; pairs not allowed (causal, window, lengths, segments,
     ``mask_fn``: :mod:`fa2_jax.masking`) get ``-inf``; ``out_i = softmax(s_i) V``. A row with no
-    allowed key gives output 0, lse ``-inf`` and zero gradients, and NaN/inf held by keys or values no
-    row may attend, or by query rows that attend no key, never reach the outputs or gradients.
+    allowed key gives output 0, lse ``-inf`` and zero gradients, and NaN/inf held by query rows that
+    attend no key, or by keys or values no row may attend, never reach the outputs or gradients, except
+    on the Mosaic kernels, where such keys and values inside an attended tile reach the outputs
+    through the tile products (keys past ``key_value_seq_lengths`` and past ``T`` under top-left causal
+    excepted: README, Limits).
     Gradients flow to ``query``, ``key`` and ``value`` only (integer arguments have none). The
     kernels implement the variants listed in :data:`fa2_jax.dispatch.KERNEL_FEATURES`; with
     ``implementation=None`` any other variant runs on the XLA formula (chunked over query blocks
