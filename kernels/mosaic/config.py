@@ -118,8 +118,9 @@ class MosaicConfig:
   ``dq_writer``: who issues the fused dQ pieces' TMA reduce-adds: ``"consumers"`` (default: each
   consumer right after staging its piece, awaiting the previous add's read first) or ``"producer"``
   (the producer warpgroup, once a step's ring slot is freed; the consumers wait only for the read of
-  their previous piece, as FlashAttention-3 hands the adds to a producer warp). Not yet measured on
-  the H200 (docs/design.md, "Leads on the backward's gap to FlashAttention-3").
+  their previous piece, as FlashAttention-3 hands the adds to a producer warp). The producer is
+  slower in most fused cells on the H200 (docs/design.md, "Leads on the backward's gap to
+  FlashAttention-3").
   """
 
   block_q: int = 64
