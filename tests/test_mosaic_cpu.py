@@ -157,6 +157,7 @@ def test_fused_dq_split_and_smem():
     (dict(backward_p=None), ValueError, "backward_p"),
     (dict(consumer_barrier="bar.sync"), ValueError, "consumer_barrier"),
     (dict(dq_writer="warp"), ValueError, "dq_writer"),
+    (dict(dq_buffers=3), ValueError, "dq_buffers"),
 ])
 def test_config_validation(kwargs, exc, field):
   with pytest.raises(exc, match=rf"MosaicConfig\.{field}\b"):
@@ -563,6 +564,15 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     (1, 200, 456, 2, 1, 64, True, MosaicConfig.default(64).replace(
         dq_fused=True, dq_fused_min_t=0, block_q_dkv=64, num_stages_dkv=3, dq_writer="producer"),
      False),
+    # two dQ staging buffers per consumer (dq_buffers), written by the consumers: column split, causal,
+    # GQA 2:1, 8 and 12 steps per CTA
+    (1, 328, 200, 4, 2, 128, True, MosaicConfig.default(128).replace(
+        dq_fused=True, dq_fused_min_t=0, dq_buffers=2), True),
+    # ... and by the producer: no split, a 3-deep ring, causal with T far below S (CTAs with no step,
+    # with fewer steps than the buffers, and with more)
+    (1, 200, 456, 2, 1, 64, True, MosaicConfig.default(64).replace(
+        dq_fused=True, dq_fused_min_t=0, block_q_dkv=64, num_stages_dkv=3, dq_writer="producer",
+        dq_buffers=2), False),
 ]
 
 
@@ -667,11 +677,12 @@ def test_consumer_barrier_lowers_for_sm90(barrier):
 
 
 def test_dq_writer_lowers_for_sm90():
-  """``MosaicConfig.dq_writer``: the fused dK/dV/dQ kernel lowers for sm90 with its reduce-adds
-  issued by the consumers or by the producer warpgroup: a different kernel (the writer reaches it)."""
-  def fused_kernel_hash(writer):
+  """``MosaicConfig.dq_writer`` and ``dq_buffers``: the fused dK/dV/dQ kernel lowers for sm90 with
+  its reduce-adds issued by the consumers or by the producer warpgroup, from one or two staging
+  buffers: four different kernels (each setting reaches it)."""
+  def fused_kernel_hash(writer, buffers=1):
     cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0,
-                                                        dq_writer=writer)
+                                                        dq_writer=writer, dq_buffers=buffers)
     sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
     f = _fwd_bwd(128 ** -0.5, True, cfg)
     lse = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
@@ -680,8 +691,9 @@ def test_dq_writer_lowers_for_sm90():
     assert calls, "no fused dK/dV/dQ kernel"
     return set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', "\n".join(calls)))
 
-  consumers, producer = fused_kernel_hash("consumers"), fused_kernel_hash("producer")
-  assert consumers and producer and not consumers & producer
+  hashes = [fused_kernel_hash(w, n) for w in ("consumers", "producer") for n in (1, 2)]
+  assert all(hashes)
+  assert len(set().union(*hashes)) == sum(len(h) for h in hashes)  # no kernel shared
 
 
 def test_equal_kernels_lower_once_per_program():

@@ -99,6 +99,9 @@ class _Dkv:
   # "producer" (the producer warpgroup, once the step's ring slot is freed; the consumers only wait
   # on dq_free before staging the next piece), as FlashAttention-3 hands it to a producer warp.
   dq_writer: str = "consumers"
+  # SMEM staging buffers per consumer for the fused dQ piece (MosaicConfig.dq_buffers): step idx
+  # stages into buffer idx % dq_buffers, so with 2 it waits for the read of step idx - 2's add.
+  dq_buffers: int = 1
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
@@ -115,8 +118,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   # consumer, summed by the caller (Pallas' GPU interpreter has no TMA reduce-add).
   # ds_smem [2, num_wgs, block_k, block_q]: dS^T per consumer, double-buffered by step parity so a
   # consumer can write step i+1's tile while the other still reads step i's (dq_split);
-  # dq_smem [num_wgs, rows, cols]: each consumer's f32 dQ piece, the source of its reduce-add;
-  # dq_free [num_wgs] (dq_writer "producer"): the producer's reduce-add has read that piece.
+  # dq_smem [dq_buffers, num_wgs, rows, cols]: each consumer's f32 dQ piece of a step, the source
+  # of its reduce-add (buffer idx % dq_buffers);
+  # dq_free [dq_buffers * num_wgs] (dq_writer "producer"): the producer's reduce-add has read
+  # buffer p of consumer w (barrier p * num_wgs + w).
   # Then the variant operands named by st.names (kernels/mosaic/variant.py).
   var_refs, out_refs = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages, g_size = st.block_q, st.block_k, st.num_wgs, st.num_stages, st.group
@@ -149,6 +154,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
 
   rows_q, cols_q = dq_piece(bq, st.head_dim, nwg) if st.fused_dq else (0, 0)
   by_producer = st.fused_dq and st.dq_writer == "producer"
+  nbuf = st.dq_buffers
+
+  def dq_buf(idx):
+    """The dQ staging buffer of step ``idx`` (traced)."""
+    return lax.rem(idx, jnp.array(nbuf, idx.dtype)) if nbuf > 1 else 0
 
   def dq_dst(i, g, w):
     """The fused dQ accumulator's block that consumer ``w``'s piece of query tile ``i``, group head
@@ -212,18 +222,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
         return wgmma_load(dq_acc, wait_n=1)
 
       dq_part = accumulators(dq_piece_of_step, (rows_q, cols_q))
+      buf = dq_buf(idx)
       if by_producer:
-        @pl.when(idx > 0)
-        def _():
-          plgpu.barrier_wait(dq_free.at[wg])  # the previous step's reduce-add has read dq_smem
+        @pl.when(idx >= nbuf)
+        def _():  # the reduce-add of step idx - dq_buffers has read this buffer
+          plgpu.barrier_wait(dq_free.at[buf * nwg + wg])
 
-        dq_smem.at[wg][...] = dq_part
+        dq_smem.at[buf, wg][...] = dq_part
         plgpu.commit_smem()  # visible to the producer's TMA once this step's slot is freed
         return
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_smem
-      dq_smem.at[wg][...] = dq_part
+      # this consumer's reduce-adds are its only bulk groups in the loop: all but the last
+      # dq_buffers - 1 of them have read their buffer, so step idx - dq_buffers's has
+      plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
+      dq_smem.at[buf, wg][...] = dq_part
       plgpu.commit_smem()
-      reduce_add(dq_smem.at[wg], dq_dst(i, g, wg))
+      reduce_add(dq_smem.at[buf, wg], dq_dst(i, g, wg))
 
     def step(i, g, masked: bool, dk_acc, dv_acc, exact: bool):
       """One query tile: FA3's order of products, each awaited only where its result is needed."""
@@ -376,16 +389,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       """dq_writer "producer": step j's slot is free, so both consumers' dQ pieces of step j are
       staged and fenced: issue their reduce-adds."""
       for w in range(nwg):
-        reduce_add(dq_smem.at[w], dq_dst(i_start + lax.rem(j, n_i), lax.div(j, n_i), w))
+        reduce_add(dq_smem.at[dq_buf(j), w], dq_dst(i_start + lax.rem(j, n_i), lax.div(j, n_i), w))
 
     def release_dq(j):
-      """Wait until step j's reduce-adds have read the pieces; tell each consumer."""
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      """After issuing step j's adds: wait until those of step r = j - (dq_buffers - 1) have read
+      their buffers (each step's adds are nwg bulk groups), and tell each consumer, which waits for it
+      before staging step r + dq_buffers."""
+      plgpu.wait_smem_to_gmem((nbuf - 1) * nwg, wait_read_only=True)
+      r = j - (nbuf - 1)
 
-      @pl.when(j < n_steps - 1)  # the consumers wait for it before every piece but the first
+      @pl.when(jnp.logical_and(r >= 0, r < n_steps - nbuf))
       def _():
         for w in range(nwg):
-          plgpu.barrier_arrive(dq_free.at[w])
+          plgpu.barrier_arrive(dq_free.at[dq_buf(r) * nwg + w])
 
     @pl.loop(0, n_steps)
     def _(idx):
@@ -443,7 +459,8 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                    kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
             seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq,
-            p_form=cfg.p_form(variant), dq_writer=cfg.dq_writer)
+            p_form=cfg.p_form(variant), dq_writer=cfg.dq_writer,
+            dq_buffers=cfg.dq_buffers if fused_dq else 1)
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
@@ -463,14 +480,14 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
   if fused_dq:
     rows_q, cols_q = dq_piece(bq, h, num_wgs)
     scratch["ds_smem"] = plgpu.SMEM((2, num_wgs, bk, bq), q.dtype, transforms=tf)
-    scratch["dq_smem"] = plgpu.SMEM((num_wgs, rows_q, cols_q), jnp.float32,
+    scratch["dq_smem"] = plgpu.SMEM((cfg.dq_buffers, num_wgs, rows_q, cols_q), jnp.float32,
                                     transforms=smem_transforms_f32())
     # The consumers' meeting before the dS^T exchange (ops.consumers_sync): this mbarrier, or with
     # MosaicConfig.consumer_barrier="named" (compiled only) a hardware bar.sync and no ds_bar.
     if st.dq_split is not None and (cfg.consumer_barrier != "named" or emulate):
       scratch["ds_bar"] = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1)
     if cfg.dq_writer == "producer":
-      scratch["dq_free"] = plgpu.Barrier(num_arrivals=1, num_barriers=num_wgs)
+      scratch["dq_free"] = plgpu.Barrier(num_arrivals=1, num_barriers=cfg.dq_buffers * num_wgs)
   out_type = []
   if want_dk:
     out_type.append(out_struct(k.shape, k.dtype, q))
@@ -484,6 +501,9 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
         functools.partial(_dkv_kernel, st=st, **extra), out_type=tuple(out_type), scratch=scratch,
         grid=(b, kh, n_k_tiles), grid_names=("b", "h", "k"), num_consumers=num_wgs,
         name=name + ("_dq" if fused_dq else ""),
+        # two dQ staging buffers fill SMEM: the kernel does no cross-warp reduction, so it gives up
+        # Pallas' reduction scratch (config.MosaicConfig.check counts it out)
+        reduction_scratch_bytes=0 if st.dq_buffers > 1 else None,
     )(*operands)
 
   operands = (q, k, v, do, rows, delta, exact, *extras)
