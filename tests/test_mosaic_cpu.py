@@ -156,8 +156,6 @@ def test_fused_dq_split_and_smem():
     (dict(backward_p="fast"), ValueError, "backward_p"),
     (dict(backward_p=None), ValueError, "backward_p"),
     (dict(consumer_barrier="bar.sync"), ValueError, "consumer_barrier"),
-    (dict(dq_writer="warp"), ValueError, "dq_writer"),
-    (dict(dq_buffers=3), ValueError, "dq_buffers"),
 ])
 def test_config_validation(kwargs, exc, field):
   with pytest.raises(exc, match=rf"MosaicConfig\.{field}\b"):
@@ -553,26 +551,6 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # fused dQ, 64-row tiles at head_dim 64: no split (each consumer adds its own keys' partial)
     (1, 136, 136, 2, 2, 64, False, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, block_q_dkv=64),
      False),
-    # the reduce-adds issued by the producer warpgroup (dq_writer): column split, GQA 2:1, causal
-    (1, 200, 136, 4, 2, 128, True, MosaicConfig.default(128).replace(
-        dq_fused=True, dq_fused_min_t=0, dq_writer="producer"), True),
-    # ... and with no split (each consumer its own partial), a 3-deep ring, non-causal
-    (1, 136, 200, 2, 2, 64, False, MosaicConfig.default(64).replace(
-        dq_fused=True, dq_fused_min_t=0, block_q_dkv=64, num_stages_dkv=3, dq_writer="producer"),
-     False),
-    # ... causal, T far below S: CTAs with no step, with fewer steps than the 3-deep ring, and with more
-    (1, 200, 456, 2, 1, 64, True, MosaicConfig.default(64).replace(
-        dq_fused=True, dq_fused_min_t=0, block_q_dkv=64, num_stages_dkv=3, dq_writer="producer"),
-     False),
-    # two dQ staging buffers per consumer (dq_buffers), written by the consumers: column split, causal,
-    # GQA 2:1, 8 and 12 steps per CTA
-    (1, 328, 200, 4, 2, 128, True, MosaicConfig.default(128).replace(
-        dq_fused=True, dq_fused_min_t=0, dq_buffers=2), True),
-    # ... and by the producer: no split, a 3-deep ring, causal with T far below S (CTAs with no step,
-    # with fewer steps than the buffers, and with more)
-    (1, 200, 456, 2, 1, 64, True, MosaicConfig.default(64).replace(
-        dq_fused=True, dq_fused_min_t=0, block_q_dkv=64, num_stages_dkv=3, dq_writer="producer",
-        dq_buffers=2), False),
 ]
 
 
@@ -674,26 +652,6 @@ def test_consumer_barrier_lowers_for_sm90(barrier):
   text = jax.jit(f).trace(sd, sd, sd, sd, lse).lower(lowering_platforms=("cuda",)).as_text()
   assert "fa2_mosaic_dkdv_dq" in text
   assert (f"bar.sync {CONSUMERS_BARRIER_ID}, 256;" in text) == (barrier == "named")
-
-
-def test_dq_writer_lowers_for_sm90():
-  """``MosaicConfig.dq_writer`` and ``dq_buffers``: the fused dK/dV/dQ kernel lowers for sm90 with
-  its reduce-adds issued by the consumers or by the producer warpgroup, from one or two staging
-  buffers: four different kernels (each setting reaches it)."""
-  def fused_kernel_hash(writer, buffers=1):
-    cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0,
-                                                        dq_writer=writer, dq_buffers=buffers)
-    sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
-    f = _fwd_bwd(128 ** -0.5, True, cfg)
-    lse = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
-    text = jax.jit(f).trace(sd, sd, sd, sd, lse).lower(lowering_platforms=("cuda",)).as_text()
-    calls = [line for line in text.splitlines() if "fa2_mosaic_dkdv_dq" in line]
-    assert calls, "no fused dK/dV/dQ kernel"
-    return set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', "\n".join(calls)))
-
-  hashes = [fused_kernel_hash(w, n) for w in ("consumers", "producer") for n in (1, 2)]
-  assert all(hashes)
-  assert len(set().union(*hashes)) == sum(len(h) for h in hashes)  # no kernel shared
 
 
 def test_equal_kernels_lower_once_per_program():

@@ -25,9 +25,6 @@ LN2 = math.log(2.0)
 # cross-warp reduction scratch Mosaic GPU reserves (CompilerParams.reduction_scratch_bytes).
 SMEM_BYTES = 227 * 1024
 SMEM_RESERVE = 4 * 1024
-# ... or, for a kernel compiled without the reduction scratch (the fused dK/dV/dQ kernel with two dQ
-# staging buffers), the barriers alone (tens of 8-byte mbarriers)
-SMEM_RESERVE_NO_REDUCTION = 1024
 
 # wgmma's M is 64 rows per warpgroup; every tile side here is a multiple of 64 so that one swizzled
 # (8, 64)-tiled SMEM layout serves all operands (64 elements of a 16-bit dtype = the 128-byte swizzle).
@@ -41,11 +38,6 @@ BACKWARD_P_FORMS = ("auto", "per_head", "exact")
 # How the consumer warpgroups of the fused dK/dV/dQ kernel meet to exchange dS^T (MosaicConfig.
 # consumer_barrier; kernels/mosaic/ops.py, consumers_sync)
 CONSUMER_BARRIERS = ("mbarrier", "named")
-# Who issues the fused dQ pieces' reduce-adds (MosaicConfig.dq_writer; kernels/mosaic/dkdv.py)
-DQ_WRITERS = ("consumers", "producer")
-# Staging buffers per consumer for the fused dQ piece (MosaicConfig.dq_buffers): 2 lets a consumer stage
-# step i+1's piece while step i's reduce-add still reads the other
-DQ_BUFFERS = (1, 2)
 # The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
 # outputs (and dQ's reduce-adds) passing through it (docs/design.md#causal-launch-order).
 L2_SECTION_BYTES = 32 * 1024 * 1024
@@ -121,15 +113,6 @@ class MosaicConfig:
   other's ``dS^T`` tile: ``"mbarrier"`` (default: a shared-memory barrier, every warpgroup arrives
   then waits on its phase) or ``"named"`` (one hardware ``bar.sync`` for both, as FlashAttention-3
   does; compiled kernels only, the interpreter runs the mbarrier).
-  ``dq_writer``: who issues the fused dQ pieces' TMA reduce-adds: ``"consumers"`` (default: each
-  consumer right after staging its piece, awaiting the previous add's read first) or ``"producer"``
-  (the producer warpgroup, once a step's ring slot is freed; the consumers wait only for the read of
-  their previous piece, as FlashAttention-3 hands the adds to a producer warp). The producer is
-  slower in most fused cells on the H200 (docs/design.md, "Leads on the backward's gap to
-  FlashAttention-3").
-  ``dq_buffers``: SMEM staging buffers per consumer for its fused dQ piece, 1 (default) or 2. With 2
-  (32 KiB more SMEM at head_dim 128) a consumer stages each step's piece in the other buffer and waits
-  only for the read of the reduce-add two steps back, not the last one.
   """
 
   block_q: int = 64
@@ -158,8 +141,6 @@ class MosaicConfig:
   memory_registers: int = 40
   backward_p: str = "auto"
   consumer_barrier: str = "mbarrier"
-  dq_writer: str = "consumers"
-  dq_buffers: int = 1
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -171,10 +152,6 @@ class MosaicConfig:
       if f.name == "backward_p":
         if v not in BACKWARD_P_FORMS:
           raise ValueError(f"MosaicConfig.backward_p must be one of {BACKWARD_P_FORMS}, got {v!r}")
-        continue
-      if f.name == "dq_writer":
-        if v not in DQ_WRITERS:
-          raise ValueError(f"MosaicConfig.dq_writer must be one of {DQ_WRITERS}, got {v!r}")
         continue
       if f.name == "consumer_barrier":
         if v not in CONSUMER_BARRIERS:
@@ -198,8 +175,6 @@ class MosaicConfig:
     for name in ("num_stages", "num_stages_dkv", "num_stages_dq"):
       if not 1 <= getattr(self, name) <= 6:
         raise ValueError(f"MosaicConfig.{name} must be in [1, 6], got {getattr(self, name)}")
-    if self.dq_buffers not in DQ_BUFFERS:
-      raise ValueError(f"MosaicConfig.dq_buffers must be one of {DQ_BUFFERS}, got {self.dq_buffers}")
     for name in ("num_wgs", "num_wgs_dkv", "num_wgs_dk", "num_wgs_dq"):
       if getattr(self, name) not in (1, 2):
         raise ValueError(f"MosaicConfig.{name} must be 1 or 2, got {getattr(self, name)}")
@@ -310,11 +285,9 @@ class MosaicConfig:
     fused = 0
     if self.dq_fused and want_dk and want_dv and not self.dkv_split:
       # dS^T [keys, rows] per consumer in the input dtype, double-buffered, + each consumer's f32 dQ
-      # piece (a 1/nwg share of [rows, H] when the tile splits among the consumers, see dq_split),
-      # dq_buffers of them
+      # piece (a 1/nwg share of [rows, H] when the tile splits among the consumers, see dq_split)
       rows, cols = dq_piece(self.block_q_dkv, head_dim, nwg)
-      fused = (2 * nwg * self.block_k_dkv * self.block_q_dkv * itemsize
-               + self.dq_buffers * nwg * rows * cols * 4)
+      fused = 2 * nwg * self.block_k_dkv * self.block_q_dkv * itemsize + nwg * rows * cols * 4
     return resident + ring + fused
 
   def smem_dq(self, head_dim: int, itemsize: int = 2) -> int:
@@ -325,6 +298,7 @@ class MosaicConfig:
 
   def check(self, head_dim: int, itemsize: int = 2) -> str | None:
     """None if every kernel's tiles fit in shared memory for this head_dim, else a reason."""
+    limit = SMEM_BYTES - SMEM_RESERVE
     need = {"forward": self.smem_forward(head_dim, itemsize), "dQ": self.smem_dq(head_dim, itemsize)}
     if self.dkv_split:
       need["dV pass"] = self.smem_dkv(head_dim, itemsize, want_dk=False)
@@ -332,8 +306,6 @@ class MosaicConfig:
     else:
       need["dK/dV"] = self.smem_dkv(head_dim, itemsize)
     for name, b in need.items():
-      fused_two_buffers = name == "dK/dV" and self.dq_fused and self.dq_buffers > 1
-      limit = SMEM_BYTES - (SMEM_RESERVE_NO_REDUCTION if fused_two_buffers else SMEM_RESERVE)
       if b > limit:
         return (f"MosaicConfig {name} kernel needs {b // 1024} KiB of shared memory for "
                 f"head_dim={head_dim}, more than the {limit // 1024} KiB available: use fewer stages "

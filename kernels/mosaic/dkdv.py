@@ -94,21 +94,13 @@ class _Dkv:
   # The form of P (MosaicConfig.p_form): "per_head" (both forms compiled, one per CTA by exact_ref),
   # "exact" or "fast" (one loop).
   p_form: str = "per_head"
-  # Who issues the fused dQ piece's reduce-add (MosaicConfig.dq_writer): "consumers" (each consumer
-  # right after staging its piece, then it awaits the TMA's read before staging the next), or
-  # "producer" (the producer warpgroup, once the step's ring slot is freed; the consumers only wait
-  # on dq_free before staging the next piece), as FlashAttention-3 hands it to a producer warp.
-  dq_writer: str = "consumers"
-  # SMEM staging buffers per consumer for the fused dQ piece (MosaicConfig.dq_buffers): step idx
-  # stages into buffer idx % dq_buffers, so with 2 it waits for the read of step idx - 2's add.
-  dq_buffers: int = 1
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
                 q_smem,
                 do_smem, rows_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, rows_bar, delta_bar,
-                free, ds_smem=None, dq_smem=None, ds_bar=None, dq_free=None, dq_acc_ref=None,
-                closed_outs=None, st: _Dkv):
+                free, ds_smem=None, dq_smem=None, ds_bar=None, dq_acc_ref=None, closed_outs=None,
+                st: _Dkv):
   # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; rows_ref: [B, N, 2, T_rows] the rows'
   # (r, u) (kernels/softmax.py, backward_rows); delta_ref: [B, N, T_rows]; exact_ref: [B, N] int32,
   # the heads whose rows need the exact P (kernels/softmax.py, exact_heads)
@@ -118,10 +110,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   # consumer, summed by the caller (Pallas' GPU interpreter has no TMA reduce-add).
   # ds_smem [2, num_wgs, block_k, block_q]: dS^T per consumer, double-buffered by step parity so a
   # consumer can write step i+1's tile while the other still reads step i's (dq_split);
-  # dq_smem [dq_buffers, num_wgs, rows, cols]: each consumer's f32 dQ piece of a step, the source
-  # of its reduce-add (buffer idx % dq_buffers);
-  # dq_free [dq_buffers * num_wgs] (dq_writer "producer"): the producer's reduce-add has read
-  # buffer p of consumer w (barrier p * num_wgs + w).
+  # dq_smem [num_wgs, rows, cols]: each consumer's f32 dQ piece, the source of its reduce-add.
   # Then the variant operands named by st.names (kernels/mosaic/variant.py).
   var_refs, out_refs = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages, g_size = st.block_q, st.block_k, st.num_wgs, st.num_stages, st.group
@@ -152,29 +141,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   # Variants: rows past T only in a partial last query tile (the range table stops at T).
   q_tail = st.seq_q % bq != 0
 
-  rows_q, cols_q = dq_piece(bq, st.head_dim, nwg) if st.fused_dq else (0, 0)
-  by_producer = st.fused_dq and st.dq_writer == "producer"
-  nbuf = st.dq_buffers
-
-  def dq_buf(idx):
-    """The dQ staging buffer of step ``idx`` (traced)."""
-    return lax.rem(idx, jnp.array(nbuf, idx.dtype)) if nbuf > 1 else 0
-
-  def dq_dst(i, g, w):
-    """The fused dQ accumulator's block that consumer ``w``'s piece of query tile ``i``, group head
-    ``g`` adds into (emulation: that consumer's own slab, summed by the caller)."""
-    h = kvh * g_size + g
-    r0 = i * bq + w * rows_q if st.dq_split == "rows" else i * bq
-    dq_rows = (b, pl.ds(r0, rows_q), h)
-    if st.dq_split == "cols":
-      dq_rows += (pl.ds(w * cols_q, cols_q),)
-    if st.emulate:
-      return dq_acc_ref.at[(kt * nwg + w,) + dq_rows]
-    return dq_acc_ref.at[dq_rows]
-
-  def reduce_add(src, dst):
-    plgpu.copy_smem_to_gmem(src, dst, reduction_op=None if st.emulate else "add")
-
   @pl.when(wg < nwg)
   def _consumer():
     plgpu.set_max_registers(st.registers, action="increase")
@@ -191,6 +157,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
 
     hd = st.head_dim
     split = st.dq_split
+    rows_q, cols_q = dq_piece(bq, hd, nwg)  # this consumer's fused-dQ piece
 
     def stage_ds(idx, ds16):
       """Fused dQ: dS^T [keys, rows] to SMEM (double-buffered by step parity, so a consumer can write
@@ -200,10 +167,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       plgpu.commit_smem()
       return par
 
-    def fused_dq_step(par, idx, i, g, ds16, q_t, dk_acc):
+    def fused_dq_step(par, i, g, ds16, q_t, dk_acc):
       """The fused dQ_i += dS_ij K_j (Alg. 2 line 15) and dK_j += dS^T Q_i (line 16): both issued, dQ
-      awaited while dK runs, then its piece leaves by TMA reduce-add into the f32 HBM accumulator
-      (issued here, or by the producer once the step's slot is freed: dq_writer)."""
+      awaited while dK runs, then its piece leaves by TMA reduce-add into the f32 HBM accumulator."""
       if split is None:  # this consumer's keys only: A = (dS^T)^T [rows, keys], B = K_j [keys, H]
         terms = [(ds_smem.at[par, wg], k_s)]
       else:  # both consumers' keys (wait until both dS^T tiles are in SMEM)
@@ -222,21 +188,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
         return wgmma_load(dq_acc, wait_n=1)
 
       dq_part = accumulators(dq_piece_of_step, (rows_q, cols_q))
-      buf = dq_buf(idx)
-      if by_producer:
-        @pl.when(idx >= nbuf)
-        def _():  # the reduce-add of step idx - dq_buffers has read this buffer
-          plgpu.barrier_wait(dq_free.at[buf * nwg + wg])
-
-        dq_smem.at[buf, wg][...] = dq_part
-        plgpu.commit_smem()  # visible to the producer's TMA once this step's slot is freed
-        return
-      # this consumer's reduce-adds are its only bulk groups in the loop: all but the last
-      # dq_buffers - 1 of them have read their buffer, so step idx - dq_buffers's has
-      plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)
-      dq_smem.at[buf, wg][...] = dq_part
+      h = kvh * g_size + g
+      r0 = i * bq + wg * rows_q if split == "rows" else i * bq
+      dq_rows = (b, pl.ds(r0, rows_q), h)
+      if split == "cols":
+        dq_rows += (pl.ds(wg * cols_q, cols_q),)
+      if st.emulate:
+        dst = dq_acc_ref.at[(kt * nwg + wg,) + dq_rows]
+      else:
+        dst = dq_acc_ref.at[dq_rows]
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_smem
+      dq_smem.at[wg][...] = dq_part
       plgpu.commit_smem()
-      reduce_add(dq_smem.at[buf, wg], dq_dst(i, g, wg))
+      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op=None if st.emulate else "add")
 
     def step(i, g, masked: bool, dk_acc, dv_acc, exact: bool):
       """One query tile: FA3's order of products, each awaited only where its result is needed."""
@@ -320,7 +284,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
         if st.want_dv and early:
           wgmma(dv_acc, p16, do_t)  # dV_j += P^T dO_i (line 12), in flight from here on
         if st.fused_dq:
-          fused_dq_step(par, idx, i, g, ds16, q_t, dk_acc)
+          fused_dq_step(par, i, g, ds16, q_t, dk_acc)
         else:
           wgmma(dk_acc, ds16, q_t)  # dK_j += dS^T Q_i  (line 16)
       wgmma_wait(0)
@@ -385,24 +349,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   def _producer():
     plgpu.set_max_registers(st.memory_registers, action="decrease")
 
-    def issue_dq(j):
-      """dq_writer "producer": step j's slot is free, so both consumers' dQ pieces of step j are
-      staged and fenced: issue their reduce-adds."""
-      for w in range(nwg):
-        reduce_add(dq_smem.at[dq_buf(j), w], dq_dst(i_start + lax.rem(j, n_i), lax.div(j, n_i), w))
-
-    def release_dq(j):
-      """After issuing step j's adds: wait until those of step r = j - (dq_buffers - 1) have read
-      their buffers (each step's adds are nwg bulk groups), and tell each consumer, which waits for it
-      before staging step r + dq_buffers."""
-      plgpu.wait_smem_to_gmem((nbuf - 1) * nwg, wait_read_only=True)
-      r = j - (nbuf - 1)
-
-      @pl.when(jnp.logical_and(r >= 0, r < n_steps - nbuf))
-      def _():
-        for w in range(nwg):
-          plgpu.barrier_arrive(dq_free.at[dq_buf(r) * nwg + w])
-
     @pl.loop(0, n_steps)
     def _(idx):
       slot = lax.rem(idx, jnp.array(stages, idx.dtype))
@@ -415,8 +361,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       @pl.when(idx >= stages)
       def _():
         plgpu.barrier_wait(free.at[slot])
-        if by_producer:  # issued before the refill, their read awaited after it
-          issue_dq(idx - stages)
 
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
       plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, pl.ds(i * bq, bq)], rows_smem.at[slot],
@@ -424,20 +368,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
       if st.want_dk:
         plgpu.copy_gmem_to_smem(delta_ref.at[row_span], delta_smem.at[slot], delta_bar.at[slot])
-      if by_producer:  # after the slot's refill, so that the wait for the adds' read does not delay it
-        @pl.when(idx >= stages)
-        def _():
-          release_dq(idx - stages)
 
     @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)  # drain (see forward)
     def _(idx):
       plgpu.barrier_wait(free.at[lax.rem(idx, jnp.array(stages, idx.dtype))])
-      if by_producer:
-        issue_dq(idx)
-        release_dq(idx)
-
-    if by_producer:
-      plgpu.wait_smem_to_gmem(0)  # every reduce-add has landed before the CTA exits
 
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
@@ -459,8 +393,7 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                    kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
             seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq,
-            p_form=cfg.p_form(variant), dq_writer=cfg.dq_writer,
-            dq_buffers=cfg.dq_buffers if fused_dq else 1)
+            p_form=cfg.p_form(variant))
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
@@ -480,14 +413,12 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
   if fused_dq:
     rows_q, cols_q = dq_piece(bq, h, num_wgs)
     scratch["ds_smem"] = plgpu.SMEM((2, num_wgs, bk, bq), q.dtype, transforms=tf)
-    scratch["dq_smem"] = plgpu.SMEM((cfg.dq_buffers, num_wgs, rows_q, cols_q), jnp.float32,
+    scratch["dq_smem"] = plgpu.SMEM((num_wgs, rows_q, cols_q), jnp.float32,
                                     transforms=smem_transforms_f32())
     # The consumers' meeting before the dS^T exchange (ops.consumers_sync): this mbarrier, or with
     # MosaicConfig.consumer_barrier="named" (compiled only) a hardware bar.sync and no ds_bar.
     if st.dq_split is not None and (cfg.consumer_barrier != "named" or emulate):
       scratch["ds_bar"] = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1)
-    if cfg.dq_writer == "producer":
-      scratch["dq_free"] = plgpu.Barrier(num_arrivals=1, num_barriers=cfg.dq_buffers * num_wgs)
   out_type = []
   if want_dk:
     out_type.append(out_struct(k.shape, k.dtype, q))
@@ -501,9 +432,6 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
         functools.partial(_dkv_kernel, st=st, **extra), out_type=tuple(out_type), scratch=scratch,
         grid=(b, kh, n_k_tiles), grid_names=("b", "h", "k"), num_consumers=num_wgs,
         name=name + ("_dq" if fused_dq else ""),
-        # two dQ staging buffers fill SMEM: the kernel does no cross-warp reduction, so it gives up
-        # Pallas' reduction scratch (config.MosaicConfig.check counts it out)
-        reduction_scratch_bytes=0 if st.dq_buffers > 1 else None,
     )(*operands)
 
   operands = (q, k, v, do, rows, delta, exact, *extras)

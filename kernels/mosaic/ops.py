@@ -78,7 +78,7 @@ def smem_transforms_f32():
   return (plgpu.TilingTransform((8, _SWIZZLE // 4)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
-def compiler_params(reduction_scratch_bytes: int | None = None):
+def compiler_params():
   # approx_math: exp2/log/reciprocal may use the fast MUFU forms (as FA2 does with ex2.approx).
   # unsafe_no_auto_barriers: Pallas otherwise puts a warpgroup barrier before and after every SMEM
   # store of a register array and before every TMA load, for threads that read SMEM other threads
@@ -86,19 +86,15 @@ def compiler_params(reduction_scratch_bytes: int | None = None):
   # outputs) is read by wgmma or TMA only, after commit_smem (fence + barrier) or a consumers'
   # barrier, and what they load (row inputs, delta) comes by TMA behind an mbarrier. A kernel that
   # reads SMEM written by other threads needs its own barrier (docs/design.md, "SMEM barriers").
-  # reduction_scratch_bytes: None keeps Pallas' default SMEM for cross-warp reductions (2 KiB); 0 for
-  # a kernel with none that needs the SMEM (the fused dK/dV/dQ kernel with two dQ staging buffers).
-  extra = {} if reduction_scratch_bytes is None else dict(reduction_scratch_bytes=reduction_scratch_bytes)
-  return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True, **extra)
+  return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True)
 
 
-def ws_kernel(body, *, out_type, scratch, grid, grid_names, num_consumers: int, name: str,
-              reduction_scratch_bytes: int | None = None):
+def ws_kernel(body, *, out_type, scratch, grid, grid_names, num_consumers: int, name: str):
   """A warp-specialised launch: ``num_consumers`` compute warpgroups plus one producer warpgroup
   (thread axis ``"wg"``: consumers are ``wg < num_consumers``, the producer ``wg == num_consumers``)."""
   return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
                       grid_names=grid_names, num_threads=num_consumers + 1, thread_name="wg",
-                      compiler_params=compiler_params(reduction_scratch_bytes), kernel_name=name)
+                      compiler_params=compiler_params(), kernel_name=name)
 
 
 def bcast_rows(x, shape):
