@@ -141,6 +141,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   # Variants: rows past T only in a partial last query tile (the range table stops at T).
   q_tail = st.seq_q % bq != 0
 
+  rows_q, cols_q = dq_piece(bq, st.head_dim, nwg) if st.fused_dq else (0, 0)
+
+  def dq_dst(i, g, w):
+    """The fused dQ accumulator's block that consumer ``w``'s piece of query tile ``i``, group head
+    ``g`` adds into (emulation: that consumer's own slab, summed by the caller)."""
+    h = kvh * g_size + g
+    r0 = i * bq + w * rows_q if st.dq_split == "rows" else i * bq
+    dq_rows = (b, pl.ds(r0, rows_q), h)
+    if st.dq_split == "cols":
+      dq_rows += (pl.ds(w * cols_q, cols_q),)
+    if st.emulate:
+      return dq_acc_ref.at[(kt * nwg + w,) + dq_rows]
+    return dq_acc_ref.at[dq_rows]
+
+  def reduce_add(src, dst):
+    plgpu.copy_smem_to_gmem(src, dst, reduction_op=None if st.emulate else "add")
+
   @pl.when(wg < nwg)
   def _consumer():
     plgpu.set_max_registers(st.registers, action="increase")
@@ -157,7 +174,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
 
     hd = st.head_dim
     split = st.dq_split
-    rows_q, cols_q = dq_piece(bq, hd, nwg)  # this consumer's fused-dQ piece
 
     def stage_ds(idx, ds16):
       """Fused dQ: dS^T [keys, rows] to SMEM (double-buffered by step parity, so a consumer can write
@@ -188,19 +204,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
         return wgmma_load(dq_acc, wait_n=1)
 
       dq_part = accumulators(dq_piece_of_step, (rows_q, cols_q))
-      h = kvh * g_size + g
-      r0 = i * bq + wg * rows_q if split == "rows" else i * bq
-      dq_rows = (b, pl.ds(r0, rows_q), h)
-      if split == "cols":
-        dq_rows += (pl.ds(wg * cols_q, cols_q),)
-      if st.emulate:
-        dst = dq_acc_ref.at[(kt * nwg + wg,) + dq_rows]
-      else:
-        dst = dq_acc_ref.at[dq_rows]
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_smem
       dq_smem.at[wg][...] = dq_part
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_smem.at[wg], dst, reduction_op=None if st.emulate else "add")
+      reduce_add(dq_smem.at[wg], dq_dst(i, g, wg))
 
     def step(i, g, masked: bool, dk_acc, dv_acc, exact: bool):
       """One query tile: FA3's order of products, each awaited only where its result is needed."""
