@@ -338,3 +338,34 @@ def test_vmap_of_grad_lowers_with_fused_dq(fake_hopper, kv_axes):
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq)_mosaic_gpu", text)) == {
       "forward", "dkdv_dq"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal, t", [(True, 4096), (False, 2048), (True, 1000)])
+def test_kernel_reuse_across_programs_compiled(causal, t):
+  """``reuse_kernels_across_programs``: the exported kernels, called from two programs and under
+  vmap, give the results of the kernels lowered in place (fused dQ at 4k causal and 2k non-causal,
+  the separate dQ kernel at 1000 rows), and the second program finds them compiled."""
+  from fa2_jax.kernels.mosaic import lowering_cache
+  if not D.is_hopper():
+    pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
+  q, k, v = _qkv(b=2, t=t, s=t, n=4, kh=2)
+  grad = jax.grad(_loss(mosaic, causal), argnums=(0, 1, 2))
+  fwd = lambda a, b, c: mosaic(a, b, c, is_causal=causal)  # noqa: E731
+  ref_out = jax.jit(fwd)(q, k, v)
+  ref_grads = jax.jit(grad)(q, k, v)
+  previous = fa2_jax.reuse_kernels_across_programs(True)
+  lowering_cache.clear()
+  try:
+    grads = jax.jit(grad)(q, k, v)
+    exports = lowering_cache.info()["misses"]
+    out = jax.jit(lambda a, b, c: fwd(a, b, c) * 1)(q, k, v)  # another program: reuses the forward
+    assert lowering_cache.info()["misses"] == exports
+    mapped = jax.jit(jax.vmap(fwd))(q[:, None], k[:, None], v[:, None])[:, 0]
+  finally:
+    fa2_jax.reuse_kernels_across_programs(previous)
+    lowering_cache.clear()
+  _close(out, ref_out, SAME)
+  _close(mapped, ref_out, SAME)
+  for g, r in zip(grads, ref_grads):
+    _close(g, r, SAME)

@@ -2,7 +2,7 @@
 
     python -m benchmarks.diag.compile_time [--impls fa2,fa2_triton] [--layers 1,2,4] [--shape B,T,N,H]
     python -m benchmarks.diag.compile_time --impls fa2 --shapes "2,8192,16,128;4,4096,16,128"
-        [--cache-dir DIR] [--non-causal]
+        [--cache-dir DIR] [--non-causal] [--other-programs] [--reuse-kernels]
 
 Prints lower / compile seconds of ``jit(grad)`` of L chained causal attention calls (``--non-causal``:
 non-causal ones; default shape
@@ -12,7 +12,10 @@ B=4, T=8192, N=8, H=128, bf16: the GPT long8k preset's), the first run and one m
 step": the first shape pays the process's one-time costs, each later one what a new shape costs. Run
 each implementation in a fresh process. ``--cache-dir`` turns on JAX's persistent compilation cache in
 DIR (every entry kept, however fast its compile): a second process with the same DIR shows what a
-shape seen by an earlier process costs.
+shape seen by an earlier process costs. ``--other-programs``: after each shape's ``jit(grad)``, two
+more programs with that shape, the forward alone (an evaluation step) and ``jit(grad)`` of another
+loss, each timed the same way: what a program costs whose attention shapes an earlier program ran.
+``--reuse-kernels`` turns on ``fa2_jax.reuse_kernels_across_programs()`` first.
 """
 from __future__ import annotations
 
@@ -34,6 +37,10 @@ def main(argv=None):
                   help="B,T,N,H;B,T,N,H...: one call site per shape, in order (see above)")
   ap.add_argument("--cache-dir", default=None, help="JAX's persistent compilation cache folder")
   ap.add_argument("--non-causal", action="store_true", help="time non-causal calls (default causal)")
+  ap.add_argument("--other-programs", action="store_true",
+                  help="with --shapes: two more programs per shape (see above)")
+  ap.add_argument("--reuse-kernels", action="store_true",
+                  help="fa2_jax.reuse_kernels_across_programs() on")
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
   import jax
@@ -42,6 +49,9 @@ def main(argv=None):
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  if args.reuse_kernels:
+    import fa2_jax
+    fa2_jax.reuse_kernels_across_programs(True)
   info = device_info()
   shapes = ([tuple(map(int, s.split(","))) for s in args.shapes.split(";")] if args.shapes else
             [tuple(map(int, args.shape.split(",")))])
@@ -51,12 +61,14 @@ def main(argv=None):
   rows = []
   if args.shapes:
     for name in args.impls:
-      rows += _new_shapes(name, shapes, jax, jnp, causal=not args.non_causal)
+      rows += _new_shapes(name, shapes, jax, jnp, causal=not args.non_causal,
+                          other_programs=args.other_programs)
   else:
     rows = _call_sites(args.impls, args.layers, shapes[0], jax, jnp, causal=not args.non_causal)
   out = cli.resolve_out(argparse.Namespace(out=args.out), info)
   write_json(out / ("compile_time_shapes.json" if args.shapes else "compile_time.json"),
-             {"meta": dict(info, cache_dir=bool(args.cache_dir), causal=not args.non_causal),
+             {"meta": dict(info, cache_dir=bool(args.cache_dir), causal=not args.non_causal,
+                           reuse_kernels=args.reuse_kernels),
               "rows": rows})
 
 
@@ -75,15 +87,22 @@ def _timed(fn, args):
               run_s=time.perf_counter() - t3)
 
 
-def _new_shapes(name, shapes, jax, jnp, *, causal: bool):
+def _new_shapes(name, shapes, jax, jnp, *, causal: bool, other_programs: bool = False):
   attn = impls.get(name)
   rows = []
   for i, shape in enumerate(shapes):
     q, k, v = cli.random_inputs(i, [shape] * 3, jnp.bfloat16)
     loss = lambda q, k, v: jnp.sum(attn(q, k, v, causal=causal).astype(jnp.float32))  # noqa: E731
-    row = dict(impl=name, shape=list(shape), order=i, causal=causal)
-    rows.append(_measured_row(row, f"{name:<10} {'x'.join(map(str, shape)):<16}:", jax.grad(
-        loss, argnums=(0, 1, 2)), (q, k, v)))
+    programs = [("grad", jax.grad(loss, argnums=(0, 1, 2)))]
+    if other_programs:
+      def square(q, k, v):
+        return jnp.sum(jnp.square(attn(q, k, v, causal=causal).astype(jnp.float32)))
+      programs += [("forward", lambda q, k, v: attn(q, k, v, causal=causal)),
+                   ("grad_other_loss", jax.grad(square, argnums=(0, 1, 2)))]
+    for program, fn in programs:
+      row = dict(impl=name, shape=list(shape), order=i, causal=causal, program=program)
+      rows.append(_measured_row(row, f"{name:<10} {'x'.join(map(str, shape)):<16} {program:<15}:",
+                                fn, (q, k, v)))
   return rows
 
 

@@ -21,6 +21,7 @@ from ..softmax import probabilities
 from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig
+from .lowering_cache import kernel_call
 from .ops import (Product, bcast_rows, iota2, kv_producer, mma, mma_many, per_cta_choice,
                   smem_transforms, step_loop, ws_kernel, zeros as _zeros)
 from .schedule import causal_section, cta_tile, kv_block_ranges
@@ -160,7 +161,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
       block_k=bk, stages=stages, start=lo))
 
 
-@functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'seq_k', 'cfg', 'emulate', 'seq_q',
+@kernel_call(('scale', 'is_causal', 'seq_k', 'cfg', 'emulate', 'seq_q',
                                              'variant', 'names'))
 def dq_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_k, cfg: MosaicConfig, emulate,
              seq_q=0, variant=None, names=()):

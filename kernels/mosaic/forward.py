@@ -48,6 +48,7 @@ from ..vma import out_struct
 from .config import LOG2E, MosaicConfig, supports
 from .lengths import pad_axis, plan_lengths
 from .schedule import causal_section, cta_tile, kv_block_ranges
+from .lowering_cache import kernel_call
 from .ops import (bcast_rows, emulating, iota2, kv_producer, mma, smem_transforms, step_loop,
                   ws_kernel)
 from .variant import Refs
@@ -276,8 +277,9 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
                        variant=variant, names=tuple(names))
 
 
-# jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py).
-@functools.partial(jax.jit, static_argnames=('scale', 'is_causal', 'cfg', 'plan_t', 'plan_s', 't_rows',
+# jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py); one per process
+# with the lowering cache on (lowering_cache.py).
+@kernel_call(('scale', 'is_causal', 'cfg', 'plan_t', 'plan_s', 't_rows',
                                              'emulate', 'variant', 'names'))
 def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_rows,
                   emulate, variant=None, names=()):

@@ -1,0 +1,112 @@
+"""Reuse of lowered Mosaic kernels across jitted programs (opt-in:
+``fa2_jax.reuse_kernels_across_programs()``).
+
+Every program that holds a Mosaic kernel lowers it again: JAX runs the Pallas Mosaic GPU lowering
+(layout inference, dialect lowering, serialization) once per kernel per ``jax.jit`` program, even for
+a kernel an earlier program lowered with the same shapes and settings. That costs about 0.5 s per
+kernel, 1.5 s for a forward + backward on the H200's host (docs/design.md, "What a new shape costs").
+jaxlib keeps one compiled kernel per kernel hash (the SHA-256 of the serialized module, source
+locations included) for the process, but a kernel lowered inside another program gets other locations,
+so another hash, and is compiled again (ptxas, about 1 s per kernel).
+
+With the cache on, each kernel launch function (the forward, dK/dV and dQ calls, whose settings are
+static) is exported once per settings and operand shapes with ``jax.export`` and called through
+``Exported.call`` in every program after: the program embeds the lowered module instead of lowering it,
+and the module (so the kernel hash) is the same, so XLA's compile finds the kernel compiled.
+``vmap`` folds the mapped axis into the batch axis, which every operand of these kernels has first
+(as the fused dK/dV/dQ call does for ``pl.run_state``), and calls the cache at that shape.
+
+Not used in GPU interpret mode (``emulate``), nor for operands with symbolic dimensions.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+
+_STATE = {"enabled": False, "hits": 0, "misses": 0}
+_EXPORTED: dict = {}
+_LOCK = threading.Lock()
+
+
+def reuse_kernels_across_programs(enabled: bool = True) -> bool:
+  """Lower each Mosaic kernel (per settings and shapes) once per process and embed that lowering in
+  every jitted program that launches it, so a second program with the same attention shapes (an
+  evaluation step beside the training step, ``jit(f)`` beside ``jit(grad(f))``) neither lowers nor
+  compiles those kernels again. Off by default. Returns the previous setting."""
+  if not isinstance(enabled, bool):
+    raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+  previous = _STATE["enabled"]
+  _STATE["enabled"] = enabled
+  return previous
+
+
+def info() -> dict:
+  """``{"enabled", "hits", "misses", "size"}``: calls served by an exported kernel, exports made."""
+  return {"enabled": _STATE["enabled"], "hits": _STATE["hits"], "misses": _STATE["misses"],
+          "size": len(_EXPORTED)}
+
+
+def clear() -> None:
+  """Drops every exported kernel and resets the counts."""
+  with _LOCK:
+    _EXPORTED.clear()
+    _STATE["hits"] = _STATE["misses"] = 0
+
+
+def _static_dims(x) -> bool:
+  return all(isinstance(d, int) for d in x.shape)
+
+
+def kernel_call(static_argnames: tuple[str, ...]):
+  """Decorator for a kernel launch function ``fn(*arrays, **settings)``: ``jax.jit`` with the
+  settings static, or, with the cache on, the exported form of that jitted function."""
+  def wrap(fn):
+    jitted = jax.jit(fn, static_argnames=static_argnames)
+
+    @functools.wraps(fn)
+    def call(*operands, **static):
+      if (not _STATE["enabled"] or static.get("emulate")
+          or not all(_static_dims(x) for x in operands)):
+        return jitted(*operands, **static)
+      return _cached(fn, jitted, static, operands)
+
+    call.jitted = jitted
+    return call
+  return wrap
+
+
+def _exported(fn, jitted, static: dict, operands):
+  avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands)
+  key = (fn.__module__, fn.__qualname__, tuple(sorted(static.items())), avals)
+  with _LOCK:
+    exp = _EXPORTED.get(key)
+  if exp is not None:
+    _STATE["hits"] += 1
+    return exp
+  _STATE["misses"] += 1
+  exp = jax.export.export(
+      jax.jit(functools.partial(jitted, **static)), platforms=("cuda",),
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*avals)
+  with _LOCK:
+    return _EXPORTED.setdefault(key, exp)
+
+
+def _cached(fn, jitted, static: dict, operands):
+  @jax.custom_batching.custom_vmap
+  def call(*ops):
+    return _exported(fn, jitted, static, ops).call(*ops)
+
+  @call.def_vmap
+  def _vmap(axis_size, in_batched, *ops):
+    # fold the mapped axis into the batch axis (every operand's first), launch at that shape, unfold
+    ops = [x if bt else jax.numpy.broadcast_to(x, (axis_size, *x.shape))
+           for x, bt in zip(ops, in_batched)]
+    merged = [x.reshape((axis_size * x.shape[1], *x.shape[2:])) for x in ops]
+    outs = _cached(fn, jitted, static, merged)
+    unfold = lambda o: o.reshape((axis_size, -1, *o.shape[1:]))  # noqa: E731
+    outs = jax.tree.map(unfold, outs)
+    return outs, jax.tree.map(lambda _: True, outs)
+
+  return call(*operands)
