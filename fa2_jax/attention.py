@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from . import dispatch, sharding
+from .kernels.mosaic import lowering_cache
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .kernels.softmax import lse_from_stats
@@ -235,6 +236,9 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
         arrays = arrays._replace(kv_segment_ids=arrays.kv_segment_ids[:, :t])
       if variant.has_kv_lengths:
         arrays = arrays._replace(kv_lengths=jnp.minimum(arrays.kv_lengths, t))
+    t_call = q.shape[1]
+    if (multiple := lowering_cache.length_multiple()) is not None:
+      q, k, v, variant, arrays = _pad_lengths(q, k, v, variant, arrays, multiple)
     fields = tuple(f for f in VariantArrays._fields if getattr(arrays, f) is not None)
     extras = tuple(getattr(arrays, f) for f in fields)
     variant = None if variant == Variant(is_causal=call.is_causal) else variant
@@ -282,9 +286,34 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       if "forward-mode autodiff" in str(e) or "can't apply forward-mode" in str(e):
         raise TypeError(_FORWARD_MODE) from e
       raise
+    if out.shape[1] != t_call:  # padded to the length multiple
+      out, lse = out[:, :t_call], lse[:, :t_call]
   if call.squeeze:
     out, lse = out[0], lse[0]
   return (out, lse) if call.return_residual else out
+
+
+def _pad_lengths(q, k, v, variant: Variant, arrays: VariantArrays, multiple: int):
+  """T and S padded with zeros up to a multiple of ``multiple``, the true lengths (and any the call
+  gave) as ``query_seq_lengths`` / ``key_value_seq_lengths``, segment ids padded alike
+  (``fa2_jax.reuse_kernels_across_programs``). Unchanged where both are multiples already."""
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  t_pad, s_pad = -(-t // multiple) * multiple, -(-s // multiple) * multiple
+  if (t_pad, s_pad) == (t, s):
+    return q, k, v, variant, arrays
+  pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1])) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+  q_len = jnp.full((b,), t, jnp.int32)
+  kv_len = jnp.full((b,), s, jnp.int32)
+  if variant.has_q_lengths:
+    q_len = jnp.minimum(arrays.q_lengths.astype(jnp.int32), t)
+  if variant.has_kv_lengths:
+    kv_len = jnp.minimum(arrays.kv_lengths.astype(jnp.int32), s)
+  arrays = arrays._replace(q_lengths=q_len, kv_lengths=kv_len)
+  if variant.has_segments:
+    arrays = arrays._replace(q_segment_ids=pad(arrays.q_segment_ids, t_pad),
+                             kv_segment_ids=pad(arrays.kv_segment_ids, s_pad))
+  variant = dataclasses.replace(variant, has_q_lengths=True, has_kv_lengths=True)
+  return pad(q, t_pad), pad(k, s_pad), pad(v, s_pad), variant, arrays
 
 
 def backend_for(query, key, value=None, *, is_causal=False, implementation=None, block_sizes=None,

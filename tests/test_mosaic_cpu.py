@@ -674,63 +674,6 @@ def test_equal_kernels_lower_once_per_program():
   assert len(set(hashes)) == 3, len(set(hashes))
 
 
-def _kernel_hashes(fn, *avals):
-  text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
-  return set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text))
-
-
-@pytest.fixture
-def kernel_reuse():
-  """fa2_jax.reuse_kernels_across_programs() on, with an empty cache; restored afterwards."""
-  from fa2_jax.kernels.mosaic import lowering_cache
-  previous = fa2_jax.reuse_kernels_across_programs(True)
-  lowering_cache.clear()
-  yield lowering_cache
-  fa2_jax.reuse_kernels_across_programs(previous)
-  lowering_cache.clear()
-
-
-def test_kernel_reuse_across_programs(kernel_reuse):
-  """With ``reuse_kernels_across_programs``, a second program with the same attention shapes embeds
-  the first program's lowered kernels: the same kernel hashes (so jaxlib finds them compiled), and no
-  new export. A new shape exports its own."""
-  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
-  lse = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
-  cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0)
-  train = _fwd_bwd(128 ** -0.5, True, cfg)
-
-  def evaluate(q, k, v, do, dlse):  # another program: the forward alone, its output used otherwise
-    return forward(q, k, v, scale=128 ** -0.5, is_causal=True, config=cfg)[0] * 2
-
-  first = _kernel_hashes(train, sd, sd, sd, sd, lse)
-  exports = kernel_reuse.info()["misses"]
-  assert len(first) == 2 and exports == 2  # the forward and the fused dK/dV/dQ kernel
-  assert _kernel_hashes(evaluate, sd, sd, sd, sd, lse) < first
-  assert _kernel_hashes(lambda *a: [x + 1 for x in train(*a)], sd, sd, sd, sd, lse) == first
-  assert kernel_reuse.info()["misses"] == exports and kernel_reuse.info()["hits"] == 3
-  longer = jax.ShapeDtypeStruct((1, 768, 2, 128), BF16)
-  assert not _kernel_hashes(evaluate, longer, longer, longer, longer, lse) & first
-
-
-def test_kernel_reuse_under_vmap_folds_into_the_batch(kernel_reuse):
-  """Under ``vmap`` the reused kernel runs with the mapped axis folded into the batch: the kernel of
-  ``vmap`` over 2 x [1, T, N, H] is the one of a direct [2, T, N, H] call."""
-  one = jax.ShapeDtypeStruct((1, 256, 2, 64), BF16)
-  mapped = jax.ShapeDtypeStruct((2, 1, 256, 2, 64), BF16)
-  both = jax.ShapeDtypeStruct((2, 256, 2, 64), BF16)
-
-  def fwd(q, k, v):
-    return forward(q, k, v, scale=0.125, is_causal=False)[0]
-
-  assert _kernel_hashes(jax.vmap(fwd), mapped, mapped, mapped) == _kernel_hashes(fwd, both, both, both)
-  assert not _kernel_hashes(fwd, one, one, one) & _kernel_hashes(fwd, both, both, both)
-
-
-def test_kernel_reuse_switch_takes_a_bool():
-  with pytest.raises(TypeError, match="enabled must be a bool"):
-    fa2_jax.reuse_kernels_across_programs("yes")
-  assert fa2_jax.reuse_kernels_across_programs(False) is False  # off by default; returns the previous
-
 # --- attention variants: emulated interpret numerics and sm90 lowering ----------------------------
 
 VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)

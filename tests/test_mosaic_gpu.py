@@ -369,3 +369,28 @@ def test_kernel_reuse_across_programs_compiled(causal, t):
   _close(mapped, ref_out, SAME)
   for g, r in zip(grads, ref_grads):
     _close(g, r, SAME)
+
+
+@pytest.mark.gpu
+def test_kernel_reuse_with_length_multiple_compiled():
+  """``length_multiple=1024``: 900 and 1000 rows run the same padded kernels (no new export for the
+  second), with the unpadded calls' outputs and gradients, causal with GQA and T != S."""
+  from fa2_jax.kernels.mosaic import lowering_cache
+  if not D.is_hopper():
+    pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
+  grad = jax.jit(jax.grad(_loss(mosaic, True), argnums=(0, 1, 2)))
+  cases = [_qkv(b=2, t=t, s=t + 20, n=4, kh=2, seed=t) for t in (1000, 900)]  # both pad to 1024
+  refs = [grad(*qkv) for qkv in cases]
+  previous = fa2_jax.reuse_kernels_across_programs(True, length_multiple=1024)
+  lowering_cache.clear()
+  try:
+    got = [jax.jit(jax.grad(_loss(mosaic, True), argnums=(0, 1, 2)))(*cases[0])]
+    exports = lowering_cache.info()["misses"]
+    got.append(jax.jit(jax.grad(_loss(mosaic, True), argnums=(0, 1, 2)))(*cases[1]))
+    assert lowering_cache.info()["misses"] == exports
+  finally:
+    fa2_jax.reuse_kernels_across_programs(previous)
+    lowering_cache.clear()
+  for g, r in zip(got, refs):
+    for a, b in zip(g, r):
+      _close(a, b, SAME)

@@ -1,0 +1,164 @@
+"""``fa2_jax.reuse_kernels_across_programs``: Mosaic kernels lowered once per process and embedded in
+every program that launches them (``kernels/mosaic/lowering_cache.py``), and lengths padded to a
+multiple so that new lengths share kernels.
+
+On CPU: the kernel hashes and export counts of programs lowered for sm90 (``lowering_platforms=
+("cuda",)``), the ``vmap`` fold, and the padded lengths' results on the Triton kernels in interpret mode
+against the unpadded call. Compiled on a GPU: ``tests/test_mosaic_gpu.py -k kernel_reuse``.
+"""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa2_jax
+from fa2_jax import dispatch
+from fa2_jax.kernels.mosaic import lowering_cache
+from fa2_jax.kernels.mosaic.backward import backward
+from fa2_jax.kernels.mosaic.config import MosaicConfig
+from fa2_jax.kernels.mosaic.forward import forward
+from fa2_jax.kernels.softmax import lse_from_stats
+
+BF16 = jnp.bfloat16
+
+
+def _kernel_hashes(fn, *avals):
+  text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+  return set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text))
+
+
+@pytest.fixture
+def reuse():
+  """Returns a function that turns the switch on (with its keywords) and empties the cache; the
+  previous state is restored afterwards."""
+  previous = (lowering_cache.info()["enabled"], lowering_cache.length_multiple())
+
+  def on(**kwargs):
+    fa2_jax.reuse_kernels_across_programs(True, **kwargs)
+    lowering_cache.clear()
+    return lowering_cache
+
+  yield on
+  fa2_jax.reuse_kernels_across_programs(previous[0], length_multiple=previous[1])
+  lowering_cache.clear()
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: (9, 0))
+
+
+def _train(scale, causal, cfg):
+  def f(q, k, v, do):
+    out, stats = forward(q, k, v, scale=scale, is_causal=causal, config=cfg)
+    dq, dk, dv = backward(q, k, v, out, stats, do, scale=scale, is_causal=causal, config=cfg,
+                          deterministic=False)
+    return out, lse_from_stats(stats, scale, False), dq, dk, dv
+  return f
+
+
+def test_a_second_program_embeds_the_first_ones_kernels(reuse):
+  """A second program with the same attention shapes embeds the first program's lowered kernels: the
+  same kernel hashes (so jaxlib finds them compiled) and no new export. A new shape exports its own."""
+  cache = reuse()
+  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
+  cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0)
+  train = _train(128 ** -0.5, True, cfg)
+
+  def evaluate(q, k, v, do):  # another program: the forward alone, its output used otherwise
+    return forward(q, k, v, scale=128 ** -0.5, is_causal=True, config=cfg)[0] * 2
+
+  first = _kernel_hashes(train, sd, sd, sd, sd)
+  assert len(first) == 2 and cache.info()["misses"] == 2  # the forward, the fused dK/dV/dQ kernel
+  assert _kernel_hashes(evaluate, sd, sd, sd, sd) < first
+  assert _kernel_hashes(lambda *a: [x + 1 for x in train(*a)], sd, sd, sd, sd) == first
+  assert cache.info()["misses"] == 2 and cache.info()["hits"] == 3
+  longer = jax.ShapeDtypeStruct((1, 768, 2, 128), BF16)
+  assert not _kernel_hashes(evaluate, longer, longer, longer, longer) & first
+
+
+def test_vmap_folds_into_the_batch(reuse):
+  """Under ``vmap`` the reused kernel runs with the mapped axis folded into the batch: the kernel of
+  ``vmap`` over 2 x [1, T, N, H] is the one of a direct [2, T, N, H] call."""
+  reuse()
+  one = jax.ShapeDtypeStruct((1, 256, 2, 64), BF16)
+  mapped = jax.ShapeDtypeStruct((2, 1, 256, 2, 64), BF16)
+  both = jax.ShapeDtypeStruct((2, 256, 2, 64), BF16)
+
+  def fwd(q, k, v):
+    return forward(q, k, v, scale=0.125, is_causal=False)[0]
+
+  assert _kernel_hashes(jax.vmap(fwd), mapped, mapped, mapped) == _kernel_hashes(fwd, both, both, both)
+  assert not _kernel_hashes(fwd, one, one, one) & _kernel_hashes(fwd, both, both, both)
+
+
+def test_lengths_in_one_multiple_share_kernels(reuse, fake_hopper):
+  """With ``length_multiple``, ``flash_attention`` calls of 900 and 1000 rows (both padded to 1024)
+  run the same kernels, forward and backward; 1100 rows (padded to 2048) others."""
+  cache = reuse(length_multiple=1024)
+
+  def hashes(t):
+    sd = jax.ShapeDtypeStruct((2, t, 4, 128), BF16)
+    loss = lambda q, k, v: jnp.sum(fa2_jax.flash_attention(q, k, v, is_causal=True)  # noqa: E731
+                                   .astype(jnp.float32))
+    return _kernel_hashes(jax.grad(loss, argnums=(0, 1, 2)), sd, sd, sd)
+
+  first = hashes(1000)
+  exports = cache.info()["misses"]
+  assert len(first) == 3 and exports == 3  # forward, dK/dV, dQ (1024 causal rows: no fused dQ)
+  assert hashes(900) == first and cache.info()["misses"] == exports
+  assert not hashes(1100) & first
+
+
+def _run(t, s, n, kh, **kwargs):
+  ks = jax.random.split(jax.random.key(t * 7 + s), 4)
+  q = jax.random.normal(ks[0], (2, t, n, 32), jnp.float32)
+  k = jax.random.normal(ks[1], (2, s, kh, 32), jnp.float32)
+  v = jax.random.normal(ks[2], (2, s, kh, 32), jnp.float32)
+
+  def f(q, k, v):
+    return fa2_jax.flash_attention(q, k, v, implementation="triton", interpret=True,
+                                   return_residual=True, **kwargs)
+
+  (out, lse), vjp = jax.vjp(f, q, k, v)
+  do = jax.random.normal(ks[3], out.shape, jnp.float32)
+  return (out, lse, *vjp((do, jnp.zeros_like(lse))))
+
+
+PADDED_CASES = {  # name: (t, s, n, kh, flash_attention keywords)
+    "causal_t_below_s_gqa": (37, 45, 4, 2, lambda: dict(is_causal=True)),
+    "dense_t_above_s": (45, 21, 2, 2, lambda: {}),
+    "window_lengths_offset": (37, 45, 2, 1, lambda: dict(
+        is_causal=True, local_window_size=(9, 0), query_seq_lengths=jnp.array([30, 17]),
+        key_value_seq_lengths=jnp.array([45, 20]), q_offset=jnp.array([3, 0]))),
+    "segments_soft_cap": (40, 40, 2, 2, lambda: dict(
+        q_segment_ids=jnp.repeat(jnp.array([[0, 1], [2, 2]]), 20, axis=1),
+        kv_segment_ids=jnp.repeat(jnp.array([[0, 1], [2, 2]]), 20, axis=1), logits_soft_cap=5.0)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PADDED_CASES))
+def test_padded_lengths_give_the_unpadded_results(reuse, name):
+  """T and S padded to a multiple of 32 (the true lengths as lengths): outputs, lse and gradients
+  equal the unpadded call's, shapes unchanged, on the Triton kernels in interpret mode."""
+  t, s, n, kh, kwargs = PADDED_CASES[name]
+  base = _run(t, s, n, kh, **kwargs())
+  reuse(length_multiple=32)
+  got = _run(t, s, n, kh, **kwargs())
+  for what, x, r in zip(("out", "lse", "dq", "dk", "dv"), got, base):
+    assert x.shape == r.shape, what
+    np.testing.assert_allclose(np.asarray(x), np.asarray(r), rtol=1e-5, atol=1e-5, err_msg=what)
+
+
+def test_switch_arguments_are_checked():
+  with pytest.raises(TypeError, match="enabled must be a bool"):
+    fa2_jax.reuse_kernels_across_programs("yes")
+  for bad in (0, -4, 2.0, True):
+    with pytest.raises(ValueError, match="length_multiple must be None or an int >= 1"):
+      fa2_jax.reuse_kernels_across_programs(True, length_multiple=bad)
+  assert lowering_cache.info()["enabled"] is False  # off by default; a rejected call changes nothing
