@@ -776,6 +776,28 @@ def test_variant_kernels_lower_for_sm90(h, fused):
   assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dk|dv|dq)_mosaic_gpu", text)) == set(kernels)
 
 
+def test_fused_dq_under_vmap_keeps_the_batch_index_of_mask_fn():
+  """vmap of a fused-dQ backward whose ``mask_fn`` reads the batch index: the kernels hand the
+  function their grid's batch index, so the vmapped axis cannot fold into the batch there
+  (``ops.batch_rule`` runs one launch per mapped element); the results equal per-element calls."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from fa2_jax.validation import check_variant
+  b, t, n, kh, h, lead = 2, 136, 2, 1, 64, 2
+  ks = jax.random.split(jax.random.key(11), 4)
+  q, do = (jax.random.normal(x, (lead, b, t, n, h), jnp.float32).astype(BF16) for x in ks[:2])
+  k, v = (jax.random.normal(x, (lead, b, t, kh, h), jnp.float32).astype(BF16) for x in ks[2:])
+  variant, arrays = check_variant(q[0], k[0], mask_fn=lambda b_, h_, i, j: (i + j + b_) % 3 != 0)
+  f = lambda q, k, v, do: _variant_run(q, k, v, do, variant, arrays, h ** -0.5, FUSED_VARIANTS,  # noqa: E731
+                                       deterministic=False)
+  assert FUSED_VARIANTS.fuses_dq(t, deterministic=False, variant=True)
+  with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    mapped = jax.block_until_ready(jax.vmap(f)(q, k, v, do))
+    single = [jax.block_until_ready(f(q[i], k[i], v[i], do[i])) for i in range(lead)]
+  for what, x, *per in zip(("out", "lse", "dq", "dk", "dv"), mapped, *single):
+    np.testing.assert_allclose(np.asarray(x, np.float32), np.stack([np.asarray(y, np.float32)
+                               for y in per]), atol=2e-2, rtol=0, err_msg=what)
+
+
 def test_fused_dq_variant_under_vmap_lowers_for_sm90():
   """vmap of a variant's backward with the fused dQ: the custom_vmap folds the vmapped axis into the
   batch of every operand, the variant's (range table, lengths, segment ids) too."""

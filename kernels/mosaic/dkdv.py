@@ -47,7 +47,7 @@ from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig, dq_piece, dq_split
 from .lowering_cache import kernel_call
-from .ops import (acc_loop, accumulators, bcast_cols, consumers_sync, iota2, per_cta_choice,
+from .ops import (acc_loop, accumulators, batch_rule, bcast_cols, consumers_sync, iota2, per_cta_choice,
                   smem_transforms, smem_transforms_f32, wgmma, wgmma_load, wgmma_wait, ws_kernel)
 from .schedule import causal_section, cta_tile, q_block_ranges
 from .variant import Refs
@@ -463,14 +463,11 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
 
   @fused.def_vmap
   def _vmap(axis_size, in_batched, *args):
-    # run_state has no batching rule: fold the vmapped axis into the batch axis B (every operand has
-    # B first, the variant operands too), run the kernel once over V * B, and unfold (unbatched
-    # operands are broadcast).
-    args = [x if bt else jnp.broadcast_to(x, (axis_size, *x.shape)) for x, bt in zip(args, in_batched)]
-    merged = [x.reshape((axis_size * x.shape[1], *x.shape[2:])) for x in args]
-    outs = dkv_call(*merged, scale=scale, is_causal=is_causal, seq_q=seq_q, cfg=cfg, want_dk=want_dk,
-                     want_dv=want_dv, num_wgs=num_wgs, emulate=emulate, fused_dq=True, seq_k=seq_k,
-                     variant=variant, names=names)
-    return tuple(o.reshape((axis_size, -1, *o.shape[1:])) for o in outs), (True, True, True)
+    # run_state has no batching rule: every operand has B first (the variant operands too), so the
+    # vmapped axis folds into B (ops.batch_rule)
+    call = functools.partial(dkv_call, scale=scale, is_causal=is_causal, seq_q=seq_q, cfg=cfg,
+                             want_dk=want_dk, want_dv=want_dv, num_wgs=num_wgs, emulate=emulate,
+                             fused_dq=True, seq_k=seq_k, variant=variant, names=names)
+    return batch_rule(call, axis_size, in_batched, args, variant)
 
   return fused(*operands)

@@ -12,9 +12,13 @@ so another hash, and is compiled again (ptxas, about 1 s per kernel).
 With the cache on, each kernel launch function (the forward, dK/dV and dQ calls, whose settings are
 static) is exported once per settings and operand shapes with ``jax.export`` and called through
 ``Exported.call`` in every program after: the program embeds the lowered module instead of lowering it,
-and the module (so the kernel hash) is the same, so XLA's compile finds the kernel compiled.
-``vmap`` folds the mapped axis into the batch axis, which every operand of these kernels has first
-(as the fused dK/dV/dQ call does for ``pl.run_state``), and calls the cache at that shape.
+and the module (so the kernel hash) is the same, so XLA's compile finds the kernel compiled. The key
+holds the launch function, its settings, the operands' shapes and dtypes and the mesh in context (an
+export records its device count). Programs traced before the switch keep their own lowering.
+
+``vmap`` runs :func:`ops.batch_rule` (the mapped axis folded into the batch, as the fused dK/dV/dQ call
+does for ``pl.run_state``): that costs an export at the per-element shape too (``custom_vmap`` traces its
+body unbatched), and unbatched operands are broadcast in HBM.
 
 Not used in GPU interpret mode (``emulate``), nor for operands with symbolic dimensions.
 """
@@ -24,6 +28,9 @@ import functools
 import threading
 
 import jax
+from jax._src import config as jax_config  # export_ignore_forward_compatibility: no public context form
+
+from .ops import batch_rule
 
 _STATE = {"enabled": False, "length_multiple": None, "hits": 0, "misses": 0}
 _EXPORTED: dict = {}
@@ -64,8 +71,9 @@ def length_multiple() -> int | None:
 def info() -> dict:
   """``{"enabled", "length_multiple", "hits", "misses", "size"}``: calls served by an exported
   kernel, exports made."""
-  return {"enabled": _STATE["enabled"], "length_multiple": _STATE["length_multiple"],
-          "hits": _STATE["hits"], "misses": _STATE["misses"], "size": len(_EXPORTED)}
+  with _LOCK:
+    return {"enabled": _STATE["enabled"], "length_multiple": _STATE["length_multiple"],
+            "hits": _STATE["hits"], "misses": _STATE["misses"], "size": len(_EXPORTED)}
 
 
 def clear() -> None:
@@ -97,18 +105,30 @@ def kernel_call(static_argnames: tuple[str, ...]):
   return wrap
 
 
+def _export(jitted, static: dict, avals):
+  export = functools.partial(
+      jax.export.export, jax.jit(functools.partial(jitted, **static)), platforms=("cuda",),
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])
+  # The module is used in this process only: lower it as a plain jit would, at the current Mosaic IR
+  # version (an export otherwise serializes the kernel for forward compatibility, an older version).
+  # JAX has no public context form of this flag; without it, the export's default applies.
+  ignore = getattr(jax_config, "export_ignore_forward_compatibility", None)
+  if ignore is None:
+    return export()(*avals)
+  with ignore(True):
+    return export()(*avals)
+
+
 def _exported(fn, jitted, static: dict, operands):
   avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands)
-  key = (fn.__module__, fn.__qualname__, tuple(sorted(static.items())), avals)
+  mesh = (jax.sharding.get_abstract_mesh(), jax.sharding.get_mesh())
+  key = (fn.__module__, fn.__qualname__, tuple(sorted(static.items())), avals, mesh)
   with _LOCK:
     exp = _EXPORTED.get(key)
+    _STATE["hits" if exp is not None else "misses"] += 1
   if exp is not None:
-    _STATE["hits"] += 1
     return exp
-  _STATE["misses"] += 1
-  exp = jax.export.export(
-      jax.jit(functools.partial(jitted, **static)), platforms=("cuda",),
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])(*avals)
+  exp = _export(jitted, static, avals)  # outside the lock: a concurrent miss may export it twice
   with _LOCK:
     return _EXPORTED.setdefault(key, exp)
 
@@ -120,13 +140,7 @@ def _cached(fn, jitted, static: dict, operands):
 
   @call.def_vmap
   def _vmap(axis_size, in_batched, *ops):
-    # fold the mapped axis into the batch axis (every operand's first), launch at that shape, unfold
-    ops = [x if bt else jax.numpy.broadcast_to(x, (axis_size, *x.shape))
-           for x, bt in zip(ops, in_batched)]
-    merged = [x.reshape((axis_size * x.shape[1], *x.shape[2:])) for x in ops]
-    outs = _cached(fn, jitted, static, merged)
-    unfold = lambda o: o.reshape((axis_size, -1, *o.shape[1:]))  # noqa: E731
-    outs = jax.tree.map(unfold, outs)
-    return outs, jax.tree.map(lambda _: True, outs)
+    launch = lambda *merged: _cached(fn, jitted, static, merged)  # noqa: E731
+    return batch_rule(launch, axis_size, in_batched, ops, static.get("variant"))
 
   return call(*operands)

@@ -97,6 +97,26 @@ def ws_kernel(body, *, out_type, scratch, grid, grid_names, num_consumers: int, 
                       compiler_params=compiler_params(), kernel_name=name)
 
 
+def batch_rule(call, axis_size: int, in_batched, operands, variant):
+  """``vmap`` of a kernel launch ``call(*operands) -> tuple`` whose operands and results all have the
+  batch axis first (a ``custom_vmap`` rule's body): the mapped axis folded into the batch, one launch
+  over ``axis_size * B`` (unbatched operands broadcast), and unfolded. Where the variant's ``mask_fn``
+  or ``score_fn`` reads the batch index, the kernels would hand it the folded index: then one launch
+  per mapped element instead (``lax.map``). Returns ``(outs, out_batched)``."""
+  from ...block_ranges import index_reads  # the public package's; imported here to avoid a cycle
+  if "b" in index_reads(variant):
+    def one(mapped):
+      it = iter(mapped)
+      return tuple(call(*[next(it) if bt else x for x, bt in zip(operands, in_batched)]))
+    outs = lax.map(one, [x for x, bt in zip(operands, in_batched) if bt])
+  else:
+    ops = [x if bt else jnp.broadcast_to(x, (axis_size, *x.shape))
+           for x, bt in zip(operands, in_batched)]
+    merged = [x.reshape((axis_size * x.shape[1], *x.shape[2:])) for x in ops]
+    outs = tuple(o.reshape((axis_size, -1, *o.shape[1:])) for o in call(*merged))
+  return outs, tuple(True for _ in outs)
+
+
 def bcast_rows(x, shape):
   """[rows] (WGMMA row layout) -> [rows, cols]: the row statistic repeated along each row."""
   return lax.broadcast_in_dim(x, shape, [0])
