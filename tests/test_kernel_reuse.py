@@ -8,7 +8,10 @@ against the unpadded call. Compiled on a GPU: ``tests/test_mosaic_gpu.py -k kern
 """
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +100,38 @@ def test_vmap_folds_into_the_batch(reuse):
   assert not _kernel_hashes(fwd, one, one, one) & _kernel_hashes(fwd, both, both, both)
 
 
+def test_vmap_of_the_backward_with_unbatched_keys(reuse):
+  """``vmap`` of a forward + backward over the queries only (keys and values unbatched, so broadcast
+  by the fold): the per-element gradients' shapes, and the folded kernels' hashes those of a direct
+  call with the batch times the mapped size."""
+  reuse()
+  cfg = MosaicConfig.default(128, BF16, False).replace(dq_fused=True, dq_fused_min_t=0)
+  train = _train(128 ** -0.5, False, cfg)
+  q, kv = (jax.ShapeDtypeStruct((3, 1, 256, 2, 128), BF16), jax.ShapeDtypeStruct((1, 256, 2, 128), BF16))
+  traced = jax.jit(jax.vmap(train, in_axes=(0, None, None, 0))).trace(q, kv, kv, q)
+  assert [o.shape for o in traced.out_info[2:]] == [q.shape, q.shape, q.shape]  # dq; dk, dv per element
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  folded = jax.ShapeDtypeStruct((3, 256, 2, 128), BF16)
+  assert set(re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)) == _kernel_hashes(
+      train, folded, folded, folded, folded)
+
+
+def test_an_export_under_a_mesh_is_not_reused_outside_it(reuse):
+  """An export records its mesh's device count: a kernel first exported inside ``jax.set_mesh`` (a
+  sharded step) is exported again for a program outside it (a single-device step), not reused."""
+  cache = reuse()
+  sd = jax.ShapeDtypeStruct((1, 256, 2, 64), BF16)
+
+  def fwd(q, k, v):
+    return forward(q, k, v, scale=0.125, is_causal=True)[0]
+
+  mesh = jax.make_mesh((4,), ("b",), axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(mesh):
+    inside = _kernel_hashes(lambda q, k, v: fwd(q, k, v) + 1, sd, sd, sd)
+  outside = _kernel_hashes(fwd, sd, sd, sd)
+  assert inside and outside and cache.info()["misses"] == 2
+
+
 def test_lengths_in_one_multiple_share_kernels(reuse, fake_hopper):
   """With ``length_multiple``, ``flash_attention`` calls of 900 and 1000 rows (both padded to 1024)
   run the same kernels, forward and backward; 1100 rows (padded to 2048) others."""
@@ -156,9 +191,16 @@ def test_padded_lengths_give_the_unpadded_results(reuse, name):
 
 
 def test_switch_arguments_are_checked():
+  before = lowering_cache.info()
   with pytest.raises(TypeError, match="enabled must be a bool"):
     fa2_jax.reuse_kernels_across_programs("yes")
   for bad in (0, -4, 2.0, True):
     with pytest.raises(ValueError, match="length_multiple must be None or an int >= 1"):
       fa2_jax.reuse_kernels_across_programs(True, length_multiple=bad)
-  assert lowering_cache.info()["enabled"] is False  # off by default; a rejected call changes nothing
+  assert lowering_cache.info() == before  # a rejected call changes nothing
+
+
+def test_the_switch_is_off_in_a_fresh_process():
+  code = ("import fa2_jax; from fa2_jax.kernels.mosaic import lowering_cache as c; "
+          "i = c.info(); assert not i['enabled'] and i['length_multiple'] is None, i")
+  subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))

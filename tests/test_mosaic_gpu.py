@@ -350,18 +350,21 @@ def test_kernel_reuse_across_programs_compiled(causal, t):
   if not D.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   q, k, v = _qkv(b=2, t=t, s=t, n=4, kh=2)
-  grad = jax.grad(_loss(mosaic, causal), argnums=(0, 1, 2))
+  # fresh functions on each side of the switch: jit's trace cache would keep the other lowering
+  grad = lambda: jax.grad(_loss(mosaic, causal), argnums=(0, 1, 2))  # noqa: E731
   fwd = lambda a, b, c: mosaic(a, b, c, is_causal=causal)  # noqa: E731
   ref_out = jax.jit(fwd)(q, k, v)
-  ref_grads = jax.jit(grad)(q, k, v)
+  ref_grads = jax.jit(grad())(q, k, v)
   previous = fa2_jax.reuse_kernels_across_programs(True)
   lowering_cache.clear()
   try:
-    grads = jax.jit(grad)(q, k, v)
+    grads = jax.jit(grad())(q, k, v)
+    assert lowering_cache.info()["misses"] > 0
     exports = lowering_cache.info()["misses"]
     out = jax.jit(lambda a, b, c: fwd(a, b, c) * 1)(q, k, v)  # another program: reuses the forward
     assert lowering_cache.info()["misses"] == exports
-    mapped = jax.jit(jax.vmap(fwd))(q[:, None], k[:, None], v[:, None])[:, 0]
+    mapped = jax.jit(jax.vmap(lambda a, b, c: fwd(a, b, c)))(
+        q[:, None], k[:, None], v[:, None])[:, 0]
   finally:
     fa2_jax.reuse_kernels_across_programs(previous)
     lowering_cache.clear()
@@ -383,9 +386,10 @@ def test_kernel_reuse_with_length_multiple_compiled():
   refs = [grad(*qkv) for qkv in cases]
   previous = fa2_jax.reuse_kernels_across_programs(True, length_multiple=1024)
   lowering_cache.clear()
-  try:
+  try:  # fresh functions (_loss returns a new one): jit's trace cache would keep the other lowering
     got = [jax.jit(jax.grad(_loss(mosaic, True), argnums=(0, 1, 2)))(*cases[0])]
     exports = lowering_cache.info()["misses"]
+    assert exports > 0
     got.append(jax.jit(jax.grad(_loss(mosaic, True), argnums=(0, 1, 2)))(*cases[1]))
     assert lowering_cache.info()["misses"] == exports
   finally:

@@ -43,6 +43,8 @@ def main(argv=None):
                   help="fa2_jax.reuse_kernels_across_programs() on")
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
+  if args.other_programs and not args.shapes:
+    ap.error("--other-programs needs --shapes")
   import jax
   import jax.numpy as jnp
   if args.cache_dir:

@@ -41,7 +41,8 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
   """Lower each Mosaic kernel (per settings and shapes) once per process and embed that lowering in
   every jitted program that launches it, so a second program with the same attention shapes (an
   evaluation step beside the training step, ``jit(f)`` beside ``jit(grad(f))``) neither lowers nor
-  compiles those kernels again. Off by default.
+  compiles those kernels again. Off by default. It applies to what is traced after the call: a
+  jitted function traced before keeps its lowering (``jax.clear_caches()`` drops it).
 
   ``length_multiple``: with ``enabled``, the kernels of ``fa2_jax.flash_attention`` (Mosaic and
   Triton) see T and S padded up to a multiple of it, the true lengths passed as
@@ -121,7 +122,7 @@ def _export(jitted, static: dict, avals):
 
 def _exported(fn, jitted, static: dict, operands):
   avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands)
-  mesh = (jax.sharding.get_abstract_mesh(), jax.sharding.get_mesh())
+  mesh = jax.sharding.get_abstract_mesh()  # its axes and sizes: an export records the device count
   key = (fn.__module__, fn.__qualname__, tuple(sorted(static.items())), avals, mesh)
   with _LOCK:
     exp = _EXPORTED.get(key)
