@@ -2,7 +2,7 @@
 
     python -m benchmarks.diag.compile_time [--impls fa2,fa2_triton] [--layers 1,2,4] [--shape B,T,N,H]
     python -m benchmarks.diag.compile_time --impls fa2 --shapes "2,8192,16,128;4,4096,16,128"
-        [--cache-dir DIR] [--non-causal] [--other-programs] [--reuse-kernels]
+        [--cache-dir DIR] [--non-causal] [--other-programs] [--reuse-kernels [--length-multiple M]]
 
 Prints lower / compile seconds of ``jit(grad)`` of L chained causal attention calls (``--non-causal``:
 non-causal ones; default shape
@@ -15,7 +15,8 @@ DIR (every entry kept, however fast its compile): a second process with the same
 shape seen by an earlier process costs. ``--other-programs``: after each shape's ``jit(grad)``, two
 more programs with that shape, the forward alone (an evaluation step) and ``jit(grad)`` of another
 loss, each timed the same way: what a program costs whose attention shapes an earlier program ran.
-``--reuse-kernels`` turns on ``fa2_jax.reuse_kernels_across_programs()`` first.
+``--reuse-kernels`` turns on ``fa2_jax.reuse_kernels_across_programs()`` first, ``--length-multiple M``
+with its ``length_multiple=M`` (lengths padded to multiples of M: shapes in one multiple share kernels).
 """
 from __future__ import annotations
 
@@ -41,10 +42,14 @@ def main(argv=None):
                   help="with --shapes: two more programs per shape (see above)")
   ap.add_argument("--reuse-kernels", action="store_true",
                   help="fa2_jax.reuse_kernels_across_programs() on")
+  ap.add_argument("--length-multiple", type=int, default=None,
+                  help="with --reuse-kernels: its length_multiple")
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
   if args.other_programs and not args.shapes:
     ap.error("--other-programs needs --shapes")
+  if args.length_multiple is not None and not args.reuse_kernels:
+    ap.error("--length-multiple needs --reuse-kernels")
   import jax
   import jax.numpy as jnp
   if args.cache_dir:
@@ -53,7 +58,7 @@ def main(argv=None):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   if args.reuse_kernels:
     import fa2_jax
-    fa2_jax.reuse_kernels_across_programs(True)
+    fa2_jax.reuse_kernels_across_programs(True, length_multiple=args.length_multiple)
   info = device_info()
   shapes = ([tuple(map(int, s.split(","))) for s in args.shapes.split(";")] if args.shapes else
             [tuple(map(int, args.shape.split(",")))])
@@ -70,7 +75,7 @@ def main(argv=None):
   out = cli.resolve_out(argparse.Namespace(out=args.out), info)
   write_json(out / ("compile_time_shapes.json" if args.shapes else "compile_time.json"),
              {"meta": dict(info, cache_dir=bool(args.cache_dir), causal=not args.non_causal,
-                           reuse_kernels=args.reuse_kernels),
+                           reuse_kernels=args.reuse_kernels, length_multiple=args.length_multiple),
               "rows": rows})
 
 
