@@ -30,8 +30,6 @@ import threading
 import jax
 from jax._src import config as jax_config  # export_ignore_forward_compatibility: no public context form
 
-from .ops import batch_rule
-
 _STATE = {"enabled": False, "length_multiple": None, "hits": 0, "misses": 0}
 _EXPORTED: dict = {}
 _LOCK = threading.Lock()
@@ -142,6 +140,7 @@ def _cached(fn, jitted, static: dict, operands):
 
   @call.def_vmap
   def _vmap(axis_size, in_batched, *ops):
+    from .ops import batch_rule  # `import fa2_jax` loads this module, not the kernels' (ops)
     launch = lambda *merged: _cached(fn, jitted, static, merged)  # noqa: E731
     return batch_rule(launch, axis_size, in_batched, ops, static.get("variant"))
 
