@@ -166,11 +166,12 @@ def _run(t, s, n, kh, **kwargs):
 
 
 PADDED_CASES = {  # name: (t, s, n, kh, flash_attention keywords)
+    # top-left causal with T < S (the keys past T dropped before the padding), GQA
     "causal_t_below_s_gqa": (37, 45, 4, 2, lambda: dict(is_causal=True)),
-    "window_lengths_offset": (37, 45, 2, 1, lambda: dict(
-        is_causal=True, local_window_size=(9, 0), query_seq_lengths=jnp.array([30, 17]),
-        key_value_seq_lengths=jnp.array([45, 20]), q_offset=jnp.array([3, 0]))),
-    "segments_soft_cap_t_above_s": (40, 30, 2, 2, lambda: dict(
+    # T > S, a two-sided window from per-batch offsets, the call's own lengths, segments, soft cap
+    "window_lengths_offset_segments_soft_cap": (40, 30, 2, 2, lambda: dict(
+        local_window_size=(9, 2), q_offset=jnp.array([3, 0]), query_seq_lengths=jnp.array([33, 17]),
+        key_value_seq_lengths=jnp.array([30, 20]),
         q_segment_ids=jnp.repeat(jnp.array([[0, 1], [2, 2]]), 20, axis=1),
         kv_segment_ids=jnp.repeat(jnp.array([[0, 1], [2, 2]]), 15, axis=1), logits_soft_cap=5.0)),
 }
