@@ -615,6 +615,17 @@ def test_compile_time_new_shapes_with_a_persistent_cache(tmp_path):
   assert [r["causal"] for r in rows] == [False, False] and all("error" not in r for r in rows)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--other-programs"], "--other-programs needs --shapes"),
+    (["--shapes", "1,64,2,32", "--length-multiple", "64"], "--length-multiple needs --reuse-kernels"),
+])
+def test_compile_time_rejects_flags_without_their_mode(argv, message, capsys):
+  from benchmarks.diag import compile_time
+  with pytest.raises(SystemExit):
+    compile_time.main(argv)
+  assert message in capsys.readouterr().err
+
+
 def test_ab_compares_a_copy_of_this_checkout(tmp_path):
   """The A/B diagnostic imports another version's sources (here a copy of this checkout's, laid out
   as `git archive` writes them) beside fa2_jax and times both: identical code gives identical

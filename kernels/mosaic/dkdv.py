@@ -47,8 +47,9 @@ from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig, dq_piece, dq_split
 from .lowering_cache import kernel_call
-from .ops import (acc_loop, accumulators, batch_rule, bcast_cols, consumers_sync, iota2, per_cta_choice,
-                  smem_transforms, smem_transforms_f32, wgmma, wgmma_load, wgmma_wait, ws_kernel)
+from .ops import (acc_loop, accumulators, batch_rule, bcast_cols, consumers_sync, iota2,
+                  per_cta_choice, smem_transforms, smem_transforms_f32, wgmma, wgmma_load, wgmma_wait,
+                  ws_kernel)
 from .schedule import causal_section, cta_tile, q_block_ranges
 from .variant import Refs
 
@@ -384,9 +385,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py); one per process
 # with the lowering cache on (lowering_cache.py).
-@kernel_call(('scale', 'is_causal', 'seq_q', 'cfg', 'want_dk', 'want_dv',
-                                             'num_wgs', 'emulate', 'fused_dq', 'seq_k', 'variant',
-                                             'names'))
+@kernel_call(('scale', 'is_causal', 'seq_q', 'cfg', 'want_dk', 'want_dv', 'num_wgs', 'emulate',
+              'fused_dq', 'seq_k', 'variant', 'names'))
 def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, cfg: MosaicConfig,
               want_dk, want_dv, num_wgs, emulate, fused_dq=False, seq_k=0, variant=None, names=()):
   b, t_hbm, n, h = q.shape

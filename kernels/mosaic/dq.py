@@ -160,8 +160,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
       block_k=bk, stages=stages, start=lo))
 
 
-@kernel_call(('scale', 'is_causal', 'seq_k', 'cfg', 'emulate', 'seq_q',
-                                             'variant', 'names'))
+@kernel_call(('scale', 'is_causal', 'seq_k', 'cfg', 'emulate', 'seq_q', 'variant', 'names'))
 def dq_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_k, cfg: MosaicConfig, emulate,
              seq_q=0, variant=None, names=()):
   b, t_hbm, n, h = q.shape

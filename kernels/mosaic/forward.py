@@ -278,8 +278,8 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py); one per process
 # with the lowering cache on (lowering_cache.py).
-@kernel_call(('scale', 'is_causal', 'cfg', 'plan_t', 'plan_s', 't_rows',
-                                             'emulate', 'variant', 'names'))
+@kernel_call(('scale', 'is_causal', 'cfg', 'plan_t', 'plan_s', 't_rows', 'emulate', 'variant',
+              'names'))
 def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_rows,
                   emulate, variant=None, names=()):
   """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,H], stats [B,N,2,T]."""
