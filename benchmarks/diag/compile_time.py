@@ -5,8 +5,9 @@
         [--cache-dir DIR] [--non-causal] [--other-programs] [--reuse-kernels [--length-multiple M]]
 
 Prints lower / compile seconds of ``jit(grad)`` of L chained causal attention calls (``--non-causal``:
-non-causal ones; default shape
-B=4, T=8192, N=8, H=128, bf16: the GPT long8k preset's), the first run and one more run.
+non-causal ones; default shape B=4, T=8192, N=8, H=128, bf16: the GPT long8k preset's), the first
+run, and the steady time per call (the shared timing helper's median: what padding to a length
+multiple costs in speed shows against the same shapes without ``--length-multiple``).
 
 ``--shapes``: one call site (L = 1), one shape after another in this process, for "time to first
 step": the first shape pays the process's one-time costs, each later one what a new shape costs. Run
@@ -26,6 +27,7 @@ import time
 from .. import cli, impls
 from ..device import device_info
 from ..report import err_str, write_json
+from ..timing import time_calls
 
 
 def main(argv=None):
@@ -80,7 +82,8 @@ def main(argv=None):
 
 
 def _timed(fn, args):
-  """lower, compile, first run and second run seconds of ``jit(fn)`` on ``args``."""
+  """lower, compile and first run seconds of ``jit(fn)`` on ``args``, then its steady time per call
+  (``run_s``: the shared timing helper's median, :func:`benchmarks.timing.time_calls`)."""
   import jax
   t0 = time.perf_counter()
   lowered = jax.jit(fn).lower(*args)
@@ -89,9 +92,9 @@ def _timed(fn, args):
   t2 = time.perf_counter()
   jax.block_until_ready(compiled(*args))
   t3 = time.perf_counter()
-  jax.block_until_ready(compiled(*args))
-  return dict(lower_s=t1 - t0, compile_s=t2 - t1, first_run_s=t3 - t2,
-              run_s=time.perf_counter() - t3)
+  stats, _ = time_calls(compiled, args)
+  return dict(lower_s=t1 - t0, compile_s=t2 - t1, first_run_s=t3 - t2, run_s=stats["median_s"],
+              run_spread=stats["spread"])
 
 
 def _new_shapes(name, shapes, jax, jnp, *, causal: bool, other_programs: bool = False):
@@ -139,7 +142,7 @@ def _measured_row(row, label, fn, args):
   try:
     row.update(_timed(fn, args))
     print(f"{label} lower {row['lower_s']:6.2f} s  compile {row['compile_s']:6.2f} s  "
-          f"first run {row['first_run_s']:6.3f} s  run {row['run_s']:6.3f} s", flush=True)
+          f"first run {row['first_run_s']:6.3f} s  run {row['run_s'] * 1e3:7.3f} ms", flush=True)
   except Exception as e:  # noqa: BLE001
     row["error"] = err_str(e)
     print(f"{label} {row['error']}", flush=True)
