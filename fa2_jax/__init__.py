@@ -18,8 +18,8 @@ if (not _os.path.isdir(_os.path.join(_os.path.dirname(_os.path.abspath(__file__)
 from .attention import backend_for, flash_attention  # noqa: E402
 from .dispatch import Dispatch  # noqa: E402
 from .kernels.mosaic.config import MosaicConfig  # noqa: E402
-from .kernels.mosaic.lowering_cache import reuse_kernels_across_programs  # noqa: E402
 from .kernels.triton.config import BlockSizes  # noqa: E402
+from .kernel_reuse import reuse_kernels_across_programs  # noqa: E402
 from .reference import reference_attention  # noqa: E402
 
 __all__ = ["flash_attention", "backend_for", "Dispatch", "BlockSizes", "MosaicConfig",

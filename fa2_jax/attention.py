@@ -8,8 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import dispatch, sharding
-from .kernels.mosaic import lowering_cache
+from . import dispatch, kernel_reuse, sharding
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .kernels.softmax import lse_from_stats
@@ -237,7 +236,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       if variant.has_kv_lengths:
         arrays = arrays._replace(kv_lengths=jnp.minimum(arrays.kv_lengths, t))
     t_call = q.shape[1]
-    if (multiple := lowering_cache.length_multiple()) is not None:
+    if (multiple := kernel_reuse.length_multiple()) is not None:
       q, k, v, variant, arrays = _pad_lengths(q, k, v, variant, arrays, multiple)
     fields = tuple(f for f in VariantArrays._fields if getattr(arrays, f) is not None)
     extras = tuple(getattr(arrays, f) for f in fields)

@@ -122,24 +122,30 @@ def _grad_inputs(q, seed=7):
   return jax.random.normal(jax.random.key(seed), q.shape).astype(q.dtype)
 
 
-def _fwd_bwd(fn, q, k, v, do):
+def _fwd_bwd_eager(fn, q, k, v, do):
   """``fn(q, k, v) -> (out, lse)``: its outputs and the gradients of ``sum(out * do)``."""
   (out, lse), vjp = jax.vjp(fn, q, k, v)
   return out, lse, vjp((do, jnp.zeros_like(lse)))
 
 
+# One jit for every call: the same ``fn`` on new inputs of the same shapes reuses its compilation.
+_fwd_bwd = jax.jit(_fwd_bwd_eager, static_argnums=0)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("scale", SCALES)
 def test_extreme_logits_triton(dtype, scale):
-  """32-row tiles over T = S = 72: two full key tiles and a ragged one; causal and not, ties."""
-  for causal, ties in itertools.product((False, True), (False, True)):
-    q, k, v = _inputs(72, 32, dtype, ties)
-    do = _grad_inputs(q)
-    fn = lambda q, k, v: fa2_jax.flash_attention(
+  """32-row tiles over T = S = 72: two full key tiles and a ragged one; causal and not, ties (the
+  inputs with and without ties run one compiled program)."""
+  for causal in (False, True):
+    fn = lambda q, k, v, causal=causal: fa2_jax.flash_attention(
         q, k, v, scale=scale, is_causal=causal, implementation="triton", interpret=True,
         block_sizes=TRITON_BLOCKS, return_residual=True)
-    out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
-    _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
+    for ties in (False, True):
+      q, k, v = _inputs(72, 32, dtype, ties)
+      do = _grad_inputs(q)
+      out, lse, grads = _fwd_bwd(fn, q, k, v, do)
+      _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
 
 
 def _fused_dq_config(head_dim, dtype, causal):
@@ -157,7 +163,7 @@ def test_extreme_logits_gqa_mixed_group_triton():
   fn = lambda q, k, v: fa2_jax.flash_attention(q, k, v, scale=1e9, implementation="triton",
                                                interpret=True, block_sizes=TRITON_BLOCKS,
                                                return_residual=True)
-  out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
+  out, lse, grads = _fwd_bwd(fn, q, k, v, do)
   _check(out, lse, q, k, v, scale=1e9, causal=False, grads=grads, do=do)
 
 
@@ -274,14 +280,14 @@ def test_extreme_logits_compiled(implementation):
     fn = lambda q, k, v: fa2_jax.flash_attention(q, k, v, scale=scale, is_causal=causal,
                                                  implementation=implementation,
                                                  return_residual=True)
-    out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
+    out, lse, grads = _fwd_bwd(fn, q, k, v, do)
     _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
   # GQA, a group whose query heads need different forms of P (bfloat16: float16 flushes q = 2^-28)
   q, k, v = _gqa_inputs(1000, 128, jnp.bfloat16)
   do = _grad_inputs(q)
   fn = lambda q, k, v: fa2_jax.flash_attention(q, k, v, scale=1e9, implementation=implementation,
                                                return_residual=True)
-  out, lse, grads = jax.jit(_fwd_bwd, static_argnums=0)(fn, q, k, v, do)
+  out, lse, grads = _fwd_bwd(fn, q, k, v, do)
   _check(out, lse, q, k, v, scale=1e9, causal=False, grads=grads, do=do)
 
 

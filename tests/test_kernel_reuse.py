@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import fa2_jax
-from fa2_jax import dispatch
+from fa2_jax import dispatch, kernel_reuse
 from fa2_jax.kernels.mosaic import lowering_cache
 from fa2_jax.kernels.mosaic.backward import backward
 from fa2_jax.kernels.mosaic.config import MosaicConfig
@@ -38,7 +38,7 @@ def _kernel_hashes(fn, *avals):
 def reuse():
   """Returns a function that turns the switch on (with its keywords) and empties the cache; the
   previous state is restored afterwards."""
-  previous = (lowering_cache.info()["enabled"], lowering_cache.length_multiple())
+  previous = (lowering_cache.info()["enabled"], kernel_reuse.length_multiple())
 
   def on(**kwargs):
     fa2_jax.reuse_kernels_across_programs(True, **kwargs)
@@ -191,16 +191,16 @@ def test_padded_lengths_give_the_unpadded_results(reuse, name):
 
 
 def test_switch_arguments_are_checked():
-  before = lowering_cache.info()
+  before = kernel_reuse.info()
   with pytest.raises(TypeError, match="enabled must be a bool"):
     fa2_jax.reuse_kernels_across_programs("yes")
   for bad in (0, -4, 2.0, True):
     with pytest.raises(ValueError, match="length_multiple must be None or an int >= 1"):
       fa2_jax.reuse_kernels_across_programs(True, length_multiple=bad)
-  assert lowering_cache.info() == before  # a rejected call changes nothing
+  assert kernel_reuse.info() == before  # a rejected call changes nothing
 
 
 def test_the_switch_is_off_in_a_fresh_process():
-  code = ("import fa2_jax; from fa2_jax.kernels.mosaic import lowering_cache as c; "
-          "i = c.info(); assert not i['enabled'] and i['length_multiple'] is None, i")
+  code = ("import fa2_jax; from fa2_jax import kernel_reuse as r; "
+          "i = r.info(); assert not i['enabled'] and i['length_multiple'] is None, i")
   subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))

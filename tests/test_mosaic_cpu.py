@@ -779,7 +779,8 @@ def test_variant_kernels_lower_for_sm90(h, fused):
 def test_fused_dq_under_vmap_keeps_the_batch_index_of_mask_fn():
   """vmap of a fused-dQ backward whose ``mask_fn`` reads the batch index: the kernels hand the
   function their grid's batch index, so the vmapped axis cannot fold into the batch there
-  (``ops.batch_rule`` runs one launch per mapped element); the results equal per-element calls."""
+  (``ops.batch_rule`` runs one launch per mapped element); each element's results equal the
+  formula's for that element alone."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from fa2_jax.validation import check_variant
   b, t, n, kh, h, lead = 1, 72, 2, 1, 64, 2
@@ -792,10 +793,19 @@ def test_fused_dq_under_vmap_keeps_the_batch_index_of_mask_fn():
   assert FUSED_VARIANTS.fuses_dq(t, deterministic=False, variant=True)
   with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
     mapped = jax.block_until_ready(jax.vmap(f)(q, k, v, do))
-    single = [jax.block_until_ready(f(q[i], k[i], v[i], do[i])) for i in range(lead)]
+
+  def ref(q, k, v, do):  # one element: the formula, batch index 0
+    def attn(q, k, v):
+      return fa2_jax.reference_attention(q, k, v, scale=h ** -0.5, return_residual=True,
+                                         compute_dtype=jnp.float32, mask_fn=variant.mask_fn)
+    (out, lse), vjp = jax.vjp(attn, q, k, v)
+    return (out, jnp.swapaxes(lse, 1, 2), *vjp((do, jnp.zeros_like(lse))))
+
+  single = [ref(q[i], k[i], v[i], do[i]) for i in range(lead)]
   for what, x, *per in zip(("out", "lse", "dq", "dk", "dv"), mapped, *single):
-    np.testing.assert_allclose(np.asarray(x, np.float32), np.stack([np.asarray(y, np.float32)
-                               for y in per]), atol=2e-2, rtol=0, err_msg=what)
+    x, r = np.asarray(x, np.float32), np.stack([np.asarray(y, np.float32) for y in per])
+    err = np.abs(x - r).max() / (np.abs(r).max() + 1)
+    assert err < 1e-2, (what, err)  # the folded index gave 45% of the elements off
 
 
 def test_fused_dq_variant_under_vmap_lowers_for_sm90():

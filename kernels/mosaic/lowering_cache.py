@@ -1,5 +1,5 @@
 """Reuse of lowered Mosaic kernels across jitted programs (opt-in:
-``fa2_jax.reuse_kernels_across_programs()``).
+``fa2_jax.reuse_kernels_across_programs()``, ``fa2_jax/kernel_reuse.py``, which also pads lengths).
 
 Every program that holds a Mosaic kernel lowers it again: JAX runs the Pallas Mosaic GPU lowering
 (layout inference, dialect lowering, serialization) once per kernel per ``jax.jit`` program, even for
@@ -30,50 +30,25 @@ import threading
 import jax
 from jax._src import config as jax_config  # export_ignore_forward_compatibility: no public context form
 
-_STATE = {"enabled": False, "length_multiple": None, "hits": 0, "misses": 0}
+_STATE = {"enabled": False, "hits": 0, "misses": 0}
 _EXPORTED: dict = {}
 _LOCK = threading.Lock()
 
 
-def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int | None = None) -> bool:
-  """Lower each Mosaic kernel (per settings and shapes) once per process and embed that lowering in
-  every jitted program that launches it, so a second program with the same attention shapes (an
-  evaluation step beside the training step, ``jit(f)`` beside ``jit(grad(f))``) neither lowers nor
-  compiles those kernels again. Off by default. It applies to what is traced after the call: a
-  jitted function traced before keeps its lowering (``jax.clear_caches()`` drops it).
-
-  ``length_multiple``: with ``enabled``, the kernels of ``fa2_jax.flash_attention`` (Mosaic and
-  Triton) see T and S padded up to a multiple of it, the true lengths passed as
-  ``query_seq_lengths`` / ``key_value_seq_lengths`` (the padding is never attended and gets no
-  gradient): calls whose lengths round up to the same multiples share kernels, so a new length
-  costs no kernel lowering or compile. Results equal the unpadded call's up to rounding (the padded
-  call may run other kernels: the fused dQ from a padded 4096 causal rows, say); the padding costs a
-  copy of the inputs and the masked variant of the kernels. None (default): no padding.
-
-  Returns the previous ``enabled``.
-  """
-  if not isinstance(enabled, bool):
-    raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
-  if length_multiple is not None and (not isinstance(length_multiple, int)
-                                      or isinstance(length_multiple, bool) or length_multiple < 1):
-    raise ValueError(f"length_multiple must be None or an int >= 1, got {length_multiple!r}")
+def set_enabled(enabled: bool) -> bool:
+  """Turns the reuse on or off for what is traced after (``fa2_jax.reuse_kernels_across_programs``,
+  which checks the argument); returns the previous setting."""
   previous = _STATE["enabled"]
-  _STATE["enabled"] = enabled
-  _STATE["length_multiple"] = length_multiple if enabled else None
+  _STATE["enabled"] = bool(enabled)
   return previous
 
 
-def length_multiple() -> int | None:
-  """The multiple the kernels' T and S are padded to (:func:`reuse_kernels_across_programs`)."""
-  return _STATE["length_multiple"]
-
-
 def info() -> dict:
-  """``{"enabled", "length_multiple", "hits", "misses", "size"}``: calls served by an exported
-  kernel, exports made."""
+  """``{"enabled", "hits", "misses", "size"}``: calls served by an exported kernel, exports made,
+  kernels held."""
   with _LOCK:
-    return {"enabled": _STATE["enabled"], "length_multiple": _STATE["length_multiple"],
-            "hits": _STATE["hits"], "misses": _STATE["misses"], "size": len(_EXPORTED)}
+    return {"enabled": _STATE["enabled"], "hits": _STATE["hits"], "misses": _STATE["misses"],
+            "size": len(_EXPORTED)}
 
 
 def clear() -> None:
