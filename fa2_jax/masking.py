@@ -283,13 +283,11 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
     s = s * in_scale
     in_scale = 1.0
   if variant.soft_cap is not None:
-    cap = variant.soft_cap
     # cap * tanh(x / cap) with x = in_scale * s: one multiply into tanh, one out (times out_scale
-    # when folding); 1 / cap as a multiply, not a division (several instructions on a GPU)
-    t = jnp.tanh(s * (in_scale / cap))
-    s = (cap * out_scale if fold else cap) * t
-    if with_derivative:
-      deriv = 1.0 - t * t  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
+    # when folding)
+    into, out = soft_cap_factors(variant.soft_cap, in_scale, out_scale if fold else 1.0)
+    t, deriv = soft_cap_tanh(s, into, with_derivative)
+    s = out * t
   elif fold and in_scale * out_scale != 1.0:
     s = s * (in_scale * out_scale)
   if variant.has_alibi:
@@ -309,6 +307,21 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
   if not fold and out_scale != 1.0:
     s = s * out_scale
   return s, deriv
+
+
+def soft_cap_factors(cap: float, in_scale: float, out_scale: float) -> tuple[float, float]:
+  """``(into, out)`` with ``out_scale * cap * tanh(in_scale * s / cap) = out * tanh(into * s)``, the
+  constants of a soft cap (Python floats; ``1 / cap`` as a multiply, not a division, which costs
+  several instructions on a GPU). A kernel whose softmax multiplies its logits anyway can take
+  ``out`` into that multiply (``kernels/mosaic/forward.py``)."""
+  return in_scale / cap, cap * out_scale
+
+
+def soft_cap_tanh(s, into: float, derivative: bool):
+  """``(tanh(into * s), d(cap * tanh(x / cap)) / dx = 1 - tanh^2, or None without derivative)``: a
+  soft cap's tanh (``into`` from :func:`soft_cap_factors`)."""
+  t = jnp.tanh(s * into)
+  return t, (1.0 - t * t) if derivative else None
 
 
 def kernel_scores(variant: Variant, raw, b, h, q_idx, kv_idx, *, scale, out_scale, slope=None,

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ..masking import soft_cap_factors
+
 # |m| (a row's scaled maximum, base 2) from which the forward scales the row by a power of two: the
 # single-FMA p = exp2(s*c - m) is off by the rounding of m, 2^δ with |δ| <= ulp(m)/2, which must stay
 # inside what P can hold. Below 2^30, |δ| <= 32 (float32 row sums and bfloat16 P hold 2^32); float16 P
@@ -131,6 +133,22 @@ def fast_form_suffices(soft_cap: float | None, adds_after_cap: bool) -> bool:
   1``: ``|r| <= cap * log2 e``) with nothing added after it (``adds_after_cap``: ALiBi, a
   ``score_fn``). Half the limit as margin for the rounding of ``cap * log2 e``."""
   return soft_cap is not None and not adds_after_cap and soft_cap * LOG2E <= FAST_FORM_LIMIT / 2
+
+
+def folded_soft_cap(variant, scale: float) -> tuple[float, float] | None:
+  """``(into, c)`` for a call whose kernels take the soft cap's outer factor into their softmax's
+  multiply, None for others: a soft cap with nothing after it, bounded as
+  :func:`fast_form_suffices` asks. Their logits are then ``tanh(into * s)`` with ``c = cap * log2 e``
+  (``exp2(t * c - m)``, one multiply per element less than ``exp2(cap * log2 e * t - m)``); what they
+  store stays in base-2 logits (``r * c``), so the lse and the backward's rows are unchanged. The
+  Mosaic forward folds (its ``exp2(s * c_row - t_row)`` has a per-row ``c_row``, so the cap's
+  factor was a multiply of its own); the backwards do not: in their fast form ``exp2(s2 - t)`` the
+  compiler already contracts the factor into the FMA (folded, the H200 gave the same gradients bit
+  for bit, docs/design.md, "Soft cap in the forward")."""
+  if variant is None or not fast_form_suffices(
+      variant.soft_cap, variant.has_alibi or variant.score_fn is not None):
+    return None
+  return soft_cap_factors(variant.soft_cap, scale, LOG2E)
 
 
 def exact_heads(stats, scale: float, modifies_scores: bool, group: int = 1):

@@ -41,8 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...block_ranges import kv_range_table
-from ...masking import Variant, allowed
-from ..softmax import huge_row_scale, row_sum_at_max
+from ...masking import Variant, allowed, soft_cap_tanh
+from ..softmax import folded_soft_cap, huge_row_scale, row_sum_at_max
 from ..vma import out_struct
 from .config import LOG2E, MosaicConfig, supports
 from .lengths import pad_axis, plan_lengths
@@ -89,8 +89,14 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
   var_refs, (o_ref, stats_ref) = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
   variant = st.variant
-  # Score modifications work on base-2 logits modify(scale * s) * log2(e): c = 1 then.
-  c = 1.0 if variant is not None and variant.modifies_scores else st.scale * LOG2E
+  # Score modifications work on base-2 logits modify(scale * s) * log2(e): c = 1 then; a bounded
+  # soft cap alone works on tanh(into * s) with c = cap * log2(e) (kernels/softmax.py,
+  # folded_soft_cap), storing the base-2 logit r * c as the row's r.
+  folded = folded_soft_cap(variant, st.scale)
+  if folded is not None:
+    into, c = folded
+  else:
+    c = 1.0 if variant is not None and variant.modifies_scores else st.scale * LOG2E
   # Causal: the last query tiles see the most keys, launch them first so the tail is short (LPT).
   b, h, qt = cta_tile("q", is_causal=st.is_causal, n_heads=st.n_heads, n_tiles=st.n_q_tiles,
                       n_bh=st.n_bh, section=st.section, longest_last=True)
@@ -140,7 +146,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
       plgpu.barrier_arrive(k_free.at[slot])
 
       # Online softmax, m kept in scaled base-2 units so p = exp2(s*c - m) is one FMA per element.
-      if variant is not None and variant.modifies_scores:
+      if folded is not None:
+        s, _ = soft_cap_tanh(s, into, derivative=False)  # the capped logit over cap
+      elif variant is not None and variant.modifies_scores:
         s, _ = vr.scores(s, st.scale, h, row0, j * bk)  # base-2 modified logits (c = 1)
       keep = None
       if masked and variant is None:
@@ -216,7 +224,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
     # base-2 logits: r = m there, with weight 1.
     if c != 0.0:
       l_i = row_sum_at_max(r_i, m_i, l_i, c, st.dtype)
-    stats_smem.at[wg, 0][...] = m_i if c == 0.0 else r_i
+    stats_smem.at[wg, 0][...] = m_i if c == 0.0 else (r_i * c if folded is not None else r_i)
     stats_smem.at[wg, 1][...] = l_i
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, o_ref.at[b, pl.ds(row0, bq), h], commit_group=False)
