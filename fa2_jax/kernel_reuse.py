@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .kernels.mosaic import lowering_cache
 
-_LENGTH_MULTIPLE: list[int | None] = [None]  # one cell: the setting, read at every traced call
+_STATE = {"length_multiple": None}  # read at every traced call
 
 
 def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int | None = None) -> bool:
@@ -24,10 +24,10 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
   gradient): calls whose lengths round up to the same multiples share kernels, so a new length
   costs no kernel lowering or compile. Results equal the unpadded call's up to rounding (the padded
   call may run other kernels: the fused dQ from a padded 4096 causal rows, say); the padding costs a
-  copy of the inputs and the masked variant of the kernels (3-9% of a step on the H200 from 3.5k
-  rows). None (default): no padding.
+  copy of the inputs and the masked variant of the kernels (measured in
+  ``benchmarks/results/h200/latency/compile_reuse_kernels.md``). None (default): no padding.
 
-  Returns the previous ``enabled``.
+  Returns the previous ``enabled`` (to restore both settings, read :func:`length_multiple` first).
   """
   if not isinstance(enabled, bool):
     raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
@@ -35,13 +35,13 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
                                       or isinstance(length_multiple, bool) or length_multiple < 1):
     raise ValueError(f"length_multiple must be None or an int >= 1, got {length_multiple!r}")
   previous = lowering_cache.set_enabled(enabled)
-  _LENGTH_MULTIPLE[0] = length_multiple if enabled else None
+  _STATE["length_multiple"] = length_multiple if enabled else None
   return previous
 
 
 def length_multiple() -> int | None:
   """The multiple ``flash_attention`` pads T and S to (:func:`reuse_kernels_across_programs`)."""
-  return _LENGTH_MULTIPLE[0]
+  return _STATE["length_multiple"]
 
 
 def info() -> dict:

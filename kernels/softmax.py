@@ -140,11 +140,12 @@ def folded_soft_cap(variant, scale: float) -> tuple[float, float] | None:
   multiply, None for others: a soft cap with nothing after it, bounded as
   :func:`fast_form_suffices` asks. Their logits are then ``tanh(into * s)`` with ``c = cap * log2 e``
   (``exp2(t * c - m)``, one multiply per element less than ``exp2(cap * log2 e * t - m)``); what they
-  store stays in base-2 logits (``r * c``), so the lse and the backward's rows are unchanged. The
+  store stays in base-2 logits (``m = r * c`` and ``l`` as summed, relative to ``2^m``), so the lse
+  and the backward's rows are computed as for other score modifications. The
   Mosaic forward folds (its ``exp2(s * c_row - t_row)`` has a per-row ``c_row``, so the cap's
   factor was a multiply of its own); the backwards do not: in their fast form ``exp2(s2 - t)`` the
   compiler already contracts the factor into the FMA (folded, the H200 gave the same gradients bit
-  for bit, docs/design.md, "Soft cap in the forward")."""
+  for bit, docs/design.md, "Attention variants")."""
   if variant is None or not fast_form_suffices(
       variant.soft_cap, variant.has_alibi or variant.score_fn is not None):
     return None

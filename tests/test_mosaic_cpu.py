@@ -690,8 +690,11 @@ VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
     "alibi_offsets_gqa": (2, 72, 130, 2, 1, 64, lambda: dict(  # ALiBi without a cap, per-batch offsets
         is_causal=True, q_offset=jnp.array([30, 7]),
         alibi_slopes=jnp.array([[0.1, 0.3], [0.05, 0.25]]))),
-    "soft_cap_window_gqa": (1, 140, 200, 4, 2, 64, lambda: dict(  # the one-FMA backward alone
-        is_causal=True, local_window_size=(90, 0), logits_soft_cap=3.0)),
+    # a soft cap alone: the forward's folded cap factor and the one-FMA backward; rows past the
+    # query length have no key
+    "soft_cap_window_gqa": (1, 140, 200, 4, 2, 64, lambda: dict(
+        is_causal=True, local_window_size=(90, 0), logits_soft_cap=3.0,
+        query_seq_lengths=jnp.array([120]))),
     # T and S whole numbers of every kernel's tiles: the masks leave out the rows-past-T and
     # keys-past-S terms (kernels/mosaic/variant.py, Refs.keep), so lengths and segments must do it
     "whole_tiles_window_lengths_segments": (1, 256, 256, 2, 1, 64, lambda: dict(

@@ -63,7 +63,9 @@ def _run(q, k, v, do, *, scale, causal, implementation, block_sizes=None, determ
 
 @functools.lru_cache(maxsize=None)
 def _jitted_run(scale, causal, implementation, block_sizes, deterministic):
-  """One jit per setting: the poisoned and clean inputs of a shape share its compilation."""
+  """One jit per setting: the poisoned and clean inputs of a shape share its compilation. The
+  traced program is kept for the process: only for calls under the default global settings (no
+  ``fa2_jax.reuse_kernels_across_programs``, no monkeypatching), which jit's key does not see."""
   interpret = True if implementation == "triton" and not dispatch.on_gpu() else None
 
   def f(q, k, v):

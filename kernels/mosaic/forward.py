@@ -91,7 +91,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
   variant = st.variant
   # Score modifications work on base-2 logits modify(scale * s) * log2(e): c = 1 then; a bounded
   # soft cap alone works on tanh(into * s) with c = cap * log2(e) (kernels/softmax.py,
-  # folded_soft_cap), storing the base-2 logit r * c as the row's r.
+  # folded_soft_cap), storing the base-2 logit m = r * c as the row's r.
   folded = folded_soft_cap(variant, st.scale)
   if folded is not None:
     into, c = folded
@@ -222,9 +222,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
     # Line 13: the row statistics (r, l) instead of L_i = m_i + log(l_i): the lse and the backward's
     # P follow from them (kernels/softmax.py); l relative to the maximum's weight. Scale 0 works on
     # base-2 logits: r = m there, with weight 1.
-    if c != 0.0:
+    # A folded soft cap stores m = r * c (rounded) and l as summed: its backward recomputes the
+    # base-2 logits, and exp2(s2 - m - log2 l) is then this kernel's P, up to the rounding of s2.
+    if c != 0.0 and folded is None:
       l_i = row_sum_at_max(r_i, m_i, l_i, c, st.dtype)
-    stats_smem.at[wg, 0][...] = m_i if c == 0.0 else (r_i * c if folded is not None else r_i)
+    stats_smem.at[wg, 0][...] = m_i if c == 0.0 or folded is not None else r_i
     stats_smem.at[wg, 1][...] = l_i
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_s, o_ref.at[b, pl.ds(row0, bq), h], commit_group=False)
