@@ -127,12 +127,14 @@ def backward_rows(stats, exact=None, c: float = 1.0):
 FAST_FORM_LIMIT = 2.0 ** 10
 
 
-def fast_form_suffices(soft_cap: float | None, adds_after_cap: bool) -> bool:
+def fast_form_suffices(variant) -> bool:
   """Whether every row's ``|r * c|`` stays below :data:`FAST_FORM_LIMIT` whatever the inputs, so the
-  backward needs no exact form: the scores are a soft cap's ``cap * tanh(.)`` (base-2 logits, ``c =
-  1``: ``|r| <= cap * log2 e``) with nothing added after it (``adds_after_cap``: ALiBi, a
-  ``score_fn``). Half the limit as margin for the rounding of ``cap * log2 e``."""
-  return soft_cap is not None and not adds_after_cap and soft_cap * LOG2E <= FAST_FORM_LIMIT / 2
+  backward needs no exact form: the scores of ``variant`` (a ``fa2_jax.masking.Variant`` or None)
+  are a soft cap's ``cap * tanh(.)`` (base-2 logits, ``c = 1``: ``|r| <= cap * log2 e``) with
+  nothing added after it (ALiBi, a ``score_fn``). Half the limit as margin for the rounding of
+  ``cap * log2 e``."""
+  return (variant is not None and variant.soft_cap is not None and not variant.has_alibi
+          and variant.score_fn is None and variant.soft_cap * LOG2E <= FAST_FORM_LIMIT / 2)
 
 
 def folded_soft_cap(variant, scale: float) -> tuple[float, float] | None:
@@ -146,8 +148,7 @@ def folded_soft_cap(variant, scale: float) -> tuple[float, float] | None:
   factor was a multiply of its own); the backwards do not: in their fast form ``exp2(s2 - t)`` the
   compiler already contracts the factor into the FMA (folded, the H200 gave the same gradients bit
   for bit, docs/design.md, "Attention variants")."""
-  if variant is None or not fast_form_suffices(
-      variant.soft_cap, variant.has_alibi or variant.score_fn is not None):
+  if not fast_form_suffices(variant):
     return None
   return soft_cap_factors(variant.soft_cap, scale, LOG2E)
 

@@ -263,8 +263,7 @@ class MosaicConfig:
     ``"per_head"`` or ``"exact"``."""
     if self.backward_p != "auto":
       return self.backward_p
-    if variant is not None and fast_form_suffices(
-        variant.soft_cap, variant.has_alibi or variant.score_fn is not None):
+    if fast_form_suffices(variant):
       return "fast"
     return "per_head"
 
