@@ -198,6 +198,8 @@ def describe(backend: str, query, key, *, is_causal: bool, implementation, block
     fused = cfg.fuses_dq(query.shape[1], deterministic=deterministic, variant=not plain)
     if fused:
       bwd = ("mosaic dK/dV + fused dQ",)
+    elif cfg.dkv_roles:
+      bwd = ("mosaic dK/dV (split by role)", "mosaic dQ")
     elif cfg.dkv_split:
       bwd = ("mosaic dV", "mosaic dK", "mosaic dQ")
     else:

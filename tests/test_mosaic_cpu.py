@@ -71,7 +71,7 @@ def test_supports_rejects(q_shape, k_shape, dtype, h, words):
 def test_default_configs_fit(h):
   cfg = MosaicConfig.default(h)
   assert cfg.check(h) is None
-  assert cfg.dkv_split == (h > 128)
+  assert cfg.dkv_roles == (h > 128) and not cfg.dkv_split
   for nwg in (1, 2):
     # 65536 registers per SM: producer WG (memory_registers) + consumers must fit.
     assert 128 * (nwg * cfg.registers(nwg) + cfg.memory_registers) <= 65536
@@ -97,12 +97,14 @@ def test_fuses_dq_default_rule():
   assert not c.fuses_dq(2048, deterministic=False, variant=True)
   assert not c.replace(dq_fused_variants=False).fuses_dq(8192, deterministic=False, variant=True)
   assert MosaicConfig.default(64, is_causal=True).fuses_dq(8192, deterministic=False)
-  assert not MosaicConfig.default(256).fuses_dq(8192, deterministic=False)  # split dV, dK passes
+  assert not MosaicConfig.default(256).fuses_dq(8192, deterministic=False)  # role-split dK/dV
   # a variant call builds the dQ kernel's range table only when its backward runs that kernel
   assert set(c.range_tiles(4096)) == {"fwd", "dkv"}
   assert set(c.range_tiles(4096, deterministic=True)) == set(c.range_tiles(2048)) == {
       "fwd", "dkv", "dq"} == set(c.range_tiles())
-  assert set(MosaicConfig.default(256).range_tiles(8192)) == {"fwd", "dkv", "dk", "dq"}
+  assert set(MosaicConfig.default(256).range_tiles(8192)) == {"fwd", "dkv", "dq"}
+  split = MosaicConfig.default(256).replace(dkv_roles=False, dkv_split=True)
+  assert set(split.range_tiles(8192)) == {"fwd", "dkv", "dk", "dq"}
   assert c.registers(2) == nc.registers(2) == 240 and c.memory_registers == nc.memory_registers == 24
   for h in (64, 128):
     for causal in (False, True):
@@ -150,6 +152,8 @@ def test_fused_dq_split_and_smem():
     (dict(dq_fused_min_t=-1), ValueError, "dq_fused_min_t"),
     (dict(dq_fused_min_t=2048.0), TypeError, "dq_fused_min_t"),
     (dict(dkv_split="yes"), TypeError, "dkv_split"),
+    (dict(dkv_roles=1), TypeError, "dkv_roles"),
+    (dict(dkv_roles=True, dkv_split=True), ValueError, "dkv_roles"),
     (dict(block_k=128.0), TypeError, "block_k"),
     (dict(num_stages=True), TypeError, "num_stages"),
     (dict(memory_registers="40"), TypeError, "memory_registers"),
@@ -191,7 +195,8 @@ def test_backward_p_form():
     (64, dict(block_k=256, num_stages=6), "forward"),
     (128, dict(num_stages_dq=6, block_k_dq=256), "dQ"),
     (128, dict(num_stages_dkv=6, block_q_dkv=256), "dK/dV"),
-    (256, dict(num_stages_dkv=6, block_q_dkv=128), "dV pass"),  # default(256) splits dK/dV
+    (256, dict(num_stages_dkv=6, block_q_dkv=128), "dK/dV"),  # default(256): the role-split kernel
+    (256, dict(dkv_roles=False, dkv_split=True, num_stages_dkv=6, block_q_dkv=128), "dV pass"),
 ])
 def test_check_rejects_oversized(h, kwargs, kernel):
   cfg = MosaicConfig.default(h).replace(**kwargs)
@@ -403,12 +408,13 @@ def test_plan_lengths_default_tiles():
     assert p.t_hbm == 1000 and p.pad_t == 0  # multiple of 8 and >= one tile: TMA bounds, no pad
     assert p.s_hbm == 896 and p.pad_s == 119  # 777 is not a multiple of 8: padded to 7 x 128
     assert p.t_rows == 1024
-  # h256: 64-key forward tiles; the backward's dQ CTA has one consumer (64 rows) while the split
-  # dV pass still covers 2 x 64 keys
+  # h256: 64-key forward tiles; the backward's dQ CTA has one consumer (64 rows) and the role-split
+  # dK/dV kernel 64 keys; the split dV pass would cover 2 x 64 keys
   cfg = MosaicConfig.default(256)
   assert _fwd_tiles(cfg) == (128, 64)
   assert plan_lengths(1000, 777, q_tile=128, k_tile=64, mode="tma").s_hbm == 832
-  assert backward_tiles(cfg) == (64, 128)
+  assert backward_tiles(cfg) == (64, 64)
+  assert backward_tiles(cfg.replace(dkv_roles=False, dkv_split=True)) == (64, 128)
   p = plan_lengths(1000, 777, q_tile=64, k_tile=128, mode="tma")
   assert (p.t_hbm, p.s_hbm, p.t_rows) == (1000, 896, 1024)
 
@@ -479,7 +485,11 @@ LOWER_CASES = [  # b, t, s, n, kh, h, causal, dtype, cfg, kernels
     (1, 1000, 777, 4, 2, 128, True, BF16, None, ("forward", "dkdv", "dq")),
     (1, 300, 300, 2, 1, 128, True, jnp.float16,
      MosaicConfig.default(128, is_causal=True).replace(pingpong=False, ragged="pad"), ("forward", "dkdv", "dq")),
-    (1, 256, 200, 2, 2, 256, True, BF16, None, ("forward", "dv", "dk", "dq")),
+    # head_dim 256: dK/dV in one kernel whose two consumers split each step by role (the default),
+    # or in a dV pass and a dK pass
+    (1, 256, 200, 2, 2, 256, True, BF16, None, ("forward", "dkdv_roles", "dq")),
+    (1, 256, 200, 4, 2, 256, False, BF16,
+     MosaicConfig.default(256).replace(dkv_roles=False, dkv_split=True), ("forward", "dv", "dk", "dq")),
     # fused dQ (TMA reduce-add inside the dK/dV kernel): no dQ kernel
     (1, 1000, 777, 4, 2, 128, True, BF16, MosaicConfig.default(128).replace(dq_fused=True, dq_fused_min_t=0),
      ("forward", "dkdv_dq")),
@@ -505,7 +515,7 @@ def test_lowers_for_sm90(case):
   text = lowered.as_text()
   # one Mosaic GPU custom call per kernel, each carrying its serialized Mosaic module
   assert text.count("stablehlo.custom_call @mosaic_gpu") == len(kernels), text[:2000]
-  names = set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dk|dv|dq)_mosaic_gpu", text))
+  names = set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq)_mosaic_gpu", text))
   assert names == set(kernels)
   # output shapes/dtypes as documented
   outs = lowered.out_info
@@ -546,6 +556,8 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # fused dQ: causal, GQA 2:1, ragged T/S, lse cotangent (emulated: per-consumer slabs, summed)
     (1, 136, 200, 4, 2, 64, True, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=2),
      True),
+    # head_dim 256, the role-split dK/dV kernel: causal, T < S, GQA 2:1, lse cotangent
+    (1, 136, 200, 2, 1, 256, True, None, True),
     # fused dQ at head_dim 128: the two consumers split each dQ tile by columns (dq_split "cols")
     (1, 200, 136, 2, 1, 128, True, MosaicConfig.default(128).replace(dq_fused=True, dq_fused_min_t=0), False),
     # fused dQ, 64-row tiles at head_dim 64: no split (each consumer adds its own keys' partial)
@@ -723,10 +735,27 @@ def test_interpret_variants(name, fused):
   (``dq_fused_variants``). Eager calls: under one ``jit`` the interpreter runs the independent
   dK/dV and dQ kernels concurrently and its simulated barriers deadlock (a limit of the CPU
   interpreter, not of the kernels)."""
+  assert not fused or FUSED_VARIANTS.fuses_dq(VARIANT_CASES[name][1], deterministic=False,
+                                              variant=True)
+  _check_interpret_variant(name, FUSED_VARIANTS if fused else None, deterministic=not fused)
+
+
+
+
+def test_interpret_variants_dkdv_roles():
+  """Head_dim 256 with the role-split dK/dV kernel (``dkv_roles``, its dense causal GQA case in
+  ``INTERPRET_CASES``): lengths (a batch element with no query row), a soft cap's derivative handed
+  between the warpgroups with P, and ALiBi."""
+  assert MosaicConfig.default(256).dkv_roles
+  _check_interpret_variant("lengths_soft_cap_alibi", None, deterministic=True, h=256)
+
+
+def _check_interpret_variant(name, cfg, *, deterministic, h=None):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from fa2_jax.validation import check_variant
 
-  b, t, s, n, kh, h, make_kwargs = VARIANT_CASES[name]
+  b, t, s, n, kh, case_h, make_kwargs = VARIANT_CASES[name]
+  h = h or case_h
   kwargs = make_kwargs()
   ks = jax.random.split(jax.random.key(t + s), 4)
   q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(BF16)
@@ -735,11 +764,9 @@ def test_interpret_variants(name, fused):
   do = jax.random.normal(ks[3], (b, t, n, h), jnp.float32).astype(BF16)
   variant, arrays = check_variant(q, k, **kwargs)
   scale = 1.0 / math.sqrt(h)
-  cfg = FUSED_VARIANTS if fused else None
-  assert not fused or FUSED_VARIANTS.fuses_dq(t, deterministic=False, variant=True)
   with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
     got = jax.block_until_ready(_variant_run(q, k, v, do, variant, arrays, scale, cfg,
-                                             deterministic=not fused))
+                                             deterministic=deterministic))
 
   def ref(q, k, v):
     return fa2_jax.reference_attention(q, k, v, scale=scale, return_residual=True,
@@ -756,9 +783,10 @@ def test_interpret_variants(name, fused):
     assert err < 1e-2, (what, err)
 
 
-@pytest.mark.parametrize("h, fused", [(128, False), (256, False), (128, True)])
+@pytest.mark.parametrize("h, fused", [(128, False), (256, False), (128, True), (256, "split")])
 def test_variant_kernels_lower_for_sm90(h, fused):
-  """256: the split dV, dK kernels; fused: dQ inside the dK/dV kernel (``dq_fused_variants``)."""
+  """256: the role-split dK/dV kernel, or (``"split"``) the dV and dK passes; fused: dQ inside the
+  dK/dV kernel (``dq_fused_variants``)."""
   from fa2_jax.validation import check_variant
   b, t, s, n, kh = 2, 1000, 777, 4, 2
   sd = jax.ShapeDtypeStruct
@@ -769,14 +797,16 @@ def test_variant_kernels_lower_for_sm90(h, fused):
                 logits_soft_cap=30.0, alibi_slopes=jnp.ones((n,)),
                 mask_fn=lambda b_, h_, i, j: (i + j) % 5 != 0, score_fn=lambda x, *_: x * 0.5)
   variant, arrays = check_variant(q, kv, **kwargs)
-  cfg = MosaicConfig.default(h).replace(dq_fused_variants=True, dq_fused_min_t=0) if fused else None
+  split = fused == "split"
+  cfg = (MosaicConfig.default(h).replace(dkv_roles=False, dkv_split=True) if split else
+         MosaicConfig.default(h).replace(dq_fused_variants=True, dq_fused_min_t=0) if fused else None)
   f = lambda q, k, v, do, arrays: _variant_run(q, k, v, do, variant, arrays, h ** -0.5, cfg,
-                                               deterministic=not fused)
+                                               deterministic=not fused or split)
   text = jax.jit(f).trace(q, kv, kv, q, arrays).lower(lowering_platforms=("cuda",)).as_text()
-  kernels = (("forward", "dkdv_dq") if fused else
-             ("forward", "dv", "dk", "dq") if h == 256 else ("forward", "dkdv", "dq"))
+  kernels = (("forward", "dv", "dk", "dq") if split else ("forward", "dkdv_dq") if fused else
+             ("forward", "dkdv_roles", "dq") if h == 256 else ("forward", "dkdv", "dq"))
   assert text.count("stablehlo.custom_call @mosaic_gpu") == len(kernels)
-  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dk|dv|dq)_mosaic_gpu", text)) == set(kernels)
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq)_mosaic_gpu", text)) == set(kernels)
 
 
 def test_fused_dq_under_vmap_keeps_the_batch_index_of_mask_fn():
@@ -830,5 +860,5 @@ def test_fused_dq_variant_under_vmap_lowers_for_sm90():
   traced = jax.jit(g).trace(qs, kvs, kvs, qs, arrays)
   assert [o.shape for o in traced.out_info[2:]] == [qs.shape, kvs.shape, kvs.shape]
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
-  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dk|dv|dq)_mosaic_gpu", text)) == {
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq)_mosaic_gpu", text)) == {
       "forward", "dkdv_dq"}

@@ -268,6 +268,31 @@ def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv, b
     _close(a, b, SAME)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("h, causal, t, s, n, kh", [
+    (256, True, 1000, 777, 4, 2), (256, False, 2048, 2048, 4, 4), (192, True, 300, 520, 4, 1)])
+def test_mosaic_dkdv_roles_matches_split_passes(h, causal, t, s, n, kh):
+  """The role-split dK/dV kernel (``dkv_roles``) against the dV and dK passes (``dkv_split``): the
+  same products per key, P^T handed between the warpgroups in f32."""
+  from fa2_jax.kernels.mosaic.backward import backward
+  from fa2_jax.kernels.mosaic.config import MosaicConfig
+  from fa2_jax.kernels.mosaic.forward import forward
+  ks = jax.random.split(jax.random.key(11), 4)
+  q = jax.random.normal(ks[0], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(ks[1], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[2], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
+  do = jax.random.normal(ks[3], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
+  scale = h ** -0.5
+  out, stats = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
+  split = MosaicConfig.default(h).replace(dkv_split=True, dkv_roles=False)
+  roles = split.replace(dkv_split=False, dkv_roles=True)
+  bwd = lambda cfg: jax.jit(lambda *a: backward(*a, scale=scale, is_causal=causal, config=cfg))
+  ref = bwd(split)(q, k, v, out, stats, do)
+  got = bwd(roles)(q, k, v, out, stats, do)
+  for a, b in zip(got, ref):
+    _close(a, b, SAME)
+
+
 # --- block_sizes=MosaicConfig: the Mosaic kernels' tiles through the public API ---------------------
 
 def test_block_sizes_type_must_match_implementation():
@@ -300,7 +325,7 @@ def test_mosaic_config_reaches_the_kernels(fake_hopper, deterministic, kernels):
       q, k, v, is_causal=True, block_sizes=cfg, deterministic=deterministic).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(sd, sd, sd).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq)_mosaic_gpu", text)) == kernels
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dq)_mosaic_gpu", text)) == kernels
 
 
 @pytest.mark.parametrize("h, t, causal, deterministic, kernels", [
@@ -310,7 +335,7 @@ def test_mosaic_config_reaches_the_kernels(fake_hopper, deterministic, kernels):
     (128, 2048, True, False, {"forward", "dkdv", "dq"}),  # fewer rows: the separate dQ kernel
     (128, 256, False, False, {"forward", "dkdv", "dq"}),
     (128, 4096, False, True, {"forward", "dkdv", "dq"}),  # deterministic: the separate dQ kernel
-    (256, 4096, False, False, {"forward", "dv", "dk", "dq"})])  # head_dim 256: split dK/dV, no fusion
+    (256, 4096, False, False, {"forward", "dkdv_roles", "dq"})])  # head_dim 256: no fusion
 def test_default_backward_kernels(fake_hopper, h, t, causal, deterministic, kernels):
   """Which backward kernels implementation=None runs on Hopper (sm90 lowering of grad)."""
   import re
@@ -319,7 +344,7 @@ def test_default_backward_kernels(fake_hopper, h, t, causal, deterministic, kern
       q, k, v, is_causal=causal, deterministic=deterministic).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(sd, sd, sd).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv|dq|dv|dk)_mosaic_gpu", text)) == kernels
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dq|dv|dk)_mosaic_gpu", text)) == kernels
 
 
 @pytest.mark.parametrize("kv_axes", [0, None])

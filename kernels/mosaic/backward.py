@@ -51,6 +51,7 @@ from ...block_ranges import kv_range_table, q_range_table
 from ..softmax import backward_rows, exact_heads, exponent_scale
 from .config import WG_ROWS, MosaicConfig, supports
 from .dkdv import dkv_call
+from .dkdv_roles import dkv_roles_call
 from .dq import dq_call
 from .lengths import pad_axis, plan_lengths
 from .ops import emulating
@@ -64,7 +65,7 @@ from .variant import zero_padding
 def backward_tiles(cfg: MosaicConfig) -> tuple[int, int]:
   """(query, key) extents that every backward kernel's tiles divide: the HBM padding unit."""
   q_tile = math.lcm(cfg.num_wgs_dq * cfg.block_q_dq, cfg.block_q_dkv)
-  k_tiles = [cfg.block_k_dq, cfg.num_wgs_dkv * cfg.block_k_dkv]
+  k_tiles = [cfg.block_k_dq, cfg.dkv_keys()]
   if cfg.dkv_split:
     k_tiles.append(cfg.num_wgs_dk * cfg.block_k_dkv)
   return q_tile, math.lcm(*k_tiles)
@@ -145,7 +146,10 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     if plan.pad_s:
       dk, dv = dk[:, :s], dv[:, :s]
     return dq, dk, dv
-  if cfg.dkv_split:
+  if cfg.dkv_roles:
+    dk, dv = dkv_roles_call(qp, kp, vp, dop, *per_row, scale=scale, is_causal=is_causal, seq_q=t,
+                            seq_k=s, cfg=cfg)
+  elif cfg.dkv_split:
     (dv,) = dkv_call(qp, kp, vp, dop, *per_row, want_dk=False, want_dv=True,
                       num_wgs=cfg.num_wgs_dkv, **common)
     (dk,) = dkv_call(qp, kp, vp, dop, *per_row, want_dk=True, want_dv=False,
@@ -182,19 +186,24 @@ def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables
 
   common = dict(scale=scale, is_causal=is_causal, cfg=cfg, emulate=emulate, variant=variant)
 
-  def dkv(want_dk, want_dv, num_wgs, name, fused_dq=False):
-    cols = num_wgs * cfg.block_k_dkv  # keys per CTA
+  def dkv(want_dk, want_dv, num_wgs, name, fused_dq=False, roles=False):
+    cols = cfg.block_k_dkv if roles else num_wgs * cfg.block_k_dkv  # keys per CTA
     table = tables.get(name)
     if table is None:
       table = q_range_table(variant, arrays, block_q=cfg.block_q_dkv, block_k=cols, **dims)
     ops, names = inputs(table, -(-s_hbm // cols))
+    if roles:
+      return dkv_roles_call(qp, kp, vp, dop, *per_row, *ops, scale=scale, is_causal=is_causal,
+                            seq_q=seq_q, seq_k=s, cfg=cfg, variant=variant, names=names)
     return dkv_call(qp, kp, vp, dop, *per_row, *ops, want_dk=want_dk, want_dv=want_dv,
                      num_wgs=num_wgs, seq_q=seq_q, seq_k=s, names=names, fused_dq=fused_dq, **common)
 
   if cfg.fuses_dq(t, deterministic=deterministic, variant=True):
     dk, dv, dq_acc = dkv(True, True, cfg.num_wgs_dkv, "dkv", fused_dq=True)
     return (dq_acc[:, :t] * scale).astype(qp.dtype), dk[:, :s], dv[:, :s]
-  if cfg.dkv_split:
+  if cfg.dkv_roles:
+    dk, dv = dkv(True, True, 2, "dkv", roles=True)
+  elif cfg.dkv_split:
     (dv,) = dkv(False, True, cfg.num_wgs_dkv, "dkv")
     (dk,) = dkv(True, False, cfg.num_wgs_dk, "dk")
   else:

@@ -83,6 +83,9 @@ class MosaicConfig:
   ``dkv_split`` runs dV and dK as two passes, each keeping one f32 accumulator in registers instead of
   two (needed for head_dim > 128: two 64 x 256 f32 accumulators are 256 registers per thread).
   ``num_wgs_dk`` is the consumer count of the dK pass when split (its SMEM holds K, V, Q, dO).
+  ``dkv_roles``: the other way for a large head_dim, one dK/dV kernel whose CTA owns ``block_k_dkv``
+  keys and whose two consumer warpgroups split each step by role (``S^T``, ``P^T``, ``dV`` | ``dP^T``,
+  ``dS^T``, ``dK``; ``kernels/mosaic/dkdv_roles.py``), so S and dP are computed once per step.
   ``dq_fused`` (on by default for head_dim 64/128, used only when the call allows a non-deterministic
   backward, dK/dV are not split and T >= ``dq_fused_min_t``, see :meth:`fuses_dq`): the dK/dV kernel also computes ``dS_ij K_j``
   and adds it to an f32 dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ
@@ -125,6 +128,7 @@ class MosaicConfig:
   num_stages_dkv: int = 2
   num_wgs_dkv: int = 2
   dkv_split: bool = False
+  dkv_roles: bool = False
   num_wgs_dk: int = 1
   block_q_dq: int = 64
   block_k_dq: int = 64
@@ -158,7 +162,7 @@ class MosaicConfig:
           raise ValueError(f"MosaicConfig.consumer_barrier must be one of {CONSUMER_BARRIERS}, "
                            f"got {v!r}")
         continue
-      if f.name in ("pingpong", "dkv_split", "dq_fused", "dq_fused_variants"):
+      if f.name in ("pingpong", "dkv_split", "dkv_roles", "dq_fused", "dq_fused_variants"):
         if not isinstance(v, bool):
           raise TypeError(f"MosaicConfig.{f.name} must be a bool, got {v!r}")
         continue
@@ -180,6 +184,9 @@ class MosaicConfig:
         raise ValueError(f"MosaicConfig.{name} must be 1 or 2, got {getattr(self, name)}")
     if self.pingpong and self.num_wgs != 2:
       raise ValueError("MosaicConfig.pingpong needs num_wgs=2")
+    if self.dkv_roles and self.dkv_split:
+      raise ValueError("MosaicConfig.dkv_roles and dkv_split are two ways to run dK/dV for a large "
+                       "head_dim: set one")
     if self.compute_registers and (self.compute_registers % 8 or
                                    not 24 <= self.compute_registers <= 256):
       raise ValueError("MosaicConfig.compute_registers must be 0 or a multiple of 8 in [24, 256]")
@@ -200,13 +207,18 @@ class MosaicConfig:
     (:func:`fa2_jax.block_ranges.range_tables`), one per CTA tiling: name -> (kind, rows, keys).
     Given ``seq_q``, a backward that fuses dQ (:meth:`fuses_dq`) reads no dQ table."""
     tiles = {"fwd": ("kv", self.num_wgs * self.block_q, self.block_k),
-             "dkv": ("q", self.block_q_dkv, self.num_wgs_dkv * self.block_k_dkv)}
+             "dkv": ("q", self.block_q_dkv, self.dkv_keys())}
     if seq_q is not None and self.fuses_dq(seq_q, deterministic=deterministic, variant=True):
       return tiles
     tiles["dq"] = ("kv", self.num_wgs_dq * self.block_q_dq, self.block_k_dq)
     if self.dkv_split:  # the dK kernel has its own key tiles
       tiles["dk"] = ("q", self.block_q_dkv, self.num_wgs_dk * self.block_k_dkv)
     return tiles
+
+  def dkv_keys(self) -> int:
+    """Keys per CTA of the (first) dK/dV kernel: one warpgroup's ``block_k_dkv`` for the role-split
+    kernel, whose two consumers share them, else ``num_wgs_dkv * block_k_dkv``."""
+    return self.block_k_dkv if self.dkv_roles else self.num_wgs_dkv * self.block_k_dkv
 
   def registers(self, num_wgs: int) -> int:
     """setmaxnreg of the consumer warpgroups (the producer gets ``memory_registers``).
@@ -227,9 +239,10 @@ class MosaicConfig:
 
     head_dim 64: 256-key forward tiles, 128-row dK/dV tiles, 128-key dQ tiles (the fastest in the
     sweep, docs/design.md#mosaic-tiles-head-dim-64). 128: 128-key tiles, 2-deep rings (no variant was
-    faster, docs/design.md#mosaic-tiles-head-dim-128). 192/256: 64-key tiles; the backward splits dK
-    and dV into two passes and runs the dK pass and the dQ kernel with one consumer warpgroup, to fit
-    SMEM and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
+    faster, docs/design.md#mosaic-tiles-head-dim-128). 192/256: 64-key tiles; the backward runs the
+    role-split dK/dV kernel (``dkv_roles``: faster than the dV and dK passes) and the dQ kernel with
+    one consumer warpgroup, to fit SMEM and registers
+    (docs/design.md#mosaic-tiles-head-dim-192-and-256).
     """
     del dtype  # same settings for bf16/fp16 until measured otherwise
     # Fused dQ (used only when the call allows a non-deterministic backward) from 2k query rows
@@ -247,13 +260,13 @@ class MosaicConfig:
                  block_k_dq=128, num_stages_dq=2, lpt_heads_dkv=1, **fused, **regs)
     if head_dim <= 128:
       return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, **fused, **regs)
-    return cls(block_k=64, num_stages=2, dkv_split=True, num_wgs_dkv=2, num_wgs_dk=1,
-               num_stages_dkv=2, num_wgs_dq=1, num_stages_dq=2)
+    return cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
+               num_stages_dq=2)
 
   def fuses_dq(self, seq_q: int, *, deterministic: bool, variant: bool = False) -> bool:
     """Whether a backward of ``seq_q`` query rows (``variant``: with an attention variant beyond
     causal) runs dQ inside the dK/dV kernel."""
-    return (self.dq_fused and not deterministic and not self.dkv_split
+    return (self.dq_fused and not deterministic and not self.dkv_split and not self.dkv_roles
             and seq_q >= self.dq_fused_min_t and (self.dq_fused_variants or not variant))
 
   def p_form(self, variant=None) -> str:
@@ -299,7 +312,10 @@ class MosaicConfig:
     """None if every kernel's tiles fit in shared memory for this head_dim, else a reason."""
     limit = SMEM_BYTES - SMEM_RESERVE
     need = {"forward": self.smem_forward(head_dim, itemsize), "dQ": self.smem_dq(head_dim, itemsize)}
-    if self.dkv_split:
+    if self.dkv_roles:
+      from .dkdv_roles import smem_bytes  # the kernel's own layout
+      need["dK/dV"] = smem_bytes(self, head_dim, itemsize)
+    elif self.dkv_split:
       need["dV pass"] = self.smem_dkv(head_dim, itemsize, want_dk=False)
       need["dK pass"] = self.smem_dkv(head_dim, itemsize, want_dv=False, num_wgs=self.num_wgs_dk)
     else:

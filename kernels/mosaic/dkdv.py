@@ -139,7 +139,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   # masks them itself; dK and dV of those keys are cut off by the caller.
   k_tail = st.n_k_tiles * nwg * bk > st.seq_k  # key tiles overhang S
   key_tail = variant is None and st.fused_dq and st.seq_k > 0 and k_tail
-  n_steps = n_i * g_size
   # Variants: rows past T only in a partial last query tile (the range table stops at T).
   q_tail = st.seq_q % bq != 0
 
@@ -357,30 +356,46 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   @pl.when(wg == nwg)
   def _producer():
     plgpu.set_max_registers(st.memory_registers, action="decrease")
+    stream_queries(q_ref, do_ref, rows_ref, delta_ref if st.want_dk else None, q_smem, do_smem,
+                   rows_smem, delta_smem, q_bar, do_bar, rows_bar, delta_bar, free, b=b, kvh=kvh,
+                   group=g_size, i_start=i_start, n_i=n_i, block_q=bq, stages=stages)
 
-    @pl.loop(0, n_steps)
-    def _(idx):
-      slot = lax.rem(idx, jnp.array(stages, idx.dtype))
-      g = lax.div(idx, n_i)
-      i = i_start + lax.rem(idx, n_i)
-      h = kvh * g_size + g  # query head g of this KV head's group
-      rows = (b, pl.ds(i * bq, bq), h)
-      row_span = (b, h, pl.ds(i * bq, bq))  # this tile's rows of delta (and of r, u)
 
-      @pl.when(idx >= stages)
-      def _():
-        plgpu.barrier_wait(free.at[slot])
+def stream_queries(q_ref, do_ref, rows_ref, delta_ref, q_smem, do_smem, rows_smem, delta_smem, q_bar,
+                   do_bar, rows_bar, delta_bar, free, *, b, kvh, group: int, i_start, n_i,
+                   block_q: int, stages: int):
+  """The producer warpgroup of the dK/dV kernels: TMA each step's ``Q_i``, the rows' ``(r, u)_i``,
+  ``dO_i`` and (``delta_ref`` not None) ``delta_i`` into a ``stages``-deep SMEM ring, over the query
+  tiles ``[i_start, i_start + n_i)`` of each of the ``group`` query heads of KV head ``kvh``.
 
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
-      plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, pl.ds(i * bq, bq)], rows_smem.at[slot],
-                              rows_bar.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
-      if st.want_dk:
-        plgpu.copy_gmem_to_smem(delta_ref.at[row_span], delta_smem.at[slot], delta_bar.at[slot])
+  Slot ``step % stages`` is refilled once every consumer has arrived on its ``free`` barrier for the
+  step ``stages`` back; the drain at the end observes the consumers' last releases (as
+  ``ops.stream_kv``)."""
+  n_steps = n_i * group
 
-    @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)  # drain (see forward)
-    def _(idx):
-      plgpu.barrier_wait(free.at[lax.rem(idx, jnp.array(stages, idx.dtype))])
+  @pl.loop(0, n_steps)
+  def _(idx):
+    slot = lax.rem(idx, jnp.array(stages, idx.dtype))
+    g = lax.div(idx, n_i)
+    i = i_start + lax.rem(idx, n_i)
+    h = kvh * group + g  # query head g of this KV head's group
+    rows = (b, pl.ds(i * block_q, block_q), h)
+    row_span = (b, h, pl.ds(i * block_q, block_q))  # this tile's rows of delta (and of r, u)
+
+    @pl.when(idx >= stages)
+    def _():
+      plgpu.barrier_wait(free.at[slot])
+
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_bar.at[slot])
+    plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, pl.ds(i * block_q, block_q)], rows_smem.at[slot],
+                            rows_bar.at[slot])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
+    if delta_ref is not None:
+      plgpu.copy_gmem_to_smem(delta_ref.at[row_span], delta_smem.at[slot], delta_bar.at[slot])
+
+  @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)  # drain (see ops.stream_kv)
+  def _(idx):
+    plgpu.barrier_wait(free.at[lax.rem(idx, jnp.array(stages, idx.dtype))])
 
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py); one per process

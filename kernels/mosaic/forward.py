@@ -177,8 +177,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
         if guard:
           r_use = jnp.where(m_new == -jnp.inf, 0.0, r_i)
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        c_row, t_row = huge_row_scale(r_use, m_use, c, st.dtype)  # (c, m) but for huge rows
-        p = jnp.exp2(sr * bcast_rows(c_row, sr.shape) - bcast_rows(t_row, sr.shape))
+        if folded is not None:  # |m| <= cap * log2 e <= 2^9 (fast_form_suffices): never huge
+          p = jnp.exp2(sr * c - bcast_rows(m_use, sr.shape))
+        else:
+          c_row, t_row = huge_row_scale(r_use, m_use, c, st.dtype)  # (c, m) but for huge rows
+          p = jnp.exp2(sr * bcast_rows(c_row, sr.shape) - bcast_rows(t_row, sr.shape))
       alpha = jnp.exp2(m_i - m_use)  # e^{m_old - m_new}: rescales the old state (line 10)
       acc = acc * bcast_rows(alpha, acc.shape)  # unscaled accumulator (§3.1.1 tweak 1)
       l_i = l_i * alpha
