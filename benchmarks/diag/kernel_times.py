@@ -3,7 +3,8 @@
     python -m benchmarks.diag.kernel_times [--shapes "2,8192,16,128;2,8192,32,64"] [--causal both]
 
 For every shape ``B,T,N,H`` and mask: the Mosaic forward kernel, the backward's XLA prologue (delta and
-the rows' (r, u) from the forward's row statistics), the backward with the separate dQ kernel (``deterministic=True``), the backward with dQ
+the rows' (r, u) from the forward's row statistics), the backward with the separate dQ kernel (``deterministic=True``) and
+its dK/dV kernel (the dK pass alone where dK/dV is split) and dQ kernel alone, the backward with dQ
 fused into the dK/dV kernel (``dq_fused=True``), and, for causal calls, forward and backward in the
 per-head launch order (``lpt_heads=1``); then fa2_jax's and cuDNN's forward+backward through the public
 API. Milliseconds per call (benchmarks/timing.py) and TFLOP/s counted with the matmuls each piece does
@@ -41,12 +42,26 @@ def programs(head_dim: int, dtype, causal: bool) -> dict:
                                      deterministic=deterministic))
 
   grads = ("q", "k", "v", "out", "stats", "do")
+  rows = ("q", "k", "v", "do", "rows", "delta", "exact")  # the kernels' operands after the prologue
+  common = dict(scale=scale, is_causal=causal, cfg=cfg)
+
+  def dkv(q, k, v, do, *r):
+    if cfg.dkv_roles:
+      return mb.dkv_roles_call(q, k, v, do, *r, seq_q=q.shape[1], seq_k=k.shape[1], **common)
+    return mb.dkv_call(q, k, v, do, *r, seq_q=q.shape[1], want_dk=True, want_dv=not cfg.dkv_split,
+                       num_wgs=cfg.num_wgs_dk if cfg.dkv_split else cfg.num_wgs_dkv, emulate=False,
+                       **common)
+
   out = {
       "mosaic forward": (fwd(cfg), ("q", "k", "v"), 2),
       "backward prologue (XLA)": (jax.jit(functools.partial(mb.prologue, scale=scale)),
                                   ("out", "do", "stats"), 0),
       "mosaic backward, separate dQ": (bwd(cfg, True), grads, 7),
       "mosaic backward, fused dQ": (bwd(fused, False), grads, 5),
+      # the separate-dQ backward's kernels alone (whole tiles: T and S multiples of 128)
+      "mosaic dK/dV kernel": (jax.jit(dkv), rows, 3 if cfg.dkv_split else 4),
+      "mosaic dQ kernel": (jax.jit(lambda q, k, v, do, *r: mb.dq_call(
+          q, k, v, do, *r, seq_k=k.shape[1], emulate=False, **common)), rows, 3),
   }
   if causal:  # the per-head launch order, for comparison with the default L2 sections
     head = cfg.replace(lpt_heads=1, lpt_heads_dkv=1)
@@ -79,6 +94,7 @@ def main(argv=None):
       progs = programs(h, q.dtype, causal)
       out, stats = progs["mosaic forward"][0](q, k, v)
       arrays = dict(q=q, k=k, v=v, do=do, out=out, stats=stats)
+      arrays.update(zip(("delta", "rows", "exact"), progs["backward prologue (XLA)"][0](out, do, stats)))
       for name, (fn, arg_names, mm) in progs.items():
         row = dict(shape=shape, causal=causal, piece=name, matmuls=mm)
         try:
