@@ -154,6 +154,7 @@ def test_fused_dq_split_and_smem():
     (dict(dkv_split="yes"), TypeError, "dkv_split"),
     (dict(dkv_roles=1), TypeError, "dkv_roles"),
     (dict(dkv_roles=True, dkv_split=True), ValueError, "dkv_roles"),
+    (dict(dq_roles="no"), TypeError, "dq_roles"),
     (dict(block_k=128.0), TypeError, "block_k"),
     (dict(num_stages=True), TypeError, "num_stages"),
     (dict(memory_registers="40"), TypeError, "memory_registers"),
@@ -197,6 +198,7 @@ def test_backward_p_form():
     (128, dict(num_stages_dkv=6, block_q_dkv=256), "dK/dV"),
     (256, dict(num_stages_dkv=6, block_q_dkv=128), "dK/dV"),  # default(256): the role-split kernel
     (256, dict(dkv_roles=False, dkv_split=True, num_stages_dkv=6, block_q_dkv=128), "dV pass"),
+    (256, dict(dq_roles=True, num_stages_dq=3), "dQ"),  # the role-split dQ kernel's own layout
 ])
 def test_check_rejects_oversized(h, kwargs, kernel):
   cfg = MosaicConfig.default(h).replace(**kwargs)
@@ -214,6 +216,13 @@ def test_check_rejects_oversized(h, kwargs, kernel):
     else:
       stats = jnp.zeros((1, 1, 2, 128), jnp.float32)
       backward(q, q, q, q, stats, q, scale=1.0, is_causal=False, config=cfg)
+
+
+def test_dq_roles_needs_head_dim_multiple_of_128():
+  cfg = MosaicConfig.default(192).replace(dq_roles=True)
+  why = cfg.check(192)
+  assert why is not None and "dq_roles" in why and "192" in why, why
+  assert MosaicConfig.default(256).replace(dq_roles=True).check(256) is None
 
 
 def test_check_fp32_itemsize_doubles_need():
@@ -558,6 +567,8 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
      True),
     # head_dim 256, the role-split dK/dV kernel: causal, T < S, GQA 2:1, lse cotangent
     (1, 136, 200, 2, 1, 256, True, None, True),
+    # and the role-split dQ kernel (dq_roles): non-causal, T > S, ragged
+    (1, 200, 136, 2, 2, 256, False, MosaicConfig.default(256).replace(dq_roles=True), False),
     # fused dQ at head_dim 128: the two consumers split each dQ tile by columns (dq_split "cols")
     (1, 200, 136, 2, 1, 128, True, MosaicConfig.default(128).replace(dq_fused=True, dq_fused_min_t=0), False),
     # fused dQ, 64-row tiles at head_dim 64: no split (each consumer adds its own keys' partial)

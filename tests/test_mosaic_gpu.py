@@ -269,11 +269,14 @@ def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv, b
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h, causal, t, s, n, kh", [
-    (256, True, 1000, 777, 4, 2), (256, False, 2048, 2048, 4, 4), (192, True, 300, 520, 4, 1)])
-def test_mosaic_dkdv_roles_matches_split_passes(h, causal, t, s, n, kh):
+@pytest.mark.parametrize("h, causal, t, s, n, kh, dq_roles", [
+    (256, True, 1000, 777, 4, 2, False), (256, False, 2048, 2048, 4, 4, False),
+    (192, True, 300, 520, 4, 1, False), (256, True, 1000, 777, 4, 2, True),
+    (256, False, 300, 520, 4, 1, True)])
+def test_mosaic_dkdv_roles_matches_split_passes(h, causal, t, s, n, kh, dq_roles):
   """The role-split dK/dV kernel (``dkv_roles``) against the dV and dK passes (``dkv_split``): the
-  same products per key, P^T handed between the warpgroups in f32."""
+  same products per key, P^T handed between the warpgroups in f32; with ``dq_roles`` the role-split
+  dQ kernel against the one-warpgroup dQ kernel too."""
   from fa2_jax.kernels.mosaic.backward import backward
   from fa2_jax.kernels.mosaic.config import MosaicConfig
   from fa2_jax.kernels.mosaic.forward import forward
@@ -285,7 +288,7 @@ def test_mosaic_dkdv_roles_matches_split_passes(h, causal, t, s, n, kh):
   scale = h ** -0.5
   out, stats = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
   split = MosaicConfig.default(h).replace(dkv_split=True, dkv_roles=False)
-  roles = split.replace(dkv_split=False, dkv_roles=True)
+  roles = split.replace(dkv_split=False, dkv_roles=True, dq_roles=dq_roles)
   bwd = lambda cfg: jax.jit(lambda *a: backward(*a, scale=scale, is_causal=causal, config=cfg))
   ref = bwd(split)(q, k, v, out, stats, do)
   got = bwd(roles)(q, k, v, out, stats, do)

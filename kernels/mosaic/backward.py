@@ -53,6 +53,7 @@ from .config import WG_ROWS, MosaicConfig, supports
 from .dkdv import dkv_call
 from .dkdv_roles import dkv_roles_call
 from .dq import dq_call
+from .dq_roles import dq_roles_call
 from .lengths import pad_axis, plan_lengths
 from .ops import emulating
 from .variant import operands as variant_operands
@@ -64,7 +65,7 @@ from .variant import zero_padding
 
 def backward_tiles(cfg: MosaicConfig) -> tuple[int, int]:
   """(query, key) extents that every backward kernel's tiles divide: the HBM padding unit."""
-  q_tile = math.lcm(cfg.num_wgs_dq * cfg.block_q_dq, cfg.block_q_dkv)
+  q_tile = math.lcm(cfg.dq_rows(), cfg.block_q_dkv)
   k_tiles = [cfg.block_k_dq, cfg.dkv_keys()]
   if cfg.dkv_split:
     k_tiles.append(cfg.num_wgs_dk * cfg.block_k_dkv)
@@ -148,7 +149,7 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     return dq, dk, dv
   if cfg.dkv_roles:
     dk, dv = dkv_roles_call(qp, kp, vp, dop, *per_row, scale=scale, is_causal=is_causal, seq_q=t,
-                            seq_k=s, cfg=cfg)
+                            seq_k=s, cfg=cfg, emulate=emulating())
   elif cfg.dkv_split:
     (dv,) = dkv_call(qp, kp, vp, dop, *per_row, want_dk=False, want_dv=True,
                       num_wgs=cfg.num_wgs_dkv, **common)
@@ -157,8 +158,12 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   else:
     dk, dv = dkv_call(qp, kp, vp, dop, *per_row, want_dk=True, want_dv=True,
                        num_wgs=cfg.num_wgs_dkv, **common)
-  dq = dq_call(qp, kp, vp, dop, *per_row, scale=scale, is_causal=is_causal, seq_k=s, cfg=cfg,
-                emulate=emulating())
+  if cfg.dq_roles:
+    dq = dq_roles_call(qp, kp, vp, dop, *per_row, scale=scale, is_causal=is_causal, seq_k=s,
+                       cfg=cfg, seq_q=t, emulate=emulating())
+  else:
+    dq = dq_call(qp, kp, vp, dop, *per_row, scale=scale, is_causal=is_causal, seq_k=s, cfg=cfg,
+                 emulate=emulating())
   if plan.pad_t:
     dq = dq[:, :t]
   if plan.pad_s:
@@ -194,7 +199,8 @@ def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables
     ops, names = inputs(table, -(-s_hbm // cols))
     if roles:
       return dkv_roles_call(qp, kp, vp, dop, *per_row, *ops, scale=scale, is_causal=is_causal,
-                            seq_q=seq_q, seq_k=s, cfg=cfg, variant=variant, names=names)
+                            seq_q=seq_q, seq_k=s, cfg=cfg, emulate=emulate, variant=variant,
+                            names=names)
     return dkv_call(qp, kp, vp, dop, *per_row, *ops, want_dk=want_dk, want_dv=want_dv,
                      num_wgs=num_wgs, seq_q=seq_q, seq_k=s, names=names, fused_dq=fused_dq, **common)
 
@@ -208,12 +214,15 @@ def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables
     (dk,) = dkv(True, False, cfg.num_wgs_dk, "dk")
   else:
     dk, dv = dkv(True, True, cfg.num_wgs_dkv, "dkv")
-  rows = cfg.num_wgs_dq * cfg.block_q_dq  # query rows per dQ CTA
+  rows = cfg.dq_rows()  # query rows per dQ CTA
   table = tables.get("dq")
   if table is None:
     table = kv_range_table(variant, arrays, block_q=rows, block_k=cfg.block_k_dq, **dims)
   ops, names = inputs(table, -(-t_hbm // rows))
-  dq = dq_call(qp, kp, vp, dop, *per_row, *ops, seq_k=s, seq_q=seq_q, names=names, **common)
+  if cfg.dq_roles:
+    dq = dq_roles_call(qp, kp, vp, dop, *per_row, *ops, seq_k=s, seq_q=seq_q, names=names, **common)
+  else:
+    dq = dq_call(qp, kp, vp, dop, *per_row, *ops, seq_k=s, seq_q=seq_q, names=names, **common)
   return dq[:, :t], dk[:, :s], dv[:, :s]
 
 

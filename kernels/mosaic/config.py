@@ -86,6 +86,8 @@ class MosaicConfig:
   ``dkv_roles``: the other way for a large head_dim, one dK/dV kernel whose CTA owns ``block_k_dkv``
   keys and whose two consumer warpgroups split each step by role (``S^T``, ``P^T``, ``dV`` | ``dP^T``,
   ``dS^T``, ``dK``; ``kernels/mosaic/dkdv_roles.py``), so S and dP are computed once per step.
+  ``dq_roles``: the same for the separate dQ kernel, whose CTA then owns ``block_q_dq`` query rows
+  (``S``, ``P`` | ``dP``, ``dS``; each warpgroup half of dQ's columns; ``kernels/mosaic/dq_roles.py``).
   ``dq_fused`` (on by default for head_dim 64/128, used only when the call allows a non-deterministic
   backward, dK/dV are not split and T >= ``dq_fused_min_t``, see :meth:`fuses_dq`): the dK/dV kernel also computes ``dS_ij K_j``
   and adds it to an f32 dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ
@@ -129,6 +131,7 @@ class MosaicConfig:
   num_wgs_dkv: int = 2
   dkv_split: bool = False
   dkv_roles: bool = False
+  dq_roles: bool = False
   num_wgs_dk: int = 1
   block_q_dq: int = 64
   block_k_dq: int = 64
@@ -162,7 +165,8 @@ class MosaicConfig:
           raise ValueError(f"MosaicConfig.consumer_barrier must be one of {CONSUMER_BARRIERS}, "
                            f"got {v!r}")
         continue
-      if f.name in ("pingpong", "dkv_split", "dkv_roles", "dq_fused", "dq_fused_variants"):
+      if f.name in ("pingpong", "dkv_split", "dkv_roles", "dq_roles", "dq_fused",
+                    "dq_fused_variants"):
         if not isinstance(v, bool):
           raise TypeError(f"MosaicConfig.{f.name} must be a bool, got {v!r}")
         continue
@@ -210,7 +214,7 @@ class MosaicConfig:
              "dkv": ("q", self.block_q_dkv, self.dkv_keys())}
     if seq_q is not None and self.fuses_dq(seq_q, deterministic=deterministic, variant=True):
       return tiles
-    tiles["dq"] = ("kv", self.num_wgs_dq * self.block_q_dq, self.block_k_dq)
+    tiles["dq"] = ("kv", self.dq_rows(), self.block_k_dq)
     if self.dkv_split:  # the dK kernel has its own key tiles
       tiles["dk"] = ("q", self.block_q_dkv, self.num_wgs_dk * self.block_k_dkv)
     return tiles
@@ -219,6 +223,11 @@ class MosaicConfig:
     """Keys per CTA of the (first) dK/dV kernel: one warpgroup's ``block_k_dkv`` for the role-split
     kernel, whose two consumers share them, else ``num_wgs_dkv * block_k_dkv``."""
     return self.block_k_dkv if self.dkv_roles else self.num_wgs_dkv * self.block_k_dkv
+
+  def dq_rows(self) -> int:
+    """Query rows per CTA of the separate dQ kernel: ``block_q_dq`` for the role-split kernel, whose
+    two consumers share them, else ``num_wgs_dq * block_q_dq``."""
+    return self.block_q_dq if self.dq_roles else self.num_wgs_dq * self.block_q_dq
 
   def registers(self, num_wgs: int) -> int:
     """setmaxnreg of the consumer warpgroups (the producer gets ``memory_registers``).
@@ -310,8 +319,15 @@ class MosaicConfig:
 
   def check(self, head_dim: int, itemsize: int = 2) -> str | None:
     """None if every kernel's tiles fit in shared memory for this head_dim, else a reason."""
+    if self.dq_roles and head_dim % (2 * WG_ROWS):
+      return (f"MosaicConfig.dq_roles needs a head_dim that is a multiple of {2 * WG_ROWS} (each "
+              f"warpgroup computes half of dQ's columns, whole {WG_ROWS}-element tiles), got "
+              f"{head_dim}")
     limit = SMEM_BYTES - SMEM_RESERVE
     need = {"forward": self.smem_forward(head_dim, itemsize), "dQ": self.smem_dq(head_dim, itemsize)}
+    if self.dq_roles:
+      from .dq_roles import smem_bytes as dq_bytes  # the kernel's own layout
+      need["dQ"] = dq_bytes(self, head_dim, itemsize)
     if self.dkv_roles:
       from .dkdv_roles import smem_bytes  # the kernel's own layout
       need["dK/dV"] = smem_bytes(self, head_dim, itemsize)

@@ -238,9 +238,9 @@ def smem_bytes(cfg: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
   return 2 * bk * head_dim * itemsize + ring + bk * bq * 4
 
 
-@kernel_call(('scale', 'is_causal', 'seq_q', 'seq_k', 'cfg', 'variant', 'names'))
+@kernel_call(('scale', 'is_causal', 'seq_q', 'seq_k', 'cfg', 'emulate', 'variant', 'names'))
 def dkv_roles_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, seq_k,
-                   cfg: MosaicConfig, variant=None, names=()):
+                   cfg: MosaicConfig, emulate=False, variant=None, names=()):
   """``(dk, dv)`` ``[B, S_hbm, K, H]`` of the role-split kernel; operands as ``dkdv.dkv_call``."""
   b, t_hbm, n, h = q.shape
   s_hbm, kh = k.shape[1], k.shape[2]
