@@ -199,11 +199,12 @@ def describe(backend: str, query, key, *, is_causal: bool, implementation, block
     if fused:
       bwd = ("mosaic dK/dV + fused dQ",)
     elif cfg.dkv_roles:
-      bwd = ("mosaic dK/dV (split by role)", "mosaic dQ")
+      bwd = ("mosaic dK/dV (split by role)",
+             "mosaic dQ (split by role)" if cfg.dq_roles else "mosaic dQ")
     elif cfg.dkv_split:
-      bwd = ("mosaic dV", "mosaic dK", "mosaic dQ")
+      bwd = ("mosaic dV", "mosaic dK", "mosaic dQ (split by role)" if cfg.dq_roles else "mosaic dQ")
     else:
-      bwd = ("mosaic dK/dV", "mosaic dQ")
+      bwd = ("mosaic dK/dV", "mosaic dQ (split by role)" if cfg.dq_roles else "mosaic dQ")
     why = ("a MosaicConfig was passed" if isinstance(block_sizes, MosaicConfig) else
            "implementation='mosaic'" if implementation == "mosaic" else
            "Hopper GPU and a supported call (bf16/fp16, head_dim 64/128/192/256)")

@@ -71,7 +71,7 @@ def test_supports_rejects(q_shape, k_shape, dtype, h, words):
 def test_default_configs_fit(h):
   cfg = MosaicConfig.default(h)
   assert cfg.check(h) is None
-  assert cfg.dkv_roles == (h > 128) and not cfg.dkv_split
+  assert cfg.dkv_roles == (h > 128) and not cfg.dkv_split and cfg.dq_roles == (h == 256)
   for nwg in (1, 2):
     # 65536 registers per SM: producer WG (memory_registers) + consumers must fit.
     assert 128 * (nwg * cfg.registers(nwg) + cfg.memory_registers) <= 65536
@@ -198,7 +198,7 @@ def test_backward_p_form():
     (128, dict(num_stages_dkv=6, block_q_dkv=256), "dK/dV"),
     (256, dict(num_stages_dkv=6, block_q_dkv=128), "dK/dV"),  # default(256): the role-split kernel
     (256, dict(dkv_roles=False, dkv_split=True, num_stages_dkv=6, block_q_dkv=128), "dV pass"),
-    (256, dict(dq_roles=True, num_stages_dq=3), "dQ"),  # the role-split dQ kernel's own layout
+    (256, dict(num_stages_dq=3), "dQ"),  # default(256): the role-split dQ kernel's own layout
 ])
 def test_check_rejects_oversized(h, kwargs, kernel):
   cfg = MosaicConfig.default(h).replace(**kwargs)
@@ -496,9 +496,10 @@ LOWER_CASES = [  # b, t, s, n, kh, h, causal, dtype, cfg, kernels
      MosaicConfig.default(128, is_causal=True).replace(pingpong=False, ragged="pad"), ("forward", "dkdv", "dq")),
     # head_dim 256: dK/dV in one kernel whose two consumers split each step by role (the default),
     # or in a dV pass and a dK pass
-    (1, 256, 200, 2, 2, 256, True, BF16, None, ("forward", "dkdv_roles", "dq")),
+    (1, 256, 200, 2, 2, 256, True, BF16, None, ("forward", "dkdv_roles", "dq_roles")),
     (1, 256, 200, 4, 2, 256, False, BF16,
-     MosaicConfig.default(256).replace(dkv_roles=False, dkv_split=True), ("forward", "dv", "dk", "dq")),
+     MosaicConfig.default(256).replace(dkv_roles=False, dkv_split=True, dq_roles=False),
+     ("forward", "dv", "dk", "dq")),
     # fused dQ (TMA reduce-add inside the dK/dV kernel): no dQ kernel
     (1, 1000, 777, 4, 2, 128, True, BF16, MosaicConfig.default(128).replace(dq_fused=True, dq_fused_min_t=0),
      ("forward", "dkdv_dq")),
@@ -524,7 +525,7 @@ def test_lowers_for_sm90(case):
   text = lowered.as_text()
   # one Mosaic GPU custom call per kernel, each carrying its serialized Mosaic module
   assert text.count("stablehlo.custom_call @mosaic_gpu") == len(kernels), text[:2000]
-  names = set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq)_mosaic_gpu", text))
+  names = set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq_roles|dq)_mosaic_gpu", text))
   assert names == set(kernels)
   # output shapes/dtypes as documented
   outs = lowered.out_info
@@ -567,8 +568,9 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
      True),
     # head_dim 256, the role-split dK/dV kernel: causal, T < S, GQA 2:1, lse cotangent
     (1, 136, 200, 2, 1, 256, True, None, True),
-    # and the role-split dQ kernel (dq_roles): non-causal, T > S, ragged
-    (1, 200, 136, 2, 2, 256, False, MosaicConfig.default(256).replace(dq_roles=True), False),
+    # non-causal, T > S, ragged; head_dim 192: the one-warpgroup dQ kernel
+    (1, 200, 136, 2, 2, 256, False, None, False),
+    (1, 100, 77, 2, 2, 192, False, None, False),
     # fused dQ at head_dim 128: the two consumers split each dQ tile by columns (dq_split "cols")
     (1, 200, 136, 2, 1, 128, True, MosaicConfig.default(128).replace(dq_fused=True, dq_fused_min_t=0), False),
     # fused dQ, 64-row tiles at head_dim 64: no split (each consumer adds its own keys' partial)
@@ -809,15 +811,15 @@ def test_variant_kernels_lower_for_sm90(h, fused):
                 mask_fn=lambda b_, h_, i, j: (i + j) % 5 != 0, score_fn=lambda x, *_: x * 0.5)
   variant, arrays = check_variant(q, kv, **kwargs)
   split = fused == "split"
-  cfg = (MosaicConfig.default(h).replace(dkv_roles=False, dkv_split=True) if split else
+  cfg = (MosaicConfig.default(h).replace(dkv_roles=False, dkv_split=True, dq_roles=False) if split else
          MosaicConfig.default(h).replace(dq_fused_variants=True, dq_fused_min_t=0) if fused else None)
   f = lambda q, k, v, do, arrays: _variant_run(q, k, v, do, variant, arrays, h ** -0.5, cfg,
                                                deterministic=not fused or split)
   text = jax.jit(f).trace(q, kv, kv, q, arrays).lower(lowering_platforms=("cuda",)).as_text()
   kernels = (("forward", "dv", "dk", "dq") if split else ("forward", "dkdv_dq") if fused else
-             ("forward", "dkdv_roles", "dq") if h == 256 else ("forward", "dkdv", "dq"))
+             ("forward", "dkdv_roles", "dq_roles") if h == 256 else ("forward", "dkdv", "dq"))
   assert text.count("stablehlo.custom_call @mosaic_gpu") == len(kernels)
-  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq)_mosaic_gpu", text)) == set(kernels)
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq_roles|dq)_mosaic_gpu", text)) == set(kernels)
 
 
 def test_fused_dq_under_vmap_keeps_the_batch_index_of_mask_fn():
@@ -871,5 +873,5 @@ def test_fused_dq_variant_under_vmap_lowers_for_sm90():
   traced = jax.jit(g).trace(qs, kvs, kvs, qs, arrays)
   assert [o.shape for o in traced.out_info[2:]] == [qs.shape, kvs.shape, kvs.shape]
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
-  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq)_mosaic_gpu", text)) == {
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq_roles|dq)_mosaic_gpu", text)) == {
       "forward", "dkdv_dq"}

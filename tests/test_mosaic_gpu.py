@@ -287,7 +287,7 @@ def test_mosaic_dkdv_roles_matches_split_passes(h, causal, t, s, n, kh, dq_roles
   do = jax.random.normal(ks[3], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
   scale = h ** -0.5
   out, stats = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
-  split = MosaicConfig.default(h).replace(dkv_split=True, dkv_roles=False)
+  split = MosaicConfig.default(h).replace(dkv_split=True, dkv_roles=False, dq_roles=False)
   roles = split.replace(dkv_split=False, dkv_roles=True, dq_roles=dq_roles)
   bwd = lambda cfg: jax.jit(lambda *a: backward(*a, scale=scale, is_causal=causal, config=cfg))
   ref = bwd(split)(q, k, v, out, stats, do)
@@ -338,7 +338,7 @@ def test_mosaic_config_reaches_the_kernels(fake_hopper, deterministic, kernels):
     (128, 2048, True, False, {"forward", "dkdv", "dq"}),  # fewer rows: the separate dQ kernel
     (128, 256, False, False, {"forward", "dkdv", "dq"}),
     (128, 4096, False, True, {"forward", "dkdv", "dq"}),  # deterministic: the separate dQ kernel
-    (256, 4096, False, False, {"forward", "dkdv_roles", "dq"})])  # head_dim 256: no fusion
+    (256, 4096, False, False, {"forward", "dkdv_roles", "dq_roles"})])  # head_dim 256: no fusion
 def test_default_backward_kernels(fake_hopper, h, t, causal, deterministic, kernels):
   """Which backward kernels implementation=None runs on Hopper (sm90 lowering of grad)."""
   import re
@@ -347,7 +347,7 @@ def test_default_backward_kernels(fake_hopper, h, t, causal, deterministic, kern
       q, k, v, is_causal=causal, deterministic=deterministic).astype(jnp.float32))
   text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(sd, sd, sd).lower(
       lowering_platforms=("cuda",)).as_text()
-  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dq|dv|dk)_mosaic_gpu", text)) == kernels
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dq_roles|dq|dv|dk)_mosaic_gpu", text)) == kernels
 
 
 @pytest.mark.parametrize("kv_axes", [0, None])

@@ -982,8 +982,9 @@ def test_variant_fused_dq_head_dim_128_compiled_on_gpu(variant, causal):
 @pytest.mark.parametrize("variant, t, s", [("combined", 300, 520), ("soft_cap", 300, 520),
                                            ("causal_window", 300, 520), ("segments", 21, 13)])
 def test_variant_dkdv_roles_head_dim_256_compiled_on_gpu(variant, t, s):
-  """Head_dim 256's role-split dK/dV kernel (``dkv_roles``, its default) with attention variants."""
-  assert fa2_jax.MosaicConfig.default(256).dkv_roles
+  """Head_dim 256's role-split dK/dV and dQ kernels (``dkv_roles``, ``dq_roles``, its defaults) with
+  attention variants."""
+  assert fa2_jax.MosaicConfig.default(256).dkv_roles and fa2_jax.MosaicConfig.default(256).dq_roles
   check_compiled(variant, t, s, 256, dict(implementation="mosaic"))
 
 

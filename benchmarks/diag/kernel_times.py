@@ -60,8 +60,9 @@ def programs(head_dim: int, dtype, causal: bool) -> dict:
       "mosaic backward, fused dQ": (bwd(fused, False), grads, 5),
       # the separate-dQ backward's kernels alone (whole tiles: T and S multiples of 128)
       "mosaic dK/dV kernel": (jax.jit(dkv), rows, 3 if cfg.dkv_split else 4),
-      "mosaic dQ kernel": (jax.jit(lambda q, k, v, do, *r: mb.dq_call(
-          q, k, v, do, *r, seq_k=k.shape[1], emulate=False, **common)), rows, 3),
+      "mosaic dQ kernel": (jax.jit(lambda q, k, v, do, *r: (
+          mb.dq_roles_call if cfg.dq_roles else mb.dq_call)(
+              q, k, v, do, *r, seq_k=k.shape[1], emulate=False, **common)), rows, 3),
   }
   if causal:  # the per-head launch order, for comparison with the default L2 sections
     head = cfg.replace(lpt_heads=1, lpt_heads_dkv=1)

@@ -249,9 +249,9 @@ class MosaicConfig:
     head_dim 64: 256-key forward tiles, 128-row dK/dV tiles, 128-key dQ tiles (the fastest in the
     sweep, docs/design.md#mosaic-tiles-head-dim-64). 128: 128-key tiles, 2-deep rings (no variant was
     faster, docs/design.md#mosaic-tiles-head-dim-128). 192/256: 64-key tiles; the backward runs the
-    role-split dK/dV kernel (``dkv_roles``: faster than the dV and dK passes) and the dQ kernel with
-    one consumer warpgroup, to fit SMEM and registers
-    (docs/design.md#mosaic-tiles-head-dim-192-and-256).
+    role-split dK/dV kernel (``dkv_roles``: faster than the dV and dK passes) and, at 256, the
+    role-split dQ kernel (``dq_roles``; at 192 the dQ kernel with one consumer warpgroup), to fit SMEM
+    and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
     """
     del dtype  # same settings for bf16/fp16 until measured otherwise
     # Fused dQ (used only when the call allows a non-deterministic backward) from 2k query rows
@@ -270,7 +270,7 @@ class MosaicConfig:
     if head_dim <= 128:
       return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, **fused, **regs)
     return cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
-               num_stages_dq=2)
+               num_stages_dq=2, dq_roles=head_dim % (2 * WG_ROWS) == 0)
 
   def fuses_dq(self, seq_q: int, *, deterministic: bool, variant: bool = False) -> bool:
     """Whether a backward of ``seq_q`` query rows (``variant``: with an attention variant beyond
