@@ -575,14 +575,20 @@ def test_kernel_times_programs_lower_for_hopper(monkeypatch):
   from benchmarks.diag import kernel_times
   monkeypatch.setattr(fa2_jax.dispatch, "on_gpu", lambda: True)
   monkeypatch.setattr(fa2_jax.dispatch, "gpu_compute_capability", lambda: (9, 0))
-  x = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
-  arrays = dict(q=x, k=x, v=x, do=x, out=x, stats=jax.ShapeDtypeStruct((1, 2, 2, 256), jnp.float32))
-  progs = kernel_times.programs(64, jnp.bfloat16, causal=False)
-  for name, kernel in (("mosaic forward", "forward"), ("backward prologue (XLA)", None),
-                       ("mosaic backward, fused dQ", "dkdv_dq")):
-    fn, arg_names, _ = progs[name]
-    text = fn.trace(*[arrays[a] for a in arg_names]).lower(lowering_platforms=("cuda",)).as_text()
-    assert kernel is None or f"fa2_mosaic_{kernel}_mosaic_gpu" in text, name
+  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+  for h, dkv, dq in ((64, "dkdv", "dq"), (256, "dkdv_roles", "dq_roles")):
+    x = jax.ShapeDtypeStruct((1, 256, 2, h), jnp.bfloat16)
+    arrays = dict(q=x, k=x, v=x, do=x, out=x, stats=f32(1, 2, 2, 256), rows=f32(1, 2, 2, 256),
+                  delta=f32(1, 2, 256), exact=jax.ShapeDtypeStruct((1, 2), jnp.int32))
+    progs = kernel_times.programs(h, jnp.bfloat16, causal=False)
+    pieces = [("mosaic forward", "forward"), ("backward prologue (XLA)", None),
+              ("mosaic dK/dV kernel", dkv), ("mosaic dQ kernel", dq)]
+    if h == 64:
+      pieces.append(("mosaic backward, fused dQ", "dkdv_dq"))
+    for name, kernel in pieces:
+      fn, arg_names, _ = progs[name]
+      text = fn.trace(*[arrays[a] for a in arg_names]).lower(lowering_platforms=("cuda",)).as_text()
+      assert kernel is None or f"fa2_mosaic_{kernel}_mosaic_gpu" in text, (h, name)
 
 
 def test_diag_shape_args():
