@@ -143,9 +143,10 @@ def folded_soft_cap(variant, scale: float) -> tuple[float, float] | None:
   :func:`fast_form_suffices` asks. Their logits are then ``tanh(into * s)`` with ``c = cap * log2 e``
   (``exp2(t * c - m)``, one multiply per element less than ``exp2(cap * log2 e * t - m)``); what they
   store stays in base-2 logits (``m = r * c`` and ``l`` as summed, relative to ``2^m``), so the lse
-  and the backward's rows are computed as for other score modifications. The
-  Mosaic forward folds (its ``exp2(s * c_row - t_row)`` has a per-row ``c_row``, so the cap's
-  factor was a multiply of its own); the backwards do not: in their fast form ``exp2(s2 - t)`` the
+  and the backward's rows are computed as for other score modifications; the row maximum is then at
+  most ``cap * log2 e``, so the forward also skips :func:`huge_row_scale`. The Mosaic forward folds
+  (its other calls' ``exp2(s * c_row - t_row)`` has a per-row ``c_row``, so the cap's factor was a
+  multiply of its own); the backwards do not: in their fast form ``exp2(s2 - t)`` the
   compiler already contracts the factor into the FMA (folded, the H200 gave the same gradients bit
   for bit, docs/design.md, "Attention variants")."""
   if not fast_form_suffices(variant):

@@ -417,8 +417,8 @@ def test_plan_lengths_default_tiles():
     assert p.t_hbm == 1000 and p.pad_t == 0  # multiple of 8 and >= one tile: TMA bounds, no pad
     assert p.s_hbm == 896 and p.pad_s == 119  # 777 is not a multiple of 8: padded to 7 x 128
     assert p.t_rows == 1024
-  # h256: 64-key forward tiles; the backward's dQ CTA has one consumer (64 rows) and the role-split
-  # dK/dV kernel 64 keys; the split dV pass would cover 2 x 64 keys
+  # h256: 64-key forward tiles; the role-split dQ kernel's CTA owns 64 rows and the role-split dK/dV
+  # kernel's 64 keys; the split dV pass would cover 2 x 64 keys
   cfg = MosaicConfig.default(256)
   assert _fwd_tiles(cfg) == (128, 64)
   assert plan_lengths(1000, 777, q_tile=128, k_tile=64, mode="tma").s_hbm == 832
@@ -566,7 +566,7 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # fused dQ: causal, GQA 2:1, ragged T/S, lse cotangent (emulated: per-consumer slabs, summed)
     (1, 136, 200, 4, 2, 64, True, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=2),
      True),
-    # head_dim 256, the role-split dK/dV kernel: causal, T < S, GQA 2:1, lse cotangent
+    # head_dim 256, the role-split dK/dV and dQ kernels: causal, T < S, GQA 2:1, lse cotangent
     (1, 136, 200, 2, 1, 256, True, None, True),
     # non-causal, T > S, ragged; head_dim 192: the one-warpgroup dQ kernel
     (1, 200, 136, 2, 2, 256, False, None, False),
@@ -753,11 +753,9 @@ def test_interpret_variants(name, fused):
   _check_interpret_variant(name, FUSED_VARIANTS if fused else None, deterministic=not fused)
 
 
-
-
 def test_interpret_variants_dkdv_roles():
-  """Head_dim 256 with the role-split dK/dV kernel (``dkv_roles``, its dense causal GQA case in
-  ``INTERPRET_CASES``): lengths (a batch element with no query row), a soft cap's derivative handed
+  """Head_dim 256 with the role-split dK/dV and dQ kernels (``dkv_roles``, ``dq_roles``; their dense
+  cases in ``INTERPRET_CASES``): lengths (a batch element with no query row), a soft cap's derivative handed
   between the warpgroups with P, and ALiBi."""
   assert MosaicConfig.default(256).dkv_roles
   _check_interpret_variant("lengths_soft_cap_alibi", None, deterministic=True, h=256)

@@ -5,7 +5,7 @@
 For every shape ``B,T,N,H`` and mask: the Mosaic forward kernel, the backward's XLA prologue (delta and
 the rows' (r, u) from the forward's row statistics), the backward with the separate dQ kernel (``deterministic=True``) and
 its dK/dV kernel (the dK pass alone where dK/dV is split) and dQ kernel alone, the backward with dQ
-fused into the dK/dV kernel (``dq_fused=True``), and, for causal calls, forward and backward in the
+fused into the dK/dV kernel (``dq_fused=True``, where the config can fuse it), and, for causal calls, forward and backward in the
 per-head launch order (``lpt_heads=1``); then fa2_jax's and cuDNN's forward+backward through the public
 API. Milliseconds per call (benchmarks/timing.py) and TFLOP/s counted with the matmuls each piece does
 (forward: 2 per tile pair; backward: dK/dV 4 + dQ 3; fused: 5).
@@ -57,7 +57,8 @@ def programs(head_dim: int, dtype, causal: bool) -> dict:
       "backward prologue (XLA)": (jax.jit(functools.partial(mb.prologue, scale=scale)),
                                   ("out", "do", "stats"), 0),
       "mosaic backward, separate dQ": (bwd(cfg, True), grads, 7),
-      "mosaic backward, fused dQ": (bwd(fused, False), grads, 5),
+      **({"mosaic backward, fused dQ": (bwd(fused, False), grads, 5)}
+         if fused.fuses_dq(1 << 30, deterministic=False) else {}),
       # the separate-dQ backward's kernels alone (whole tiles: T and S multiples of 128)
       "mosaic dK/dV kernel": (jax.jit(dkv), rows, 3 if cfg.dkv_split else 4),
       "mosaic dQ kernel": (jax.jit(lambda q, k, v, do, *r: (

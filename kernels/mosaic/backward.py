@@ -18,11 +18,15 @@
        dK_j += dS^T Q_i                                           (line 16)
    GQA/MQA: the loop runs over the ``G = N / K`` query heads of the KV head *inside* the kernel, so dK/dV
    are summed over the group on chip and written once per KV head (no XLA sum, no [B, S, N, H] buffer).
-   For head_dim > 128 two 64 x H f32 accumulators do not fit in registers: ``dkv_split`` runs a dV-only
+   For head_dim > 128 two 64 x H f32 accumulators do not fit in one warpgroup's registers: the
+   default there is ``dkdv_roles.py`` (``MosaicConfig.dkv_roles``), whose two consumers share 64 keys
+   and split each step by role (S^T, P^T, dV | dP^T, dS^T, dK); ``dkv_split`` instead runs a dV-only
    pass and a dK-only pass (the dK pass with one consumer so K, V, Q, dO fit in SMEM).
 3. **dQ kernel** (``dq.py``; deterministic; FA2 writes dQ with atomic adds, here a separate pass with grid
    ``(batch, head, query tile)`` owns each dQ_i and loops over key tiles, recomputing S, P, dP, dS — the
-   structure of the forward): ``dQ_i += dS K_j`` (line 15), no atomics, bit-identical across runs.
+   structure of the forward): ``dQ_i += dS K_j`` (line 15), no atomics, bit-identical across runs. At
+   head_dim 256 the default is ``dq_roles.py`` (``MosaicConfig.dq_roles``): two consumers share 64
+   query rows by role (S, P | dP, dS), each adding half of dQ's columns.
 
 4. **Fused dQ** (``MosaicConfig.dq_fused``, only when the caller allows a
    non-deterministic backward): the dK/dV kernel also stages ``dS^T`` in SMEM, computes

@@ -81,7 +81,8 @@ class MosaicConfig:
   dK/dV (Alg. 2): a CTA owns ``num_wgs_dkv * block_k_dkv`` keys, ``block_k_dkv`` (= 64) per consumer
   warpgroup, and streams ``block_q_dkv``-row tiles of Q, dO, the rows' (r, u) and delta (``num_stages_dkv`` deep).
   ``dkv_split`` runs dV and dK as two passes, each keeping one f32 accumulator in registers instead of
-  two (needed for head_dim > 128: two 64 x 256 f32 accumulators are 256 registers per thread).
+  two (one way for head_dim > 128, where two 64 x 256 f32 accumulators are 256 registers per thread;
+  the default there is ``dkv_roles``).
   ``num_wgs_dk`` is the consumer count of the dK pass when split (its SMEM holds K, V, Q, dO).
   ``dkv_roles``: the other way for a large head_dim, one dK/dV kernel whose CTA owns ``block_k_dkv``
   keys and whose two consumer warpgroups split each step by role (``S^T``, ``P^T``, ``dV`` | ``dP^T``,
@@ -89,7 +90,7 @@ class MosaicConfig:
   ``dq_roles``: the same for the separate dQ kernel, whose CTA then owns ``block_q_dq`` query rows
   (``S``, ``P`` | ``dP``, ``dS``; each warpgroup half of dQ's columns; ``kernels/mosaic/dq_roles.py``).
   ``dq_fused`` (on by default for head_dim 64/128, used only when the call allows a non-deterministic
-  backward, dK/dV are not split and T >= ``dq_fused_min_t``, see :meth:`fuses_dq`): the dK/dV kernel also computes ``dS_ij K_j``
+  backward, dK/dV are neither split into passes nor by role and T >= ``dq_fused_min_t``, see :meth:`fuses_dq`): the dK/dV kernel also computes ``dS_ij K_j``
   and adds it to an f32 dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ
   kernel and its second computation of S and dP; it stages dS^T (bf16, double-buffered) and the dQ piece (f32) in SMEM. With
   two consumers the [block_q_dkv, H] dQ tile is split between them (by columns when H >= 128, else by

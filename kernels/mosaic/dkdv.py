@@ -17,7 +17,9 @@ as wgmma's M dimension::
 
 GQA/MQA: the loop runs over the ``G = N / K`` query heads of the KV head *inside* the kernel, so dK/dV
 are summed over the group on chip and written once per KV head. For head_dim > 128 two 64 x H f32
-accumulators do not fit in registers: ``dkv_split`` runs a dV-only pass and a dK-only pass.
+accumulators do not fit in one warpgroup's registers: ``dkdv_roles.py`` (the default there) splits
+each step between two warpgroups by role; ``dkv_split`` runs this kernel as a dV-only pass and a
+dK-only pass.
 
 Fused dQ (``fused_dq``): the kernel also stages ``dS^T`` in SMEM, computes ``dS_ij K_j`` with wgmma and
 adds it to an f32 ``[B, T, N, H]`` dQ accumulator in HBM by TMA reduce-add (see ``backward.py``).
