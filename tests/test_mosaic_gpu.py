@@ -238,6 +238,20 @@ def _psum_loss(res):
   return jax.lax.psum(loss, "data"), grads
 
 
+def _backward_operands(seed, t, s, n, kh, h, causal):
+  """``(q, k, v, out, stats, do)`` of the Mosaic backward for random bf16 inputs (B=2), and the
+  scale: the forward compiled once, the backward's configurations compared on the same operands."""
+  from fa2_jax.kernels.mosaic.forward import forward
+  ks = jax.random.split(jax.random.key(seed), 4)
+  q = jax.random.normal(ks[0], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(ks[1], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(ks[2], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
+  do = jax.random.normal(ks[3], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
+  scale = h ** -0.5
+  out, stats = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
+  return (q, k, v, out, stats, do), scale
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("h, causal, t, s, n, kh, bq_dkv", [
     (128, True, 1000, 777, 4, 2, None),  # dq_split "cols"
@@ -249,21 +263,14 @@ def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv, b
   """The fused dQ (TMA reduce-add in the dK/dV kernel) against the separate dQ kernel."""
   from fa2_jax.kernels.mosaic.backward import backward
   from fa2_jax.kernels.mosaic.config import MosaicConfig
-  from fa2_jax.kernels.mosaic.forward import forward
-  ks = jax.random.split(jax.random.key(7), 4)
-  q = jax.random.normal(ks[0], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(ks[1], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(ks[2], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
-  do = jax.random.normal(ks[3], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
-  scale = h ** -0.5
-  out, stats = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
+  operands, scale = _backward_operands(7, t, s, n, kh, h, causal)
   base = MosaicConfig.default(h)
   fused = base.replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=min(base.num_stages_dkv, 2),
                        block_q_dkv=bq_dkv or base.block_q_dkv, consumer_barrier=barrier)
   bwd = lambda cfg, det: jax.jit(lambda *a: backward(*a, scale=scale, is_causal=causal,
                                                      config=cfg, deterministic=det))
-  ref = bwd(base, True)(q, k, v, out, stats, do)
-  got = bwd(fused, False)(q, k, v, out, stats, do)
+  ref = bwd(base, True)(*operands)
+  got = bwd(fused, False)(*operands)
   for a, b in zip(got, ref):
     _close(a, b, SAME)
 
@@ -279,19 +286,12 @@ def test_mosaic_dkdv_roles_matches_split_passes(h, causal, t, s, n, kh, dq_roles
   dQ kernel against the one-warpgroup dQ kernel too."""
   from fa2_jax.kernels.mosaic.backward import backward
   from fa2_jax.kernels.mosaic.config import MosaicConfig
-  from fa2_jax.kernels.mosaic.forward import forward
-  ks = jax.random.split(jax.random.key(11), 4)
-  q = jax.random.normal(ks[0], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
-  k = jax.random.normal(ks[1], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
-  v = jax.random.normal(ks[2], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
-  do = jax.random.normal(ks[3], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
-  scale = h ** -0.5
-  out, stats = jax.jit(lambda q, k, v: forward(q, k, v, scale=scale, is_causal=causal))(q, k, v)
+  operands, scale = _backward_operands(11, t, s, n, kh, h, causal)
   split = MosaicConfig.default(h).replace(dkv_split=True, dkv_roles=False, dq_roles=False)
   roles = split.replace(dkv_split=False, dkv_roles=True, dq_roles=dq_roles)
   bwd = lambda cfg: jax.jit(lambda *a: backward(*a, scale=scale, is_causal=causal, config=cfg))
-  ref = bwd(split)(q, k, v, out, stats, do)
-  got = bwd(roles)(q, k, v, out, stats, do)
+  ref = bwd(split)(*operands)
+  got = bwd(roles)(*operands)
   for a, b in zip(got, ref):
     _close(a, b, SAME)
 

@@ -52,7 +52,7 @@ from .lowering_cache import kernel_call
 from .ops import (acc_loop, accumulators, batch_rule, bcast_cols, consumers_sync, iota2,
                   per_cta_choice, smem_transforms, smem_transforms_f32, wgmma, wgmma_load, wgmma_wait,
                   ws_kernel)
-from .schedule import causal_section, cta_tile, q_block_ranges
+from .schedule import causal_section, cta_tile, over_query_ranges, q_block_ranges
 from .variant import Refs
 
 
@@ -129,11 +129,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   wg = lax.axis_index("wg")
   cta_k0 = kt * (nwg * bk)
   if variant is None:
-    i_start, i_full, nq = q_block_ranges(cta_k0, nwg * bk, block_q=bq, seq_q=st.seq_q,
-                                         is_causal=st.is_causal)
+    q_ranges = q_block_ranges(cta_k0, nwg * bk, block_q=bq, seq_q=st.seq_q, is_causal=st.is_causal)
   else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
     vr = Refs(variant, st.names, var_refs, b)
-    i_start, full_lo, full_hi, nq = vr.ranges(kt)
+    q_ranges = vr.ranges(kt)
+  i_start, nq = q_ranges[0], q_ranges[-1]  # the first query tile and one past the last
   n_i = nq - i_start  # query tiles per group head (traced when causal)
   # Fused dQ over a ragged key extent: the last key tile's rows past S are zero K, where the fast
   # form's P = exp2(-t) is not bounded (it overflows for a row whose logits are all below -128 in
@@ -305,14 +305,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       masked = functools.partial(step, g=g, masked=True, dk_acc=dk_acc, dv_acc=dv_acc, exact=exact)
       unmasked = functools.partial(step, g=g, masked=False, dk_acc=dk_acc, dv_acc=dv_acc,
                                    exact=exact)
-      if variant is None:
-        loop(i_start, i_full, masked)
-        loop(i_full, nq, unmasked)
-        return
-      # In the producer's order: [lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, hi) masked.
-      loop(i_start, full_lo, masked)
-      loop(full_lo, full_hi, unmasked)
-      loop(full_hi, nq, masked)
+      over_query_ranges(loop, masked, unmasked, q_ranges)
 
     def all_queries(*accs, exact):
       """dK_j, dV_j accumulated in registers over every query tile (and GQA group head)."""

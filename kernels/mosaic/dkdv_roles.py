@@ -35,7 +35,7 @@ from .dkdv import stream_queries
 from .lowering_cache import kernel_call
 from .ops import (acc_loop, accumulators, bcast_cols, iota2, per_cta_choice, smem_transforms,
                   smem_transforms_f32, wgmma, wgmma_load, wgmma_wait, ws_kernel)
-from .schedule import causal_section, cta_tile, q_block_ranges
+from .schedule import causal_section, cta_tile, over_query_ranges, q_block_ranges
 from .variant import Refs
 
 P_ROLE, DS_ROLE = 0, 1  # the consumer warpgroups' indices on the "wg" axis (the producer is 2)
@@ -82,11 +82,11 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
   k0 = kt * bk
   vr = None
   if variant is None:
-    i_start, i_full, nq = q_block_ranges(k0, bk, block_q=bq, seq_q=st.seq_q,
-                                         is_causal=st.is_causal)
+    q_ranges = q_block_ranges(k0, bk, block_q=bq, seq_q=st.seq_q, is_causal=st.is_causal)
   else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
     vr = Refs(variant, st.names, var_refs, b)
-    i_start, full_lo, full_hi, nq = vr.ranges(kt)
+    q_ranges = vr.ranges(kt)
+  i_start, nq = q_ranges[0], q_ranges[-1]  # the first query tile and one past the last
   n_i = nq - i_start  # query tiles per group head
   q_tail = st.seq_q % bq != 0  # rows past T in a partial last query tile
   k_tail = st.n_k_tiles * bk > st.seq_k  # keys past S in the last key tile
@@ -105,14 +105,7 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
     def over_queries(g):
       masked = functools.partial(step, g=g, masked=True)
       unmasked = functools.partial(step, g=g, masked=False)
-      loop = functools.partial(acc_loop, accs=(acc,))
-      if variant is None:
-        loop(i_start, i_full, masked)
-        loop(i_full, nq, unmasked)
-        return
-      loop(i_start, full_lo, masked)
-      loop(full_lo, full_hi, unmasked)
-      loop(full_hi, nq, masked)
+      over_query_ranges(functools.partial(acc_loop, accs=(acc,)), masked, unmasked, q_ranges)
 
     if g_size == 1:
       over_queries(jnp.int32(0))

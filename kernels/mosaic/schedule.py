@@ -65,6 +65,22 @@ def q_block_ranges(k_start, cols: int, *, block_q: int, seq_q: int, is_causal: b
   return i_start, i_full, nq
 
 
+def over_query_ranges(loop, masked, unmasked, ranges):
+  """The dK/dV kernels' query loop, in the producer's order: ``ranges`` is ``(i_start, i_full, nq)``
+  from :func:`q_block_ranges` (masked tiles straddling the diagonal, then unmasked ones) or a
+  variant's ``(lo, full_lo, full_hi, hi)`` range-table row (masked, unmasked, masked);
+  ``loop(lower, upper, body)`` runs ``body`` over one range."""
+  if len(ranges) == 3:
+    i_start, i_full, nq = ranges
+    loop(i_start, i_full, masked)
+    loop(i_full, nq, unmasked)
+    return
+  lo, full_lo, full_hi, hi = ranges
+  loop(lo, full_lo, masked)
+  loop(full_lo, full_hi, unmasked)
+  loop(full_hi, hi, masked)
+
+
 # --- launch order of causal CTAs (longest processing time first) ------------------------------------
 
 def _div(a, b):
