@@ -305,7 +305,10 @@ class MosaicConfig:
     # Q, dO tiles; the row inputs (r, u) and, for dK, delta: f32 [block_q] each
     ring = self.num_stages_dkv * (2 * tile_q + self.block_q_dkv * 4 * (3 if want_dk else 2))
     fused = 0
-    if self.dq_fused and want_dk and want_dv and not self.dkv_split:
+    if self.dkv_roles:  # one consumer's keys (shared by both) and the P^T ∘ d tile, f32
+      resident = tile_k * 2
+      fused = self.block_k_dkv * self.block_q_dkv * 4
+    elif self.dq_fused and want_dk and want_dv and not self.dkv_split:
       # dS^T [keys, rows] per consumer in the input dtype, double-buffered, + each consumer's f32 dQ
       # piece (a 1/nwg share of [rows, H] when the tile splits among the consumers, see dq_split)
       rows, cols = dq_piece(self.block_q_dkv, head_dim, nwg)
@@ -314,9 +317,12 @@ class MosaicConfig:
 
   def smem_dq(self, head_dim: int, itemsize: int = 2) -> int:
     # Q, dO tiles; (r, u) and delta, f32 [block_q] each
-    resident = self.num_wgs_dq * (2 * self.block_q_dq * head_dim * itemsize + 3 * self.block_q_dq * 4)
+    tiles = 1 if self.dq_roles else self.num_wgs_dq  # dq_roles: both consumers share one
+    resident = tiles * (2 * self.block_q_dq * head_dim * itemsize + 3 * self.block_q_dq * 4)
     ring = self.num_stages_dq * 2 * self.block_k_dq * head_dim * itemsize
-    return resident + ring
+    # dq_roles: the P ∘ d tile (f32) and the dS tile
+    exchange = self.block_q_dq * self.block_k_dq * (4 + itemsize) if self.dq_roles else 0
+    return resident + ring + exchange
 
   def check(self, head_dim: int, itemsize: int = 2) -> str | None:
     """None if every kernel's tiles fit in shared memory for this head_dim, else a reason."""
@@ -326,13 +332,7 @@ class MosaicConfig:
               f"{head_dim}")
     limit = SMEM_BYTES - SMEM_RESERVE
     need = {"forward": self.smem_forward(head_dim, itemsize), "dQ": self.smem_dq(head_dim, itemsize)}
-    if self.dq_roles:
-      from .dq_roles import smem_bytes as dq_bytes  # the kernel's own layout
-      need["dQ"] = dq_bytes(self, head_dim, itemsize)
-    if self.dkv_roles:
-      from .dkdv_roles import smem_bytes  # the kernel's own layout
-      need["dK/dV"] = smem_bytes(self, head_dim, itemsize)
-    elif self.dkv_split:
+    if self.dkv_split:
       need["dV pass"] = self.smem_dkv(head_dim, itemsize, want_dk=False)
       need["dK pass"] = self.smem_dkv(head_dim, itemsize, want_dv=False, num_wgs=self.num_wgs_dk)
     else:

@@ -223,14 +223,6 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
                    n_i=n_i, block_q=bq, stages=stages)
 
 
-def smem_bytes(cfg: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
-  """Shared memory of :func:`dkv_roles_call`: K_j and V_j, the Q/dO/(r, u)/delta ring and the
-  ``P^T ∘ d`` tile."""
-  bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-  ring = cfg.num_stages_dkv * (2 * bq * head_dim * itemsize + 3 * bq * 4)
-  return 2 * bk * head_dim * itemsize + ring + bk * bq * 4
-
-
 @kernel_call(('scale', 'is_causal', 'seq_q', 'seq_k', 'cfg', 'emulate', 'variant', 'names'))
 def dkv_roles_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, seq_k,
                    cfg: MosaicConfig, emulate=False, variant=None, names=()):

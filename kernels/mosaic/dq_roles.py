@@ -124,9 +124,9 @@ def _dq_roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref
 
   def over_halves(x_smem, y_ref):
     """``x y^T`` for ``x`` [block_q, H] held by column halves and ``y`` [block_k, H] (S or dP)."""
-    a, b_ = (x_smem.at[w] for w in range(2)), (y_ref.at[:, pl.ds(w * half, half)] for w in range(2))
-    (a0, a1), (b0, b1) = a, b_
-    return mma_many([Product(tile, a0, b0, tb=True, more=[(a1, b1, False, True)])])[0]
+    y0, y1 = (y_ref.at[:, pl.ds(w * half, half)] for w in range(2))
+    return mma_many([Product(tile, x_smem.at[0], y0, tb=True,
+                             more=[(x_smem.at[1], y1, False, True)])])[0]
 
   def load(src_ref, smem, bar):
     """``[block_q, H]`` rows of ``src_ref`` into ``smem`` [2, block_q, H/2], one TMA per half."""
@@ -211,15 +211,6 @@ def _dq_roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref
       kv_producer, st.memory_registers, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem,
       k_bar=k_bar, v_bar=v_bar, k_free=k_free, v_free=v_free, b=b, kvh=kvh, n_end=n_end,
       block_k=bk, stages=stages, start=lo))
-
-
-def smem_bytes(cfg: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
-  """Shared memory of :func:`dq_roles_call`: Q_i and dO_i, their rows' inputs, the K/V ring and the
-  ``P ∘ d`` (f32) and ``dS`` tiles."""
-  bq, bk = cfg.block_q_dq, cfg.block_k_dq
-  resident = 2 * bq * head_dim * itemsize + 3 * bq * 4
-  ring = cfg.num_stages_dq * 2 * bk * head_dim * itemsize
-  return resident + ring + bq * bk * (4 + itemsize)
 
 
 @kernel_call(('scale', 'is_causal', 'seq_k', 'cfg', 'emulate', 'seq_q', 'variant', 'names'))
