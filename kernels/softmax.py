@@ -48,51 +48,6 @@ def huge_row_scale(r, m, c: float, dtype):
   return jnp.where(huge, pow2, c), jnp.where(huge, r * pow2, m)
 
 
-# --- exp2 on the FMA units ----------------------------------------------------------------------------
-#
-# Hopper's MUFU unit issues 16 exp2 per clock per SM, its FMA units 128 FMAs: where the forward's
-# softmax is bound by its exp2 (head_dim 64; a soft cap's tanh on the same unit) part of a tile's exp2
-# can run as a polynomial on the FMA/integer units instead (FlashAttention-4's idea, Dao et al. 2025).
-# 2^x = 2^n * 2^f with n = round(x), f = x - n in [-1/2, 1/2]; 2^f by the cubic below, a minimax fit of
-# the relative error with p(0) = 1 exactly (so 2^n is exact): at most 1.0e-4, a fortieth of bfloat16's
-# and a fifth of float16's half ulp, which P is rounded to for the P V product anyway.
-EXP2_CUBIC = (0.6932829, 0.24221037, 0.05500858)  # f, f^2, f^3 (x 2^f ~ 1 + c1 f + c2 f^2 + c3 f^3)
-# 1.5 * 2^23: x + this rounds x to an integer n held, two's complement, in the sum's low mantissa bits
-ROUNDING_SHIFT = 12582912.0
-# Below 2^-125 a weight is nothing next to the row maximum's 1 (and n << 23 must not leave the
-# exponent field): inputs are clamped there; -inf and NaN are left to the MUFU's exp2 (see exp2_fma).
-EXP2_FMA_MIN = -125.0
-
-
-def exp2_fma(x, *, emulate: bool = False):
-  """``2^x`` (float32) for ``x <= 1/2`` with no MUFU instruction: a round by ``ROUNDING_SHIFT``, three
-  FMAs of :data:`EXP2_CUBIC` and an integer add into the exponent field (about 8 FMA/ALU operations,
-  relative error at most 1.0e-4). ``x`` below -125 gives 2^-125, not 0 (so a masked ``-inf`` must
-  not come here), and NaN gives NaN. ``emulate``: traced for XLA (interpret mode), whose algebraic
-  simplifier would turn ``(x + ROUNDING_SHIFT) - ROUNDING_SHIFT`` into ``x``; an optimization
-  barrier keeps the rounding there (the GPU compilers keep IEEE order without one)."""
-  x = jnp.where(x < EXP2_FMA_MIN, EXP2_FMA_MIN, x)  # a select, not max: NaN stays NaN
-  shifted = x + ROUNDING_SHIFT
-  if emulate:
-    shifted = lax.optimization_barrier(shifted)
-  f = x - (shifted - ROUNDING_SHIFT)
-  c1, c2, c3 = EXP2_CUBIC
-  p = ((c3 * f + c2) * f + c1) * f + 1.0
-  n_field = lax.shift_left(lax.bitcast_convert_type(shifted, jnp.int32), jnp.int32(23))
-  return lax.bitcast_convert_type(lax.bitcast_convert_type(p, jnp.int32) + n_field, jnp.float32)
-
-
-def exp2_split(x, fma_cols: int, *, emulate: bool = False):
-  """``2^x`` of a ``[rows, cols]`` tile with its last ``fma_cols`` columns by :func:`exp2_fma` and the
-  others by the MUFU's ``exp2``: one instruction stream, so the two units work side by side."""
-  if fma_cols <= 0:
-    return jnp.exp2(x)
-  if fma_cols >= x.shape[1]:
-    return exp2_fma(x, emulate=emulate)
-  split = x.shape[1] - fma_cols
-  return jnp.concatenate([jnp.exp2(x[:, :split]), exp2_fma(x[:, split:], emulate=emulate)], axis=1)
-
-
 # --- the forward's row statistics and what the backward makes of them ------------------------------
 #
 # Both forward kernels write, per query row, ``stats [B, N, 2, T]`` float32: ``r`` (the raw logit of

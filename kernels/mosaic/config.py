@@ -115,11 +115,6 @@ class MosaicConfig:
   element: slower than ``"per_head"`` on the H200, docs/design.md "Softmax form");
   ``"auto"`` (default): the one-FMA form alone where the call's logits are bounded below its limit
   whatever the inputs (a soft cap with no ALiBi or ``score_fn``), else ``"per_head"``.
-  ``exp2_fma_cols``: in the forward's unmasked key tiles, the last ``exp2_fma_cols`` columns of
-  each ``P`` tile take their ``exp2`` as a polynomial on the FMA units (``kernels/softmax.py``,
-  :func:`exp2_fma`, relative error 1.0e-4) while the others use the MUFU's; where the softmax is
-  bound by the MUFU (head_dim 64, a soft cap's ``tanh``) the two units then share the work
-  (FlashAttention-4's idea). 0: the MUFU only.
   ``consumer_barrier``: how the fused dK/dV/dQ kernel's consumer warpgroups meet before reading each
   other's ``dS^T`` tile: ``"mbarrier"`` (default: a shared-memory barrier, every warpgroup arrives
   then waits on its phase) or ``"named"`` (one hardware ``bar.sync`` for both, as FlashAttention-3
@@ -154,7 +149,6 @@ class MosaicConfig:
   memory_registers: int = 40
   backward_p: str = "auto"
   consumer_barrier: str = "mbarrier"
-  exp2_fma_cols: int = 0  # forward: key columns per tile whose exp2 runs on the FMA units
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -208,9 +202,6 @@ class MosaicConfig:
       if getattr(self, name) < 0:
         raise ValueError(f"MosaicConfig.{name} must be >= 0 (0: from the L2 budget), got "
                          f"{getattr(self, name)}")
-    if self.exp2_fma_cols % 8 or not 0 <= self.exp2_fma_cols <= self.block_k:
-      raise ValueError(f"MosaicConfig.exp2_fma_cols must be a multiple of 8 (the register layout's "
-                       f"column tile) in [0, block_k={self.block_k}], got {self.exp2_fma_cols}")
     if self.memory_registers % 8 or not 24 <= self.memory_registers <= 256:
       raise ValueError("MosaicConfig.memory_registers must be a multiple of 8 in [24, 256]")
 

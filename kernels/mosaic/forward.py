@@ -42,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from ...block_ranges import kv_range_table
 from ...masking import Variant, allowed, soft_cap_tanh
-from ..softmax import exp2_split, folded_soft_cap, huge_row_scale, row_sum_at_max
+from ..softmax import folded_soft_cap, huge_row_scale, row_sum_at_max
 from ..vma import out_struct
 from .config import LOG2E, MosaicConfig, supports
 from .lengths import pad_axis, plan_lengths
@@ -77,7 +77,6 @@ class _Fwd:
   n_heads: int = 1  # N
   n_bh: int = 1  # B * N: the (batch, head) pairs of the grid
   section: int = 1  # causal launch order: heads per LPT section (schedule.lpt_tile)
-  exp2_fma_cols: int = 0  # MosaicConfig.exp2_fma_cols
   variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
   names: tuple[str, ...] = ()  # its operands, after v
 
@@ -179,13 +178,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
           r_use = jnp.where(m_new == -jnp.inf, 0.0, r_i)
           m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         if folded is not None:  # |m| <= cap * log2 e <= 2^9 (fast_form_suffices): never huge
-          x = sr * c - bcast_rows(m_use, sr.shape)
+          p = jnp.exp2(sr * c - bcast_rows(m_use, sr.shape))
         else:
           c_row, t_row = huge_row_scale(r_use, m_use, c, st.dtype)  # (c, m) but for huge rows
-          x = sr * bcast_rows(c_row, sr.shape) - bcast_rows(t_row, sr.shape)
-        # Part of the exp2 on the FMA units where no element can be -inf (no mask, no score_fn):
-        # exp2_fma gives 2^-125, not 0, below -125.
-        p = exp2_split(x, 0 if guard else st.exp2_fma_cols, emulate=st.emulate)
+          p = jnp.exp2(sr * bcast_rows(c_row, sr.shape) - bcast_rows(t_row, sr.shape))
       alpha = jnp.exp2(m_i - m_use)  # e^{m_old - m_new}: rescales the old state (line 10)
       acc = acc * bcast_rows(alpha, acc.shape)  # unscaled accumulator (§3.1.1 tweak 1)
       l_i = l_i * alpha
@@ -314,7 +310,7 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
             memory_registers=cfg.memory_registers, emulate=emulate, n_heads=n, n_bh=b * n,
             section=causal_section(cfg, n_bh=b * n, group=n // kh,
                                    kv_bytes=2 * plan_s * h * q.dtype.itemsize),
-            variant=variant, names=names, exp2_fma_cols=cfg.exp2_fma_cols)
+            variant=variant, names=names)
   tf = smem_transforms()
   nwg, stages = cfg.num_wgs, cfg.num_stages
   scratch = dict(
