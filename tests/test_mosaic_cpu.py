@@ -161,6 +161,9 @@ def test_fused_dq_split_and_smem():
     (dict(backward_p="fast"), ValueError, "backward_p"),
     (dict(backward_p=None), ValueError, "backward_p"),
     (dict(consumer_barrier="bar.sync"), ValueError, "consumer_barrier"),
+    (dict(persistent=1), TypeError, "persistent"),
+    (dict(persistent_ctas=-1), ValueError, "persistent_ctas"),
+    (dict(persistent_ctas=2.0), TypeError, "persistent_ctas"),
 ])
 def test_config_validation(kwargs, exc, field):
   with pytest.raises(exc, match=rf"MosaicConfig\.{field}\b"):
@@ -175,6 +178,16 @@ def test_config_valid_variants():
   MosaicConfig(block_k=256, block_q_dkv=192, block_k_dq=128, num_stages=1, num_stages_dq=6)
   assert MosaicConfig().registers(2) == 232 and MosaicConfig().registers(1) == 240
   assert MosaicConfig(compute_registers=200).registers(2) == 200
+
+
+def test_persistent_forward_default_rule():
+  """The forward runs persistent by default only where it measured as fast or faster: non-causal at
+  head_dim <= 128 (docs/design.md#persistent-forward)."""
+  for h in (64, 96, 128):
+    assert MosaicConfig.default(h).persistent
+    assert not MosaicConfig.default(h, is_causal=True).persistent
+  assert not MosaicConfig.default(256).persistent and not MosaicConfig.default(192).persistent
+  assert MosaicConfig.default(128).persistent_ctas == 0  # 0: one CTA per SM
 
 
 def test_backward_p_form():
@@ -576,6 +589,12 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # fused dQ, 64-row tiles at head_dim 64: no split (each consumer adds its own keys' partial)
     (1, 136, 136, 2, 2, 64, False, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, block_q_dkv=64),
      False),
+    # persistent forward, 2 CTAs for 6 query tiles (3 rounds, the K/V ring running on across tiles),
+    # GQA 2:1, T > S ragged
+    (1, 300, 136, 4, 2, 64, False, MosaicConfig.default(64).replace(persistent_ctas=2), False),
+    # persistent causal (opt-in; the LPT launch order), 3 CTAs for 4 tiles: a partial last round
+    (2, 200, 264, 1, 1, 128, True,
+     MosaicConfig.default(128, is_causal=True).replace(persistent=True, persistent_ctas=3), False),
 ]
 
 
@@ -759,6 +778,14 @@ def test_interpret_variants_dkdv_roles():
   between the warpgroups with P, and ALiBi."""
   assert MosaicConfig.default(256).dkv_roles
   _check_interpret_variant("lengths_soft_cap_alibi", None, deterministic=True, h=256)
+
+
+def test_interpret_variants_persistent_forward():
+  """A variant (per-batch lengths with an empty batch element, soft cap, ALiBi) through the
+  persistent forward: 3 CTAs for 8 query tiles, each tile's key range from the variant's table."""
+  cfg = MosaicConfig.default(64).replace(persistent_ctas=3)
+  assert cfg.persistent
+  _check_interpret_variant("lengths_soft_cap_alibi", cfg, deterministic=True)
 
 
 def _check_interpret_variant(name, cfg, *, deterministic, h=None):

@@ -171,6 +171,41 @@ def test_mosaic_causal_launch_orders_agree_bitwise(monkeypatch, h, kh, budget):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal, ctas, variant", [
+    (False, 0, False),  # the default: one CTA per SM (here fewer tiles than SMs: one round)
+    (False, 5, False),  # 5 CTAs for 128 tiles: 26 rounds, the last partial
+    (True, 7, False),  # causal (opt-in), the LPT order dealt over 7 CTAs
+    (False, 6, True),  # packed documents, padding lengths and a soft cap: uneven key ranges
+])
+def test_mosaic_persistent_forward_matches_one_cta_per_tile(causal, ctas, variant):
+  """The persistent forward (MosaicConfig.persistent) only changes which CTA runs a query tile and
+  where its K/V ring slots start, not what the tile computes: output and lse are bit-identical to
+  the one-CTA-per-tile launch, and match the formula."""
+  b, t, s, n, kh, h = 2, 1000, 777, 8, 2, 128
+  q, k, v = _qkv(b=b, t=t, s=s, n=n, kh=kh, h=h, seed=5)
+  kwargs = dict(is_causal=causal)
+  if variant:
+    q_seg = jnp.repeat(jnp.arange(4), 250)  # 4 documents of 250 queries
+    kv_seg = jnp.concatenate([jnp.repeat(jnp.arange(4), 190), jnp.full((17,), 3)])  # 190 keys each
+    kwargs.update(q_segment_ids=jnp.tile(q_seg, (b, 1)), kv_segment_ids=jnp.tile(kv_seg, (b, 1)),
+                  key_value_seq_lengths=jnp.array([777, 500]), logits_soft_cap=30.0)
+  one = fa2_jax.MosaicConfig.default(h, q.dtype, causal).replace(persistent=False)
+  many = one.replace(persistent=True, persistent_ctas=ctas)
+
+  def run(cfg):
+    return jax.jit(lambda a, b_, c_: mosaic(a, b_, c_, block_sizes=cfg, return_residual=True,
+                                           **kwargs))(q, k, v)
+
+  (o1, l1), (o2, l2) = run(one), run(many)
+  np.testing.assert_array_equal(np.asarray(o2, np.float32), np.asarray(o1, np.float32))
+  np.testing.assert_array_equal(np.asarray(l2), np.asarray(l1))
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = jax.jit(lambda a, b_, c_: fa2_jax.reference_attention(f32(a), f32(b_), f32(c_), **kwargs))(
+      q, k, v)
+  _close(o2, ref, ATOL)
+
+
+@pytest.mark.gpu
 def test_default_implementation_picks_mosaic_on_hopper():
   if not D.is_hopper():
     pytest.skip("not a Hopper GPU: the default is the Triton backend there (tests/test_dispatch.py)")

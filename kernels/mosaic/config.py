@@ -115,6 +115,10 @@ class MosaicConfig:
   element: slower than ``"per_head"`` on the H200, docs/design.md "Softmax form");
   ``"auto"`` (default): the one-FMA form alone where the call's logits are bounded below its limit
   whatever the inputs (a soft cap with no ALiBi or ``score_fn``), else ``"per_head"``.
+  ``persistent``: the forward launches ``persistent_ctas`` CTAs (0: one per SM) that each run the
+  query tiles ``cta, cta + n_ctas, ...`` of the launch order, their producer streaming the next tile's
+  ``K_j, V_j`` while the consumers finish a tile, instead of one CTA per query tile whose ring fills
+  and drains on its own.
   ``consumer_barrier``: how the fused dK/dV/dQ kernel's consumer warpgroups meet before reading each
   other's ``dS^T`` tile: ``"mbarrier"`` (default: a shared-memory barrier, every warpgroup arrives
   then waits on its phase) or ``"named"`` (one hardware ``bar.sync`` for both, as FlashAttention-3
@@ -149,6 +153,8 @@ class MosaicConfig:
   memory_registers: int = 40
   backward_p: str = "auto"
   consumer_barrier: str = "mbarrier"
+  persistent: bool = False  # forward: one CTA per SM looping over the query tiles
+  persistent_ctas: int = 0  # with persistent: how many CTAs (0: the GPU's SM count)
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -167,7 +173,7 @@ class MosaicConfig:
                            f"got {v!r}")
         continue
       if f.name in ("pingpong", "dkv_split", "dkv_roles", "dq_roles", "dq_fused",
-                    "dq_fused_variants"):
+                    "dq_fused_variants", "persistent"):
         if not isinstance(v, bool):
           raise TypeError(f"MosaicConfig.{f.name} must be a bool, got {v!r}")
         continue
@@ -202,6 +208,9 @@ class MosaicConfig:
       if getattr(self, name) < 0:
         raise ValueError(f"MosaicConfig.{name} must be >= 0 (0: from the L2 budget), got "
                          f"{getattr(self, name)}")
+    if self.persistent_ctas < 0:
+      raise ValueError(f"MosaicConfig.persistent_ctas must be >= 0 (0: the GPU's SM count), got "
+                       f"{self.persistent_ctas}")
     if self.memory_registers % 8 or not 24 <= self.memory_registers <= 256:
       raise ValueError("MosaicConfig.memory_registers must be a multiple of 8 in [24, 256]")
 
@@ -249,7 +258,8 @@ class MosaicConfig:
 
     head_dim 64: 256-key forward tiles, 128-row dK/dV tiles, 128-key dQ tiles (the fastest in the
     sweep, docs/design.md#mosaic-tiles-head-dim-64). 128: 128-key tiles, 2-deep rings (no variant was
-    faster, docs/design.md#mosaic-tiles-head-dim-128). 192/256: 64-key tiles; the backward runs the
+    faster, docs/design.md#mosaic-tiles-head-dim-128); both run the forward persistent when
+    non-causal (docs/design.md#persistent-forward). 192/256: 64-key tiles; the backward runs the
     role-split dK/dV kernel (``dkv_roles``: faster than the dV and dK passes) and, at 256, the
     role-split dQ kernel (``dq_roles``; at 192 the dQ kernel with one consumer warpgroup), to fit SMEM
     and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
@@ -261,7 +271,9 @@ class MosaicConfig:
     # (docs/design.md#when-the-backward-fuses-dq). The consumers get 240 registers and the producer
     # 24 (docs/design.md#register-split).
     fused = dict(dq_fused=True, dq_fused_min_t=4096 if is_causal else 2048, dq_fused_variants=True)
-    regs = dict(compute_registers=240, memory_registers=24)
+    # Non-causal forwards at head_dim <= 128 run persistent (as fast or faster at every length
+    # measured; causal ones and head_dim 256 lose: docs/design.md#persistent-forward).
+    regs = dict(compute_registers=240, memory_registers=24, persistent=not is_causal)
     if head_dim <= 64:
       # The fused dS^T/dQ staging needs the SMEM of a third dK/dV stage. Causal dK/dV keeps the
       # per-head launch order (lpt_heads_dkv=1), faster than any L2 section for this kernel only

@@ -46,9 +46,10 @@ from ..softmax import folded_soft_cap, huge_row_scale, row_sum_at_max
 from ..vma import out_struct
 from .config import LOG2E, MosaicConfig, supports
 from .lengths import pad_axis, plan_lengths
-from .schedule import causal_section, cta_tile, kv_block_ranges
+from .schedule import causal_section, cta_tile, kv_block_ranges, launch_tile
 from .lowering_cache import kernel_call
-from .ops import (bcast_rows, emulating, iota2, kv_producer, mma, smem_transforms, step_loop,
+from .ops import (bcast_rows, drain_kv, emulating, iota2, mma, sm_count, smem_transforms, step_loop,
+                  stream_kv,
                   ws_kernel)
 from .variant import Refs
 from .variant import operands as variant_operands
@@ -77,6 +78,7 @@ class _Fwd:
   n_heads: int = 1  # N
   n_bh: int = 1  # B * N: the (batch, head) pairs of the grid
   section: int = 1  # causal launch order: heads per LPT section (schedule.lpt_tile)
+  n_ctas: int = 0  # persistent: CTAs that share the query tiles (MosaicConfig.persistent); 0: one per tile
   variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
   names: tuple[str, ...] = ()  # its operands, after v
 
@@ -97,33 +99,49 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
     into, c = folded
   else:
     c = 1.0 if variant is not None and variant.modifies_scores else st.scale * LOG2E
-  # Causal: the last query tiles see the most keys, launch them first so the tail is short (LPT).
-  b, h, qt = cta_tile("q", is_causal=st.is_causal, n_heads=st.n_heads, n_tiles=st.n_q_tiles,
-                      n_bh=st.n_bh, section=st.section, longest_last=True)
   wg = lax.axis_index("wg")
-  kvh = lax.div(h, jnp.array(st.group, h.dtype))  # GQA: shared K/V head, never copied in HBM
-  cta_row0 = qt * (nwg * bq)
-  # Both consumers run the CTA's key range, so their step counts (and barrier phases) always match;
-  # the first warpgroup's extra diagonal tile (if block_k < 2*block_q) is fully masked, a no-op.
-  if variant is None:
-    lo = 0
-    n_full, n_end = kv_block_ranges(cta_row0, nwg * bq, block_k=bk, seq_k=st.seq_k,
-                                    is_causal=st.is_causal)
-  else:  # the range table of the call (fa2_jax.block_ranges), the same for producer and consumers
-    vr = Refs(variant, st.names, var_refs, b)
-    lo, full_lo, full_hi, n_end = vr.ranges(qt)
   key_tail = st.seq_k % bk != 0
   q_tail = st.n_q_tiles * nwg * bq > st.seq_q  # rows past T in the last query tiles
+
+  def tile_plan(b, h, qt):
+    """The key range of query tile ``qt`` of ``(b, h)``: ``(lo, full_lo, full_hi, n_end)``, masked
+    blocks in ``[lo, full_lo)`` and ``[full_hi, n_end)``, and the variant's refs (or None)."""
+    # Both consumers run the CTA's key range, so their step counts (and barrier phases) always
+    # match; the first warpgroup's extra diagonal tile (if block_k < 2*block_q) is fully masked.
+    if variant is None:
+      n_full, n_end = kv_block_ranges(qt * (nwg * bq), nwg * bq, block_k=bk, seq_k=st.seq_k,
+                                      is_causal=st.is_causal)
+      return (0, 0, n_full, n_end), None
+    # the range table of the call (fa2_jax.block_ranges), the same for producer and consumers
+    vr = Refs(variant, st.names, var_refs, b)
+    return vr.ranges(qt), vr
+
+  def over_tiles(body):
+    """``body(b, h, qt, ring_step)`` for each query tile of this CTA; returns the K/V ring's steps in
+    all. One tile per CTA (grid ``(B, N, q tiles)``), or, persistent (``st.n_ctas``), the tiles
+    ``cta, cta + n_ctas, ...`` of the launch order, with the ring's steps running on across them.
+    Causal: the last query tiles see the most keys, so they go first (LPT, schedule.lpt_tile)."""
+    order = dict(is_causal=st.is_causal, n_heads=st.n_heads, n_tiles=st.n_q_tiles, n_bh=st.n_bh,
+                 section=st.section, longest_last=True)
+    if not st.n_ctas:
+      return body(*cta_tile("q", **order), 0)
+    cta, n_ctas, n_tiles = lax.axis_index("sm"), st.n_ctas, st.n_bh * st.n_q_tiles
+    # n_tiles // n_ctas full rounds, then a partial one where CTA c takes position c if c < the rest
+    count = n_tiles // n_ctas + (cta < n_tiles % n_ctas).astype(jnp.int32)
+
+    def tile(i, ring_step):  # round i: launch positions [i * n_ctas, (i + 1) * n_ctas)
+      return ring_step + body(*launch_tile(i * n_ctas + cta, **order), ring_step)
+
+    return lax.fori_loop(0, count, tile, jnp.int32(0))
 
   def schedule():
     plgpu.barrier_arrive(sched)
     plgpu.barrier_wait(sched)
 
-  @pl.when(wg < nwg)
-  def _consumer():
-    plgpu.set_max_registers(st.registers, action="increase")
+  def consumer_tile(b, h, qt, ring_step):
+    (lo, full_lo, full_hi, n_end), vr = tile_plan(b, h, qt)
     q_s = qo_smem.at[wg]
-    row0 = cta_row0 + wg * bq
+    row0 = qt * (nwg * bq) + wg * bq
     plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], q_s, q_bar.at[wg])
     plgpu.barrier_wait(q_bar.at[wg])
 
@@ -136,7 +154,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
 
     def step(j, carry, masked: bool):
       acc, m_i, l_i, r_i = carry  # r_i: see below
-      slot = lax.rem(j - lo, jnp.array(stages, j.dtype))
+      slot = lax.rem(ring_step + j - lo, jnp.array(stages, j.dtype))
       plgpu.barrier_wait(k_bar.at[slot])
 
       # S_ij = Q_i K_j^T (Alg. 1 line 8): wgmma, f32 accumulate on the tensor cores. With pingpong the
@@ -208,13 +226,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
 
     masked, unmasked = functools.partial(step, masked=True), functools.partial(step, masked=False)
     carry = (acc, m_i, l_i, m_i if c >= 0 else -m_i)  # r_i: -inf, or +inf for c < 0
-    if variant is None:
-      carry = step_loop(0, n_full, unmasked, carry)
-      acc, m_i, l_i, r_i = step_loop(n_full, n_end, masked, carry)
-    else:  # in the producer's order: [lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, hi)
-      carry = step_loop(lo, full_lo, masked, carry)
-      carry = step_loop(full_lo, full_hi, unmasked, carry)
-      acc, m_i, l_i, r_i = step_loop(full_hi, n_end, masked, carry)
+    # in the producer's order: [lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, n_end) masked
+    carry = step_loop(lo, full_lo, masked, carry)
+    carry = step_loop(full_lo, full_hi, unmasked, carry)
+    acc, m_i, l_i, r_i = step_loop(full_hi, n_end, masked, carry)
     if st.pingpong:
       pl.when(wg == 0)(schedule)
 
@@ -236,12 +251,31 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
     plgpu.copy_smem_to_gmem(stats_smem.at[wg], stats_ref.at[b, h, :, pl.ds(row0, bq)],
                             commit_group=False)
     plgpu.commit_smem_to_gmem_group()
-    plgpu.wait_smem_to_gmem(0)
+    # Persistent: the next tile's Q lands in this SMEM once the stores have read it.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=bool(st.n_ctas))
+    return jnp.asarray(n_end - lo, jnp.int32)
 
-  pl.when(wg == nwg)(functools.partial(
-      kv_producer, st.memory_registers, k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem,
-      k_bar=k_bar, v_bar=v_bar, k_free=k_free, v_free=v_free, b=b, kvh=kvh, n_end=n_end,
-      block_k=bk, stages=stages, start=lo))
+  @pl.when(wg < nwg)
+  def _consumer():
+    plgpu.set_max_registers(st.registers, action="increase")
+    over_tiles(consumer_tile)
+    if st.n_ctas:
+      plgpu.wait_smem_to_gmem(0)
+
+  def producer_tile(b, h, qt, ring_step):
+    (lo, _, _, n_end), _ = tile_plan(b, h, qt)
+    stream_kv(k_ref=k_ref, v_ref=v_ref, k_smem=k_smem, v_smem=v_smem, k_bar=k_bar, v_bar=v_bar,
+              k_free=k_free, v_free=v_free, b=b, kvh=lax.div(h, jnp.array(st.group, h.dtype)),
+              n_end=n_end, block_k=bk, stages=stages, start=lo, ring_step=ring_step,
+              drain=not st.n_ctas)
+    return jnp.asarray(n_end - lo, jnp.int32)
+
+  @pl.when(wg == nwg)
+  def _producer():
+    plgpu.set_max_registers(st.memory_registers, action="decrease")
+    steps = over_tiles(producer_tile)
+    if st.n_ctas:
+      drain_kv(k_free, v_free, steps, stages)
 
 
 def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | None = None,
@@ -310,7 +344,8 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
             memory_registers=cfg.memory_registers, emulate=emulate, n_heads=n, n_bh=b * n,
             section=causal_section(cfg, n_bh=b * n, group=n // kh,
                                    kv_bytes=2 * plan_s * h * q.dtype.itemsize),
-            variant=variant, names=names)
+            variant=variant, names=names,
+            n_ctas=min(b * n * n_q_tiles, cfg.persistent_ctas or sm_count()) if cfg.persistent else 0)
   tf = smem_transforms()
   nwg, stages = cfg.num_wgs, cfg.num_stages
   scratch = dict(
@@ -329,8 +364,9 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
   out, stats = ws_kernel(
       functools.partial(_fwd_kernel, st=st),
       out_type=(out_struct(qp.shape, q.dtype, q), out_struct((b, n, 2, t_rows), jnp.float32, q)),
-      scratch=scratch, grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"), num_consumers=nwg,
-      name="fa2_mosaic_forward",
+      scratch=scratch, num_consumers=nwg, name="fa2_mosaic_forward",
+      **(dict(grid=(st.n_ctas,), grid_names=("sm",)) if st.n_ctas else
+         dict(grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"))),
   )(qp, kp, vp, *extras)
   if plan_t != t:
     out = out[:, :t]

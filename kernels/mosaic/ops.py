@@ -27,6 +27,7 @@ import contextlib
 import functools
 from typing import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.state import types as state_types
@@ -87,6 +88,19 @@ def compiler_params():
   # barrier, and what they load (row inputs, delta) comes by TMA behind an mbarrier. A kernel that
   # reads SMEM written by other threads needs its own barrier (docs/design.md, "SMEM barriers").
   return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True)
+
+
+# H100 / H200 SXM: 132 streaming multiprocessors (the count a persistent kernel assumes when it is
+# lowered with no GPU in the process, e.g. for sm90 on a CPU).
+HOPPER_SMS = 132
+
+
+def sm_count() -> int:
+  """The first GPU's streaming multiprocessors (:data:`HOPPER_SMS` without a GPU)."""
+  try:
+    return int(jax.devices("gpu")[0].core_count)
+  except (RuntimeError, AttributeError, TypeError, ValueError):
+    return HOPPER_SMS
 
 
 def ws_kernel(body, *, out_type, scratch, grid, grid_names, num_consumers: int, name: str):
@@ -323,36 +337,46 @@ def kv_producer(memory_registers: int, **stream_args):
 
 
 def stream_kv(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_free, v_free, *, b, kvh, n_end,
-              block_k: int, stages: int, start=0):
+              block_k: int, stages: int, start=0, ring_step=0, drain: bool = True):
   """The producer warpgroup of the forward and dQ kernels: TMA ``K_j, V_j`` (``start <= j < n_end``,
   rows ``[j*block_k, (j+1)*block_k)`` of KV head ``kvh``) into a ``stages``-deep SMEM ring.
 
-  Slot ``(j - start) % stages`` is refilled once every consumer has arrived on its free barrier for
-  block ``j - stages``; K and V have separate barriers so a consumer can start ``S = Q K^T`` before
-  ``V`` lands. The drain at the end observes the consumers' last releases, so every barrier phase is
-  waited exactly once (the GPU does not need it; it keeps the protocol symmetric and interpret mode's
-  checks happy).
+  Block ``j`` is the ring's step ``g = ring_step + j - start`` (``ring_step``: the steps of the CTA's
+  earlier tiles in a persistent kernel, else 0) and goes to slot ``g % stages``, refilled once every
+  consumer has arrived on its free barrier for step ``g - stages``; K and V have separate barriers so
+  a consumer can start ``S = Q K^T`` before ``V`` lands. The drain (``drain``, or :func:`drain_kv`
+  after a persistent kernel's last tile) observes the consumers' last releases, so every barrier
+  phase is waited exactly once (the GPU does not need it; it keeps the protocol symmetric and
+  interpret mode's checks happy).
   """
 
   @pl.loop(start, n_end)
   def _(j):
-    slot = lax.rem(j - start, jnp.array(stages, j.dtype))
+    g = ring_step + j - start
+    slot = lax.rem(g, jnp.array(stages, g.dtype))
     rows = (b, pl.ds(j * block_k, block_k), kvh)
 
-    @pl.when(j - start >= stages)
+    @pl.when(g >= stages)
     def _():
       plgpu.barrier_wait(k_free.at[slot])  # every consumer is done with K in this slot
 
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_bar.at[slot])
 
-    @pl.when(j - start >= stages)
+    @pl.when(g >= stages)
     def _():
       plgpu.barrier_wait(v_free.at[slot])
 
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_bar.at[slot])
 
-  @pl.loop(jnp.maximum(n_end - stages, start), n_end)
-  def _(j):
-    slot = lax.rem(j - start, jnp.array(stages, j.dtype))
+  if drain:
+    drain_kv(k_free, v_free, ring_step + n_end - start, stages)
+
+
+def drain_kv(k_free, v_free, n_steps, stages: int):
+  """Wait for the consumers' releases of the ring's last ``stages`` steps (of ``n_steps`` in all)."""
+
+  @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)
+  def _(g):
+    slot = lax.rem(g, jnp.array(stages, g.dtype))
     plgpu.barrier_wait(k_free.at[slot])
     plgpu.barrier_wait(v_free.at[slot])

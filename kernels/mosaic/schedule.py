@@ -140,6 +140,18 @@ def cta_tile(tile_axis: str, *, is_causal: bool, n_heads: int, n_tiles: int, n_b
   return b, h, t
 
 
+def launch_tile(lin, *, is_causal: bool, n_heads: int, n_tiles: int, n_bh: int, section: int,
+                longest_last: bool):
+  """:func:`cta_tile` of the CTA at launch position ``lin = (b * n_heads + h) * n_tiles + t`` (a
+  persistent kernel's CTA runs the positions ``cta, cta + n_ctas, ...`` in turn)."""
+  t, bh = _rem(lin, n_tiles), _div(lin, n_tiles)
+  b, h = _div(bh, n_heads), _rem(bh, n_heads)
+  if is_causal:
+    return lpt_tile(b, h, t, n_h=n_heads, n_t=n_tiles, n_bh=n_bh, section=section,
+                    longest_last=longest_last)
+  return b, h, t
+
+
 def causal_section(cfg: "MosaicConfig", *, n_bh: int, group: int, kv_bytes: int,
                    dkv: bool = False) -> int:
   """Heads per LPT section for a kernel whose CTAs of one (batch, head) stream ``kv_bytes`` of
