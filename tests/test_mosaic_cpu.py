@@ -27,8 +27,8 @@ from fa2_jax.kernels.mosaic.backward import backward, backward_tiles
 from fa2_jax.kernels.mosaic.config import SMEM_BYTES, SMEM_RESERVE, MosaicConfig, supports
 from fa2_jax.kernels.mosaic.forward import forward
 from fa2_jax.kernels.mosaic.lengths import pad_axis, plan_lengths
-from fa2_jax.kernels.mosaic.schedule import (causal_section, kv_block_ranges, lpt_tile, q_block_ranges,
-                                             section_heads)
+from fa2_jax.kernels.mosaic.schedule import (causal_section, kv_block_ranges, launch_tile, lpt_tile,
+                                             q_block_ranges, section_heads)
 from fa2_jax.kernels.mosaic.ops import emulated_mma, emulating
 from fa2_jax.kernels.softmax import lse_from_stats
 from fa2_jax.masking import allowed
@@ -392,6 +392,18 @@ def test_lpt_tile_is_a_longest_first_bijection(n_b, n_h, n_t, section, longest_l
   if section == 1:  # the per-head order: heads in order, each head's tiles longest first
     assert [(b, h) for b, h, _ in seen] == [(b, h) for b, h, _ in
                                             itertools.product(range(n_b), range(n_h), range(n_t))]
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_launch_tile_is_the_grid_launch_order(is_causal):
+  """A persistent CTA's launch position ``lin`` maps to the tile the one-CTA-per-tile grid launches
+  at ``lin``: ``(b, h, t)`` in order, remapped by :func:`lpt_tile` when causal."""
+  n_b, n_h, n_t, section = 2, 3, 5, 4
+  for lin, (b, h, t) in enumerate(itertools.product(range(n_b), range(n_h), range(n_t))):
+    want = (lpt_tile(b, h, t, n_h=n_h, n_t=n_t, n_bh=n_b * n_h, section=section, longest_last=True)
+            if is_causal else (b, h, t))
+    assert launch_tile(lin, is_causal=is_causal, n_heads=n_h, n_tiles=n_t, n_bh=n_b * n_h,
+                       section=section, longest_last=True) == want
 
 
 def test_lpt_tile_traced_matches_python():

@@ -330,8 +330,8 @@ def wgmma_wait(n: int = 0):
 
 
 def kv_producer(memory_registers: int, **stream_args):
-  """The producer warpgroup of the forward and dQ kernels: give registers back to the consumers
-  (``setmaxnreg``), then :func:`stream_kv`."""
+  """The producer warpgroup of the dQ kernels: give registers back to the consumers
+  (``setmaxnreg``), then :func:`stream_kv` (the forward calls it per query tile)."""
   plgpu.set_max_registers(memory_registers, action="decrease")
   stream_kv(**stream_args)
 

@@ -119,7 +119,12 @@ def lpt_tile(b, h, t, *, n_h: int, n_t: int, n_bh: int, section: int, longest_la
   ``longest_last``: tile ``n_t - 1`` is the longest (forward, dQ) rather than tile 0 (dK/dV).
   Works on Python ints and traced int32 scalars; a bijection on ``[0, n_bh * n_t)``.
   """
-  lin = (b * n_h + h) * n_t + t
+  return lpt_position((b * n_h + h) * n_t + t, n_h=n_h, n_t=n_t, n_bh=n_bh, section=section,
+                      longest_last=longest_last)
+
+
+def lpt_position(lin, *, n_h: int, n_t: int, n_bh: int, section: int, longest_last: bool):
+  """:func:`lpt_tile` of the CTA at launch position ``lin = (b * n_h + h) * n_t + t``."""
   sec = _div(lin, section * n_t)
   within = _rem(lin, section * n_t)
   heads = _min(section, n_bh - sec * section)  # the last section may be smaller
@@ -144,12 +149,11 @@ def launch_tile(lin, *, is_causal: bool, n_heads: int, n_tiles: int, n_bh: int, 
                 longest_last: bool):
   """:func:`cta_tile` of the CTA at launch position ``lin = (b * n_heads + h) * n_tiles + t`` (a
   persistent kernel's CTA runs the positions ``cta, cta + n_ctas, ...`` in turn)."""
-  t, bh = _rem(lin, n_tiles), _div(lin, n_tiles)
-  b, h = _div(bh, n_heads), _rem(bh, n_heads)
   if is_causal:
-    return lpt_tile(b, h, t, n_h=n_heads, n_t=n_tiles, n_bh=n_bh, section=section,
-                    longest_last=longest_last)
-  return b, h, t
+    return lpt_position(lin, n_h=n_heads, n_t=n_tiles, n_bh=n_bh, section=section,
+                        longest_last=longest_last)
+  bh = _div(lin, n_tiles)
+  return _div(bh, n_heads), _rem(bh, n_heads), _rem(lin, n_tiles)
 
 
 def causal_section(cfg: "MosaicConfig", *, n_bh: int, group: int, kv_bytes: int,
