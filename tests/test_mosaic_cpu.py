@@ -164,6 +164,8 @@ def test_fused_dq_split_and_smem():
     (dict(persistent=1), TypeError, "persistent"),
     (dict(persistent_ctas=-1), ValueError, "persistent_ctas"),
     (dict(persistent_ctas=2.0), TypeError, "persistent_ctas"),
+    (dict(persistent_deal="snake"), ValueError, "persistent_deal"),
+    (dict(persistent_deal=None), ValueError, "persistent_deal"),
 ])
 def test_config_validation(kwargs, exc, field):
   with pytest.raises(exc, match=rf"MosaicConfig\.{field}\b"):
@@ -181,14 +183,50 @@ def test_config_valid_variants():
 
 
 def test_persistent_forward_default_rule():
-  """The forward runs persistent by default only where it measured as fast or faster: non-causal at
-  head_dim <= 128 (docs/design.md#persistent-forward)."""
+  """The forward runs persistent by default where it measured as fast or faster: head_dim <= 128,
+  causal calls dealing their tiles greedily; a causal call with an attention variant (tiles' work
+  known only at run time) keeps one CTA per tile (docs/design.md#persistent-forward)."""
   for h in (64, 96, 128):
-    assert MosaicConfig.default(h).persistent
-    assert not MosaicConfig.default(h, is_causal=True).persistent
-  assert not MosaicConfig.default(256).persistent and not MosaicConfig.default(192).persistent
+    for causal in (False, True):
+      cfg = MosaicConfig.default(h, is_causal=causal)
+      assert cfg.persistent and cfg.persistent_deal == "greedy"
+      assert cfg.forward_persistent(is_causal=causal, variant=False)
+      assert cfg.forward_persistent(is_causal=causal, variant=True) == (not causal)
+      assert cfg.deals_greedily(is_causal=causal, variant=False) == causal
+      assert not cfg.deals_greedily(is_causal=causal, variant=True)
+      cyclic = cfg.replace(persistent_deal="cyclic")  # every call persistent, none dealt greedily
+      assert cyclic.forward_persistent(is_causal=causal, variant=True)
+      assert not cyclic.deals_greedily(is_causal=causal, variant=False)
+      off = cfg.replace(persistent=False)
+      assert not off.forward_persistent(is_causal=causal, variant=False)
+      assert not off.deals_greedily(is_causal=causal, variant=False)
+  for h in (192, 256):
+    assert not MosaicConfig.default(h, is_causal=True).forward_persistent(is_causal=True,
+                                                                          variant=False)
+    assert not MosaicConfig.default(h).persistent
   assert MosaicConfig.default(128).persistent_ctas == 0  # 0: one CTA per SM
 
+
+def test_greedy_deal_balances_causal_tiles():
+  """schedule.greedy_deal gives each launch position (longest first) to the least-loaded CTA: every
+  position once, each CTA's in increasing order, and the most-loaded CTA within one tile of the
+  least; the cyclic deal of the same LPT order leaves CTA 0 the longest tile of every round."""
+  from fa2_jax.kernels.mosaic.schedule import greedy_deal
+
+  work = sorted([w for w in range(1, 65) for _ in range(32)], reverse=True)  # causal 8k, 2x16 heads
+  n_ctas = 132
+  table = greedy_deal(work, n_ctas)
+  counts = table[:, 0]
+  dealt = [list(table[c, 1:1 + counts[c]]) for c in range(n_ctas)]
+  assert sorted(p for d in dealt for p in d) == list(range(len(work)))
+  assert all(d == sorted(d) for d in dealt)
+  assert not table[:, 1:][np.arange(table.shape[1] - 1)[None, :] >= counts[:, None]].any()
+  loads = [sum(work[p] for p in d) for d in dealt]
+  assert max(loads) - min(loads) <= max(work)
+  cyclic = [sum(work[c::n_ctas]) for c in range(n_ctas)]
+  assert max(loads) < max(cyclic)
+  assert (max(cyclic) - min(cyclic)) > 4 * (max(loads) - min(loads))
+  assert table.dtype == np.int32 and greedy_deal([3], 4)[:, 0].tolist() == [1, 0, 0, 0]
 
 def test_backward_p_form():
   """``backward_p="auto"`` compiles the one-FMA form alone only where the logits are bounded below
@@ -579,10 +617,13 @@ def _reference(q, k, v, do, dlse, scale, causal):
 
 
 INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
-    # causal, T < S (keys >= T never attended), GQA 2:1, ragged tails through TMA bounds
+    # causal, T < S (keys >= T never attended), GQA 2:1, ragged tails through TMA bounds; the
+    # forward persistent, its tiles dealt greedily (the defaults)
     (1, 136, 200, 2, 1, 64, True, None, False),
-    # causal, T far below S: the dK/dV CTAs past the last query row run no steps at all
-    (1, 72, 264, 1, 1, 64, True, None, False),
+    # causal, T far below S: the dK/dV CTAs past the last query row run no steps at all; the forward
+    # one CTA per query tile
+    (1, 72, 264, 1, 1, 64, True,
+     MosaicConfig.default(64, is_causal=True).replace(persistent=False), False),
     # non-causal head_dim 64 defaults (256-key forward tiles, 128-row dK/dV tiles), T > S, ragged
     (1, 300, 136, 2, 2, 64, False, None, False),
     # non-causal, ragged lengths padded in HBM, lse cotangent, one consumer warpgroup (no pingpong)
@@ -607,6 +648,11 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # persistent causal (opt-in; the LPT launch order), 3 CTAs for 4 tiles: a partial last round
     (2, 200, 264, 1, 1, 128, True,
      MosaicConfig.default(128, is_causal=True).replace(persistent=True, persistent_ctas=3), False),
+    # persistent causal with the greedy deal (schedule.greedy_deal): 3 CTAs for 8 tiles of 1-4 key
+    # tiles each, uneven counts per CTA
+    (2, 520, 520, 2, 1, 64, True,
+     MosaicConfig.default(64, is_causal=True).replace(persistent=True, persistent_ctas=3,
+                                                      persistent_deal="greedy", block_k=128), False),
 ]
 
 

@@ -171,17 +171,19 @@ def test_mosaic_causal_launch_orders_agree_bitwise(monkeypatch, h, kh, budget):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal, ctas, variant", [
-    (False, 0, False),  # the default: one CTA per SM (here fewer tiles than SMs: one round)
-    (False, 5, False),  # 5 CTAs for 128 tiles: 26 rounds, the last partial
-    (True, 7, False),  # causal (opt-in), the LPT order dealt over 7 CTAs
-    (False, 6, True),  # packed documents, padding lengths and a soft cap: uneven key ranges
+@pytest.mark.parametrize("causal, ctas, variant, s", [
+    (False, 0, False, 777),  # the default: one CTA per SM (here fewer tiles than SMs: one round)
+    (False, 5, False, 777),  # 5 CTAs for 128 tiles: 26 rounds, the last partial
+    (True, 7, False, 777),  # causal (opt-in), the LPT order dealt cyclically over 7 CTAs
+    (True, -7, False, 777),  # the same with the greedy deal (schedule.greedy_deal)
+    (False, 6, True, 777),  # packed documents, padding lengths and a soft cap: uneven key ranges
+    (True, None, False, 2000),  # causal with the defaults: one CTA per SM, the tiles dealt greedily
 ])
-def test_mosaic_persistent_forward_matches_one_cta_per_tile(causal, ctas, variant):
+def test_mosaic_persistent_forward_matches_one_cta_per_tile(causal, ctas, variant, s):
   """The persistent forward (MosaicConfig.persistent) only changes which CTA runs a query tile and
   where its K/V ring slots start, not what the tile computes: output and lse are bit-identical to
   the one-CTA-per-tile launch, and match the formula."""
-  b, t, s, n, kh, h = 2, 1000, 777, 8, 2, 128
+  b, t, n, kh, h = 2, 1000, 8, 2, 128
   q, k, v = _qkv(b=b, t=t, s=s, n=n, kh=kh, h=h, seed=5)
   kwargs = dict(is_causal=causal)
   if variant:
@@ -189,8 +191,14 @@ def test_mosaic_persistent_forward_matches_one_cta_per_tile(causal, ctas, varian
     kv_seg = jnp.concatenate([jnp.repeat(jnp.arange(4), 190), jnp.full((17,), 3)])  # 190 keys each
     kwargs.update(q_segment_ids=jnp.tile(q_seg, (b, 1)), kv_segment_ids=jnp.tile(kv_seg, (b, 1)),
                   key_value_seq_lengths=jnp.array([777, 500]), logits_soft_cap=30.0)
-  one = fa2_jax.MosaicConfig.default(h, q.dtype, causal).replace(persistent=False)
-  many = one.replace(persistent=True, persistent_ctas=ctas)
+  default = fa2_jax.MosaicConfig.default(h, q.dtype, causal)
+  one = default.replace(persistent=False)
+  if ctas is None:  # the defaults as they are
+    assert default.deals_greedily(is_causal=causal, variant=variant)
+    many = default
+  else:
+    deal = "greedy" if ctas < 0 else "cyclic"
+    many = one.replace(persistent=True, persistent_ctas=abs(ctas), persistent_deal=deal)
 
   def run(cfg):
     return jax.jit(lambda a, b_, c_: mosaic(a, b_, c_, block_sizes=cfg, return_residual=True,

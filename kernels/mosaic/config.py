@@ -38,6 +38,7 @@ BACKWARD_P_FORMS = ("auto", "per_head", "exact")
 # How the consumer warpgroups of the fused dK/dV/dQ kernel meet to exchange dS^T (MosaicConfig.
 # consumer_barrier; kernels/mosaic/ops.py, consumers_sync)
 CONSUMER_BARRIERS = ("mbarrier", "named")
+PERSISTENT_DEALS = ("cyclic", "greedy")
 # The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
 # outputs (and dQ's reduce-adds) passing through it (docs/design.md#causal-launch-order).
 L2_SECTION_BYTES = 32 * 1024 * 1024
@@ -118,7 +119,11 @@ class MosaicConfig:
   ``persistent``: the forward launches ``persistent_ctas`` CTAs (0: one per SM) that each run the
   query tiles ``cta, cta + n_ctas, ...`` of the launch order, their producer streaming the next tile's
   ``K_j, V_j`` while the consumers finish a tile, instead of one CTA per query tile whose ring fills
-  and drains on its own.
+  and drains on its own. ``persistent_deal``: which CTA runs which tile. ``"cyclic"``: CTA ``c`` runs
+  the launch positions ``c, c + n_ctas, ...``. ``"greedy"``: each position in turn goes to the CTA
+  with the least work so far, counted in key tiles (``schedule.greedy_deal``), for the causal calls,
+  whose tiles differ in work; a causal call with an attention variant, whose key ranges are known
+  only at run time, then runs one CTA per tile (see :meth:`forward_persistent`).
   ``consumer_barrier``: how the fused dK/dV/dQ kernel's consumer warpgroups meet before reading each
   other's ``dS^T`` tile: ``"mbarrier"`` (default: a shared-memory barrier, every warpgroup arrives
   then waits on its phase) or ``"named"`` (one hardware ``bar.sync`` for both, as FlashAttention-3
@@ -155,6 +160,7 @@ class MosaicConfig:
   consumer_barrier: str = "mbarrier"
   persistent: bool = False  # forward: one CTA per SM looping over the query tiles
   persistent_ctas: int = 0  # with persistent: how many CTAs (0: the GPU's SM count)
+  persistent_deal: str = "cyclic"  # persistent: which CTA runs which tile ("cyclic" | "greedy")
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -166,6 +172,11 @@ class MosaicConfig:
       if f.name == "backward_p":
         if v not in BACKWARD_P_FORMS:
           raise ValueError(f"MosaicConfig.backward_p must be one of {BACKWARD_P_FORMS}, got {v!r}")
+        continue
+      if f.name == "persistent_deal":
+        if v not in PERSISTENT_DEALS:
+          raise ValueError(f"MosaicConfig.persistent_deal must be one of {PERSISTENT_DEALS}, got "
+                           f"{v!r}")
         continue
       if f.name == "consumer_barrier":
         if v not in CONSUMER_BARRIERS:
@@ -259,7 +270,7 @@ class MosaicConfig:
     head_dim 64: 256-key forward tiles, 128-row dK/dV tiles, 128-key dQ tiles (the fastest in the
     sweep, docs/design.md#mosaic-tiles-head-dim-64). 128: 128-key tiles, 2-deep rings (no variant was
     faster, docs/design.md#mosaic-tiles-head-dim-128); both run the forward persistent when
-    non-causal (docs/design.md#persistent-forward). 192/256: 64-key tiles; the backward runs the
+    causal calls dealing the tiles greedily (docs/design.md#persistent-forward). 192/256: 64-key tiles; the backward runs the
     role-split dK/dV kernel (``dkv_roles``: faster than the dV and dK passes) and, at 256, the
     role-split dQ kernel (``dq_roles``; at 192 the dQ kernel with one consumer warpgroup), to fit SMEM
     and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
@@ -271,9 +282,11 @@ class MosaicConfig:
     # (docs/design.md#when-the-backward-fuses-dq). The consumers get 240 registers and the producer
     # 24 (docs/design.md#register-split).
     fused = dict(dq_fused=True, dq_fused_min_t=4096 if is_causal else 2048, dq_fused_variants=True)
-    # Non-causal forwards at head_dim <= 128 run persistent (as fast or faster at every length
-    # measured; causal ones and head_dim 256 lose: docs/design.md#persistent-forward).
-    regs = dict(compute_registers=240, memory_registers=24, persistent=not is_causal)
+    # The forward runs persistent at head_dim <= 128 (as fast or faster at every length measured;
+    # head_dim 256 does not gain); causal calls, whose tiles differ in work, deal them greedily (a
+    # cyclic deal loses at length: docs/design.md#persistent-forward).
+    regs = dict(compute_registers=240, memory_registers=24, persistent=True,
+                persistent_deal="greedy")
     if head_dim <= 64:
       # The fused dS^T/dQ staging needs the SMEM of a third dK/dV stage. Causal dK/dV keeps the
       # per-head launch order (lpt_heads_dkv=1), faster than any L2 section for this kernel only
@@ -284,6 +297,18 @@ class MosaicConfig:
       return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, **fused, **regs)
     return cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
                num_stages_dq=2, dq_roles=head_dim % (2 * WG_ROWS) == 0)
+
+  def forward_persistent(self, *, is_causal: bool, variant: bool) -> bool:
+    """Whether the forward runs persistent (one CTA per SM looping over the query tiles), for a call
+    with or without an attention ``variant``: ``persistent``, except for a causal call with a variant
+    under the greedy deal, whose tiles' work is known only at run time."""
+    return self.persistent and not (is_causal and variant and self.persistent_deal == "greedy")
+
+  def deals_greedily(self, *, is_causal: bool, variant: bool) -> bool:
+    """Whether a persistent forward deals its tiles by :func:`schedule.greedy_deal` (dense causal
+    calls under ``persistent_deal="greedy"``) rather than cyclically."""
+    return (self.forward_persistent(is_causal=is_causal, variant=variant) and is_causal
+            and not variant and self.persistent_deal == "greedy")
 
   def fuses_dq(self, seq_q: int, *, deterministic: bool, variant: bool = False) -> bool:
     """Whether a backward of ``seq_q`` query rows (``variant``: with an attention variant beyond

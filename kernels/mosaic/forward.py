@@ -46,7 +46,7 @@ from ..softmax import folded_soft_cap, huge_row_scale, row_sum_at_max
 from ..vma import out_struct
 from .config import LOG2E, MosaicConfig, supports
 from .lengths import pad_axis, plan_lengths
-from .schedule import causal_section, cta_tile, kv_block_ranges, launch_tile
+from .schedule import causal_section, cta_tile, greedy_deal, kv_block_ranges, launch_tile
 from .lowering_cache import kernel_call
 from .ops import (bcast_rows, drain_kv, emulating, iota2, mma, sm_count, smem_transforms, step_loop,
                   stream_kv,
@@ -79,6 +79,7 @@ class _Fwd:
   n_bh: int = 1  # B * N: the (batch, head) pairs of the grid
   section: int = 1  # causal launch order: heads per LPT section (schedule.lpt_tile)
   n_ctas: int = 0  # persistent: CTAs that share the query tiles (MosaicConfig.persistent); 0: one per tile
+  dealt: bool = False  # persistent: the tiles of each CTA from a deal table (schedule.greedy_deal)
   variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
   names: tuple[str, ...] = ()  # its operands, after v
 
@@ -88,7 +89,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
   # q_ref, o_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; stats_ref: [B, N, 2, T_rows] f32, the row
   # statistics (r, l) of kernels/softmax.py; between them the variant operands named by st.names
   # (kernels/mosaic/variant.py).
-  var_refs, (o_ref, stats_ref) = refs[:len(st.names)], refs[len(st.names):]
+  var_refs, refs = refs[:len(st.names)], refs[len(st.names):]
+  # deal_ref [n_ctas, 1 + max tiles] int32: a CTA's tile count, then its launch positions
+  deal_ref, (o_ref, stats_ref) = (refs[0], refs[1:]) if st.dealt else (None, refs)
   bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
   variant = st.variant
   # Score modifications work on base-2 logits modify(scale * s) * log2(e): c = 1 then; a bounded
@@ -126,11 +129,16 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
     if not st.n_ctas:
       return body(*cta_tile("q", **order), 0)
     cta, n_ctas, n_tiles = lax.axis_index("sm"), st.n_ctas, st.n_bh * st.n_q_tiles
-    # n_tiles // n_ctas full rounds, then a partial one where CTA c takes position c if c < the rest
-    count = n_tiles // n_ctas + (cta < n_tiles % n_ctas).astype(jnp.int32)
+    if st.dealt:  # this CTA's row of the deal table
+      count = deal_ref[cta, 0]
+      position = lambda i: deal_ref[cta, 1 + i]
+    else:
+      # n_tiles // n_ctas full rounds, then a partial one where CTA c takes position c if c < the rest
+      count = n_tiles // n_ctas + (cta < n_tiles % n_ctas).astype(jnp.int32)
+      position = lambda i: i * n_ctas + cta  # round i: launch positions [i * n_ctas, (i + 1) * n_ctas)
 
-    def tile(i, ring_step):  # round i: launch positions [i * n_ctas, (i + 1) * n_ctas)
-      return ring_step + body(*launch_tile(i * n_ctas + cta, **order), ring_step)
+    def tile(i, ring_step):
+      return ring_step + body(*launch_tile(position(i), **order), ring_step)
 
     return lax.fori_loop(0, count, tile, jnp.int32(0))
 
@@ -323,6 +331,19 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
                        variant=variant, names=tuple(names))
 
 
+def _causal_deal(st: _Fwd):
+  """The greedy deal (``schedule.greedy_deal``) of a dense causal call's query tiles, in launch
+  order, each weighing its key tiles."""
+  rows = st.num_wgs * st.block_q
+  work = []
+  for pos in range(st.n_bh * st.n_q_tiles):
+    _, _, qt = launch_tile(pos, is_causal=True, n_heads=st.n_heads, n_tiles=st.n_q_tiles,
+                           n_bh=st.n_bh, section=st.section, longest_last=True)
+    _, n_end = kv_block_ranges(qt * rows, rows, block_k=st.block_k, seq_k=st.seq_k, is_causal=True)
+    work.append(n_end)
+  return greedy_deal(work, st.n_ctas)
+
+
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py); one per process
 # with the lowering cache on (lowering_cache.py).
 @kernel_call(('scale', 'is_causal', 'cfg', 'plan_t', 'plan_s', 't_rows', 'emulate', 'variant',
@@ -345,7 +366,12 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
             section=causal_section(cfg, n_bh=b * n, group=n // kh,
                                    kv_bytes=2 * plan_s * h * q.dtype.itemsize),
             variant=variant, names=names,
-            n_ctas=min(b * n * n_q_tiles, cfg.persistent_ctas or sm_count()) if cfg.persistent else 0)
+            n_ctas=(min(b * n * n_q_tiles, cfg.persistent_ctas or sm_count())
+                    if cfg.forward_persistent(is_causal=is_causal, variant=variant is not None)
+                    else 0),
+            dealt=cfg.deals_greedily(is_causal=is_causal, variant=variant is not None))
+  if st.dealt:
+    extras = (*extras, jnp.asarray(_causal_deal(st)))
   tf = smem_transforms()
   nwg, stages = cfg.num_wgs, cfg.num_stages
   scratch = dict(

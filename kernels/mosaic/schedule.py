@@ -167,3 +167,29 @@ def causal_section(cfg: "MosaicConfig", *, n_bh: int, group: int, kv_bytes: int,
     return min(fixed, n_bh)
   return section_heads(-(-kv_bytes // group), n_bh, group, budget=L2_SECTION_BYTES)
 
+
+
+def greedy_deal(work, n_ctas: int):
+  """A static deal of tiles to the ``n_ctas`` CTAs of a persistent kernel: the launch positions in
+  order (longest first for causal calls), each to the CTA with the least work so far (ties: the
+  lowest CTA), as the hardware's scheduler would hand one-CTA-per-tile launches to the first free SM,
+  with ``work[pos]`` as the tile's duration. Dealing positions ``c, c + n_ctas, ...`` to CTA ``c``
+  instead gives CTA 0 the longest tile of every round.
+
+  Returns an int32 numpy table ``[n_ctas, 1 + max count]``: row ``c`` is CTA ``c``'s tile count, then
+  its launch positions in increasing order (zero-padded)."""
+  import heapq
+
+  import numpy as np
+
+  loads = [(0.0, c) for c in range(n_ctas)]
+  owned = [[] for _ in range(n_ctas)]
+  for pos, w in enumerate(work):
+    load, c = heapq.heappop(loads)
+    owned[c].append(pos)
+    heapq.heappush(loads, (load + float(w), c))
+  table = np.zeros((n_ctas, 1 + max(len(o) for o in owned)), np.int32)
+  for c, o in enumerate(owned):
+    table[c, 0] = len(o)
+    table[c, 1:1 + len(o)] = o
+  return table
