@@ -3,7 +3,8 @@
 Hypothesis draws whole calls: shapes (``B`` 0..3, ragged ``T``/``S`` 0..~70 including empty ones,
 GQA/MQA head counts ``K | N``, head_dim 1..256 with short sequences for the big head dims), dtype,
 ``is_causal``, ``scale`` (None, small, negative, large), Triton ``BlockSizes`` (power-of-two
-tiles 16..64), rank 3 or 4 inputs, input amplitude, an optional cotangent on ``lse``, and the transform
+tiles 16..64) or, for the Mosaic kernels, the persistent forward's launch (1-3 CTAs, the tiles dealt
+cyclically or greedily, or one CTA per tile; these calls have one query tile per head), rank 3 or 4 inputs, input amplitude, an optional cotangent on ``lse``, and the transform
 that wraps the call: plain, ``jit``, ``vmap`` over an extra leading axis (also with shared K/V,
 ``in_axes=(0, None, None)``), ``jax.grad`` of a scalar loss, ``jax.checkpoint``, ``lax.scan`` over a
 stack of inputs, and ``jit`` under ``jax_enable_x64``. Every example is differentiated (``vjp`` with random cotangents on
@@ -108,7 +109,7 @@ class Call:
   dtype: str
   causal: bool
   scale: float | None
-  blocks: fa2_jax.BlockSizes | None
+  blocks: fa2_jax.BlockSizes | fa2_jax.MosaicConfig | None  # the Triton or the Mosaic kernels' tiles
   rank3: bool  # drop the batch axis (only with b == 1)
   transform: str
   stack: int  # length of the mapped / scanned axis (1 for the other transforms)
@@ -321,6 +322,17 @@ HEADS = ((1, 1), (2, 1), (2, 2), (4, 2), (3, 1), (4, 1), (3, 3), (6, 2), (6, 3))
 EMPTY = (None,) * 12 + ("b", "t", "s")
 
 
+def mosaic_configs(h: int, causal: bool):
+  """The Mosaic defaults with the persistent forward's launch varied: 1-3 CTAs (so that a CTA runs
+  several query tiles of these small calls, the K/V ring running on across them), the tiles dealt
+  cyclically or greedily (MosaicConfig.persistent_deal), or one CTA per tile."""
+  base = fa2_jax.MosaicConfig.default(h, is_causal=causal)
+  persistent = st.builds(lambda ctas, deal: base.replace(persistent=True, persistent_ctas=ctas,
+                                                         persistent_deal=deal),
+                         st.integers(1, 3), st.sampled_from(("cyclic", "greedy")))
+  return persistent | st.just(base.replace(persistent=False))
+
+
 def block_sizes():
   """A valid Triton BlockSizes: every tile a power of two in 16..64."""
   tile = st.sampled_from(TILES)
@@ -331,7 +343,8 @@ def block_sizes():
 @st.composite
 def calls(draw, *, max_len=70, head_dims=HEAD_DIMS, dtypes=tuple(DTYPES), transforms=TRANSFORMS,
           max_batch=3, heads=HEADS, with_blocks=True, max_work=None):
-  """A :class:`Call`. ``max_work`` bounds ``stack * B * N * T * S`` (the float64 reference's size)."""
+  """A :class:`Call`. ``max_work`` bounds ``stack * B * N * T * S`` (the float64 reference's size).
+  ``with_blocks``: draw Triton tiles (True), none (False) or a Mosaic launch ("mosaic")."""
   h = draw(st.sampled_from(head_dims))
   # Interpret-mode time grows with H * T * S: the big head dims get a third of the lengths.
   cap = max_len if h <= 64 else max(1, max_len // 3)
@@ -348,7 +361,10 @@ def calls(draw, *, max_len=70, head_dims=HEAD_DIMS, dtypes=tuple(DTYPES), transf
   dtype = draw(st.sampled_from(dtypes))
   causal = draw(st.booleans())
   scale = draw(st.sampled_from(SCALES))
-  blocks = draw(st.none() | block_sizes()) if with_blocks else None
+  if with_blocks == "mosaic":
+    blocks = draw(st.none() | mosaic_configs(h, causal))
+  else:
+    blocks = draw(st.none() | block_sizes()) if with_blocks else None
   rank3 = b == 1 and draw(st.booleans())
   amplitude = draw(st.sampled_from(AMPLITUDES))
   dlse = draw(st.booleans())
@@ -381,7 +397,7 @@ def attention(call: Call, backend: str):
   if backend == "triton":
     kw.update(implementation="triton", interpret=INTERPRET, block_sizes=call.blocks)
   elif backend == "mosaic":
-    kw.update(implementation="mosaic")
+    kw.update(implementation="mosaic", block_sizes=call.blocks)
   else:
     assert backend == "default", backend
   return lambda q, k, v: fa2_jax.flash_attention(q, k, v, **kw)
@@ -691,7 +707,7 @@ def test_default_matches_reference(call):
 # test_mosaic_gpu.py draw and test it).
 @examples(0.2)
 @given(call=calls(max_len=80, head_dims=(64, 128), dtypes=("bfloat16", "float16"), max_batch=2,
-                  heads=((1, 1), (2, 1), (2, 2)), with_blocks=False,
+                  heads=((1, 1), (2, 1), (2, 2)), with_blocks="mosaic",
                   transforms=tuple(t for t in TRANSFORMS if t != "remat")))
 # Found by the long profile: jit under x64 in the emulator (see x64_in_every_thread).
 @example(call=Call(b=2, t=1, s=1, n=1, kh=1, h=64, dtype="bfloat16", causal=False, scale=None,

@@ -645,11 +645,13 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # persistent forward, 2 CTAs for 6 query tiles (3 rounds, the K/V ring running on across tiles),
     # GQA 2:1, T > S ragged
     (1, 300, 136, 4, 2, 64, False, MosaicConfig.default(64).replace(persistent_ctas=2), False),
-    # persistent causal (opt-in; the LPT launch order), 3 CTAs for 4 tiles: a partial last round
+    # persistent causal, the cyclic deal (opt-in) of the LPT launch order, 3 CTAs for 4 tiles: a
+    # partial last round
     (2, 200, 264, 1, 1, 128, True,
-     MosaicConfig.default(128, is_causal=True).replace(persistent=True, persistent_ctas=3), False),
-    # persistent causal with the greedy deal (schedule.greedy_deal): 3 CTAs for 8 tiles of 1-4 key
-    # tiles each, uneven counts per CTA
+     MosaicConfig.default(128, is_causal=True).replace(persistent=True, persistent_ctas=3,
+                                                       persistent_deal="cyclic"), False),
+    # persistent causal with the greedy deal (schedule.greedy_deal, the default's): 3 CTAs for 20
+    # tiles (2 x 2 heads x 5 query tiles) of 1-5 key tiles each, uneven counts per CTA
     (2, 520, 520, 2, 1, 64, True,
      MosaicConfig.default(64, is_causal=True).replace(persistent=True, persistent_ctas=3,
                                                       persistent_deal="greedy", block_k=128), False),
@@ -844,6 +846,59 @@ def test_interpret_variants_persistent_forward():
   cfg = MosaicConfig.default(64).replace(persistent_ctas=3)
   assert cfg.persistent
   _check_interpret_variant("lengths_soft_cap_alibi", cfg, deterministic=True)
+
+
+def test_interpret_causal_variant_persistent_forward():
+  """A causal variant (window, packed segments, an offset) through the persistent forward with the
+  cyclic deal (opt-in: under the default greedy deal a causal variant runs one CTA per tile, its key
+  ranges being known only at run time): 2 CTAs for 4 query tiles."""
+  cfg = MosaicConfig.default(64, is_causal=True).replace(persistent_ctas=2, persistent_deal="cyclic")
+  assert cfg.forward_persistent(is_causal=True, variant=True)
+  assert not cfg.deals_greedily(is_causal=True, variant=True)
+  _check_interpret_variant("causal_window_segments_offset", cfg, deterministic=True)
+
+
+@pytest.mark.parametrize("case, dealt", [
+    ("default causal", True),  # the defaults deal a dense causal call's tiles greedily
+    ("default non-causal", False),  # equal tiles: the cyclic deal
+    ("cyclic causal", False),
+    ("causal variant", False),  # one CTA per tile (key ranges known only at run time)
+])
+def test_forward_builds_the_greedy_deal_where_it_applies(case, dealt):
+  """The forward computes the greedy deal's table (``forward._causal_deal``) for exactly the calls
+  ``MosaicConfig.deals_greedily`` names, checked by tracing the kernel call for sm90 on the CPU."""
+  from unittest import mock
+
+  from fa2_jax.kernels.mosaic import forward as forward_module
+  from fa2_jax.validation import check_variant
+
+  causal = case != "default non-causal"
+  cfg = MosaicConfig.default(128, is_causal=causal)
+  if case == "cyclic causal":
+    cfg = cfg.replace(persistent_deal="cyclic")
+  q = jnp.zeros((4, 1000, 8, 128), BF16)
+  kv = jnp.zeros((4, 1000, 4, 128), BF16)
+  variant = arrays = None
+  if case == "causal variant":
+    variant, arrays = check_variant(q, kv, is_causal=True, local_window_size=(300, 0))
+  calls = []
+  real = forward_module._causal_deal
+
+  def spy(st):
+    table = real(st)
+    calls.append((st, table))
+    return table
+
+  with mock.patch.object(forward_module, "_causal_deal", spy):
+    jax.jit(lambda a, b_, c_: forward(a, b_, c_, scale=0.1, is_causal=causal, config=cfg,
+                                      variant=variant, arrays=arrays)).trace(q, kv, kv)
+  assert bool(calls) == dealt
+  if dealt:
+    st, table = calls[0]
+    assert st.n_ctas == 132  # one per SM (ops.HOPPER_SMS without a GPU) for 4 x 8 heads x 8 tiles
+    assert table[:, 0].sum() == 256 and set(table[:, 0].tolist()) <= {1, 2, 3}
+    positions = np.concatenate([table[c, 1:1 + table[c, 0]] for c in range(132)])
+    assert sorted(positions.tolist()) == list(range(256))
 
 
 def _check_interpret_variant(name, cfg, *, deterministic, h=None):

@@ -171,19 +171,19 @@ def test_mosaic_causal_launch_orders_agree_bitwise(monkeypatch, h, kh, budget):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal, ctas, variant, s", [
-    (False, 0, False, 777),  # the default: one CTA per SM (here fewer tiles than SMs: one round)
-    (False, 5, False, 777),  # 5 CTAs for 128 tiles: 26 rounds, the last partial
-    (True, 7, False, 777),  # causal (opt-in), the LPT order dealt cyclically over 7 CTAs
-    (True, -7, False, 777),  # the same with the greedy deal (schedule.greedy_deal)
-    (False, 6, True, 777),  # packed documents, padding lengths and a soft cap: uneven key ranges
-    (True, None, False, 2000),  # causal with the defaults: one CTA per SM, the tiles dealt greedily
+@pytest.mark.parametrize("causal, ctas, variant, t, s", [
+    (False, 0, False, 1000, 777),  # the default: one CTA per SM (here fewer tiles than SMs: one round)
+    (False, 5, False, 1000, 777),  # 5 CTAs for 128 tiles: 26 rounds, the last partial
+    (True, 7, False, 1000, 777),  # causal, the LPT order dealt cyclically (opt-in) over 7 CTAs
+    (True, -7, False, 1000, 777),  # the same with the greedy deal (schedule.greedy_deal)
+    (False, 6, True, 1000, 777),  # packed documents, padding lengths and a soft cap: uneven key ranges
+    (True, None, False, 4000, 4000),  # the defaults: 512 causal tiles dealt greedily to 132 CTAs
 ])
-def test_mosaic_persistent_forward_matches_one_cta_per_tile(causal, ctas, variant, s):
+def test_mosaic_persistent_forward_matches_one_cta_per_tile(causal, ctas, variant, t, s):
   """The persistent forward (MosaicConfig.persistent) only changes which CTA runs a query tile and
   where its K/V ring slots start, not what the tile computes: output and lse are bit-identical to
   the one-CTA-per-tile launch, and match the formula."""
-  b, t, n, kh, h = 2, 1000, 8, 2, 128
+  b, n, kh, h = 2, 8, 2, 128
   q, k, v = _qkv(b=b, t=t, s=s, n=n, kh=kh, h=h, seed=5)
   kwargs = dict(is_causal=causal)
   if variant:

@@ -116,8 +116,8 @@ class MosaicConfig:
   element: slower than ``"per_head"`` on the H200, docs/design.md "Softmax form");
   ``"auto"`` (default): the one-FMA form alone where the call's logits are bounded below its limit
   whatever the inputs (a soft cap with no ALiBi or ``score_fn``), else ``"per_head"``.
-  ``persistent``: the forward launches ``persistent_ctas`` CTAs (0: one per SM) that each run the
-  query tiles ``cta, cta + n_ctas, ...`` of the launch order, their producer streaming the next tile's
+  ``persistent``: the forward launches ``persistent_ctas`` CTAs (0: one per SM) that each run their
+  share of the query tiles of the launch order (see ``persistent_deal``), their producer streaming the next tile's
   ``K_j, V_j`` while the consumers finish a tile, instead of one CTA per query tile whose ring fills
   and drains on its own. ``persistent_deal``: which CTA runs which tile. ``"cyclic"``: CTA ``c`` runs
   the launch positions ``c, c + n_ctas, ...``. ``"greedy"``: each position in turn goes to the CTA
@@ -269,8 +269,9 @@ class MosaicConfig:
 
     head_dim 64: 256-key forward tiles, 128-row dK/dV tiles, 128-key dQ tiles (the fastest in the
     sweep, docs/design.md#mosaic-tiles-head-dim-64). 128: 128-key tiles, 2-deep rings (no variant was
-    faster, docs/design.md#mosaic-tiles-head-dim-128); both run the forward persistent when
-    causal calls dealing the tiles greedily (docs/design.md#persistent-forward). 192/256: 64-key tiles; the backward runs the
+    faster, docs/design.md#mosaic-tiles-head-dim-128); both run the forward persistent, causal calls
+    dealing their tiles greedily (docs/design.md#persistent-forward). 192/256: 64-key tiles; the
+    backward runs the
     role-split dK/dV kernel (``dkv_roles``: faster than the dV and dK passes) and, at 256, the
     role-split dQ kernel (``dq_roles``; at 192 the dQ kernel with one consumer warpgroup), to fit SMEM
     and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).

@@ -121,9 +121,10 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
 
   def over_tiles(body):
     """``body(b, h, qt, ring_step)`` for each query tile of this CTA; returns the K/V ring's steps in
-    all. One tile per CTA (grid ``(B, N, q tiles)``), or, persistent (``st.n_ctas``), the tiles
-    ``cta, cta + n_ctas, ...`` of the launch order, with the ring's steps running on across them.
-    Causal: the last query tiles see the most keys, so they go first (LPT, schedule.lpt_tile)."""
+    all. One tile per CTA (grid ``(B, N, q tiles)``), or, persistent (``st.n_ctas``), the launch
+    positions ``cta, cta + n_ctas, ...`` (cyclic) or those of the CTA's row of the deal table
+    (``st.dealt``: schedule.greedy_deal), with the ring's steps running on across them. Causal: the
+    last query tiles see the most keys, so they go first (LPT, schedule.lpt_tile)."""
     order = dict(is_causal=st.is_causal, n_heads=st.n_heads, n_tiles=st.n_q_tiles, n_bh=st.n_bh,
                  section=st.section, longest_last=True)
     if not st.n_ctas:

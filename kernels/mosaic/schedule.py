@@ -148,7 +148,8 @@ def cta_tile(tile_axis: str, *, is_causal: bool, n_heads: int, n_tiles: int, n_b
 def launch_tile(lin, *, is_causal: bool, n_heads: int, n_tiles: int, n_bh: int, section: int,
                 longest_last: bool):
   """:func:`cta_tile` of the CTA at launch position ``lin = (b * n_heads + h) * n_tiles + t`` (a
-  persistent kernel's CTA runs the positions ``cta, cta + n_ctas, ...`` in turn)."""
+  persistent kernel's CTA runs its positions in turn: ``cta, cta + n_ctas, ...``, or its row of a
+  :func:`greedy_deal`)."""
   if is_causal:
     return lpt_position(lin, n_h=n_heads, n_t=n_tiles, n_bh=n_bh, section=section,
                         longest_last=longest_last)
