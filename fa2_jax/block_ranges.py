@@ -288,12 +288,46 @@ def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, h
   return masks
 
 
+_STATIC_WORK: dict = {}  # (variant, dims) -> numpy [nq]: see static_kv_work
+_STATIC_WORK_MAX = 64  # an entry is one int per query block
+
+
+def static_kv_work(variant: Variant, *, seq_q: int, seq_k: int, block_q: int,
+                   block_k: int) -> np.ndarray | None:
+  """The key blocks each query block visits, ``hi - lo`` of :func:`kv_block_range`, as a numpy int
+  array ``[ceil(T / block_q)]``, for a variant whose ranges are known at trace time and the same for
+  every batch element and head (``Variant.static_ranges``); None for any other variant, or where it
+  cannot be evaluated while tracing (then nothing is kept). Evaluated when first asked (outside a
+  ``shard_map``'s manual axes: :func:`warm_static_masks` asks on the whole call) and kept: a
+  persistent kernel deals its tiles by it (``kernels/mosaic/forward.py``)."""
+  if not variant.static_ranges:
+    return None
+  key = (variant, seq_q, seq_k, block_q, block_k)
+  if key in _STATIC_WORK:
+    return _STATIC_WORK[key]
+  q_start = np.arange(-(-seq_q // block_q), dtype=np.int32) * block_q
+  with jax.ensure_compile_time_eval():
+    lo, _, _, hi = kv_block_range(variant, q_start, block_q, block_k, seq_k, seq_q=seq_q)
+    work = hi - lo
+  if isinstance(work, jax.core.Tracer):
+    return None
+  work = np.asarray(work)
+  if len(_STATIC_WORK) >= _STATIC_WORK_MAX:
+    _STATIC_WORK.pop(next(iter(_STATIC_WORK)))
+  _STATIC_WORK[key] = work
+  return work
+
+
 def warm_static_masks(variant: Variant, tiles: dict, *, batch: int, heads: int, seq_q: int,
                       seq_k: int) -> None:
   """Computes (and keeps) the block masks of a ``mask_fn`` of the indices alone for every tile of
   ``tiles`` (as :func:`range_tables` takes them), where the call is traced: a per-device call inside
   a ``shard_map`` then finds them, since it cannot evaluate anything at trace time under its manual
-  mesh axes. Nothing to do without a ``mask_fn``, or with ``q_offset`` (computed in the program)."""
+  mesh axes. Nothing to do without a ``mask_fn``, or with ``q_offset`` (computed in the program).
+  Likewise the per-block work of :func:`static_kv_work` for every ``"kv"`` tiling."""
+  for kind, block_q, block_k in tiles.values():
+    if kind == "kv":
+      static_kv_work(variant, seq_q=seq_q, seq_k=seq_k, block_q=block_q, block_k=block_k)
   if variant.mask_fn is None or variant.has_q_offset:
     return
   for _, block_q, block_k in tiles.values():

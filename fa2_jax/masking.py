@@ -89,6 +89,14 @@ class Variant:
     return self == Variant()
 
   @property
+  def static_ranges(self) -> bool:
+    """True when the block ranges of :mod:`fa2_jax.block_ranges` follow from the static part alone,
+    the same for every batch element and head (causal, window; a soft cap, ALiBi and ``score_fn``
+    change no range): no lengths, segments, offset or ``mask_fn``."""
+    return not (self.has_q_lengths or self.has_kv_lengths or self.has_segments
+                or self.has_q_offset or self.mask_fn is not None)
+
+  @property
   def needs_mask(self) -> bool:
     """True when some pair may be disallowed (:func:`allowed_pairs` returns an array)."""
     return (self.is_causal or self.window is not None or self.has_q_lengths or self.has_kv_lengths

@@ -184,28 +184,28 @@ def test_config_valid_variants():
 
 def test_persistent_forward_default_rule():
   """The forward runs persistent by default where it measured as fast or faster: head_dim <= 128,
-  causal calls dealing their tiles greedily; a causal call with an attention variant (tiles' work
-  known only at run time) keeps one CTA per tile (docs/design.md#persistent-forward)."""
+  causal calls dealing their tiles greedily; a causal call whose tiles' work is unknown at trace time
+  (a variant with lengths, segments, an offset or a mask_fn) keeps one CTA per tile
+  (docs/design.md#persistent-forward)."""
   for h in (64, 96, 128):
     for causal in (False, True):
       cfg = MosaicConfig.default(h, is_causal=causal)
       assert cfg.persistent and cfg.persistent_deal == "greedy"
-      assert cfg.forward_persistent(is_causal=causal, variant=False)
-      assert cfg.forward_persistent(is_causal=causal, variant=True) == (not causal)
-      assert cfg.deals_greedily(is_causal=causal, variant=False) == causal
-      assert not cfg.deals_greedily(is_causal=causal, variant=True)
+      assert cfg.forward_persistent(is_causal=causal, known_work=True)
+      assert cfg.forward_persistent(is_causal=causal, known_work=False) == (not causal)
+      assert cfg.deals_greedily(is_causal=causal, known_work=True) == causal
+      assert not cfg.deals_greedily(is_causal=causal, known_work=False)
       cyclic = cfg.replace(persistent_deal="cyclic")  # every call persistent, none dealt greedily
-      assert cyclic.forward_persistent(is_causal=causal, variant=True)
-      assert not cyclic.deals_greedily(is_causal=causal, variant=False)
+      assert cyclic.forward_persistent(is_causal=causal, known_work=False)
+      assert not cyclic.deals_greedily(is_causal=causal, known_work=True)
       off = cfg.replace(persistent=False)
-      assert not off.forward_persistent(is_causal=causal, variant=False)
-      assert not off.deals_greedily(is_causal=causal, variant=False)
+      assert not off.forward_persistent(is_causal=causal, known_work=True)
+      assert not off.deals_greedily(is_causal=causal, known_work=True)
   for h in (192, 256):
     assert not MosaicConfig.default(h, is_causal=True).forward_persistent(is_causal=True,
-                                                                          variant=False)
+                                                                          known_work=True)
     assert not MosaicConfig.default(h).persistent
   assert MosaicConfig.default(128).persistent_ctas == 0  # 0: one CTA per SM
-
 
 def test_greedy_deal_balances_causal_tiles():
   """schedule.greedy_deal gives each launch position (longest first) to the least-loaded CTA: every
@@ -785,6 +785,10 @@ VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
         is_causal=True, local_window_size=(70, 0), q_offset=jnp.array([40]),
         q_segment_ids=jnp.array([[0] * 70 + [1] * 130]),
         kv_segment_ids=jnp.array([[0] * 110 + [1] * 154]))),
+    # static key ranges (no lengths, segments, offset or mask_fn): Variant.static_ranges
+    "causal_window_soft_cap_alibi": (2, 330, 330, 2, 1, 64, lambda: dict(
+        is_causal=True, local_window_size=(100, 0), logits_soft_cap=5.0,
+        alibi_slopes=jnp.array([0.1, 0.2]))),
     "lengths_soft_cap_alibi": (2, 136, 200, 2, 2, 64, lambda: dict(
         query_seq_lengths=jnp.array([100, 0]), key_value_seq_lengths=jnp.array([150, 77]),
         logits_soft_cap=2.0, alibi_slopes=jnp.array([0.1, 0.3]))),
@@ -851,18 +855,28 @@ def test_interpret_variants_persistent_forward():
 def test_interpret_causal_variant_persistent_forward():
   """A causal variant (window, packed segments, an offset) through the persistent forward with the
   cyclic deal (opt-in: under the default greedy deal a causal variant runs one CTA per tile, its key
-  ranges being known only at run time): 2 CTAs for 4 query tiles."""
+  ranges (segments, an offset) being known only at run time): 2 CTAs for 4 query tiles."""
   cfg = MosaicConfig.default(64, is_causal=True).replace(persistent_ctas=2, persistent_deal="cyclic")
-  assert cfg.forward_persistent(is_causal=True, variant=True)
-  assert not cfg.deals_greedily(is_causal=True, variant=True)
+  assert cfg.forward_persistent(is_causal=True, known_work=False)
+  assert not cfg.deals_greedily(is_causal=True, known_work=False)
   _check_interpret_variant("causal_window_segments_offset", cfg, deterministic=True)
+
+
+def test_interpret_static_causal_variant_greedy_forward():
+  """A causal variant whose key ranges follow from its static part (a window, a soft cap, ALiBi)
+  through the persistent forward with the greedy deal the defaults give it: 3 CTAs for 12 query
+  tiles weighing 1-3 key tiles of 64 each."""
+  cfg = MosaicConfig.default(64, is_causal=True).replace(persistent_ctas=3, block_k=64)
+  assert cfg.deals_greedily(is_causal=True, known_work=True)
+  _check_interpret_variant("causal_window_soft_cap_alibi", cfg, deterministic=True)
 
 
 @pytest.mark.parametrize("case, dealt", [
     ("default causal", True),  # the defaults deal a dense causal call's tiles greedily
     ("default non-causal", False),  # equal tiles: the cyclic deal
     ("cyclic causal", False),
-    ("causal variant", False),  # one CTA per tile (key ranges known only at run time)
+    ("causal window", True),  # a variant whose key ranges follow from its static part
+    ("causal lengths", False),  # one CTA per tile (key ranges known only at run time)
 ])
 def test_forward_builds_the_greedy_deal_where_it_applies(case, dealt):
   """The forward computes the greedy deal's table (``forward._causal_deal``) for exactly the calls
@@ -879,13 +893,17 @@ def test_forward_builds_the_greedy_deal_where_it_applies(case, dealt):
   q = jnp.zeros((4, 1000, 8, 128), BF16)
   kv = jnp.zeros((4, 1000, 4, 128), BF16)
   variant = arrays = None
-  if case == "causal variant":
-    variant, arrays = check_variant(q, kv, is_causal=True, local_window_size=(300, 0))
+  if case == "causal window":
+    variant, arrays = check_variant(q, kv, is_causal=True, local_window_size=(300, 0),
+                                    logits_soft_cap=20.0)
+  elif case == "causal lengths":
+    variant, arrays = check_variant(q, kv, is_causal=True, local_window_size=(300, 0),
+                                    key_value_seq_lengths=jnp.full((4,), 900))
   calls = []
   real = forward_module._causal_deal
 
-  def spy(st):
-    table = real(st)
+  def spy(st, variant_work=None):
+    table = real(st, variant_work)
     calls.append((st, table))
     return table
 
@@ -896,9 +914,13 @@ def test_forward_builds_the_greedy_deal_where_it_applies(case, dealt):
   if dealt:
     st, table = calls[0]
     assert st.n_ctas == 132  # one per SM (ops.HOPPER_SMS without a GPU) for 4 x 8 heads x 8 tiles
-    assert table[:, 0].sum() == 256 and set(table[:, 0].tolist()) <= {1, 2, 3}
+    assert table[:, 0].sum() == 256 and set(table[:, 0].tolist()) <= {1, 2, 3, 4}
     positions = np.concatenate([table[c, 1:1 + table[c, 0]] for c in range(132)])
     assert sorted(positions.tolist()) == list(range(256))
+    if variant is not None:  # query tile i sees key tiles [i - 3, i] (a window of 300 keys): 1-4
+      from fa2_jax.block_ranges import static_kv_work
+      work = static_kv_work(variant, seq_q=1000, seq_k=1000, block_q=128, block_k=128)
+      assert work.tolist() == [1, 2, 3, 4, 4, 4, 4, 4]
 
 
 def _check_interpret_variant(name, cfg, *, deterministic, h=None):

@@ -194,7 +194,7 @@ def test_mosaic_persistent_forward_matches_one_cta_per_tile(causal, ctas, varian
   default = fa2_jax.MosaicConfig.default(h, q.dtype, causal)
   one = default.replace(persistent=False)
   if ctas is None:  # the defaults as they are
-    assert default.deals_greedily(is_causal=causal, variant=variant)
+    assert default.deals_greedily(is_causal=causal, known_work=not variant)
     many = default
   else:
     deal = "greedy" if ctas < 0 else "cyclic"

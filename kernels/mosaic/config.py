@@ -122,8 +122,9 @@ class MosaicConfig:
   and drains on its own. ``persistent_deal``: which CTA runs which tile. ``"cyclic"``: CTA ``c`` runs
   the launch positions ``c, c + n_ctas, ...``. ``"greedy"``: each position in turn goes to the CTA
   with the least work so far, counted in key tiles (``schedule.greedy_deal``), for the causal calls,
-  whose tiles differ in work; a causal call with an attention variant, whose key ranges are known
-  only at run time, then runs one CTA per tile (see :meth:`forward_persistent`).
+  whose tiles differ in work; a causal call with an attention variant whose key ranges are known
+  only at run time (lengths, segments, an offset, a ``mask_fn``) then runs one CTA per tile (see
+  :meth:`forward_persistent`).
   ``consumer_barrier``: how the fused dK/dV/dQ kernel's consumer warpgroups meet before reading each
   other's ``dS^T`` tile: ``"mbarrier"`` (default: a shared-memory barrier, every warpgroup arrives
   then waits on its phase) or ``"named"`` (one hardware ``bar.sync`` for both, as FlashAttention-3
@@ -299,17 +300,20 @@ class MosaicConfig:
     return cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
                num_stages_dq=2, dq_roles=head_dim % (2 * WG_ROWS) == 0)
 
-  def forward_persistent(self, *, is_causal: bool, variant: bool) -> bool:
-    """Whether the forward runs persistent (one CTA per SM looping over the query tiles), for a call
-    with or without an attention ``variant``: ``persistent``, except for a causal call with a variant
-    under the greedy deal, whose tiles' work is known only at run time."""
-    return self.persistent and not (is_causal and variant and self.persistent_deal == "greedy")
+  def forward_persistent(self, *, is_causal: bool, known_work: bool) -> bool:
+    """Whether the forward runs persistent (one CTA per SM looping over the query tiles):
+    ``persistent``, except for a causal call under the greedy deal whose tiles' work is not
+    ``known_work`` at trace time (an attention variant with lengths, segments, an offset or a
+    ``mask_fn``: ``Variant.static_ranges``; a dense call's is known)."""
+    return self.persistent and not (is_causal and not known_work
+                                    and self.persistent_deal == "greedy")
 
-  def deals_greedily(self, *, is_causal: bool, variant: bool) -> bool:
-    """Whether a persistent forward deals its tiles by :func:`schedule.greedy_deal` (dense causal
-    calls under ``persistent_deal="greedy"``) rather than cyclically."""
-    return (self.forward_persistent(is_causal=is_causal, variant=variant) and is_causal
-            and not variant and self.persistent_deal == "greedy")
+  def deals_greedily(self, *, is_causal: bool, known_work: bool) -> bool:
+    """Whether a persistent forward deals its tiles by :func:`schedule.greedy_deal` (causal calls
+    whose tiles' work is known at trace time, under ``persistent_deal="greedy"``) rather than
+    cyclically."""
+    return (self.forward_persistent(is_causal=is_causal, known_work=known_work) and is_causal
+            and known_work and self.persistent_deal == "greedy")
 
   def fuses_dq(self, seq_q: int, *, deterministic: bool, variant: bool = False) -> bool:
     """Whether a backward of ``seq_q`` query rows (``variant``: with an attention variant beyond

@@ -40,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ...block_ranges import kv_range_table
+from ...block_ranges import kv_range_table, static_kv_work
 from ...masking import Variant, allowed, soft_cap_tanh
 from ..softmax import folded_soft_cap, huge_row_scale, row_sum_at_max
 from ..vma import out_struct
@@ -327,30 +327,42 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
     k_tiles = -(-plan.s_hbm // cfg.block_k)
     extras, names = variant_operands(variant, arrays, table, t_pad=n_tiles * rows,
                                      s_pad=k_tiles * cfg.block_k)
+  # A causal variant's tiles' work, where it is known at trace time (block_ranges.static_kv_work):
+  # the greedy deal of a persistent forward weighs the tiles by it.
+  work = None
+  if variant is not None and is_causal:
+    work = static_kv_work(variant, seq_q=t, seq_k=s, block_q=rows, block_k=cfg.block_k)
   return _forward_call(q, k, v, *extras, scale=float(scale), is_causal=bool(is_causal), cfg=cfg,
                        plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_rows=plan.t_rows, emulate=emulating(),
-                       variant=variant, names=tuple(names))
+                       variant=variant, names=tuple(names),
+                       variant_work=None if work is None else tuple(work.tolist()))
 
 
-def _causal_deal(st: _Fwd):
-  """The greedy deal (``schedule.greedy_deal``) of a dense causal call's query tiles, in launch
-  order, each weighing its key tiles."""
+def _causal_deal(st: _Fwd, variant_work=None):
+  """The greedy deal (``schedule.greedy_deal``) of a causal call's query tiles, in launch order,
+  each weighing the key tiles it visits: a dense call's from ``schedule.kv_block_ranges``, a
+  variant's ``variant_work`` (``fa2_jax.block_ranges.static_kv_work``: the same for every batch
+  element and head)."""
   rows = st.num_wgs * st.block_q
+  if variant_work is None:
+    per_tile = [kv_block_ranges(qt * rows, rows, block_k=st.block_k, seq_k=st.seq_k,
+                                is_causal=True)[1] for qt in range(st.n_q_tiles)]
+  else:
+    per_tile = list(variant_work) + [0] * (st.n_q_tiles - len(variant_work))  # tiles past T
   work = []
   for pos in range(st.n_bh * st.n_q_tiles):
     _, _, qt = launch_tile(pos, is_causal=True, n_heads=st.n_heads, n_tiles=st.n_q_tiles,
                            n_bh=st.n_bh, section=st.section, longest_last=True)
-    _, n_end = kv_block_ranges(qt * rows, rows, block_k=st.block_k, seq_k=st.seq_k, is_causal=True)
-    work.append(n_end)
+    work.append(per_tile[qt])
   return greedy_deal(work, st.n_ctas)
 
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py); one per process
 # with the lowering cache on (lowering_cache.py).
 @kernel_call(('scale', 'is_causal', 'cfg', 'plan_t', 'plan_s', 't_rows', 'emulate', 'variant',
-              'names'))
+              'names', 'variant_work'))
 def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_rows,
-                  emulate, variant=None, names=()):
+                  emulate, variant=None, names=(), variant_work=None):
   """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,H], stats [B,N,2,T]."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
@@ -359,6 +371,8 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
   vp = pad_axis(v, 1, plan_s)
   rows = cfg.num_wgs * cfg.block_q
   n_q_tiles = -(-plan_t // rows)
+  # each tile's key range known at trace time: dense, or variant_work (key tiles per query tile)
+  known_work = variant is None or variant_work is not None
   st = _Fwd(scale=scale, is_causal=is_causal, seq_q=t, seq_k=s, group=n // kh, head_dim=h,
             block_q=cfg.block_q, block_k=cfg.block_k, num_stages=cfg.num_stages,
             num_wgs=cfg.num_wgs, pingpong=cfg.pingpong and cfg.num_wgs == 2,
@@ -368,11 +382,10 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
                                    kv_bytes=2 * plan_s * h * q.dtype.itemsize),
             variant=variant, names=names,
             n_ctas=(min(b * n * n_q_tiles, cfg.persistent_ctas or sm_count())
-                    if cfg.forward_persistent(is_causal=is_causal, variant=variant is not None)
-                    else 0),
-            dealt=cfg.deals_greedily(is_causal=is_causal, variant=variant is not None))
+                    if cfg.forward_persistent(is_causal=is_causal, known_work=known_work) else 0),
+            dealt=cfg.deals_greedily(is_causal=is_causal, known_work=known_work))
   if st.dealt:
-    extras = (*extras, jnp.asarray(_causal_deal(st)))
+    extras = (*extras, jnp.asarray(_causal_deal(st, variant_work)))
   tf = smem_transforms()
   nwg, stages = cfg.num_wgs, cfg.num_stages
   scratch = dict(
