@@ -330,7 +330,7 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
   # A causal variant's tiles' work, where it is known at trace time (block_ranges.static_kv_work):
   # the greedy deal of a persistent forward weighs the tiles by it.
   work = None
-  if variant is not None and is_causal:
+  if variant is not None and is_causal and cfg.persistent and cfg.persistent_deal == "greedy":
     work = static_kv_work(variant, seq_q=t, seq_k=s, block_q=rows, block_k=cfg.block_k)
   return _forward_call(q, k, v, *extras, scale=float(scale), is_causal=bool(is_causal), cfg=cfg,
                        plan_t=plan.t_hbm, plan_s=plan.s_hbm, t_rows=plan.t_rows, emulate=emulating(),

@@ -7,7 +7,10 @@
 """
 from __future__ import annotations
 
+import heapq
+
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .config import L2_SECTION_BYTES, MosaicConfig
@@ -169,7 +172,6 @@ def causal_section(cfg: "MosaicConfig", *, n_bh: int, group: int, kv_bytes: int,
   return section_heads(-(-kv_bytes // group), n_bh, group, budget=L2_SECTION_BYTES)
 
 
-
 def greedy_deal(work, n_ctas: int):
   """A static deal of tiles to the ``n_ctas`` CTAs of a persistent kernel: the launch positions in
   order (longest first for causal calls), each to the CTA with the least work so far (ties: the
@@ -179,10 +181,6 @@ def greedy_deal(work, n_ctas: int):
 
   Returns an int32 numpy table ``[n_ctas, 1 + max count]``: row ``c`` is CTA ``c``'s tile count, then
   its launch positions in increasing order (zero-padded)."""
-  import heapq
-
-  import numpy as np
-
   loads = [(0.0, c) for c in range(n_ctas)]
   owned = [[] for _ in range(n_ctas)]
   for pos, w in enumerate(work):
