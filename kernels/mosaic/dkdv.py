@@ -178,12 +178,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
     hd = st.head_dim
     split = st.dq_split
 
-    def stage_ds(idx, ds16):
+    def store_ds(idx, ds16):
       """Fused dQ: dS^T [keys, rows] to SMEM (double-buffered by step parity, so a consumer can write
-      step i+1's tile while the other still reads step i's), where the dQ wgmma reads it transposed."""
+      step i+1's tile while the other still reads step i's), where the dQ wgmma reads it transposed.
+      Not yet fenced: the caller issues dV first, then ``commit_smem`` (FA3's order)."""
       par = lax.rem(idx, jnp.array(2, idx.dtype))
       ds_smem.at[par, wg][...] = ds16
-      plgpu.commit_smem()
       return par
 
     def fused_dq_step(par, i, g, ds16, q_t, dk_acc):
@@ -290,10 +290,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
         if key_tail:  # keys past S (zero K rows) leave dS^T as 0: no inf * 0 in the fused dS K
           ds_t = jnp.where(k0 + iota2(tile, 0) < st.seq_k, ds_t, 0.0)
         ds16 = ds_t.astype(st.dtype)
-        par = stage_ds(idx, ds16) if st.fused_dq else None
+        par = store_ds(idx, ds16) if st.fused_dq else None
         if st.want_dv and early:
-          wgmma(dv_acc, p16, do_t)  # dV_j += P^T dO_i (line 12), in flight from here on
+          # dV_j += P^T dO_i (line 12), in flight from here on; issued before dS^T's fence, which
+          # orders nothing it reads (P^T in registers, dO_i loaded by TMA)
+          wgmma(dv_acc, p16, do_t)
         if st.fused_dq:
+          plgpu.commit_smem()  # dS^T visible to the dQ wgmma (async proxy)
           fused_dq_step(par, i, g, ds16, q_t, dk_acc)
         else:
           wgmma(dk_acc, ds16, q_t)  # dK_j += dS^T Q_i  (line 16)
