@@ -245,8 +245,24 @@ def q_block_ranges(variant: Variant, arrays: VariantArrays, *, batch: int, seq_q
 _MASK_CHUNK = 1 << 25  # elements of mask_fn evaluated per step of mask_fn_block_mask (32 Mi bools)
 
 
-_STATIC_MASKS: dict = {}  # (variant, dims) -> concrete (any_, all_): see mask_fn_block_mask
-_STATIC_MASKS_MAX = 16  # at 128k x 128k with 64-row tiles one entry holds about 4 MiB
+class _Kept(dict):
+  """Values evaluated while a call is traced, kept for later calls with the same key; past ``limit``
+  entries the oldest leaves (a program that needs it again evaluates it again)."""
+
+  def __init__(self, limit: int):
+    super().__init__()
+    self.limit = limit
+
+  def keep(self, key, value):
+    if len(self) >= self.limit:
+      self.pop(next(iter(self)))
+    self[key] = value
+    return value
+
+
+# (variant, dims) -> concrete (any_, all_): see mask_fn_block_mask. At 128k x 128k with 64-row tiles
+# one entry holds about 4 MiB, hence 16.
+_STATIC_MASKS = _Kept(16)
 
 
 def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: int,
@@ -281,15 +297,10 @@ def mask_fn_block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, h
     return masks  # mask_fn reads a traced value: computed in the program
   # Host copies: a plain constant in any program (a device array made under a mesh carries that
   # mesh's sharding, which a shard_map cannot close over).
-  masks = tuple(np.asarray(m) for m in masks)
-  if len(_STATIC_MASKS) >= _STATIC_MASKS_MAX:
-    _STATIC_MASKS.pop(next(iter(_STATIC_MASKS)))
-  _STATIC_MASKS[key] = masks
-  return masks
+  return _STATIC_MASKS.keep(key, tuple(np.asarray(m) for m in masks))
 
 
-_STATIC_WORK: dict = {}  # (variant, dims) -> numpy [nq]: see static_kv_work
-_STATIC_WORK_MAX = 64  # an entry is one int per query block
+_STATIC_WORK = _Kept(64)  # (variant, dims) -> numpy [nq]: see static_kv_work (one int per query block)
 
 
 def static_kv_work(variant: Variant, *, seq_q: int, seq_k: int, block_q: int,
@@ -311,11 +322,7 @@ def static_kv_work(variant: Variant, *, seq_q: int, seq_k: int, block_q: int,
     work = hi - lo
   if isinstance(work, jax.core.Tracer):
     return None
-  work = np.asarray(work)
-  if len(_STATIC_WORK) >= _STATIC_WORK_MAX:
-    _STATIC_WORK.pop(next(iter(_STATIC_WORK)))
-  _STATIC_WORK[key] = work
-  return work
+  return _STATIC_WORK.keep(key, np.asarray(work))
 
 
 def warm_static_masks(variant: Variant, tiles: dict, *, batch: int, heads: int, seq_q: int,
