@@ -6,12 +6,16 @@ length multiple, which ``flash_attention`` does before choosing the kernels (bot
 """
 from __future__ import annotations
 
+import importlib.util
+import os
+
 from .kernels.mosaic import lowering_cache
 
 _STATE = {"length_multiple": None}  # read at every traced call
 
 
-def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int | None = None) -> bool:
+def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int | None = None,
+                                  cache_dir: str | os.PathLike | None = None) -> bool:
   """Lower each Mosaic kernel (per settings and shapes) once per process and embed that lowering in
   every jitted program that launches it, so a second program with the same attention shapes (an
   evaluation step beside the training step, ``jit(f)`` beside ``jit(grad(f))``) neither lowers nor
@@ -27,15 +31,33 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
   copy of the inputs and the masked variant of the kernels (measured in
   ``benchmarks/results/h200/latency/compile_reuse_kernels.md``). None (default): no padding.
 
-  Returns the previous ``enabled`` (to restore both settings, read :func:`length_multiple` first).
+  ``cache_dir``: with ``enabled``, a folder where each kernel's lowering is also written (a file per
+  kernel, settings and shapes, named by their hash with the JAX version and this package's sources)
+  and read back by later processes, which then do not lower that kernel. With JAX's persistent
+  compilation cache on too (``jax.config.update("jax_compilation_cache_dir", ...)``), which then finds
+  the compiled kernel, a shape that an earlier process ran costs the call's tracing and the reading
+  of its kernels. Kernels of a ``mask_fn`` or ``score_fn`` are not written (a function's code has
+  no name that is stable across processes). None (default): this process only.
+
+  Returns the previous ``enabled`` (to restore the settings, read :func:`length_multiple` and
+  ``info()["cache_dir"]`` first).
   """
   if not isinstance(enabled, bool):
     raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
   if length_multiple is not None and (not isinstance(length_multiple, int)
                                       or isinstance(length_multiple, bool) or length_multiple < 1):
     raise ValueError(f"length_multiple must be None or an int >= 1, got {length_multiple!r}")
+  if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+    raise TypeError(f"cache_dir must be None, a str or an os.PathLike, got {type(cache_dir).__name__}")
+  if cache_dir is not None and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
+    raise ValueError(f"cache_dir must be a folder, got the file {os.fspath(cache_dir)!r}")
+  if enabled and cache_dir is not None:
+    if importlib.util.find_spec("flatbuffers") is None:  # jax.export's serialization needs it
+      raise ImportError("cache_dir needs the flatbuffers package for jax.export's serialization: "
+                        "pip install 'fa2_jax[kernel-cache]' (or flatbuffers)")
   previous = lowering_cache.set_enabled(enabled)
   _STATE["length_multiple"] = length_multiple if enabled else None
+  lowering_cache.set_cache_dir(cache_dir if enabled else None)
   return previous
 
 
@@ -45,6 +67,7 @@ def length_multiple() -> int | None:
 
 
 def info() -> dict:
-  """``{"enabled", "length_multiple", "hits", "misses", "size"}``: the switch, calls served by an
-  exported kernel, exports made, kernels held."""
+  """``{"enabled", "length_multiple", "hits", "misses", "size", "cache_dir", "reads", "writes"}``:
+  the switch, calls served by an exported kernel, exports made or read, kernels held; the cache
+  folder, exports read from it and written to it."""
   return dict(lowering_cache.info(), length_multiple=length_multiple())

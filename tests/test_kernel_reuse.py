@@ -8,6 +8,7 @@ against the unpadded call. Compiled on a GPU: ``tests/test_mosaic_gpu.py -k kern
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -190,6 +191,83 @@ def test_padded_lengths_give_the_unpadded_results(reuse, name):
     np.testing.assert_allclose(np.asarray(x), np.asarray(r), rtol=1e-5, atol=1e-5, err_msg=what)
 
 
+_CACHE_DIR_PROGRAM = """
+import json, re, sys
+import jax, jax.numpy as jnp
+import fa2_jax
+from fa2_jax.kernels.mosaic import lowering_cache
+from fa2_jax.kernels.mosaic.backward import backward
+from fa2_jax.kernels.mosaic.config import MosaicConfig
+from fa2_jax.kernels.mosaic.forward import forward
+fa2_jax.reuse_kernels_across_programs(True, cache_dir=sys.argv[1])
+cfg = MosaicConfig.default(128, jnp.bfloat16, True).replace(dq_fused=True, dq_fused_min_t=0)
+mask_fn = (lambda b, h, i, j: j <= i) if sys.argv[2] == "mask_fn" else None
+def train(q, k, v, do):
+  out, stats = forward(q, k, v, scale=0.1, is_causal=True, config=cfg)
+  return out, backward(q, k, v, out, stats, do, scale=0.1, is_causal=True, config=cfg,
+                       deterministic=False)
+def with_mask_fn(q, k, v):
+  return fa2_jax.flash_attention(q, k, v, mask_fn=mask_fn, implementation="mosaic")
+sd = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+fn, avals = (with_mask_fn, (sd,) * 3) if mask_fn else (train, (sd,) * 4)
+text = jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+hashes = sorted(set(re.findall(r'kernel_hash = "((?:[^"\\\\]|\\\\.)*)"', text)))
+print(json.dumps(dict(lowering_cache.info(), hashes=hashes)))
+"""
+
+
+def _lower_in_a_fresh_process(cache_dir, kind="dense"):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  if kind == "mask_fn":  # flash_attention's dispatch believes it runs on an H200
+    program = _CACHE_DIR_PROGRAM.replace(
+        "fa2_jax.reuse_kernels_across_programs(",
+        "from fa2_jax import dispatch\ndispatch.on_gpu = lambda: True\n"
+        "dispatch.gpu_compute_capability = lambda: (9, 0)\nfa2_jax.reuse_kernels_across_programs(")
+  else:
+    program = _CACHE_DIR_PROGRAM
+  out = subprocess.run([sys.executable, "-c", program, str(cache_dir), kind], check=True, env=env,
+                       capture_output=True, text=True).stdout
+  return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_later_process_reads_the_kernels_from_the_cache_dir(tmp_path):
+  """With ``cache_dir`` the first process writes each kernel's export; a second process reads them
+  instead of lowering (no write), and embeds the same modules: the same kernel hashes, so JAX's
+  persistent compilation cache finds them compiled."""
+  first = _lower_in_a_fresh_process(tmp_path)
+  assert first["writes"] == 2 and first["reads"] == 0 and len(first["hashes"]) == 2
+  assert len(list(tmp_path.glob("*.jax_exported"))) == 2
+  second = _lower_in_a_fresh_process(tmp_path)
+  assert second["reads"] == 2 and second["writes"] == 0
+  assert second["hashes"] == first["hashes"]
+
+
+def test_kernels_of_a_mask_fn_are_not_written(tmp_path):
+  """A ``mask_fn``'s code is not in the key's text: its kernels stay in the process."""
+  info = _lower_in_a_fresh_process(tmp_path, "mask_fn")
+  assert info["misses"] >= 1 and info["writes"] == 0 and not list(tmp_path.iterdir())
+
+
+def test_cache_file_names_change_with_the_sources(monkeypatch):
+  """Another version of the package's sources names other files: an old export is never read."""
+  key = ("m", "f", (("scale", 0.1),), (jax.ShapeDtypeStruct((1, 8), BF16),), None)
+  name = lowering_cache._file_name(key, {})
+  assert name == lowering_cache._file_name(key, {})
+  monkeypatch.setattr(lowering_cache, "_SOURCES", ["another version"])
+  assert lowering_cache._file_name(key, {}) != name
+
+
+def test_cache_dir_without_flatbuffers_names_the_package(monkeypatch, tmp_path):
+  import importlib.util
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "flatbuffers" else real(name, *a))
+  before = kernel_reuse.info()
+  with pytest.raises(ImportError, match=r"fa2_jax\[kernel-cache\]"):
+    fa2_jax.reuse_kernels_across_programs(True, cache_dir=tmp_path)
+  assert kernel_reuse.info() == before
+
+
 def test_switch_arguments_are_checked():
   before = kernel_reuse.info()
   with pytest.raises(TypeError, match="enabled must be a bool"):
@@ -197,6 +275,10 @@ def test_switch_arguments_are_checked():
   for bad in (0, -4, 2.0, True):
     with pytest.raises(ValueError, match="length_multiple must be None or an int >= 1"):
       fa2_jax.reuse_kernels_across_programs(True, length_multiple=bad)
+  with pytest.raises(TypeError, match="cache_dir must be None, a str or an os.PathLike"):
+    fa2_jax.reuse_kernels_across_programs(True, cache_dir=3)
+  with pytest.raises(ValueError, match="cache_dir must be a folder"):
+    fa2_jax.reuse_kernels_across_programs(True, cache_dir=__file__)
   assert kernel_reuse.info() == before  # a rejected call changes nothing
 
 

@@ -469,3 +469,31 @@ def test_kernel_reuse_with_length_multiple_compiled():
   for g, r in zip(got, refs):
     for a, b in zip(g, r):
       _close(a, b, SAME)
+
+
+@pytest.mark.gpu
+def test_kernel_reuse_cache_dir_compiled(tmp_path):
+  """``cache_dir``: the kernels one program writes, read back after the process's own exports are
+  dropped (as a new process would), run compiled with the results of the kernels lowered in place
+  (causal 4k)."""
+  from fa2_jax.kernels.mosaic import lowering_cache
+  if not D.is_hopper():
+    pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
+  grad = lambda: jax.jit(jax.grad(_loss(mosaic, True), argnums=(0, 1, 2)))  # noqa: E731
+  q, k, v = _qkv(b=2, t=4096, s=4096, n=4, kh=2)
+  ref = grad()(q, k, v)
+  previous = fa2_jax.reuse_kernels_across_programs(True, cache_dir=tmp_path)
+  lowering_cache.clear()
+  try:
+    first = grad()(q, k, v)
+    written = lowering_cache.info()["writes"]
+    assert written > 0
+    lowering_cache.clear()
+    second = grad()(q, k, v)
+    assert lowering_cache.info()["reads"] == written and lowering_cache.info()["writes"] == 0
+  finally:
+    fa2_jax.reuse_kernels_across_programs(previous)
+    lowering_cache.clear()
+  for got in (first, second):
+    for a, b in zip(got, ref):
+      _close(a, b, SAME)

@@ -17,7 +17,9 @@ shape seen by an earlier process costs. ``--other-programs``: after each shape's
 more programs with that shape, the forward alone (an evaluation step) and ``jit(grad)`` of another
 loss, each timed the same way: what a program costs whose attention shapes an earlier program ran.
 ``--reuse-kernels`` turns on ``fa2_jax.reuse_kernels_across_programs()`` first, ``--length-multiple M``
-with its ``length_multiple=M`` (lengths padded to multiples of M: shapes in one multiple share kernels).
+with its ``length_multiple=M`` (lengths padded to multiples of M: shapes in one multiple share kernels);
+with ``--cache-dir`` too, its ``cache_dir=DIR/fa2_jax_kernels`` (the kernels' lowerings kept across
+processes: a second process with the same DIR neither lowers nor compiles a kernel an earlier one ran).
 """
 from __future__ import annotations
 
@@ -59,8 +61,12 @@ def main(argv=None):
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
   if args.reuse_kernels:
+    import os
+
     import fa2_jax
-    fa2_jax.reuse_kernels_across_programs(True, length_multiple=args.length_multiple)
+    fa2_jax.reuse_kernels_across_programs(
+        True, length_multiple=args.length_multiple,
+        cache_dir=os.path.join(args.cache_dir, "fa2_jax_kernels") if args.cache_dir else None)
   info = device_info()
   shapes = ([tuple(map(int, s.split(","))) for s in args.shapes.split(";")] if args.shapes else
             [tuple(map(int, args.shape.split(",")))])

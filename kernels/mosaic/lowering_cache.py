@@ -20,17 +20,29 @@ export records its device count). Programs traced before the switch keep their o
 does for ``pl.run_state``): that costs an export at the per-element shape too (``custom_vmap`` traces its
 body unbatched), and unbatched operands are broadcast in HBM.
 
+With a cache folder (``reuse_kernels_across_programs(cache_dir=...)``) each export is also written
+there (``jax.export``'s serialized form), named by a hash of its key, the JAX version and the
+package's sources, and a later process reads it instead of lowering the kernel. Together with JAX's
+persistent compilation cache, which then finds the compiled kernel, a shape that an earlier process
+ran costs the tracing of the call and the reading of its kernels. Settings that hold a user's
+function (``mask_fn``, ``score_fn``) have no name that is stable across processes: they are exported
+per process only.
+
 Not used in GPU interpret mode (``emulate``), nor for operands with symbolic dimensions.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import tempfile
 import threading
 
 import jax
 from jax._src import config as jax_config  # export_ignore_forward_compatibility: no public context form
 
-_STATE = {"enabled": False, "hits": 0, "misses": 0}
+_STATE = {"enabled": False, "hits": 0, "misses": 0, "cache_dir": None, "reads": 0, "writes": 0}
+_SOURCES: list = []  # the package sources' hash, computed once (_sources_hash)
 _EXPORTED: dict = {}
 _LOCK = threading.Lock()
 
@@ -43,19 +55,30 @@ def set_enabled(enabled: bool) -> bool:
   return previous
 
 
+def set_cache_dir(path: str | None) -> str | None:
+  """The folder exports are written to and read from across processes (None: this process only);
+  returns the previous one. The folder is made when the first export is written."""
+  previous = _STATE["cache_dir"]
+  _STATE["cache_dir"] = None if path is None else os.fspath(path)
+  return previous
+
+
 def info() -> dict:
-  """``{"enabled", "hits", "misses", "size"}``: calls served by an exported kernel, exports made,
-  kernels held."""
+  """``{"enabled", "hits", "misses", "size", "cache_dir", "reads", "writes"}``: calls served by an
+  exported kernel, exports made or read, kernels held; the cache folder, exports read from it and
+  written to it."""
   with _LOCK:
     return {"enabled": _STATE["enabled"], "hits": _STATE["hits"], "misses": _STATE["misses"],
-            "size": len(_EXPORTED)}
+            "size": len(_EXPORTED), "cache_dir": _STATE["cache_dir"], "reads": _STATE["reads"],
+            "writes": _STATE["writes"]}
 
 
 def clear() -> None:
-  """Drops every exported kernel and resets the counts."""
+  """Drops every exported kernel held in memory and resets the counts (the cache folder's files
+  stay)."""
   with _LOCK:
     _EXPORTED.clear()
-    _STATE["hits"] = _STATE["misses"] = 0
+    _STATE["hits"] = _STATE["misses"] = _STATE["reads"] = _STATE["writes"] = 0
 
 
 def _static_dims(x) -> bool:
@@ -94,6 +117,63 @@ def _export(jitted, static: dict, avals):
     return export()(*avals)
 
 
+def _sources_hash() -> str:
+  """SHA-256 of the package's Python sources (fa2_jax and its kernels), so that a cache folder's
+  exports from another version of the code are never read."""
+  if not _SOURCES:
+    import fa2_jax
+    import fa2_jax.kernels
+    digest = hashlib.sha256()
+    for top in sorted({os.path.dirname(fa2_jax.__file__), os.path.dirname(fa2_jax.kernels.__file__)}):
+      for folder, dirs, files in os.walk(top):
+        dirs.sort()
+        for name in sorted(files):
+          if name.endswith(".py"):
+            path = os.path.join(folder, name)
+            digest.update(os.path.relpath(path, top).encode())
+            with open(path, "rb") as f:
+              digest.update(f.read())
+    _SOURCES.append(digest.hexdigest())
+  return _SOURCES[0]
+
+
+def _file_name(key, static: dict) -> str | None:
+  """The cache file of an export's key, or None where the key has no text that is the same in every
+  process: a variant with a user's ``mask_fn`` or ``score_fn`` (whose code the text does not hold),
+  or any setting that prints with its address."""
+  variant = static.get("variant")
+  if variant is not None and (variant.mask_fn is not None or variant.score_fn is not None):
+    return None
+  text = repr((jax.__version__, _sources_hash(), key))
+  if " at 0x" in text:
+    return None
+  return hashlib.sha256(text.encode()).hexdigest() + ".jax_exported"
+
+
+def _read(path: str):
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except FileNotFoundError:
+    return None
+  return jax.export.deserialize(bytearray(data))
+
+
+def _write(path: str, exp) -> None:
+  """Writes atomically: a reader sees the whole file or none (another process may write it too)."""
+  folder = os.path.dirname(path)
+  os.makedirs(folder, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(exp.serialize())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+    raise
+
+
 def _exported(fn, jitted, static: dict, operands):
   avals = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands)
   mesh = jax.sharding.get_abstract_mesh()  # its axes and sizes: an export records the device count
@@ -101,9 +181,22 @@ def _exported(fn, jitted, static: dict, operands):
   with _LOCK:
     exp = _EXPORTED.get(key)
     _STATE["hits" if exp is not None else "misses"] += 1
+    folder = _STATE["cache_dir"]
   if exp is not None:
     return exp
-  exp = _export(jitted, static, avals)  # outside the lock: a concurrent miss may export it twice
+  # outside the lock: a concurrent miss may export (or read) it twice
+  name = None if folder is None else _file_name(key, static)
+  path = None if name is None else os.path.join(folder, name)
+  exp = None if path is None else _read(path)
+  if exp is not None:
+    with _LOCK:
+      _STATE["reads"] += 1
+  else:
+    exp = _export(jitted, static, avals)
+    if path is not None:
+      _write(path, exp)
+      with _LOCK:
+        _STATE["writes"] += 1
   with _LOCK:
     return _EXPORTED.setdefault(key, exp)
 
