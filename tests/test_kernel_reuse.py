@@ -242,6 +242,15 @@ def test_a_later_process_reads_the_kernels_from_the_cache_dir(tmp_path):
   assert second["hashes"] == first["hashes"]
 
 
+def test_a_damaged_cache_file_is_lowered_again(tmp_path):
+  """A file that does not deserialize is a miss: the kernel is lowered and the file written anew."""
+  first = _lower_in_a_fresh_process(tmp_path)
+  for path in tmp_path.glob("*.jax_exported"):
+    path.write_bytes(b"not an export")
+  again = _lower_in_a_fresh_process(tmp_path)
+  assert again["reads"] == 0 and again["writes"] == 2 and again["hashes"] == first["hashes"]
+
+
 def test_kernels_of_a_mask_fn_are_not_written(tmp_path):
   """A ``mask_fn``'s code is not in the key's text: its kernels stay in the process."""
   info = _lower_in_a_fresh_process(tmp_path, "mask_fn")

@@ -151,12 +151,17 @@ def _file_name(key, static: dict) -> str | None:
 
 
 def _read(path: str):
+  """The export in ``path``, or None where there is none or it cannot be read (then it is lowered
+  again and the file written anew)."""
   try:
     with open(path, "rb") as f:
       data = f.read()
-  except FileNotFoundError:
+  except OSError:
     return None
-  return jax.export.deserialize(bytearray(data))
+  try:
+    return jax.export.deserialize(bytearray(data))
+  except Exception:  # noqa: BLE001  a damaged file is a miss, not an error of the user's program
+    return None
 
 
 def _write(path: str, exp) -> None:
