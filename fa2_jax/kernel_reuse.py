@@ -37,7 +37,9 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
   compilation cache on too (``jax.config.update("jax_compilation_cache_dir", ...)``), which then finds
   the compiled kernel, a shape that an earlier process ran costs the call's tracing and the reading
   of its kernels. Kernels of a ``mask_fn`` or ``score_fn`` are not written (a function's code has
-  no name that is stable across processes). None (default): this process only.
+  no name that is stable across processes). None (default): this process only; each call sets it
+  anew, so a call without ``cache_dir`` stops using the folder. A folder that cannot be written
+  gives a warning and the kernels stay in the process. Nothing is ever removed from the folder.
 
   Returns the previous ``enabled`` (to restore the settings, read :func:`length_multiple` and
   ``info()["cache_dir"]`` first).
@@ -49,8 +51,12 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
     raise ValueError(f"length_multiple must be None or an int >= 1, got {length_multiple!r}")
   if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
     raise TypeError(f"cache_dir must be None, a str or an os.PathLike, got {type(cache_dir).__name__}")
+  if cache_dir is not None and not os.fspath(cache_dir):
+    raise ValueError("cache_dir must name a folder, got ''")
   if cache_dir is not None and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
     raise ValueError(f"cache_dir must be a folder, got the file {os.fspath(cache_dir)!r}")
+  if cache_dir is not None and not enabled:
+    raise ValueError("cache_dir needs enabled=True (the folder holds the reused kernels)")
   if enabled and cache_dir is not None:
     if importlib.util.find_spec("flatbuffers") is None:  # jax.export's serialization needs it
       raise ImportError("cache_dir needs the flatbuffers package for jax.export's serialization: "

@@ -257,13 +257,77 @@ def test_kernels_of_a_mask_fn_are_not_written(tmp_path):
   assert info["misses"] >= 1 and info["writes"] == 0 and not list(tmp_path.iterdir())
 
 
-def test_cache_file_names_change_with_the_sources(monkeypatch):
-  """Another version of the package's sources names other files: an old export is never read."""
-  key = ("m", "f", (("scale", 0.1),), (jax.ShapeDtypeStruct((1, 8), BF16),), None)
+def test_cache_file_names_change_with_sources_versions_gpu_and_mesh(monkeypatch):
+  """Another version of the package's sources, of jax/jaxlib, another GPU (SM count: a persistent
+  kernel's launch) or another mesh names other files: such an export is never read."""
+  key = ("m", "f", (("scale", 0.1),), (jax.ShapeDtypeStruct((1, 8), BF16),),
+         jax.sharding.get_abstract_mesh())
   name = lowering_cache._file_name(key, {})
   assert name == lowering_cache._file_name(key, {})
-  monkeypatch.setattr(lowering_cache, "_SOURCES", ["another version"])
-  assert lowering_cache._file_name(key, {}) != name
+  env = lowering_cache._environment()
+  with monkeypatch.context() as m:
+    m.setattr(lowering_cache, "_SOURCES", ["another version"])
+    assert lowering_cache._file_name(key, {}) != name
+  with monkeypatch.context() as m:
+    m.setattr(lowering_cache, "_ENVIRONMENT", [(env[0], env[1], env[2] - 18)])  # an H100 PCIe
+    assert lowering_cache._file_name(key, {}) != name
+  with monkeypatch.context() as m:
+    m.setattr(lowering_cache, "_ENVIRONMENT", [((("jaxlib", "0.0"),), env[1], env[2])])
+    assert lowering_cache._file_name(key, {}) != name
+  mesh = jax.sharding.AbstractMesh((4,), ("data",))
+  assert lowering_cache._file_name(key[:-1] + (mesh,), {}) != name
+
+
+def test_the_sources_hash_covers_the_kernels(monkeypatch):
+  """The hash reads fa2_jax and its kernels (kernels/ is a folder of its own in the source tree)."""
+  import builtins
+
+  import fa2_jax.kernels
+  read, real_open = [], builtins.open
+
+  def spy(path, *a, **k):
+    read.append(os.path.relpath(path, os.path.dirname(fa2_jax.kernels.__file__)))
+    return real_open(path, *a, **k)
+
+  monkeypatch.setattr(lowering_cache, "_SOURCES", [])
+  monkeypatch.setattr(builtins, "open", spy)
+  lowering_cache._sources_hash()
+  monkeypatch.undo()
+  assert os.path.join("mosaic", "forward.py") in read and os.path.join("mosaic", "dkdv.py") in read
+
+
+def test_a_function_with_its_own_repr_is_not_written():
+  """A ``mask_fn`` whose repr carries no address still keeps its kernels out of the folder."""
+  from fa2_jax.masking import Variant
+
+  class Causal:
+    def __call__(self, b, h, i, j):
+      return j <= i
+
+    def __repr__(self):
+      return "Causal()"
+
+  key = ("m", "f", (), (), None)
+  assert lowering_cache._file_name(key, {"variant": Variant(mask_fn=Causal())}) is None
+  assert lowering_cache._file_name(key, {"variant": Variant(score_fn=lambda s, *a: s)}) is None
+  assert lowering_cache._file_name(key, {"variant": Variant(is_causal=True)}) is not None
+
+
+def test_a_folder_that_cannot_be_written_warns_and_keeps_the_kernels(tmp_path, monkeypatch):
+  """A failed write costs a warning, once, not the user's program; the export is still held."""
+  exp = jax.export.export(jax.jit(lambda x: x + 1))(jax.ShapeDtypeStruct((2,), jnp.float32))
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  monkeypatch.setitem(lowering_cache._STATE, "warned", False)
+  with pytest.warns(RuntimeWarning, match="cannot write kernel lowerings"):
+    assert not lowering_cache._write(str(blocker / "sub" / "k.jax_exported"), exp)
+  assert not lowering_cache._write(str(blocker / "sub" / "k.jax_exported"), exp)  # no second warning
+  path = tmp_path / "new" / "k.jax_exported"  # a folder not there yet is made
+  assert lowering_cache._write(str(path), exp)
+  umask = os.umask(0)
+  os.umask(umask)
+  assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+  assert lowering_cache._read(str(path)).call(jnp.ones(2)).tolist() == [2.0, 2.0]
 
 
 def test_cache_dir_without_flatbuffers_names_the_package(monkeypatch, tmp_path):
@@ -288,6 +352,10 @@ def test_switch_arguments_are_checked():
     fa2_jax.reuse_kernels_across_programs(True, cache_dir=3)
   with pytest.raises(ValueError, match="cache_dir must be a folder"):
     fa2_jax.reuse_kernels_across_programs(True, cache_dir=__file__)
+  with pytest.raises(ValueError, match="cache_dir must name a folder"):
+    fa2_jax.reuse_kernels_across_programs(True, cache_dir="")
+  with pytest.raises(ValueError, match="cache_dir needs enabled=True"):
+    fa2_jax.reuse_kernels_across_programs(False, cache_dir=os.path.dirname(__file__))
   assert kernel_reuse.info() == before  # a rejected call changes nothing
 
 

@@ -19,7 +19,8 @@ loss, each timed the same way: what a program costs whose attention shapes an ea
 ``--reuse-kernels`` turns on ``fa2_jax.reuse_kernels_across_programs()`` first, ``--length-multiple M``
 with its ``length_multiple=M`` (lengths padded to multiples of M: shapes in one multiple share kernels);
 with ``--cache-dir`` too, its ``cache_dir=DIR/fa2_jax_kernels`` (the kernels' lowerings kept across
-processes: a second process with the same DIR neither lowers nor compiles a kernel an earlier one ran).
+processes: a second process with the same DIR does not lower a kernel an earlier one ran, and finds
+it compiled in JAX's cache there).
 """
 from __future__ import annotations
 

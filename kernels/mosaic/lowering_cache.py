@@ -21,8 +21,10 @@ does for ``pl.run_state``): that costs an export at the per-element shape too (`
 body unbatched), and unbatched operands are broadcast in HBM.
 
 With a cache folder (``reuse_kernels_across_programs(cache_dir=...)``) each export is also written
-there (``jax.export``'s serialized form), named by a hash of its key, the JAX version and the
-package's sources, and a later process reads it instead of lowering the kernel. Together with JAX's
+there (``jax.export``'s serialized form), named by a hash of its key, the JAX, jaxlib and CUDA plugin
+versions, the GPU's kind and SM count and the package's sources, and a later process reads it
+instead of lowering the kernel. Nothing is ever removed from the folder (each version of the code
+adds its own files; a process killed while writing can leave a ``.tmp`` file). Together with JAX's
 persistent compilation cache, which then finds the compiled kernel, a shape that an earlier process
 ran costs the tracing of the call and the reading of its kernels. Settings that hold a user's
 function (``mask_fn``, ``score_fn``) have no name that is stable across processes: they are exported
@@ -37,12 +39,15 @@ import hashlib
 import os
 import tempfile
 import threading
+import warnings
 
 import jax
 from jax._src import config as jax_config  # export_ignore_forward_compatibility: no public context form
 
-_STATE = {"enabled": False, "hits": 0, "misses": 0, "cache_dir": None, "reads": 0, "writes": 0}
+_STATE = {"enabled": False, "hits": 0, "misses": 0, "cache_dir": None, "reads": 0, "writes": 0,
+          "warned": False}
 _SOURCES: list = []  # the package sources' hash, computed once (_sources_hash)
+_ENVIRONMENT: list = []  # versions and GPU, read once (_environment)
 _EXPORTED: dict = {}
 _LOCK = threading.Lock()
 
@@ -56,10 +61,15 @@ def set_enabled(enabled: bool) -> bool:
 
 
 def set_cache_dir(path: str | None) -> str | None:
-  """The folder exports are written to and read from across processes (None: this process only);
-  returns the previous one. The folder is made when the first export is written."""
+  """The folder exports are written to and read from across processes (None: this process only),
+  kept as an absolute path; returns the previous one. The folder is made when the first export is
+  written. Setting one hashes the package's sources now (:func:`_sources_hash`), so that code edited
+  later in this process is not saved under the new code's name."""
   previous = _STATE["cache_dir"]
-  _STATE["cache_dir"] = None if path is None else os.fspath(path)
+  if path is not None:
+    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    _sources_hash()
+  _STATE["cache_dir"] = path
   return previous
 
 
@@ -107,7 +117,8 @@ def _export(jitted, static: dict, avals):
   export = functools.partial(
       jax.export.export, jax.jit(functools.partial(jitted, **static)), platforms=("cuda",),
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("mosaic_gpu_v2")])
-  # The module is used in this process only: lower it as a plain jit would, at the current Mosaic IR
+  # The module is used by this version of jax/jaxlib only (in this process, or read from cache_dir
+  # under a name that holds those versions): lower it as a plain jit would, at the current Mosaic IR
   # version (an export otherwise serializes the kernel for forward compatibility, an older version).
   # JAX has no public context form of this flag; without it, the export's default applies.
   ignore = getattr(jax_config, "export_ignore_forward_compatibility", None)
@@ -137,6 +148,28 @@ def _sources_hash() -> str:
   return _SOURCES[0]
 
 
+def _environment() -> tuple:
+  """What a lowering depends on beyond its key: the JAX, jaxlib and CUDA plugin versions (an export
+  is serialized at the current Mosaic IR version) and the GPU's kind and SM count (a persistent
+  kernel's launch is sized by ``ops.sm_count`` while it is traced)."""
+  if not _ENVIRONMENT:
+    import importlib.metadata
+
+    from .ops import sm_count
+    versions = []
+    for dist in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin"):
+      try:
+        versions.append((dist, importlib.metadata.version(dist)))
+      except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+      kind = jax.devices("gpu")[0].device_kind
+    except (RuntimeError, IndexError):
+      kind = None  # lowered without a GPU (for sm90 on a CPU)
+    _ENVIRONMENT.append((tuple(versions), kind, sm_count()))
+  return _ENVIRONMENT[0]
+
+
 def _file_name(key, static: dict) -> str | None:
   """The cache file of an export's key, or None where the key has no text that is the same in every
   process: a variant with a user's ``mask_fn`` or ``score_fn`` (whose code the text does not hold),
@@ -144,7 +177,7 @@ def _file_name(key, static: dict) -> str | None:
   variant = static.get("variant")
   if variant is not None and (variant.mask_fn is not None or variant.score_fn is not None):
     return None
-  text = repr((jax.__version__, _sources_hash(), key))
+  text = repr((_environment(), _sources_hash(), key))
   if " at 0x" in text:
     return None
   return hashlib.sha256(text.encode()).hexdigest() + ".jax_exported"
@@ -164,19 +197,30 @@ def _read(path: str):
     return None
 
 
-def _write(path: str, exp) -> None:
-  """Writes atomically: a reader sees the whole file or none (another process may write it too)."""
+def _write(path: str, exp) -> bool:
+  """Writes atomically (a reader sees the whole file or none; another process may write it too),
+  readable by whoever the umask lets read new files, as the folder is meant to be shared. A folder
+  that cannot be written costs a warning, once per process, not the user's program: False."""
   folder = os.path.dirname(path)
-  os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+  tmp = None
   try:
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
       f.write(exp.serialize())
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
+    return True
+  except OSError as e:
+    if tmp is not None and os.path.exists(tmp):
       os.remove(tmp)
-    raise
+    if not _STATE["warned"]:
+      _STATE["warned"] = True
+      warnings.warn(f"fa2_jax: cannot write kernel lowerings to cache_dir {folder!r} ({e}); they "
+                    "are kept for this process only", RuntimeWarning, stacklevel=2)
+    return False
 
 
 def _exported(fn, jitted, static: dict, operands):
@@ -198,8 +242,7 @@ def _exported(fn, jitted, static: dict, operands):
       _STATE["reads"] += 1
   else:
     exp = _export(jitted, static, avals)
-    if path is not None:
-      _write(path, exp)
+    if path is not None and _write(path, exp):
       with _LOCK:
         _STATE["writes"] += 1
   with _LOCK:
