@@ -323,10 +323,15 @@ def test_a_folder_that_cannot_be_written_warns_and_keeps_the_kernels(tmp_path, m
     assert not lowering_cache._write(str(blocker / "sub" / "k.jax_exported"), exp)
   assert not lowering_cache._write(str(blocker / "sub" / "k.jax_exported"), exp)  # no second warning
   path = tmp_path / "new" / "k.jax_exported"  # a folder not there yet is made
+  monkeypatch.setitem(lowering_cache._STATE, "umask", lowering_cache._STATE["umask"])  # restored after
+  umask = os.umask(0o027)  # a group-shared folder's umask, read when the folder is set
+  try:
+    previous = lowering_cache.set_cache_dir(tmp_path)
+    lowering_cache.set_cache_dir(previous)
+  finally:
+    os.umask(umask)
   assert lowering_cache._write(str(path), exp)
-  umask = os.umask(0)
-  os.umask(umask)
-  assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+  assert path.stat().st_mode & 0o777 == 0o640
   assert lowering_cache._read(str(path)).call(jnp.ones(2)).tolist() == [2.0, 2.0]
 
 

@@ -45,7 +45,7 @@ import jax
 from jax._src import config as jax_config  # export_ignore_forward_compatibility: no public context form
 
 _STATE = {"enabled": False, "hits": 0, "misses": 0, "cache_dir": None, "reads": 0, "writes": 0,
-          "warned": False}
+          "warned": False, "umask": 0o022}
 _SOURCES: list = []  # the package sources' hash, computed once (_sources_hash)
 _ENVIRONMENT: list = []  # versions and GPU, read once (_environment)
 _EXPORTED: dict = {}
@@ -69,6 +69,10 @@ def set_cache_dir(path: str | None) -> str | None:
   if path is not None:
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     _sources_hash()
+    # read here, once: os.umask can only be read by setting it, which no other thread should see
+    umask = os.umask(0o022)
+    os.umask(umask)
+    _STATE["umask"] = umask
   _STATE["cache_dir"] = path
   return previous
 
@@ -208,9 +212,7 @@ def _write(path: str, exp) -> bool:
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
       f.write(exp.serialize())
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
+    os.chmod(tmp, 0o666 & ~_STATE["umask"])
     os.replace(tmp, path)
     return True
   except OSError as e:
