@@ -621,6 +621,28 @@ def test_compile_time_new_shapes_with_a_persistent_cache(tmp_path):
   assert [r["causal"] for r in rows] == [False, False] and all("error" not in r for r in rows)
 
 
+def test_compile_time_lowers_for_sm90_and_reads_the_kernel_cache(tmp_path):
+  """``--lower-for-sm90`` lowers the Mosaic kernels for sm90 without a GPU, shapes as given, and
+  times the lowering alone; with ``--cache-dir --reuse-kernels`` a second process reads the kernels
+  that the first wrote (``DIR/fa2_jax_kernels``)."""
+  cache, out = tmp_path / "cache", tmp_path / "out"
+  cmd = [sys.executable, "-m", "benchmarks.diag.compile_time", "--impls", "fa2", "--shapes",
+         "1,512,2,128;1,768,2,128", "--lower-for-sm90", "--cache-dir", str(cache), "--reuse-kernels",
+         "--out", str(out)]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  for process in range(2):
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300, env=env,
+                   cwd=Path(__file__).resolve().parents[1])
+    data = json.loads((out / "compile_time_shapes_lowered_sm90.json").read_text())
+    reuse, rows = data["meta"]["kernel_reuse"], data["rows"]
+    assert (reuse["writes"], reuse["reads"]) == ((reuse["misses"], 0) if process == 0 else
+                                                  (0, reuse["misses"]))
+    assert data["meta"]["lower_for_sm90"] and [r["shape"] for r in rows] == [[1, 512, 2, 128],
+                                                                             [1, 768, 2, 128]]
+    assert all("error" not in r and r["lower_s"] > 0 and "compile_s" not in r for r in rows)
+  assert len(list((cache / "fa2_jax_kernels").glob("*.jax_exported"))) >= 4
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--other-programs"], "--other-programs needs --shapes"),
     (["--shapes", "1,64,2,32", "--length-multiple", "64"], "--length-multiple needs --reuse-kernels"),

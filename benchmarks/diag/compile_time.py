@@ -16,6 +16,9 @@ DIR (every entry kept, however fast its compile): a second process with the same
 shape seen by an earlier process costs. ``--other-programs``: after each shape's ``jit(grad)``, two
 more programs with that shape, the forward alone (an evaluation step) and ``jit(grad)`` of another
 loss, each timed the same way: what a program costs whose attention shapes an earlier program ran.
+``--lower-for-sm90``: no compile and no run; each program is traced and lowered for sm90 on any
+machine (a CPU too: the dispatcher is told it runs on an H200), the shapes as given: the half of a
+new shape's cost that does not need a GPU.
 ``--reuse-kernels`` turns on ``fa2_jax.reuse_kernels_across_programs()`` first, ``--length-multiple M``
 with its ``length_multiple=M`` (lengths padded to multiples of M: shapes in one multiple share kernels);
 with ``--cache-dir`` too, its ``cache_dir=DIR/fa2_jax_kernels`` (the kernels' lowerings kept across
@@ -49,6 +52,8 @@ def main(argv=None):
                   help="fa2_jax.reuse_kernels_across_programs() on")
   ap.add_argument("--length-multiple", type=int, default=None,
                   help="with --reuse-kernels: its length_multiple")
+  ap.add_argument("--lower-for-sm90", action="store_true",
+                  help="lower only, for sm90, on any machine (see above)")
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
   if args.other_programs and not args.shapes:
@@ -71,7 +76,12 @@ def main(argv=None):
   info = device_info()
   shapes = ([tuple(map(int, s.split(","))) for s in args.shapes.split(";")] if args.shapes else
             [tuple(map(int, args.shape.split(",")))])
-  if info.get("backend") == "cpu":
+  if args.lower_for_sm90:
+    from fa2_jax import dispatch  # the dispatcher believes it runs on an H200 (compute capability 9.0)
+    dispatch.on_gpu = lambda: True
+    dispatch.gpu_compute_capability = lambda: (9, 0)
+    _TIMING["lower_only"] = True
+  elif info.get("backend") == "cpu":
     shapes = [(1, 64 * (i + 1), 2, 32) for i in range(len(shapes))]
     print(f"no GPU: CPU-sized shapes instead, {shapes}")
   rows = []
@@ -81,17 +91,31 @@ def main(argv=None):
                           other_programs=args.other_programs)
   else:
     rows = _call_sites(args.impls, args.layers, shapes[0], jax, jnp, causal=not args.non_causal)
+  reuse = None
+  if args.reuse_kernels:  # what the switch did in this process: exports made, read, written
+    from fa2_jax import kernel_reuse
+    reuse = kernel_reuse.info()
   out = cli.resolve_out(argparse.Namespace(out=args.out), info)
-  write_json(out / ("compile_time_shapes.json" if args.shapes else "compile_time.json"),
+  stem = "compile_time_shapes" if args.shapes else "compile_time"
+  write_json(out / (stem + ("_lowered_sm90" if args.lower_for_sm90 else "") + ".json"),
              {"meta": dict(info, cache_dir=bool(args.cache_dir), causal=not args.non_causal,
-                           reuse_kernels=args.reuse_kernels, length_multiple=args.length_multiple),
+                           reuse_kernels=args.reuse_kernels, length_multiple=args.length_multiple,
+                           lower_for_sm90=args.lower_for_sm90, kernel_reuse=reuse),
               "rows": rows})
+
+
+_TIMING = {"lower_only": False}  # --lower-for-sm90
 
 
 def _timed(fn, args):
   """lower, compile and first run seconds of ``jit(fn)`` on ``args``, then its steady time per call
   (``run_s``: the shared timing helper's median, :func:`benchmarks.timing.time_calls`)."""
   import jax
+  if _TIMING["lower_only"]:
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
+    t0 = time.perf_counter()
+    jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",))
+    return dict(lower_s=time.perf_counter() - t0)
   t0 = time.perf_counter()
   lowered = jax.jit(fn).lower(*args)
   t1 = time.perf_counter()
@@ -148,6 +172,9 @@ def _measured_row(row, label, fn, args):
   """``row`` with :func:`_timed`'s seconds of ``fn`` (or the error), printed after ``label``."""
   try:
     row.update(_timed(fn, args))
+    if "compile_s" not in row:  # --lower-for-sm90
+      print(f"{label} lower {row['lower_s']:6.2f} s (for sm90)", flush=True)
+      return row
     print(f"{label} lower {row['lower_s']:6.2f} s  compile {row['compile_s']:6.2f} s  "
           f"first run {row['first_run_s']:6.3f} s  run {row['run_s'] * 1e3:7.3f} ms", flush=True)
   except Exception as e:  # noqa: BLE001
