@@ -60,7 +60,7 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
   if enabled and cache_dir is not None:
     if importlib.util.find_spec("flatbuffers") is None:  # jax.export's serialization needs it
       raise ImportError("cache_dir needs the flatbuffers package for jax.export's serialization: "
-                        "pip install 'fa2_jax[kernel-cache]' (or flatbuffers)")
+                        "install fa2_jax's kernel-cache extra, or flatbuffers itself")
   previous = lowering_cache.set_enabled(enabled)
   _STATE["length_multiple"] = length_multiple if enabled else None
   lowering_cache.set_cache_dir(cache_dir if enabled else None)
