@@ -36,7 +36,7 @@ from .device import device_info
 from .flops import attention_flops
 from .recorder import Recorder, check_device, simulated_crash_hook
 from .report import err_str, out_name, seq_label
-from .timing import ITERS, REPS, WARMUP, matmul_peak, measure
+from .timing import ITERS, REPS, WARMUP, matmul_peak, measure_together
 
 STEM = "attention"
 DEFAULT_IMPLS = ("fa2", "fa2_det", "cudnn", "fa3", "tokamax", "xla")
@@ -143,8 +143,9 @@ def _rel_err(out, ref):
   return float(jnp.linalg.norm(o - ref) / jnp.linalg.norm(ref))
 
 
-def measure_cell(name, cell, inputs, ref, args):
-  """One implementation on one cell: forward and forward+backward; failures are recorded."""
+def prepare_row(name, cell, inputs, args) -> tuple[dict, object]:
+  """One implementation's row of a cell and the function to time, or ``None`` where it does not run
+  (the row says why)."""
   q, k, v = inputs
   impl = impls.get(name)
   row = dict(cell, impl=name, label=impl.label, dtype=args.dtype, status="ok",
@@ -153,14 +154,17 @@ def measure_cell(name, cell, inputs, ref, args):
   why = impls.unsupported(name, q.shape, k.shape, q.dtype, cell["causal"])
   if why:
     row.update(status="skipped" if why.startswith("skipped") else "unsupported", error=why)
-    return row
+    return row, None
   if impl.describe is not None:
     try:
       row["backend"] = str(impl.describe(q, k, v, causal=cell["causal"]))
     except Exception as e:  # noqa: BLE001 - the call itself will report it
       row["backend"] = err_str(e, 200)
-  res = measure(functools.partial(impl, causal=cell["causal"]), q, k, v, flops_fwd=row["flops_fwd"],
-                iters=args.iters, reps=args.reps, warmup=WARMUP)
+  return row, functools.partial(impl, causal=cell["causal"])
+
+
+def finish_row(row, res, ref) -> dict:
+  """A row with its measurement (``timing.measure``'s result) and the forward's error."""
   out = res.pop("out")
   row.update(res)
   if ref is not None and out is not None:
@@ -203,7 +207,9 @@ def run(args) -> dict:
       grid=grid_name(args), cells=cells,
       impls=names, dtype=args.dtype, iters=args.iters, reps=args.reps, smoke=args.smoke,
       method="jit; 2 warm-up calls; median of reps x (iters back-to-back calls, then "
-             "block_until_ready); fwd+bwd = jit(grad(f32 sum of the output)); bwd = fwd+bwd - fwd"),
+             "block_until_ready), the repetitions of a cell's implementations and passes "
+             "interleaved (order rotated each repetition); fwd+bwd = jit(grad(f32 sum of the "
+             "output)); bwd = fwd+bwd - fwd"),
       STEM, key=cell_key, resume=args.resume)
   crashed = {c.get("impl") for c in rec.crashed}
   budget = cli.make_budget(args)
@@ -214,21 +220,25 @@ def run(args) -> dict:
       rec.data["matmul"] = {"error": err_str(e)}
   bar = cli.progress(len(cells) * len(names), STEM)
   for ci, cell in enumerate(cells):
+    # Every implementation of a cell is compiled and warmed up, then timed with their repetitions
+    # interleaved (benchmarks/timing.measure_together), so that a drift over the cell's time does not
+    # favour the rows that ran first.
+    bar.set_postfix_str(cell["id"])
+    t0 = time.time()
     inputs = ref = None
+    todo = {}  # name -> (row, f) to be timed together
     for name in names:
-      bar.set_postfix_str(f"{cell['id']} {name}")
       base = dict(cell, impl=name, label=impls.get(name).label, dtype=args.dtype)
       if cell_key(base) in rec.done:  # --resume: measured by the last run
         bar.update(1)
         continue
-      if name in crashed or not budget.fits(name):
+      if name in crashed or not budget.fits("cell"):
         rec.add(dict(base, status="skipped", error="skipped: " + (
             "this implementation crashed the process earlier" if name in crashed else "time budget")))
         bar.update(1)
         continue
       rec.begin(base)
       simulated_crash_hook(name)
-      t0 = time.time()
       try:
         if inputs is None:
           shapes = [(cell["batch"], cell["seq_q"], cell["heads"], cell["head_dim"])] + [
@@ -243,15 +253,34 @@ def run(args) -> dict:
           row = dict(base, status="same", same_as="fa2",
                      note="fa2's default backward is already deterministic here: the same program")
         else:
-          row = measure_cell(name, cell, inputs, ref, args)
+          row, f = prepare_row(name, cell, inputs, args)
+          if f is not None:
+            todo[name] = (row, f)
+            continue
       except Exception as e:  # noqa: BLE001
         row = dict(base, status="error", error=err_str(e))
-      row["wall_s"] = time.time() - t0
-      budget.record(name, row["wall_s"])
-      check_device(rec, row)
       rec.add(row)
       bar.update(1)
-    del inputs, ref
+    if todo:
+      def before(name, todo=todo):
+        rec.begin(todo[name][0])
+        simulated_crash_hook(name)
+      try:
+        results = measure_together({n: (f, inputs) for n, (_, f) in todo.items()},
+                                   flops_fwd={n: r["flops_fwd"] for n, (r, _) in todo.items()},
+                                   iters=args.iters, reps=args.reps, warmup=WARMUP, before=before)
+      except Exception as e:  # noqa: BLE001
+        results = {n: {"fwd_error": err_str(e), "fwd+bwd_error": err_str(e), "out": None}
+                   for n in todo}
+      wall = time.time() - t0
+      for name, (row, _) in todo.items():
+        row = finish_row(row, results[name], ref)
+        row["wall_s"] = wall  # the cell's time, every row's measurement in it
+        check_device(rec, row)
+        rec.add(row)
+        bar.update(1)
+    budget.record("cell", time.time() - t0)
+    del inputs, ref, todo
     jax.clear_caches()  # compiled programs of this cell's shapes are not used again
   bar.close()
   attach_ratios(rec.cells)

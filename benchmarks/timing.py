@@ -6,6 +6,11 @@
   argnums=(0, 1, 2)))`` (the forward runs inside, as in training); backward time = forward+backward
   time − forward time; ``aux`` arrays (segment ids, lengths) are further arguments of the jitted
   function, never differentiated, so they are runtime data as in training, not compile-time constants;
+* implementations compared in one cell (``measure_together``): every one is compiled and warmed up
+  first, then the repetitions are interleaved: repetition ``r`` times each (implementation, pass) once,
+  in an order rotated by ``r``, so that a clock or thermal drift over the cell's time (the forward's
+  samples climb over the repetitions at 8k and 16k on the H200) falls on every row alike instead of on
+  whichever ran last;
 * latency: every call synchronised on its own, median over many calls, inputs rotated over a few sets.
 
 Inputs are fresh random normals, never zeros. ``clock`` and ``block`` are parameters so that the
@@ -30,6 +35,30 @@ def _block(x):
   return jax.block_until_ready(x)
 
 
+def _check_counts(iters, reps, warmup):
+  for name, v, lo in (("iters", iters, 1), ("reps", reps, 1), ("warmup", warmup, 0)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+      raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+
+def _stats(samples, *, iters, reps, warmup) -> dict:
+  med = float(np.median(samples))
+  return {"median_s": med, "min_s": float(min(samples)), "max_s": float(max(samples)),
+          "spread": float((max(samples) - min(samples)) / med) if med > 0 else None,
+          "samples_s": [float(x) for x in samples], "iters": iters, "reps": reps,
+          "warmup": warmup}
+
+
+def _one_rep(fn, args, iters, clock, block):
+  """Seconds per call over ``iters`` back-to-back calls, one wait at the end: ``(seconds, output)``."""
+  t0 = clock()
+  out = None
+  for _ in range(iters):
+    out = fn(*args)
+  block(out)
+  return (clock() - t0) / iters, out
+
+
 def time_calls(fn, args, *, iters: int = ITERS, reps: int = REPS, warmup: int = WARMUP,
                clock=time.perf_counter, block=_block):
   """Seconds per call of ``fn(*args)``: ``(stats, last output)``.
@@ -37,24 +66,55 @@ def time_calls(fn, args, *, iters: int = ITERS, reps: int = REPS, warmup: int = 
   ``stats``: ``median_s`` (the number), ``min_s``, ``max_s``, ``spread`` ((max − min) / median),
   ``samples_s`` (per-call time of each repetition), ``iters``, ``reps``, ``warmup``.
   """
-  for name, v, lo in (("iters", iters, 1), ("reps", reps, 1), ("warmup", warmup, 0)):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-      raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+  _check_counts(iters, reps, warmup)
   out = None
   for _ in range(warmup):
     out = block(fn(*args))
   samples = []
   for _ in range(reps):
-    t0 = clock()
-    for _ in range(iters):
-      out = fn(*args)
-    block(out)
-    samples.append((clock() - t0) / iters)
-  med = float(np.median(samples))
-  return {"median_s": med, "min_s": float(min(samples)), "max_s": float(max(samples)),
-          "spread": float((max(samples) - min(samples)) / med) if med > 0 else None,
-          "samples_s": [float(x) for x in samples], "iters": iters, "reps": reps,
-          "warmup": warmup}, out
+    t, out = _one_rep(fn, args, iters, clock, block)
+    samples.append(t)
+  return _stats(samples, iters=iters, reps=reps, warmup=warmup), out
+
+
+def time_interleaved(entries: dict, *, iters: int = ITERS, reps: int = REPS, warmup: int = WARMUP,
+                     clock=time.perf_counter, block=_block, before=None) -> dict:
+  """``time_calls`` for several functions at once, their repetitions interleaved.
+
+  ``entries``: ``{key: (fn, args)}``. Each is warmed up in turn (``before(key)`` is called first: the
+  caller's crash bookkeeping); then repetition ``r`` runs every entry's ``iters`` calls once, the
+  entries' order rotated by ``r``. Returns ``{key: (stats, last output)}``, or ``{key: exception}``
+  for an entry whose warm-up or repetition raised (the others go on without it).
+  """
+  _check_counts(iters, reps, warmup)
+  result, live, outs = {}, [], {}
+  for key, (fn, args) in entries.items():
+    if before is not None:
+      before(key)
+    try:
+      out = None
+      for _ in range(warmup):
+        out = block(fn(*args))
+      outs[key] = out
+      live.append(key)
+    except Exception as e:  # noqa: BLE001 - one entry's failure is its result
+      result[key] = e
+  samples = {key: [] for key in live}
+  for r in range(reps):
+    shift = r % len(live) if live else 0
+    for key in live[shift:] + live[:shift]:
+      if key in result:
+        continue
+      fn, args = entries[key]
+      try:
+        t, outs[key] = _one_rep(fn, args, iters, clock, block)
+        samples[key].append(t)
+      except Exception as e:  # noqa: BLE001
+        result[key] = e
+  for key in live:
+    if key not in result:
+      result[key] = (_stats(samples[key], iters=iters, reps=reps, warmup=warmup), outs[key])
+  return {key: result[key] for key in entries}
 
 
 def time_latency(fn, arg_sets, *, calls: int = 100, warmup: int = LATENCY_WARMUP,
@@ -90,36 +150,68 @@ def fwd_bwd_fn(f):
                           argnums=(0, 1, 2)))
 
 
+def _error_str(e) -> str:
+  return f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
+
+
+def measure_together(calls: dict, *, flops_fwd, passes=("fwd", "fwd+bwd"), iters: int = ITERS,
+                     reps: int = REPS, warmup: int = WARMUP, clock=time.perf_counter, block=_block,
+                     before=None) -> dict:
+  """``measure`` for every call of ``calls = {name: (f, (q, k, v, *aux))}``, all their repetitions
+  interleaved (``time_interleaved``): ``{name: measure's result}``. ``flops_fwd``: one number for
+  all, or ``{name: number}``; ``before(name)`` is called before each name's first call."""
+  entries, build_errors = {}, {}
+  for name, (f, call_args) in calls.items():
+    for p in passes:
+      try:
+        entries[(name, p)] = ({"fwd": forward_fn, "fwd+bwd": fwd_bwd_fn}[p](f), tuple(call_args))
+      except Exception as e:  # noqa: BLE001 - a failed pass is a result
+        build_errors[(name, p)] = e
+  started = set()
+
+  def first_call(key):
+    if before is not None and key[0] not in started:
+      started.add(key[0])
+      before(key[0])
+
+  timed = time_interleaved(entries, iters=iters, reps=reps, warmup=warmup, clock=clock, block=block,
+                           before=first_call)
+  timed.update(build_errors)
+  results = {}
+  for name in calls:
+    fl = flops_fwd[name] if isinstance(flops_fwd, dict) else flops_fwd
+    res = {"timing": {}, "ms": {}, "tflops": {}, "out": None}
+    for p in passes:
+      got = timed[(name, p)]
+      if isinstance(got, Exception):
+        res[f"{p}_error"] = _error_str(got)
+        continue
+      st, out = got
+      if p == "fwd":
+        res["out"] = out
+      res["timing"][p] = st
+      res["ms"][p] = st["median_s"] * 1e3
+      res["tflops"][p] = tflops(fl, p, st["median_s"])
+    fwd, fb = res["ms"].get("fwd"), res["ms"].get("fwd+bwd")
+    if fwd is not None and fb is not None and fb > fwd:
+      res["ms"]["bwd"] = fb - fwd
+      res["tflops"]["bwd"] = tflops(fl, "bwd", res["ms"]["bwd"] * 1e-3)
+    results[name] = res
+  return results
+
+
 def measure(f, q, k, v, *, flops_fwd: float, passes=("fwd", "fwd+bwd"), iters: int = ITERS,
             reps: int = REPS, warmup: int = WARMUP, clock=time.perf_counter, block=_block,
             aux=()) -> dict:
-  """Time ``f(q, k, v, *aux)`` forward and forward+backward; errors are recorded per pass, never raised.
-  ``aux``: arrays passed to the jitted function after ``q, k, v`` (not differentiated).
+  """Time ``f(q, k, v, *aux)`` forward and forward+backward (their repetitions interleaved); errors
+  are recorded per pass, never raised. ``aux``: arrays passed to the jitted function after ``q, k, v``
+  (not differentiated).
 
   Returns ``{"timing": {pass: stats}, "ms": {...}, "tflops": {...}, "<pass>_error": str, "out": the
   forward output}``; ``bwd`` is derived (forward+backward − forward) when both passes ran.
   """
-  res = {"timing": {}, "ms": {}, "tflops": {}, "out": None}
-  call_args = (q, k, v, *aux)
-  fns = {"fwd": lambda: (forward_fn(f), call_args), "fwd+bwd": lambda: (fwd_bwd_fn(f), call_args)}
-  for p in passes:
-    try:
-      fn, args = fns[p]()
-      st, out = time_calls(fn, args, iters=iters, reps=reps, warmup=warmup, clock=clock,
-                           block=block)
-    except Exception as e:  # noqa: BLE001 - a failed pass is a result
-      res[f"{p}_error"] = f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
-      continue
-    if p == "fwd":
-      res["out"] = out
-    res["timing"][p] = st
-    res["ms"][p] = st["median_s"] * 1e3
-    res["tflops"][p] = tflops(flops_fwd, p, st["median_s"])
-  fwd, fb = res["ms"].get("fwd"), res["ms"].get("fwd+bwd")
-  if fwd is not None and fb is not None and fb > fwd:
-    res["ms"]["bwd"] = fb - fwd
-    res["tflops"]["bwd"] = tflops(flops_fwd, "bwd", res["ms"]["bwd"] * 1e-3)
-  return res
+  return measure_together({None: (f, (q, k, v, *aux))}, flops_fwd=flops_fwd, passes=passes,
+                          iters=iters, reps=reps, warmup=warmup, clock=clock, block=block)[None]
 
 
 def matmul_peak(n: int = 8192) -> dict:

@@ -50,7 +50,7 @@ from . import cli, impls
 from .device import device_info
 from .recorder import Recorder, close_cell, finish_run, simulated_crash_hook
 from .report import err_str, out_name
-from .timing import ITERS, REPS, WARMUP, measure
+from .timing import ITERS, REPS, WARMUP, measure_together
 from .variant_cells import (BARS, PAD_MULTIPLE, PASSES, RAGGED_SEED, SIZES, SOFT_CAP, Arr, Cell, Row,
                             build_cells)
 from .variants_report import STEM, render, summary
@@ -119,15 +119,16 @@ def _row_record(cell: Cell, row: Row) -> dict:
               flops_fwd=4.0 * cell.heads * cell.head_dim * row.pairs, **cell.info)
 
 
-def measure_row(cell: Cell, row: Row, inputs, refs, args) -> dict:
-  """One row: forward and forward+backward (benchmarks/timing.measure); failures are recorded."""
+def prepare_row(cell: Cell, row: Row, inputs):
+  """One row's record and its timed call ``(f, (q, k, v, *aux))``, or ``None`` where it does not run
+  (the record says why)."""
   import jax.numpy as jnp
   q, k, v = inputs[row.layout]
   rec = dict(_row_record(cell, row), status="ok")
   why = impls.unsupported(row.impl, q.shape, k.shape, q.dtype, row.causal)
   if why:
     rec.update(status="unsupported", error=why)
-    return rec
+    return rec, None
   impl = impls.get(row.impl)
   if impl.describe is not None and row.call is None:
     try:
@@ -136,8 +137,12 @@ def measure_row(cell: Cell, row: Row, inputs, refs, args) -> dict:
       rec["backend"] = err_str(e, 200)
   f, aux_names = timed_fn(row)
   aux = tuple(jnp.asarray(cell.arrays[n]) for n in aux_names)  # one per argument, repeats kept
-  res = measure(f, q, k, v, aux=aux, flops_fwd=rec["flops_fwd"], iters=args.iters, reps=args.reps,
-                warmup=WARMUP)
+  return rec, (f, (q, k, v, *aux))
+
+
+def finish_row(cell: Cell, row: Row, rec: dict, res: dict, inputs, refs, args) -> dict:
+  """A row's record with its measurement (benchmarks/timing) and the forward's error."""
+  q, k, v = inputs[row.layout]
   out = res.pop("out")
   rec.update(res)
   if out is not None and not args.no_check:
@@ -237,7 +242,8 @@ def run(args) -> dict:
       bars={k: [dataclasses.asdict(b) for b in v] for k, v in BARS.items()},
       flops="forward 4·N·H·(attended pairs), forward+backward 3.5× that",
       method="benchmarks.timing: jit; 2 warm-up calls; median of reps x (iters back-to-back calls, then "
-             "block_until_ready); fwd+bwd = jit(grad(f32 sum of the output)); integer arrays (segment "
+             "block_until_ready), the repetitions of a cell's rows and passes interleaved (order "
+             "rotated each repetition); fwd+bwd = jit(grad(f32 sum of the output)); integer arrays (segment "
              "ids, lengths, cu_seqlens) are runtime arguments"),
       STEM, key=cell_key, resume=args.resume)
   crashed = {(c.get("id"), c.get("row")) for c in rec.crashed}
@@ -245,9 +251,12 @@ def run(args) -> dict:
   todo = [(c, r) for c in cells for r in c.rows if r.impl in families]
   bar = cli.progress(len(todo), STEM)
   for cell in cells:
-    inputs, refs = None, {}
+    # A cell's rows are compiled and warmed up, then timed with their repetitions interleaved
+    # (benchmarks/timing.measure_together): a drift over the cell's time falls on every row alike.
+    bar.set_postfix_str(cell.id)
+    t0 = time.time()
+    inputs, refs, timed = None, {}, {}  # timed: row name -> (row, record, call)
     for row in (r for r in cell.rows if r.impl in families):
-      bar.set_postfix_str(f"{cell.id} {row.name}")
       base = _row_record(cell, row)
       if cell_key(base) in rec.done:  # --resume: measured by the last run
         bar.update(1)
@@ -256,22 +265,41 @@ def run(args) -> dict:
         rec.add(dict(base, status="unavailable", error=absent[row.impl]))
         bar.update(1)
         continue
-      if cell_key(base) in crashed or not budget.fits(row.impl):
+      if cell_key(base) in crashed or not budget.fits("cell"):
         rec.add(dict(base, status="skipped", error="skipped: " + (
             "it crashed the process in the last run" if cell_key(base) in crashed else "time budget")))
         bar.update(1)
         continue
       rec.begin(base)
       simulated_crash_hook(row.impl)
-      t0 = time.time()
       try:
         if inputs is None:
           inputs = _inputs(cell, args.seed, dtype)
-        out = measure_row(cell, row, inputs, refs, args)
+        out, call = prepare_row(cell, row, inputs)
+        if call is not None:
+          timed[row.name] = (row, out, call)
+          continue
       except Exception as e:  # noqa: BLE001
         out = dict(base, status="error", error=err_str(e))
-      close_cell(rec, budget, row.impl, out, t0, bar)
-    del inputs, refs
+      close_cell(rec, budget, "cell", out, t0, bar)
+    if timed:
+      def before(name, timed=timed):
+        rec.begin(timed[name][1])
+        simulated_crash_hook(timed[name][0].impl)
+      try:
+        results = measure_together({n: call for n, (_, _, call) in timed.items()},
+                                   flops_fwd={n: r["flops_fwd"] for n, (_, r, _) in timed.items()},
+                                   iters=args.iters, reps=args.reps, warmup=WARMUP, before=before)
+      except Exception as e:  # noqa: BLE001
+        results = {n: {"fwd_error": err_str(e), "fwd+bwd_error": err_str(e), "out": None}
+                   for n in timed}
+      for name, (row, out, _) in timed.items():
+        try:
+          out = finish_row(cell, row, out, results[name], inputs, refs, args)
+        except Exception as e:  # noqa: BLE001
+          out.update(status="error", error=err_str(e))
+        close_cell(rec, budget, "cell", out, t0, bar)  # wall_s: the cell's time so far
+    del inputs, refs, timed
     jax.clear_caches()  # compiled programs of this cell's shapes are not used again
   return finish_run(rec, bar, render, summary, out_dir, args.tag)
 

@@ -70,6 +70,40 @@ def test_time_calls_median_of_reps_of_back_to_back_calls():
     timing.time_calls(dev.fn, ("x",), reps=True)
 
 
+def test_time_interleaved_rotates_the_order_and_isolates_failures():
+  """Each repetition times every entry once, in an order rotated by the repetition; an entry whose
+  call raises is reported as its exception and the others are still timed."""
+  order, now = [], [0.0]
+  cost = {"a": 1.0, "b": 2.0, "c": 3.0}
+
+  def make(name):
+    def fn(x):
+      if name == "bad" and len(order) > 3:
+        raise RuntimeError("boom")
+      order.append(name)
+      now[0] += cost.get(name, 0.0) * (1 + 0.5 * (len(order) > 5))  # a drift: later calls cost more
+      return name
+    return fn
+
+  entries = {n: (make(n), (0,)) for n in ("a", "b", "c")}
+  started = []
+  res = timing.time_interleaved(entries, iters=1, reps=3, warmup=1, clock=lambda: now[0],
+                                block=lambda o: o, before=started.append)
+  assert started == ["a", "b", "c"]
+  assert order == ["a", "b", "c", "a", "b", "c", "b", "c", "a", "c", "a", "b"]
+  # every entry sampled once at each position of the round: the drift (+50% from the 6th call) falls
+  # on each of them alike
+  for name, (st, out) in res.items():
+    assert out == name and len(st["samples_s"]) == 3
+  assert [res[n][0]["median_s"] for n in "abc"] == [1.5, 3.0, 4.5]
+  order.clear()
+  res = timing.time_interleaved({"bad": (make("bad"), (0,)), "a": (make("a"), (0,))}, iters=1,
+                                reps=4, warmup=1, clock=lambda: now[0], block=lambda o: o)
+  assert isinstance(res["bad"], RuntimeError) and len(res["a"][0]["samples_s"]) == 4
+  with pytest.raises(ValueError, match="reps"):
+    timing.time_interleaved(entries, reps=0)
+
+
 def test_time_latency_synchronises_every_call():
   costs = iter([5.0] * 5 + [1e-6 * c for c in range(1, 101)])
   dev = FakeDevice(lambda x: next(costs))
