@@ -123,8 +123,12 @@ def _concrete(x):
   return None
 
 
-def _int_array(name, x):
-  """``x`` as an int32 array (Python ints accepted); TypeError naming ``name`` otherwise."""
+def _int_array(name, x, clip=None):
+  """``x`` as an int32 array (Python ints accepted); TypeError naming ``name`` otherwise.
+
+  ``clip=(lo, hi)``: values are clipped to ``[lo, hi]`` in their own dtype before the cast, so that a
+  traced value outside int32 (an int64 under x64) or near its ends cannot wrap (the value checks
+  only see concrete arrays)."""
   if isinstance(x, (bool, np.bool_)):
     raise TypeError(f"{name} must be an integer array, got a bool")
   if isinstance(x, (int, np.integer)):
@@ -137,7 +141,12 @@ def _int_array(name, x):
     raise TypeError(f"{name} must have an integer dtype, got {x.dtype}")
   if isinstance(x, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(x.shape, jnp.int32)
-  return jnp.asarray(x).astype(jnp.int32)
+  x = jnp.asarray(x)
+  if clip is not None:
+    info = jnp.iinfo(x.dtype)
+    lo, hi = max(clip[0], int(info.min)), min(clip[1], int(info.max))
+    x = jnp.clip(x, jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype))
+  return x.astype(jnp.int32)
 
 
 def _shape_str(shape) -> str:
@@ -147,7 +156,7 @@ def _shape_str(shape) -> str:
 def _check_lengths(name, x, b, limit, rank3: bool):
   """Lengths: integer ``[B]`` (rank-3 call: scalar or ``[1]``), values in ``[0, limit]`` when known."""
   raw = x
-  x = _int_array(name, x)
+  x = _int_array(name, x, clip=(0, limit) if is_static_dim(limit) else None)
   want = [(b,)] + ([()] if rank3 else [])
   if tuple(x.shape) not in want:
     raise ValueError(f"{name} must have shape {_shape_str((b,))}" + (" or be a scalar" if rank3 else "")
@@ -234,7 +243,9 @@ def _check_q_offset(q_offset, b, rank3: bool):
       raise ValueError(f"q_offset must satisfy |q_offset| < 2**30, got {q_offset}")
     return None if int(q_offset) == 0 else jnp.full((b,), int(q_offset), jnp.int32)
   raw = q_offset
-  x = _int_array("q_offset", q_offset)
+  # A traced offset is clipped to the range a concrete one must lie in (positions q_offset + i and the
+  # rule's j - p stay inside int32; see masking.INT32_SAFE).
+  x = _int_array("q_offset", q_offset, clip=(1 - masking.INT32_SAFE, masking.INT32_SAFE - 1))
   del rank3  # a scalar (e.g. a traced decoding position) serves every batch element
   if tuple(x.shape) not in [(b,), ()]:
     raise ValueError(f"q_offset must be an int, an integer scalar or an integer array of shape "

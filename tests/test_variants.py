@@ -927,6 +927,33 @@ def test_traced_values_are_not_range_checked():
                              f(jnp.array([8, 0]), jnp.array([12, 12])), atol=0)
 
 
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_traced_offsets_act_as_clipped(impl):
+  """A traced q_offset at the ends of int32 (or past it under x64) acts as clipped to the range a
+  concrete one must lie in, |q_offset| < 2**30, on both backends: positions q_offset + i never wrap
+  (before the clip 2**31 - 1 wrapped: the formula zeroed rows 1..3, the Triton block table every row)."""
+  q, k, v, _, _ = qkv(1, 4, 6, 2, 1)
+  kw = dict(implementation=impl, interpret=True) if impl == "triton" else dict(implementation=impl)
+  edge = masking.INT32_SAFE - 1
+
+  def run(o, **variant):
+    return jax.jit(lambda o: fa2_jax.flash_attention(q, k, v, q_offset=o, return_residual=True,
+                                                     **variant, **kw))(o)
+
+  for variant in (dict(is_causal=True), dict(local_window_size=(5, edge))):
+    for far, clipped in ((2 ** 31 - 1, edge), (-2 ** 31, -edge)):
+      got = run(jnp.array([far], jnp.int32), **variant)
+      want = run(jnp.array([clipped], jnp.int32), **variant)
+      for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{variant} {far}")
+  # causal with every query past every key: rows see all keys, not none
+  out, _ = run(jnp.array([2 ** 31 - 1], jnp.int32), is_causal=True)
+  assert np.all(np.linalg.norm(np.asarray(out), axis=-1) > 0)
+  with jax.enable_x64(True):  # an int64 offset past int32 is clipped, not truncated to 1
+    out64, _ = run(jnp.array([2 ** 32 + 1], jnp.int64), is_causal=True)
+  np.testing.assert_array_equal(np.asarray(out64), np.asarray(out))
+
+
 def test_traced_soft_cap_is_rejected():
   with pytest.raises(TypeError, match="logits_soft_cap must be a static Python float"):
     jax.jit(lambda c: fa2_jax.flash_attention(Q4, KV4, KV4, logits_soft_cap=c))(2.0)
