@@ -109,6 +109,10 @@ def _check_arrays(query, key, value, bias, mask) -> None:
 
 def _check_dropout(dropout_rate, deterministic, dropout_rng) -> None:
   if isinstance(dropout_rate, jax.core.Tracer):
+    if not deterministic:  # flax's formula, which would apply it, needs a concrete rate as well
+      raise TypeError("dropout_rate must be a concrete float when deterministic=False (attention "
+                      "dropout runs flax's formula, which branches on the rate), got a traced value; "
+                      "with deterministic=True a traced rate is ignored as flax ignores it")
     return
   if isinstance(dropout_rate, (np.ndarray, jax.Array)) and dropout_rate.shape == ():
     dropout_rate = dropout_rate.item()
@@ -129,7 +133,9 @@ def _fallback_reason(query, value, dtype, bias, dropout_rate, deterministic, mod
   """
   if bias is not None:
     return ("an attention `bias` was passed", _NO_BIAS_ARGUMENT)
-  if dropout_rate > 0.0 and not deterministic:
+  # flax's order: `deterministic` first, so that a traced rate with dropout off runs the kernel
+  # (_check_dropout refuses one with dropout on).
+  if not deterministic and dropout_rate > 0.0:
     return (f"attention dropout (dropout_rate={dropout_rate}, deterministic=False) was asked for",
             "The kernel has no attention dropout: pass deterministic=True (or dropout_rate=0.0) "
             "to run it.")

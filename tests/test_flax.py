@@ -467,6 +467,21 @@ def test_linen_dropout_falls_back_with_the_same_dropout():
   np.testing.assert_allclose(y, ref.apply(params, x, mask=mask, deterministic=True), **TOL)
 
 
+def test_traced_dropout_rate():
+  """A traced dropout_rate: with deterministic=True dropout is off and the kernel runs (flax accepts
+  this too); with deterministic=False a TypeError names dropout_rate (flax's formula, which would
+  apply the dropout, cannot branch on a traced rate either). Before, the adapter raised a
+  TracerBoolConversionError in both cases."""
+  q = inputs(shape=(B, T, HEADS, 8))
+  fn = kernel_fn()
+  with no_fallback():
+    y = jax.jit(lambda r: fn(q, q, q, dropout_rate=r, deterministic=True))(0.1)
+  np.testing.assert_allclose(y, nn.dot_product_attention(q, q, q), **TOL)
+  with pytest.raises(TypeError, match="dropout_rate must be a concrete float"):
+    jax.jit(lambda r: fn(q, q, q, dropout_rate=r, deterministic=False,
+                         dropout_rng=jax.random.PRNGKey(5)))(0.5)
+
+
 def test_fallback_warns_once_per_reason():
   q = inputs(shape=(B, T, HEADS, 8))
   rows = valid_tokens((B,), T)
