@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from . import dispatch, kernel_reuse, sharding
 from .kernels.mosaic.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
-from .kernels.softmax import lse_from_stats
+from .kernels.softmax import kernel_scale, lse_from_stats
 from .kernels.vma import cast_like, match_vma
 from .block_ranges import index_reads, range_tables, warm_static_masks
 from .masking import Variant, VariantArrays
@@ -254,11 +254,12 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       tiles = blocks.range_tiles()
     tables = tuple(f"table_{name}" for name in tiles) if variant is not None else ()
     whole = _unsplittable(variant, q.shape[0], q.shape[2])
+    scale = kernel_scale(call.scale)
     if call.backend == "mosaic":
-      static = _Static(call.scale, call.is_causal, "mosaic", call.deterministic, False, mosaic=mos,
+      static = _Static(scale, call.is_causal, "mosaic", call.deterministic, False, mosaic=mos,
                        variant=variant, fields=fields + tables, whole=tuple(sorted(whole.items())))
     else:
-      static = _Static(call.scale, call.is_causal, "triton", call.deterministic,
+      static = _Static(scale, call.is_causal, "triton", call.deterministic,
                        bool(call.interpret), blocks=blocks, variant=variant, fields=fields + tables,
                        whole=tuple(sorted(whole.items())))
 

@@ -63,6 +63,21 @@ LN2 = math.log(2.0)
 LOG2E = math.log2(math.e)
 
 
+# float32's smallest normal number: the kernels flush subnormals (the GPU's f32 arithmetic, XLA's CPU)
+F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def kernel_scale(scale: float) -> float:
+  """The scale the kernels run with: ``scale``, or 0 where ``scale * log2(e)`` is subnormal in float32.
+
+  Such a ``c`` is flushed to 0 inside the kernels while ``scale != 0`` sends them down the path that
+  divides by it (NaN for every row at 0 < |scale| < 8.2e-39). Running them with scale 0 changes no
+  float32 result where the scaled logits are finite: ``exp(scale · s)`` rounds to 1 until ``|scale ·
+  s|`` passes 2^-25, i.e. ``|s|`` past 4e30, and the gradients' factor ``scale`` leaves only
+  subnormals, which are flushed too."""
+  return 0.0 if abs(scale) * LOG2E < F32_TINY else scale
+
+
 def exponent_scale(scale: float, modifies_scores: bool) -> float:
   """``c``: what multiplies a raw logit inside the kernels' ``exp2`` (1: they see base-2 logits)."""
   return scale * LOG2E if scale != 0 and not modifies_scores else 1.0

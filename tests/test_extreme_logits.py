@@ -26,6 +26,7 @@ import pytest
 
 import fa2_jax
 from fa2_jax import dispatch
+from fa2_jax.kernels.softmax import kernel_scale
 
 SCALES = (1e5, 1e9, 1e30, -1e9)
 # 32-row Triton tiles: several key tiles, full and ragged, at the small lengths interpret mode affords
@@ -146,6 +147,34 @@ def test_extreme_logits_triton(dtype, scale):
       do = _grad_inputs(q)
       out, lse, grads = _fwd_bwd(fn, q, k, v, do)
       _check(out, lse, q, k, v, scale=scale, causal=causal, grads=grads, do=do)
+
+
+TINY_SCALES = (1e-39, -3e-39, 1e-45, 8.3e-39)  # scale * log2(e) subnormal in float32 (the last normal)
+
+
+def _check_tiny_scale(fn, scale, causal):
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, 40, 2, 16), jnp.float32) for i in range(3))
+  do = _grad_inputs(q)
+  out, lse, grads = _fwd_bwd(fn, q, k, v, do)
+  ref = lambda q, k, v: fa2_jax.reference_attention(q, k, v, scale=scale, is_causal=causal,  # noqa: E731
+                                                    return_residual=True)
+  r_out, r_lse, r_grads = _fwd_bwd(ref, q, k, v, do)
+  for name, x, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), (r_out, r_lse, *r_grads)):
+    assert np.isfinite(np.asarray(x)).all(), name
+    np.testing.assert_allclose(np.asarray(x), np.asarray(r), atol=2e-5, rtol=2e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("scale", TINY_SCALES[:2])
+def test_tiny_scales_triton(scale):
+  """A scale whose ``scale * log2(e)`` is subnormal in float32: the kernels ran with ``c`` flushed to
+  0 on the path that needs it nonzero, NaN in every row (0 < |scale| < 8.2e-39); they run such a
+  scale as 0 now (kernels/softmax.kernel_scale), which equals the formula in float32."""
+  assert [kernel_scale(x) for x in TINY_SCALES] == [0.0, 0.0, 0.0, 8.3e-39]
+  for causal in (False, True):
+    fn = lambda q, k, v, causal=causal: fa2_jax.flash_attention(  # noqa: E731
+        q, k, v, scale=scale, is_causal=causal, implementation="triton", interpret=True,
+        block_sizes=TRITON_BLOCKS, return_residual=True)
+    _check_tiny_scale(fn, scale, causal)
 
 
 def _fused_dq_config(head_dim, dtype, causal):
@@ -289,6 +318,23 @@ def test_extreme_logits_compiled(implementation):
                                                return_residual=True)
   out, lse, grads = _fwd_bwd(fn, q, k, v, do)
   _check(out, lse, q, k, v, scale=1e9, causal=False, grads=grads, do=do)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+def test_tiny_scales_compiled(implementation):
+  if implementation == "mosaic" and not dispatch.is_hopper():
+    pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
+  for scale, causal in itertools.product(TINY_SCALES, (False, True)):
+    fn = lambda q, k, v, scale=scale, causal=causal: fa2_jax.flash_attention(  # noqa: E731
+        q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), scale=scale,
+        is_causal=causal, implementation=implementation, return_residual=True)
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 40, 2, 128), jnp.float32) for i in range(3))
+    out, lse, grads = _fwd_bwd(fn, q, k, v, _grad_inputs(q))
+    for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
+      assert np.isfinite(np.asarray(x, np.float32)).all(), (scale, causal, name)
+    np.testing.assert_allclose(np.asarray(lse), np.log(np.arange(1, 41) if causal else 40.0)[None, :, None]
+                               * np.ones((1, 40, 2)), atol=1e-5, err_msg=f"{scale} {causal}")
 
 
 @pytest.mark.gpu
