@@ -317,17 +317,19 @@ def _pad_lengths(q, k, v, variant: Variant, arrays: VariantArrays, multiple: int
 
 
 def backend_for(query, key, value=None, *, is_causal=False, implementation=None, block_sizes=None,
-                deterministic=False, interpret=None, scale=None, **variant_args) -> dispatch.Dispatch:
+                deterministic=False, interpret=None, scale=None, return_residual=False,
+                **variant_args) -> dispatch.Dispatch:
   """Which kernels :func:`flash_attention` would run for these arguments, and why.
 
   Takes the same arguments (arrays or ``jax.ShapeDtypeStruct``; ``value`` defaults to ``key``'s shape)
   and raises the same errors; runs nothing. ``print(fa2_jax.backend_for(q, k))`` gives one line, e.g.
   ``mosaic (mosaic forward, mosaic dK/dV, mosaic dQ): Hopper GPU and a supported call``.
   ``variant_args``: the attention-variant arguments of :func:`flash_attention`
-  (``query_seq_lengths`` ... ``score_fn``; arrays or ``jax.ShapeDtypeStruct``).
+  (``query_seq_lengths`` ... ``score_fn``; arrays or ``jax.ShapeDtypeStruct``). ``return_residual``
+  is checked and does not change the choice.
   """
   value = key if value is None else value
-  call = _prepare(query, key, value, scale, is_causal, implementation, False, block_sizes,
+  call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
                   deterministic, interpret, **variant_args)
   return dispatch.describe(call.backend, call.query, call.key, is_causal=call.is_causal,
                            implementation=implementation, block_sizes=block_sizes,

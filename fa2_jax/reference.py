@@ -64,6 +64,7 @@ def reference_attention(query, key, value, *, scale=None, is_causal=False, retur
   is_causal = check_bool("is_causal", is_causal)
   return_residual = check_bool("return_residual", return_residual)
   query_block = check_query_block(query_block)
+  compute_dtype = check_compute_dtype(compute_dtype)
   variant, arrays = check_variant(
       query, key, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
       key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
@@ -78,6 +79,24 @@ def reference_attention(query, key, value, *, scale=None, is_causal=False, retur
   if squeeze:
     out, lse = out[0], lse[0]
   return (out, lse) if return_residual else out
+
+
+def check_compute_dtype(compute_dtype):
+  """``compute_dtype`` -> a floating numpy dtype or None; float64 needs ``jax_enable_x64`` (JAX would
+  otherwise compute in float32 with only a warning)."""
+  if compute_dtype is None:
+    return None
+  try:
+    dt = jnp.dtype(compute_dtype)
+  except TypeError as e:
+    raise TypeError(f"compute_dtype must be a floating dtype or None, got {compute_dtype!r}") from e
+  if dt not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
+                jnp.dtype(jnp.float64)):
+    raise TypeError(f"compute_dtype must be float16, bfloat16, float32 or float64, got {dt}")
+  if dt == jnp.float64 and not jax.config.jax_enable_x64:
+    raise ValueError("compute_dtype float64 needs jax_enable_x64 (jax.enable_x64(True) or "
+                     "JAX_ENABLE_X64=1); without it JAX computes in float32")
+  return dt
 
 
 def check_query_block(query_block):

@@ -153,6 +153,10 @@ def test_backend_for_validates_like_flash_attention():
     fa2_jax.backend_for(*_shapes(n=6, kh=4))
   with pytest.raises(TypeError, match="is_causal must be a Python bool"):
     fa2_jax.backend_for(q, k, is_causal="yes")
+  # every flash_attention argument is taken: return_residual is checked and changes nothing
+  assert str(fa2_jax.backend_for(q, k, return_residual=True)) == str(fa2_jax.backend_for(q, k))
+  with pytest.raises(TypeError, match="return_residual must be a Python bool"):
+    fa2_jax.backend_for(q, k, return_residual="yes")
 
 
 def test_compute_capability_parsing(monkeypatch):

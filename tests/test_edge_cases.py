@@ -152,6 +152,11 @@ def test_xla_implementation_has_higher_derivatives():
     (dict(scale=1j), TypeError, "scale must be a Python float"),
     (dict(is_causal=1), TypeError, "is_causal must be a Python bool"),
     (dict(query=[[1.0]]), TypeError, "query must be a jax/numpy array"),
+    (dict(compute_dtype=jnp.int32), TypeError, "compute_dtype must be float16, bfloat16"),
+    (dict(compute_dtype=bool), TypeError, "compute_dtype must be float16, bfloat16"),
+    (dict(compute_dtype=jnp.complex64), TypeError, "compute_dtype must be float16, bfloat16"),
+    (dict(compute_dtype="not a dtype"), TypeError, "compute_dtype must be a floating dtype"),
+    (dict(compute_dtype=jnp.float64), ValueError, "compute_dtype float64 needs jax_enable_x64"),
 ])
 def test_reference_attention_validates(kwargs, exc, match):
   args = dict(query=jnp.ones((1, 4, 2, 8)), key=jnp.ones((1, 4, 2, 8)), value=jnp.ones((1, 4, 2, 8)))
