@@ -5,6 +5,7 @@ query offsets per call). Re-exported by :mod:`fa2_jax.flax`; import them from th
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +34,10 @@ def rotary_embedding(x: jax.Array, positions: jax.Array | None = None, *,
     base: the wavelength base (10000 in the paper).
 
   Raises:
-    ValueError: odd head_dim, or positions whose length differs from x's.
+    ValueError: odd head_dim, positions whose length differs from x's, or a base that is not a
+      finite number > 0.
   """
+  _check_base(base)
   t, h = x.shape[-3], x.shape[-1]
   if h % 2:
     raise ValueError(f"rotary embeddings need an even head_dim, got {h}")
@@ -54,8 +57,25 @@ def rotary_embedding(x: jax.Array, positions: jax.Array | None = None, *,
 
 # --- causal self-attention modules ----------------------------------------------------------------
 
-def _check_heads(num_heads: int, num_kv_heads: int | None, head_dim: int, rotary: bool) -> int:
-  """Validates the head counts; returns num_kv_heads (default: num_heads, plain multi-head)."""
+def _check_base(base) -> None:
+  """The RoPE wavelength base: a finite number > 0 (traced values are not checked)."""
+  if isinstance(base, jax.core.Tracer):
+    return
+  if isinstance(base, (bool, np.bool_)) or not isinstance(base, (numbers.Real, np.ndarray, jax.Array)):
+    raise TypeError(f"rotary_base must be a real number, got {type(base).__name__} {base!r}")
+  if np.ndim(base) != 0 or not np.isfinite(float(base)) or float(base) <= 0:
+    raise ValueError(f"rotary_base must be a finite number > 0, got {base!r}")
+
+
+def _check_heads(num_heads: int, num_kv_heads: int | None, head_dim: int, rotary: bool,
+                 rotary_base=10000.0, out_features=None) -> int:
+  """Validates the head counts, the RoPE base and the output width; returns num_kv_heads (default:
+  num_heads, plain multi-head)."""
+  if out_features is not None and (not isinstance(out_features, int) or isinstance(out_features, bool)
+                                   or out_features < 1):
+    raise ValueError(f"out_features must be a positive int or None (the input width), got "
+                     f"{out_features!r}")
+  _check_base(rotary_base)
   kv = num_heads if num_kv_heads is None else num_kv_heads
   for name, v in (("num_heads", num_heads), ("num_kv_heads", kv), ("head_dim", head_dim)):
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -166,7 +186,8 @@ class CausalSelfAttention(nn.Module):
   score_fn: Callable | None = None
 
   def __post_init__(self):
-    _check_heads(self.num_heads, self.num_kv_heads, self.head_dim, self.rotary)
+    _check_heads(self.num_heads, self.num_kv_heads, self.head_dim, self.rotary, self.rotary_base,
+                 self.out_features)
     _check_static_fields(self.num_heads, self.local_window_size, self.logits_soft_cap,
                          self.alibi_slopes, self.mask_fn, self.score_fn)
     super().__post_init__()
@@ -206,7 +227,8 @@ class CausalSelfAttention(nn.Module):
                                 q_offset=q_offset)
     y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask,
                 variants)
-    return dense(features=self.out_features or x.shape[-1], axis=(-2, -1),
+    width = x.shape[-1] if self.out_features is None else self.out_features
+    return dense(features=width, axis=(-2, -1),
                  kernel_init=self.out_kernel_init or self.kernel_init, name="out")(y)
 
 
@@ -225,7 +247,8 @@ class NnxCausalSelfAttention(nnx.Module):
                mask_fn: Callable | None = None, score_fn: Callable | None = None,
                rngs: nnx.Rngs):
     self.num_heads, self.head_dim = num_heads, head_dim
-    self.num_kv_heads = _check_heads(num_heads, num_kv_heads, head_dim, rotary)
+    self.num_kv_heads = _check_heads(num_heads, num_kv_heads, head_dim, rotary, rotary_base,
+                                     out_features)
     _check_static_fields(num_heads, local_window_size, logits_soft_cap, alibi_slopes, mask_fn,
                          score_fn)
     self.rotary, self.rotary_base = rotary, rotary_base
@@ -238,7 +261,8 @@ class NnxCausalSelfAttention(nnx.Module):
                                param_dtype=param_dtype, rngs=rngs)
     self.qkv = linear(in_features, (num_heads + 2 * self.num_kv_heads, head_dim),
                       kernel_init=kernel_init)
-    self.out = linear((num_heads, head_dim), out_features or in_features, axis=(-2, -1),
+    width = in_features if out_features is None else out_features
+    self.out = linear((num_heads, head_dim), width, axis=(-2, -1),
                       kernel_init=out_kernel_init or kernel_init)
 
   def __call__(self, x: jax.Array, positions: jax.Array | None = None,

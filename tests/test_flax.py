@@ -1004,6 +1004,22 @@ def test_bad_arguments_raise_clear_errors():
     fa2_flax.CausalSelfAttention(num_heads=4, head_dim=7, rotary=True)
   with pytest.raises(ValueError, match="num_heads"):
     fa2_flax.NnxCausalSelfAttention(D, 0, 8, rngs=nnx.Rngs(0))
+  # the RoPE base and the output width (before: NaN outputs, 0 read as "the input width", or an
+  # error from inside flax's broadcasting)
+  for base in (-1.0, 0.0, float("nan"), float("inf")):
+    with pytest.raises(ValueError, match="rotary_base must be a finite number > 0"):
+      fa2_flax.CausalSelfAttention(num_heads=4, head_dim=8, rotary=True, rotary_base=base)
+    with pytest.raises(ValueError, match="rotary_base"):
+      fa2_flax.NnxCausalSelfAttention(D, 4, 8, rotary=True, rotary_base=base, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="rotary_base"):
+      fa2_flax.rotary_embedding(jnp.ones((1, 4, 2, 8)), base=base)
+  with pytest.raises(TypeError, match="rotary_base must be a real number"):
+    fa2_flax.CausalSelfAttention(num_heads=4, head_dim=8, rotary_base="1e4")
+  for width in (0, -3, 2.0, True):
+    with pytest.raises(ValueError, match="out_features must be a positive int or None"):
+      fa2_flax.CausalSelfAttention(num_heads=4, head_dim=8, out_features=width)
+    with pytest.raises(ValueError, match="out_features"):
+      fa2_flax.NnxCausalSelfAttention(D, 4, 8, out_features=width, rngs=nnx.Rngs(0))
 
 
 def test_bad_call_arguments_raise_clear_errors():
