@@ -63,6 +63,18 @@ LN2 = math.log(2.0)
 LOG2E = math.log2(math.e)
 
 
+def check_input_dtype(dtype):
+  """A config default's ``dtype`` -> a numpy dtype among the kernels' input dtypes (TypeError naming
+  ``dtype`` otherwise)."""
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError as e:
+    raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}") from e
+  if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+    raise TypeError(f"dtype must be bfloat16, float16 or float32 (the kernels' input dtypes), got {dt}")
+  return dt
+
+
 # float32's smallest normal number: the kernels flush subnormals (the GPU's f32 arithmetic, XLA's CPU)
 F32_TINY = float(np.finfo(np.float32).tiny)
 

@@ -85,6 +85,19 @@ def test_bad_block_sizes(kwargs, exc, match):
     fa2_jax.BlockSizes(**kwargs)
 
 
+def test_config_defaults_check_their_arguments():
+  """The defaults' dtype is an input dtype of the kernels, and MosaicConfig's is_causal a bool (a
+  string was read as true before)."""
+  for default in (fa2_jax.BlockSizes.default, fa2_jax.MosaicConfig.default):
+    for dt in (jnp.int32, jnp.float64, "not a dtype"):
+      with pytest.raises(TypeError, match="dtype must be bfloat16, float16 or float32"):
+        default(64, dt)
+  with pytest.raises(TypeError, match="is_causal must be a Python bool"):
+    fa2_jax.MosaicConfig.default(64, jnp.bfloat16, "yes")
+  assert fa2_jax.MosaicConfig.default(64, jnp.float16, np.bool_(True)) == fa2_jax.MosaicConfig.default(
+      64, jnp.float16, True)
+
+
 def test_block_size_defaults_are_valid_and_clamped():
   for h in (16, 40, 64, 80, 96, 128, 200, 256):
     for dt in (jnp.bfloat16, jnp.float16, jnp.float32):

@@ -13,8 +13,9 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
-from ..softmax import fast_form_suffices
+from ..softmax import check_input_dtype, fast_form_suffices
 
 # exp(x) = exp2(x * log2 e): the kernels use exp2 with the softmax scale folded into the same multiply
 # (FA2 §3.1: fewer non-matmul FLOPs; exp2 is a single MUFU instruction).
@@ -277,7 +278,9 @@ class MosaicConfig:
     role-split dQ kernel (``dq_roles``; at 192 the dQ kernel with one consumer warpgroup), to fit SMEM
     and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
     """
-    del dtype  # same settings for bf16/fp16 until measured otherwise
+    check_input_dtype(dtype)  # same settings for bf16/fp16 until measured otherwise
+    if not isinstance(is_causal, (bool, np.bool_)):
+      raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__} {is_causal!r}")
     # Fused dQ (used only when the call allows a non-deterministic backward) from 2k query rows
     # non-causal and 4k causal: with fewer query tiles the key tiles' reduce-adds pile onto few dQ rows
     # and the separate dQ kernel is faster; calls with an attention variant follow the same rule

@@ -11,6 +11,8 @@ import math
 
 import jax.numpy as jnp
 
+from ..softmax import check_input_dtype
+
 
 def _is_pow2(x: int) -> bool:
   return x > 0 and (x & (x - 1)) == 0
@@ -95,7 +97,7 @@ class BlockSizes:
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
       raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     hp = max(16, 1 << math.ceil(math.log2(head_dim)))
-    f32 = jnp.dtype(dtype) == jnp.float32
+    f32 = check_input_dtype(dtype) == jnp.float32
     if hp <= 64:
       cfg = cls(block_q=64, block_k=128, num_warps_fwd=4, num_stages_fwd=2,
                 block_q_dkv=64, block_k_dkv=64, block_q_dq=64, block_k_dq=64,
