@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from .flops import tflops
+from .report import err_str
 
 WARMUP = 2  # calls before timing: compilation, autotuning and first-touch allocations
 REPS = 5  # repetitions; the median is reported
@@ -150,10 +151,6 @@ def fwd_bwd_fn(f):
                           argnums=(0, 1, 2)))
 
 
-def _error_str(e) -> str:
-  return f"{type(e).__name__}: {' '.join(str(e).split())}"[:400]
-
-
 def measure_together(calls: dict, *, flops_fwd, passes=("fwd", "fwd+bwd"), iters: int = ITERS,
                      reps: int = REPS, warmup: int = WARMUP, clock=time.perf_counter, block=_block,
                      before=None) -> dict:
@@ -184,7 +181,7 @@ def measure_together(calls: dict, *, flops_fwd, passes=("fwd", "fwd+bwd"), iters
     for p in passes:
       got = timed[(name, p)]
       if isinstance(got, Exception):
-        res[f"{p}_error"] = _error_str(got)
+        res[f"{p}_error"] = err_str(got)
         continue
       st, out = got
       if p == "fwd":
