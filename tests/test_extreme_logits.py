@@ -330,11 +330,14 @@ def test_tiny_scales_compiled(implementation):
         q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), scale=scale,
         is_causal=causal, implementation=implementation, return_residual=True)
     q, k, v = (jax.random.normal(jax.random.key(i), (1, 40, 2, 128), jnp.float32) for i in range(3))
-    out, lse, grads = _fwd_bwd(fn, q, k, v, _grad_inputs(q))
+    out, lse, grads = _fwd_bwd(fn, q, k, v, _grad_inputs(q).astype(jnp.bfloat16))
     for name, x in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)):
       assert np.isfinite(np.asarray(x, np.float32)).all(), (scale, causal, name)
-    np.testing.assert_allclose(np.asarray(lse), np.log(np.arange(1, 41) if causal else 40.0)[None, :, None]
-                               * np.ones((1, 40, 2)), atol=1e-5, err_msg=f"{scale} {causal}")
+    # scale 0: every allowed key has the same logit, so lse = log(allowed keys of the row)
+    allowed_keys = np.arange(1, 41) if causal else np.full(40, 40)
+    np.testing.assert_allclose(np.asarray(lse),
+                               np.broadcast_to(np.log(allowed_keys)[None, :, None], (1, 40, 2)),
+                               atol=1e-5, err_msg=f"{scale} {causal}")
 
 
 @pytest.mark.gpu

@@ -161,6 +161,7 @@ def test_fused_dq_split_and_smem():
     (dict(backward_p="fast"), ValueError, "backward_p"),
     (dict(backward_p=None), ValueError, "backward_p"),
     (dict(consumer_barrier="bar.sync"), ValueError, "consumer_barrier"),
+    (dict(producer_warp=1), TypeError, "producer_warp"),
     (dict(persistent=1), TypeError, "persistent"),
     (dict(persistent_ctas=-1), ValueError, "persistent_ctas"),
     (dict(persistent_ctas=2.0), TypeError, "persistent_ctas"),
@@ -756,6 +757,21 @@ def test_consumer_barrier_lowers_for_sm90(barrier):
   text = jax.jit(f).trace(sd, sd, sd, sd, lse).lower(lowering_platforms=("cuda",)).as_text()
   assert "fa2_mosaic_dkdv_dq" in text
   assert (f"bar.sync {CONSUMERS_BARRIER_ID}, 256;" in text) == (barrier == "named")
+
+
+def test_producer_warp_lowers_for_sm90():
+  """``MosaicConfig.producer_warp``: the fused dK/dV/dQ kernel's producer loop on one warp
+  (``plgpu.warp_map``) lowers for sm90 to another kernel than the warpgroup loop's."""
+  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
+  lse = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
+  texts = []
+  for one_warp in (False, True):
+    cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0,
+                                                        producer_warp=one_warp)
+    f = _fwd_bwd(128 ** -0.5, True, cfg)
+    texts.append(jax.jit(f).trace(sd, sd, sd, sd, lse).lower(lowering_platforms=("cuda",)).as_text())
+  assert all("fa2_mosaic_dkdv_dq" in t for t in texts)
+  assert texts[0] != texts[1]
 
 
 def test_equal_kernels_lower_once_per_program():

@@ -301,15 +301,18 @@ def _backward_operands(seed, t, s, n, kh, h, causal):
     (64, False, 512, 1024, 8, 8, None),  # "rows" (128-row dK/dV tiles)
     (128, False, 2048, 2048, 8, 1, None),
     (64, True, 300, 300, 4, 2, 64)])  # no split: one partial per consumer
-@pytest.mark.parametrize("barrier", ["mbarrier", "named"])  # MosaicConfig.consumer_barrier
-def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv, barrier):
-  """The fused dQ (TMA reduce-add in the dK/dV kernel) against the separate dQ kernel."""
+@pytest.mark.parametrize("option", [  # MosaicConfig.consumer_barrier, producer_warp
+    dict(consumer_barrier="mbarrier"), dict(consumer_barrier="named"), dict(producer_warp=True)],
+    ids=["mbarrier", "named", "producer_warp"])
+def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv, option):
+  """The fused dQ (TMA reduce-add in the dK/dV kernel) against the separate dQ kernel; with the
+  named consumer barrier and with the producer's loop on one warp too."""
   from fa2_jax.kernels.mosaic.backward import backward
   from fa2_jax.kernels.mosaic.config import MosaicConfig
   operands, scale = _backward_operands(7, t, s, n, kh, h, causal)
   base = MosaicConfig.default(h)
   fused = base.replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=min(base.num_stages_dkv, 2),
-                       block_q_dkv=bq_dkv or base.block_q_dkv, consumer_barrier=barrier)
+                       block_q_dkv=bq_dkv or base.block_q_dkv, **option)
   bwd = lambda cfg, det: jax.jit(lambda *a: backward(*a, scale=scale, is_causal=causal,
                                                      config=cfg, deterministic=det))
   ref = bwd(base, True)(*operands)

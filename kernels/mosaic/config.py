@@ -130,6 +130,11 @@ class MosaicConfig:
   other's ``dS^T`` tile: ``"mbarrier"`` (default: a shared-memory barrier, every warpgroup arrives
   then waits on its phase) or ``"named"`` (one hardware ``bar.sync`` for both, as FlashAttention-3
   does; compiled kernels only, the interpreter runs the mbarrier).
+  ``producer_warp``: the dK/dV kernels' producer runs its loads and its waits on the ring's ``free``
+  barriers on one warp of its warpgroup (``plgpu.warp_map``), the other three waiting at the
+  warpgroup's join, as FlashAttention-3's producer does on one elected warp; ``False`` (default):
+  every thread of the producer warpgroup runs the loop. Compiled kernels only (the interpreter runs
+  the warpgroup loop).
   """
 
   block_q: int = 64
@@ -160,6 +165,7 @@ class MosaicConfig:
   memory_registers: int = 40
   backward_p: str = "auto"
   consumer_barrier: str = "mbarrier"
+  producer_warp: bool = False  # the dK/dV producer's loop on one warp (compiled kernels only)
   persistent: bool = False  # forward: one CTA per SM looping over the query tiles
   persistent_ctas: int = 0  # with persistent: how many CTAs (0: the GPU's SM count)
   persistent_deal: str = "cyclic"  # persistent: which CTA runs which tile ("cyclic" | "greedy")
@@ -186,7 +192,7 @@ class MosaicConfig:
                            f"got {v!r}")
         continue
       if f.name in ("pingpong", "dkv_split", "dkv_roles", "dq_roles", "dq_fused",
-                    "dq_fused_variants", "persistent"):
+                    "dq_fused_variants", "persistent", "producer_warp"):
         if not isinstance(v, bool):
           raise TypeError(f"MosaicConfig.{f.name} must be a bool, got {v!r}")
         continue

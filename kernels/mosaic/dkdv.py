@@ -50,8 +50,8 @@ from ..vma import out_struct
 from .config import LOG2E, MosaicConfig, dq_piece, dq_split
 from .lowering_cache import kernel_call
 from .ops import (acc_loop, accumulators, batch_rule, bcast_cols, consumers_sync, iota2,
-                  per_cta_choice, smem_transforms, smem_transforms_f32, wgmma, wgmma_load, wgmma_wait,
-                  ws_kernel)
+                  per_cta_choice, producer_loop, smem_transforms, smem_transforms_f32, wgmma,
+                  wgmma_load, wgmma_wait, ws_kernel)
 from .schedule import causal_section, cta_tile, over_query_ranges, q_block_ranges
 from .variant import Refs
 
@@ -98,6 +98,7 @@ class _Dkv:
   # The form of P (MosaicConfig.p_form): "per_head" (both forms compiled, one per CTA by exact_ref),
   # "exact" or "fast" (one loop).
   p_form: str = "per_head"
+  producer_warp: bool = False  # MosaicConfig.producer_warp (never in emulation)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
@@ -354,9 +355,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   @pl.when(wg == nwg)
   def _producer():
     plgpu.set_max_registers(st.memory_registers, action="decrease")
-    stream_queries(q_ref, do_ref, rows_ref, delta_ref if st.want_dk else None, q_smem, do_smem,
-                   rows_smem, delta_smem, q_bar, do_bar, rows_bar, delta_bar, free, b=b, kvh=kvh,
-                   group=g_size, i_start=i_start, n_i=n_i, block_q=bq, stages=stages)
+    producer_loop(functools.partial(
+        stream_queries, q_ref, do_ref, rows_ref, delta_ref if st.want_dk else None, q_smem, do_smem,
+        rows_smem, delta_smem, q_bar, do_bar, rows_bar, delta_bar, free, b=b, kvh=kvh,
+        group=g_size, i_start=i_start, n_i=n_i, block_q=bq, stages=stages),
+        one_warp=st.producer_warp)
 
 
 def stream_queries(q_ref, do_ref, rows_ref, delta_ref, q_smem, do_smem, rows_smem, delta_smem, q_bar,
@@ -415,7 +418,7 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                    kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
             seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq,
-            p_form=cfg.p_form(variant))
+            p_form=cfg.p_form(variant), producer_warp=cfg.producer_warp and not emulate)
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),

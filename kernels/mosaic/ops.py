@@ -111,6 +111,22 @@ def ws_kernel(body, *, out_type, scratch, grid, grid_names, num_consumers: int, 
                       compiler_params=compiler_params(), kernel_name=name)
 
 
+def producer_loop(loop, *, one_warp: bool):
+  """Run the producer warpgroup's ``loop()`` (loads and waits on scalars and refs only) on all its
+  threads, or (``one_warp``) on its first warp alone: the other three warps skip it and wait at the
+  warpgroup's join, instead of spinning on the ring's barriers (``plgpu.warp_map``; compiled kernels
+  only: Pallas' GPU interpreter has no warp-level semantics)."""
+  if not one_warp:
+    loop()
+    return
+
+  @plgpu.warp_map
+  def _(warp):
+    @pl.when(warp == 0)
+    def _():
+      loop()
+
+
 def batch_rule(call, axis_size: int, in_batched, operands, variant):
   """``vmap`` of a kernel launch ``call(*operands) -> tuple`` whose operands and results all have the
   batch axis first (a ``custom_vmap`` rule's body): the mapped axis folded into the batch, one launch
