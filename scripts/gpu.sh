@@ -7,7 +7,11 @@
 #                                                args starting with a test path run only those, e.g.
 #                                                tests tests/test_variants.py -k mosaic (the whole
 #                                                suite takes longer than one 10-minute device call:
-#                                                split it by files)
+#                                                split it by files); GPU_TEST_WORKERS=N runs N pytest
+#                                                workers (pytest-xdist) on the one GPU, each without
+#                                                JAX's memory preallocation: the compiled tests spend
+#                                                most of their time lowering and compiling kernels on
+#                                                the host's CPUs (default 1: one process)
 #   bash scripts/gpu.sh grid     [args]          the README's throughput grid, every implementation in one
 #                                                process (python -m benchmarks.attention --grid headline);
 #                                                split it with --cells, e.g. grid --cells 'd64-*,d256-*'
@@ -45,6 +49,11 @@ if [ "$mode" = gpt ] && [ "${1:-}" != pmap ]; then
       exit 2
     fi
   done
+fi
+workers="${GPU_TEST_WORKERS:-1}"
+if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
+  echo "scripts/gpu.sh: GPU_TEST_WORKERS must be a positive integer; got '$workers'" >&2
+  exit 2
 fi
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -87,6 +96,10 @@ case "$mode" in
   tests)
     pytest_gpu=(python3 -X faulthandler -m pytest -q -m gpu -p no:cacheprovider --tb=short
                 -o faulthandler_timeout=120)
+    if [ "$workers" -gt 1 ]; then  # several processes share the GPU: each allocates as it goes
+      export XLA_PYTHON_CLIENT_PREALLOCATE=false
+      pytest_gpu+=(-n "$workers" --dist worksteal)
+    fi
     if [ "$#" -gt 0 ] && [ -e "$1" ]; then  # test files or folders given: just those
       run tests "${pytest_gpu[@]}" "$@"; exit $?
     fi

@@ -411,9 +411,11 @@ def test_run_all_resumes_after_a_crash(tmp_path):
 
 
 def test_gpu_script_rejects_an_unknown_mode(tmp_path):
-  for args, msg in ((["nope"], "mode must be one of"), (["gpt", "flash", "fa9"], "'fa9'")):
+  for args, env, msg in ((["nope"], {}, "mode must be one of"), (["gpt", "flash", "fa9"], {}, "'fa9'"),
+                         (["tests"], {"GPU_TEST_WORKERS": "0"}, "GPU_TEST_WORKERS"),
+                         (["tests"], {"GPU_TEST_WORKERS": "two"}, "GPU_TEST_WORKERS")):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), *args], capture_output=True,
-                       text=True, timeout=60, env=dict(os.environ, OUT=str(tmp_path)))
+                       text=True, timeout=60, env=dict(os.environ, OUT=str(tmp_path), **env))
     assert r.returncode == 2 and msg in r.stderr, r.stderr
 
 
