@@ -639,6 +639,8 @@ def test_diag_shape_args():
     cli.shapes_and_masks(ap.parse_args(["--shapes", "1,2,3"]))
 
 
+# slow (CI time: two processes compiling, about 15 s): the compile-time diagnostic's persistent-cache mode
+@pytest.mark.slow
 def test_compile_time_new_shapes_with_a_persistent_cache(tmp_path):
   """``--shapes`` times one call site per shape in order (CPU-sized shapes without a GPU), and
   ``--cache-dir`` turns on JAX's persistent compilation cache there: its entries are written."""
@@ -657,6 +659,9 @@ def test_compile_time_new_shapes_with_a_persistent_cache(tmp_path):
   assert [r["causal"] for r in rows] == [False, False] and all("error" not in r for r in rows)
 
 
+# slow (CI time: two processes lowering, about 15 s): the compile-time diagnostic's sm90 lowering and
+# kernel cache; a later process reading the kernel cache runs in CI in test_kernel_reuse.py
+@pytest.mark.slow
 def test_compile_time_lowers_for_sm90_and_reads_the_kernel_cache(tmp_path):
   """``--lower-for-sm90`` lowers the Mosaic kernels for sm90 without a GPU, shapes as given, and
   times the lowering alone; with ``--cache-dir --reuse-kernels`` a second process reads the kernels

@@ -32,7 +32,7 @@ tests draw the same properties at ``T, S`` up to 2048, compiled, for the default
 
 Profiles (registered in ``conftest.py``; ``HYPOTHESIS_PROFILE`` selects one, ``ci`` by default)::
 
-    pytest tests/test_fuzz.py                                   # ci: derandomized, bounded (~3 min)
+    pytest tests/test_fuzz.py                                   # ci: derandomized, bounded (~2 min)
     HYPOTHESIS_PROFILE=ci-shrink pytest tests/test_fuzz.py      # the ci examples, failures minimised
     HYPOTHESIS_PROFILE=long pytest tests/test_fuzz.py           # many random examples, on demand
     HYPOTHESIS_PROFILE=gpu pytest -m gpu tests/test_fuzz.py     # on a GPU: compiled, bigger shapes

@@ -13,6 +13,7 @@ No GPU needed:
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -606,6 +607,7 @@ def _rel(x, ref):
   return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+@functools.partial(jax.jit, static_argnums=(5, 6))  # one compile (eagerly: one per op and shape)
 def _reference(q, k, v, do, dlse, scale, causal):
   def f(q, k, v):
     return fa2_jax.reference_attention(q, k, v, scale=scale, is_causal=causal, return_residual=True,
@@ -617,40 +619,44 @@ def _reference(q, k, v, do, dlse, scale, causal):
   return out, jnp.swapaxes(lse, 1, 2), dq, dk, dv
 
 
+# CI time: each case runs kernels or a launch order that no other case here runs. The default causal
+# head_dim-64 kernels (separate dQ) run in test_interpret_causal_lpt_sections (the forward dealing
+# its tiles greedily, as by default) and below at T < S (keys never attended) and at 520 rows (three
+# persistent CTAs); the non-causal head_dim-64 defaults in the persistent case below (which differs
+# from them only in its CTA count), so neither is a case of its own.
 INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
-    # causal, T < S (keys >= T never attended), GQA 2:1, ragged tails through TMA bounds; the
-    # forward persistent, its tiles dealt greedily (the defaults)
-    (1, 136, 200, 2, 1, 64, True, None, False),
-    # causal, T far below S: the dK/dV CTAs past the last query row run no steps at all; the forward
-    # one CTA per query tile
+    # causal, T far below S (ragged): keys >= T never attended, and the dK/dV CTAs past the last
+    # query row run no steps at all; the forward one CTA per query tile
     (1, 72, 264, 1, 1, 64, True,
      MosaicConfig.default(64, is_causal=True).replace(persistent=False), False),
-    # non-causal head_dim 64 defaults (256-key forward tiles, 128-row dK/dV tiles), T > S, ragged
-    (1, 300, 136, 2, 2, 64, False, None, False),
     # non-causal, ragged lengths padded in HBM, lse cotangent, one consumer warpgroup (no pingpong)
     (1, 100, 77, 2, 2, 128, False,
      MosaicConfig.default(128).replace(ragged="pad", num_wgs=1, pingpong=False), True),
     # fused dQ: causal, GQA 2:1, ragged T/S, lse cotangent (emulated: per-consumer slabs, summed)
-    (1, 136, 200, 4, 2, 64, True, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=2),
+    (1, 136, 200, 2, 1, 64, True, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=2),
      True),
     # head_dim 256, the role-split dK/dV and dQ kernels: causal, T < S, GQA 2:1, lse cotangent
     (1, 136, 200, 2, 1, 256, True, None, True),
-    # non-causal, T > S, ragged; head_dim 192: the one-warpgroup dQ kernel
-    (1, 200, 136, 2, 2, 256, False, None, False),
-    (1, 100, 77, 2, 2, 192, False, None, False),
+    # non-causal, T > S, ragged (slow: the role-split kernels run non-causal in CI with a variant,
+    # test_interpret_variants_dkdv_roles); head_dim 192: the one-warpgroup dQ kernel
+    pytest.param((1, 200, 136, 1, 1, 256, False, None, False), marks=pytest.mark.slow),
+    (1, 100, 77, 1, 1, 192, False, None, False),
     # fused dQ at head_dim 128: the two consumers split each dQ tile by columns (dq_split "cols")
     (1, 200, 136, 2, 1, 128, True, MosaicConfig.default(128).replace(dq_fused=True, dq_fused_min_t=0), False),
     # fused dQ, 64-row tiles at head_dim 64: no split (each consumer adds its own keys' partial)
-    (1, 136, 136, 2, 2, 64, False, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, block_q_dkv=64),
+    (1, 136, 136, 1, 1, 64, False, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, block_q_dkv=64),
      False),
-    # persistent forward, 2 CTAs for 6 query tiles (3 rounds, the K/V ring running on across tiles),
-    # GQA 2:1, T > S ragged
-    (1, 300, 136, 4, 2, 64, False, MosaicConfig.default(64).replace(persistent_ctas=2), False),
+    # the non-causal head_dim 64 defaults (256-key forward tiles, 128-row dK/dV tiles), T > S,
+    # ragged, GQA 2:1; the persistent forward with 2 CTAs for 6 query tiles (3 rounds, the K/V ring
+    # running on across tiles)
+    (1, 300, 136, 2, 1, 64, False, MosaicConfig.default(64).replace(persistent_ctas=2), False),
     # persistent causal, the cyclic deal (opt-in) of the LPT launch order, 3 CTAs for 4 tiles: a
-    # partial last round
-    (2, 200, 264, 1, 1, 128, True,
-     MosaicConfig.default(128, is_causal=True).replace(persistent=True, persistent_ctas=3,
-                                                       persistent_deal="cyclic"), False),
+    # partial last round (slow: the cyclic deal of a causal call runs in CI with a variant,
+    # test_interpret_causal_variant_persistent_forward)
+    pytest.param((2, 200, 264, 1, 1, 128, True,
+                  MosaicConfig.default(128, is_causal=True).replace(persistent=True, persistent_ctas=3,
+                                                                    persistent_deal="cyclic"), False),
+                 marks=pytest.mark.slow),
     # persistent causal with the greedy deal (schedule.greedy_deal, the default's): 3 CTAs for 10
     # tiles (2 heads x 5 query tiles) of 1-5 key tiles each, uneven counts per CTA
     (1, 520, 520, 2, 1, 64, True,
@@ -698,7 +704,9 @@ def test_interpret_numerics(case):
     assert not np.asarray(got[4][:, t:], np.float32).any()
 
 
-@pytest.mark.parametrize("fused", [False, True])
+# slow with the fused dQ: its dK/dV kernel maps its CTAs to sections by the same code (dkdv.py) as
+# the separate pass's, which runs here in CI with the forward and the dQ kernel
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_interpret_causal_lpt_sections(monkeypatch, fused):
   """Causal kernels with the launch order cut into several L2 sections (the budget shrunk so that 6
   (batch, head) pairs make sections of 4 and 2 heads in all three kernels): same numbers as the
@@ -843,11 +851,27 @@ FUSED_VARIANTS = MosaicConfig.default(64).replace(dq_fused_variants=True, dq_fus
 # the default backward): not run twice with the separate dQ kernel here (CI time).
 SEPARATE_DQ_ELSEWHERE = ("lengths_soft_cap_alibi", "causal_window_segments_offset",
                          "causal_window_soft_cap_alibi")
+# Separate-dQ cases marked slow (CI time): their fused-dQ case runs in CI, and what they add runs
+# through the separate dK/dV and dQ kernels in CI elsewhere: windows, query lengths, segments, offsets,
+# ALiBi and soft caps in the persistent-forward tests below; GQA there and in mask_fn_score_fn; a soft
+# cap alone (the one-FMA backward) in test_extreme_logits.py's
+# test_soft_cap_with_huge_scale_takes_the_fast_form_mosaic_emulated; the masks of whole tiles in the
+# fused case, whose forward applies them as the dQ kernel does (Refs.keep on [rows, keys] tiles).
+SEPARATE_DQ_SLOW = ("alibi_offsets_gqa", "soft_cap_window_gqa", "whole_tiles_window_lengths_segments")
+# Fused-dQ case marked slow: its variant (static key ranges) runs with the separate dQ kernel in
+# test_interpret_static_causal_variant_greedy_forward, whose dK/dV kernel reads the same range
+# table; the fused dK/dV kernel runs every other variant here.
+FUSED_DQ_SLOW = ("causal_window_soft_cap_alibi",)
+
+
+def _slow_if(slow, *values):
+  return pytest.param(*values, marks=pytest.mark.slow) if slow else values
 
 
 @pytest.mark.parametrize("name, fused", [
-    *((name, False) for name in VARIANT_CASES if name not in SEPARATE_DQ_ELSEWHERE),
-    *((name, True) for name in VARIANT_CASES)],
+    *(_slow_if(name in SEPARATE_DQ_SLOW, name, False)
+      for name in VARIANT_CASES if name not in SEPARATE_DQ_ELSEWHERE),
+    *(_slow_if(name in FUSED_DQ_SLOW, name, True) for name in VARIANT_CASES)],
     ids=lambda x: x if isinstance(x, str) else ("fused_dq" if x else "separate_dq"))
 def test_interpret_variants(name, fused):
   """Forward and backward of the Mosaic kernels with attention variants in emulated interpret mode,
@@ -969,8 +993,12 @@ def _check_interpret_variant(name, cfg, *, deterministic, h=None):
     return fa2_jax.reference_attention(q, k, v, scale=scale, return_residual=True,
                                        compute_dtype=jnp.float32, **kwargs)
 
-  (out, lse), vjp = jax.vjp(ref, q, k, v)
-  want = (out, jnp.swapaxes(lse, 1, 2), *vjp((do, jnp.zeros_like(lse))))
+  @jax.jit  # one compile of the formula (eagerly: one per op)
+  def expected(q, k, v, do):
+    (out, lse), vjp = jax.vjp(ref, q, k, v)
+    return (out, jnp.swapaxes(lse, 1, 2), *vjp((do, jnp.zeros_like(lse))))
+
+  want = expected(q, k, v, do)
   for what, x, r in zip(("out", "lse", "dq", "dk", "dv"), got, want):
     x, r = np.asarray(x, np.float32), np.asarray(r, np.float32)
     fin = np.isfinite(r)
@@ -980,7 +1008,13 @@ def _check_interpret_variant(name, cfg, *, deterministic, h=None):
     assert err < 1e-2, (what, err)
 
 
-@pytest.mark.parametrize("h, fused", [(128, False), (256, False), (128, True), (256, "split")])
+# slow (CI time: about 12 s each): the opt-in dV and dK passes (dkv_split), whose dense kernels lower
+# in CI (test_lowers_for_sm90); and the fused dQ, whose kernel lowers in CI with a variant under vmap
+# (test_fused_dq_variant_under_vmap_lowers_for_sm90) and whose dK/dV code with every variant here
+# (dkdv.py, the separate pass's)
+@pytest.mark.parametrize("h, fused", [(128, False), (256, False),
+                                      pytest.param(128, True, marks=pytest.mark.slow),
+                                      pytest.param(256, "split", marks=pytest.mark.slow)])
 def test_variant_kernels_lower_for_sm90(h, fused):
   """256: the role-split dK/dV kernel, or (``"split"``) the dV and dK passes; fused: dQ inside the
   dK/dV kernel (``dq_fused_variants``)."""
@@ -1024,6 +1058,7 @@ def test_fused_dq_under_vmap_keeps_the_batch_index_of_mask_fn():
   with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
     mapped = jax.block_until_ready(jax.vmap(f)(q, k, v, do))
 
+  @jax.jit  # one compile of the formula (eagerly: one per op)
   def ref(q, k, v, do):  # one element: the formula, batch index 0
     def attn(q, k, v):
       return fa2_jax.reference_attention(q, k, v, scale=h ** -0.5, return_residual=True,

@@ -11,6 +11,7 @@ modifications), loop-free.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -251,12 +252,22 @@ VARIANTS = list(specs(8, 8))
 CASES = [(v, 13, 21) for v in VARIANTS] + [
     (v, 21, 13) for v in ("causal", "causal_bottom_right", "offset_window", "q_lengths", "segments",
                           "combined")]
+# Triton cases marked slow (CI time: each compiles its kernels, about 3 s): no variant (dense,
+# causal), which test_attention.py runs on the kernels at T < S and T > S; window sides that the
+# others combine (window_zero; window_left's open right side in "combined", causal_window's causal
+# window in "combined" and its two sides in window_sym); and T > S of the variants "combined" holds.
+# The formula runs every case in CI.
+TRITON_SLOW = {("dense", 13, 21), ("causal", 13, 21), ("window_zero", 13, 21), ("window_left", 13, 21),
+               ("causal_window", 13, 21), ("causal", 21, 13), ("causal_bottom_right", 21, 13),
+               ("offset_window", 21, 13), ("q_lengths", 21, 13), ("segments", 21, 13)}
 
 
 # --- every variant, alone and combined ------------------------------------------------------------
 
-@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
-@pytest.mark.parametrize("variant, t, s", CASES)
+@pytest.mark.parametrize("impl, variant, t, s", [
+    pytest.param(impl, *case, id=f"{case[0]}-{case[1]}-{case[2]}-{impl}",
+                 marks=[pytest.mark.slow] if impl == "triton" and case in TRITON_SLOW else [])
+    for case in CASES for impl in IMPLEMENTATIONS])
 def test_variant_matches_numpy(impl, variant, t, s):
   check_against_numpy(impl, specs(t, s)[variant], B, t, s, N, KH)
 
@@ -304,9 +315,13 @@ def test_rows_without_keys(impl, case):
     assert not np.any(np.asarray(g)), "a row with no key has zero gradients"
 
 
-@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
-@pytest.mark.parametrize("case", ["padded_rows_and_keys", "dead_segment", "causal_unreached_keys",
-                                  "window_unreached_keys", "soft_cap_and_score_fn"])
+# slow on the kernels (CI time): causal_unreached_keys, which test_numerical_safety.py's
+# test_unattended_nonfinite_keys_triton runs there with every poison, at two lengths
+@pytest.mark.parametrize("impl, case", [
+    pytest.param(impl, case, id=f"{case}-{impl}",
+                 marks=[pytest.mark.slow] if (impl, case) == ("triton", "causal_unreached_keys") else [])
+    for case in ("padded_rows_and_keys", "dead_segment", "causal_unreached_keys",
+                 "window_unreached_keys", "soft_cap_and_score_fn") for impl in IMPLEMENTATIONS])
 def test_poison_in_masked_positions_never_reaches_results(impl, case):
   t, s = 7, 12
   q, k, v, dout, dlse = qkv(B, t, s, N, KH, seed=2)
@@ -937,9 +952,13 @@ def test_traced_offsets_act_as_clipped(impl):
   kw = dict(implementation=impl, interpret=True) if impl == "triton" else dict(implementation=impl)
   edge = masking.INT32_SAFE - 1
 
-  def run(o, **variant):
+  @functools.cache  # one jitted function per variant: its offsets share one compilation
+  def jitted(variant):
     return jax.jit(lambda o: fa2_jax.flash_attention(q, k, v, q_offset=o, return_residual=True,
-                                                     **variant, **kw))(o)
+                                                     **dict(variant), **kw))
+
+  def run(o, **variant):
+    return jitted(tuple(variant.items()))(o)
 
   for variant in (dict(is_causal=True), dict(local_window_size=(5, edge))):
     for far, clipped in ((2 ** 31 - 1, edge), (-2 ** 31, -edge)):
