@@ -4,8 +4,9 @@
 #   bash scripts/gpu.sh tests    [pytest args]   compiled test suite: pytest -m gpu tests, then (when
 #                                                tests/test_fuzz.py is there) its GPU profile:
 #                                                HYPOTHESIS_PROFILE=gpu pytest -m gpu tests/test_fuzz.py;
-#                                                args starting with a test path run only those, e.g.
-#                                                tests tests/test_variants.py -k mosaic (the whole
+#                                                args starting with a test path or node id run only
+#                                                those, e.g. tests tests/test_variants.py -k mosaic, or
+#                                                tests tests/test_gpt.py::test_name (the whole
 #                                                suite takes longer than one 10-minute device call:
 #                                                split it by files); GPU_TEST_WORKERS=N runs N pytest
 #                                                workers (pytest-xdist) on the one GPU, each without
@@ -100,7 +101,7 @@ case "$mode" in
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
       pytest_gpu+=(-n "$workers" --dist worksteal)
     fi
-    if [ "$#" -gt 0 ] && [ -e "$1" ]; then  # test files or folders given: just those
+    if [ "$#" -gt 0 ] && [ -e "${1%%::*}" ]; then  # test files, folders or node ids given: just those
       run tests "${pytest_gpu[@]}" "$@"; exit $?
     fi
     if [ -f tests/test_fuzz.py ]; then

@@ -419,6 +419,19 @@ def test_gpu_script_rejects_an_unknown_mode(tmp_path):
     assert r.returncode == 2 and msg in r.stderr, r.stderr
 
 
+def test_gpu_script_runs_just_the_node_ids_given(tmp_path):
+  """``gpu.sh tests FILE::TEST`` runs that test alone (collected here, not run: no GPU), not the whole
+  suite and the fuzz profile after it."""
+  node = "tests/test_gpt.py::test_resume_is_bit_identical_on_gpu_with_deterministic_ops"
+  r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "tests", node, "--collect-only"],
+                     capture_output=True, text=True, timeout=300, cwd=ROOT,
+                     env=dict(os.environ, OUT=str(tmp_path), GPU_TIMEOUT="240"))
+  log = (tmp_path / "tests" / "tests.log").read_text()
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "1 test collected" in log and node in log, log
+  assert not (tmp_path / "tests" / "fuzz.log").exists()
+
+
 # --- the variants' speed bars ----------------------------------------------------------------------------
 
 def test_variants_attended_pairs_match_the_library_masks():
