@@ -12,7 +12,9 @@
 #                                                workers (pytest-xdist) on the one GPU, each without
 #                                                JAX's memory preallocation: the compiled tests spend
 #                                                most of their time lowering and compiling kernels on
-#                                                the host's CPUs (default 1: one process)
+#                                                the host's CPUs (default 1: one process); each
+#                                                test's outcome and seconds are appended to
+#                                                durations.tsv as it finishes (kept on a timeout)
 #   bash scripts/gpu.sh grid     [args]          the README's throughput grid, every implementation in one
 #                                                process (python -m benchmarks.attention --grid headline);
 #                                                split it with --cells, e.g. grid --cells 'd64-*,d256-*'
@@ -97,6 +99,9 @@ case "$mode" in
   tests)
     pytest_gpu=(python3 -X faulthandler -m pytest -q -m gpu -p no:cacheprovider --tb=short
                 -o faulthandler_timeout=120)
+    # each test's outcome and seconds as it finishes (tests/conftest.py), kept if a time limit stops
+    # the run: $out/durations.tsv
+    export FA2_TEST_DURATIONS="$out/durations.tsv"
     if [ "$workers" -gt 1 ]; then  # several processes share the GPU: each allocates as it goes
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
       pytest_gpu+=(-n "$workers" --dist worksteal)

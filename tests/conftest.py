@@ -3,6 +3,8 @@
 One suite: on a CPU-only machine the kernels run in Pallas interpret mode on small shapes; on a GPU the
 same tests run compiled, and the tests marked ``gpu`` add bigger shapes (``pytest -m gpu``).
 """
+import os
+
 import jax
 import pytest
 
@@ -23,7 +25,6 @@ try:
 except ImportError:  # hypothesis is in the `test` extra; only test_fuzz.py needs it
   pass
 else:
-  import os
   _slow = [HealthCheck.too_slow, HealthCheck.data_too_large]
   settings.register_profile("ci-shrink", max_examples=8, derandomize=True, deadline=None,
                             suppress_health_check=_slow, print_blob=True)
@@ -46,3 +47,24 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)
+
+
+# FA2_TEST_DURATIONS=FILE (scripts/gpu.sh sets it): each test's outcome and seconds are appended to FILE
+# as it finishes, one line per test from every pytest-xdist worker, so that a run stopped by a time
+# limit still tells what ran, what passed and how long each took (pytest's own --durations and
+# summary are printed only at the end).
+_durations_file = None
+
+
+def pytest_configure(config):
+  global _durations_file
+  xdist_controller = (getattr(config.option, "dist", "no") != "no"
+                      and "PYTEST_XDIST_WORKER" not in os.environ)  # its workers write the lines
+  if os.environ.get("FA2_TEST_DURATIONS") and not xdist_controller:
+    _durations_file = os.environ["FA2_TEST_DURATIONS"]
+
+
+def pytest_runtest_logreport(report):
+  if _durations_file and (report.when == "call" or (report.when == "setup" and not report.passed)):
+    with open(_durations_file, "a") as f:  # one short append per line: workers do not interleave
+      f.write(f"{report.outcome}\t{report.duration:.1f}\t{report.nodeid}\n")

@@ -432,6 +432,24 @@ def test_gpu_script_runs_just_the_node_ids_given(tmp_path):
   assert not (tmp_path / "tests" / "fuzz.log").exists()
 
 
+def test_durations_file_gets_each_test_as_it_finishes(tmp_path):
+  """FA2_TEST_DURATIONS (set by ``gpu.sh tests``): one line per test, outcome, seconds and node id,
+  skipped ones too (here a GPU test on a CPU machine)."""
+  if jax.default_backend() == "gpu":
+    pytest.skip("the GPU case below would run")
+  path = tmp_path / "durations.tsv"
+  nodes = ["tests/test_dispatch.py::test_non_hopper_gpus_get_the_triton_kernels",
+           "tests/test_gpt.py::test_resume_is_bit_identical_on_gpu_with_deterministic_ops"]
+  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *nodes],
+                     capture_output=True, text=True, timeout=300, cwd=ROOT,
+                     env=dict(os.environ, FA2_TEST_DURATIONS=str(path)))
+  assert r.returncode == 0, r.stdout + r.stderr
+  lines = [line.split("\t") for line in path.read_text().splitlines()]
+  assert {o for o, _, n in lines if "dispatch" in n} == {"passed"} and len(lines) > 2
+  assert [o for o, _, n in lines if "test_gpt" in n] == ["skipped"]
+  assert all(float(d) >= 0 for _, d, _ in lines)
+
+
 # --- the variants' speed bars ----------------------------------------------------------------------------
 
 def test_variants_attended_pairs_match_the_library_masks():
