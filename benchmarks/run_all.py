@@ -32,6 +32,10 @@ from .device import ROOT, command_line, device_info, gpu_in_subprocess
 from .report import err_str, fmt_num, md_table, meta_lines, out_name, read_json, write_json
 
 STAGES = ("attention", "memory", "latency", "numerics", "ablation")
+# WEIGHTS: each stage's share of the time budget (the throughput grid has the most cells; --full
+# widens the ablation's tile sweeps). DEFAULT_BUDGET_S: seconds for all stages, under a 10-minute
+# command limit with room for setup and the report. SUMMARY_CHARS: each stage's part of the
+# 12k-character log tail printed last.
 WEIGHTS = {
     "quick": {"attention": 0.45, "memory": 0.11, "latency": 0.11, "numerics": 0.16, "ablation": 0.17},
     "full": {"attention": 0.40, "memory": 0.10, "latency": 0.10, "numerics": 0.15, "ablation": 0.25},

@@ -28,7 +28,7 @@ from .report import err_str
 WARMUP = 2  # calls before timing: compilation, autotuning and first-touch allocations
 REPS = 5  # repetitions; the median is reported
 ITERS = 10  # back-to-back calls per repetition (launch gaps overlap with the previous call)
-LATENCY_WARMUP = 5
+LATENCY_WARMUP = 5  # latency mode: more warm-up calls, as its single calls are short and clocks ramp
 
 
 def _block(x):

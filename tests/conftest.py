@@ -13,8 +13,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 
 # Hypothesis profiles of the property-based suite (tests/test_fuzz.py); HYPOTHESIS_PROFILE picks one:
 #   ci (default): derandomized (the same examples on every run), 8 examples per property (scaled by
-#     each property's weight in test_fuzz.py; 12 until the suite had to fit CI's 20 minutes), about
-#     1.5 minutes of CPU, no shrinking (a failure is printed as drawn, and the run stays bounded);
+#     each property's weight in test_fuzz.py), about 1.5 minutes of CPU, no shrinking (a failure is printed as drawn, and the run stays bounded);
 #   ci-shrink: the ci examples, with failures minimised;
 #   long: fresh random examples, many of them (on demand);
 #   gpu: for `pytest -m gpu` on a GPU machine (compiled kernels, T/S up to 2k), derandomized, no

@@ -39,6 +39,7 @@ BACKWARD_P_FORMS = ("auto", "per_head", "exact")
 # How the consumer warpgroups of the fused dK/dV/dQ kernel meet to exchange dS^T (MosaicConfig.
 # consumer_barrier; kernels/mosaic/ops.py, consumers_sync)
 CONSUMER_BARRIERS = ("mbarrier", "named")
+# How the persistent forward hands query tiles to its CTAs (MosaicConfig.persistent_deal; schedule.py)
 PERSISTENT_DEALS = ("cyclic", "greedy")
 # The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
 # outputs (and dQ's reduce-adds) passing through it (docs/design.md#causal-launch-order).
