@@ -14,7 +14,7 @@ from .kernels.triton.config import BlockSizes
 from .kernels.softmax import kernel_scale, lse_from_stats
 from .kernels.vma import cast_like, match_vma
 from .block_ranges import index_reads, range_tables, warm_static_masks
-from .masking import Variant, VariantArrays
+from .masking import Variant, VariantArrays, alibi_lse_shift
 from .reference import attention_formula
 from .validation import (check_bool, check_options, check_scale, check_variant, is_static_dim,
                          validate_qkv)
@@ -398,23 +398,28 @@ def _partitionable(st: _Static) -> bool:
   return not emulating()
 
 
-def _lse(st: _Static, stats):
-  """flash_attention's ``lse [B, T, N]`` from the kernels' row statistics ``[B, N, 2, T]``."""
+def _lse(st: _Static, stats, extras, kv_extent: int):
+  """flash_attention's ``lse [B, T, N]`` from the kernels' row statistics ``[B, N, 2, T]`` (with
+  ALiBi, the kernels' row shift added back: ``masking.alibi_lse_shift``; ``kv_extent`` the kernels'
+  S)."""
   modifies = st.variant is not None and st.variant.modifies_scores
-  return jnp.swapaxes(lse_from_stats(stats, st.scale, modifies), 1, 2)
+  lse = jnp.swapaxes(lse_from_stats(stats, st.scale, modifies), 1, 2)
+  shift = None if st.variant is None else alibi_lse_shift(st.variant, st.arrays(extras),
+                                                          lse.shape[1], kv_extent)
+  return lse if shift is None else lse - shift
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, extras, st: _Static):
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
                                 partition=_partitionable(st), whole=dict(st.whole))
-  return out, _lse(st, stats)
+  return out, _lse(st, stats, extras, k.shape[1])
 
 
 def _flash_fwd(q, k, v, extras, st: _Static):
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
                                 partition=_partitionable(st), whole=dict(st.whole))
-  return (out, _lse(st, stats)), (q, k, v, extras, out, stats)
+  return (out, _lse(st, stats, extras, k.shape[1])), (q, k, v, extras, out, stats)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))

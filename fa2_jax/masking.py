@@ -280,8 +280,36 @@ def allowed(*args, is_causal: bool | None = None, seq_k=None, **kwargs):
 
 # --- scores ---------------------------------------------------------------------------------------
 
+def alibi_row_shift(q_idx, kv_extent: int):
+  """The distance from query position ``q_idx`` to the nearest key position of ``[0, kv_extent)``
+  (int32, exact): the kernels and the formula take it off every ``|p - j|`` of the row before the
+  float32 conversion, so that the bias ``slope * |p - j|`` stays as small as the row's keys are
+  near, whatever ``q_offset`` is (the softmax is unchanged; the lse gets ``slope`` times it back,
+  :func:`alibi_lse_shift`). Without it a row whose keys all lie ``d`` positions away carried a
+  rounding of ``slope * d * 2^-24`` in every logit."""
+  q_idx = jnp.asarray(q_idx, jnp.int32)
+  return jnp.maximum(q_idx - (kv_extent - 1), 0) + jnp.maximum(-q_idx, 0)
+
+
+def shifts_alibi(variant: Variant) -> bool:
+  """True when the ALiBi distances of ``variant`` are taken relative to each row's nearest key
+  (:func:`alibi_row_shift`): ALiBi without a ``score_fn``, which would see the shifted logits."""
+  return variant.has_alibi and variant.score_fn is None
+
+
+def alibi_lse_shift(variant: Variant, arrays: "VariantArrays", t: int, kv_extent: int):
+  """``[B, T, N]`` float32 to subtract from an lse whose logits had the shifted ALiBi bias of keys
+  ``[0, kv_extent)`` (``slope * alibi_row_shift(p)`` per row), or None when nothing was shifted."""
+  if not shifts_alibi(variant):
+    return None
+  rows = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
+  p = rows + arrays.q_offset[:, None] if variant.has_q_offset else rows  # [B or 1, T]
+  near = alibi_row_shift(p, kv_extent).astype(jnp.float32)
+  return arrays.alibi_slopes.astype(jnp.float32)[:, None, :] * near[:, :, None]
+
+
 def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bool,
-            in_scale=1.0, out_scale=1.0):
+            in_scale=1.0, out_scale=1.0, kv_extent: int | None = None):
   """``(out_scale * modify_scores(in_scale * s), d s_out / d s_in)``. Without a ``score_fn`` the two
   scales fold into the soft cap's and ALiBi's constants: a kernel's softmax scale (``in_scale``) and
   base-2 conversion (``out_scale = log2 e``) then cost no multiply per score beyond the cap's own."""
@@ -301,7 +329,10 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
   if variant.has_alibi:
     if slope is None:
       raise ValueError("modify_scores: the variant has ALiBi; pass slope")
-    dist = jnp.abs(q_idx - kv_idx).astype(s.dtype)  # |p - j|, int32 -> float
+    dist = jnp.abs(q_idx - kv_idx)  # |p - j|, int32
+    if kv_extent is not None and shifts_alibi(variant):  # less the row's nearest key's distance
+      dist = dist - alibi_row_shift(q_idx, kv_extent)
+    dist = dist.astype(s.dtype)
     slope = jnp.asarray(slope).astype(s.dtype)
     s = s - (slope * out_scale if fold else slope) * dist  # d/ds = 1
   if variant.score_fn is not None:
@@ -333,24 +364,29 @@ def soft_cap_tanh(s, into: float, derivative: bool):
 
 
 def kernel_scores(variant: Variant, raw, b, h, q_idx, kv_idx, *, scale, out_scale, slope=None,
-                  derivative: bool = False):
+                  derivative: bool = False, kv_extent: int | None = None):
   """``(out_scale * modify_scores(scale * raw), d s_out / d s_in or None)`` of a tile of raw
   ``q . k`` products, the form a kernel's softmax needs (``out_scale = log2 e`` for base-2 logits),
   with the constants folded where no ``score_fn`` is involved. ``scale`` and ``out_scale`` are
   Python floats (static kernel settings), ``raw`` a float32 tile. ``derivative=False`` gives None for
-  the derivative."""
-  return _modify(variant, raw, b, h, q_idx, kv_idx, slope, derivative, scale, out_scale)
+  the derivative. ``kv_extent``: the call's key count S, for the ALiBi distances relative to each
+  row's nearest key (:func:`alibi_row_shift`; the lse then needs :func:`alibi_lse_shift`)."""
+  return _modify(variant, raw, b, h, q_idx, kv_idx, slope, derivative, scale, out_scale, kv_extent)
 
 
-def modify_scores(variant: Variant, s, b, h, q_idx, kv_idx, *, slope=None):
+def modify_scores(variant: Variant, s, b, h, q_idx, kv_idx, *, slope=None,
+                  kv_extent: int | None = None):
   """The scaled logits ``s`` after soft cap, ALiBi and ``score_fn`` (in that order).
 
   Args:
     s: float scaled logits ``scale * q . k`` of the pairs (e.g. ``[block_q, block_k]``).
     b, h, q_idx, kv_idx: as in :func:`allowed_pairs` (``q_idx`` absolute).
     slope: the ALiBi slope of ``(b, h)`` (scalar or broadcastable), needed when ``variant.has_alibi``.
+    kv_extent: the key count S: ALiBi distances relative to each row's nearest key of ``[0, S)``
+      (:func:`alibi_row_shift`), each row's logits less ``slope`` times that distance (None: as
+      written above).
   """
-  return _modify(variant, s, b, h, q_idx, kv_idx, slope, False)[0]
+  return _modify(variant, s, b, h, q_idx, kv_idx, slope, False, kv_extent=kv_extent)[0]
 
 
 def modify_scores_and_derivative(variant: Variant, s, b, h, q_idx, kv_idx, *, slope=None):

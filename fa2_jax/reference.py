@@ -236,8 +236,9 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
       logits = jnp.where(mask, logits, 0)  # finite inputs for the soft cap / score_fn
     if variant.modifies_scores:
       bi, hi = _batch_head_indices(b, n)
+      # ALiBi distances from each row's nearest key (masking.alibi_row_shift), added back to the lse
       logits = masking.modify_scores(variant, logits, bi, hi, idx["q_idx"], idx["kv_idx"],
-                                     slope=slopes).astype(compute_dtype)
+                                     slope=slopes, kv_extent=s).astype(compute_dtype)
     if mask is not None:
       logits = jnp.where(mask, logits, -jnp.inf)
     # Materialised: where the contraction is a plain multiply (head_dim 1), XLA would otherwise fuse
@@ -251,6 +252,8 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
     has_key = l > 0
     l_safe = jnp.where(has_key, l, 1)  # log and division never see 0
     lse = jnp.where(has_key, m[..., 0] + jnp.log(l_safe), -jnp.inf)
+    if masking.shifts_alibi(variant):  # the logits' row shift back (slopes [B, N, 1, 1])
+      lse = lse - slopes[..., 0] * masking.alibi_row_shift(idx["q_idx"][..., 0], s).astype(lse.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(b, kh, g, rows, s), v, precision=prec)
     out = out.reshape(b, rows, n, hd) / jnp.swapaxes(l_safe, 1, 2)[..., None]
     return out, jnp.swapaxes(lse, 1, 2)

@@ -32,7 +32,7 @@ from fa2_jax.kernels.mosaic.schedule import (causal_section, kv_block_ranges, la
                                              q_block_ranges, section_heads)
 from fa2_jax.kernels.mosaic.ops import emulated_mma, emulating
 from fa2_jax.kernels.softmax import lse_from_stats
-from fa2_jax.masking import allowed
+from fa2_jax.masking import alibi_lse_shift, allowed
 
 BF16 = jnp.bfloat16
 
@@ -819,8 +819,10 @@ VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
     "mask_fn_score_fn": (1, 150, 150, 2, 1, 64, lambda: dict(  # a score-dependent derivative
         mask_fn=lambda b, h, i, j: (i - j) % 3 != 1,
         score_fn=lambda x, b, h, i, j: x * 0.7 + 0.3 * jnp.sin(2 * x) - (i - j).astype(x.dtype) / 64)),
-    "alibi_offsets_gqa": (2, 72, 130, 2, 1, 64, lambda: dict(  # ALiBi without a cap, per-batch offsets
-        is_causal=True, q_offset=jnp.array([30, 7]),
+    # ALiBi without a cap, per-batch offsets, one 2^30 positions past the keys (the bias from each
+    # row's nearest key, fa2_jax.masking.alibi_row_shift, and the lse's shift back)
+    "alibi_offsets_gqa": (2, 72, 130, 2, 1, 64, lambda: dict(
+        is_causal=True, q_offset=jnp.array([2 ** 30 - 100, 7]),
         alibi_slopes=jnp.array([[0.1, 0.3], [0.05, 0.25]]))),
     # a soft cap alone: the forward's folded cap factor and the one-FMA backward; rows past the
     # query length have no key
@@ -841,7 +843,9 @@ def _variant_run(q, k, v, do, variant, arrays, scale, cfg=None, deterministic=Tr
                        arrays=arrays, config=cfg)
   grads = backward(q, k, v, out, stats, do, scale=scale, is_causal=variant.is_causal,
                    variant=variant, arrays=arrays, config=cfg, deterministic=deterministic)
-  return (out, lse_from_stats(stats, scale, variant.modifies_scores), *grads)
+  lse = lse_from_stats(stats, scale, variant.modifies_scores)  # [B, N, T]
+  shift = alibi_lse_shift(variant, arrays, q.shape[1], k.shape[1])  # [B, T, N] or None
+  return (out, lse if shift is None else lse - jnp.swapaxes(shift, 1, 2), *grads)
 
 
 FUSED_VARIANTS = MosaicConfig.default(64).replace(dq_fused_variants=True, dq_fused_min_t=0)

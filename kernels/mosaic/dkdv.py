@@ -132,7 +132,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   if variant is None:
     q_ranges = q_block_ranges(cta_k0, nwg * bk, block_q=bq, seq_q=st.seq_q, is_causal=st.is_causal)
   else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
-    vr = Refs(variant, st.names, var_refs, b)
+    vr = Refs(variant, st.names, var_refs, b, seq_k=st.seq_k)
     q_ranges = vr.ranges(kt)
   i_start, nq = q_ranges[0], q_ranges[-1]  # the first query tile and one past the last
   n_i = nq - i_start  # query tiles per group head (traced when causal)

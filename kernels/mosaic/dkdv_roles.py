@@ -84,7 +84,7 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
   if variant is None:
     q_ranges = q_block_ranges(k0, bk, block_q=bq, seq_q=st.seq_q, is_causal=st.is_causal)
   else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
-    vr = Refs(variant, st.names, var_refs, b)
+    vr = Refs(variant, st.names, var_refs, b, seq_k=st.seq_k)
     q_ranges = vr.ranges(kt)
   i_start, nq = q_ranges[0], q_ranges[-1]  # the first query tile and one past the last
   n_i = nq - i_start  # query tiles per group head

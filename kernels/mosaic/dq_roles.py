@@ -89,7 +89,7 @@ def _dq_roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref
     lo = 0
     n_full, n_end = kv_block_ranges(row0, bq, block_k=bk, seq_k=st.seq_k, is_causal=st.is_causal)
   else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
-    vr = Refs(variant, st.names, var_refs, b)
+    vr = Refs(variant, st.names, var_refs, b, seq_k=st.seq_k)
     lo, full_lo, full_hi, n_end = vr.ranges(qt)
   key_tail = st.seq_k % bk != 0
   q_tail = st.n_q_tiles * bq > st.seq_q  # rows past T in the last query tile

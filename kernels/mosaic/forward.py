@@ -116,7 +116,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
                                       is_causal=st.is_causal)
       return (0, 0, n_full, n_end), None
     # the range table of the call (fa2_jax.block_ranges), the same for producer and consumers
-    vr = Refs(variant, st.names, var_refs, b)
+    vr = Refs(variant, st.names, var_refs, b, seq_k=st.seq_k)
     return vr.ranges(qt), vr
 
   def over_tiles(body):

@@ -67,10 +67,11 @@ class Refs:
   ``transposed`` tiles are ``[keys, rows]`` (the dK/dV kernel's ``S^T``), others ``[rows, keys]``.
   """
 
-  def __init__(self, variant: Variant, names: tuple[str, ...], refs, b):
+  def __init__(self, variant: Variant, names: tuple[str, ...], refs, b, *, seq_k: int):
     self.variant = variant
     self._refs = dict(zip(names, refs))
     self.b = b
+    self.seq_k = seq_k  # the call's key count: ALiBi distances from each row's nearest key
     r = self._refs
     self.q_offset = r["q_offset"][b] if "q_offset" in r else jnp.int32(0)
     self.q_len = r["q_len"][b] if "q_len" in r else None
@@ -125,7 +126,8 @@ class Refs:
     / d s_in``, or None, when ``derivative``)."""
     rows, keys = self._indices(s.shape, row0, col0, transposed)
     return kernel_scores(self.variant, s, self.b, h, rows + self.q_offset, keys, scale=scale,
-                         out_scale=LOG2E, slope=self.slope(h), derivative=derivative)
+                         out_scale=LOG2E, slope=self.slope(h), derivative=derivative,
+                         kv_extent=self.seq_k)
 
 
 def zero_padding(x, lengths):

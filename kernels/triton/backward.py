@@ -80,7 +80,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale:
   hp = k_ref.shape[-1]
   j, b, hk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   table = uses_table(variant)
-  vr = Refs(variant, names, var_refs) if table else None
+  vr = Refs(variant, names, var_refs, seq_k=seq_k) if table else None
   fold = not variant.modifies_scores
   c = scale * LOG2E
   k_start = j * block_k
@@ -155,7 +155,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: f
   hp = q_ref.shape[-1]
   i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   table = uses_table(variant)
-  vr = Refs(variant, names, var_refs) if table else None
+  vr = Refs(variant, names, var_refs, seq_k=seq_k) if table else None
   fold = not variant.modifies_scores
   c = scale * LOG2E
   start = i * block_q

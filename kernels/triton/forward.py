@@ -59,7 +59,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
   hp = q_ref.shape[-1]
   i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   table = uses_table(variant)
-  vr = Refs(variant, names, var_refs) if table else None
+  vr = Refs(variant, names, var_refs, seq_k=seq_k) if table else None
   # scale != 0 and no score modification: track the row's raw logit of largest s*c (the maximum, the
   # minimum when scale < 0) and fold scale*log2(e) into one FMA inside exp2, p = exp2(s*c - m*c).
   # Otherwise work on base-2 logits s2 = modify(scale * s) * log2(e) (c = 1 below).

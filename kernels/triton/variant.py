@@ -106,8 +106,9 @@ class Refs:
     q_offset, q_len, kv_len: the batch element's int32 scalars (0 / None where unused).
   """
 
-  def __init__(self, variant: Variant, names: tuple[str, ...], refs):
+  def __init__(self, variant: Variant, names: tuple[str, ...], refs, *, seq_k: int):
     self.variant = variant
+    self.seq_k = seq_k  # the call's key count: ALiBi distances from each row's nearest key
     self._refs = dict(zip(names, refs))
     r = self._refs
     self.q_offset = r["q_offset"][()] if "q_offset" in r else jnp.int32(0)
@@ -167,4 +168,4 @@ class Refs:
     q_idx = row0 + jnp.arange(rows, dtype=jnp.int32)[:, None] + self.q_offset
     kv_idx = col0 + jnp.arange(cols, dtype=jnp.int32)[None, :]
     return kernel_scores(self.variant, s, b, h, q_idx, kv_idx, scale=scale, out_scale=LOG2E,
-                         slope=self.slope(g), derivative=derivative)
+                         slope=self.slope(g), derivative=derivative, kv_extent=self.seq_k)
