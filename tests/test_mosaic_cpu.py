@@ -1012,6 +1012,25 @@ def _check_interpret_variant(name, cfg, *, deterministic, h=None):
     assert err < 1e-2, (what, err)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate_dq", "fused_dq"])
+def test_alibi_from_the_nearest_key_lowers_for_sm90(fused):
+  """ALiBi without a score_fn takes each row's distances from its nearest key (int32 arithmetic on
+  the WGMMA-layout index tiles, fa2_jax.masking.alibi_row_shift): every kernel lowers for sm90 (the
+  variant test above has a score_fn, which keeps the bias as written)."""
+  from fa2_jax.validation import check_variant
+  b, t, s, n, kh, h = 2, 1000, 777, 4, 2, 128
+  sd = jax.ShapeDtypeStruct
+  q, kv = sd((b, t, n, h), BF16), sd((b, s, kh, h), BF16)
+  variant, arrays = check_variant(q, kv, is_causal=True, q_offset=jnp.array([2 ** 29, 0]),
+                                  alibi_slopes=jnp.ones((n,)))
+  assert variant.has_alibi and variant.score_fn is None
+  cfg = MosaicConfig.default(h).replace(dq_fused_variants=True, dq_fused_min_t=0) if fused else None
+  f = lambda q, k, v, do, arrays: _variant_run(q, k, v, do, variant, arrays, h ** -0.5, cfg,  # noqa: E731
+                                               deterministic=not fused)
+  text = jax.jit(f).trace(q, kv, kv, q, arrays).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == (2 if fused else 3)
+
+
 # slow (CI time: about 12 s each): the opt-in dV and dK passes (dkv_split), whose dense kernels lower
 # in CI (test_lowers_for_sm90); and the fused dQ, whose kernel lowers in CI with a variant under vmap
 # (test_fused_dq_variant_under_vmap_lowers_for_sm90) and whose dK/dV code with every variant here
