@@ -1016,7 +1016,7 @@ def _check_interpret_variant(name, cfg, *, deterministic, h=None):
 def test_alibi_from_the_nearest_key_lowers_for_sm90(fused):
   """ALiBi without a score_fn takes each row's distances from its nearest key (int32 arithmetic on
   the WGMMA-layout index tiles, fa2_jax.masking.alibi_row_shift): every kernel lowers for sm90 (the
-  variant test above has a score_fn, which keeps the bias as written)."""
+  variant test below has a score_fn, which keeps the bias as written)."""
   from fa2_jax.validation import check_variant
   b, t, s, n, kh, h = 2, 1000, 777, 4, 2, 128
   sd = jax.ShapeDtypeStruct
