@@ -63,6 +63,18 @@ def q_block_ranges(j, *, block_q: int, block_k: int, seq_q: int, seq_k: int, is_
 # branch to the fast form per head, as the Mosaic kernels do.
 _exact_p = functools.partial(probabilities, exact=True, bcast=lambda v, shape: v[:, None])
 
+# 2^31: far below any base-2 logit whose weight is not 0 (exp2 of -2^31 underflows to 0)
+_FLOOR = 2.0 ** 31
+
+
+def _rounded(s2, r):
+  """Base-2 modified logits ``s2`` (a soft cap or ``score_fn`` ends in a product) as the forward
+  rounded them: the forward also takes their row maximum, so its compiler rounds the product; here
+  ``s2 - r`` alone would let it contract the product into an FMA, unrounded, and an ulp of ``s2``
+  (1e-3 at 1e4) moves ``P`` by ``2^ulp`` (4e-4 relative gradient error at logits of 1e4). A maximum
+  with a floor per row (below any logit with a nonzero weight) needs the rounded value."""
+  return jnp.maximum(s2, (r - _FLOOR)[:, None])
+
 
 def _row_inputs(rows_ref, head, start, size):
   """The rows' ``(r, u)`` (``kernels/softmax.py``, ``backward_rows``), ``[size]`` f32 each."""
@@ -105,7 +117,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale:
     else:
       h = hk * group + g
       s2, deriv = vr.scores(s, scale, b, h, start, k_start, g=g, derivative=True)
-      p = _exact_p(s2, r, u, 1.0)
+      p = _exact_p(_rounded(s2, r), r, u, 1.0)
     keep = None
     if masked:
       keep = tile_mask(variant, vr, b, hk * group + g, start, block_q, k_start, block_k,
@@ -176,7 +188,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: f
       p = _exact_p(s, r, u, c)
     else:
       s2, deriv = vr.scores(s, scale, b, h, start, k_start, derivative=True)
-      p = _exact_p(s2, r, u, 1.0)
+      p = _exact_p(_rounded(s2, r), r, u, 1.0)
     keep = None
     if masked:
       keep = tile_mask(variant, vr, b, h, start, block_q, k_start, block_k, seq_q=seq_q,
