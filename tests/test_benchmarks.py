@@ -450,6 +450,23 @@ def test_durations_file_gets_each_test_as_it_finishes(tmp_path):
   assert all(float(d) >= 0 for _, d, _ in lines)
 
 
+def test_first_tests_start_at_the_heads_of_the_worker_shares():
+  """FA2_TEST_FIRST (passed on by ``gpu.sh tests``): the tests it names come first, one at the head of
+  each xdist worksteal share, in a real collection and in the ordering helper itself."""
+  from conftest import _heads_first
+  assert _heads_first(list(range(20)), lambda x: x in (5, 17, 18, 19), 4) == [
+      5, 0, 1, 2, 3, 17, 4, 6, 7, 8, 18, 9, 10, 11, 12, 19, 13, 14, 15, 16]  # shares of 5 items
+  assert _heads_first(list(range(6)), lambda x: x > 3, 1) == [4, 5, 0, 1, 2, 3]
+  assert sorted(_heads_first(list(range(3)), lambda x: x > 0, 8)) == [0, 1, 2]  # more workers than items
+  r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only",
+                      "tests/test_dispatch.py"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                     env=dict(os.environ, FA2_TEST_FIRST="refusal_names,capability_parsing"))
+  assert r.returncode == 0, r.stdout + r.stderr
+  ids = [line.split("::")[1] for line in r.stdout.splitlines() if "::" in line]
+  assert ids[:3] == ["test_mosaic_refusal_names_the_reason", "test_compute_capability_parsing",
+                     "test_non_hopper_gpus_get_the_triton_kernels[cc0-A100]"], ids[:3]
+
+
 # --- the variants' speed bars ----------------------------------------------------------------------------
 
 def test_variants_attended_pairs_match_the_library_masks():
