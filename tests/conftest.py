@@ -54,6 +54,7 @@ def _heads_first(items, is_first, workers):
   return out + list(rest)
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: the shares are of the tests that run
 def pytest_collection_modifyitems(config, items):
   # FA2_TEST_FIRST=SUBSTR[,SUBSTR...] (scripts/gpu.sh passes it on): the tests whose node id contains
   # one of them start first, so that the few long-compiling GPU tests do not lengthen the tail of a
