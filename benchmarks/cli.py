@@ -62,7 +62,7 @@ def parse_strs(text: str) -> list[str]:
 def call_kwargs(text: str | None) -> dict:
   """``--kwargs``: a Python dict literal of further ``flash_attention`` arguments (an attention
   variant, e.g. ``{"logits_soft_cap": 50.0, "local_window_size": (4095, 0)}``) -> dict; lists
-  become tuples. SystemExit naming ``--kwargs`` when it is not one."""
+  become tuples, or float32 arrays for ``alibi_slopes``. SystemExit naming ``--kwargs`` when it is not one."""
   import ast
   if not text:
     return {}
@@ -72,7 +72,10 @@ def call_kwargs(text: str | None) -> dict:
     raise SystemExit(f"--kwargs: {text!r} is not a Python dict literal ({e})") from None
   if not isinstance(out, dict) or not all(isinstance(k, str) for k in out):
     raise SystemExit(f"--kwargs: {text!r} is not a dict of argument names")
-  return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items()}
+  import numpy as np
+  arrays = ("alibi_slopes",)  # array arguments: a list of numbers becomes a float32 array
+  return {k: (np.asarray(v, np.float32) if k in arrays else tuple(v)) if isinstance(v, list) else v
+          for k, v in out.items()}
 
 
 def add_shape_args(p: argparse.ArgumentParser, default_shapes: str) -> None:

@@ -776,6 +776,10 @@ def test_ab_compares_a_copy_of_this_checkout(tmp_path):
     cli.call_kwargs("logits_soft_cap=5")
   with pytest.raises(SystemExit, match="--kwargs"):
     cli.call_kwargs("[1, 2]")
+  kw = cli.call_kwargs('{"alibi_slopes": [0.5, 0.25], "local_window_size": [3, 0]}')
+  assert kw["local_window_size"] == (3, 0) and kw["alibi_slopes"].dtype == np.float32
+  x = jnp.ones((1, 8, 2, 16))
+  assert fa2_jax.flash_attention(x, x, x, implementation="xla", **kw).shape == x.shape
 
 
 def test_registers_parses_ptxas_reports():
