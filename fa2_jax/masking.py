@@ -329,9 +329,12 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
   if variant.has_alibi:
     if slope is None:
       raise ValueError("modify_scores: the variant has ALiBi; pass slope")
-    dist = jnp.abs(q_idx - kv_idx)  # |p - j|, int32
-    if kv_extent is not None and shifts_alibi(variant):  # less the row's nearest key's distance
-      dist = dist - alibi_row_shift(q_idx, kv_extent)
+    if kv_extent is not None and shifts_alibi(variant):
+      # |p - j| less the row's nearest key's distance (alibi_row_shift): for every key j of
+      # [0, kv_extent) that is |clip(p, 0, kv_extent - 1) - j|, two int32 ops per score (keys past
+      # kv_extent, a kernel's padding, are masked whatever their value)
+      q_idx = jnp.clip(q_idx, 0, kv_extent - 1)
+    dist = jnp.abs(q_idx - kv_idx)  # int32
     dist = dist.astype(s.dtype)
     slope = jnp.asarray(slope).astype(s.dtype)
     s = s - (slope * out_scale if fold else slope) * dist  # d/ds = 1
