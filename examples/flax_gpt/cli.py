@@ -224,6 +224,8 @@ _CLI_NAMES = (
     ("implementation='xla'", "--attention xla"),
     ("implementation=None", "--attention flash"),
     ("interpret=True", "--interpret true"),
+    ("local_window_size sides", "--window"),  # the example passes (window, 0)
+    ("logits_soft_cap", "--soft-cap"),
 )
 
 
