@@ -69,6 +69,20 @@ def _warn_once(reason: str, advice: str, formula: str = "flax's dot_product_atte
   warnings.warn(message, FlashAttentionFallbackWarning, stacklevel=3)
 
 
+def _warn_top_left_row(variants: dict) -> None:
+  """Once per process: a lone query row with a positional variant and no causal flag or ``q_offset``
+  keeps flax's top-left position 0, right for cross-attention but not for a decode step."""
+  message = (
+      "fa2_jax.flax.attention_fn: a single query row with "
+      f"{', '.join(sorted(_POSITIONAL.intersection(variants)))} and neither is_causal nor "
+      "q_offset sits at position 0 (flax's top-left alignment, as in cross-attention). For a "
+      "decode step (decode=True) make the attention_fn with make_attention_fn(is_causal=True), "
+      "which places the row at the last key its cache mask allows, or pass q_offset")
+  if message not in _warned:
+    _warned.add(message)
+    warnings.warn(message, stacklevel=3)
+
+
 def _check_arrays(query, key, value, bias, mask) -> None:
   """Shapes flax's layers produce; anything else raises an error naming the argument."""
   for name, x in (("query", query), ("key", key), ("value", value), ("bias", bias),
@@ -230,6 +244,12 @@ def _folded_mask(mask, query):
   return allowed.reshape(1, *allowed.shape[-3:])
 
 
+def _position(p):
+  """A position computed from a shape: the int itself, or an int32 scalar array when the shape is
+  symbolic (``jax.export``), which ``q_offset`` takes where it refuses a dimension expression."""
+  return p if isinstance(p, int) else jnp.asarray(p, jnp.int32)
+
+
 def _mask_as_mask_fn(allowed, user_mask_fn: Callable | None, q_offset) -> Callable:
   """A ``mask_fn`` that reads the folded dense mask ``allowed`` ``[B|1, N|1, T|1, S|1]`` (AND the
   user's ``mask_fn``, when given); size-1 axes are broadcast. A ``mask_fn`` sees absolute query
@@ -242,7 +262,7 @@ def _mask_as_mask_fn(allowed, user_mask_fn: Callable | None, q_offset) -> Callab
     row = q_idx
     if q_offset is not None:
       row = q_idx - (q_offset[b] if getattr(q_offset, "ndim", 0) > 0 else q_offset)
-    index = tuple(x if n > 1 else 0 for x, n in zip((b, h, row, kv_idx), allowed.shape))
+    index = tuple(x if n != 1 else 0 for x, n in zip((b, h, row, kv_idx), allowed.shape))
     keep = allowed[index]
     return keep if user_mask_fn is None else jnp.logical_and(keep,
                                                              user_mask_fn(b, h, q_idx, kv_idx))
@@ -454,6 +474,9 @@ def make_attention_fn(implementation: str | None = None,
     per_call_causal = check_bool("is_causal", is_causal)
     lone_row = always_causal and query.shape[-3] == 1 and q_offset is None
     causal = per_call_causal or (always_causal and not lone_row)
+    if (query.shape[-3] == 1 and key.shape[-3] != 1 and not (always_causal or per_call_causal)
+        and q_offset is None and _POSITIONAL.intersection(variants)):
+      _warn_top_left_row(variants)
     extra = {k: v for k, v in kwargs.items() if v is not None}
     einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
     if promote_dtype is not None:
@@ -497,7 +520,8 @@ def make_attention_fn(implementation: str | None = None,
       # The newest position is the last (valid) key's: the window, ALiBi and mask_fn/score_fn see the
       # row there.
       kv_len = variants.get("key_value_seq_lengths")
-      last = key.shape[-3] - 1 if kv_len is None else jnp.asarray(kv_len, jnp.int32) - 1
+      last = (_position(key.shape[-3] - 1) if kv_len is None
+              else jnp.asarray(kv_len, jnp.int32) - 1)
       causal, variants = True, {**variants, "q_offset": last}
     return flash_any_batch(kernel, query, key, value, causal, variants)
 

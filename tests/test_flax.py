@@ -873,6 +873,58 @@ def test_linen_decode_with_a_window_matches_the_full_sequence():
                                **FORMULA_TOL)
 
 
+def test_decode_without_the_factory_causal_flag_warns_that_rows_sit_at_position_0():
+  """A decode=True layer trained causal through the per-call flag (nnx's usual way) but whose
+  attention_fn was made without is_causal: its one-row steps keep flax's top-left position 0, so a
+  positional variant gives other values than the full sequence; the call says so, once, and names
+  the fix. The factory's flag decodes right and does not warn."""
+  x = inputs(shape=(1, 6, D))
+  for factory_causal in (False, True):
+    adapter._warned.clear()
+    layer = nnx.MultiHeadAttention(HEADS, D, decode=True, rngs=nnx.Rngs(0), attention_fn=(
+        fa2_flax.make_attention_fn(implementation="xla", is_causal=factory_causal,
+                                   local_window_size=(2, 0))))
+    y_full = layer(x, decode=False, is_causal=True)
+    layer.init_cache(x.shape)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      steps = jnp.concatenate([layer(x[:, i:i + 1]) for i in range(6)], axis=1)
+    top_left = [w for w in caught if "sits at position 0" in str(w.message)]
+    if factory_causal:
+      assert not top_left
+      np.testing.assert_allclose(steps, y_full, **FORMULA_TOL)
+    else:
+      assert len(top_left) == 1 and "make_attention_fn(is_causal=True)" in str(top_left[0].message)
+      assert "local_window_size" in str(top_left[0].message)
+      assert float(jnp.max(jnp.abs(steps - y_full))) > 0.1  # the documented top-left meaning
+
+
+def test_export_with_symbolic_shapes_and_variants():
+  """jax.export of the adapter with variants and symbolic batch and length: with a dense mask (the
+  variant formula reads it as a mask_fn), and a one-row query (a decode step, placed at the last
+  key) with and without a cache mask; each exported call equals the eager one."""
+  from jax import export
+  fn = fa2_flax.make_attention_fn(is_causal=True, local_window_size=(2, 0))
+  b, t = export.symbolic_shape("b, t")
+  spec = lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, HEADS, 8))
+  mask = jnp.tril(jnp.ones((2, 1, 5, 5), bool)).at[1, :, :, 3:].set(False)
+  cache_mask = (jnp.arange(5) <= jnp.array([2, 4])[:, None])[:, None, None, :]
+  cases = [
+      (lambda q, m: fn(q, q, q, mask=m), (spec(b, t, HEADS, 8), spec(b, 1, t, t, dtype=jnp.bool_)),
+       (x, mask)),
+      (lambda q, k: fn(q, k, k), (spec(b, 1, HEADS, 8), spec(b, t, HEADS, 8)), (x[:, :1], x)),
+      (lambda q, k, m: fn(q, k, k, mask=m),
+       (spec(b, 1, HEADS, 8), spec(b, t, HEADS, 8), spec(b, 1, 1, t, dtype=jnp.bool_)),
+       (x[:, :1], x, cache_mask)),
+  ]
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", FlashAttentionFallbackWarning)
+    for f, specs, args in cases:
+      exported = export.export(jax.jit(f))(*specs)
+      np.testing.assert_allclose(exported.call(*args), f(*args), **FORMULA_TOL)
+
+
 def test_single_query_row_with_q_offset_is_causal(spy):
   """The factory's causal flag skips a lone query row (a decode step at an unknown position), but
   not one whose position q_offset gives."""
