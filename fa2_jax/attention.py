@@ -14,7 +14,7 @@ from .kernels.triton.config import BlockSizes
 from .kernels.softmax import kernel_scale, lse_from_stats
 from .kernels.vma import cast_like, match_vma
 from .block_ranges import index_reads, range_tables, warm_static_masks
-from .masking import Variant, VariantArrays, alibi_lse_shift
+from .masking import Variant, VariantArrays, alibi_lse_shift, remove_alibi_shift
 from .reference import attention_formula
 from .validation import (check_bool, check_options, check_scale, check_variant, is_static_dim,
                          validate_qkv)
@@ -406,7 +406,7 @@ def _lse(st: _Static, stats, extras, kv_extent: int):
   lse = jnp.swapaxes(lse_from_stats(stats, st.scale, modifies), 1, 2)
   shift = None if st.variant is None else alibi_lse_shift(st.variant, st.arrays(extras),
                                                           lse.shape[1], kv_extent)
-  return lse if shift is None else lse - shift
+  return lse if shift is None else remove_alibi_shift(lse, shift)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

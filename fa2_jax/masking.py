@@ -39,11 +39,14 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Bound on |window side|, |q_offset| and sequence lengths: with each below 2**30, j - p and p - left
 # stay inside int32; p + right can pass 2**31, so the rule compares j - p with the sides and the block
 # ranges add a side through a clip (block_ranges._clip_add).
 INT32_SAFE = 1 << 30
+# float32's largest finite value (3.4e38): the bound of a soft cap's folded factor (soft_cap_factors)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +311,13 @@ def alibi_lse_shift(variant: Variant, arrays: "VariantArrays", t: int, kv_extent
   return arrays.alibi_slopes.astype(jnp.float32)[:, None, :] * near[:, :, None]
 
 
+def remove_alibi_shift(lse, shift):
+  """``lse - shift`` (``shift`` from :func:`alibi_lse_shift`, or the formula's own) where a row has a
+  key; a row with none keeps lse ``-inf``, also where ``slope * distance`` overflows to ``-inf``
+  (slopes near the bound at offsets near 2^30), which would give ``-inf - (-inf) = NaN``."""
+  return jnp.where(lse == -jnp.inf, lse, lse - shift)
+
+
 def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bool,
             in_scale=1.0, out_scale=1.0, kv_extent: int | None = None):
   """``(out_scale * modify_scores(in_scale * s), d s_out / d s_in)``. Without a ``score_fn`` the two
@@ -356,7 +366,11 @@ def soft_cap_factors(cap: float, in_scale: float, out_scale: float) -> tuple[flo
   constants of a soft cap (Python floats; ``1 / cap`` as a multiply, not a division, which costs
   several instructions on a GPU). A kernel whose softmax multiplies its logits anyway can take
   ``out`` into that multiply (``kernels/mosaic/forward.py``)."""
-  return in_scale / cap, cap * out_scale
+  # |into| at most float32's largest finite value: a larger one is inf in a float32 kernel, and a
+  # logit of exactly 0 (a zero query row or key) would give tanh(0 * inf) = NaN; at that size
+  # tanh(into * s) is already sign(s) for every |s| above 3e-38.
+  into = max(-_F32_MAX, min(_F32_MAX, in_scale / cap))
+  return into, cap * out_scale
 
 
 def soft_cap_tanh(s, into: float, derivative: bool):

@@ -229,16 +229,22 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
     # The scale goes into q before the dot, not onto the logits after it: XLA would fuse a
     # `logits * scale` into each consumer and contract it with `- m` into an FMA, whose unrounded
     # product no longer matches the rounded max (NaN at |scale * logit| ~ 1e9).
-    q_scaled = q_blk * jnp.asarray(scale, compute_dtype)
+    # With a soft cap (and no score_fn, which must see the scaled logits) the scale goes into the
+    # cap's tanh(q.k * scale / cap), as in the kernels: q * scale can overflow where the capped
+    # logits are finite (NaN at scale 1e38), and the product feeds tanh, not `- m`.
+    folded_cap = variant.soft_cap is not None and variant.score_fn is None
+    q_scaled = q_blk if folded_cap else q_blk * jnp.asarray(scale, compute_dtype)
     logits = jnp.einsum("btkgh,bskh->bkgts", q_scaled.reshape(b, rows, kh, g, hd), k, precision=prec)
-    logits = logits.reshape(b, n, rows, s)  # [B, N, rows, S], scaled
+    logits = logits.reshape(b, n, rows, s)  # [B, N, rows, S], scaled (raw with a folded soft cap)
     if mask is not None:
       logits = jnp.where(mask, logits, 0)  # finite inputs for the soft cap / score_fn
     if variant.modifies_scores:
       bi, hi = _batch_head_indices(b, n)
       # ALiBi distances from each row's nearest key (masking.alibi_row_shift), added back to the lse
-      logits = masking.modify_scores(variant, logits, bi, hi, idx["q_idx"], idx["kv_idx"],
-                                     slope=slopes, kv_extent=s).astype(compute_dtype)
+      logits, _ = masking.kernel_scores(variant, logits, bi, hi, idx["q_idx"], idx["kv_idx"],
+                                        scale=scale if folded_cap else 1.0, out_scale=1.0,
+                                        slope=slopes, kv_extent=s)
+      logits = logits.astype(compute_dtype)
     if mask is not None:
       logits = jnp.where(mask, logits, -jnp.inf)
     # Materialised: where the contraction is a plain multiply (head_dim 1), XLA would otherwise fuse
@@ -253,7 +259,8 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
     l_safe = jnp.where(has_key, l, 1)  # log and division never see 0
     lse = jnp.where(has_key, m[..., 0] + jnp.log(l_safe), -jnp.inf)
     if masking.shifts_alibi(variant):  # the logits' row shift back (slopes [B, N, 1, 1])
-      lse = lse - slopes[..., 0] * masking.alibi_row_shift(idx["q_idx"][..., 0], s).astype(lse.dtype)
+      shift = slopes[..., 0] * masking.alibi_row_shift(idx["q_idx"][..., 0], s).astype(lse.dtype)
+      lse = masking.remove_alibi_shift(lse, shift)
     out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(b, kh, g, rows, s), v, precision=prec)
     out = out.reshape(b, rows, n, hd) / jnp.swapaxes(l_safe, 1, 2)[..., None]
     return out, jnp.swapaxes(lse, 1, 2)

@@ -294,6 +294,43 @@ def test_float64_reference_is_exact():
       assert_close(g, r, 1e-12, name)
 
 
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_variant_constants_at_the_ends_of_their_ranges_stay_finite(impl):
+  """Arguments inside their documented ranges whose folded constants overflow float32 (found by an
+  adversarial pass; each gave NaN before): a soft cap of 1e-30 with scale 1e9 (the kernels' factor
+  scale / cap, 1e39, met a logit of exactly 0: a zero query row, a zero key); a soft cap with scale
+  1e38 (the formula's q * scale overflowed); an ALiBi slope of -9.9e29 at a query 2^30 - 10 from the
+  keys (slope * distance is -inf, and a row with no key got lse -inf - (-inf))."""
+  kw = IMPLEMENTATIONS[impl]
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((1, 4, 1, 8)), jnp.float32).at[0, 1].set(0.0)
+  k = jnp.asarray(rng.standard_normal((1, 6, 1, 8)), jnp.float32).at[0, 2].set(0.0)
+  v = jnp.asarray(rng.standard_normal((1, 6, 1, 8)), jnp.float32)
+
+  def np_capped(q, cap, scale):  # float64: softmax(cap * tanh(scale * q.k / cap)) v
+    z = np.einsum("th,sh->ts", np.float64(q[0, :, 0]), np.float64(k[0, :, 0])) * scale
+    logits = cap * np.tanh(z / cap)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    return (p / p.sum(-1, keepdims=True)) @ np.float64(v[0, :, 0])
+
+  out, lse = fa2_jax.flash_attention(q, k, v, logits_soft_cap=1e-30, scale=1e9,
+                                     return_residual=True, **kw)
+  np.testing.assert_allclose(out[0, :, 0], np_capped(q, 1e-30, 1e9), atol=1e-6)
+  grads = jax.grad(lambda q, k, v: fa2_jax.flash_attention(
+      q, k, v, logits_soft_cap=1e-30, scale=1e9, **kw).sum(), argnums=(0, 1, 2))(q, k, v)
+  assert all(bool(jnp.isfinite(g).all()) for g in grads)
+
+  q5 = jnp.full((1, 4, 1, 8), 5.0).at[0, :, 0, ::2].set(-5.0)
+  out = fa2_jax.flash_attention(q5, k, v, logits_soft_cap=1.0, scale=1e38, **kw)
+  np.testing.assert_allclose(out[0, :, 0], np_capped(q5, 1.0, 1e38), atol=1e-5)
+
+  out, lse = fa2_jax.flash_attention(q, k, v, alibi_slopes=jnp.array([-9.9e29]),
+                                     q_offset=2 ** 30 - 10, query_seq_lengths=jnp.array([2]),
+                                     return_residual=True, **kw)
+  assert np.all(np.asarray(lse[0, 2:]) == -np.inf) and not np.any(np.asarray(out[0, 2:]))
+  assert not np.isnan(np.asarray(lse)).any() and bool(jnp.isfinite(out).all())
+
+
 # --- rows with no key, NaN in masked positions ----------------------------------------------------
 
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
