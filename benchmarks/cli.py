@@ -74,8 +74,12 @@ def call_kwargs(text: str | None) -> dict:
     raise SystemExit(f"--kwargs: {text!r} is not a dict of argument names")
   import numpy as np
   arrays = ("alibi_slopes",)  # array arguments: a list of numbers becomes a float32 array
-  return {k: (np.asarray(v, np.float32) if k in arrays else tuple(v)) if isinstance(v, list) else v
-          for k, v in out.items()}
+
+  def value(k, v):
+    if not isinstance(v, list):
+      return v
+    return np.asarray(v, np.float32) if k in arrays else tuple(v)
+  return {k: value(k, v) for k, v in out.items()}
 
 
 def add_shape_args(p: argparse.ArgumentParser, default_shapes: str) -> None:

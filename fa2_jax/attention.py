@@ -16,8 +16,8 @@ from .kernels.vma import cast_like, match_vma
 from .block_ranges import index_reads, range_tables, warm_static_masks
 from .masking import Variant, VariantArrays, alibi_lse_shift, remove_alibi_shift
 from .reference import attention_formula
-from .validation import (check_bool, check_options, check_scale, check_variant, is_static_dim,
-                         validate_qkv)
+from .validation import (check_bool, check_options, check_scale, check_soft_cap_scale, check_variant,
+                         is_static_dim, validate_qkv)
 
 _SECOND_ORDER = (
     "fa2_jax kernels have no second-order derivative (grad of grad, hessian, jvp of the backward): "
@@ -108,6 +108,7 @@ def _prepare(query, key, value, scale, is_causal, implementation, return_residua
                          for x in (query, key, value))
   h = query.shape[-1]
   scale = 1.0 / math.sqrt(h) if scale is None else scale
+  check_soft_cap_scale(scale, variant.soft_cap)
   symbolic = [d for d in (*query.shape, *key.shape) if not is_static_dim(d)]
   if symbolic or 0 in query.shape[:2] or key.shape[1] == 0:
     # Symbolic (jax.export) or empty dimensions: the kernels need static, non-empty grids. Empty

@@ -45,10 +45,11 @@ other reasons raises a ValueError instead of dropping the variant.
 """
 from __future__ import annotations
 
-from .flax_attention import FlashAttentionFallbackWarning, attention_fn, make_attention_fn
+from .flax_attention import (FlashAttentionFallbackWarning, TopLeftQueryRowWarning, attention_fn,
+                             make_attention_fn)
 from .flax_layers import CausalSelfAttention, NnxCausalSelfAttention, rotary_embedding
 
 __all__ = [
-    "attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning", "rotary_embedding",
-    "CausalSelfAttention", "NnxCausalSelfAttention",
+    "attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning", "TopLeftQueryRowWarning",
+    "rotary_embedding", "CausalSelfAttention", "NnxCausalSelfAttention",
 ]

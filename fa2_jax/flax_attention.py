@@ -35,6 +35,11 @@ class FlashAttentionFallbackWarning(UserWarning):
   """A call to :func:`attention_fn` was computed with flax's formula instead of the kernel."""
 
 
+class TopLeftQueryRowWarning(UserWarning):
+  """A one-row query with a positional variant and no causal flag or ``q_offset`` sits at position 0
+  (flax's top-left alignment): right for cross-attention, not for a decode step."""
+
+
 # Variants that depend on the query row's position (a lone decode row is placed at the last key).
 _POSITIONAL = frozenset({"local_window_size", "alibi_slopes", "mask_fn", "score_fn"})
 
@@ -80,7 +85,7 @@ def _warn_top_left_row(variants: dict) -> None:
       "which places the row at the last key its cache mask allows, or pass q_offset")
   if message not in _warned:
     _warned.add(message)
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, TopLeftQueryRowWarning, stacklevel=3)
 
 
 def _check_arrays(query, key, value, bias, mask) -> None:

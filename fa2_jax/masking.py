@@ -45,8 +45,6 @@ import numpy as np
 # stay inside int32; p + right can pass 2**31, so the rule compares j - p with the sides and the block
 # ranges add a side through a clip (block_ranges._clip_add).
 INT32_SAFE = 1 << 30
-# float32's largest finite value (3.4e38): the bound of a soft cap's folded factor (soft_cap_factors)
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +329,7 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
   if variant.soft_cap is not None:
     # cap * tanh(x / cap) with x = in_scale * s: one multiply into tanh, one out (times out_scale
     # when folding)
-    into, out = soft_cap_factors(variant.soft_cap, in_scale, out_scale if fold else 1.0)
+    into, out = soft_cap_factors(variant.soft_cap, in_scale, out_scale if fold else 1.0, s.dtype)
     t, deriv = soft_cap_tanh(s, into, with_derivative)
     s = out * t
   elif fold and in_scale * out_scale != 1.0:
@@ -361,16 +359,18 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
   return s, deriv
 
 
-def soft_cap_factors(cap: float, in_scale: float, out_scale: float) -> tuple[float, float]:
+def soft_cap_factors(cap: float, in_scale: float, out_scale: float, dtype=jnp.float32):
   """``(into, out)`` with ``out_scale * cap * tanh(in_scale * s / cap) = out * tanh(into * s)``, the
   constants of a soft cap (Python floats; ``1 / cap`` as a multiply, not a division, which costs
   several instructions on a GPU). A kernel whose softmax multiplies its logits anyway can take
-  ``out`` into that multiply (``kernels/mosaic/forward.py``)."""
-  # |into| at most float32's largest finite value: a larger one is inf in a float32 kernel, and a
-  # logit of exactly 0 (a zero query row or key) would give tanh(0 * inf) = NaN; at that size
-  # tanh(into * s) is already sign(s) for every |s| above 3e-38.
-  into = max(-_F32_MAX, min(_F32_MAX, in_scale / cap))
-  return into, cap * out_scale
+  ``out`` into that multiply (``kernels/mosaic/forward.py``).
+
+  ``into`` is at most the largest finite value of ``dtype`` (the scores' dtype): an inf would give
+  ``tanh(0 * inf) = NaN`` at a logit of exactly 0, and there ``tanh(into * s)`` is already
+  ``sign(s)`` for every ``|s|`` above 3e-38 in float32. Its other end, a nonzero ``into`` below the
+  smallest normal float32 (flushed to 0), is refused by ``validation.check_soft_cap_scale``."""
+  limit = float(jnp.finfo(dtype).max)
+  return max(-limit, min(limit, in_scale / cap)), cap * out_scale
 
 
 def soft_cap_tanh(s, into: float, derivative: bool):
@@ -385,7 +385,8 @@ def kernel_scores(variant: Variant, raw, b, h, q_idx, kv_idx, *, scale, out_scal
   """``(out_scale * modify_scores(scale * raw), d s_out / d s_in or None)`` of a tile of raw
   ``q . k`` products, the form a kernel's softmax needs (``out_scale = log2 e`` for base-2 logits),
   with the constants folded where no ``score_fn`` is involved. ``scale`` and ``out_scale`` are
-  Python floats (static kernel settings), ``raw`` a float32 tile. ``derivative=False`` gives None for
+  Python floats (static kernel settings), ``raw`` a float tile (float32 in the kernels, the
+  formula's compute dtype there). ``derivative=False`` gives None for
   the derivative. ``kv_extent``: the call's key count S, for the ALiBi distances relative to each
   row's nearest key (:func:`alibi_row_shift`; the lse then needs :func:`alibi_lse_shift`)."""
   return _modify(variant, raw, b, h, q_idx, kv_idx, slope, derivative, scale, out_scale, kv_extent)

@@ -229,10 +229,11 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
     # The scale goes into q before the dot, not onto the logits after it: XLA would fuse a
     # `logits * scale` into each consumer and contract it with `- m` into an FMA, whose unrounded
     # product no longer matches the rounded max (NaN at |scale * logit| ~ 1e9).
-    # With a soft cap (and no score_fn, which must see the scaled logits) the scale goes into the
-    # cap's tanh(q.k * scale / cap), as in the kernels: q * scale can overflow where the capped
-    # logits are finite (NaN at scale 1e38), and the product feeds tanh, not `- m`.
-    folded_cap = variant.soft_cap is not None and variant.score_fn is None
+    # With a soft cap (and no score_fn, which must see the scaled logits) a scale above 1 goes into
+    # the cap's tanh(q.k * scale / cap), as in the kernels: q * scale can overflow where the capped
+    # logits are finite (NaN at scale 1e38), and the product feeds tanh, not `- m`. A scale of at
+    # most 1 stays on q, where q.k alone could overflow and q * scale cannot.
+    folded_cap = variant.soft_cap is not None and variant.score_fn is None and abs(scale) > 1
     q_scaled = q_blk if folded_cap else q_blk * jnp.asarray(scale, compute_dtype)
     logits = jnp.einsum("btkgh,bskh->bkgts", q_scaled.reshape(b, rows, kh, g, hd), k, precision=prec)
     logits = logits.reshape(b, n, rows, s)  # [B, N, rows, S], scaled (raw with a folded soft cap)

@@ -20,7 +20,8 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32
 
 # logits_soft_cap bounds: the float32 kernels multiply by cap * log2(e) and scale / cap, which must stay
 # normal numbers (float32 max 3.4e38, min normal 1.2e-38); a cap of 1e30 already leaves every logit
-# unchanged, one of 1e-30 makes every logit 0.
+# unchanged, one of 1e-30 makes every logit 0. scale / cap above the max is bounded there
+# (masking.soft_cap_factors), below the min normal refused (check_soft_cap_scale).
 SOFT_CAP_RANGE = (1e-30, 1e30)
 # alibi_slopes bound: the kernels fold scale * log2(e) into the slope in float32, which must stay finite
 # (float32 max 3.4e38; log2(e) = 1.44); a slope of 1e30 already masks every pair but the diagonal.
@@ -34,6 +35,17 @@ def check_bool(name, value):
 
 def is_static_dim(d) -> bool:
   return isinstance(d, (int, np.integer))
+
+
+def check_soft_cap_scale(scale: float, cap: float | None) -> None:
+  """ValueError when ``|scale| / cap`` is nonzero but below float32's smallest normal number: the
+  kernels multiply each raw logit by that factor, which would flush to 0 (every logit 0)."""
+  tiny = float(np.finfo(np.float32).tiny)
+  if cap is not None and 0 < abs(scale) / cap < tiny:
+    raise ValueError(
+        f"scale / logits_soft_cap must be 0 or at least {tiny:.3g} in magnitude (the kernels fold "
+        f"them into one float32 factor), got {scale:g} / {cap:g}; a cap that large against the "
+        "scale leaves every logit of a normal size unchanged: leave logits_soft_cap unset")
 
 
 def check_scale(scale):

@@ -104,7 +104,8 @@ case "$mode" in
     # each test's outcome and seconds as it finishes (tests/conftest.py), kept if a time limit stops
     # the run: $out/durations.tsv
     export FA2_TEST_DURATIONS="$out/durations.tsv"
-    # the longest compiles start first, one per worker (tests/conftest.py), unless FA2_TEST_FIRST is set
+    # the longest compiles start first, at the heads of the workers' shares (tests/conftest.py),
+    # unless FA2_TEST_FIRST is set
     export FA2_TEST_FIRST="${FA2_TEST_FIRST-kernel_times_and_mosaic_tune,mosaic_jit_grad_and_jit_of_grad,dkdv_roles_head_dim_256,extreme_logits_compiled,extreme_logits_gqa_compiled}"
     if [ "$workers" -gt 1 ]; then  # several processes share the GPU: each allocates as it goes
       export XLA_PYTHON_CLIENT_PREALLOCATE=false

@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
   # FA2_TEST_FIRST=SUBSTR[,SUBSTR...] (scripts/gpu.sh passes it on): the tests whose node id contains
   # one of them start first, so that the few long-compiling GPU tests do not lengthen the tail of a
   # time-limited device call. Under pytest-xdist's worksteal schedule (gpu.sh's) each worker first gets
-  # a contiguous share of the collection, so each such test goes to the head of a different share.
+  # a contiguous share of the collection, so such tests go to the heads of the shares, round robin.
   first = [s for s in os.environ.get("FA2_TEST_FIRST", "").split(",") if s]
   if first:
     items[:] = _heads_first(items, lambda item: any(s in item.nodeid for s in first),

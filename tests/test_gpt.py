@@ -375,8 +375,8 @@ def cli_error(argv, capsys) -> str:
     (["--soft-cap", "0"], "--soft-cap must be a finite number > 0 (unset: no cap), got 0.0"),
     # values the example's own check lets through reach fa2_jax's, whose names become the flags
     (["--soft-cap", "1e-40"], "--soft-cap must be in [1e-30, 1e+30] (the "),
-    (["--window", str(2**30)], "--window must be < 2**30 (None for "
-                               "unbounded), got 1073741824"),
+    (["--window", str(2**30)], "--window must be < 2**30 (unset: the "
+                               "whole context), got 1073741824"),
     (["--attention", "xla", "--packing"], "--packing needs fa2_jax attention (--attention flash, "
                                           "flash_triton or flash_mosaic): "
                                           "jax.nn.dot_product_attention (--attention xla) has no "

@@ -296,11 +296,13 @@ def test_float64_reference_is_exact():
 
 @pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
 def test_variant_constants_at_the_ends_of_their_ranges_stay_finite(impl):
-  """Arguments inside their documented ranges whose folded constants overflow float32 (found by an
-  adversarial pass; each gave NaN before): a soft cap of 1e-30 with scale 1e9 (the kernels' factor
-  scale / cap, 1e39, met a logit of exactly 0: a zero query row, a zero key); a soft cap with scale
-  1e38 (the formula's q * scale overflowed); an ALiBi slope of -9.9e29 at a query 2^30 - 10 from the
-  keys (slope * distance is -inf, and a row with no key got lse -inf - (-inf))."""
+  """Arguments inside their documented ranges whose folded constants leave float32's range (found by
+  adversarial passes; each gave NaN or a wrong result before): a soft cap of 1e-30 with scale 1e9
+  (the kernels' factor scale / cap, 1e39, met a logit of exactly 0: a zero query row, a zero key); a
+  soft cap with scale 1e38 (the formula's q * scale overflowed); scale / cap below the smallest
+  normal float (refused by flash_attention; the formula computes it); an ALiBi slope of -9.9e29 at a
+  query 2^30 - 10 from the keys (slope * distance is -inf, and a row with no key got lse
+  -inf - (-inf))."""
   kw = IMPLEMENTATIONS[impl]
   rng = np.random.default_rng(0)
   q = jnp.asarray(rng.standard_normal((1, 4, 1, 8)), jnp.float32).at[0, 1].set(0.0)
@@ -323,6 +325,16 @@ def test_variant_constants_at_the_ends_of_their_ranges_stay_finite(impl):
   q5 = jnp.full((1, 4, 1, 8), 5.0).at[0, :, 0, ::2].set(-5.0)
   out = fa2_jax.flash_attention(q5, k, v, logits_soft_cap=1.0, scale=1e38, **kw)
   np.testing.assert_allclose(out[0, :, 0], np_capped(q5, 1.0, 1e38), atol=1e-5)
+
+  # The other end: scale / cap below float32's smallest normal would flush the kernels' factor to 0
+  # (every logit 0); flash_attention refuses it, naming both arguments, and the formula (which
+  # keeps a scale of at most 1 on q) computes it: scaled logits about 6, left as they are by the cap.
+  big = q * 1e4, k * 1e4
+  with pytest.raises(ValueError, match=r"scale / logits_soft_cap must be 0 or at least 1.18e-38"):
+    fa2_jax.flash_attention(*big, v, logits_soft_cap=1e30, scale=1e-9, **kw)
+  np.testing.assert_allclose(
+      fa2_jax.reference_attention(*big, v, logits_soft_cap=1e30, scale=1e-9)[0, :, 0],
+      np_capped(q * 1e8, 1e30, 1e-9), atol=1e-5)
 
   out, lse = fa2_jax.flash_attention(q, k, v, alibi_slopes=jnp.array([-9.9e29]),
                                      q_offset=2 ** 30 - 10, query_seq_lengths=jnp.array([2]),

@@ -225,6 +225,7 @@ _CLI_NAMES = (
     ("implementation=None", "--attention flash"),
     ("interpret=True", "--interpret true"),
     ("local_window_size sides", "--window"),  # the example passes (window, 0)
+    ("(None for unbounded)", "(unset: the whole context)"),
     ("logits_soft_cap", "--soft-cap"),
 )
 
