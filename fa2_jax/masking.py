@@ -281,15 +281,20 @@ def allowed(*args, is_causal: bool | None = None, seq_k=None, **kwargs):
 
 # --- scores ---------------------------------------------------------------------------------------
 
+def alibi_nearest_key(q_idx, kv_extent: int):
+  """The key position of ``[0, kv_extent)`` nearest to query position ``q_idx``: ``clip(p, 0, S - 1)``
+  (int32). The kernels and the formula take a row's ALiBi distances from it, ``|clip(p) - j|``, which
+  for every key ``j`` of ``[0, S)`` is ``|p - j|`` less the row's :func:`alibi_row_shift`, so that
+  the bias ``slope * |p - j|`` stays as small as the row's keys are near, whatever ``q_offset`` is
+  (the softmax is unchanged; the lse gets ``slope`` times the shift back, :func:`alibi_lse_shift`).
+  Without it a row whose keys all lie ``d`` positions away carried a rounding of
+  ``slope * d * 2^-24`` in every logit."""
+  return jnp.clip(jnp.asarray(q_idx, jnp.int32), 0, kv_extent - 1)
+
+
 def alibi_row_shift(q_idx, kv_extent: int):
-  """The distance from query position ``q_idx`` to the nearest key position of ``[0, kv_extent)``
-  (int32, exact): the kernels and the formula take it off every ``|p - j|`` of the row before the
-  float32 conversion, so that the bias ``slope * |p - j|`` stays as small as the row's keys are
-  near, whatever ``q_offset`` is (the softmax is unchanged; the lse gets ``slope`` times it back,
-  :func:`alibi_lse_shift`). Without it a row whose keys all lie ``d`` positions away carried a
-  rounding of ``slope * d * 2^-24`` in every logit."""
-  q_idx = jnp.asarray(q_idx, jnp.int32)
-  return jnp.maximum(q_idx - (kv_extent - 1), 0) + jnp.maximum(-q_idx, 0)
+  """The distance from query position ``q_idx`` to its :func:`alibi_nearest_key` (int32, exact)."""
+  return jnp.abs(jnp.asarray(q_idx, jnp.int32) - alibi_nearest_key(q_idx, kv_extent))
 
 
 def shifts_alibi(variant: Variant) -> bool:
@@ -298,20 +303,22 @@ def shifts_alibi(variant: Variant) -> bool:
   return variant.has_alibi and variant.score_fn is None
 
 
-def alibi_lse_shift(variant: Variant, arrays: "VariantArrays", t: int, kv_extent: int):
-  """``[B, T, N]`` float32 to subtract from an lse whose logits had the shifted ALiBi bias of keys
-  ``[0, kv_extent)`` (``slope * alibi_row_shift(p)`` per row), or None when nothing was shifted."""
+def alibi_lse_shift(variant: Variant, arrays: "VariantArrays", t: int, kv_extent: int,
+                    dtype=jnp.float32):
+  """``[B, T, N]`` (``dtype``) to subtract from an lse whose logits had the shifted ALiBi bias of
+  keys ``[0, kv_extent)`` (``slope * alibi_row_shift(p)`` per row), or None when nothing was
+  shifted. The slopes are constants of the call: no gradient flows to them."""
   if not shifts_alibi(variant):
     return None
   rows = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
   p = rows + arrays.q_offset[:, None] if variant.has_q_offset else rows  # [B or 1, T]
-  near = alibi_row_shift(p, kv_extent).astype(jnp.float32)
-  return arrays.alibi_slopes.astype(jnp.float32)[:, None, :] * near[:, :, None]
+  near = alibi_row_shift(p, kv_extent).astype(dtype)
+  slopes = jax.lax.stop_gradient(arrays.alibi_slopes).astype(dtype)
+  return slopes[:, None, :] * near[:, :, None]
 
 
 def remove_alibi_shift(lse, shift):
-  """``lse - shift`` (``shift`` from :func:`alibi_lse_shift`, or the formula's own) where a row has a
-  key; a row with none keeps lse ``-inf``, also where ``slope * distance`` overflows to ``-inf``
+  """``lse - shift`` (``shift`` from :func:`alibi_lse_shift`) where a row has a key; a row with none keeps lse ``-inf``, also where ``slope * distance`` overflows to ``-inf``
   (slopes near the bound at offsets near 2^30), which would give ``-inf - (-inf) = NaN``."""
   return jnp.where(lse == -jnp.inf, lse, lse - shift)
 
@@ -338,12 +345,10 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
     if slope is None:
       raise ValueError("modify_scores: the variant has ALiBi; pass slope")
     if kv_extent is not None and shifts_alibi(variant):
-      # |p - j| less the row's nearest key's distance (alibi_row_shift): for every key j of
-      # [0, kv_extent) that is |clip(p, 0, kv_extent - 1) - j|, two int32 ops per score (keys past
-      # kv_extent, a kernel's padding, are masked whatever their value)
-      q_idx = jnp.clip(q_idx, 0, kv_extent - 1)
-    dist = jnp.abs(q_idx - kv_idx)  # int32
-    dist = dist.astype(s.dtype)
+      # distances from the row's nearest key: two int32 ops per score (keys past kv_extent, a
+      # kernel's padding, are masked whatever their value)
+      q_idx = alibi_nearest_key(q_idx, kv_extent)
+    dist = jnp.abs(q_idx - kv_idx).astype(s.dtype)  # |p - j| in int32, then converted
     slope = jnp.asarray(slope).astype(s.dtype)
     s = s - (slope * out_scale if fold else slope) * dist  # d/ds = 1
   if variant.score_fn is not None:

@@ -241,7 +241,8 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
       logits = jnp.where(mask, logits, 0)  # finite inputs for the soft cap / score_fn
     if variant.modifies_scores:
       bi, hi = _batch_head_indices(b, n)
-      # ALiBi distances from each row's nearest key (masking.alibi_row_shift), added back to the lse
+      # ALiBi distances from each row's nearest key (masking.alibi_nearest_key); the lse gets the
+      # rows' shift back below
       logits, _ = masking.kernel_scores(variant, logits, bi, hi, idx["q_idx"], idx["kv_idx"],
                                         scale=scale if folded_cap else 1.0, out_scale=1.0,
                                         slope=slopes, kv_extent=s)
@@ -259,9 +260,6 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
     has_key = l > 0
     l_safe = jnp.where(has_key, l, 1)  # log and division never see 0
     lse = jnp.where(has_key, m[..., 0] + jnp.log(l_safe), -jnp.inf)
-    if masking.shifts_alibi(variant):  # the logits' row shift back (slopes [B, N, 1, 1])
-      shift = slopes[..., 0] * masking.alibi_row_shift(idx["q_idx"][..., 0], s).astype(lse.dtype)
-      lse = masking.remove_alibi_shift(lse, shift)
     out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(b, kh, g, rows, s), v, precision=prec)
     out = out.reshape(b, rows, n, hd) / jnp.swapaxes(l_safe, 1, 2)[..., None]
     return out, jnp.swapaxes(lse, 1, 2)
@@ -284,4 +282,9 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
     out, lse = lax.map(jax.checkpoint(body), (qb, starts, segb))
     out = jnp.moveaxis(out, 0, 1).reshape(b, t_pad, n, hd)[:, :t]
     lse = jnp.moveaxis(lse, 0, 1).reshape(b, t_pad, n)[:, :t]
+  # ALiBi's distances were taken from each row's nearest key (masking.alibi_nearest_key): the rows'
+  # shift back into the lse
+  shift = masking.alibi_lse_shift(variant, arrays, t, s, dtype=lse.dtype)
+  if shift is not None:
+    lse = masking.remove_alibi_shift(lse, shift)
   return out.astype(query.dtype), lse

@@ -820,7 +820,7 @@ VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
         mask_fn=lambda b, h, i, j: (i - j) % 3 != 1,
         score_fn=lambda x, b, h, i, j: x * 0.7 + 0.3 * jnp.sin(2 * x) - (i - j).astype(x.dtype) / 64)),
     # ALiBi without a cap, per-batch offsets, one 2^30 positions past the keys (the bias from each
-    # row's nearest key, fa2_jax.masking.alibi_row_shift, and the lse's shift back)
+    # row's nearest key, fa2_jax.masking.alibi_nearest_key, and the lse's shift back)
     "alibi_offsets_gqa": (2, 72, 130, 2, 1, 64, lambda: dict(
         is_causal=True, q_offset=jnp.array([2 ** 30 - 100, 7]),
         alibi_slopes=jnp.array([[0.1, 0.3], [0.05, 0.25]]))),
@@ -1015,7 +1015,7 @@ def _check_interpret_variant(name, cfg, *, deterministic, h=None):
 @pytest.mark.parametrize("fused", [False, True], ids=["separate_dq", "fused_dq"])
 def test_alibi_from_the_nearest_key_lowers_for_sm90(fused):
   """ALiBi without a score_fn takes each row's distances from its nearest key (int32 arithmetic on
-  the WGMMA-layout index tiles, fa2_jax.masking.alibi_row_shift): every kernel lowers for sm90 (the
+  the WGMMA-layout index tiles, fa2_jax.masking.alibi_nearest_key): every kernel lowers for sm90 (the
   variant test below has a score_fn, which keeps the bias as written)."""
   from fa2_jax.validation import check_variant
   b, t, s, n, kh, h = 2, 1000, 777, 4, 2, 128

@@ -237,7 +237,7 @@ def specs(t, s):
       "soft_cap": Spec(cap=1.5),
       "alibi": Spec(slopes=slopes, q_offset=off),
       # queries 2^30 positions from every key, both sides: the bias is taken from each row's nearest
-      # key (masking.alibi_row_shift); as |p - j| in float32 it swamped the logits (80% off)
+      # key (masking.alibi_nearest_key); as |p - j| in float32 it swamped the logits (80% off)
       "alibi_far_offset": Spec(slopes=slopes, q_offset=np.array([2 ** 30 - 1 - t, 1 - 2 ** 30])),
       "mask_fn": Spec(mask_np=lambda b, h, p, j: ((p - j) % 3 != 1) | (h == 0),
                       mask_jnp=lambda b, h, p, j: ((p - j) % 3 != 1) | (h == 0)),
