@@ -162,13 +162,14 @@ def _packed_cell(lens, n, h, ragged):
 def _softcap_cell(seq, b, n, h, causal):
   cap = dict(logits_soft_cap=SOFT_CAP)
   p = b * dense_pairs(seq, causal)
+  flag = "is_causal=True, " if causal else ""  # the call text names what the row passes
   rows = [
-      Row("fa2", "fa2", "fa2_jax", f"flash_attention(logits_soft_cap={SOFT_CAP:g})",
+      Row("fa2", "fa2", "fa2_jax", f"flash_attention({flag}logits_soft_cap={SOFT_CAP:g})",
           layout="seq", causal=causal, kw=cap, pairs=p, ref=dict(is_causal=causal, **cap)),
-      Row("fa2_nocap", "fa2", "fa2_jax without the cap", "flash_attention()",
+      Row("fa2_nocap", "fa2", "fa2_jax without the cap", f"flash_attention({flag.rstrip(', ')})",
           layout="seq", causal=causal, kw={}, pairs=p, ref=dict(is_causal=causal)),
       Row("tokamax", "tokamax", "tokamax mosaic", 'tokamax.dot_product_attention(implementation='
-          f'"mosaic", logits_soft_cap={SOFT_CAP:g})',
+          f'"mosaic", {flag}logits_soft_cap={SOFT_CAP:g})',
           layout="seq", causal=causal, kw=cap, pairs=p, ref=dict(is_causal=causal, **cap)),
   ]
   mode = "causal" if causal else "non-causal"
