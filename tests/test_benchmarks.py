@@ -694,6 +694,29 @@ def test_diag_shape_args():
     cli.shapes_and_masks(ap.parse_args(["--shapes", "1,2,3"]))
 
 
+
+def test_deal_balance_counts_key_tiles_and_compares_deals(tmp_path):
+  """The deal diagnostic's per-tile work follows each tile's first row's document (causal, 128 x 128
+  tiles), every deal's busiest CTA carries at least the mean, the hardware deal (greedy on the true
+  work) stays within one tile of it, and the JSON keeps the command."""
+  import json
+
+  from benchmarks.diag import deal_balance
+  assert deal_balance.tile_work([256, 128]).tolist() == [1, 2, 1]
+  assert deal_balance.tile_work([100, 300]).tolist() == [1, 2, 3, 4]  # a tile across a boundary
+  assert deal_balance.parse_docs("64*3;5,7") == [[64, 64, 64], [5, 7]]
+  rows = deal_balance.main(["--docs", "1024*2;700,300,1000", "--random", "1", "--heads", "4",
+                            "--ctas", "5", "--out", str(tmp_path)])
+  assert len(rows) == 3
+  for r in rows:
+    work = deal_balance.tile_work(r["docs"])
+    mean = 4 * work.sum() / 5
+    for name in ("hardware", "cyclic", "dense_work", "work_quanta", "section_snake", "global_snake"):
+      assert r[name] >= 1.0 - 1e-9, (name, r)
+    assert r["hardware"] * mean <= mean + work.max() + 1e-9
+  saved = json.loads((tmp_path / "deal_balance.json").read_text())
+  assert saved["command"].endswith("--ctas 5 --out " + str(tmp_path)) and len(saved["rows"]) == 3
+
 # slow (CI time: two processes compiling, about 15 s): the compile-time diagnostic's persistent-cache mode
 @pytest.mark.slow
 def test_compile_time_new_shapes_with_a_persistent_cache(tmp_path):
