@@ -164,6 +164,7 @@ def test_fused_dq_split_and_smem():
     (dict(consumer_barrier="bar.sync"), ValueError, "consumer_barrier"),
     (dict(producer_warp=1), TypeError, "producer_warp"),
     (dict(persistent=1), TypeError, "persistent"),
+    (dict(dq_register_order=1), TypeError, "dq_register_order"),
     (dict(persistent_ctas=-1), ValueError, "persistent_ctas"),
     (dict(persistent_ctas=2.0), TypeError, "persistent_ctas"),
     (dict(persistent_deal="snake"), ValueError, "persistent_deal"),
@@ -751,18 +752,23 @@ def test_fused_dq_under_vmap_interpret():
                                  atol=2e-2, rtol=0, err_msg=name)
 
 
+def _traced_fused_dq(t: int, **option):
+  """A causal head_dim-128 forward + backward with the fused dQ and a ``MosaicConfig`` ``option``,
+  traced for lowering (``jax.jit(...).trace``)."""
+  sd = jax.ShapeDtypeStruct((1, t, 2, 128), BF16)
+  lse = jax.ShapeDtypeStruct((1, 2, t), jnp.float32)
+  cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0, **option)
+  return jax.jit(_fwd_bwd(128 ** -0.5, True, cfg)).trace(sd, sd, sd, sd, lse)
+
+
 @pytest.mark.parametrize("barrier", ["mbarrier", "named"])
 def test_consumer_barrier_lowers_for_sm90(barrier):
   """``MosaicConfig.consumer_barrier="named"``: the fused dK/dV/dQ kernel's consumers meet on a
   hardware barrier (``bar.sync`` of both warpgroups, in the kernel's PTX); the default keeps the
   mbarrier."""
   from fa2_jax.kernels.mosaic.ops import CONSUMERS_BARRIER_ID
-  cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0,
-                                                      consumer_barrier=barrier)
-  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
-  f = _fwd_bwd(128 ** -0.5, True, cfg)  # deterministic=False: the fused dQ
-  lse = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
-  text = jax.jit(f).trace(sd, sd, sd, sd, lse).lower(lowering_platforms=("cuda",)).as_text()
+  traced = _traced_fused_dq(512, consumer_barrier=barrier)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "fa2_mosaic_dkdv_dq" in text
   assert (f"bar.sync {CONSUMERS_BARRIER_ID}, 256;" in text) == (barrier == "named")
 
@@ -770,14 +776,54 @@ def test_consumer_barrier_lowers_for_sm90(barrier):
 def test_producer_warp_lowers_for_sm90():
   """``MosaicConfig.producer_warp``: the fused dK/dV/dQ kernel's producer loop on one warp
   (``plgpu.warp_map``) lowers for sm90 to another kernel than the warpgroup loop's."""
-  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
-  lse = jax.ShapeDtypeStruct((1, 2, 512), jnp.float32)
+  texts = [_traced_fused_dq(512, producer_warp=on).lower(lowering_platforms=("cuda",)).as_text()
+           for on in (False, True)]
+  assert all("fa2_mosaic_dkdv_dq" in t for t in texts)
+  assert texts[0] != texts[1]
+
+
+def test_register_order_is_the_wgmma_layout():
+  """``ops.register_order`` (the order ``store_register_order`` writes a WGMMA-layout f32 tile in)
+  against the PTX layout of ``wgmma .m64nNk16``'s accumulator: thread ``t`` (warp ``w``, lane ``l``)
+  holds rows ``16 w + l // 4`` and ``+ 8`` and, in each 8-column group, columns ``2 (l % 4)`` and
+  ``+ 1`` as one 2-vector; every element once."""
+  from fa2_jax.kernels.mosaic.ops import register_order
+  for rows, cols in ((64, 64), (64, 128)):
+    order = register_order((rows, cols))
+    assert sorted(order.tolist()) == list(range(rows * cols))
+    per_thread = order.reshape(-1, 128, 2)  # [register, thread, vector lane]
+    for t in range(128):
+      w, lane = divmod(t, 32)
+      r, c = np.divmod(per_thread[:, t], cols)
+      assert set(r.ravel()) == {16 * w + lane // 4, 16 * w + 8 + lane // 4}
+      assert set(c.ravel()) == {8 * g + 2 * (lane % 4) + e for g in range(cols // 8) for e in (0, 1)}
+      assert np.all(c[:, 1] == c[:, 0] + 1) and np.all(r[:, 1] == r[:, 0])
+
+
+def test_unpermute_dq_restores_row_order():
+  """``dkdv.unpermute_dq`` inverts the register-order accumulator of ``dq_register_order``: a dQ laid
+  out as the kernel's reduce-adds write it (per 64-row tile and 64-column piece, in register order)
+  comes back as ``[B, T, N, H]``."""
+  from fa2_jax.kernels.mosaic.dkdv import unpermute_dq
+  from fa2_jax.kernels.mosaic.ops import REGISTER_ORDER_ROW, register_order
+  b, tiles, n, p, rows, cols = 2, 3, 4, 2, 64, 64
+  dq = np.random.default_rng(0).standard_normal((b, tiles * rows, n, p * cols)).astype(np.float32)
+  order = register_order((rows, cols))
+  blocks = dq.reshape(b, tiles, rows, n, p, cols).transpose(0, 3, 1, 4, 2, 5)  # [B, N, T/64, P, r, c]
+  written = blocks.reshape(b, n, tiles, p, rows * cols)[..., order]
+  written = written.reshape(b, n, tiles, p, rows * cols // REGISTER_ORDER_ROW, REGISTER_ORDER_ROW)
+  np.testing.assert_array_equal(np.asarray(unpermute_dq(jnp.asarray(written), (rows, cols))), dq)
+
+
+def test_dq_register_order_lowers_for_sm90():
+  """``MosaicConfig.dq_register_order``: the fused dK/dV/dQ kernel with its dQ pieces staged in
+  register order (``inline_mgpu``) lowers for sm90 to another kernel than the swizzled tiles', and
+  the backward's dQ keeps its shape at a ragged length."""
   texts = []
-  for one_warp in (False, True):
-    cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0,
-                                                        producer_warp=one_warp)
-    f = _fwd_bwd(128 ** -0.5, True, cfg)
-    texts.append(jax.jit(f).trace(sd, sd, sd, sd, lse).lower(lowering_platforms=("cuda",)).as_text())
+  for on in (False, True):
+    traced = _traced_fused_dq(1000, dq_register_order=on)
+    assert traced.out_info[2].shape == (1, 1000, 2, 128)
+    texts.append(traced.lower(lowering_platforms=("cuda",)).as_text())
   assert all("fa2_mosaic_dkdv_dq" in t for t in texts)
   assert texts[0] != texts[1]
 

@@ -301,12 +301,14 @@ def _backward_operands(seed, t, s, n, kh, h, causal):
     (64, False, 512, 1024, 8, 8, None),  # "rows" (128-row dK/dV tiles)
     (128, False, 2048, 2048, 8, 1, None),
     (64, True, 300, 300, 4, 2, 64)])  # no split: one partial per consumer
-@pytest.mark.parametrize("option", [  # MosaicConfig.consumer_barrier, producer_warp
-    dict(consumer_barrier="mbarrier"), dict(consumer_barrier="named"), dict(producer_warp=True)],
-    ids=["mbarrier", "named", "producer_warp"])
+@pytest.mark.parametrize("option", [  # MosaicConfig.consumer_barrier, producer_warp, dq_register_order
+    dict(consumer_barrier="mbarrier"), dict(consumer_barrier="named"), dict(producer_warp=True),
+    dict(dq_register_order=True)],
+    ids=["mbarrier", "named", "producer_warp", "register_order"])
 def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv, option):
   """The fused dQ (TMA reduce-add in the dK/dV kernel) against the separate dQ kernel; with the
-  named consumer barrier and with the producer's loop on one warp too."""
+  named consumer barrier, with the producer's loop on one warp and with the dQ pieces in register
+  order (the "cols" split; the other splits ignore it) too."""
   from fa2_jax.kernels.mosaic.backward import backward
   from fa2_jax.kernels.mosaic.config import MosaicConfig
   operands, scale = _backward_operands(7, t, s, n, kh, h, causal)

@@ -136,6 +136,12 @@ class MosaicConfig:
   warpgroup's join, as FlashAttention-3's producer does on one elected warp; ``False`` (default):
   every thread of the producer warpgroup runs the loop. Compiled kernels only (the interpreter runs
   the warpgroup loop).
+  ``dq_register_order``: the fused dK/dV/dQ kernel (its ``"cols"`` split: head_dim 128 with two
+  consumers) stages each step's f32 dQ piece in register order (``ops.store_register_order``: each
+  warp's store one contiguous 256-byte run, FlashAttention-3's form) instead of in 128-byte-swizzled
+  tiles, and reduce-adds it into an accumulator laid out the same way, which the backward puts back
+  in row order with the cast that follows (``dkdv.unpermute_dq``); ``False`` (default): swizzled
+  tiles and a row-major accumulator. Compiled kernels only (the interpreter keeps the tiles).
   """
 
   block_q: int = 64
@@ -167,6 +173,7 @@ class MosaicConfig:
   backward_p: str = "auto"
   consumer_barrier: str = "mbarrier"
   producer_warp: bool = False  # the dK/dV producer's loop on one warp (compiled kernels only)
+  dq_register_order: bool = False  # the fused dQ piece staged in register order (compiled only)
   persistent: bool = False  # forward: one CTA per SM looping over the query tiles
   persistent_ctas: int = 0  # with persistent: how many CTAs (0: the GPU's SM count)
   persistent_deal: str = "cyclic"  # persistent: which CTA runs which tile ("cyclic" | "greedy")
@@ -193,7 +200,7 @@ class MosaicConfig:
                            f"got {v!r}")
         continue
       if f.name in ("pingpong", "dkv_split", "dkv_roles", "dq_roles", "dq_fused",
-                    "dq_fused_variants", "persistent", "producer_warp"):
+                    "dq_fused_variants", "persistent", "producer_warp", "dq_register_order"):
         if not isinstance(v, bool):
           raise TypeError(f"MosaicConfig.{f.name} must be a bool, got {v!r}")
         continue

@@ -39,6 +39,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -49,9 +50,10 @@ from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig, dq_piece, dq_split
 from .lowering_cache import kernel_call
-from .ops import (acc_loop, accumulators, batch_rule, bcast_cols, consumers_sync, iota2,
-                  per_cta_choice, producer_loop, smem_transforms, smem_transforms_f32, wgmma,
-                  wgmma_load, wgmma_wait, ws_kernel)
+from .ops import (REGISTER_ORDER_ROW, acc_loop, accumulators, batch_rule, bcast_cols, consumers_sync,
+                  iota2, per_cta_choice, producer_loop, register_order, smem_transforms,
+                  smem_transforms_f32, store_register_order, wgmma, wgmma_load, wgmma_wait,
+                  ws_kernel)
 from .schedule import causal_section, cta_tile, over_query_ranges, q_block_ranges
 from .variant import Refs
 
@@ -99,6 +101,9 @@ class _Dkv:
   # "exact" or "fast" (one loop).
   p_form: str = "per_head"
   producer_warp: bool = False  # MosaicConfig.producer_warp (never in emulation)
+  # MosaicConfig.dq_register_order (the "cols" split, never in emulation): dq_smem [num_wgs,
+  # piece / 256, 256] in register order, dq_acc_ref [B, N, T tiles, num_wgs, piece / 256, 256]
+  register_order: bool = False
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
@@ -151,6 +156,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
     """The fused dQ accumulator's block that consumer ``w``'s piece of query tile ``i``, group head
     ``g`` adds into (emulation: that consumer's own slab, summed by the caller)."""
     h = kvh * g_size + g
+    if st.register_order:  # this piece's own contiguous block (unpermute_dq restores the order)
+      return dq_acc_ref.at[b, h, i, w]
     r0 = i * bq + w * rows_q if st.dq_split == "rows" else i * bq
     dq_rows = (b, pl.ds(r0, rows_q), h)
     if st.dq_split == "cols":
@@ -209,7 +216,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
 
       dq_part = accumulators(dq_piece_of_step, (rows_q, cols_q))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_smem
-      dq_smem.at[wg][...] = dq_part
+      if st.register_order:
+        store_register_order(dq_part, dq_smem.at[wg])
+      else:
+        dq_smem.at[wg][...] = dq_part
       plgpu.commit_smem()
       reduce_add(dq_smem.at[wg], dq_dst(i, g, wg))
 
@@ -418,7 +428,9 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                    kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
             seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq,
-            p_form=cfg.p_form(variant), producer_warp=cfg.producer_warp and not emulate)
+            p_form=cfg.p_form(variant), producer_warp=cfg.producer_warp and not emulate,
+            register_order=(cfg.dq_register_order and fused_dq and not emulate
+                            and dq_split(bq, h, num_wgs) == "cols"))
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
@@ -438,8 +450,12 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
   if fused_dq:
     rows_q, cols_q = dq_piece(bq, h, num_wgs)
     scratch["ds_smem"] = plgpu.SMEM((2, num_wgs, bk, bq), q.dtype, transforms=tf)
-    scratch["dq_smem"] = plgpu.SMEM((num_wgs, rows_q, cols_q), jnp.float32,
-                                    transforms=smem_transforms_f32())
+    if st.register_order:
+      scratch["dq_smem"] = plgpu.SMEM(
+          (num_wgs, rows_q * cols_q // REGISTER_ORDER_ROW, REGISTER_ORDER_ROW), jnp.float32)
+    else:
+      scratch["dq_smem"] = plgpu.SMEM((num_wgs, rows_q, cols_q), jnp.float32,
+                                      transforms=smem_transforms_f32())
     # The consumers' meeting before the dS^T exchange (ops.consumers_sync): this mbarrier, or with
     # MosaicConfig.consumer_barrier="named" (compiled only) a hardware bar.sync and no ds_bar.
     if st.dq_split is not None and (cfg.consumer_barrier != "named" or emulate):
@@ -466,6 +482,10 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
   # and aliases it to the output, which a TMA reduce-add needs (a kernel's own outputs start
   # uninitialised). dK and dV are closed-over refs too, so every result leaves through the state.
   acc_shape = (b, t_hbm, n, h) if not emulate else (n_k_tiles * num_wgs, b, t_hbm, n, h)
+  if st.register_order:
+    pieces = dq_piece(bq, h, num_wgs)
+    acc_shape = (b, n, -(-t_hbm // bq), num_wgs, pieces[0] * pieces[1] // REGISTER_ORDER_ROW,
+                 REGISTER_ORDER_ROW)
 
   @jax.custom_batching.custom_vmap
   def fused(*operands):
@@ -475,6 +495,8 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
 
     acc, dk, dv = pl.run_state(stateful)((jnp.zeros(acc_shape, jnp.float32),
                                           jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)))
+    if st.register_order:
+      acc = unpermute_dq(acc, dq_piece(bq, h, num_wgs))[:, :t_hbm]
     return dk, dv, (acc.sum(axis=0) if emulate else acc)
 
   @fused.def_vmap
@@ -487,3 +509,17 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
     return batch_rule(call, axis_size, in_batched, args, variant)
 
   return fused(*operands)
+
+
+def unpermute_dq(acc, piece: tuple[int, int]):
+  """The fused dQ accumulator of ``MosaicConfig.dq_register_order``, ``[B, N, T tiles, P, piece /
+  256, 256]`` (each ``piece = (rows, cols)`` block in the order :func:`ops.store_register_order`
+  writes it, ``P`` column pieces per row tile) -> ``[B, T tiles * rows, N, P * cols]``, the usual
+  ``[B, T, N, H]``. A gather within each 16 KiB block and a transpose, which XLA fuses with the
+  scale and cast that follow."""
+  b, n, tiles, p = acc.shape[:4]
+  rows, cols = piece
+  inverse = np.argsort(register_order(piece))  # row-major index -> position in register order
+  acc = jnp.take(acc.reshape(b, n, tiles, p, rows * cols), inverse, axis=-1)
+  acc = acc.reshape(b, n, tiles, p, rows, cols).transpose(0, 2, 4, 1, 3, 5)
+  return acc.reshape(b, tiles * rows, n, p * cols)

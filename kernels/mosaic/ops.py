@@ -79,6 +79,68 @@ def smem_transforms_f32():
   return (plgpu.TilingTransform((8, _SWIZZLE // 4)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
+# A register-order piece (MosaicConfig.dq_register_order) is staged as rows of this many f32: one TMA
+# box dimension holds at most 256 elements.
+REGISTER_ORDER_ROW = 256
+
+
+def register_order(shape: tuple[int, int]):
+  """int64 ``[prod(shape)]``: entry ``k`` is the row-major index, in a ``shape`` array of WGMMA layout
+  (the f32 accumulator's, Mosaic's ``WGMMA_LAYOUT``), of the value that thread ``t`` of the
+  warpgroup holds in vector lane ``v`` of its register ``i``, at ``k = (i * 128 + t) * vec + v``: the
+  order in which :func:`store_register_order` writes it. Computed from the layout's tiling, as
+  Mosaic's ``TiledLayout.thread_idxs`` does on the device (the PTX layout of ``wgmma .m64nNk16``:
+  warp ``w``, lane ``l`` hold rows ``16 w + l // 4`` and ``+ 8``, columns ``2 (l % 4)`` and ``+ 1`` of
+  each 8-column group)."""
+  import numpy as np
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+  layout = fa.WGMMA_LAYOUT
+  contig = tuple(int(np.prod(shape[d + 1:])) for d in range(len(shape)))
+  tile_strides = layout.tiling.tile_strides(contig)
+  rank = layout.tiled_tiling_rank
+  sizes_of, inner = layout.tiled_tiling_shape, tile_strides[-rank:]
+
+  def offset(index: int, dims) -> int:  # TiledLayout._delinearize_index, then the dot with strides
+    sizes = [d.times if isinstance(d, fa.Replicated) else sizes_of[d] for d in dims]
+    out = 0
+    for j, (d, size) in enumerate(zip(dims, sizes)):
+      if not isinstance(d, fa.Replicated):
+        out += (index // int(np.prod(sizes[j + 1:]))) % size * inner[d]
+    return out
+
+  regs = list(np.ndindex(layout.registers_shape(tuple(shape))))
+  vec = layout.vector_length
+  order = np.empty((len(regs), WARPGROUP_THREADS, vec), np.int64)
+  for t in range(WARPGROUP_THREADS):
+    base = offset((t // 32) % 4, layout.warp_dims) + offset(t % 32, layout.lane_dims)
+    for i, r in enumerate(regs):
+      order[i, t] = base + sum(a * s for a, s in zip(r, tile_strides)) + np.arange(vec) * inner[
+          layout.vector_dim]
+  return order.reshape(-1)
+
+
+def store_register_order(x, ref):
+  """Store ``x`` (f32, WGMMA layout, ``[rows, cols]``) into ``ref`` (f32 SMEM ``[rows * cols / 256,
+  256]``, no transforms) in register order (:func:`register_order`): each warp's store is one
+  contiguous run of 256 bytes, no bank conflicts and no swizzle, where a row-major tile puts a
+  warp's 8 rows on the same banks. Compiled kernels only (Pallas' interpreter has no
+  ``inline_mgpu``)."""
+  from jax.experimental import mosaic as _mosaic  # noqa: F401  (registers the mgpu dialect)
+  from jax.experimental.mosaic.gpu import fragmented_array as fa
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def store(ctx, arr, smem):
+    del ctx
+    vec = fa.WGMMA_LAYOUT.vector_length
+    flat = fa.FragmentedArray(_registers=arr.registers.reshape(-1),
+                              _layout=fa.WGStridedFragLayout(tuple(ref.shape), vec),
+                              _is_signed=None)
+    flat.store_untiled(smem)
+
+  store(x, ref)
+
+
 def compiler_params():
   # approx_math: exp2/log/reciprocal may use the fast MUFU forms (as FA2 does with ex2.approx).
   # unsafe_no_auto_barriers: Pallas otherwise puts a warpgroup barrier before and after every SMEM
