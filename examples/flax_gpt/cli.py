@@ -183,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "--window or --packing skip; the JSON summary adds the attended-pair count")
   g.add_argument("--prompt",
                  help="the sample's prompt (default: 'def fibonacci(n):' and a newline for the "
-                      "default data, else the first line of --data)")
+                      "default data, else the first non-blank line of --data, at most 80 "
+                      "bytes)")
   g.add_argument("--sample-tokens", type=int, default=300,
                  help="bytes to sample after training (0: no sample)")
   g.add_argument("--temperature", type=float, default=0.8,

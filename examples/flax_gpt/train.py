@@ -241,8 +241,8 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
       line every tc.log_every steps) or "off" (only evaluations and checkpoints are printed);
       True/False mean "auto"/"off".
     sample_tokens: bytes to sample after training (0: none).
-    prompt: the sample's prompt (None: DEFAULT_PROMPT for the default data, else the first line of
-      the data).
+    prompt: the sample's prompt (None: DEFAULT_PROMPT for the default data, else the first
+      non-blank line of the data, at most 80 bytes: data.opening_line).
     temperature: the sample's temperature (0: greedy).
     peak: dense peak TFLOP/s of all devices together for MFU (None: from the device kind).
 
