@@ -182,20 +182,50 @@ def _check_lengths(name, x, b, limit, rank3: bool):
 
 
 def _check_segments(name, x, b, length, rank3: bool):
+  """Segment ids: integer ``[B, L]`` (rank-3 call: ``[L]`` too) -> ``(int32 [B, L], ranked)``:
+  ``ranked`` when the ids' dtype can hold values past int32 (64-bit, uint32) and they are not known
+  to fit it (traced, or concrete and outside): the caller then replaces both sides by their joint
+  ranks (:func:`_rank_segments`), which a plain cast would wrap (``2**32`` equal to ``0``)."""
   raw = x
   x = _int_array(name, x)
-  # Only a 64-bit (or unsigned 32-bit) dtype can hold ids past int32: others need no host copy.
-  wide = hasattr(raw, "dtype") and (np.dtype(raw.dtype).itemsize > 4 or np.dtype(raw.dtype) == np.uint32)
-  values = _concrete(raw) if wide else None
-  if values is not None and values.size and (values.min() < -2 ** 31 or values.max() >= 2 ** 31):
-    raise ValueError(f"{name} must fit int32 (ids that differ must stay different), got values in "
-                     f"[{values.min()}, {values.max()}]")
   want = [(b, length)] + ([(length,)] if rank3 else [])
   if tuple(x.shape) not in want:
     raise ValueError(f"{name} must have shape {_shape_str((b, length))}"
                      + (f" or {_shape_str((length,))}" if rank3 else "")
                      + f", got {_shape_str(x.shape)}")
-  return x.reshape(b, length) if not isinstance(x, jax.ShapeDtypeStruct) else x
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return x, False
+  wide = np.dtype(raw.dtype).itemsize > 4 or np.dtype(raw.dtype) == np.uint32
+  values = _concrete(raw) if wide else None
+  fits = not wide or (values is not None and (
+      not values.size or (values.min() >= -2 ** 31 and values.max() < 2 ** 31)))
+  return x.reshape(b, length), not fits
+
+
+def _rank_segments(q_ids, kv_ids, b: int, t: int, s: int):
+  """Both sides' segment ids replaced by their ranks among the ids of their batch row (``[B, T]``,
+  ``[B, S]`` int32 in ``[0, T + S)``): equal ids stay equal and order is kept (the kernels' block
+  ranges read per-block minima and maxima), so 64-bit ids past int32 keep their meaning. Concrete
+  ids are ranked on the host, traced ones in the program."""
+  q_raw, kv_raw = _concrete(q_ids), _concrete(kv_ids)
+  host = q_raw is not None and kv_raw is not None
+  dtypes = (np.dtype(q_ids.dtype), np.dtype(kv_ids.dtype))
+  common = np.promote_types(*dtypes)
+  if common.kind not in "iu" or (not host and jax.dtypes.canonicalize_dtype(common) != common):
+    raise TypeError(f"q_segment_ids ({dtypes[0]}) and kv_segment_ids ({dtypes[1]}) have no common "
+                    "integer dtype here (uint64 beside a signed dtype, or 64 bits with x64 off): "
+                    "pass both signed or both unsigned")
+  xp = np if host else jnp
+  if host:
+    q_ids, kv_ids = q_raw, kv_raw
+  ids = xp.concatenate([xp.broadcast_to(q_ids.reshape(-1, t), (b, t)).astype(common),
+                        xp.broadcast_to(kv_ids.reshape(-1, s), (b, s)).astype(common)], axis=1)
+  if host:
+    ranks = np.stack([np.searchsorted(np.sort(row), row) for row in ids]).astype(np.int32)
+  else:
+    ranks = jax.vmap(jnp.searchsorted)(jnp.sort(ids, axis=1), ids).astype(jnp.int32)
+  ranks = jnp.asarray(ranks)
+  return ranks[:, :t], ranks[:, t:]
 
 
 def check_window(window):
@@ -337,8 +367,10 @@ def check_variant(query, key, *, is_causal=False, query_seq_lengths=None, key_va
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids and kv_segment_ids must be given together (both or neither)")
   if q_segment_ids is not None:
-    q_seg = _check_segments("q_segment_ids", q_segment_ids, b, t, rank3)
-    kv_seg = _check_segments("kv_segment_ids", kv_segment_ids, b, s, rank3)
+    q_seg, q_wide = _check_segments("q_segment_ids", q_segment_ids, b, t, rank3)
+    kv_seg, kv_wide = _check_segments("kv_segment_ids", kv_segment_ids, b, s, rank3)
+    if q_wide or kv_wide:
+      q_seg, kv_seg = _rank_segments(q_segment_ids, kv_segment_ids, b, t, s)
   window = check_window(local_window_size)
   cap = check_soft_cap(logits_soft_cap)
   if alibi_slopes is not None:

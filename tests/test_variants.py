@@ -906,8 +906,8 @@ def _bad_mask(b, h, p, j):
     (dict(alibi_slopes=jnp.array([1, 1, 1, jnp.nan])), ValueError, "alibi_slopes must be finite"),
     (dict(alibi_slopes=jnp.array([1, 1, 1, 2.5e38])), ValueError,
      r"alibi_slopes must satisfy \|slope\| <= 1e\+30"),
-    (dict(q_segment_ids=np.full((2, 8), 2 ** 32, np.int64), kv_segment_ids=np.zeros((2, 12), np.int64)),
-     ValueError, "q_segment_ids must fit int32"),
+    (dict(q_segment_ids=np.full((2, 8), 2 ** 40, np.uint64), kv_segment_ids=np.zeros((2, 12), np.int64)),
+     TypeError, "no common integer dtype"),
     (dict(score_fn=lambda s, b, h, p, j: s - s.max(axis=-1, keepdims=True)), TypeError,
      "score_fn could not be traced.*single pairs"),
     (dict(mask_fn="causal"), TypeError, "mask_fn must be a callable"),
@@ -1025,6 +1025,35 @@ def test_traced_offsets_act_as_clipped(impl):
     out64, _ = run(jnp.array([2 ** 32 + 1], jnp.int64), is_causal=True)
   np.testing.assert_array_equal(np.asarray(out64), np.asarray(out))
 
+
+
+@pytest.mark.parametrize("impl", ["xla", "triton"])
+def test_segment_ids_past_int32_keep_their_meaning(impl):
+  """64-bit segment ids past int32, concrete or traced, mean what they say: ids that differ stay
+  different (a plain cast made 2**32 equal to 0: rows attended a document they do not share), on
+  both backends and the formula. They are ranked jointly per batch row (validation._rank_segments),
+  so the call equals the one with the ids' ranks; uint32 ids past int32 too."""
+  q, k, v, _, _ = qkv(2, 4, 6, 2, 1)
+  kw = dict(implementation=impl, interpret=True) if impl == "triton" else dict(implementation=impl)
+  big = 2 ** 32
+  q_ids = np.array([[big, big, 5, 5], [0, 0, 0, 0]])
+  kv_ids = np.array([[big, big, big, 5, 5, 5], [big] * 6])  # row 1: no document in common
+  q_rank, kv_rank = np.array([[1, 1, 0, 0], [0] * 4]), np.array([[1, 1, 1, 0, 0, 0], [1] * 6])
+  want = fa2_jax.reference_attention(q, k, v, is_causal=False, q_segment_ids=jnp.asarray(q_rank),
+                                     kv_segment_ids=jnp.asarray(kv_rank), return_residual=True)
+  call = lambda a, b: fa2_jax.flash_attention(q, k, v, q_segment_ids=a, kv_segment_ids=b,  # noqa: E731
+                                              return_residual=True, **kw)
+  with jax.enable_x64(True):
+    for a, b in ((q_ids, kv_ids), (jnp.asarray(q_ids), jnp.asarray(kv_ids))):
+      for got in (call(a, b), jax.jit(call)(a, b)):
+        for g, w in zip(got, want):
+          np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), atol=1e-6)
+    out, lse = jax.jit(call)(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    assert not np.any(np.asarray(out[1])) and np.all(np.asarray(lse[1]) == -np.inf)
+  high = np.uint32(2 ** 31)  # uint32 ids past int32, without x64
+  unsigned = call(q_rank.astype(np.uint32) + high, kv_rank.astype(np.uint32) + high)
+  for g, w in zip(unsigned, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6)
 
 def test_formula_with_a_constant_mask_fn_compiles_quickly():
   """A mask_fn of the indices alone makes the formula's mask a function of constants; XLA folded
