@@ -265,6 +265,16 @@ def _auto_plan(mesh, arg_shapes, layouts, whole=()) -> Plan:
         "flash_attention: " + "; ".join(p.problems) + ". XLA gathers these axes so that every "
         "device holds them whole before the kernel runs; shard only the batch axis B and/or the "
         "heads to run it locally.")
+  # Segment ids ("bt", "bs") follow the plan of q, k, v; one sharded along its sequence axis is
+  # gathered (as are the block ranges computed from it before the kernel), which no check above sees.
+  for a, layout in zip(arg_shapes[3:], layouts[3:]):
+    if layout in ("bt", "bs") and isinstance(a.sharding, NamedSharding):
+      if _entries(a.sharding.spec, len(layout))[1]:
+        warnings.warn(
+            f"flash_attention: the segment ids are sharded along their sequence axis "
+            f"{layout[1].upper()}, which the kernels keep whole: XLA gathers them (and the block "
+            "ranges computed from them); shard them like the batch axis of query/key/value.")
+        break
   return p
 
 

@@ -203,6 +203,27 @@ def test_auto_unsupported_sharding_is_gathered_with_a_warning(q_spec, k_spec, ma
          _reference(q, k, v))
 
 
+
+@needs4
+def test_auto_segment_ids_sharded_along_the_sequence_warn():
+  """Segment ids sharded along T/S under Auto axes (query/key/value sharded on B only) are gathered
+  before the kernel: the result is correct and a UserWarning names them (none did before: the plan
+  read the shardings of query, key and value alone)."""
+  mesh = _mesh((2, 2), ("data", "model"), AxisType.Auto)
+  q, k, v = _qkv(seed=3)
+  b, t, s = q.shape[0], q.shape[1], k.shape[1]
+  q_seg = jnp.asarray(np.repeat(np.arange(2), t // 2)[None].repeat(b, 0), jnp.int32)
+  kv_seg = jnp.asarray(np.repeat(np.arange(2), s // 2)[None].repeat(b, 0), jnp.int32)
+  qkv_s, seg_s = NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data", "model"))
+  f = lambda q, k, v, a, c: flash(q, k, v, q_segment_ids=a, kv_segment_ids=c)  # noqa: E731
+  fn = jax.jit(f, in_shardings=(qkv_s, qkv_s, qkv_s, seg_s, seg_s))
+  with pytest.warns(UserWarning, match="segment ids are sharded along their sequence axis"):
+    compiled = fn.lower(q, k, v, q_seg, kv_seg).compile()
+  out = compiled(*(jax.device_put(x, qkv_s) for x in (q, k, v)),
+                 jax.device_put(q_seg, seg_s), jax.device_put(kv_seg, seg_s))
+  want = fa2_jax.reference_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+  np.testing.assert_allclose(out, want, atol=2e-5)
+
 # --- Explicit mesh axes: shard_map at trace time ----------------------------------------------------
 
 @needs4
