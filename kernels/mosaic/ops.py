@@ -126,7 +126,6 @@ def store_register_order(x, ref):
   contiguous run of 256 bytes, no bank conflicts and no swizzle, where a row-major tile puts a
   warp's 8 rows on the same banks. Compiled kernels only (Pallas' interpreter has no
   ``inline_mgpu``)."""
-  from jax.experimental import mosaic as _mosaic  # noqa: F401  (registers the mgpu dialect)
   from jax.experimental.mosaic.gpu import fragmented_array as fa
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
