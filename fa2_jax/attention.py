@@ -399,6 +399,12 @@ def _partitionable(st: _Static) -> bool:
   return not emulating()
 
 
+def _foldable(st: _Static) -> bool:
+  """Whether a vmapped call may fold its mapped axis into B (fa2_jax.sharding.partitioned): not where
+  a ``mask_fn``/``score_fn`` reads the batch index, which folding would change."""
+  return "b" not in index_reads(st.variant)
+
+
 def _lse(st: _Static, stats, extras, kv_extent: int):
   """flash_attention's ``lse [B, T, N]`` from the kernels' row statistics ``[B, N, 2, T]`` (with
   ALiBi, the kernels' row shift added back: ``masking.alibi_lse_shift``; ``kv_extent`` the kernels'
@@ -413,13 +419,15 @@ def _lse(st: _Static, stats, extras, kv_extent: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, extras, st: _Static):
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
-                                partition=_partitionable(st), whole=dict(st.whole))
+                                partition=_partitionable(st), whole=dict(st.whole),
+                                fold_vmap=_foldable(st))
   return out, _lse(st, stats, extras, k.shape[1])
 
 
 def _flash_fwd(q, k, v, extras, st: _Static):
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
-                                partition=_partitionable(st), whole=dict(st.whole))
+                                partition=_partitionable(st), whole=dict(st.whole),
+                                fold_vmap=_foldable(st))
   return (out, _lse(st, stats, extras, k.shape[1])), (q, k, v, extras, out, stats)
 
 
@@ -455,7 +463,7 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
   dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, stats, dout.astype(q.dtype), dlse,
                                  extras, _layouts(st, extras), partition=_partitionable(st),
-                                 whole=dict(st.whole))
+                                 whole=dict(st.whole), fold_vmap=_foldable(st))
   # The variant operands (lengths, segment ids, offsets: integers; ALiBi slopes: not differentiated)
   # get zero cotangents.
   return dq, dk, dv, tuple(None for _ in extras)

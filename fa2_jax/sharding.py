@@ -37,9 +37,11 @@ key sequence, ``n`` query heads, ``k`` KV heads, ``h`` head_dim, ``x`` the two r
 An operand the kernels gain later (lengths ``"b"``, segment ids ``"bt"``/``"bs"``, per-head slopes
 ``"n"``, a scalar ``""``) is sharded by the same plan through its layout.
 
-Limits: under ``vmap`` the partitioned calls batch as the plain kernels do (their ``custom_vmap`` rule
-maps the plain kernel), so a vmapped call gets XLA's default (gathering) partitioning; their
-derivatives are those of the plain kernels (a ``custom_jvp`` whose rule is the plain kernel's JVP), so
+Under ``vmap`` the partitioned calls fold the mapped axis into B (their ``custom_vmap`` rule; over
+Explicit axes through :func:`local_call`), so a mapped axis sharded like B runs locally too; where a
+``mask_fn``/``score_fn`` reads the batch index (which folding would change) they map the plain
+kernel, which XLA partitions by gathering (Explicit axes: a ValueError).
+Limits: the partitioned calls' derivatives are those of the plain kernels (a ``custom_jvp`` whose rule is the plain kernel's JVP), so
 second-order and forward-mode errors are unchanged. On a mesh mixing Explicit and Auto axes the
 ``shard_map`` covers every axis, so what the Auto axes shard is gathered there. ``jax.export`` of a
 call sharded over Auto axes fails ("serialization of host_callbacks is not yet implemented": the
@@ -309,13 +311,18 @@ _partitioned.def_partition(_partition, sharding_rule=_rule)
 
 
 def partitioned(fn: Callable, arrays: Sequence, in_layouts: Sequence[str],
-                out_layouts: Sequence[str], whole: Mapping[str, str] | None = None):
+                out_layouts: Sequence[str], whole: Mapping[str, str] | None = None,
+                fold_vmap: bool = False):
   """``fn(*arrays)`` (a tuple of arrays of ``out_layouts``), partitioned over Auto mesh axes by the
   plan of q, k, v (``arrays[:3]``; ``whole`` as for :func:`plan`: gathered, with a warning). It
-  batches (vmap) and differentiates (jvp) as ``fn`` does: ``custom_partitioning`` has neither rule
-  of its own. ``fn`` is a static argument: hashable."""
+  differentiates (jvp) as ``fn`` does: ``custom_partitioning`` has no rule of its own. Under
+  ``vmap``: with ``fold_vmap`` (every operand and result has B first, and ``fn`` does not read the
+  batch index) the mapped axis folds into B (``[E, B, ...]`` -> ``[E * B, ...]``, unmapped operands
+  broadcast), so the call stays partitioned over a mapped axis sharded like B; otherwise ``fn`` is
+  mapped as is, which XLA partitions by gathering. ``fn`` is a static argument: hashable."""
   in_layouts, out_layouts = tuple(in_layouts), tuple(out_layouts)
   whole = tuple(sorted((whole or {}).items()))  # a static argument: hashable
+  fold = fold_vmap and all(layout.startswith("b") for layout in (*in_layouts, *out_layouts))
 
   @jax.custom_batching.custom_vmap
   def call(*xs):
@@ -323,9 +330,26 @@ def partitioned(fn: Callable, arrays: Sequence, in_layouts: Sequence[str],
 
   @call.def_vmap
   def _vmap(axis_size, in_batched, *xs):
-    del axis_size
-    outs = jax.vmap(fn, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
-    return outs, jax.tree.map(lambda _: True, outs)
+    if not fold:
+      if any(_explicit_spec(x) for x, mapped in zip(xs, in_batched) if mapped):
+        raise ValueError(
+            "flash_attention under vmap over an axis sharded over Explicit mesh axes runs per "
+            "device by folding the mapped axis into the batch axis B, which would change the batch "
+            "index that the mask_fn/score_fn reads: reshard the mapped axis to replicated "
+            "(jax.sharding.reshard), or use implementation='xla'")
+      outs = jax.vmap(fn, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
+      return outs, jax.tree.map(lambda _: True, outs)
+    # [E, B, ...] -> [E * B, ...]; an unmapped operand is the same for every e
+    xs = [x if mapped else jax.numpy.broadcast_to(x, (axis_size, *x.shape)) for x, mapped in
+          zip(xs, in_batched)]
+    xs = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in xs]
+    if any(_explicit_spec(x) for x in xs):  # a mapped axis sharded over Explicit axes: per device
+      names = (*QKV_NAMES, *(f"operand {i}" for i in range(3, len(xs))))
+      outs = local_call(call, xs, in_layouts, out_layouts, names, dict(whole))
+    else:
+      outs = call(*xs)
+    outs = tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs)
+    return outs, tuple(True for _ in outs)
 
   @jax.custom_jvp
   def differentiable(*xs):
@@ -339,25 +363,29 @@ def partitioned(fn: Callable, arrays: Sequence, in_layouts: Sequence[str],
 
 
 def forward(kernel: Callable, q, k, v, st, extras=(), extra_layouts=(), partition: bool = True,
-            whole: Mapping[str, str] | None = None):
+            whole: Mapping[str, str] | None = None, fold_vmap: bool = False):
   """``kernel(q, k, v, extras, st) -> (out [B, T, N, H], stats [B, N, 2, T])``, partitioned; ``extras``
   (the variant operands) are sharded by their ``extra_layouts`` (e.g. ``"b"``, ``"bt"``).
   ``partition=False`` calls the kernel as is (kernels that cannot be partitioned, see
-  ``attention._partitionable``); ``whole`` as for :func:`plan`."""
+  ``attention._partitionable``); ``whole`` as for :func:`plan`; ``fold_vmap`` as for
+  :func:`partitioned`."""
   fn = functools.partial(_call_forward, kernel, st)
   if not partition:
     return fn(q, k, v, *extras)
-  return partitioned(fn, (q, k, v, *extras), (Q, KV, KV, *extra_layouts), (Q, STATS), whole)
+  return partitioned(fn, (q, k, v, *extras), (Q, KV, KV, *extra_layouts), (Q, STATS), whole,
+                     fold_vmap)
 
 
 def backward(kernel: Callable, st, q, k, v, out, stats, dout, dlse, extras=(), extra_layouts=(),
-             partition: bool = True, whole: Mapping[str, str] | None = None):
+             partition: bool = True, whole: Mapping[str, str] | None = None,
+             fold_vmap: bool = False):
   """``kernel(st, q, k, v, out, stats, dout, dlse, *extras) -> (dq, dk, dv)``, partitioned."""
   fn = functools.partial(_call_backward, kernel, st)
   arrays = (q, k, v, out, stats, dout, dlse, *extras)
   if not partition:
     return fn(*arrays)
-  return partitioned(fn, arrays, (Q, KV, KV, Q, STATS, Q, LSE, *extra_layouts), (Q, KV, KV), whole)
+  return partitioned(fn, arrays, (Q, KV, KV, Q, STATS, Q, LSE, *extra_layouts), (Q, KV, KV), whole,
+                     fold_vmap)
 
 
 def _call_forward(kernel, st, q, k, v, *extras):

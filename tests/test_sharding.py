@@ -224,6 +224,7 @@ def test_auto_segment_ids_sharded_along_the_sequence_warn():
   want = fa2_jax.reference_attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg)
   np.testing.assert_allclose(out, want, atol=2e-5)
 
+
 # --- Explicit mesh axes: shard_map at trace time ----------------------------------------------------
 
 @needs4
@@ -497,3 +498,33 @@ def test_index_reads():
   assert reads(mask_fn=_mask_reads_b, score_fn=_score_reads_h) == {"b", "h"}
   # A score_fn that keeps its result to the score's shape (as validation requires) still reads h.
   assert reads(score_fn=lambda s, b, h, i, j: jnp.where(h == 0, s, 0.5 * s).reshape(s.shape)) == {"h"}
+
+@needs4
+@pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
+@pytest.mark.parametrize("mask_fn", [None, _mask_reads_b], ids=["plain", "mask_fn_reads_b"])
+def test_vmap_over_a_sharded_axis(kind, mask_fn):
+  """vmap over an axis sharded like B folds it into B (sharding.partitioned's vmap rule): the call
+  runs per device with no collective (before: under Auto axes XLA gathered q, k and v around the
+  kernels; under Explicit ones the Pallas interpreter failed inside JAX). A mask_fn that reads the
+  batch index keeps the plain vmap, since folding would change the index it sees: correct values,
+  gathered, under Auto axes; a ValueError naming the way out under Explicit ones."""
+  mesh = _mesh((4,), ("data",), kind)
+  qs, ks, vs = zip(*(_qkv(seed=20 + e) for e in range(4)))  # [E=4, B, ...]
+  q, k, v = (jnp.stack(x) for x in (qs, ks, vs))
+  kw = dict(is_causal=True, key_value_seq_lengths=jnp.full((B,), S - 3, jnp.int32), mask_fn=mask_fn)
+  loss = lambda q, k, v: jnp.sum(jnp.tanh(flash(q, k, v, **kw)))  # noqa: E731
+  fn = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2))))
+  ref = lambda q, k, v: jnp.sum(jnp.tanh(fa2_jax.reference_attention(q, k, v, **kw)))  # noqa: E731
+  want = jax.vmap(jax.value_and_grad(ref, argnums=(0, 1, 2)))(q, k, v)
+  with jax.set_mesh(mesh) if kind == AxisType.Explicit else contextlib.nullcontext():
+    args = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, k, v)]
+    if kind == AxisType.Explicit and mask_fn is not None:
+      with pytest.raises(ValueError, match="would change the batch index"):
+        fn(*args)
+      return
+    compiled = fn.lower(*args).compile()
+    got = compiled(*args)
+  gathered = any(op == "all-gather" for op, _ in _collectives(compiled.as_text()))
+  assert gathered == (mask_fn is not None)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, atol=5e-5, rtol=1e-5)
