@@ -39,7 +39,6 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 # Bound on |window side|, |q_offset| and sequence lengths: with each below 2**30, j - p and p - left
 # stay inside int32; p + right can pass 2**31, so the rule compares j - p with the sides and the block

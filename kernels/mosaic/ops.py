@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax._src.state import types as state_types
 from jax.experimental import pallas as pl
@@ -84,6 +85,7 @@ def smem_transforms_f32():
 REGISTER_ORDER_ROW = 256
 
 
+@functools.cache  # a constant of the shape: the backward's trace reads it once per piece shape
 def register_order(shape: tuple[int, int]):
   """int64 ``[prod(shape)]``: entry ``k`` is the row-major index, in a ``shape`` array of WGMMA layout
   (the f32 accumulator's, Mosaic's ``WGMMA_LAYOUT``), of the value that thread ``t`` of the
@@ -91,8 +93,7 @@ def register_order(shape: tuple[int, int]):
   order in which :func:`store_register_order` writes it. Computed from the layout's tiling, as
   Mosaic's ``TiledLayout.thread_idxs`` does on the device (the PTX layout of ``wgmma .m64nNk16``:
   warp ``w``, lane ``l`` hold rows ``16 w + l // 4`` and ``+ 8``, columns ``2 (l % 4)`` and ``+ 1`` of
-  each 8-column group)."""
-  import numpy as np
+  each 8-column group). Read-only (cached)."""
   from jax.experimental.mosaic.gpu import fragmented_array as fa
 
   layout = fa.WGMMA_LAYOUT
@@ -117,7 +118,9 @@ def register_order(shape: tuple[int, int]):
     for i, r in enumerate(regs):
       order[i, t] = base + sum(a * s for a, s in zip(r, tile_strides)) + np.arange(vec) * inner[
           layout.vector_dim]
-  return order.reshape(-1)
+  order = order.reshape(-1)
+  order.flags.writeable = False
+  return order
 
 
 def store_register_order(x, ref):
