@@ -182,10 +182,12 @@ def _check_lengths(name, x, b, limit, rank3: bool):
 
 
 def _check_segments(name, x, b, length, rank3: bool):
-  """Segment ids: integer ``[B, L]`` (rank-3 call: ``[L]`` too) -> ``(int32 [B, L], ranked)``:
-  ``ranked`` when the ids' dtype can hold values past int32 (64-bit, uint32) and they are not known
-  to fit it (traced, or concrete and outside): the caller then replaces both sides by their joint
-  ranks (:func:`_rank_segments`), which a plain cast would wrap (``2**32`` equal to ``0``)."""
+  """Segment ids: integer ``[B, L]`` (rank-3 call: ``[L]`` too) -> ``(int32 [B, L], ranked,
+  values)``: ``ranked`` when the ids' dtype can hold values past int32 (64-bit, uint32) and they are
+  not known to fit it (traced, or concrete and outside): the caller then replaces both sides by their
+  joint ranks (:func:`_rank_segments`), which a plain cast would wrap (``2**32`` equal to ``0``).
+  ``values``: the host copy such ids were checked on (None when traced or not wide), which the
+  ranking reuses."""
   raw = x
   x = _int_array(name, x)
   want = [(b, length)] + ([(length,)] if rank3 else [])
@@ -194,20 +196,22 @@ def _check_segments(name, x, b, length, rank3: bool):
                      + (f" or {_shape_str((length,))}" if rank3 else "")
                      + f", got {_shape_str(x.shape)}")
   if isinstance(x, jax.ShapeDtypeStruct):
-    return x, False
+    return x, False, None
   wide = np.dtype(raw.dtype).itemsize > 4 or np.dtype(raw.dtype) == np.uint32
   values = _concrete(raw) if wide else None
   fits = not wide or (values is not None and (
       not values.size or (values.min() >= -2 ** 31 and values.max() < 2 ** 31)))
-  return x.reshape(b, length), not fits
+  return x.reshape(b, length), not fits, values
 
 
-def _rank_segments(q_ids, kv_ids, b: int, t: int, s: int):
+def _rank_segments(q_ids, kv_ids, b: int, t: int, s: int, q_raw=None, kv_raw=None):
   """Both sides' segment ids replaced by their ranks among the ids of their batch row (``[B, T]``,
   ``[B, S]`` int32 in ``[0, T + S)``): equal ids stay equal and order is kept (the kernels' block
   ranges read per-block minima and maxima), so 64-bit ids past int32 keep their meaning. Concrete
-  ids are ranked on the host, traced ones in the program."""
-  q_raw, kv_raw = _concrete(q_ids), _concrete(kv_ids)
+  ids are ranked on the host, traced ones in the program; ``q_raw``/``kv_raw``: host copies already
+  taken (:func:`_check_segments`), else taken here."""
+  q_raw = _concrete(q_ids) if q_raw is None else q_raw
+  kv_raw = _concrete(kv_ids) if kv_raw is None else kv_raw
   host = q_raw is not None and kv_raw is not None
   dtypes = (np.dtype(q_ids.dtype), np.dtype(kv_ids.dtype))
   common = np.promote_types(*dtypes)
@@ -367,10 +371,10 @@ def check_variant(query, key, *, is_causal=False, query_seq_lengths=None, key_va
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids and kv_segment_ids must be given together (both or neither)")
   if q_segment_ids is not None:
-    q_seg, q_wide = _check_segments("q_segment_ids", q_segment_ids, b, t, rank3)
-    kv_seg, kv_wide = _check_segments("kv_segment_ids", kv_segment_ids, b, s, rank3)
+    q_seg, q_wide, q_host = _check_segments("q_segment_ids", q_segment_ids, b, t, rank3)
+    kv_seg, kv_wide, kv_host = _check_segments("kv_segment_ids", kv_segment_ids, b, s, rank3)
     if q_wide or kv_wide:
-      q_seg, kv_seg = _rank_segments(q_segment_ids, kv_segment_ids, b, t, s)
+      q_seg, kv_seg = _rank_segments(q_segment_ids, kv_segment_ids, b, t, s, q_host, kv_host)
   window = check_window(local_window_size)
   cap = check_soft_cap(logits_soft_cap)
   if alibi_slopes is not None:
