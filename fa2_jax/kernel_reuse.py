@@ -53,16 +53,20 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
     raise TypeError(f"cache_dir must be None, a str or an os.PathLike, got {type(cache_dir).__name__}")
   if cache_dir is not None and not os.fspath(cache_dir):
     raise ValueError("cache_dir must name a folder, got ''")
-  if cache_dir is not None and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
-    raise ValueError(f"cache_dir must be a folder, got the file {os.fspath(cache_dir)!r}")
+  if cache_dir is not None:  # checked as it will be used: "~" expanded
+    folder = os.path.expanduser(os.fspath(cache_dir))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+      raise ValueError(f"cache_dir must be a folder, got the file {folder!r}")
   if cache_dir is not None and not enabled:
     raise ValueError("cache_dir needs enabled=True (the folder holds the reused kernels)")
+  if length_multiple is not None and not enabled:
+    raise ValueError("length_multiple needs enabled=True (the padded lengths reuse the kernels)")
   if enabled and cache_dir is not None:
     if importlib.util.find_spec("flatbuffers") is None:  # jax.export's serialization needs it
       raise ImportError("cache_dir needs the flatbuffers package for jax.export's serialization: "
                         "install fa2_jax's kernel-cache extra, or flatbuffers itself")
   previous = lowering_cache.set_enabled(enabled)
-  _STATE["length_multiple"] = length_multiple if enabled else None
+  _STATE["length_multiple"] = length_multiple
   lowering_cache.set_cache_dir(cache_dir if enabled else None)
   return previous
 

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -243,12 +244,19 @@ def test_a_later_process_reads_the_kernels_from_the_cache_dir(tmp_path):
 
 
 def test_a_damaged_cache_file_is_lowered_again(tmp_path):
-  """A file that does not deserialize is a miss: the kernel is lowered and the file written anew."""
+  """A damaged file (one byte changed, which may still deserialize: the kernel's module is an opaque
+  string there, under the undamaged module's kernel hash) and an intact export of another kernel
+  copied under this one's name are misses: the kernel is lowered and the file written anew."""
   first = _lower_in_a_fresh_process(tmp_path)
-  for path in tmp_path.glob("*.jax_exported"):
-    path.write_bytes(b"not an export")
+  damaged, copied_over = sorted(tmp_path.glob("*.jax_exported"))
+  data = bytearray(damaged.read_bytes())
+  copied_over.write_bytes(bytes(data))  # the other kernel's operands
+  data[len(data) // 2] ^= 0x01
+  damaged.write_bytes(bytes(data))
   again = _lower_in_a_fresh_process(tmp_path)
   assert again["reads"] == 0 and again["writes"] == 2 and again["hashes"] == first["hashes"]
+  third = _lower_in_a_fresh_process(tmp_path)  # the files written anew are read
+  assert third["reads"] == 2 and third["writes"] == 0
 
 
 def test_kernels_of_a_mask_fn_are_not_written(tmp_path):
@@ -314,14 +322,21 @@ def test_a_function_with_its_own_repr_is_not_written():
 
 
 def test_a_folder_that_cannot_be_written_warns_and_keeps_the_kernels(tmp_path, monkeypatch):
-  """A failed write costs a warning, once, not the user's program; the export is still held."""
-  exp = jax.export.export(jax.jit(lambda x: x + 1))(jax.ShapeDtypeStruct((2,), jnp.float32))
+  """A failed write costs a warning, once per folder, pointing at the caller's line, not the user's
+  program; the export is still held."""
+  aval = jax.ShapeDtypeStruct((2,), jnp.float32)
+  exp = jax.export.export(jax.jit(lambda x: x + 1))(aval)
   blocker = tmp_path / "a_file"
   blocker.write_text("")
-  monkeypatch.setitem(lowering_cache._STATE, "warned", False)
-  with pytest.warns(RuntimeWarning, match="cannot write kernel lowerings"):
+  monkeypatch.setitem(lowering_cache._STATE, "warned", set())
+  with pytest.warns(RuntimeWarning, match="cannot write kernel lowerings") as caught:
     assert not lowering_cache._write(str(blocker / "sub" / "k.jax_exported"), exp)
-  assert not lowering_cache._write(str(blocker / "sub" / "k.jax_exported"), exp)  # no second warning
+  assert caught[0].filename == __file__
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert not lowering_cache._write(str(blocker / "sub" / "k.jax_exported"), exp)  # warned already
+  with pytest.warns(RuntimeWarning, match="other"):  # another folder warns again
+    assert not lowering_cache._write(str(blocker / "other" / "k.jax_exported"), exp)
   path = tmp_path / "new" / "k.jax_exported"  # a folder not there yet is made
   monkeypatch.setitem(lowering_cache._STATE, "umask", lowering_cache._STATE["umask"])  # restored after
   umask = os.umask(0o027)  # a group-shared folder's umask, read when the folder is set
@@ -332,7 +347,8 @@ def test_a_folder_that_cannot_be_written_warns_and_keeps_the_kernels(tmp_path, m
     os.umask(umask)
   assert lowering_cache._write(str(path), exp)
   assert path.stat().st_mode & 0o777 == 0o640
-  assert lowering_cache._read(str(path)).call(jnp.ones(2)).tolist() == [2.0, 2.0]
+  assert lowering_cache._read(str(path), (aval,)).call(jnp.ones(2)).tolist() == [2.0, 2.0]
+  assert lowering_cache._read(str(path), (jax.ShapeDtypeStruct((3,), jnp.float32),)) is None
 
 
 def test_cache_dir_without_flatbuffers_names_the_package(monkeypatch, tmp_path):
@@ -346,7 +362,7 @@ def test_cache_dir_without_flatbuffers_names_the_package(monkeypatch, tmp_path):
   assert kernel_reuse.info() == before
 
 
-def test_switch_arguments_are_checked():
+def test_switch_arguments_are_checked(tmp_path, monkeypatch):
   before = kernel_reuse.info()
   with pytest.raises(TypeError, match="enabled must be a bool"):
     fa2_jax.reuse_kernels_across_programs("yes")
@@ -359,8 +375,14 @@ def test_switch_arguments_are_checked():
     fa2_jax.reuse_kernels_across_programs(True, cache_dir=__file__)
   with pytest.raises(ValueError, match="cache_dir must name a folder"):
     fa2_jax.reuse_kernels_across_programs(True, cache_dir="")
+  monkeypatch.setenv("HOME", str(tmp_path))
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(ValueError, match="cache_dir must be a folder"):  # after "~" is expanded
+    fa2_jax.reuse_kernels_across_programs(True, cache_dir="~/a_file")
   with pytest.raises(ValueError, match="cache_dir needs enabled=True"):
     fa2_jax.reuse_kernels_across_programs(False, cache_dir=os.path.dirname(__file__))
+  with pytest.raises(ValueError, match="length_multiple needs enabled=True"):
+    fa2_jax.reuse_kernels_across_programs(False, length_multiple=64)
   assert kernel_reuse.info() == before  # a rejected call changes nothing
 
 

@@ -45,7 +45,7 @@ import jax
 from jax._src import config as jax_config  # export_ignore_forward_compatibility: no public context form
 
 _STATE = {"enabled": False, "hits": 0, "misses": 0, "cache_dir": None, "reads": 0, "writes": 0,
-          "warned": False, "umask": 0o022}
+          "warned": set(), "umask": 0o022}
 _SOURCES: list = []  # the package sources' hash, computed once (_sources_hash)
 _ENVIRONMENT: list = []  # versions and GPU, read once (_environment)
 _EXPORTED: dict = {}
@@ -187,42 +187,67 @@ def _file_name(key, static: dict) -> str | None:
   return hashlib.sha256(text.encode()).hexdigest() + ".jax_exported"
 
 
-def _read(path: str):
-  """The export in ``path``, or None where there is none or it cannot be read (then it is lowered
-  again and the file written anew)."""
+# A cache file: this magic, the SHA-256 of the payload (32 bytes), then the payload (jax.export's
+# serialized form). The digest catches a damaged file that would still deserialize: the kernel's
+# module is an opaque string inside the export, and its kernel hash would name the undamaged module.
+_MAGIC = b"fa2_jax-export-1\n"
+
+
+def _read(path: str, avals):
+  """The export in ``path``, or None where there is none, it is damaged (digest), it does not
+  deserialize, or it was made for other operands than ``avals`` (a file copied under another key's
+  name): then the kernel is lowered again and the file written anew."""
   try:
     with open(path, "rb") as f:
       data = f.read()
   except OSError:
     return None
+  head = len(_MAGIC) + 32
+  if (len(data) < head or not data.startswith(_MAGIC)
+      or hashlib.sha256(data[head:]).digest() != data[len(_MAGIC):head]):
+    return None
   try:
-    return jax.export.deserialize(bytearray(data))
+    exp = jax.export.deserialize(bytearray(data[head:]))
   except Exception:  # noqa: BLE001  a damaged file is a miss, not an error of the user's program
     return None
+  if tuple(exp.in_avals) != tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in avals):
+    return None
+  return exp
 
 
 def _write(path: str, exp) -> bool:
   """Writes atomically (a reader sees the whole file or none; another process may write it too),
   readable by whoever the umask lets read new files, as the folder is meant to be shared. A folder
-  that cannot be written costs a warning, once per process, not the user's program: False."""
+  that cannot be written costs a warning, once per folder and process, not the user's program:
+  False."""
   folder = os.path.dirname(path)
   tmp = None
   try:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    payload = bytes(exp.serialize())
     with os.fdopen(fd, "wb") as f:
-      f.write(exp.serialize())
+      f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
     os.chmod(tmp, 0o666 & ~_STATE["umask"])
     os.replace(tmp, path)
     return True
   except OSError as e:
     if tmp is not None and os.path.exists(tmp):
       os.remove(tmp)
-    if not _STATE["warned"]:
-      _STATE["warned"] = True
+    if folder not in _STATE["warned"]:
+      _STATE["warned"].add(folder)
       warnings.warn(f"fa2_jax: cannot write kernel lowerings to cache_dir {folder!r} ({e}); they "
-                    "are kept for this process only", RuntimeWarning, stacklevel=2)
+                    "are kept for this process only", RuntimeWarning,
+                    skip_file_prefixes=_internal_prefixes())
     return False
+
+
+def _internal_prefixes() -> tuple[str, ...]:
+  """Folders of the frames a warning skips, so that it points at the user's line: this package, its
+  kernels and JAX (the kernels are lowered while JAX traces the user's program)."""
+  import fa2_jax
+  import fa2_jax.kernels
+  return tuple(os.path.dirname(m.__file__) + os.sep for m in (fa2_jax, fa2_jax.kernels, jax))
 
 
 def _exported(fn, jitted, static: dict, operands):
@@ -238,7 +263,7 @@ def _exported(fn, jitted, static: dict, operands):
   # outside the lock: a concurrent miss may export (or read) it twice
   name = None if folder is None else _file_name(key, static)
   path = None if name is None else os.path.join(folder, name)
-  exp = None if path is None else _read(path)
+  exp = None if path is None else _read(path, avals)
   if exp is not None:
     with _LOCK:
       _STATE["reads"] += 1
