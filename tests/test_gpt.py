@@ -86,6 +86,8 @@ def test_data_is_deterministic(text_file):
   assert not np.array_equal(a[0], data_lib.get_batch(train, 8, batch_size=4, seq_len=32, seed=0)[0])
   assert data_lib.stdlib_source_bytes(1000) == data_lib.stdlib_source_bytes(1000)
   assert data_lib.decode(data_lib.encode("déf f():")) == "déf f():"
+  # a command-line prompt that is not UTF-8 (Python hands its bytes over as lone surrogates)
+  assert data_lib.encode(b"\xff\xfeab".decode("utf-8", "surrogateescape")).tolist() == [255, 254, 97, 98]
 
 
 def test_training_reduces_the_loss_and_samples_greedily(baseline):

@@ -183,5 +183,6 @@ def decode(ids) -> str:
 
 
 def encode(text: str) -> np.ndarray:
-  """Text to byte ids (int32)."""
-  return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+  """Text to byte ids (int32). Bytes that are not UTF-8 and reached Python as lone surrogates (a
+  command-line argument, decoded with ``surrogateescape``) are their original bytes again."""
+  return np.frombuffer(text.encode("utf-8", "surrogateescape"), dtype=np.uint8).astype(np.int32)
