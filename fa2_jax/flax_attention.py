@@ -5,6 +5,7 @@ flax's formula). Re-exported, with the ready layers, by :mod:`fa2_jax.flax`: imp
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import warnings
 from collections.abc import Callable
@@ -360,13 +361,20 @@ def _flax_formula(query, key, value, *, linen_caller: bool, is_causal: bool, pro
       attn_weights_value_einsum=attn_weights_value_einsum, **common, **extra)
 
 
+@functools.cache
+def _formula_parameters(linen_caller: bool) -> frozenset[str]:
+  """The keyword names flax's own formula takes (linen's or nnx's: :func:`_flax_formula`)."""
+  fn = nn.dot_product_attention if linen_caller else nnx.dot_product_attention
+  return frozenset(inspect.signature(fn).parameters)
+
+
 def make_attention_fn(implementation: str | None = None,
                       block_sizes: BlockSizes | MosaicConfig | None = None,
                       deterministic: bool = False, interpret: bool | None = None, *,
                       is_causal: bool = False, local_window_size: Any = None,
                       logits_soft_cap: float | None = None, alibi_slopes: Any = None,
                       mask_fn: Callable | None = None,
-                      score_fn: Callable | None = None) -> Callable[..., jax.Array]:
+                      score_fn: Callable | None = None) -> "FlashAttentionFn":
   """Returns an ``attention_fn`` for flax's attention layers that runs :func:`fa2_jax.flash_attention`.
 
   Args:
@@ -392,7 +400,8 @@ def make_attention_fn(implementation: str | None = None,
       With extra batch dims (``[b1, b2, ..., T, N, H]``) ``mask_fn``/``score_fn`` see the batch
       index ``b`` of the folded batch, ``b1_index * b2 + b2_index``.
 
-  The returned function also takes, per call, ``query_seq_lengths``, ``key_value_seq_lengths``,
+  The returned function (a :class:`FlashAttentionFn`: picklable where its functions are, and equal
+  to another made with the same arguments) also takes, per call, ``query_seq_lengths``, ``key_value_seq_lengths``,
   ``q_offset`` (``[batch...]``), ``q_segment_ids`` (``[batch..., q_length]``), ``kv_segment_ids``
   (``[batch..., kv_length]``) and ``alibi_slopes`` (``[num_heads]`` or ``[batch..., num_heads]``).
 
@@ -410,14 +419,58 @@ def make_attention_fn(implementation: str | None = None,
   fixed = check_static_variants(local_window_size=local_window_size,
                                  logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes,
                                  mask_fn=mask_fn, score_fn=score_fn)
-  kernel = functools.partial(flash_attention, implementation=implementation,
-                             block_sizes=block_sizes, deterministic=deterministic,
-                             interpret=interpret)
-  # A call with variants and a dense mask the kernels cannot take (a decode cache's, padding)
-  formula = functools.partial(flash_attention, implementation="xla")
+  return FlashAttentionFn(implementation, block_sizes, deterministic, interpret, always_causal,
+                          fixed)
+
+
+def _comparable(x):
+  """``x`` as a value that compares and hashes without arrays' elementwise ``==``: a concrete array
+  as its dtype and values, a hashable object as itself, anything else by identity."""
+  if hasattr(x, "shape") and hasattr(x, "dtype"):
+    if isinstance(x, jax.core.Tracer):
+      return ("id", id(x))
+    a = np.asarray(x)
+    return ("array", str(a.dtype), a.shape, tuple(a.ravel().tolist()))
+  try:
+    hash(x)
+  except TypeError:
+    return ("id", id(x))
+  return x
+
+
+class FlashAttentionFn:
+  """The ``attention_fn`` :func:`make_attention_fn` returns: its settings, and ``__call__`` with the
+  signature of flax's ``dot_product_attention``. A class, not a closure, so that modules holding it
+  pickle (where its ``mask_fn``/``score_fn`` do), and equal to another made with the same
+  arguments (nnx compares a graph's static fields: equal ones reuse a jitted trace)."""
+
+  def __init__(self, implementation, block_sizes, deterministic: bool, interpret, always_causal: bool,
+               fixed: dict[str, Any]):
+    self._kernel = functools.partial(flash_attention, implementation=implementation,
+                                     block_sizes=block_sizes, deterministic=deterministic,
+                                     interpret=interpret)
+    # A call with variants and a dense mask the kernels cannot take (a decode cache's, padding)
+    self._formula = functools.partial(flash_attention, implementation="xla")
+    self._always_causal, self._fixed = always_causal, fixed
+    self._key = (implementation, _comparable(block_sizes), deterministic, interpret, always_causal,
+                 tuple(sorted((k, _comparable(v)) for k, v in fixed.items())))
+
+  def __eq__(self, other):
+    return type(other) is type(self) and other._key == self._key
+
+  def __hash__(self):
+    return hash(self._key)
+
+  def __repr__(self):
+    impl, _, det, interp, causal, fixed = self._key
+    args = [f"implementation={impl!r}"] + [f"{k}={v!r}" for k, v in (
+        ("deterministic", det), ("interpret", interp), ("is_causal", causal)) if v]
+    args += [f"{k}=<array>" if isinstance(v, tuple) and v[:1] in (("array",), ("id",)) else f"{k}={v!r}"
+             for k, v in fixed]
+    return f"fa2_jax.flax.FlashAttentionFn({', '.join(args)})"
 
   # The parameter names are the ones flax's layers pass (linen passes only the names listed here).
-  def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
+  def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
                    mask: jax.Array | None = None, broadcast_dropout: bool = True,
                    dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
                    deterministic: bool = False, dtype: Any = None, precision: Any = None,
@@ -430,7 +483,7 @@ def make_attention_fn(implementation: str | None = None,
                    kv_segment_ids: Any = None, q_offset: Any = None, alibi_slopes: Any = None,
                    local_window_size: Any = None, logits_soft_cap: float | None = None,
                    mask_fn: Callable | None = None, score_fn: Callable | None = None,
-                   **kwargs) -> jax.Array:
+                   input_positions: jax.Array | None = None, **kwargs) -> jax.Array:
     """FlashAttention with the signature of flax's ``dot_product_attention``.
 
     Args:
@@ -456,7 +509,10 @@ def make_attention_fn(implementation: str | None = None,
         ``[batch..., kv_length]``; alibi_slopes: ``[num_heads]`` or ``[batch..., num_heads]``;
         local_window_size, logits_soft_cap, mask_fn, score_fn: as in
         :func:`fa2_jax.flash_attention` (those not already given to :func:`make_attention_fn`).
-      **kwargs: future flax arguments: ``None`` values are ignored, others fall back to flax.
+      input_positions: a TypeError (``nnx.MultiHeadAttention`` passes them on for a rotary
+        ``attention_fn``; this one applies no rotary embeddings).
+      **kwargs: future flax arguments: ``None`` values are ignored, others fall back to flax's
+        formula where it takes them, and are a TypeError naming them where it does not.
 
     Returns:
       ``[batch..., q_length, num_heads, head_dim]`` in the compute dtype.
@@ -468,21 +524,35 @@ def make_attention_fn(implementation: str | None = None,
     """
     _check_arrays(query, key, value, bias, mask)
     _check_dropout(dropout_rate, deterministic, dropout_rng)
+    if input_positions is not None:
+      raise TypeError(
+          "fa2_jax.flax.attention_fn got input_positions, which flax passes on for rotary "
+          "embeddings; it applies none. Rotate query and key before it, e.g. attention_fn="
+          "lambda q, k, v, *, input_positions, **kw: fa2_jax.flax.attention_fn("
+          "rotary_embedding(q, input_positions), rotary_embedding(k, input_positions), v, **kw) "
+          "with fa2_jax.flax.rotary_embedding, or use fa2_jax.flax.NnxCausalSelfAttention("
+          "rotary=True)")
     given = dict(query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
                  q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
                  **check_static_variants(
                      local_window_size=local_window_size, logits_soft_cap=logits_soft_cap,
                      alibi_slopes=alibi_slopes, mask_fn=mask_fn, score_fn=score_fn))
-    variants = merge_variants(fixed, given)
+    variants = merge_variants(self._fixed, given)
     # The factory's flag leaves a single query row (a decode step) unmasked, unless q_offset says
     # where that row sits; see make_attention_fn.
     per_call_causal = check_bool("is_causal", is_causal)
-    lone_row = always_causal and query.shape[-3] == 1 and q_offset is None
-    causal = per_call_causal or (always_causal and not lone_row)
-    if (query.shape[-3] == 1 and key.shape[-3] != 1 and not (always_causal or per_call_causal)
+    lone_row = self._always_causal and query.shape[-3] == 1 and q_offset is None
+    causal = per_call_causal or (self._always_causal and not lone_row)
+    if (query.shape[-3] == 1 and key.shape[-3] != 1 and not (self._always_causal or per_call_causal)
         and q_offset is None and _POSITIONAL.intersection(variants)):
       _warn_top_left_row(variants)
     extra = {k: v for k, v in kwargs.items() if v is not None}
+    linen_caller = force_fp32_for_softmax is not None
+    unknown = sorted(set(extra) - _formula_parameters(linen_caller))
+    if unknown:
+      raise TypeError(f"fa2_jax.flax.attention_fn got unexpected arguments {unknown}: neither the "
+                      f"kernel nor flax's {'linen' if linen_caller else 'nnx'} "
+                      "dot_product_attention formula takes them")
     einsums = (qk_attn_weights_einsum, attn_weights_value_einsum)
     if promote_dtype is not None:
       query, key, value = promote_dtype((query, key, value), dtype=dtype)
@@ -499,7 +569,7 @@ def make_attention_fn(implementation: str | None = None,
         # Only the mask stands in the kernel's way: with variants, fa2_jax's own formula computes
         # the call, the mask as a mask_fn (flax's formula has no variants).
         if variants:
-          out = _masked_variant_formula(formula, query, key, value, mask, causal, variants,
+          out = _masked_variant_formula(self._formula, query, key, value, mask, causal, variants,
                                         lone_row)
           _warn_once(*reason, formula=_VARIANTS_FORMULA)
           return out
@@ -514,7 +584,7 @@ def make_attention_fn(implementation: str | None = None,
             f"({', '.join(sorted(variants))}). {why[1]}")
       _warn_once(*why)
       return _flax_formula(
-          query, key, value, linen_caller=force_fp32_for_softmax is not None, is_causal=causal,
+          query, key, value, linen_caller=linen_caller, is_causal=causal,
           promote_dtype=promote_dtype, force_fp32_for_softmax=force_fp32_for_softmax,
           qk_attn_weights_einsum=qk_attn_weights_einsum,
           attn_weights_value_einsum=attn_weights_value_einsum, extra=extra, bias=bias, mask=mask,
@@ -528,9 +598,7 @@ def make_attention_fn(implementation: str | None = None,
       last = (_position(key.shape[-3] - 1) if kv_len is None
               else jnp.asarray(kv_len, jnp.int32) - 1)
       causal, variants = True, {**variants, "q_offset": last}
-    return flash_any_batch(kernel, query, key, value, causal, variants)
-
-  return attention_fn
+    return flash_any_batch(self._kernel, query, key, value, causal, variants)
 
 
 # The default attention_fn: implementation=None (kernels on GPU, XLA formula on CPU).

@@ -102,6 +102,16 @@ def _static_variants(local_window_size, logits_soft_cap, alibi_slopes, mask_fn, 
   return {k: v for k, v in static.items() if v is not None}
 
 
+def _plain_window(window):
+  """``local_window_size`` with Python ints (a numpy or JAX integer scalar as given would be kept
+  as such by nnx, and compared elementwise); checked already (:func:`_check_static_fields`)."""
+  if window is None:
+    return None
+  if isinstance(window, (tuple, list)):
+    return tuple(None if w is None else int(w) for w in window)
+  return int(window)
+
+
 def _check_static_fields(num_heads: int, local_window_size, logits_soft_cap, alibi_slopes, mask_fn,
                          score_fn) -> None:
   """The static variant fields, checked when the module is made (ValueError/TypeError naming one)."""
@@ -251,10 +261,14 @@ class NnxCausalSelfAttention(nnx.Module):
                                      out_features)
     _check_static_fields(num_heads, local_window_size, logits_soft_cap, alibi_slopes, mask_fn,
                          score_fn)
-    self.rotary, self.rotary_base = rotary, rotary_base
+    self.in_features = in_features
+    self.rotary, self.rotary_base = rotary, float(rotary_base)
     self.attention_fn = attention_fn
-    # Static: a plain tuple / float / function (no arrays), so nnx keeps them out of the state.
-    self.local_window_size, self.logits_soft_cap = local_window_size, logits_soft_cap
+    # Static: a plain int / tuple / float / function (no arrays or numpy scalars, which nnx would
+    # compare elementwise between graphs or find traced under nnx.jit), so nnx keeps them out of the
+    # state.
+    self.local_window_size = _plain_window(local_window_size)
+    self.logits_soft_cap = None if logits_soft_cap is None else float(logits_soft_cap)
     self.alibi_slopes = None if alibi_slopes is None else tuple(float(a) for a in alibi_slopes)
     self.mask_fn, self.score_fn = mask_fn, score_fn
     linear = functools.partial(nnx.LinearGeneral, use_bias=use_bias, dtype=dtype,
@@ -271,6 +285,9 @@ class NnxCausalSelfAttention(nnx.Module):
                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                q_offset: jax.Array | int | None = None) -> jax.Array:
     """x: ``[batch..., T, in_features]``; the other arguments as in :class:`CausalSelfAttention`."""
+    if x.shape[-1] != self.in_features:
+      raise ValueError(f"x must have in_features = {self.in_features} features (its last dim), "
+                       f"got shape {tuple(x.shape)}")
     q, k, v = _split_heads(self.qkv(x), self.num_heads, self.num_kv_heads)
     variants = _module_variants(self, query_seq_lengths=query_seq_lengths,
                                 key_value_seq_lengths=key_value_seq_lengths,

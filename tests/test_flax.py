@@ -1099,7 +1099,13 @@ def test_bad_call_arguments_raise_clear_errors():
       (ValueError, "dropout_rate", dict(dropout_rate=1.5, dropout_rng=jax.random.PRNGKey(0))),
       (TypeError, "dropout_rate", dict(dropout_rate="0.1")),
       (ValueError, "dropout_rng", dict(dropout_rate=0.1, deterministic=False)),
+      # what nnx.MultiHeadAttention passes on for rotary attention functions: flax's own formula
+      # does not take it either, so no fallback can honour it
+      (TypeError, "input_positions, which flax passes on for rotary embeddings; it applies none",
+       dict(input_positions=jnp.arange(T))),
+      (TypeError, r"unexpected arguments \['future_option'\]", dict(future_option=3)),
   ]
+  fn(query=q, key=kv, value=kv, future_option=None)  # an unset argument is ignored
   for error, match, kw in cases:
     args = dict(query=q, key=kv, value=kv) | kw
     with pytest.raises(error, match=match):
@@ -1109,6 +1115,58 @@ def test_bad_call_arguments_raise_clear_errors():
   params = module.init(jax.random.PRNGKey(1), x)
   with pytest.raises(ValueError, match="mask"):
     module.apply(params, x, mask=jnp.ones((B, 1, T, T - 1), bool))
+
+
+def test_nnx_rotary_positions_through_the_advised_wrapper():
+  """The input_positions error's advice works: nnx.MultiHeadAttention with an attention_fn that
+  rotates query and key, equal to the same rotation before flax's own formula."""
+  x = inputs()
+  pos = jnp.broadcast_to(jnp.arange(T) + 3, (B, T))
+
+  def rotated(attend):
+    return lambda q, k, v, *, input_positions, **kw: attend(
+        fa2_flax.rotary_embedding(q, input_positions), fa2_flax.rotary_embedding(k, input_positions),
+        v, **kw)
+
+  layers = [nnx.MultiHeadAttention(HEADS, D, decode=False, rngs=nnx.Rngs(0), attention_fn=rotated(fn))
+            for fn in (fa2_flax.make_attention_fn(interpret=INTERPRET), nnx.dot_product_attention)]
+  got, want = (layer(x, input_positions=pos, is_causal=True) for layer in layers)
+  np.testing.assert_allclose(got, want, **TOL)
+
+
+def test_nnx_modules_pickle_and_equal_factories_compare_equal():
+  """The attention_fn is a picklable object, so nnx graphs that hold it pickle; two made with the
+  same arguments are equal (nnx compares graphs' static fields), others are not."""
+  import pickle
+  block = fa2_flax.NnxCausalSelfAttention(D, HEADS, 8, local_window_size=(4, 0), rngs=nnx.Rngs(0))
+  graph = pickle.loads(pickle.dumps(nnx.graphdef(block)))
+  assert graph == nnx.graphdef(block)
+  layer = nnx.MultiHeadAttention(HEADS, D, rngs=nnx.Rngs(0), attention_fn=fa2_flax.attention_fn)
+  pickle.dumps(nnx.graphdef(layer))
+  make = fa2_flax.make_attention_fn
+  assert make(is_causal=True, local_window_size=4) == make(is_causal=True, local_window_size=4)
+  assert hash(make(alibi_slopes=np.array([0.5, 0.25]))) == hash(make(alibi_slopes=np.array([0.5, 0.25])))
+  assert make(is_causal=True) != make() and make(local_window_size=4) != make(local_window_size=5)
+  assert make(alibi_slopes=np.array([0.5, 0.25])) != make(alibi_slopes=np.array([0.5, 0.5]))
+  assert pickle.loads(pickle.dumps(make(logits_soft_cap=30.0))) == make(logits_soft_cap=30.0)
+
+
+def test_nnx_block_keeps_plain_static_fields():
+  """numpy / JAX scalars given as static fields are kept as Python numbers: under nnx.jit a JAX
+  scalar soft cap is no traced value, and a numpy window compares with a tuple one without raising."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, T, D))
+  step = nnx.jit(lambda m, x: m(x))
+  fn = fa2_flax.make_attention_fn(implementation="xla")
+  make = lambda **kw: fa2_flax.NnxCausalSelfAttention(D, HEADS, 8, rngs=nnx.Rngs(0),  # noqa: E731
+                                                     attention_fn=fn, **kw)
+  numpy_fields = make(local_window_size=np.int64(4), logits_soft_cap=jnp.float32(3.0),
+                      rotary=True, rotary_base=np.float32(500.0))
+  plain = make(local_window_size=4, logits_soft_cap=3.0, rotary=True, rotary_base=500.0)
+  np.testing.assert_array_equal(step(numpy_fields, x), step(plain, x))
+  step(make(local_window_size=(4, 0)), x)  # after a module with the numpy window
+  assert type(numpy_fields.local_window_size) is int and type(numpy_fields.logits_soft_cap) is float
+  with pytest.raises(ValueError, match="in_features = 32"):
+    plain(jnp.ones((1, T, 16)))
 
 
 def test_importing_fa2_jax_does_not_import_flax():
