@@ -200,8 +200,9 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     allowed key gives output 0, lse ``-inf`` and zero gradients, and NaN/inf held by query rows that
     attend no key, or by keys or values no row may attend, never reach the outputs or gradients, except
     on the Mosaic kernels, where such keys and values inside an attended tile reach the outputs
-    through the tile products (keys past ``key_value_seq_lengths`` and past ``T`` under top-left causal
-    excepted: README, Limits).
+    through the tile products, and such query rows (and their ``dout`` rows) reach dK and dV (keys
+    past ``key_value_seq_lengths``, rows past ``query_seq_lengths`` and keys past ``T`` under
+    top-left causal excepted: README, Limits).
     Gradients flow to ``query``, ``key`` and ``value`` only (integer arguments have none). The
     kernels implement the variants listed in :data:`fa2_jax.dispatch.KERNEL_FEATURES`; with
     ``implementation=None`` any other variant runs on the XLA formula (chunked over query blocks

@@ -119,7 +119,8 @@ def _check_static_fields(num_heads: int, local_window_size, logits_soft_cap, ali
                          mask_fn=mask_fn, score_fn=score_fn)
   if alibi_slopes is not None:
     slopes = np.asarray(alibi_slopes)
-    if slopes.shape != (num_heads,) or slopes.dtype.kind not in "fiu":
+    if slopes.shape != (num_heads,) or not (jnp.issubdtype(slopes.dtype, jnp.floating)
+                                            or jnp.issubdtype(slopes.dtype, jnp.integer)):
       raise ValueError(f"alibi_slopes must be {num_heads} real numbers (one per query head), got "
                        f"{alibi_slopes!r}")
 

@@ -48,6 +48,19 @@ def check_soft_cap_scale(scale: float, cap: float | None) -> None:
         "scale leaves every logit of a normal size unchanged: leave logits_soft_cap unset")
 
 
+def _is_real_dtype(dtype) -> bool:
+  """Integer or floating, bfloat16 included (numpy files bfloat16 under kind 'V')."""
+  return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+
+
+def _as_float(name: str, x) -> float:
+  """``float(x)``; a ValueError naming ``name`` for an int past float's range (``10**400``)."""
+  try:
+    return float(x)
+  except OverflowError:
+    raise ValueError(f"{name} must be finite, got an integer too large for a float: {x}") from None
+
+
 def check_scale(scale):
   if scale is None:
     return None
@@ -58,14 +71,14 @@ def check_scale(scale):
   if isinstance(scale, (np.ndarray, jax.Array)):
     if scale.shape != ():
       raise TypeError(f"scale must be a scalar, got an array of shape {scale.shape}")
-    if np.dtype(scale.dtype).kind not in "fiu":
+    if not _is_real_dtype(scale.dtype):
       raise TypeError(f"scale must be a real number, got an array of dtype {scale.dtype}")
-    scale = float(scale)
   elif not isinstance(scale, numbers.Real):
     raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__} {scale!r}")
-  if not math.isfinite(float(scale)):
+  scale = _as_float("scale", scale)
+  if not math.isfinite(scale):
     raise ValueError(f"scale must be finite, got {scale}")
-  return float(scale)
+  return scale
 
 
 def validate_qkv(query, key, value) -> None:
@@ -268,10 +281,10 @@ def check_soft_cap(cap):
   if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, (numbers.Real, np.ndarray, jax.Array)):
     raise TypeError(f"logits_soft_cap must be a Python float or None, got {type(cap).__name__}")
   if isinstance(cap, (np.ndarray, jax.Array)):
-    if cap.shape != () or np.dtype(cap.dtype).kind not in "fiu":
+    if cap.shape != () or not _is_real_dtype(cap.dtype):
       raise TypeError(f"logits_soft_cap must be a real scalar, got an array of shape {cap.shape} "
                       f"and dtype {cap.dtype}")
-  cap = float(cap)
+  cap = _as_float("logits_soft_cap", cap)
   if not math.isfinite(cap) or cap <= 0:
     raise ValueError(f"logits_soft_cap must be finite and > 0, got {cap}")
   if not SOFT_CAP_RANGE[0] <= cap <= SOFT_CAP_RANGE[1]:

@@ -150,6 +150,7 @@ def test_xla_implementation_has_higher_derivatives():
     (dict(value=jnp.ones((1, 5, 2, 8))), ValueError, "key and value must have the same shape"),
     (dict(scale=np.array(1 + 2j)), TypeError, "scale must be a real number"),
     (dict(scale=1j), TypeError, "scale must be a Python float"),
+    (dict(scale=10 ** 400), ValueError, "scale must be finite, got an integer too large"),
     (dict(is_causal=1), TypeError, "is_causal must be a Python bool"),
     (dict(query=[[1.0]]), TypeError, "query must be a jax/numpy array"),
     (dict(compute_dtype=jnp.int32), TypeError, "compute_dtype must be float16, bfloat16"),
@@ -181,8 +182,13 @@ def test_flash_attention_scale_errors_name_scale(scale):
 
 def test_numpy_scalar_scale_is_accepted():
   q, k, v = _qkv(t=4, s=4)
-  np.testing.assert_allclose(fa2_jax.flash_attention(q, k, v, scale=np.float32(0.5)),
-                             fa2_jax.flash_attention(q, k, v, scale=0.5), atol=0)
+  want = fa2_jax.flash_attention(q, k, v, scale=0.5)
+  # 0-d arrays of any real dtype, bfloat16 included (numpy files it under kind 'V')
+  for scale in (np.float32(0.5), jnp.array(0.5, jnp.bfloat16), jnp.array(0.5, jnp.float16)):
+    np.testing.assert_allclose(fa2_jax.flash_attention(q, k, v, scale=scale), want, atol=0)
+  np.testing.assert_allclose(
+      fa2_jax.flash_attention(q, k, v, logits_soft_cap=jnp.array(30.0, jnp.bfloat16)),
+      fa2_jax.flash_attention(q, k, v, logits_soft_cap=30.0), atol=0)
 
 
 @pytest.mark.parametrize("head_dim", [0, -1, 2.5, True])
