@@ -45,11 +45,12 @@ other reasons raises a ValueError instead of dropping the variant.
 """
 from __future__ import annotations
 
-from .flax_attention import (FlashAttentionFallbackWarning, TopLeftQueryRowWarning, attention_fn,
-                             make_attention_fn)
+from .flax_attention import (FlashAttentionFallbackWarning, FlashAttentionFn, TopLeftQueryRowWarning,
+                             attention_fn, make_attention_fn)
 from .flax_layers import CausalSelfAttention, NnxCausalSelfAttention, rotary_embedding
 
 __all__ = [
-    "attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning", "TopLeftQueryRowWarning",
+    "attention_fn", "make_attention_fn", "FlashAttentionFn", "FlashAttentionFallbackWarning",
+    "TopLeftQueryRowWarning",
     "rotary_embedding", "CausalSelfAttention", "NnxCausalSelfAttention",
 ]

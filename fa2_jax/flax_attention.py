@@ -29,7 +29,7 @@ from .validation import DTYPES as _KERNEL_DTYPES
 from .flax_variants import check_static_variants, flash_any_batch, merge_variants
 from .validation import check_bool, check_options, is_static_dim
 
-__all__ = ["attention_fn", "make_attention_fn", "FlashAttentionFallbackWarning"]
+__all__ = ["attention_fn", "make_attention_fn", "FlashAttentionFn", "FlashAttentionFallbackWarning"]
 
 
 class FlashAttentionFallbackWarning(UserWarning):
@@ -438,6 +438,14 @@ def _comparable(x):
   return x
 
 
+def _frozen(x):
+  """A numpy array as a read-only copy; anything else as it is."""
+  if isinstance(x, np.ndarray):
+    x = np.array(x, copy=True)
+    x.setflags(write=False)
+  return x
+
+
 class FlashAttentionFn:
   """The ``attention_fn`` :func:`make_attention_fn` returns: its settings, and ``__call__`` with the
   signature of flax's ``dot_product_attention``. A class, not a closure, so that modules holding it
@@ -451,9 +459,11 @@ class FlashAttentionFn:
                                      interpret=interpret)
     # A call with variants and a dense mask the kernels cannot take (a decode cache's, padding)
     self._formula = functools.partial(flash_attention, implementation="xla")
-    self._always_causal, self._fixed = always_causal, fixed
+    # numpy arrays (alibi_slopes) copied read-only: the caller's array may change after, and the key
+    # below holds the values (jax arrays are immutable; tracers compare by identity).
+    self._always_causal, self._fixed = always_causal, {k: _frozen(v) for k, v in fixed.items()}
     self._key = (implementation, _comparable(block_sizes), deterministic, interpret, always_causal,
-                 tuple(sorted((k, _comparable(v)) for k, v in fixed.items())))
+                 tuple(sorted((k, _comparable(v)) for k, v in self._fixed.items())))
 
   def __eq__(self, other):
     return type(other) is type(self) and other._key == self._key
@@ -462,9 +472,10 @@ class FlashAttentionFn:
     return hash(self._key)
 
   def __repr__(self):
-    impl, _, det, interp, causal, fixed = self._key
+    impl, block_sizes, det, interp, causal, fixed = self._key
     args = [f"implementation={impl!r}"] + [f"{k}={v!r}" for k, v in (
-        ("deterministic", det), ("interpret", interp), ("is_causal", causal)) if v]
+        ("block_sizes", block_sizes), ("deterministic", det), ("interpret", interp),
+        ("is_causal", causal)) if v]
     args += [f"{k}=<array>" if isinstance(v, tuple) and v[:1] in (("array",), ("id",)) else f"{k}={v!r}"
              for k, v in fixed]
     return f"fa2_jax.flax.FlashAttentionFn({', '.join(args)})"

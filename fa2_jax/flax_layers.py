@@ -263,7 +263,9 @@ class NnxCausalSelfAttention(nnx.Module):
     _check_static_fields(num_heads, local_window_size, logits_soft_cap, alibi_slopes, mask_fn,
                          score_fn)
     self.in_features = in_features
-    self.rotary, self.rotary_base = rotary, float(rotary_base)
+    # a numpy/JAX scalar base as a float; a traced one (a block built inside jax.jit) as it is
+    self.rotary = rotary
+    self.rotary_base = rotary_base if isinstance(rotary_base, jax.core.Tracer) else float(rotary_base)
     self.attention_fn = attention_fn
     # Static: a plain int / tuple / float / function (no arrays or numpy scalars, which nnx would
     # compare elementwise between graphs or find traced under nnx.jit), so nnx keeps them out of the
@@ -286,9 +288,11 @@ class NnxCausalSelfAttention(nnx.Module):
                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                q_offset: jax.Array | int | None = None) -> jax.Array:
     """x: ``[batch..., T, in_features]``; the other arguments as in :class:`CausalSelfAttention`."""
-    if x.shape[-1] != self.in_features:
-      raise ValueError(f"x must have in_features = {self.in_features} features (its last dim), "
-                       f"got shape {tuple(x.shape)}")
+    want = tuple(self.in_features) if isinstance(self.in_features, (tuple, list)) else (
+        self.in_features,)  # nnx.LinearGeneral takes an int or a tuple of trailing dims
+    if tuple(x.shape[-len(want):]) != want:
+      raise ValueError(f"x must end in in_features = {self.in_features} (its trailing dims), got "
+                       f"shape {tuple(x.shape)}")
     q, k, v = _split_heads(self.qkv(x), self.num_heads, self.num_kv_heads)
     variants = _module_variants(self, query_seq_lengths=query_seq_lengths,
                                 key_value_seq_lengths=key_value_seq_lengths,

@@ -49,16 +49,19 @@ def check_soft_cap_scale(scale: float, cap: float | None) -> None:
 
 
 def _is_real_dtype(dtype) -> bool:
-  """Integer or floating, bfloat16 included (numpy files bfloat16 under kind 'V')."""
-  return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+  """Integer or floating, bfloat16 included (numpy files bfloat16 under kind 'V'); not timedelta
+  or datetime (which ``jnp.issubdtype`` counts as integers)."""
+  return (np.dtype(dtype).kind not in "mM"
+          and bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)))
 
 
 def _as_float(name: str, x) -> float:
-  """``float(x)``; a ValueError naming ``name`` for an int past float's range (``10**400``)."""
+  """``float(x)``; a ValueError naming ``name`` for a number past float's range (``10**400``)."""
   try:
     return float(x)
   except OverflowError:
-    raise ValueError(f"{name} must be finite, got an integer too large for a float: {x}") from None
+    raise ValueError(f"{name} must be finite, got a number too large for a float "
+                     f"({len(str(x))} characters long)") from None
 
 
 def check_scale(scale):

@@ -1149,6 +1149,14 @@ def test_nnx_modules_pickle_and_equal_factories_compare_equal():
   assert make(is_causal=True) != make() and make(local_window_size=4) != make(local_window_size=5)
   assert make(alibi_slopes=np.array([0.5, 0.25])) != make(alibi_slopes=np.array([0.5, 0.5]))
   assert pickle.loads(pickle.dumps(make(logits_soft_cap=30.0))) == make(logits_soft_cap=30.0)
+  # numpy slopes changed after the call: the function keeps (and compares by) the values it was given
+  slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+  fn = make(alibi_slopes=slopes, implementation="xla")
+  q = jax.random.normal(jax.random.PRNGKey(0), (1, T, HEADS, 8))
+  want = fn(q, q, q)
+  slopes[:] = 2.0
+  assert fn == make(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), implementation="xla")
+  np.testing.assert_array_equal(fn(q, q, q), want)
 
 
 def test_nnx_block_keeps_plain_static_fields():
@@ -1167,6 +1175,13 @@ def test_nnx_block_keeps_plain_static_fields():
   assert type(numpy_fields.local_window_size) is int and type(numpy_fields.logits_soft_cap) is float
   with pytest.raises(ValueError, match="in_features = 32"):
     plain(jnp.ones((1, T, 16)))
+  # in_features as nnx.LinearGeneral takes it (a tuple of trailing dims), and a base traced inside
+  # jax.jit (a block built there)
+  tupled = fa2_flax.NnxCausalSelfAttention((D,), HEADS, 8, rngs=nnx.Rngs(0), attention_fn=fn)
+  np.testing.assert_array_equal(tupled(x), make()(x))
+  built_in_jit = jax.jit(lambda base, x: make(rotary=True, rotary_base=base)(x))
+  np.testing.assert_allclose(built_in_jit(500.0, x), make(rotary=True, rotary_base=500.0)(x),
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_importing_fa2_jax_does_not_import_flax():

@@ -322,16 +322,15 @@ def test_a_function_with_its_own_repr_is_not_written():
 
 
 def test_a_folder_that_cannot_be_written_warns_and_keeps_the_kernels(tmp_path, monkeypatch):
-  """A failed write costs a warning, once per folder, pointing at the caller's line, not the user's
-  program; the export is still held."""
+  """A failed write costs a warning, once per folder, not the user's program; the export is still
+  held. A file is read only under the name it was written to, for the operands it was made for."""
   aval = jax.ShapeDtypeStruct((2,), jnp.float32)
   exp = jax.export.export(jax.jit(lambda x: x + 1))(aval)
   blocker = tmp_path / "a_file"
   blocker.write_text("")
   monkeypatch.setitem(lowering_cache._STATE, "warned", set())
-  with pytest.warns(RuntimeWarning, match="cannot write kernel lowerings") as caught:
+  with pytest.warns(RuntimeWarning, match="cannot write kernel lowerings"):
     assert not lowering_cache._write(str(blocker / "sub" / "k.jax_exported"), exp)
-  assert caught[0].filename == __file__
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert not lowering_cache._write(str(blocker / "sub" / "k.jax_exported"), exp)  # warned already
@@ -349,6 +348,25 @@ def test_a_folder_that_cannot_be_written_warns_and_keeps_the_kernels(tmp_path, m
   assert path.stat().st_mode & 0o777 == 0o640
   assert lowering_cache._read(str(path), (aval,)).call(jnp.ones(2)).tolist() == [2.0, 2.0]
   assert lowering_cache._read(str(path), (jax.ShapeDtypeStruct((3,), jnp.float32),)) is None
+  copied = tmp_path / "new" / "another_key.jax_exported"  # same operands, another key's name
+  copied.write_bytes(path.read_bytes())
+  assert lowering_cache._read(str(copied), (aval,)) is None
+
+
+def test_the_unwritable_folder_warning_points_at_the_users_line(tmp_path, monkeypatch, reuse):
+  """The warning skips the frames of fa2_jax, its kernels and JAX (the kernel is lowered while JAX
+  traces the user's program), so it names a line of the user's file: the traced function's (with
+  stacklevel=2 it named lowering_cache.py)."""
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  monkeypatch.setitem(lowering_cache._STATE, "warned", set())
+  reuse(cache_dir=str(blocker / "sub"))
+  cfg = MosaicConfig.default(128, BF16, True)
+  fwd = lambda q, k, v: forward(q, k, v, scale=0.1, is_causal=True, config=cfg)[0]  # noqa: E731
+  sd = jax.ShapeDtypeStruct((1, 256, 2, 128), BF16)
+  with pytest.warns(RuntimeWarning, match="cannot write kernel lowerings") as caught:
+    jax.jit(fwd).trace(sd, sd, sd).lower(lowering_platforms=("cuda",))
+  assert caught[0].filename == __file__
 
 
 def test_cache_dir_without_flatbuffers_names_the_package(monkeypatch, tmp_path):

@@ -897,7 +897,7 @@ def _bad_mask(b, h, p, j):
     (dict(logits_soft_cap=-2.0), ValueError, "logits_soft_cap must be finite and > 0"),
     (dict(logits_soft_cap=float("inf")), ValueError, "logits_soft_cap must be finite and > 0"),
     (dict(logits_soft_cap=float("nan")), ValueError, "logits_soft_cap must be finite and > 0"),
-    (dict(logits_soft_cap=10 ** 400), ValueError, "logits_soft_cap must be finite, got an integer"),
+    (dict(logits_soft_cap=10 ** 400), ValueError, "logits_soft_cap must be finite, got a number too large"),
     (dict(logits_soft_cap="30"), TypeError, "logits_soft_cap must be a Python float"),
     (dict(logits_soft_cap=True), TypeError, "logits_soft_cap must be a Python float"),
     (dict(alibi_slopes=I32(4)), TypeError, "alibi_slopes must have a floating dtype"),

@@ -187,24 +187,31 @@ def _file_name(key, static: dict) -> str | None:
   return hashlib.sha256(text.encode()).hexdigest() + ".jax_exported"
 
 
-# A cache file: this magic, the SHA-256 of the payload (32 bytes), then the payload (jax.export's
-# serialized form). The digest catches a damaged file that would still deserialize: the kernel's
-# module is an opaque string inside the export, and its kernel hash would name the undamaged module.
-_MAGIC = b"fa2_jax-export-1\n"
+# A cache file: this magic, the SHA-256 of the file's own name (its key's digest: 32 bytes), the
+# SHA-256 of the payload (32 bytes), then the payload (jax.export's serialized form). The name's
+# digest catches a file copied under another key's name (same operands, other settings: it would
+# run); the payload's a damaged file that would still deserialize (the kernel's module is an opaque
+# string inside the export, and its kernel hash would name the undamaged module).
+_MAGIC = b"fa2_jax-export-2\n"
+
+
+def _header(path: str, payload: bytes) -> bytes:
+  return (_MAGIC + hashlib.sha256(os.path.basename(path).encode()).digest()
+          + hashlib.sha256(payload).digest())
 
 
 def _read(path: str, avals):
-  """The export in ``path``, or None where there is none, it is damaged (digest), it does not
-  deserialize, or it was made for other operands than ``avals`` (a file copied under another key's
-  name): then the kernel is lowered again and the file written anew."""
+  """The export in ``path``, or None where there is none, it was written under another name (a
+  file copied under another key's name), it is damaged (digest), it does not deserialize, or it
+  was made for other operands than ``avals``: then the kernel is lowered again and the file written
+  anew."""
   try:
     with open(path, "rb") as f:
       data = f.read()
   except OSError:
     return None
-  head = len(_MAGIC) + 32
-  if (len(data) < head or not data.startswith(_MAGIC)
-      or hashlib.sha256(data[head:]).digest() != data[len(_MAGIC):head]):
+  head = len(_MAGIC) + 64
+  if len(data) < head or data[:head] != _header(path, data[head:]):
     return None
   try:
     exp = jax.export.deserialize(bytearray(data[head:]))
@@ -227,7 +234,7 @@ def _write(path: str, exp) -> bool:
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     payload = bytes(exp.serialize())
     with os.fdopen(fd, "wb") as f:
-      f.write(_MAGIC + hashlib.sha256(payload).digest() + payload)
+      f.write(_header(path, payload) + payload)
     os.chmod(tmp, 0o666 & ~_STATE["umask"])
     os.replace(tmp, path)
     return True
