@@ -56,7 +56,41 @@ def positive_float(text: str) -> float:
 
 
 def parse_strs(text: str) -> list[str]:
-  return [t for t in str(text).replace(" ", "").split(",") if t]
+  """'a,b*,c' -> ['a', 'b*', 'c']; an empty list (``''``, ``','``) is an argparse error, not "all"."""
+  out = [t for t in str(text).replace(" ", "").split(",") if t]
+  if not out:
+    raise argparse.ArgumentTypeError(f"names nothing: {text!r}")
+  return out
+
+
+def nonnegative_int(text: str) -> int:
+  """A count that may be 0 (``--random``): a whole number >= 0."""
+  try:
+    n = int(str(text).strip())
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+  if n < 0:
+    raise argparse.ArgumentTypeError(f"must be at least 0, got {n}")
+  return n
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+  """'B,T,N,H' -> four whole numbers >= 1 (an attention call's q shape)."""
+  try:
+    shape = tuple(int(t) for t in str(text).replace(" ", "").split(","))
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"not B,T,N,H whole numbers: {text!r}") from None
+  if len(shape) != 4 or min(shape) < 1:
+    raise argparse.ArgumentTypeError(f"must be four whole numbers >= 1, B,T,N,H: {text!r}")
+  return shape
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
+  """'B,T,N,H;B,T,N,H' -> a non-empty list of shapes (:func:`parse_shape`)."""
+  parts = [s for s in str(text).split(";") if s.strip()]
+  if not parts:
+    raise argparse.ArgumentTypeError(f"names no shape: {text!r}")
+  return [parse_shape(s) for s in parts]
 
 
 def call_kwargs(text: str | None) -> dict:
@@ -105,9 +139,12 @@ def impl_names(text: str) -> list[str]:
   """``--impls``: names of benchmarks/impls.py entries; an unknown one is an argparse error naming it."""
   from . import impls
   try:
-    return impls.parse_names(text)
+    names = impls.parse_names(text)
   except ValueError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
+  if not names:  # '' would otherwise mean every row
+    raise argparse.ArgumentTypeError(f"names no implementation: {text!r}")
+  return names
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:

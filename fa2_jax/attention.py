@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -123,6 +124,9 @@ def _prepare(query, key, value, scale, is_causal, implementation, return_residua
   else:
     backend = dispatch.choose_backend(implementation, interpret, query, key, is_causal, block_sizes,
                                       variant=variant)
+  if backend == "mosaic" and isinstance(block_sizes, MosaicConfig) and (
+      why := block_sizes.check(h, jnp.dtype(query.dtype).itemsize)) is not None:
+    raise ValueError(f"block_sizes: {why}")  # a config that cannot run this call (SMEM, head_dim)
   return _Call(query, key, value, squeeze, scale, is_causal, return_residual, deterministic,
                interpret, backend, variant, arrays)
 
@@ -245,9 +249,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     variant = None if variant == Variant(is_causal=call.is_causal) else variant
     h = q.shape[-1]
     if call.backend == "mosaic":
-      mos = block_sizes if isinstance(block_sizes, MosaicConfig) else None
-      if mos is not None and (why := mos.check(h, jnp.dtype(q.dtype).itemsize)) is not None:
-        raise ValueError(f"block_sizes: {why}")
+      mos = block_sizes if isinstance(block_sizes, MosaicConfig) else None  # checked in _prepare
       tiles = (mos or MosaicConfig.default(h, q.dtype, call.is_causal)).range_tiles(
           q.shape[1], deterministic=call.deterministic)
     else:
@@ -318,6 +320,11 @@ def _pad_lengths(q, k, v, variant: Variant, arrays: VariantArrays, multiple: int
   return pad(q, t_pad), pad(k, s_pad), pad(v, s_pad), variant, arrays
 
 
+# flash_attention's attention-variant keywords (backend_for passes them on as **variant_args)
+_VARIANT_ARGUMENTS = frozenset(inspect.signature(check_variant).parameters) - {"query", "key",
+                                                                             "is_causal"}
+
+
 def backend_for(query, key, value=None, *, is_causal=False, implementation=None, block_sizes=None,
                 deterministic=False, interpret=None, scale=None, return_residual=False,
                 **variant_args) -> dispatch.Dispatch:
@@ -331,6 +338,10 @@ def backend_for(query, key, value=None, *, is_causal=False, implementation=None,
   is checked and does not change the choice.
   """
   value = key if value is None else value
+  unknown = sorted(set(variant_args) - _VARIANT_ARGUMENTS)
+  if unknown:
+    raise TypeError(f"backend_for() got unexpected keyword arguments {unknown} (flash_attention "
+                    f"takes none of them)")
   call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
                   deterministic, interpret, **variant_args)
   return dispatch.describe(call.backend, call.query, call.key, is_causal=call.is_causal,

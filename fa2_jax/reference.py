@@ -49,8 +49,8 @@ def reference_attention(query, key, value, *, scale=None, is_causal=False, retur
     is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size, q_segment_ids,
       kv_segment_ids, q_offset, logits_soft_cap, alibi_slopes, mask_fn, score_fn: the variant, as in
       :func:`fa2_jax.flash_attention` (``mask_fn``/``score_fn`` may close over arrays here).
-    return_residual: also return ``lse`` of shape ``[B, T, N]`` (natural log, float32/64; ``-inf`` for
-      a row with no allowed key).
+    return_residual: also return ``lse`` of shape ``[B, T, N]`` (natural log, in ``compute_dtype``;
+      ``-inf`` for a row with no allowed key).
     compute_dtype: dtype of the arithmetic; default float32, or float64 if an input is float64.
     query_block: query rows per block of the chunked formula: None (the default) computes every row
       at once, an int that many rows per block, ``"auto"`` what ``implementation="xla"`` does (one

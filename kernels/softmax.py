@@ -66,6 +66,8 @@ LOG2E = math.log2(math.e)
 def check_input_dtype(dtype):
   """A config default's ``dtype`` -> a numpy dtype among the kernels' input dtypes (TypeError naming
   ``dtype`` otherwise)."""
+  if dtype is None:  # jnp.dtype(None) is float64
+    raise TypeError("dtype must be bfloat16, float16 or float32, got None")
   try:
     dt = jnp.dtype(dtype)
   except TypeError as e:

@@ -41,7 +41,7 @@
 set -uo pipefail
 MODES="tests grid gpt variants latency memory numerics ablation tune all"
 mode="${1:-}"
-if [ -z "$mode" ] || [[ " $MODES " != *" $mode "* ]]; then
+if [ -z "$mode" ] || [[ "$mode" == *[[:space:]]* ]] || [[ " $MODES " != *" $mode "* ]]; then
   echo "scripts/gpu.sh: mode must be one of: $MODES; got '$mode'" >&2
   exit 2
 fi

@@ -410,8 +410,29 @@ def test_run_all_resumes_after_a_crash(tmp_path):
   assert (out / "run_all.md").exists() and (out / "attention.md").exists()
 
 
+@pytest.mark.parametrize("module, args, message", [
+    ("benchmarks.attention", ["--cells", ",,"], "--cells: names nothing"),
+    ("benchmarks.variants", ["--impls", ""], "--impls: names no implementation"),
+    ("benchmarks.diag.compile_time", ["--shape", "a,b"], "--shape: not B,T,N,H"),
+    ("benchmarks.diag.compile_time", ["--shape", "1,2,3"], "--shape: must be four whole numbers"),
+    ("benchmarks.diag.compile_time", ["--shapes", ""], "--shapes: names no shape"),
+    ("benchmarks.diag.compile_time", ["--length-multiple", "-8", "--reuse-kernels"],
+     "--length-multiple: must be at least 1"),
+    ("benchmarks.diag.deal_balance", ["--ctas", "0"], "--ctas: must be at least 1"),
+    ("benchmarks.diag.deal_balance", ["--random", "-1"], "--random: must be at least 0"),
+    ("benchmarks.diag.deal_balance", ["--docs", "x"], "--docs: 'x' is not LENGTH"),
+])
+def test_bad_flags_are_one_line_errors_naming_the_flag(module, args, message):
+  """An empty list means nothing, not every cell; a malformed shape or count stops before any work,
+  as an argparse error (exit 2, no traceback)."""
+  r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                     timeout=120, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_gpu_script_rejects_an_unknown_mode(tmp_path):
   for args, env, msg in ((["nope"], {}, "mode must be one of"), (["gpt", "flash", "fa9"], {}, "'fa9'"),
+                         (["tests grid"], {}, "mode must be one of"),  # one word, not two modes
                          (["tests"], {"GPU_TEST_WORKERS": "0"}, "GPU_TEST_WORKERS"),
                          (["tests"], {"GPU_TEST_WORKERS": "two"}, "GPU_TEST_WORKERS")):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), *args], capture_output=True,
@@ -705,6 +726,9 @@ def test_deal_balance_counts_key_tiles_and_compares_deals(tmp_path):
   assert deal_balance.tile_work([256, 128]).tolist() == [1, 2, 1]
   assert deal_balance.tile_work([100, 300]).tolist() == [1, 2, 3, 4]  # a tile across a boundary
   assert deal_balance.parse_docs("64*3;5,7") == [[64, 64, 64], [5, 7]]
+  for bad in ("x", "64*0", "0,5", "64*two"):
+    with pytest.raises(ValueError, match="LENGTH|at least 1"):
+      deal_balance.parse_docs(bad)
   rows = deal_balance.main(["--docs", "1024*2;700,300,1000", "--random", "1", "--heads", "4",
                             "--ctas", "5", "--out", str(tmp_path)])
   assert len(rows) == 3

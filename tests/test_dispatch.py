@@ -157,6 +157,19 @@ def test_backend_for_validates_like_flash_attention():
   assert str(fa2_jax.backend_for(q, k, return_residual=True)) == str(fa2_jax.backend_for(q, k))
   with pytest.raises(TypeError, match="return_residual must be a Python bool"):
     fa2_jax.backend_for(q, k, return_residual="yes")
+  with pytest.raises(TypeError, match=r"backend_for\(\) got unexpected keyword arguments \['foo'\]"):
+    fa2_jax.backend_for(q, k, foo=1)
+
+
+def test_backend_for_refuses_a_mosaic_config_that_cannot_run_the_call(fake_gpu):
+  """As flash_attention does: a MosaicConfig whose tiles do not fit this call's SMEM (or head_dim)."""
+  fake_gpu((9, 0))
+  q, k = _shapes()
+  too_big = fa2_jax.MosaicConfig(num_stages=6, block_k=256)
+  with pytest.raises(ValueError, match="block_sizes: .*shared memory"):
+    fa2_jax.backend_for(q, k, block_sizes=too_big)
+  with pytest.raises(ValueError, match="block_sizes: "):
+    fa2_jax.backend_for(*_shapes(h=64), block_sizes=fa2_jax.MosaicConfig.default(256))
 
 
 def test_compute_capability_parsing(monkeypatch):

@@ -192,10 +192,48 @@ def test_numpy_scalar_scale_is_accepted():
       fa2_jax.flash_attention(q, k, v, logits_soft_cap=30.0), atol=0)
 
 
-@pytest.mark.parametrize("head_dim", [0, -1, 2.5, True])
-def test_block_sizes_default_rejects_bad_head_dim(head_dim):
-  with pytest.raises(ValueError, match="head_dim must be a positive int"):
+@pytest.mark.parametrize("head_dim, exc, match", [
+    (0, ValueError, "head_dim must be a positive int"), (-1, ValueError, "head_dim must be a positive"),
+    (2.5, TypeError, "head_dim must be an int, got float"), (64.0, TypeError, "head_dim must be an int"),
+    (True, TypeError, "head_dim must be an int, got bool")])
+def test_block_sizes_default_rejects_bad_head_dim(head_dim, exc, match):
+  with pytest.raises(exc, match=match):
     fa2_jax.BlockSizes.default(head_dim)
+
+
+@pytest.mark.parametrize("args, exc, match", [
+    ((0,), ValueError, r"head_dim must be one of \(64, 128, 192, 256\)"),
+    ((1000,), ValueError, "head_dim must be one of"), ((96,), ValueError, "got 96"),
+    ((64.5,), TypeError, "head_dim must be an int, got float"),
+    (("64",), TypeError, "head_dim must be an int, got str"),
+    ((64, jnp.float32), TypeError, "dtype must be bfloat16 or float16 .*got float32"),
+    ((64, None), TypeError, "dtype must be .*got None")])
+def test_mosaic_config_default_rejects_what_the_kernels_cannot_run(args, exc, match):
+  with pytest.raises(exc, match=match):
+    fa2_jax.MosaicConfig.default(*args)
+
+
+def test_config_defaults_take_numpy_ints_and_both_configs_replace():
+  blocks = fa2_jax.BlockSizes.default(np.int64(64))
+  assert blocks == fa2_jax.BlockSizes.default(64)
+  assert blocks.replace(block_q=32).block_q == 32 and blocks.block_q != 32
+  assert fa2_jax.MosaicConfig.default(np.int64(128)) == fa2_jax.MosaicConfig.default(128)
+  with pytest.raises(TypeError, match="dtype must be bfloat16, float16 or float32, got None"):
+    fa2_jax.BlockSizes.default(64, None)
+
+
+def test_mosaic_config_register_budget_fits_an_sm():
+  """Two consumer warpgroups and the producer share 65536 registers: a split past that is refused
+  when the config is made, not when a kernel launches; every default fits."""
+  with pytest.raises(ValueError, match="98304 registers, more than an SM's 65536"):
+    fa2_jax.MosaicConfig(compute_registers=256, memory_registers=256)
+  with pytest.raises(ValueError, match="compute_registers must be 0 or a multiple of 8 .*got 7"):
+    fa2_jax.MosaicConfig(compute_registers=7)
+  fa2_jax.MosaicConfig(num_wgs=1, pingpong=False, num_wgs_dkv=1, num_wgs_dq=1,
+                       compute_registers=256, memory_registers=256)  # one consumer: 65536 exactly
+  for h in (64, 128, 192, 256):
+    for causal in (False, True):
+      fa2_jax.MosaicConfig.default(h, jnp.bfloat16, causal)
 
 
 def test_float64_inputs_name_the_reference():

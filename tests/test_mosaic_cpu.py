@@ -179,7 +179,8 @@ def test_config_validation(kwargs, exc, field):
 
 
 def test_config_valid_variants():
-  MosaicConfig(num_wgs=1, pingpong=False, compute_registers=240, ragged="pad")
+  MosaicConfig(num_wgs=1, pingpong=False, num_wgs_dkv=1, num_wgs_dq=1, compute_registers=240,
+               ragged="pad")
   MosaicConfig(block_k=256, block_q_dkv=192, block_k_dq=128, num_stages=1, num_stages_dq=6)
   assert MosaicConfig().registers(2) == 232 and MosaicConfig().registers(1) == 240
   assert MosaicConfig(compute_registers=200).registers(2) == 200

@@ -41,8 +41,8 @@ def main(argv=None):
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--impls", type=cli.impl_names, default=["fa2", "fa2_triton"])
   ap.add_argument("--layers", type=cli.parse_ints, default=[1, 2, 4])
-  ap.add_argument("--shape", default="4,8192,8,128", help="B,T,N,H")
-  ap.add_argument("--shapes", default=None,
+  ap.add_argument("--shape", type=cli.parse_shape, default=(4, 8192, 8, 128), help="B,T,N,H")
+  ap.add_argument("--shapes", type=cli.parse_shapes, default=None,
                   help="B,T,N,H;B,T,N,H...: one call site per shape, in order (see above)")
   ap.add_argument("--cache-dir", default=None, help="JAX's persistent compilation cache folder")
   ap.add_argument("--non-causal", action="store_true", help="time non-causal calls (default causal)")
@@ -50,7 +50,7 @@ def main(argv=None):
                   help="with --shapes: two more programs per shape (see above)")
   ap.add_argument("--reuse-kernels", action="store_true",
                   help="fa2_jax.reuse_kernels_across_programs() on")
-  ap.add_argument("--length-multiple", type=int, default=None,
+  ap.add_argument("--length-multiple", type=cli.positive_int, default=None,
                   help="with --reuse-kernels: its length_multiple")
   ap.add_argument("--lower-for-sm90", action="store_true",
                   help="lower only, for sm90, on any machine (see above)")
@@ -74,8 +74,7 @@ def main(argv=None):
         True, length_multiple=args.length_multiple,
         cache_dir=os.path.join(args.cache_dir, "fa2_jax_kernels") if args.cache_dir else None)
   info = device_info()
-  shapes = ([tuple(map(int, s.split(","))) for s in args.shapes.split(";")] if args.shapes else
-            [tuple(map(int, args.shape.split(",")))])
+  shapes = args.shapes or [args.shape]
   if args.lower_for_sm90:
     from fa2_jax import dispatch  # the dispatcher believes it runs on an H200 (compute capability 9.0)
     dispatch.on_gpu = lambda: True

@@ -29,6 +29,7 @@ import sys
 
 import numpy as np
 
+from ..cli import nonnegative_int, positive_int
 from ..report import write_json
 
 ROWS = BLOCK_K = 128  # the Mosaic forward's query rows per CTA tile and key tile at head_dim 128
@@ -97,12 +98,20 @@ def deals(docs: list[int], heads: int, ctas: int) -> dict[str, float]:
 
 
 def parse_docs(text: str) -> list[list[int]]:
+  """'4096*8;100,200' -> [[4096] * 8, [100, 200]]; ValueError for anything but lengths >= 1 and
+  counts >= 1."""
   out = []
   for packing in text.split(";"):
     docs = []
     for part in packing.split(","):
       length, _, count = part.partition("*")
-      docs += [int(length)] * int(count or 1)
+      try:
+        length, count = int(length), int(count or 1)
+      except ValueError:
+        raise ValueError(f"{part!r} is not LENGTH or LENGTH*COUNT") from None
+      if length < 1 or count < 1:
+        raise ValueError(f"{part!r}: lengths and counts must be at least 1")
+      docs += [length] * count
     out.append(docs)
   return out
 
@@ -110,15 +119,19 @@ def parse_docs(text: str) -> list[list[int]]:
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--docs", default="4096*8;6984,5254,4236,2283,2591,431,708,233,1518,6681,1849")
-  p.add_argument("--random", type=int, default=4, help="random packings of 12 documents")
+  p.add_argument("--random", type=nonnegative_int, default=4, help="random packings of 12 documents")
   p.add_argument("--seed", type=int, default=1)
-  p.add_argument("--heads", type=int, default=16)
-  p.add_argument("--ctas", type=int, default=132, help="persistent CTAs (the H100/H200 SM count)")
+  p.add_argument("--heads", type=positive_int, default=16)
+  p.add_argument("--ctas", type=positive_int, default=132,
+                 help="persistent CTAs (the H100/H200 SM count)")
   p.add_argument("--out", default=None, help="folder for deal_balance.json")
   argv = sys.argv[1:] if argv is None else list(argv)
   args = p.parse_args(argv)
   rng = np.random.default_rng(args.seed)
-  packings = parse_docs(args.docs)
+  try:
+    packings = parse_docs(args.docs)
+  except ValueError as e:
+    p.error(f"--docs: {e}")
   packings += [[int(x) for x in rng.integers(100, 8192, 12)] for _ in range(args.random)]
   rows = []
   for docs in packings:

@@ -30,6 +30,8 @@ SMEM_RESERVE = 4 * 1024
 # wgmma's M is 64 rows per warpgroup; every tile side here is a multiple of 64 so that one swizzled
 # (8, 64)-tiled SMEM layout serves all operands (64 elements of a 16-bit dtype = the 128-byte swizzle).
 WG_ROWS = 64
+WG_THREADS = 128  # a warpgroup: 4 warps of 32 threads
+SM_REGISTERS = 65536  # 32-bit registers per SM on sm90, shared by a CTA's warpgroups (setmaxnreg)
 _TILE_SIDES = (64, 128, 192, 256)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128, 192, 256)
@@ -227,7 +229,8 @@ class MosaicConfig:
                        "head_dim: set one")
     if self.compute_registers and (self.compute_registers % 8 or
                                    not 24 <= self.compute_registers <= 256):
-      raise ValueError("MosaicConfig.compute_registers must be 0 or a multiple of 8 in [24, 256]")
+      raise ValueError(f"MosaicConfig.compute_registers must be 0 or a multiple of 8 in [24, 256], "
+                       f"got {self.compute_registers}")
     if self.dq_fused_min_t < 0:
       raise ValueError(f"MosaicConfig.dq_fused_min_t must be >= 0 (query rows), got "
                        f"{self.dq_fused_min_t}")
@@ -239,7 +242,17 @@ class MosaicConfig:
       raise ValueError(f"MosaicConfig.persistent_ctas must be >= 0 (0: the GPU's SM count), got "
                        f"{self.persistent_ctas}")
     if self.memory_registers % 8 or not 24 <= self.memory_registers <= 256:
-      raise ValueError("MosaicConfig.memory_registers must be a multiple of 8 in [24, 256]")
+      raise ValueError(f"MosaicConfig.memory_registers must be a multiple of 8 in [24, 256], got "
+                       f"{self.memory_registers}")
+    # Every kernel's consumers (128 threads each) and producer share the SM's 65536 registers.
+    consumers = 2 if (max(self.num_wgs, self.num_wgs_dkv, self.num_wgs_dk, self.num_wgs_dq) == 2
+                      or self.dkv_roles or self.dq_roles) else 1
+    total = consumers * WG_THREADS * self.registers(consumers) + WG_THREADS * self.memory_registers
+    if total > SM_REGISTERS:
+      raise ValueError(
+          f"MosaicConfig.compute_registers / memory_registers: {consumers} consumer warpgroups x "
+          f"{WG_THREADS} threads x {self.registers(consumers)} + {WG_THREADS} producer threads x "
+          f"{self.memory_registers} = {total} registers, more than an SM's {SM_REGISTERS}")
 
   replace = dataclasses.replace
 
@@ -292,7 +305,15 @@ class MosaicConfig:
     role-split dQ kernel (``dq_roles``; at 192 the dQ kernel with one consumer warpgroup), to fit SMEM
     and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
     """
-    check_input_dtype(dtype)  # same settings for bf16/fp16 until measured otherwise
+    if isinstance(head_dim, (bool, np.bool_)) or not isinstance(head_dim, (int, np.integer)):
+      raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__} {head_dim!r}")
+    if head_dim not in _HEAD_DIMS:
+      raise ValueError(f"head_dim must be one of {_HEAD_DIMS} (the Mosaic kernels' head_dims), got "
+                       f"{head_dim}")
+    if check_input_dtype(dtype) not in _DTYPES:  # same settings for bf16/fp16 until measured otherwise
+      raise TypeError(f"dtype must be bfloat16 or float16 (the Mosaic kernels' input dtypes), got "
+                      f"{jnp.dtype(dtype)}")
+    head_dim = int(head_dim)
     if not isinstance(is_causal, (bool, np.bool_)):
       raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__} {is_causal!r}")
     # Fused dQ (used only when the call allows a non-deterministic backward) from 2k query rows

@@ -10,6 +10,7 @@ import dataclasses
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 from ..softmax import check_input_dtype
 
@@ -75,6 +76,8 @@ class BlockSizes:
             "dkv": ("q", self.block_q_dkv, self.block_k_dkv),
             "dq": ("kv", self.block_q_dq, self.block_k_dq)}
 
+  replace = dataclasses.replace  # as MosaicConfig.replace: a copy with the fields given changed
+
   def clamp(self, seq_q: int, seq_k: int) -> "BlockSizes":
     """Shrink tiles for short sequences (no tile larger than the next power of two of the length)."""
     cq = max(_MIN_BLOCK, 1 << max(0, math.ceil(math.log2(max(seq_q, 1)))))
@@ -94,8 +97,11 @@ class BlockSizes:
       head_dim: H of the call, >= 1 (the kernels pad it to a power of two).
       dtype: input dtype; float32 halves the tiles (twice the bytes per element, f32 dots).
     """
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+    if isinstance(head_dim, (bool, np.bool_)) or not isinstance(head_dim, (int, np.integer)):
+      raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__} {head_dim!r}")
+    if head_dim < 1:
       raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    head_dim = int(head_dim)
     hp = max(16, 1 << math.ceil(math.log2(head_dim)))
     f32 = check_input_dtype(dtype) == jnp.float32
     if hp <= 64:
