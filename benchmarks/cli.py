@@ -32,16 +32,20 @@ def parse_ints(text: str) -> list[int]:
   return out
 
 
-def positive_int(text: str) -> int:
-  """A count or size flag (``--iters``, ``--reps``, ``--calls``, ``--heads`` ...): a whole number >= 1;
-  anything else is an argparse error (usage, the message, exit code 2)."""
+def _whole_number(text: str, least: int) -> int:
   try:
     n = int(str(text).strip())
   except ValueError:
     raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-  if n < 1:
-    raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+  if n < least:
+    raise argparse.ArgumentTypeError(f"must be at least {least}, got {n}")
   return n
+
+
+def positive_int(text: str) -> int:
+  """A count or size flag (``--iters``, ``--reps``, ``--calls``, ``--heads`` ...): a whole number >= 1;
+  anything else is an argparse error (usage, the message, exit code 2)."""
+  return _whole_number(text, 1)
 
 
 def positive_float(text: str) -> float:
@@ -65,13 +69,7 @@ def parse_strs(text: str) -> list[str]:
 
 def nonnegative_int(text: str) -> int:
   """A count that may be 0 (``--random``): a whole number >= 0."""
-  try:
-    n = int(str(text).strip())
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-  if n < 0:
-    raise argparse.ArgumentTypeError(f"must be at least 0, got {n}")
-  return n
+  return _whole_number(text, 0)
 
 
 def parse_shape(text: str) -> tuple[int, int, int, int]:
