@@ -61,6 +61,8 @@ class Recorder:
             self.data[k] = old[k]
       except Exception as e:  # noqa: BLE001
         print(f"[bench] cannot resume from {self.path}: {err_str(e)}", file=sys.stderr)
+    elif resume:  # a first run with --resume (run_all passes it on every try): say it starts afresh
+      print(f"[bench] --resume: no earlier results at {self.path}, starting afresh", file=sys.stderr)
     self.done = {self.key(c) for c in self.data["cells"]}
     self.crashed = [c for c in self.data["cells"] if c.get("status") == "crashed"]
     self.flush()

@@ -47,13 +47,21 @@ if [ -z "$mode" ] || [[ "$mode" == *[[:space:]]* ]] || [[ " $MODES " != *" $mode
 fi
 shift
 GPT_ATTENTIONS="flash flash_triton flash_mosaic cudnn xla"
+if [ "$mode" = gpt ] && [ "${1:-}" = pmap ] && [ $# -gt 1 ]; then
+  echo "scripts/gpu.sh gpt pmap: takes no further arguments (it runs flash); got '${*:2}'" >&2
+  exit 2
+fi
 if [ "$mode" = gpt ] && [ "${1:-}" != pmap ]; then
   for a in "$@"; do
-    if [[ " $GPT_ATTENTIONS " != *" $a "* ]]; then
-      echo "scripts/gpu.sh gpt: each argument must be pmap or one of: $GPT_ATTENTIONS; got '$a'" >&2
+    if [[ "$a" == *[[:space:]]* ]] || [[ " $GPT_ATTENTIONS " != *" $a "* ]]; then
+      echo "scripts/gpu.sh gpt: give either pmap alone or attentions from: $GPT_ATTENTIONS; got '$a'" >&2
       exit 2
     fi
   done
+fi
+if ! [[ "${GPU_TIMEOUT:-570}" =~ ^[1-9][0-9]*$ ]]; then
+  echo "scripts/gpu.sh: GPU_TIMEOUT must be a positive whole number of seconds; got '${GPU_TIMEOUT}'" >&2
+  exit 2
 fi
 workers="${GPU_TEST_WORKERS:-1}"
 if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then

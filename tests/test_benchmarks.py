@@ -430,9 +430,35 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(module, args, message):
   assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_resume_without_earlier_results_says_it_starts_afresh(tmp_path, capsys):
+  from benchmarks.recorder import Recorder
+  rec = Recorder(tmp_path / "grid.json", {}, {}, "test", resume=True)
+  assert rec.done == set() and "no earlier results" in capsys.readouterr().err
+  Recorder(tmp_path / "grid.json", {}, {}, "test", resume=True)  # the file exists now: no notice
+  assert "no earlier results" not in capsys.readouterr().err
+
+
+def test_diag_ab_checks_its_flags_before_timing():
+  """--new-config and --kwargs are tried on this checkout's call for every cell first: a bad value
+  is a one-line error naming the flag, before the base version is imported or anything is timed."""
+  from benchmarks.diag import ab
+  cells = ab.parse_cells("1,256,2,64,c")
+  for new_config, kwargs, flag in (({"block_k": 3}, {}, "--new-config: MosaicConfig.block_k"),
+                                   ({}, {"foo": 1}, "--kwargs: .*foo"),
+                                   ({}, {"local_window_size": -1}, "--kwargs: local_window_size")):
+    with pytest.raises(SystemExit, match=flag):
+      ab.check_arguments(cells, new_config, kwargs)
+  ab.check_arguments(cells, {"dq_fused": False}, {"logits_soft_cap": 30.0})
+  with pytest.raises(SystemExit, match="--cells: '0,8,2,64,c'"):
+    ab.parse_cells("0,8,2,64,c")
+
+
 def test_gpu_script_rejects_an_unknown_mode(tmp_path):
   for args, env, msg in ((["nope"], {}, "mode must be one of"), (["gpt", "flash", "fa9"], {}, "'fa9'"),
                          (["tests grid"], {}, "mode must be one of"),  # one word, not two modes
+                         (["gpt", "pmap", "flash"], {}, "takes no further arguments"),
+                         (["gpt", "flash", "pmap"], {}, "pmap alone"),
+                         (["grid"], {"GPU_TIMEOUT": "10m"}, "GPU_TIMEOUT"),
                          (["tests"], {"GPU_TEST_WORKERS": "0"}, "GPU_TEST_WORKERS"),
                          (["tests"], {"GPU_TEST_WORKERS": "two"}, "GPU_TEST_WORKERS")):
     r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), *args], capture_output=True,

@@ -61,8 +61,9 @@ def parse_cells(text: str) -> list[tuple[int, int, int, int, bool]]:
   cells = []
   for item in text.split(";"):
     parts = item.split(",")
-    if len(parts) != 5 or parts[4] not in ("c", "nc") or not all(p.isdigit() for p in parts[:4]):
-      raise SystemExit(f"--cells: {item!r} is not B,T,N,H,c|nc")
+    if (len(parts) != 5 or parts[4] not in ("c", "nc")
+        or not all(p.isdigit() and int(p) >= 1 for p in parts[:4])):
+      raise SystemExit(f"--cells: {item!r} is not B,T,N,H,c|nc with B, T, N, H at least 1")
     cells.append((*map(int, parts[:4]), parts[4] == "c"))
   return cells
 
@@ -85,6 +86,26 @@ def parse_config(text: str | None) -> dict:
     out[name] = (int(value) if value.lstrip("-").isdigit() else
                  lowered == "true" if lowered in ("true", "false") else value)
   return out
+
+
+def check_arguments(cells, new_config: dict, kwargs: dict) -> None:
+  """SystemExit naming the flag where ``--new-config`` or ``--kwargs`` cannot make this checkout's
+  call for a cell (a field's bad value, an unknown argument), before any timing."""
+  import jax
+  import jax.numpy as jnp
+
+  import fa2_jax
+  for b, t, n, h, causal in cells:
+    if new_config:
+      try:
+        fa2_jax.MosaicConfig.default(h, jnp.bfloat16, causal).replace(**new_config)
+      except (TypeError, ValueError) as e:
+        raise SystemExit(f"--new-config: {e}") from None
+    q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+    try:
+      fa2_jax.backend_for(q, q, is_causal=causal, **kwargs)
+    except (TypeError, ValueError) as e:
+      raise SystemExit(f"--kwargs: {e}") from None
 
 
 def _rel_diff(new, base) -> float:
@@ -155,6 +176,7 @@ def main(argv=None):
   cells = parse_cells(args.cells)
   new_config = parse_config(args.new_config)
   kwargs = cli.call_kwargs(args.kwargs)
+  check_arguments(cells, new_config, kwargs)
   import fa2_jax
   base = import_base(args.base)
   info = device_info()
