@@ -449,6 +449,12 @@ def test_diag_ab_checks_its_flags_before_timing():
     with pytest.raises(SystemExit, match=flag):
       ab.check_arguments(cells, new_config, kwargs)
   ab.check_arguments(cells, {"dq_fused": False}, {"logits_soft_cap": 30.0})
+  with pytest.raises(SystemExit, match="--new-config: at 2,8192,16,128,nc: .*shared memory"):
+    ab.check_arguments(ab.parse_cells("2,8192,16,128,nc"), {"num_stages_dkv": 3}, {})
+  with pytest.raises(SystemExit, match=r"--kwargs: \['deterministic'\] are set by"):
+    ab.check_arguments(cells, {}, {"deterministic": True})
+  with pytest.raises(SystemExit, match="--cells: 1,256,2,96,c: head_dim must be one of"):
+    ab.check_arguments(ab.parse_cells("1,256,2,96,c"), {"dq_fused": False}, {})
   with pytest.raises(SystemExit, match="--cells: '0,8,2,64,c'"):
     ab.parse_cells("0,8,2,64,c")
 

@@ -207,7 +207,8 @@ def test_block_sizes_default_rejects_bad_head_dim(head_dim, exc, match):
     ((64.5,), TypeError, "head_dim must be an int, got float"),
     (("64",), TypeError, "head_dim must be an int, got str"),
     ((64, jnp.float32), TypeError, "dtype must be bfloat16 or float16 .*got float32"),
-    ((64, None), TypeError, "dtype must be .*got None")])
+    ((64, None), TypeError, "dtype must be bfloat16 or float16 .*got None"),
+    ((64, "int8"), TypeError, "dtype must be bfloat16 or float16 .*got int8")])
 def test_mosaic_config_default_rejects_what_the_kernels_cannot_run(args, exc, match):
   with pytest.raises(exc, match=match):
     fa2_jax.MosaicConfig.default(*args)
@@ -223,14 +224,18 @@ def test_config_defaults_take_numpy_ints_and_both_configs_replace():
 
 
 def test_mosaic_config_register_budget_fits_an_sm():
-  """Two consumer warpgroups and the producer share 65536 registers: a split past that is refused
-  when the config is made, not when a kernel launches; every default fits."""
-  with pytest.raises(ValueError, match="98304 registers, more than an SM's 65536"):
+  """Two consumer warpgroups and the producer share the 64512 registers a CTA of 384 threads holds
+  (168 each at launch): a split past that, which would hang in setmaxnreg, is refused when the
+  config is made; every default fits (240 / 24 and 232 / 40 exactly)."""
+  with pytest.raises(ValueError, match="98304 registers, more than the 64512 a CTA of 384 threads"):
     fa2_jax.MosaicConfig(compute_registers=256, memory_registers=256)
+  with pytest.raises(ValueError, match="65536 registers, more than the 64512"):
+    fa2_jax.MosaicConfig(compute_registers=240, memory_registers=32)
+  fa2_jax.MosaicConfig(compute_registers=240, memory_registers=24)
   with pytest.raises(ValueError, match="compute_registers must be 0 or a multiple of 8 .*got 7"):
     fa2_jax.MosaicConfig(compute_registers=7)
   fa2_jax.MosaicConfig(num_wgs=1, pingpong=False, num_wgs_dkv=1, num_wgs_dq=1,
-                       compute_registers=256, memory_registers=256)  # one consumer: 65536 exactly
+                       compute_registers=256, memory_registers=24)  # one consumer: 256 threads
   for h in (64, 128, 192, 256):
     for causal in (False, True):
       fa2_jax.MosaicConfig.default(h, jnp.bfloat16, causal)

@@ -95,12 +95,22 @@ def check_arguments(cells, new_config: dict, kwargs: dict) -> None:
   import jax.numpy as jnp
 
   import fa2_jax
+  taken = sorted({"block_sizes", "deterministic", "is_causal"} & set(kwargs))
+  if taken:
+    raise SystemExit(f"--kwargs: {taken} are set by --new-config, --deterministic and --cells")
   for b, t, n, h, causal in cells:
     if new_config:
+      cell = f"{b},{t},{n},{h},{'c' if causal else 'nc'}"
       try:
-        fa2_jax.MosaicConfig.default(h, jnp.bfloat16, causal).replace(**new_config)
+        cfg = fa2_jax.MosaicConfig.default(h, jnp.bfloat16, causal)
+      except (TypeError, ValueError) as e:
+        raise SystemExit(f"--cells: {cell}: {e} (--new-config runs the Mosaic kernels)") from None
+      try:
+        cfg = cfg.replace(**new_config)
       except (TypeError, ValueError) as e:
         raise SystemExit(f"--new-config: {e}") from None
+      if (why := cfg.check(h, 2)) is not None:
+        raise SystemExit(f"--new-config: at {cell}: {why}")
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     try:
       fa2_jax.backend_for(q, q, is_causal=causal, **kwargs)

@@ -15,7 +15,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from ..softmax import check_input_dtype, fast_form_suffices
+from ..softmax import fast_form_suffices
 
 # exp(x) = exp2(x * log2 e): the kernels use exp2 with the softmax scale folded into the same multiply
 # (FA2 §3.1: fewer non-matmul FLOPs; exp2 is a single MUFU instruction).
@@ -31,7 +31,17 @@ SMEM_RESERVE = 4 * 1024
 # (8, 64)-tiled SMEM layout serves all operands (64 elements of a 16-bit dtype = the 128-byte swizzle).
 WG_ROWS = 64
 WG_THREADS = 128  # a warpgroup: 4 warps of 32 threads
-SM_REGISTERS = 65536  # 32-bit registers per SM on sm90, shared by a CTA's warpgroups (setmaxnreg)
+SM_REGISTERS = 65536  # 32-bit registers per SM on sm90
+LAUNCH_REGISTERS_MAX = 248  # registers per thread a launch can give (255, in the allocation's steps of 8)
+
+
+def register_pool(threads: int) -> int:
+  """The registers a CTA of ``threads`` threads holds for its life: ``setmaxnreg`` moves registers
+  between its warpgroups within this pool (a warpgroup asking for more waits until another gives
+  some back, so a split past the pool hangs), which is what the launch allocated: per thread the
+  most that fits the SM (a multiple of 8, at most 248), times the threads. 384 threads: 168 each,
+  64512."""
+  return threads * min(LAUNCH_REGISTERS_MAX, SM_REGISTERS // threads // 8 * 8)
 _TILE_SIDES = (64, 128, 192, 256)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _HEAD_DIMS = (64, 128, 192, 256)
@@ -244,15 +254,17 @@ class MosaicConfig:
     if self.memory_registers % 8 or not 24 <= self.memory_registers <= 256:
       raise ValueError(f"MosaicConfig.memory_registers must be a multiple of 8 in [24, 256], got "
                        f"{self.memory_registers}")
-    # Every kernel's consumers (128 threads each) and producer share the SM's 65536 registers.
+    # Every kernel's consumers (128 threads each) and producer share the CTA's register pool.
     consumers = 2 if (max(self.num_wgs, self.num_wgs_dkv, self.num_wgs_dk, self.num_wgs_dq) == 2
                       or self.dkv_roles or self.dq_roles) else 1
     total = consumers * WG_THREADS * self.registers(consumers) + WG_THREADS * self.memory_registers
-    if total > SM_REGISTERS:
+    pool = register_pool((consumers + 1) * WG_THREADS)
+    if total > pool:
       raise ValueError(
           f"MosaicConfig.compute_registers / memory_registers: {consumers} consumer warpgroups x "
           f"{WG_THREADS} threads x {self.registers(consumers)} + {WG_THREADS} producer threads x "
-          f"{self.memory_registers} = {total} registers, more than an SM's {SM_REGISTERS}")
+          f"{self.memory_registers} = {total} registers, more than the {pool} a CTA of "
+          f"{(consumers + 1) * WG_THREADS} threads holds")
 
   replace = dataclasses.replace
 
@@ -310,9 +322,13 @@ class MosaicConfig:
     if head_dim not in _HEAD_DIMS:
       raise ValueError(f"head_dim must be one of {_HEAD_DIMS} (the Mosaic kernels' head_dims), got "
                        f"{head_dim}")
-    if check_input_dtype(dtype) not in _DTYPES:  # same settings for bf16/fp16 until measured otherwise
+    try:
+      dt = None if dtype is None else jnp.dtype(dtype)
+    except TypeError:
+      dt = None
+    if dt not in _DTYPES:  # same settings for bf16/fp16 until measured otherwise
       raise TypeError(f"dtype must be bfloat16 or float16 (the Mosaic kernels' input dtypes), got "
-                      f"{jnp.dtype(dtype)}")
+                      f"{dt if dt is not None else repr(dtype)}")
     head_dim = int(head_dim)
     if not isinstance(is_causal, (bool, np.bool_)):
       raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__} {is_causal!r}")
