@@ -401,9 +401,10 @@ def make_attention_fn(implementation: str | None = None,
       index ``b`` of the folded batch, ``b1_index * b2 + b2_index``.
 
   The returned function (a :class:`FlashAttentionFn`: picklable where its functions are, and equal
-  to another made with the same arguments) also takes, per call, ``query_seq_lengths``, ``key_value_seq_lengths``,
-  ``q_offset`` (``[batch...]``), ``q_segment_ids`` (``[batch..., q_length]``), ``kv_segment_ids``
-  (``[batch..., kv_length]``) and ``alibi_slopes`` (``[num_heads]`` or ``[batch..., num_heads]``).
+  to another made with the same arguments) also takes, per call, ``query_seq_lengths``,
+  ``key_value_seq_lengths``, ``q_offset`` (``[batch...]``), ``q_segment_ids`` (``[batch...,
+  q_length]``), ``kv_segment_ids`` (``[batch..., kv_length]``) and ``alibi_slopes``
+  (``[num_heads]`` or ``[batch..., num_heads]``).
 
   Raises:
     ValueError: unknown ``implementation``, a bad ``local_window_size`` or ``logits_soft_cap``.
@@ -476,25 +477,25 @@ class FlashAttentionFn:
     args = [f"implementation={impl!r}"] + [f"{k}={v!r}" for k, v in (
         ("block_sizes", block_sizes), ("deterministic", det), ("interpret", interp),
         ("is_causal", causal)) if v]
-    args += [f"{k}=<array>" if isinstance(v, tuple) and v[:1] in (("array",), ("id",)) else f"{k}={v!r}"
-             for k, v in fixed]
+    args += [f"{k}=<array>" if isinstance(v, tuple) and v[:1] in (("array",), ("id",))
+             else f"{k}={v!r}" for k, v in fixed]
     return f"fa2_jax.flax.FlashAttentionFn({', '.join(args)})"
 
   # The parameter names are the ones flax's layers pass (linen passes only the names listed here).
   def __call__(self, query: jax.Array, key: jax.Array, value: jax.Array, bias: jax.Array | None = None,
-                   mask: jax.Array | None = None, broadcast_dropout: bool = True,
-                   dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
-                   deterministic: bool = False, dtype: Any = None, precision: Any = None,
-                   module: Any = None, is_causal: bool = False,
-                   force_fp32_for_softmax: bool | None = None,
-                   qk_attn_weights_einsum: Callable | None = None,
-                   attn_weights_value_einsum: Callable | None = None,
-                   promote_dtype: Callable | None = None, query_seq_lengths: Any = None,
-                   key_value_seq_lengths: Any = None, q_segment_ids: Any = None,
-                   kv_segment_ids: Any = None, q_offset: Any = None, alibi_slopes: Any = None,
-                   local_window_size: Any = None, logits_soft_cap: float | None = None,
-                   mask_fn: Callable | None = None, score_fn: Callable | None = None,
-                   input_positions: jax.Array | None = None, **kwargs) -> jax.Array:
+                     mask: jax.Array | None = None, broadcast_dropout: bool = True,
+                     dropout_rng: jax.Array | None = None, dropout_rate: float = 0.0,
+                     deterministic: bool = False, dtype: Any = None, precision: Any = None,
+                     module: Any = None, is_causal: bool = False,
+                     force_fp32_for_softmax: bool | None = None,
+                     qk_attn_weights_einsum: Callable | None = None,
+                     attn_weights_value_einsum: Callable | None = None,
+                     promote_dtype: Callable | None = None, query_seq_lengths: Any = None,
+                     key_value_seq_lengths: Any = None, q_segment_ids: Any = None,
+                     kv_segment_ids: Any = None, q_offset: Any = None, alibi_slopes: Any = None,
+                     local_window_size: Any = None, logits_soft_cap: float | None = None,
+                     mask_fn: Callable | None = None, score_fn: Callable | None = None,
+                     input_positions: jax.Array | None = None, **kwargs) -> jax.Array:
     """FlashAttention with the signature of flax's ``dot_product_attention``.
 
     Args:
