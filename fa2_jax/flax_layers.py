@@ -17,6 +17,7 @@ from flax import nnx
 
 from .flax_attention import attention_fn
 from .flax_variants import check_static_variants
+from .validation import is_real_dtype
 
 
 # --- rotary position embeddings -------------------------------------------------------------------
@@ -119,8 +120,7 @@ def _check_static_fields(num_heads: int, local_window_size, logits_soft_cap, ali
                          mask_fn=mask_fn, score_fn=score_fn)
   if alibi_slopes is not None:
     slopes = np.asarray(alibi_slopes)
-    if slopes.shape != (num_heads,) or not (jnp.issubdtype(slopes.dtype, jnp.floating)
-                                            or jnp.issubdtype(slopes.dtype, jnp.integer)):
+    if slopes.shape != (num_heads,) or not is_real_dtype(slopes.dtype):
       raise ValueError(f"alibi_slopes must be {num_heads} real numbers (one per query head), got "
                        f"{alibi_slopes!r}")
 

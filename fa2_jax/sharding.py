@@ -60,6 +60,8 @@ import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from .kernels.batching import fold_mapped, unfold_mapped
+
 AxisNames = tuple[str, ...]
 
 # Layouts of the kernels' operands, one letter per dimension (see the module docstring).
@@ -339,16 +341,13 @@ def partitioned(fn: Callable, arrays: Sequence, in_layouts: Sequence[str],
             "(jax.sharding.reshard), or use implementation='xla'")
       outs = jax.vmap(fn, in_axes=tuple(0 if b else None for b in in_batched))(*xs)
       return outs, jax.tree.map(lambda _: True, outs)
-    # [E, B, ...] -> [E * B, ...]; an unmapped operand is the same for every e
-    xs = [x if mapped else jax.numpy.broadcast_to(x, (axis_size, *x.shape)) for x, mapped in
-          zip(xs, in_batched)]
-    xs = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in xs]
+    xs = fold_mapped(axis_size, in_batched, xs)  # [E, B, ...] -> [E * B, ...]
     if any(_explicit_spec(x) for x in xs):  # a mapped axis sharded over Explicit axes: per device
       names = (*QKV_NAMES, *(f"operand {i}" for i in range(3, len(xs))))
       outs = local_call(call, xs, in_layouts, out_layouts, names, dict(whole))
     else:
       outs = call(*xs)
-    outs = tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs)
+    outs = unfold_mapped(axis_size, outs)
     return outs, tuple(True for _ in outs)
 
   @jax.custom_jvp

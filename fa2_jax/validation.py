@@ -48,7 +48,7 @@ def check_soft_cap_scale(scale: float, cap: float | None) -> None:
         "scale leaves every logit of a normal size unchanged: leave logits_soft_cap unset")
 
 
-def _is_real_dtype(dtype) -> bool:
+def is_real_dtype(dtype) -> bool:
   """Integer or floating, bfloat16 included (numpy files bfloat16 under kind 'V'); not timedelta
   or datetime (which ``jnp.issubdtype`` counts as integers)."""
   return (np.dtype(dtype).kind not in "mM"
@@ -74,7 +74,7 @@ def check_scale(scale):
   if isinstance(scale, (np.ndarray, jax.Array)):
     if scale.shape != ():
       raise TypeError(f"scale must be a scalar, got an array of shape {scale.shape}")
-    if not _is_real_dtype(scale.dtype):
+    if not is_real_dtype(scale.dtype):
       raise TypeError(f"scale must be a real number, got an array of dtype {scale.dtype}")
   elif not isinstance(scale, numbers.Real):
     raise TypeError(f"scale must be a Python float or None, got {type(scale).__name__} {scale!r}")
@@ -284,7 +284,7 @@ def check_soft_cap(cap):
   if isinstance(cap, (bool, np.bool_)) or not isinstance(cap, (numbers.Real, np.ndarray, jax.Array)):
     raise TypeError(f"logits_soft_cap must be a Python float or None, got {type(cap).__name__}")
   if isinstance(cap, (np.ndarray, jax.Array)):
-    if cap.shape != () or not _is_real_dtype(cap.dtype):
+    if cap.shape != () or not is_real_dtype(cap.dtype):
       raise TypeError(f"logits_soft_cap must be a real scalar, got an array of shape {cap.shape} "
                       f"and dtype {cap.dtype}")
   cap = _as_float("logits_soft_cap", cap)

@@ -36,6 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.pallas.mosaic_gpu import helpers as mgpu_helpers
 
+from ..batching import fold_mapped, unfold_mapped
+
 # The hardware barrier of consumers_sync: 0 is the whole CTA's (__syncthreads) and Mosaic's own
 # warpgroup barriers take 1..num_warpgroups (mosaic/gpu/utils.py, warpgroup_barrier_idx); ids go to 15.
 CONSUMERS_BARRIER_ID = 8
@@ -204,10 +206,7 @@ def batch_rule(call, axis_size: int, in_batched, operands, variant):
       return tuple(call(*[next(it) if bt else x for x, bt in zip(operands, in_batched)]))
     outs = lax.map(one, [x for x, bt in zip(operands, in_batched) if bt])
   else:
-    ops = [x if bt else jnp.broadcast_to(x, (axis_size, *x.shape))
-           for x, bt in zip(operands, in_batched)]
-    merged = [x.reshape((axis_size * x.shape[1], *x.shape[2:])) for x in ops]
-    outs = tuple(o.reshape((axis_size, -1, *o.shape[1:])) for o in call(*merged))
+    outs = unfold_mapped(axis_size, call(*fold_mapped(axis_size, in_batched, operands)))
   return outs, tuple(True for _ in outs)
 
 
