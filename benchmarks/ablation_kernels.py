@@ -12,7 +12,7 @@ its ideas off:
 * ``atomic_dq=True`` (backward): the dK/dV kernel adds ``dS_ij K_j`` into an f32 dQ buffer with atomics
   (Alg. 2 line 15 as written) instead of the separate dQ kernel.
 
-Only the variant kernel bodies live here; tiles (``BlockSizes``), the mask (``fa2_jax.masking``), block
+Only the variant kernel bodies live here; tiles (``BlockSizes``), the mask (``fa2_jax.kernels.masking``), block
 ranges, tile loads/stores and the unchanged passes come from the production modules. With every switch
 off :func:`attention` runs exactly the production forward and backward.
 """
@@ -34,7 +34,7 @@ from fa2_jax.kernels.triton import forward as prod_fwd
 from fa2_jax.kernels.triton.common import (LN2, LOG2E, compiler_params, div, dot, load_tile,
                                            padded_head_dim, round_up, store_tile)
 from fa2_jax.kernels.softmax import lse_from_stats
-from fa2_jax.masking import allowed
+from fa2_jax.kernels.masking import allowed
 from fa2_jax.validation import check_bool, check_scale, validate_qkv
 
 

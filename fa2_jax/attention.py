@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 
 from . import dispatch, kernel_reuse, sharding
-from .kernels.mosaic.config import MosaicConfig
-from .kernels.triton.config import BlockSizes
+from .kernels import registry
+from .kernels.backend import KernelCall
 from .kernels.softmax import kernel_scale, lse_from_stats
 from .kernels.vma import cast_like, match_vma
-from .block_ranges import index_reads, range_tables, warm_static_masks
-from .masking import Variant, VariantArrays, alibi_lse_shift, remove_alibi_shift
+from .kernels.block_ranges import index_reads, range_tables, warm_static_masks
+from .kernels.masking import Variant, VariantArrays, alibi_lse_shift, remove_alibi_shift
 from .reference import attention_formula
 from .validation import (check_bool, check_options, check_scale, check_soft_cap_scale, check_variant,
                          is_static_dim, validate_qkv)
@@ -36,13 +36,12 @@ class _Static:
 
   scale: float
   is_causal: bool
-  backend: str  # "triton" | "mosaic"
+  backend: str  # a kernel family's name (kernels.registry)
   deterministic: bool
   interpret: bool
-  blocks: BlockSizes | None = None  # the Triton kernels' tiles (clamped to the lengths)
-  mosaic: MosaicConfig | None = None  # the Mosaic kernels' tiles (None: MosaicConfig.default)
+  config: object  # the family's launch config (Backend.launch_config: tuned default or the user's)
   variant: Variant | None = None  # the attention variant (None: dense, or causal by is_causal)
-  # The extra operands: VariantArrays fields, then "table_<name>" range tables (fa2_jax.block_ranges).
+  # The extra operands: VariantArrays fields, then "table_<name>" range tables (fa2_jax.kernels.block_ranges).
   fields: tuple[str, ...] = ()
   # (axis, reason) of the axes the kernels cannot split over devices (_unsplittable).
   whole: tuple[tuple[str, str], ...] = ()
@@ -83,9 +82,11 @@ class _Call:
   return_residual: bool
   deterministic: bool
   interpret: bool | None
-  backend: str
+  backend: str  # a kernel family's name, or "xla"
   variant: object = None  # masking.Variant
   arrays: object = None  # masking.VariantArrays, rank 4
+  kernel_call: KernelCall | None = None  # None: empty or symbolic shapes (the formula runs them)
+  formula_reason: str | None = None  # why the formula runs a kernel_call-less call
 
 
 def _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
@@ -111,24 +112,27 @@ def _prepare(query, key, value, scale, is_causal, implementation, return_residua
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   check_soft_cap_scale(scale, variant.soft_cap)
   symbolic = [d for d in (*query.shape, *key.shape) if not is_static_dim(d)]
+  kernel_call, formula_reason = None, None
   if symbolic or 0 in query.shape[:2] or key.shape[1] == 0:
     # Symbolic (jax.export) or empty dimensions: the kernels need static, non-empty grids. Empty
     # calls are exact through the formula (zeros; lse = -inf where S = 0); symbolic ones run it too.
-    if symbolic and implementation in ("triton", "mosaic") or isinstance(block_sizes, (
-        BlockSizes, MosaicConfig)) and symbolic:
+    if symbolic and (implementation not in (None, "xla") or block_sizes is not None):
       raise ValueError(
           f"implementation={implementation!r} needs static shapes; query {tuple(query.shape)} / key "
           f"{tuple(key.shape)} have symbolic dimensions {sorted(set(map(str, symbolic)))} (jax.export): use "
           "implementation=None or 'xla', or export with concrete sequence lengths")
     backend = "xla"
+    formula_reason = ("symbolic shapes (jax.export): the kernels need static shapes" if symbolic else
+                      "an empty batch or sequence: the formula returns the empty (or all-zero) result")
   else:
-    backend = dispatch.choose_backend(implementation, interpret, query, key, is_causal, block_sizes,
-                                      variant=variant)
-  if backend == "mosaic" and isinstance(block_sizes, MosaicConfig) and (
-      why := block_sizes.check(h, jnp.dtype(query.dtype).itemsize)) is not None:
+    kernel_call = KernelCall(tuple(query.shape), tuple(key.shape), jnp.dtype(query.dtype), is_causal,
+                             variant, bool(interpret), deterministic)
+    backend = dispatch.choose_backend(implementation, kernel_call, block_sizes)
+  if backend != "xla" and block_sizes is not None and (
+      why := registry.get(backend).check_config(kernel_call, block_sizes)) is not None:
     raise ValueError(f"block_sizes: {why}")  # a config that cannot run this call (SMEM, head_dim)
   return _Call(query, key, value, squeeze, scale, is_causal, return_residual, deterministic,
-               interpret, backend, variant, arrays)
+               interpret, backend, variant, arrays, kernel_call, formula_reason)
 
 
 def flash_attention(query, key, value, *, scale=None, is_causal=False, implementation=None,
@@ -146,17 +150,18 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     is_causal: query ``i`` attends keys ``j <= p`` where ``p = q_offset + i`` is its absolute
       position (``q_offset = 0``: top-left aligned, as ``jax.nn.dot_product_attention``; for
       ``T > S`` rows past ``S`` see every key; ``q_offset = S - T`` aligns bottom-right).
-    implementation: None (see :mod:`fa2_jax.dispatch`: the Mosaic kernels on Hopper for the calls
-      they support, the Triton kernels on every other GPU, the XLA formula on CPU), ``"triton"``,
-      ``"mosaic"`` (raises a ValueError naming the reason on a call it cannot run) or ``"xla"``.
-      :func:`fa2_jax.backend_for` tells which kernels a call runs, and why.
+    implementation: None (see :mod:`fa2_jax.dispatch`: the sm90 Mosaic GPU kernels on Hopper for
+      the calls they support, the Triton kernels on every other GPU, the XLA formula on CPU), a
+      kernel family's name (``"sm90"``, ``"triton"``; ``"mosaic"`` names the Mosaic GPU family of
+      this GPU, sm90's), which raises a ValueError naming the reason on a call it cannot run, or
+      ``"xla"``. :func:`fa2_jax.backend_for` tells which kernels a call runs, and why.
     return_residual: also return ``lse`` ``[B, T, N]`` float32, the natural-log logsumexp of each
       row's scaled logits (differentiable).
-    block_sizes: None for the tuned defaults, a :class:`fa2_jax.BlockSizes` (tiles of the Triton
-      kernels; with ``implementation=None`` it selects them) or a :class:`fa2_jax.MosaicConfig`
-      (tiles of the Mosaic kernels; with ``implementation=None`` it selects them).
+    block_sizes: None for the tuned defaults, or a kernel family's config, which selects that
+      family (a ValueError if it cannot run the call): :class:`fa2_jax.MosaicConfig` (sm90) or
+      :class:`fa2_jax.BlockSizes` (Triton).
     deterministic: guarantee a backward without atomics, bit-identical across runs. With False (the
-      default) the Mosaic kernels fuse dQ into the dK/dV kernel for head_dim 64/128 calls from 2k
+      default) the sm90 kernels fuse dQ into the dK/dV kernel for head_dim 64/128 calls from 2k
       query rows non-causal and 4k causal (TMA reduce-adds, whose order varies;
       ``MosaicConfig.fuses_dq``); every other call is deterministic anyway.
     interpret: True runs the Pallas kernels in interpret mode on any platform (CPU tests).
@@ -200,7 +205,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     The order of operations per ``(b, h, i, j)``, ``p = q_offset[b] + i``:
     ``s = scale * q_i . k_j``; ``s = cap * tanh(s / cap)``; ``s -= slope[b, h] * |p - j|``;
     ``s = score_fn(s, b, h, p, j)``; pairs not allowed (causal, window, lengths, segments,
-    ``mask_fn``: :mod:`fa2_jax.masking`) get ``-inf``; ``out_i = softmax(s_i) V``. A row with no
+    ``mask_fn``: :mod:`fa2_jax.kernels.masking`) get ``-inf``; ``out_i = softmax(s_i) V``. A row with no
     allowed key gives output 0, lse ``-inf`` and zero gradients, and NaN/inf held by query rows that
     attend no key, or by keys or values no row may attend, never reach the outputs or gradients, except
     on the Mosaic kernels, where such keys and values inside an attended tile reach the outputs
@@ -208,10 +213,10 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     past ``key_value_seq_lengths``, rows past ``query_seq_lengths`` and keys past ``T`` under
     top-left causal excepted: README, Limits).
     Gradients flow to ``query``, ``key`` and ``value`` only (integer arguments have none). The
-    kernels implement the variants listed in :data:`fa2_jax.dispatch.KERNEL_FEATURES`; with
+    kernel families implement the variants each lists in its ``Backend.features``; with
     ``implementation=None`` any other variant runs on the XLA formula (chunked over query blocks
-    for long sequences, so memory stays linear in ``T``), and an explicit ``"triton"``/``"mosaic"``
-    raises a ValueError naming the argument (:func:`fa2_jax.backend_for` says which).
+    for long sequences, so memory stays linear in ``T``), and an explicit family raises a
+    ValueError naming the argument (:func:`fa2_jax.backend_for` says which).
 
   Returns:
     ``out`` with the shape and dtype of ``query`` (and ``lse`` if ``return_residual``).
@@ -246,26 +251,17 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       q, k, v, variant, arrays = _pad_lengths(q, k, v, variant, arrays, multiple)
     fields = tuple(f for f in VariantArrays._fields if getattr(arrays, f) is not None)
     extras = tuple(getattr(arrays, f) for f in fields)
+    family = registry.get(call.backend)
+    launched = dataclasses.replace(call.kernel_call, q_shape=tuple(q.shape), k_shape=tuple(k.shape),
+                                   variant=variant)  # as the kernels see it (sliced, padded)
     variant = None if variant == Variant(is_causal=call.is_causal) else variant
-    h = q.shape[-1]
-    if call.backend == "mosaic":
-      mos = block_sizes if isinstance(block_sizes, MosaicConfig) else None  # checked in _prepare
-      tiles = (mos or MosaicConfig.default(h, q.dtype, call.is_causal)).range_tiles(
-          q.shape[1], deterministic=call.deterministic)
-    else:
-      tri = block_sizes if isinstance(block_sizes, BlockSizes) else None
-      blocks = (tri or BlockSizes.default(h, q.dtype)).clamp(q.shape[1], k.shape[1])
-      tiles = blocks.range_tiles()
+    config = family.launch_config(launched, block_sizes)
+    tiles = family.range_tiles(launched, config)
     tables = tuple(f"table_{name}" for name in tiles) if variant is not None else ()
     whole = _unsplittable(variant, q.shape[0], q.shape[2])
-    scale = kernel_scale(call.scale)
-    if call.backend == "mosaic":
-      static = _Static(scale, call.is_causal, "mosaic", call.deterministic, False, mosaic=mos,
-                       variant=variant, fields=fields + tables, whole=tuple(sorted(whole.items())))
-    else:
-      static = _Static(scale, call.is_causal, "triton", call.deterministic,
-                       bool(call.interpret), blocks=blocks, variant=variant, fields=fields + tables,
-                       whole=tuple(sorted(whole.items())))
+    static = _Static(kernel_scale(call.scale), call.is_causal, family.name, call.deterministic,
+                     bool(call.interpret), config, variant=variant, fields=fields + tables,
+                     whole=tuple(sorted(whole.items())))
 
     def local(q, k, v, *extras):
       # On each device's blocks (under Explicit mesh axes) or on the whole call: the block ranges of
@@ -332,7 +328,7 @@ def backend_for(query, key, value=None, *, is_causal=False, implementation=None,
 
   Takes the same arguments (arrays or ``jax.ShapeDtypeStruct``; ``value`` defaults to ``key``'s shape)
   and raises the same errors; runs nothing. ``print(fa2_jax.backend_for(q, k))`` gives one line, e.g.
-  ``mosaic (mosaic forward, mosaic dK/dV, mosaic dQ): Hopper GPU and a supported call``.
+  ``sm90 (sm90 forward, sm90 dK/dV, sm90 dQ): Hopper GPU and a supported call``.
   ``variant_args``: the attention-variant arguments of :func:`flash_attention`
   (``query_seq_lengths`` ... ``score_fn``; arrays or ``jax.ShapeDtypeStruct``). ``return_residual``
   is checked and does not change the choice.
@@ -344,10 +340,8 @@ def backend_for(query, key, value=None, *, is_causal=False, implementation=None,
                     f"takes none of them)")
   call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
                   deterministic, interpret, **variant_args)
-  return dispatch.describe(call.backend, call.query, call.key, is_causal=call.is_causal,
-                           implementation=implementation, block_sizes=block_sizes,
-                           deterministic=call.deterministic, interpret=bool(call.interpret),
-                           variant=call.variant)
+  return dispatch.describe(call.backend, call.kernel_call, implementation=implementation,
+                           config=block_sizes, formula_reason=call.formula_reason)
 
 
 # --- custom_vjp core ------------------------------------------------------------------------------
@@ -361,18 +355,9 @@ def _forward(q, k, v, extras, st: _Static):
   # first-order reverse mode; a second-order derivative would (through the Pallas call, which has no
   # derivative rule and fails with a bare AssertionError).
   with jax.enable_x64(False):
-    if st.backend == "mosaic":
-      from .kernels.mosaic.forward import forward
-      out, stats = forward(q, k, v, scale=st.scale, is_causal=st.is_causal, config=st.mosaic,
-                           variant=st.variant, arrays=st.arrays(extras),
-                           table=st.tables(extras).get("fwd"))
-      return cast_like(q, out, stats)  # stats: [B, N, 2, T] (kernels/softmax.py)
-    from .kernels.triton.forward import forward
-    bs = st.blocks
-    return forward(q, k, v, scale=st.scale, is_causal=st.is_causal, block_q=bs.block_q,
-                   block_k=bs.block_k, num_warps=bs.num_warps_fwd, num_stages=bs.num_stages_fwd,
-                   interpret=st.interpret, variant=st.variant, arrays=st.arrays(extras),
-                   table=st.tables(extras).get("fwd"))
+    return registry.get(st.backend).forward(
+        q, k, v, scale=st.scale, is_causal=st.is_causal, config=st.config, variant=st.variant,
+        arrays=st.arrays(extras), table=st.tables(extras).get("fwd"), interpret=st.interpret)
 
 
 @_forward.defjvp
@@ -402,13 +387,8 @@ def _unsplittable(variant: Variant | None, batch: int, heads: int) -> dict[str, 
 
 
 def _partitionable(st: _Static) -> bool:
-  """False for the Mosaic kernels in Pallas GPU interpret mode (CPU tests with emulated wgmma): their
-  host callbacks carry ordered effects, which a custom_partitioning call cannot lower (a KeyError
-  inside JAX); on a CPU there is nothing to partition for them anyway."""
-  if st.backend != "mosaic":
-    return True
-  from .kernels.mosaic.ops import emulating
-  return not emulating()
+  """Whether the call may go through custom_partitioning (``Backend.partitionable``)."""
+  return registry.get(st.backend).partitionable()
 
 
 def _foldable(st: _Static) -> bool:
@@ -446,20 +426,10 @@ def _flash_fwd(q, k, v, extras, st: _Static):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _backward(st: _Static, q, k, v, out, stats, dout, dlse, *extras):
   with jax.enable_x64(False):
-    if st.backend == "mosaic":
-      from .kernels.mosaic.backward import backward
-      grads = backward(q, k, v, out, stats, dout, dlse=dlse, scale=st.scale, is_causal=st.is_causal,
-                       deterministic=st.deterministic, config=st.mosaic, variant=st.variant,
-                       arrays=st.arrays(extras), tables=st.tables(extras))
-      return cast_like(q, *grads)
-    from .kernels.triton.backward import backward
-    bs = st.blocks
-    return backward(q, k, v, out, stats, dout, dlse=dlse, scale=st.scale, is_causal=st.is_causal,
-                    block_q_dkv=bs.block_q_dkv, block_k_dkv=bs.block_k_dkv,
-                    block_q_dq=bs.block_q_dq, block_k_dq=bs.block_k_dq,
-                    num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd,
-                    interpret=st.interpret, variant=st.variant, arrays=st.arrays(extras),
-                    tables=st.tables(extras))
+    return registry.get(st.backend).backward(
+        q, k, v, out, stats, dout, dlse=dlse, scale=st.scale, is_causal=st.is_causal,
+        deterministic=st.deterministic, config=st.config, variant=st.variant,
+        arrays=st.arrays(extras), tables=st.tables(extras), interpret=st.interpret)
 
 
 @_backward.defjvp

@@ -1,7 +1,7 @@
 """Kernel reuse across jitted programs, and lengths padded so that new lengths reuse kernels.
 
 ``reuse_kernels_across_programs`` is the public switch. Its two halves live in two layers: the Mosaic
-kernels' exported lowerings (``kernels/mosaic/lowering_cache.py``), and the padding of T and S to a
+kernels' exported lowerings (``kernels/sm90/lowering_cache.py``), and the padding of T and S to a
 length multiple, which ``flash_attention`` does before choosing the kernels (both backends).
 """
 from __future__ import annotations
@@ -9,7 +9,9 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from .kernels.mosaic import lowering_cache
+from .kernels.sm90 import lowering_cache
+
+lowering_cache.add_package_folder(os.path.dirname(os.path.abspath(__file__)))
 
 _STATE = {"length_multiple": None}  # read at every traced call
 

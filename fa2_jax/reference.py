@@ -1,6 +1,6 @@
 """The attention formula in jnp, upcast: the reference for tests and benchmarks, and ``"xla"``.
 
-``softmax(mask(modify(scale * Q K^T))) V`` for every variant of :mod:`fa2_jax.masking` (the same
+``softmax(mask(modify(scale * Q K^T))) V`` for every variant of :mod:`fa2_jax.kernels.masking` (the same
 ``allowed_pairs`` / ``modify_scores`` the kernels use), computed in float32 (or float64 when the inputs
 are float64 or ``compute_dtype=jnp.float64`` is asked for and x64 is on), then cast back to the query
 dtype. :func:`reference_attention` builds the whole ``[B, N, T, S]`` score matrix (the definition)
@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import masking
-from .masking import Variant, VariantArrays
+from .kernels import masking
+from .kernels.masking import Variant, VariantArrays
 from .validation import check_bool, check_scale, check_variant, is_static_dim, validate_qkv
 
 CHUNK_ROWS = 512  # query rows per block of the chunked formula: [B, N, 512, S] scores live at once

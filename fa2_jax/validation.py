@@ -11,9 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import dispatch, masking
-from .kernels.mosaic.config import MosaicConfig
-from .kernels.triton.config import BlockSizes
+from . import dispatch
+from .kernels import masking, registry
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -124,18 +123,25 @@ def validate_qkv(query, key, value) -> None:
 
 def check_options(implementation, block_sizes) -> None:
   """Validate the array-independent options (shared with the Flax adapter's factory)."""
-  if implementation not in dispatch.IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of None, 'triton', 'mosaic', 'xla', got "
-                     f"{implementation!r}")
-  if block_sizes is not None and not isinstance(block_sizes, (BlockSizes, MosaicConfig)):
-    raise TypeError(f"block_sizes must be a fa2_jax.BlockSizes (Triton kernels), a "
-                    f"fa2_jax.MosaicConfig (Mosaic kernels) or None, got {type(block_sizes).__name__}")
-  if isinstance(block_sizes, MosaicConfig) and implementation == "triton":
-    raise TypeError("block_sizes is a MosaicConfig, which configures implementation='mosaic'; the "
-                    "Triton kernels take a fa2_jax.BlockSizes")
-  if isinstance(block_sizes, BlockSizes) and implementation == "mosaic":
-    raise TypeError("block_sizes is a BlockSizes, which configures the Triton kernels; "
-                    "implementation='mosaic' takes a fa2_jax.MosaicConfig")
+  if implementation not in dispatch.implementations():
+    raise ValueError("implementation must be one of "
+                     f"{', '.join(map(repr, dispatch.implementations()))}, got {implementation!r}")
+  if block_sizes is None:
+    return
+  family = registry.for_config(block_sizes)
+  if family is None:
+    kinds = ", ".join(f"a fa2_jax.{b.config_type.__name__} ({b.name} kernels)"
+                      for b in registry.backends())
+    raise TypeError(f"block_sizes must be {kinds} or None, got {type(block_sizes).__name__}")
+  if implementation == "xla":
+    raise TypeError(f"block_sizes is a {type(block_sizes).__name__}, which configures the "
+                    f"{family.name} kernels; implementation='xla' runs the formula, which has no "
+                    "tiles")
+  if implementation is not None and registry.get(implementation) is not family:
+    theirs = registry.get(implementation)
+    raise TypeError(f"block_sizes is a {type(block_sizes).__name__}, which configures the "
+                    f"{family.name} kernels; implementation={implementation!r} takes a "
+                    f"fa2_jax.{theirs.config_type.__name__}")
 
 
 # --- attention variants ---------------------------------------------------------------------------

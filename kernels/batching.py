@@ -1,6 +1,6 @@
 """The mapped axis of a ``vmap`` folded into the batch axis B, for calls whose operands and results
 all have B first: ``[E, B, ...] -> [E * B, ...]`` before one call, ``[E * B, ...] -> [E, B, ...]``
-after. Shared by the Mosaic kernels' ``custom_vmap`` rule (:func:`kernels.mosaic.ops.batch_rule`) and
+after. Shared by the Mosaic kernels' ``custom_vmap`` rule (:func:`kernels.sm90.ops.batch_rule`) and
 the partitioned calls' (:func:`fa2_jax.sharding.partitioned`)."""
 from __future__ import annotations
 

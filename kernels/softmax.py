@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..masking import soft_cap_factors
+from .masking import soft_cap_factors
 
 # |m| (a row's scaled maximum, base 2) from which the forward scales the row by a power of two: the
 # single-FMA p = exp2(s*c - m) is off by the rounding of m, 2^δ with |δ| <= ulp(m)/2, which must stay
@@ -158,7 +158,7 @@ FAST_FORM_LIMIT = 2.0 ** 10
 
 def fast_form_suffices(variant) -> bool:
   """Whether every row's ``|r * c|`` stays below :data:`FAST_FORM_LIMIT` whatever the inputs, so the
-  backward needs no exact form: the scores of ``variant`` (a ``fa2_jax.masking.Variant`` or None)
+  backward needs no exact form: the scores of ``variant`` (a ``fa2_jax.kernels.masking.Variant`` or None)
   are a soft cap's ``cap * tanh(.)`` (base-2 logits, ``c = 1``: ``|r| <= cap * log2 e``) with
   nothing added after it (ALiBi, a ``score_fn``). Half the limit as margin for the rounding of
   ``cap * log2 e``."""

@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is a package of the repository, not of the wheel
 
+from fa2_jax.kernels import platform
 import fa2_jax  # noqa: E402
 from benchmarks import ablation, ablation_kernels, attention, cli, impls, numerics, report, timing  # noqa: E402
 from benchmarks.attention_report import attach_ratios  # noqa: E402
@@ -656,7 +657,7 @@ def as_h200(monkeypatch):
   registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
   monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
                       lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  monkeypatch.setattr(fa2_jax.dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
 
 
 @pytest.mark.parametrize("case", [
@@ -717,16 +718,16 @@ def test_kernel_times_programs_lower_for_hopper(monkeypatch):
   """The diagnostic calls the Mosaic kernel modules' public functions as they are now: its programs
   trace and lower for sm90 on any machine."""
   from benchmarks.diag import kernel_times
-  monkeypatch.setattr(fa2_jax.dispatch, "on_gpu", lambda: True)
-  monkeypatch.setattr(fa2_jax.dispatch, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
   f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
   for h, dkv, dq in ((64, "dkdv", "dq"), (256, "dkdv_roles", "dq_roles")):
     x = jax.ShapeDtypeStruct((1, 256, 2, h), jnp.bfloat16)
     arrays = dict(q=x, k=x, v=x, do=x, out=x, stats=f32(1, 2, 2, 256), rows=f32(1, 2, 2, 256),
                   delta=f32(1, 2, 256), exact=jax.ShapeDtypeStruct((1, 2), jnp.int32))
     progs = kernel_times.programs(h, jnp.bfloat16, causal=False)
-    pieces = [("mosaic forward", "forward"), ("backward prologue (XLA)", None),
-              ("mosaic dK/dV kernel", dkv), ("mosaic dQ kernel", dq)]
+    pieces = [("sm90 forward", "forward"), ("backward prologue (XLA)", None),
+              ("sm90 dK/dV kernel", dkv), ("sm90 dQ kernel", dq)]
     if h == 64:
       pieces.append(("mosaic backward, fused dQ", "dkdv_dq"))
     for name, kernel in pieces:
@@ -930,7 +931,7 @@ def test_variants_packed_cell_on_gpu(tmp_path):
 def test_kernel_times_and_mosaic_tune_run_on_hopper(tmp_path):
   from benchmarks import tune
   from benchmarks.diag import kernel_times
-  if not fa2_jax.dispatch.is_hopper():
+  if not platform.is_hopper():
     pytest.skip("the Mosaic kernels need a Hopper GPU")
   kernel_times.main(["--shapes", "1,1024,4,128", "--out", str(tmp_path)])
   rows = _load(tmp_path / "kernel_times.json")["rows"]

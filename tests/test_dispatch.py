@@ -1,6 +1,6 @@
 """Which kernels run where: the backend choice and ``fa2_jax.backend_for``, on any machine.
 
-The device is faked by patching ``fa2_jax.dispatch.on_gpu`` / ``gpu_compute_capability`` (nothing is
+The device is faked by patching ``fa2_jax.kernels.platform.on_gpu`` / ``gpu_compute_capability`` (nothing is
 run: the choice needs only shapes and dtypes).
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from fa2_jax.kernels import platform
 import fa2_jax
 from fa2_jax import dispatch as D
 
@@ -25,8 +26,8 @@ def fake_gpu(monkeypatch):
   (None: a GPU that reports none, e.g. ROCm)."""
 
   def set_cc(cc):
-    monkeypatch.setattr(D, "on_gpu", lambda: True)
-    monkeypatch.setattr(D, "gpu_compute_capability", lambda: cc)
+    monkeypatch.setattr(platform, "on_gpu", lambda: True)
+    monkeypatch.setattr(platform, "gpu_compute_capability", lambda: cc)
 
   return set_cc
 
@@ -50,7 +51,7 @@ def test_hopper_runs_variants_on_the_mosaic_kernels(fake_gpu):
   q, k = _shapes()
   seg = jax.ShapeDtypeStruct((q.shape[0], q.shape[1]), jnp.int32)
   d = fa2_jax.backend_for(q, k, q_segment_ids=seg, kv_segment_ids=seg, logits_soft_cap=30.0)
-  assert d.backend == "mosaic" and d.backward == ("mosaic dK/dV", "mosaic dQ"), d  # no fused dQ
+  assert d.backend == "sm90" and d.backward == ("sm90 dK/dV", "sm90 dQ"), d  # no fused dQ
   assert d.deterministic
   # A mask_fn that reads the head: one range table per head, which the Mosaic kernels do not read.
   per_head = dict(mask_fn=lambda b, h, i, j: (j <= i) | (h == 0))
@@ -58,7 +59,7 @@ def test_hopper_runs_variants_on_the_mosaic_kernels(fake_gpu):
   assert d.backend == "triton" and "mask_fn depends on the head" in d.reason, d
   with pytest.raises(ValueError, match="mask_fn depends on the head"):
     fa2_jax.backend_for(q, k, implementation="mosaic", **per_head)
-  assert fa2_jax.backend_for(q, k, mask_fn=lambda b, h, i, j: j <= i).backend == "mosaic"
+  assert fa2_jax.backend_for(q, k, mask_fn=lambda b, h, i, j: j <= i).backend == "sm90"
 
 
 @pytest.mark.parametrize("cc", [(9, 0), (9, 0xa)])
@@ -66,42 +67,42 @@ def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
   fake_gpu(cc)
   q, k = _shapes()
   d = fa2_jax.backend_for(q, k, is_causal=True)
-  assert d.backend == "mosaic" and d.forward == ("mosaic forward",)
-  assert d.backward == ("mosaic dK/dV", "mosaic dQ") and d.deterministic  # causal 1k: separate dQ
+  assert d.backend == "sm90" and d.forward == ("sm90 forward",)
+  assert d.backward == ("sm90 dK/dV", "sm90 dQ") and d.deterministic  # causal 1k: separate dQ
   long_c = fa2_jax.backend_for(*_shapes(t=4096), is_causal=True)  # causal from 4k rows: fused
-  assert long_c.backward == ("mosaic dK/dV + fused dQ",) and not long_c.deterministic
+  assert long_c.backward == ("sm90 dK/dV + fused dQ",) and not long_c.deterministic
   nc = fa2_jax.backend_for(*_shapes(t=2048), is_causal=False)  # non-causal from 2k rows: fused
-  assert nc.backward == ("mosaic dK/dV + fused dQ",) and not nc.deterministic
+  assert nc.backward == ("sm90 dK/dV + fused dQ",) and not nc.deterministic
   few = fa2_jax.backend_for(*_shapes(t=128), is_causal=False)  # few query rows: separate dQ
-  assert few.backward == ("mosaic dK/dV", "mosaic dQ") and few.deterministic
+  assert few.backward == ("sm90 dK/dV", "sm90 dQ") and few.deterministic
   window = dict(is_causal=True, local_window_size=(512, 0))  # a variant: the same length rule
   win = fa2_jax.backend_for(*_shapes(t=4096), **window)
-  assert win.backward == ("mosaic dK/dV + fused dQ",) and not win.deterministic
+  assert win.backward == ("sm90 dK/dV + fused dQ",) and not win.deterministic
   win_det = fa2_jax.backend_for(*_shapes(t=4096), deterministic=True, **window)
-  assert win_det.backward == ("mosaic dK/dV", "mosaic dQ") and win_det.deterministic
-  assert fa2_jax.backend_for(*_shapes(t=2048), **window).backward == ("mosaic dK/dV", "mosaic dQ")
+  assert win_det.backward == ("sm90 dK/dV", "sm90 dQ") and win_det.deterministic
+  assert fa2_jax.backend_for(*_shapes(t=2048), **window).backward == ("sm90 dK/dV", "sm90 dQ")
   off = fa2_jax.MosaicConfig.default(128, is_causal=True).replace(dq_fused_variants=False)
   assert fa2_jax.backend_for(*_shapes(t=4096), block_sizes=off, **window).backward == (
-      "mosaic dK/dV", "mosaic dQ")
+      "sm90 dK/dV", "sm90 dQ")
   assert fa2_jax.backend_for(*_shapes(t=4096), block_sizes=off, is_causal=True).backward == (
-      "mosaic dK/dV + fused dQ",)  # dq_fused_variants leaves plain causal calls alone
+      "sm90 dK/dV + fused dQ",)  # dq_fused_variants leaves plain causal calls alone
   det = fa2_jax.backend_for(*_shapes(t=4096), is_causal=True, deterministic=True)
-  assert det.backward == ("mosaic dK/dV", "mosaic dQ") and det.deterministic
+  assert det.backward == ("sm90 dK/dV", "sm90 dQ") and det.deterministic
   big = fa2_jax.backend_for(*_shapes(h=256))
-  assert big.backward == ("mosaic dK/dV (split by role)", "mosaic dQ (split by role)")
+  assert big.backward == ("sm90 dK/dV (split by role)", "sm90 dQ (split by role)")
   h192 = fa2_jax.backend_for(*_shapes(h=192))
-  assert h192.backward == ("mosaic dK/dV (split by role)", "mosaic dQ")
+  assert h192.backward == ("sm90 dK/dV (split by role)", "sm90 dQ")
   split = fa2_jax.MosaicConfig.default(256).replace(dkv_roles=False, dkv_split=True, dq_roles=False)
   assert fa2_jax.backend_for(*_shapes(h=256), block_sizes=split).backward == (
-      "mosaic dV", "mosaic dK", "mosaic dQ")
-  assert str(d).startswith("mosaic (mosaic forward, mosaic dK/dV, mosaic dQ): ")
+      "sm90 dV", "sm90 dK", "sm90 dQ")
+  assert str(d).startswith("sm90 (sm90 forward, sm90 dK/dV, sm90 dQ): ")
 
 
 @pytest.mark.parametrize("kw, want", [
-    (dict(), "mosaic"),
-    (dict(h=64, t=17, s=1), "mosaic"),  # any length, any head_dim in 64/128/192/256
-    (dict(h=256), "mosaic"),
-    (dict(dtype=jnp.float16), "mosaic"),
+    (dict(), "sm90"),
+    (dict(h=64, t=17, s=1), "sm90"),  # any length, any head_dim in 64/128/192/256
+    (dict(h=256), "sm90"),
+    (dict(dtype=jnp.float16), "sm90"),
     (dict(dtype=jnp.float32), "triton"),  # wgmma backend: 16-bit inputs only
     (dict(h=96), "triton"),  # not a multiple of the 64-element swizzled tile
     (dict(h=32), "triton"),
@@ -109,28 +110,29 @@ def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
 def test_default_dispatch_on_hopper(fake_gpu, kw, want):
   fake_gpu((9, 0))
   q, k = _shapes(**kw)
-  assert D.choose_backend(None, None, q, k, True) == want
-  assert D.choose_backend("triton", None, q, k, True) == "triton"
-  assert D.choose_backend(None, True, q, k, True) == "triton"  # interpret=True: Pallas interpreter
+  assert fa2_jax.backend_for(q, k, is_causal=True).backend == want
+  assert fa2_jax.backend_for(q, k, is_causal=True, implementation="triton").backend == "triton"
+  # interpret=True: the Pallas interpreter, which only the Triton kernels run in
+  assert fa2_jax.backend_for(q, k, is_causal=True, interpret=True).backend == "triton"
 
 
 def test_mosaic_refusal_names_the_reason(fake_gpu):
   fake_gpu((9, 0))
   q, k = _shapes(dtype=jnp.float32)
   with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*float32"):
-    D.choose_backend("mosaic", None, q, k, False)
+    fa2_jax.backend_for(q, k, implementation="mosaic")
   q, k = _shapes(h=96)
-  with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*head_dim"):
-    D.choose_backend("mosaic", None, q, k, False)
+  with pytest.raises(ValueError, match="implementation='sm90' cannot run this call: .*head_dim"):
+    fa2_jax.backend_for(q, k, implementation="sm90")
 
 
 def test_block_sizes_type_selects_the_kernels(fake_gpu):
   fake_gpu((9, 0))
   q, k = _shapes()
   assert fa2_jax.backend_for(q, k, block_sizes=fa2_jax.BlockSizes()).backend == "triton"
-  assert fa2_jax.backend_for(q, k, block_sizes=fa2_jax.MosaicConfig()).backend == "mosaic"
+  assert fa2_jax.backend_for(q, k, block_sizes=fa2_jax.MosaicConfig()).backend == "sm90"
   q32, k32 = _shapes(dtype=jnp.float32)
-  with pytest.raises(ValueError, match="block_sizes is a MosaicConfig, which asks for the Mosaic "
+  with pytest.raises(ValueError, match="block_sizes is a MosaicConfig, which asks for the sm90 "
                      "kernels, and they cannot run this call: .*float32.*block_sizes=None"):
     fa2_jax.backend_for(q32, k32, block_sizes=fa2_jax.MosaicConfig())
 
@@ -176,15 +178,15 @@ def test_compute_capability_parsing(monkeypatch):
   class Dev:
     compute_capability = "9.0"
 
-  monkeypatch.setattr(D, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
   monkeypatch.setattr(jax, "devices", lambda: [Dev()])
-  assert D.gpu_compute_capability() == (9, 0) and D.is_hopper()
+  assert platform.gpu_compute_capability() == (9, 0) and platform.is_hopper()
   Dev.compute_capability = "10.0"
-  assert D.gpu_compute_capability() == (10, 0) and not D.is_hopper()
+  assert platform.gpu_compute_capability() == (10, 0) and not platform.is_hopper()
   Dev.compute_capability = "12.0"
-  assert not D.is_hopper()
+  assert not platform.is_hopper()
   Dev.compute_capability = "gfx942"  # not an NVIDIA capability: unknown, so not Hopper
-  assert D.gpu_compute_capability() is None and not D.is_hopper()
+  assert platform.gpu_compute_capability() is None and not platform.is_hopper()
 
 
 def test_backend_for_takes_rank3_shape_dtype_structs(fake_gpu):
@@ -193,7 +195,7 @@ def test_backend_for_takes_rank3_shape_dtype_structs(fake_gpu):
   sd = jax.ShapeDtypeStruct
   d = fa2_jax.backend_for(sd((1024, 8, 128), jnp.bfloat16), sd((1024, 2, 128), jnp.bfloat16),
                           is_causal=True)
-  assert d.backend == "mosaic", d
+  assert d.backend == "sm90", d
   d = fa2_jax.backend_for(sd((64, 4, 16), jnp.float32), sd((48, 2, 16), jnp.float32),
                           interpret=True, local_window_size=(8, 0))
   assert d.backend == "triton", d

@@ -49,8 +49,8 @@ def test_jit_with_x64_enabled(causal):
 def test_kernels_lower_for_cuda_with_x64_enabled(impl, monkeypatch):
   """The compiled (not interpreted) kernels lower under x64 too (checked for sm90 on any machine)."""
   from fa2_jax import dispatch
-  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
-  monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
   if impl == "triton":
     gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
     registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")

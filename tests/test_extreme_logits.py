@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fa2_jax.kernels import platform
 import fa2_jax
 from fa2_jax import dispatch
 from fa2_jax.kernels.softmax import kernel_scale
@@ -209,9 +210,9 @@ def _mosaic_fwd_bwd(q, k, v, do, *, scale, causal, config=None, emulate=False):
   with ``config`` fusing dQ (the non-deterministic backward); ``emulate``: in GPU interpret mode
   with emulated wgmma (CPU)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from fa2_jax.kernels.mosaic.backward import backward
-  from fa2_jax.kernels.mosaic.forward import forward
-  from fa2_jax.kernels.mosaic.ops import emulated_mma
+  from fa2_jax.kernels.sm90.backward import backward
+  from fa2_jax.kernels.sm90.forward import forward
+  from fa2_jax.kernels.sm90.ops import emulated_mma
   from fa2_jax.kernels.softmax import lse_from_stats
   fused = config is not None and config.fuses_dq(q.shape[1], deterministic=False)
 
@@ -302,9 +303,9 @@ def test_soft_cap_with_huge_scale_takes_the_fast_form_mosaic_emulated():
   alone (``backward_p="auto"``); at ``scale=1e6`` (the capped logits saturate at ±cap, with ties)
   it still matches the float32 formula."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from fa2_jax.kernels.mosaic.backward import backward
-  from fa2_jax.kernels.mosaic.forward import forward
-  from fa2_jax.kernels.mosaic.ops import emulated_mma
+  from fa2_jax.kernels.sm90.backward import backward
+  from fa2_jax.kernels.sm90.forward import forward
+  from fa2_jax.kernels.sm90.ops import emulated_mma
   from fa2_jax.kernels.softmax import lse_from_stats
   from fa2_jax.validation import check_variant
   ks = jax.random.split(jax.random.key(7), 4)
@@ -344,7 +345,7 @@ def test_soft_cap_with_huge_scale_takes_the_fast_form_mosaic_emulated():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
 @pytest.mark.parametrize("implementation", ["mosaic", "triton"])
 def test_extreme_logits_compiled(implementation, dtype, causal):
-  if implementation == "mosaic" and not dispatch.is_hopper():
+  if implementation == "mosaic" and not platform.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   # T = 1000: full and ragged tiles; non-causal one-hot rows, causal rows with ties.
   for scale in SCALES:
@@ -361,7 +362,7 @@ def test_extreme_logits_compiled(implementation, dtype, causal):
 @pytest.mark.parametrize("implementation", ["mosaic", "triton"])
 def test_extreme_logits_gqa_compiled(implementation):
   """A GQA group whose query heads need different forms of P (bfloat16: float16 flushes q = 2^-28)."""
-  if implementation == "mosaic" and not dispatch.is_hopper():
+  if implementation == "mosaic" and not platform.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   q, k, v = _gqa_inputs(1000, 128, jnp.bfloat16)
   do = _grad_inputs(q)
@@ -374,7 +375,7 @@ def test_extreme_logits_gqa_compiled(implementation):
 @pytest.mark.gpu
 @pytest.mark.parametrize("implementation", ["mosaic", "triton"])
 def test_tiny_scales_compiled(implementation):
-  if implementation == "mosaic" and not dispatch.is_hopper():
+  if implementation == "mosaic" and not platform.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   for scale, causal in itertools.product(TINY_SCALES, (False, True)):
     fn = lambda q, k, v, scale=scale, causal=causal: fa2_jax.flash_attention(  # noqa: E731
@@ -394,7 +395,7 @@ def test_tiny_scales_compiled(implementation):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
 def test_extreme_logits_compiled_fused_dq(causal):
-  if not dispatch.is_hopper():
+  if not platform.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   for scale in SCALES:
     q, k, v = _inputs(1000, 128, jnp.bfloat16, ties=causal)
@@ -410,7 +411,7 @@ def test_extreme_logits_compiled_fused_dq(causal):
 def test_extreme_logits_compiled_exact_form_everywhere(fused):
   """``MosaicConfig.backward_p="exact"`` compiled: every head in the exact form, at huge, negative
   and ordinary scales (the ordinary heads through the exact form too)."""
-  if not dispatch.is_hopper():
+  if not platform.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   for scale, causal in itertools.product((1e9, -1e9, 0.1), (False, True)):
     q, k, v = _inputs(1000, 128, jnp.bfloat16, ties=causal)

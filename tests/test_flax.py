@@ -22,7 +22,7 @@ from flax import nnx
 
 import fa2_jax
 import fa2_jax.flax as fa2_flax
-import fa2_jax.flax_attention as adapter  # the adapter's module: its one-time warnings, its calls
+import fa2_jax.flax.attention as adapter  # the adapter's module: its one-time warnings, its calls
 from fa2_jax.flax import FlashAttentionFallbackWarning
 
 ON_GPU = jax.default_backend() == "gpu"

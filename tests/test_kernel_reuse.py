@@ -1,5 +1,5 @@
 """``fa2_jax.reuse_kernels_across_programs``: Mosaic kernels lowered once per process and embedded in
-every program that launches them (``kernels/mosaic/lowering_cache.py``), and lengths padded to a
+every program that launches them (``kernels/sm90/lowering_cache.py``), and lengths padded to a
 multiple so that new lengths share kernels.
 
 On CPU: the kernel hashes and export counts of programs lowered for sm90 (``lowering_platforms=
@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fa2_jax.kernels import platform
 import fa2_jax
 from fa2_jax import dispatch, kernel_reuse
-from fa2_jax.kernels.mosaic import lowering_cache
-from fa2_jax.kernels.mosaic.backward import backward
-from fa2_jax.kernels.mosaic.config import MosaicConfig
-from fa2_jax.kernels.mosaic.forward import forward
+from fa2_jax.kernels.sm90 import lowering_cache
+from fa2_jax.kernels.sm90.backward import backward
+from fa2_jax.kernels.sm90.config import MosaicConfig
+from fa2_jax.kernels.sm90.forward import forward
 from fa2_jax.kernels.softmax import lse_from_stats
 
 BF16 = jnp.bfloat16
@@ -54,8 +55,8 @@ def reuse():
 
 @pytest.fixture
 def fake_hopper(monkeypatch):
-  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
-  monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
 
 
 def _train(scale, causal, cfg):
@@ -196,10 +197,10 @@ _CACHE_DIR_PROGRAM = """
 import json, re, sys
 import jax, jax.numpy as jnp
 import fa2_jax
-from fa2_jax.kernels.mosaic import lowering_cache
-from fa2_jax.kernels.mosaic.backward import backward
-from fa2_jax.kernels.mosaic.config import MosaicConfig
-from fa2_jax.kernels.mosaic.forward import forward
+from fa2_jax.kernels.sm90 import lowering_cache
+from fa2_jax.kernels.sm90.backward import backward
+from fa2_jax.kernels.sm90.config import MosaicConfig
+from fa2_jax.kernels.sm90.forward import forward
 fa2_jax.reuse_kernels_across_programs(True, cache_dir=sys.argv[1])
 cfg = MosaicConfig.default(128, jnp.bfloat16, True).replace(dq_fused=True, dq_fused_min_t=0)
 mask_fn = (lambda b, h, i, j: j <= i) if sys.argv[2] == "mask_fn" else None
@@ -223,7 +224,7 @@ def _lower_in_a_fresh_process(cache_dir, kind="dense"):
     program = _CACHE_DIR_PROGRAM.replace(
         "fa2_jax.reuse_kernels_across_programs(",
         "from fa2_jax import dispatch\ndispatch.on_gpu = lambda: True\n"
-        "dispatch.gpu_compute_capability = lambda: (9, 0)\nfa2_jax.reuse_kernels_across_programs(")
+        "platform.gpu_compute_capability = lambda: (9, 0)\nfa2_jax.reuse_kernels_across_programs(")
   else:
     program = _CACHE_DIR_PROGRAM
   out = subprocess.run([sys.executable, "-c", program, str(cache_dir), kind], check=True, env=env,
@@ -306,7 +307,7 @@ def test_the_sources_hash_covers_the_kernels(monkeypatch):
 
 def test_a_function_with_its_own_repr_is_not_written():
   """A ``mask_fn`` whose repr carries no address still keeps its kernels out of the folder."""
-  from fa2_jax.masking import Variant
+  from fa2_jax.kernels.masking import Variant
 
   class Causal:
     def __call__(self, b, h, i, j):

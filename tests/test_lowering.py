@@ -22,7 +22,7 @@ registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registrat
 def as_h200(monkeypatch):
   monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
                       lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
 
 
 CASES = [  # (b, t, s, n, kh, h, causal, dtype); the ablation's kernel variants: test_benchmarks.py

@@ -1,10 +1,10 @@
-"""CPU-side tests of the Mosaic GPU (Hopper) backend, ``fa2_jax.kernels.mosaic``.
+"""CPU-side tests of the Mosaic GPU (Hopper) backend, ``fa2_jax.kernels.sm90``.
 
 No GPU needed:
 
 * ``supports()`` and ``MosaicConfig`` validation / shared-memory budget;
 * the causal block ranges (``kv_block_ranges`` / ``q_block_ranges``) brute-forced against
-  ``fa2_jax.masking.allowed``;
+  ``fa2_jax.kernels.masking.allowed``;
 * ``plan_lengths`` / ``pad_axis``;
 * lowering of forward + backward for sm90 (Pallas -> Mosaic GPU, layout inference, no execution);
 * numerics of forward + backward in Pallas GPU interpret mode with emulated wgmma (``ops.emulated_mma``),
@@ -24,16 +24,16 @@ import numpy as np
 import pytest
 
 import fa2_jax
-from fa2_jax.kernels.mosaic.backward import backward, backward_tiles
-from fa2_jax.kernels.mosaic.config import (SMEM_BYTES, SMEM_RESERVE, MosaicConfig, register_pool,
+from fa2_jax.kernels.sm90.backward import backward, backward_tiles
+from fa2_jax.kernels.sm90.config import (SMEM_BYTES, SMEM_RESERVE, MosaicConfig, register_pool,
                                           supports)
-from fa2_jax.kernels.mosaic.forward import forward
-from fa2_jax.kernels.mosaic.lengths import pad_axis, plan_lengths
-from fa2_jax.kernels.mosaic.schedule import (causal_section, kv_block_ranges, launch_tile, lpt_tile,
+from fa2_jax.kernels.sm90.forward import forward
+from fa2_jax.kernels.sm90.lengths import pad_axis, plan_lengths
+from fa2_jax.kernels.sm90.schedule import (causal_section, kv_block_ranges, launch_tile, lpt_tile,
                                              q_block_ranges, section_heads)
-from fa2_jax.kernels.mosaic.ops import emulated_mma, emulating
+from fa2_jax.kernels.sm90.ops import emulated_mma, emulating
 from fa2_jax.kernels.softmax import lse_from_stats
-from fa2_jax.masking import alibi_lse_shift, allowed
+from fa2_jax.kernels.masking import alibi_lse_shift, allowed
 
 BF16 = jnp.bfloat16
 
@@ -75,7 +75,7 @@ def test_default_configs_fit(h):
   assert cfg.check(h) is None
   assert cfg.dkv_roles == (h > 128) and not cfg.dkv_split and cfg.dq_roles == (h == 256)
   for nwg in (1, 2):
-    # the CTA's register pool (kernels/mosaic/config.register_pool): producer WG + consumers fit
+    # the CTA's register pool (kernels/sm90/config.register_pool): producer WG + consumers fit
     assert 128 * (nwg * cfg.registers(nwg) + cfg.memory_registers) <= register_pool(128 * (nwg + 1))
 
 
@@ -114,7 +114,7 @@ def test_fuses_dq_default_rule():
 
 
 def test_fused_dq_split_and_smem():
-  from fa2_jax.kernels.mosaic.config import dq_split
+  from fa2_jax.kernels.sm90.config import dq_split
   # head_dim 128, 64-row tiles: columns; head_dim 64 with 128-row tiles: rows; else none.
   assert dq_split(64, 128, 2) == "cols" and dq_split(128, 64, 2) == "rows"
   assert dq_split(64, 64, 2) is None and dq_split(64, 128, 1) is None
@@ -216,7 +216,7 @@ def test_greedy_deal_balances_causal_tiles():
   """schedule.greedy_deal gives each launch position (longest first) to the least-loaded CTA: every
   position once, each CTA's in increasing order, and the most-loaded CTA within one tile of the
   least; the cyclic deal of the same LPT order leaves CTA 0 the longest tile of every round."""
-  from fa2_jax.kernels.mosaic.schedule import greedy_deal
+  from fa2_jax.kernels.sm90.schedule import greedy_deal
 
   work = sorted([w for w in range(1, 65) for _ in range(32)], reverse=True)  # causal 8k, 2x16 heads
   n_ctas = 132
@@ -236,7 +236,7 @@ def test_greedy_deal_balances_causal_tiles():
 def test_backward_p_form():
   """``backward_p="auto"`` compiles the one-FMA form alone only where the logits are bounded below
   its limit whatever the inputs (a soft cap, nothing added after it); else the per-head choice."""
-  from fa2_jax.masking import Variant
+  from fa2_jax.kernels.masking import Variant
   auto, exact = MosaicConfig.default(128), MosaicConfig.default(128).replace(backward_p="exact")
   assert auto.backward_p == "auto" and auto.p_form() == auto.p_form(Variant()) == "per_head"
   assert auto.p_form(Variant(is_causal=True, soft_cap=50.0, window=(100, 0))) == "fast"
@@ -714,7 +714,7 @@ def test_interpret_causal_lpt_sections(monkeypatch, fused):
   """Causal kernels with the launch order cut into several L2 sections (the budget shrunk so that 6
   (batch, head) pairs make sections of 4 and 2 heads in all three kernels): same numbers as the
   reference, so every CTA found its (batch, head, tile) exactly once."""
-  from fa2_jax.kernels.mosaic import schedule as common
+  from fa2_jax.kernels.sm90 import schedule as common
   h, t = 64, 144
   per_head = 2 * t * h * 2  # K+V (forward, dQ) or Q+dO (dK/dV) of one head, bf16
   monkeypatch.setattr(common, "L2_SECTION_BYTES", 4 * per_head)
@@ -768,7 +768,7 @@ def test_consumer_barrier_lowers_for_sm90(barrier):
   """``MosaicConfig.consumer_barrier="named"``: the fused dK/dV/dQ kernel's consumers meet on a
   hardware barrier (``bar.sync`` of both warpgroups, in the kernel's PTX); the default keeps the
   mbarrier."""
-  from fa2_jax.kernels.mosaic.ops import CONSUMERS_BARRIER_ID
+  from fa2_jax.kernels.sm90.ops import CONSUMERS_BARRIER_ID
   traced = _traced_fused_dq(512, consumer_barrier=barrier)
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "fa2_mosaic_dkdv_dq" in text
@@ -789,7 +789,7 @@ def test_register_order_is_the_wgmma_layout():
   against the PTX layout of ``wgmma .m64nNk16``'s accumulator: thread ``t`` (warp ``w``, lane ``l``)
   holds rows ``16 w + l // 4`` and ``+ 8`` and, in each 8-column group, columns ``2 (l % 4)`` and
   ``+ 1`` as one 2-vector; every element once."""
-  from fa2_jax.kernels.mosaic.ops import register_order
+  from fa2_jax.kernels.sm90.ops import register_order
   for rows, cols in ((64, 64), (64, 128)):
     order = register_order((rows, cols))
     assert sorted(order.tolist()) == list(range(rows * cols))
@@ -806,8 +806,8 @@ def test_unpermute_dq_restores_row_order():
   """``dkdv.unpermute_dq`` inverts the register-order accumulator of ``dq_register_order``: a dQ laid
   out as the kernel's reduce-adds write it (per 64-row tile and 64-column piece, in register order)
   comes back as ``[B, T, N, H]``."""
-  from fa2_jax.kernels.mosaic.dkdv import unpermute_dq
-  from fa2_jax.kernels.mosaic.ops import REGISTER_ORDER_ROW, register_order
+  from fa2_jax.kernels.sm90.dkdv import unpermute_dq
+  from fa2_jax.kernels.sm90.ops import REGISTER_ORDER_ROW, register_order
   b, tiles, n, p, rows, cols = 2, 3, 4, 2, 64, 64
   dq = np.random.default_rng(0).standard_normal((b, tiles * rows, n, p * cols)).astype(np.float32)
   order = register_order((rows, cols))
@@ -868,7 +868,7 @@ VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
         mask_fn=lambda b, h, i, j: (i - j) % 3 != 1,
         score_fn=lambda x, b, h, i, j: x * 0.7 + 0.3 * jnp.sin(2 * x) - (i - j).astype(x.dtype) / 64)),
     # ALiBi without a cap, per-batch offsets, one 2^30 positions past the keys (the bias from each
-    # row's nearest key, fa2_jax.masking.alibi_nearest_key, and the lse's shift back)
+    # row's nearest key, fa2_jax.kernels.masking.alibi_nearest_key, and the lse's shift back)
     "alibi_offsets_gqa": (2, 72, 130, 2, 1, 64, lambda: dict(
         is_causal=True, q_offset=jnp.array([2 ** 30 - 100, 7]),
         alibi_slopes=jnp.array([[0.1, 0.3], [0.05, 0.25]]))),
@@ -878,7 +878,7 @@ VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
         is_causal=True, local_window_size=(90, 0), logits_soft_cap=3.0,
         query_seq_lengths=jnp.array([120]))),
     # T and S whole numbers of every kernel's tiles: the masks leave out the rows-past-T and
-    # keys-past-S terms (kernels/mosaic/variant.py, Refs.keep), so lengths and segments must do it
+    # keys-past-S terms (kernels/sm90/variant.py, Refs.keep), so lengths and segments must do it
     "whole_tiles_window_lengths_segments": (1, 256, 256, 2, 1, 64, lambda: dict(
         is_causal=True, local_window_size=(70, 0), query_seq_lengths=jnp.array([230]),
         key_value_seq_lengths=jnp.array([190]), q_segment_ids=jnp.array([[0] * 100 + [1] * 156]),
@@ -983,7 +983,7 @@ def test_forward_builds_the_greedy_deal_where_it_applies(case, dealt):
   ``MosaicConfig.deals_greedily`` names, checked by tracing the kernel call for sm90 on the CPU."""
   from unittest import mock
 
-  from fa2_jax.kernels.mosaic import forward as forward_module
+  from fa2_jax.kernels.sm90 import forward as forward_module
   from fa2_jax.validation import check_variant
 
   causal = case != "default non-causal"
@@ -1018,7 +1018,7 @@ def test_forward_builds_the_greedy_deal_where_it_applies(case, dealt):
     positions = np.concatenate([table[c, 1:1 + table[c, 0]] for c in range(132)])
     assert sorted(positions.tolist()) == list(range(256))
     if variant is not None:  # query tile i sees key tiles [i - 3, i] (a window of 300 keys): 1-4
-      from fa2_jax.block_ranges import static_kv_work
+      from fa2_jax.kernels.block_ranges import static_kv_work
       work = static_kv_work(variant, seq_q=1000, seq_k=1000, block_q=128, block_k=128)
       assert work.tolist() == [1, 2, 3, 4, 4, 4, 4, 4]
 
@@ -1063,7 +1063,7 @@ def _check_interpret_variant(name, cfg, *, deterministic, h=None):
 @pytest.mark.parametrize("fused", [False, True], ids=["separate_dq", "fused_dq"])
 def test_alibi_from_the_nearest_key_lowers_for_sm90(fused):
   """ALiBi without a score_fn takes each row's distances from its nearest key (int32 arithmetic on
-  the WGMMA-layout index tiles, fa2_jax.masking.alibi_nearest_key): every kernel lowers for sm90 (the
+  the WGMMA-layout index tiles, fa2_jax.kernels.masking.alibi_nearest_key): every kernel lowers for sm90 (the
   variant test below has a score_fn, which keeps the bias as written)."""
   from fa2_jax.validation import check_variant
   b, t, s, n, kh, h = 2, 1000, 777, 4, 2, 128

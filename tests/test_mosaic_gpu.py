@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from fa2_jax.kernels import platform
 import fa2_jax
 from fa2_jax import dispatch as D
 
@@ -143,7 +144,7 @@ def test_mosaic_causal_launch_orders_agree_bitwise(monkeypatch, h, kh, budget):
   """The causal launch order only changes which CTA runs when, not what it computes: with the L2
   sections forced small (several sections, the last one smaller) forward and deterministic backward
   are bit-identical to the per-head order, and match the formula."""
-  from fa2_jax.kernels.mosaic import schedule as common
+  from fa2_jax.kernels.sm90 import schedule as common
   b, t, n = 3, 1000, 6
   monkeypatch.setattr(common, "L2_SECTION_BYTES", budget)
   q, k, v = _qkv(b=b, t=t, s=t, n=n, kh=kh, h=h, seed=11)
@@ -215,10 +216,10 @@ def test_mosaic_persistent_forward_matches_one_cta_per_tile(causal, ctas, varian
 
 @pytest.mark.gpu
 def test_default_implementation_picks_mosaic_on_hopper():
-  if not D.is_hopper():
+  if not platform.is_hopper():
     pytest.skip("not a Hopper GPU: the default is the Triton backend there (tests/test_dispatch.py)")
   q, k, v = _qkv(seed=5)
-  assert fa2_jax.backend_for(q, k, is_causal=True).backend == "mosaic"
+  assert fa2_jax.backend_for(q, k, is_causal=True).backend == "sm90"
   # None gives the same numbers as the backend it chose.
   chosen = fa2_jax.backend_for(q, k, is_causal=True).backend
   _close(fa2_jax.flash_attention(q, k, v, is_causal=True),
@@ -239,8 +240,8 @@ def test_mosaic_with_x64_enabled():
 
 @pytest.fixture
 def fake_hopper(monkeypatch):
-  monkeypatch.setattr(D, "on_gpu", lambda: True)
-  monkeypatch.setattr(D, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
 
 
 def _shapes(t=1024, s=1024, n=8, kh=2, h=128, dtype=jnp.bfloat16):
@@ -284,7 +285,7 @@ def _psum_loss(res):
 def _backward_operands(seed, t, s, n, kh, h, causal):
   """``(q, k, v, out, stats, do)`` of the Mosaic backward for random bf16 inputs (B=2), and the
   scale: the forward compiled once, the backward's configurations compared on the same operands."""
-  from fa2_jax.kernels.mosaic.forward import forward
+  from fa2_jax.kernels.sm90.forward import forward
   ks = jax.random.split(jax.random.key(seed), 4)
   q = jax.random.normal(ks[0], (2, t, n, h), jnp.float32).astype(jnp.bfloat16)
   k = jax.random.normal(ks[1], (2, s, kh, h), jnp.float32).astype(jnp.bfloat16)
@@ -309,8 +310,8 @@ def test_mosaic_fused_dq_matches_separate_pass(h, causal, t, s, n, kh, bq_dkv, o
   """The fused dQ (TMA reduce-add in the dK/dV kernel) against the separate dQ kernel; with the
   named consumer barrier, with the producer's loop on one warp and with the dQ pieces in register
   order (the "cols" split; the other splits ignore it) too."""
-  from fa2_jax.kernels.mosaic.backward import backward
-  from fa2_jax.kernels.mosaic.config import MosaicConfig
+  from fa2_jax.kernels.sm90.backward import backward
+  from fa2_jax.kernels.sm90.config import MosaicConfig
   operands, scale = _backward_operands(7, t, s, n, kh, h, causal)
   base = MosaicConfig.default(h)
   fused = base.replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=min(base.num_stages_dkv, 2),
@@ -332,8 +333,8 @@ def test_mosaic_dkdv_roles_matches_split_passes(h, causal, t, s, n, kh, dq_roles
   """The role-split dK/dV kernel (``dkv_roles``) against the dV and dK passes (``dkv_split``): the
   same products per key, P^T handed between the warpgroups in f32; with ``dq_roles`` the role-split
   dQ kernel against the one-warpgroup dQ kernel too."""
-  from fa2_jax.kernels.mosaic.backward import backward
-  from fa2_jax.kernels.mosaic.config import MosaicConfig
+  from fa2_jax.kernels.sm90.backward import backward
+  from fa2_jax.kernels.sm90.config import MosaicConfig
   operands, scale = _backward_operands(11, t, s, n, kh, h, causal)
   split = MosaicConfig.default(h).replace(dkv_split=True, dkv_roles=False, dq_roles=False)
   roles = split.replace(dkv_split=False, dkv_roles=True, dq_roles=dq_roles)
@@ -422,8 +423,8 @@ def test_kernel_reuse_across_programs_compiled(causal, t):
   """``reuse_kernels_across_programs``: the exported kernels, called from two programs and under
   vmap, give the results of the kernels lowered in place (fused dQ at 4k causal and 2k non-causal,
   the separate dQ kernel at 1000 rows), and the second program finds them compiled."""
-  from fa2_jax.kernels.mosaic import lowering_cache
-  if not D.is_hopper():
+  from fa2_jax.kernels.sm90 import lowering_cache
+  if not platform.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   q, k, v = _qkv(b=2, t=t, s=t, n=4, kh=2)
   # fresh functions on each side of the switch: jit's trace cache would keep the other lowering
@@ -454,8 +455,8 @@ def test_kernel_reuse_across_programs_compiled(causal, t):
 def test_kernel_reuse_with_length_multiple_compiled():
   """``length_multiple=1024``: 900 and 1000 rows run the same padded kernels (no new export for the
   second), with the unpadded calls' outputs and gradients, causal with GQA and T != S."""
-  from fa2_jax.kernels.mosaic import lowering_cache
-  if not D.is_hopper():
+  from fa2_jax.kernels.sm90 import lowering_cache
+  if not platform.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   grad = jax.jit(jax.grad(_loss(mosaic, True), argnums=(0, 1, 2)))
   cases = [_qkv(b=2, t=t, s=t + 20, n=4, kh=2, seed=t) for t in (1000, 900)]  # both pad to 1024
@@ -481,8 +482,8 @@ def test_kernel_reuse_cache_dir_compiled(tmp_path):
   """``cache_dir``: the kernels one program writes, read back after the process's own exports are
   dropped (as a new process would), run compiled with the results of the kernels lowered in place
   (causal 4k)."""
-  from fa2_jax.kernels.mosaic import lowering_cache
-  if not D.is_hopper():
+  from fa2_jax.kernels.sm90 import lowering_cache
+  if not platform.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   grad = lambda: jax.jit(jax.grad(_loss(mosaic, True), argnums=(0, 1, 2)))  # noqa: E731
   q, k, v = _qkv(b=2, t=4096, s=4096, n=4, kh=2)

@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fa2_jax.kernels import platform
 import fa2_jax
 from fa2_jax import dispatch
-from fa2_jax.kernels.mosaic.config import MosaicConfig
+from fa2_jax.kernels.sm90.config import MosaicConfig
 
 BF16 = jnp.bfloat16
 F32 = jnp.float32
@@ -66,7 +67,7 @@ def _jitted_run(scale, causal, implementation, block_sizes, deterministic):
   """One jit per setting: the poisoned and clean inputs of a shape share its compilation. The
   traced program is kept for the process: only for calls under the default global settings (no
   ``fa2_jax.reuse_kernels_across_programs``, no monkeypatching), which jit's key does not see."""
-  interpret = True if implementation == "triton" and not dispatch.on_gpu() else None
+  interpret = True if implementation == "triton" and not platform.on_gpu() else None
 
   def f(q, k, v):
     return fa2_jax.flash_attention(q, k, v, scale=scale, is_causal=causal,
@@ -134,7 +135,7 @@ def test_unattended_nonfinite_keys_triton(t, s, k_bad, v_bad):
 def test_unattended_nonfinite_keys_mosaic(cfg):
   """Causal, T = 72 < S = 200 (ragged query tile), K rows >= T NaN and V rows inf, with the separate
   dQ kernel and with the fused dQ (whose dS K product reads every key of the tile)."""
-  if not dispatch.is_hopper():
+  if not platform.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   t = 72
   q, k, v, do, k0, v0 = _poisoned(1, t, 200, 2, 1, 64, BF16, jnp.nan, jnp.inf)
@@ -173,9 +174,9 @@ def test_fused_dq_ragged_keys_low_logits_mosaic_emulated(s):
   rows whose logits are all very negative the fast form's P is huge there, and its dS times the zero
   rows of K must not make dQ NaN (it did: every dQ element at S = 200)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from fa2_jax.kernels.mosaic.backward import backward
-  from fa2_jax.kernels.mosaic.forward import forward
-  from fa2_jax.kernels.mosaic.ops import emulated_mma
+  from fa2_jax.kernels.sm90.backward import backward
+  from fa2_jax.kernels.sm90.forward import forward
+  from fa2_jax.kernels.sm90.ops import emulated_mma
 
   q, k, v, do = _low_logit_inputs(s, BF16)
   cfg = MosaicConfig.default(128, BF16, False).replace(dq_fused=True, dq_fused_min_t=0)
@@ -221,7 +222,7 @@ def _check_low_logit_grads(grads, separate, q, k, v, do):
 @pytest.mark.gpu
 def test_fused_dq_ragged_keys_low_logits_compiled():
   """The same, compiled, through the public API's default (fused dQ from 2k query rows)."""
-  if not dispatch.is_hopper():
+  if not platform.is_hopper():
     pytest.skip("the Mosaic kernels run on Hopper (sm90) only")
   q = jnp.ones((1, 2048, 2, 128), BF16)
   k = jax.random.uniform(jax.random.key(0), (1, 2000, 2, 128), minval=-1.0, maxval=-0.9).astype(BF16)

@@ -39,7 +39,7 @@ def _run(code: str, cwd: pathlib.Path, **env):
 
 
 def test_checkout_runs_without_installation():
-  r = _run("import fa2_jax, fa2_jax.kernels.triton.forward as f, fa2_jax.kernels.mosaic.backward;"
+  r = _run("import fa2_jax, fa2_jax.kernels.triton.forward as f, fa2_jax.kernels.sm90.backward;"
            "print(f.__file__)", ROOT)
   assert r.returncode == 0, r.stderr
   assert r.stdout.strip() == str(ROOT / "kernels" / "triton" / "forward.py")

@@ -310,8 +310,8 @@ def _primitives(jaxpr) -> list[str]:
 @pytest.fixture
 def fake_hopper(monkeypatch):
   """The dispatcher believes it runs on an H200: the Mosaic kernels trace and lower for "cuda"."""
-  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
-  monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
 
 
 @needs4
@@ -490,8 +490,8 @@ def test_index_functions_under_sharding(kind):
 
 
 def test_index_reads():
-  from fa2_jax.block_ranges import index_reads
-  from fa2_jax.masking import Variant
+  from fa2_jax.kernels.block_ranges import index_reads
+  from fa2_jax.kernels.masking import Variant
   reads = lambda **kw: index_reads(Variant(**kw))  # noqa: E731
   assert reads(mask_fn=_mask_reads_b) == {"b"} and reads(score_fn=_score_reads_h) == {"h"}
   assert reads(mask_fn=_mask_of_positions) == set() and index_reads(None) == set()

@@ -1,7 +1,7 @@
 """Attention variants (lengths, window, segments, q_offset, soft cap, ALiBi, mask_fn, score_fn):
 out, lse and gradients against an independent float64 numpy reference, alone and combined; the
 fully-masked-row and NaN contracts; transforms; the chunked formula; the block ranges of
-``fa2_jax.masking``; dispatch; and every argument error.
+``fa2_jax.kernels.masking``; dispatch; and every argument error.
 
 The numpy reference below shares no code with ``fa2_jax``: it builds the explicit ``[B, N, T, S]`` mask
 from the rules as the design states them and differentiates by the textbook formulas
@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 import fa2_jax
-from fa2_jax import block_ranges, masking
-from fa2_jax.masking import Variant, VariantArrays
+from fa2_jax.kernels import block_ranges, masking
+from fa2_jax.kernels.masking import Variant, VariantArrays
 
 # --- implementations under test -------------------------------------------------------------------
-# Every backend that implements the variants (fa2_jax.dispatch.KERNEL_FEATURES), on float32 inputs:
+# Every backend that implements the variants (each Backend.features), on float32 inputs:
 # the Triton kernels in interpret mode off a GPU.
 IMPLEMENTATIONS = {
     "xla": dict(implementation="xla"),
@@ -541,7 +541,7 @@ def test_score_fn_equal_to_soft_cap():
     np.testing.assert_allclose(x, y, atol=1e-6)
 
 
-# --- fa2_jax.masking: the elementwise rule and scores on kernel-shaped tiles ----------------------
+# --- fa2_jax.kernels.masking: the elementwise rule and scores on kernel-shaped tiles ----------------------
 
 def test_allowed_keeps_the_causal_kernel_form():
   q_pos = jnp.arange(4, dtype=jnp.int32)[:, None]

@@ -68,7 +68,7 @@ def snake(order: np.ndarray, ctas: int) -> np.ndarray:
 
 
 def deals(docs: list[int], heads: int, ctas: int) -> dict[str, float]:
-  from fa2_jax.kernels.mosaic.schedule import greedy_deal, lpt_position, section_heads
+  from fa2_jax.kernels.sm90.schedule import greedy_deal, lpt_position, section_heads
 
   per_tile = tile_work(docs)
   n_t = len(per_tile)

@@ -26,8 +26,8 @@ def programs(head_dim: int, dtype, causal: bool) -> dict:
   ``q, k, v, do`` and the forward's ``out, stats``."""
   import fa2_jax
   import jax
-  from fa2_jax.kernels.mosaic import backward as mb
-  from fa2_jax.kernels.mosaic.forward import forward
+  from fa2_jax.kernels.sm90 import backward as mb
+  from fa2_jax.kernels.sm90.forward import forward
   scale = head_dim ** -0.5
   cfg = fa2_jax.MosaicConfig.default(head_dim, dtype, causal)
   fused = cfg.replace(dq_fused=True, dq_fused_min_t=0)

@@ -26,8 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...block_ranges import kv_range_table, q_range_table
-from ...masking import Variant, VariantArrays
+from ..block_ranges import kv_range_table, q_range_table
+from ..masking import Variant, VariantArrays
 from ..softmax import backward_rows, probabilities
 from ..vma import out_struct
 from .common import (LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim, round_up,
@@ -231,7 +231,7 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
       row statistics.
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
-    variant, arrays: the attention variant (:mod:`fa2_jax.masking`; None: dense or ``is_causal``).
+    variant, arrays: the attention variant (:mod:`fa2_jax.kernels.masking`; None: dense or ``is_causal``).
     tables: its precomputed range tables ``{"dkv": ..., "dq": ...}`` (``BlockSizes.range_tiles``),
       or None to compute them here.
 

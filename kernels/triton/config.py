@@ -71,7 +71,7 @@ class BlockSizes:
 
   def range_tiles(self) -> dict:
     """The block-range tables the kernels read for an attention variant
-    (:func:`fa2_jax.block_ranges.range_tables`): name -> (kind, block_q, block_k)."""
+    (:func:`fa2_jax.kernels.block_ranges.range_tables`): name -> (kind, block_q, block_k)."""
     return {"fwd": ("kv", self.block_q, self.block_k),
             "dkv": ("q", self.block_q_dkv, self.block_k_dkv),
             "dq": ("kv", self.block_q_dq, self.block_k_dq)}

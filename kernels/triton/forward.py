@@ -24,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...block_ranges import kv_range_table
-from ...masking import Variant, VariantArrays
+from ..block_ranges import kv_range_table
+from ..masking import Variant, VariantArrays
 from ..softmax import huge_row_scale, row_sum_at_max
 from ..vma import out_struct
 from .common import (LOG2E, cdiv, compiler_params, div, dot, load_tile, padded_head_dim,
@@ -113,7 +113,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
   masked, unmasked = functools.partial(body, masked=True), functools.partial(body, masked=False)
   if table:
     # Key blocks [lo, full_lo) and [full_hi, hi) need the mask, [full_lo, full_hi) none; the rest
-    # have no allowed pair and are never loaded (fa2_jax.block_ranges).
+    # have no allowed pair and are never loaded (fa2_jax.kernels.block_ranges).
     lo, full_lo, full_hi, hi = vr.ranges()
     carry = lax.fori_loop(full_lo, full_hi, unmasked, carry)
     carry = lax.fori_loop(lo, full_lo, masked, carry)
@@ -143,7 +143,7 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
 
   Args:
     q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` with ``N % K == 0``.
-    variant, arrays: the attention variant (:mod:`fa2_jax.masking`; None: dense or ``is_causal``).
+    variant, arrays: the attention variant (:mod:`fa2_jax.kernels.masking`; None: dense or ``is_causal``).
     table: its precomputed key-block range table (``BlockSizes.range_tiles()["fwd"]``), or None to
       compute it here.
 

@@ -1,7 +1,7 @@
 """The attention variants inside the Triton kernels: their extra inputs and what a tile does with them.
 
-The rule itself is :mod:`fa2_jax.masking` (one definition for every kernel and the reference); the
-block ranges come from :mod:`fa2_jax.block_ranges` as a small int32 table computed by the wrapper. This
+The rule itself is :mod:`fa2_jax.kernels.masking` (one definition for every kernel and the reference); the
+block ranges come from :mod:`fa2_jax.kernels.block_ranges` as a small int32 table computed by the wrapper. This
 module only moves them in and out of a kernel:
 
 * :func:`inputs`: the extra kernel operands of a call (range table, per-batch scalars, segment ids,
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ...masking import Variant, VariantArrays, allowed, allowed_pairs, kernel_scores
+from ..masking import Variant, VariantArrays, allowed, allowed_pairs, kernel_scores
 from .common import LOG2E
 
 
@@ -146,7 +146,7 @@ class Refs:
   def keep(self, b, h, row0: int | jnp.ndarray, rows: int, col0, cols: int, seq_q: int,
            seq_k: int):
     """``[rows, cols]`` bool: the allowed pairs of query rows ``[row0, row0 + rows)`` and keys
-    ``[col0, col0 + cols)`` (:func:`fa2_jax.masking.allowed_pairs`, plus rows past ``T``)."""
+    ``[col0, col0 + cols)`` (:func:`fa2_jax.kernels.masking.allowed_pairs`, plus rows past ``T``)."""
     i = row0 + jnp.arange(rows, dtype=jnp.int32)[:, None]  # [rows, 1] row index
     j = col0 + jnp.arange(cols, dtype=jnp.int32)[None, :]  # [1, cols] key index
     q_seg = kv_seg = None

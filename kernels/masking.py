@@ -28,7 +28,7 @@ Scores (:func:`modify_scores`), per pair, in this order: ``s = scale * q_i . k_j
 ``s = score_fn(s, b, h, p, j)``; then disallowed pairs become ``-inf``. A row with no allowed key has
 output 0, lse ``-inf`` and zero gradients.
 
-Block ranges, derived from this rule, are in :mod:`fa2_jax.block_ranges`: which tiles a kernel can skip
+Block ranges, derived from this rule, are in :mod:`fa2_jax.kernels.block_ranges`: which tiles a kernel can skip
 (no allowed pair) and which need no mask (every pair allowed).
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Variant:
 
   @property
   def static_ranges(self) -> bool:
-    """True when the block ranges of :mod:`fa2_jax.block_ranges` follow from the static part alone,
+    """True when the block ranges of :mod:`fa2_jax.kernels.block_ranges` follow from the static part alone,
     the same for every batch element and head (causal, window; a soft cap, ALiBi and ``score_fn``
     change no range): no lengths, segments, offset or ``mask_fn``."""
     return not (self.has_q_lengths or self.has_kv_lengths or self.has_segments
@@ -367,7 +367,7 @@ def soft_cap_factors(cap: float, in_scale: float, out_scale: float, dtype=jnp.fl
   """``(into, out)`` with ``out_scale * cap * tanh(in_scale * s / cap) = out * tanh(into * s)``, the
   constants of a soft cap (Python floats; ``1 / cap`` as a multiply, not a division, which costs
   several instructions on a GPU). A kernel whose softmax multiplies its logits anyway can take
-  ``out`` into that multiply (``kernels/mosaic/forward.py``).
+  ``out`` into that multiply (``kernels/sm90/forward.py``).
 
   ``into`` is at most the largest finite value of ``dtype`` (the scores' dtype): an inf would give
   ``tanh(0 * inf) = NaN`` at a logit of exactly 0, and there ``tanh(into * s)`` is already

@@ -3,7 +3,7 @@
 Grid ``(batch, head, query tile)``: each CTA owns ``dQ_i`` and loops over key tiles, recomputing S, P,
 dP and dS (the structure of the forward), ``dQ_i += dS K_j``; no atomics, bit-identical across runs.
 A producer warpgroup streams ``K_j, V_j`` (``ops.stream_kv``). An attention variant reads its key-tile
-range from the call's table (``kernels/mosaic/variant.py``).
+range from the call's table (``kernels/sm90/variant.py``).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ...masking import Variant, allowed
+from ..masking import Variant, allowed
 from ..softmax import probabilities
 from ..vma import out_struct
 
@@ -49,7 +49,7 @@ class _Dq:
   n_bh: int = 1  # B * N
   section: int = 1  # causal launch order: heads per LPT section (schedule.lpt_tile)
   seq_q: int = 0  # true T
-  variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
+  variant: Variant | None = None  # an attention variant beyond is_causal (kernels/sm90/variant.py)
   names: tuple[str, ...] = ()  # its operands, after delta
   p_form: str = "per_head"  # the form of P (as in dkdv.py's _Dkv)
 
@@ -74,7 +74,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
     lo = 0
     n_full, n_end = kv_block_ranges(cta_row0, nwg * bq, block_k=bk, seq_k=st.seq_k,
                                     is_causal=st.is_causal)
-  else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
+  else:  # the call's range table (fa2_jax.kernels.block_ranges), the same for producer and consumers
     vr = Refs(variant, st.names, var_refs, b, seq_k=st.seq_k)
     lo, full_lo, full_hi, n_end = vr.ranges(qt)
   key_tail = st.seq_k % bk != 0

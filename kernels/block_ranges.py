@@ -1,5 +1,5 @@
 """Block ranges of the attention variants: which tiles a kernel can skip (no allowed pair) and which
-need no mask (every pair allowed), derived from the rule of :mod:`fa2_jax.masking`.
+need no mask (every pair allowed), derived from the rule of :mod:`fa2_jax.kernels.masking`.
 
 * :func:`kv_block_range` / :func:`q_block_range`: one tile's key (query) blocks, analytic for causal,
   window, lengths and offset; plain jnp on int32 scalars, usable inside a kernel.
@@ -310,7 +310,7 @@ def static_kv_work(variant: Variant, *, seq_q: int, seq_k: int, block_q: int,
   every batch element and head (``Variant.static_ranges``); None for any other variant, or where it
   cannot be evaluated while tracing (then nothing is kept). Evaluated when first asked (outside a
   ``shard_map``'s manual axes: :func:`warm_static_masks` asks on the whole call) and kept: a
-  persistent kernel deals its tiles by it (``kernels/mosaic/forward.py``)."""
+  persistent kernel deals its tiles by it (``kernels/sm90/forward.py``)."""
   if not variant.static_ranges:
     return None
   key = (variant, seq_q, seq_k, block_q, block_k)

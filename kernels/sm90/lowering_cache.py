@@ -47,9 +47,23 @@ from jax._src import config as jax_config  # export_ignore_forward_compatibility
 _STATE = {"enabled": False, "hits": 0, "misses": 0, "cache_dir": None, "reads": 0, "writes": 0,
           "warned": set(), "umask": 0o022}
 _SOURCES: list = []  # the package sources' hash, computed once (_sources_hash)
+# The folders whose Python sources name a cache file (_sources_hash) and whose frames a warning skips
+# (_internal_prefixes): the kernels' own, and those the caller adds (add_package_folder: the public
+# package registers itself, so the kernels import nothing from it).
+_KERNELS_FOLDER = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_FOLDERS: list = [_KERNELS_FOLDER]
 _ENVIRONMENT: list = []  # versions and GPU, read once (_environment)
 _EXPORTED: dict = {}
 _LOCK = threading.Lock()
+
+
+def add_package_folder(folder: str) -> None:
+  """Count ``folder``'s sources in the cache files' names and skip its frames in warnings (the
+  package that calls these kernels registers itself)."""
+  folder = os.path.abspath(folder)
+  if folder not in _PACKAGE_FOLDERS:
+    _PACKAGE_FOLDERS.append(folder)
+    _SOURCES.clear()
 
 
 def set_enabled(enabled: bool) -> bool:
@@ -136,10 +150,8 @@ def _sources_hash() -> str:
   """SHA-256 of the package's Python sources (fa2_jax and its kernels), so that a cache folder's
   exports from another version of the code are never read."""
   if not _SOURCES:
-    import fa2_jax
-    import fa2_jax.kernels
     digest = hashlib.sha256()
-    for top in sorted({os.path.dirname(fa2_jax.__file__), os.path.dirname(fa2_jax.kernels.__file__)}):
+    for top in sorted(set(_PACKAGE_FOLDERS)):
       for folder, dirs, files in os.walk(top):
         dirs.sort()
         for name in sorted(files):
@@ -252,9 +264,7 @@ def _write(path: str, exp) -> bool:
 def _internal_prefixes() -> tuple[str, ...]:
   """Folders of the frames a warning skips, so that it points at the user's line: this package, its
   kernels and JAX (the kernels are lowered while JAX traces the user's program)."""
-  import fa2_jax
-  import fa2_jax.kernels
-  return tuple(os.path.dirname(m.__file__) + os.sep for m in (fa2_jax, fa2_jax.kernels, jax))
+  return tuple(folder + os.sep for folder in (*_PACKAGE_FOLDERS, os.path.dirname(jax.__file__)))
 
 
 def _exported(fn, jitted, static: dict, operands):
@@ -290,7 +300,7 @@ def _cached(fn, jitted, static: dict, operands):
 
   @call.def_vmap
   def _vmap(axis_size, in_batched, *ops):
-    from .ops import batch_rule  # `import fa2_jax` loads this module, not the kernels' (ops)
+    from .ops import batch_rule  # imported on use: ops imports Mosaic GPU, this module does not
     launch = lambda *merged: _cached(fn, jitted, static, merged)  # noqa: E731
     return batch_rule(launch, axis_size, in_batched, ops, static.get("variant"))
 

@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .flax_attention import attention_fn
-from .flax_variants import check_static_variants
-from .validation import is_real_dtype
+from .attention import attention_fn
+from .variants import check_static_variants
+from ..validation import is_real_dtype
 
 
 # --- rotary position embeddings -------------------------------------------------------------------

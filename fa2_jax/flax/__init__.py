@@ -1,4 +1,4 @@
-"""Flax integration: an ``attention_fn`` for flax's attention layers, and (from :mod:`fa2_jax.flax_layers`)
+"""Flax integration: an ``attention_fn`` for flax's attention layers, and (from :mod:`fa2_jax.flax.layers`)
 ready causal modules.
 
 Flax is an optional dependency; importing :mod:`fa2_jax` does not import it, this module does::
@@ -45,9 +45,9 @@ other reasons raises a ValueError instead of dropping the variant.
 """
 from __future__ import annotations
 
-from .flax_attention import (FlashAttentionFallbackWarning, FlashAttentionFn, TopLeftQueryRowWarning,
+from .attention import (FlashAttentionFallbackWarning, FlashAttentionFn, TopLeftQueryRowWarning,
                              attention_fn, make_attention_fn)
-from .flax_layers import CausalSelfAttention, NnxCausalSelfAttention, rotary_embedding
+from .layers import CausalSelfAttention, NnxCausalSelfAttention, rotary_embedding
 
 __all__ = [
     "attention_fn", "make_attention_fn", "FlashAttentionFn", "FlashAttentionFallbackWarning",

@@ -37,6 +37,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax._src.pallas.mosaic_gpu import helpers as mgpu_helpers
 
 from ..batching import fold_mapped, unfold_mapped
+from ..block_ranges import index_reads
 
 # The hardware barrier of consumers_sync: 0 is the whole CTA's (__syncthreads) and Mosaic's own
 # warpgroup barriers take 1..num_warpgroups (mosaic/gpu/utils.py, warpgroup_barrier_idx); ids go to 15.
@@ -199,7 +200,6 @@ def batch_rule(call, axis_size: int, in_batched, operands, variant):
   over ``axis_size * B`` (unbatched operands broadcast), and unfolded. Where the variant's ``mask_fn``
   or ``score_fn`` reads the batch index, the kernels would hand it the folded index: then one launch
   per mapped element instead (``lax.map``). Returns ``(outs, out_batched)``."""
-  from ...block_ranges import index_reads  # the public package's; imported here to avoid a cycle
   if "b" in index_reads(variant):
     def one(mapped):
       it = iter(mapped)

@@ -49,7 +49,7 @@ RAGGED_MODES = ("tma", "pad")
 # How the backward recomputes P (MosaicConfig.backward_p; kernels/softmax.py, docs/design.md "Softmax form")
 BACKWARD_P_FORMS = ("auto", "per_head", "exact")
 # How the consumer warpgroups of the fused dK/dV/dQ kernel meet to exchange dS^T (MosaicConfig.
-# consumer_barrier; kernels/mosaic/ops.py, consumers_sync)
+# consumer_barrier; kernels/sm90/ops.py, consumers_sync)
 CONSUMER_BARRIERS = ("mbarrier", "named")
 # How the persistent forward hands query tiles to its CTAs (MosaicConfig.persistent_deal; schedule.py)
 PERSISTENT_DEALS = ("cyclic", "greedy")
@@ -101,9 +101,9 @@ class MosaicConfig:
   ``num_wgs_dk`` is the consumer count of the dK pass when split (its SMEM holds K, V, Q, dO).
   ``dkv_roles``: the other way for a large head_dim, one dK/dV kernel whose CTA owns ``block_k_dkv``
   keys and whose two consumer warpgroups split each step by role (``S^T``, ``P^T``, ``dV`` | ``dP^T``,
-  ``dS^T``, ``dK``; ``kernels/mosaic/dkdv_roles.py``), so S and dP are computed once per step.
+  ``dS^T``, ``dK``; ``kernels/sm90/dkdv_roles.py``), so S and dP are computed once per step.
   ``dq_roles``: the same for the separate dQ kernel, whose CTA then owns ``block_q_dq`` query rows
-  (``S``, ``P`` | ``dP``, ``dS``; each warpgroup half of dQ's columns; ``kernels/mosaic/dq_roles.py``).
+  (``S``, ``P`` | ``dP``, ``dS``; each warpgroup half of dQ's columns; ``kernels/sm90/dq_roles.py``).
   ``dq_fused`` (on by default for head_dim 64/128, used only when the call allows a non-deterministic
   backward, dK/dV are neither split into passes nor by role and T >= ``dq_fused_min_t``, see :meth:`fuses_dq`): the dK/dV kernel also computes ``dS_ij K_j``
   and adds it to an f32 dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ
@@ -270,7 +270,7 @@ class MosaicConfig:
 
   def range_tiles(self, seq_q: int | None = None, *, deterministic: bool = False) -> dict:
     """The block-range tables the kernels read for an attention variant
-    (:func:`fa2_jax.block_ranges.range_tables`), one per CTA tiling: name -> (kind, rows, keys).
+    (:func:`fa2_jax.kernels.block_ranges.range_tables`), one per CTA tiling: name -> (kind, rows, keys).
     Given ``seq_q``, a backward that fuses dQ (:meth:`fuses_dq`) reads no dQ table."""
     tiles = {"fwd": ("kv", self.num_wgs * self.block_q, self.block_k),
              "dkv": ("q", self.block_q_dkv, self.dkv_keys())}
@@ -377,7 +377,7 @@ class MosaicConfig:
 
   def p_form(self, variant=None) -> str:
     """How a call's backward recomputes P (:attr:`backward_p` resolved for an attention ``variant``,
-    a ``fa2_jax.masking.Variant`` or None): ``"fast"`` (the one-FMA form alone: ``"auto"`` where the
+    a ``fa2_jax.kernels.masking.Variant`` or None): ``"fast"`` (the one-FMA form alone: ``"auto"`` where the
     logits are bounded below its limit, ``kernels/softmax.py``: ``fast_form_suffices``),
     ``"per_head"`` or ``"exact"``."""
     if self.backward_p != "auto":

@@ -1,7 +1,7 @@
 """How the Flax adapters hand the attention variants to :func:`fa2_jax.flash_attention`: the static
 variant arguments checked once, a factory's and a call's variants merged, and calls on
 ``[batch..., T, N, H]`` inputs folded to one batch dimension, with the per-batch variant arrays folded
-alike. No Flax import: :mod:`fa2_jax.flax` and :mod:`fa2_jax.flax_layers` use it."""
+alike. No Flax import: :mod:`fa2_jax.flax` and :mod:`fa2_jax.flax.layers` use it."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .validation import check_soft_cap, check_window
+from ..validation import check_soft_cap, check_window
 
 # The per-batch variant arrays of fa2_jax.flash_attention, with the dims that follow [batch...] in
 # their shape (t: q_length, s: kv_length, n: num_heads). alibi_slopes may also be [num_heads], shared

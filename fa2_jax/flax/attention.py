@@ -22,12 +22,10 @@ except ImportError as e:  # flax is an optional dependency (the [flax] extra)
   raise ImportError("fa2_jax.flax needs Flax: pip install 'fa2_jax[flax]' (or pip install flax)"
                     ) from e
 
-from .attention import flash_attention
-from .kernels.mosaic.config import MosaicConfig
-from .kernels.triton.config import BlockSizes
-from .validation import DTYPES as _KERNEL_DTYPES
-from .flax_variants import check_static_variants, flash_any_batch, merge_variants
-from .validation import check_bool, check_options, is_static_dim
+from ..attention import flash_attention
+from ..validation import DTYPES as _KERNEL_DTYPES
+from .variants import check_static_variants, flash_any_batch, merge_variants
+from ..validation import check_bool, check_options, is_static_dim
 
 __all__ = ["attention_fn", "make_attention_fn", "FlashAttentionFn", "FlashAttentionFallbackWarning"]
 
@@ -369,7 +367,7 @@ def _formula_parameters(linen_caller: bool) -> frozenset[str]:
 
 
 def make_attention_fn(implementation: str | None = None,
-                      block_sizes: BlockSizes | MosaicConfig | None = None,
+                      block_sizes=None,
                       deterministic: bool = False, interpret: bool | None = None, *,
                       is_causal: bool = False, local_window_size: Any = None,
                       logits_soft_cap: float | None = None, alibi_slopes: Any = None,
@@ -379,9 +377,9 @@ def make_attention_fn(implementation: str | None = None,
 
   Args:
     implementation: passed to :func:`fa2_jax.flash_attention`: None (the kernels on GPU, the XLA
-      formula on CPU), ``"triton"``, ``"mosaic"`` or ``"xla"``.
-    block_sizes: None (defaults), a :class:`fa2_jax.BlockSizes` (Triton kernels) or a
-      :class:`fa2_jax.MosaicConfig` (Mosaic kernels); see :func:`fa2_jax.flash_attention`.
+      formula on CPU), a kernel family's name (``"sm90"``, ``"triton"``, ``"mosaic"``) or ``"xla"``.
+    block_sizes: None (defaults) or a kernel family's config (:class:`fa2_jax.MosaicConfig`,
+      :class:`fa2_jax.BlockSizes`); see :func:`fa2_jax.flash_attention`.
     deterministic: the kernel's *backward* determinism (no atomics). Not to be confused with the
       ``deterministic`` argument flax passes to the returned function, which switches dropout.
     interpret: True runs the Pallas kernels in interpret mode (CPU tests).

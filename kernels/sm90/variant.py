@@ -1,8 +1,8 @@
 """The attention variants inside the Mosaic GPU kernels: their extra operands and what a tile does
 with them.
 
-The rule is :mod:`fa2_jax.masking` (one definition for every kernel and the reference); the block
-ranges are :mod:`fa2_jax.block_ranges` tables computed by the wrapper, one row per CTA tile, read by
+The rule is :mod:`fa2_jax.kernels.masking` (one definition for every kernel and the reference); the block
+ranges are :mod:`fa2_jax.kernels.block_ranges` tables computed by the wrapper, one row per CTA tile, read by
 the consumers *and* the producer (both must walk the same blocks, or their barrier phases part).
 
 * :func:`operands`: the extra kernel inputs of a call (range table, per-batch scalars, segment ids
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ...masking import Variant, VariantArrays, allowed_pairs, kernel_scores
+from ..masking import Variant, VariantArrays, allowed_pairs, kernel_scores
 from .config import LOG2E
 from .ops import bcast_cols, bcast_rows, iota2
 
@@ -102,7 +102,7 @@ class Refs:
 
   def keep(self, shape, h, row0, col0, *, seq_q: int | None, seq_k: int | None,
            transposed: bool = False):
-    """Bool tile: the allowed pairs (:func:`fa2_jax.masking.allowed_pairs`), rows past ``seq_q``
+    """Bool tile: the allowed pairs (:func:`fa2_jax.kernels.masking.allowed_pairs`), rows past ``seq_q``
     and keys past ``seq_k`` excluded. A kernel passes None for an extent its tiles never pass (a
     whole number of tiles: the range tables stop at ``T`` and ``S``), which saves two compares
     per element of every masked tile."""

@@ -30,7 +30,7 @@ fused dQ the step follows FlashAttention-3's order: S^T and dP^T issued together
 dP^T runs; dS^T staged, dV issued and the consumers' barrier passed while it runs; the dQ product and
 dK issued, the dQ piece awaited and sent to its reduce-add while dK runs. Without it, dP^T is issued
 after the softmax with dV behind it (measured faster there; docs/design.md#the-backwards-step-order).
-An attention variant reads its query-tile range from the call's table (``kernels/mosaic/variant.py``).
+An attention variant reads its query-tile range from the call's table (``kernels/sm90/variant.py``).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ...masking import Variant, allowed
+from ..masking import Variant, allowed
 from ..softmax import probabilities
 from ..vma import out_struct
 
@@ -92,7 +92,7 @@ class _Dkv:
   # rows). See dq_split.
   dq_split: str | None = None
   seq_k: int = 0  # true S (keys past it are zero fill: a variant's mask excludes them, fused dQ masks dS)
-  variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
+  variant: Variant | None = None  # an attention variant beyond is_causal (kernels/sm90/variant.py)
   names: tuple[str, ...] = ()  # its operands, after delta
   # Order of a step's products: dP^T issued right behind S^T, so the softmax runs while dP^T is in
   # flight (FA3's order), or issued after the softmax together with dV (then dV runs while dS is formed).
@@ -121,7 +121,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   # ds_smem [2, num_wgs, block_k, block_q]: dS^T per consumer, double-buffered by step parity so a
   # consumer can write step i+1's tile while the other still reads step i's (dq_split);
   # dq_smem [num_wgs, rows, cols]: each consumer's f32 dQ piece, the source of its reduce-add.
-  # Then the variant operands named by st.names (kernels/mosaic/variant.py).
+  # Then the variant operands named by st.names (kernels/sm90/variant.py).
   var_refs, out_refs = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages, g_size = st.block_q, st.block_k, st.num_wgs, st.num_stages, st.group
   variant = st.variant
@@ -136,7 +136,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   cta_k0 = kt * (nwg * bk)
   if variant is None:
     q_ranges = q_block_ranges(cta_k0, nwg * bk, block_q=bq, seq_q=st.seq_q, is_causal=st.is_causal)
-  else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
+  else:  # the call's range table (fa2_jax.kernels.block_ranges), the same for producer and consumers
     vr = Refs(variant, st.names, var_refs, b, seq_k=st.seq_k)
     q_ranges = vr.ranges(kt)
   i_start, nq = q_ranges[0], q_ranges[-1]  # the first query tile and one past the last

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ...masking import Variant, allowed
+from ..masking import Variant, allowed
 from ..softmax import probabilities
 from ..vma import out_struct
 
@@ -83,7 +83,7 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
   vr = None
   if variant is None:
     q_ranges = q_block_ranges(k0, bk, block_q=bq, seq_q=st.seq_q, is_causal=st.is_causal)
-  else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
+  else:  # the call's range table (fa2_jax.kernels.block_ranges), the same for producer and consumers
     vr = Refs(variant, st.names, var_refs, b, seq_k=st.seq_k)
     q_ranges = vr.ranges(kt)
   i_start, nq = q_ranges[0], q_ranges[-1]  # the first query tile and one past the last
@@ -175,7 +175,7 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
       plgpu.barrier_wait(pd_empty)  # the last read: every arrival is waited once
       store(dv, k_smem, dv_ref)  # K_j is dead (only this warpgroup reads it)
 
-    # The form of P, per CTA (kernels/mosaic/dkdv.py); only this warpgroup computes P.
+    # The form of P, per CTA (kernels/sm90/dkdv.py); only this warpgroup computes P.
     per_cta_choice(st.p_form, lambda: exact_ref[b, kvh * g_size] != 0, finish)
 
   @pl.when(wg == DS_ROLE)

@@ -51,7 +51,7 @@ import math
 
 import jax.numpy as jnp
 
-from ...block_ranges import kv_range_table, q_range_table
+from ..block_ranges import kv_range_table, q_range_table
 from ..softmax import backward_rows, exact_heads, exponent_scale
 from .config import WG_ROWS, MosaicConfig, supports
 from .dkdv import dkv_call
@@ -126,7 +126,7 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   q_tile, k_tile = backward_tiles(cfg)
   plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
 
-  if variant is not None:  # padded rows read as zeros (kernels/mosaic/variant.py, zero_padding)
+  if variant is not None:  # padded rows read as zeros (kernels/sm90/variant.py, zero_padding)
     q, do = zero_padding(q, arrays.q_lengths), zero_padding(do, arrays.q_lengths)
     k, v = zero_padding(k, arrays.kv_lengths), zero_padding(v, arrays.kv_lengths)
   delta, row_inputs, exact = prologue(out, do, stats, dlse, scale=scale, modifies_scores=(

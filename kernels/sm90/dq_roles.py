@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ...masking import Variant, allowed
+from ..masking import Variant, allowed
 from ..softmax import probabilities
 from ..vma import out_struct
 
@@ -88,7 +88,7 @@ def _dq_roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref
   if variant is None:
     lo = 0
     n_full, n_end = kv_block_ranges(row0, bq, block_k=bk, seq_k=st.seq_k, is_causal=st.is_causal)
-  else:  # the call's range table (fa2_jax.block_ranges), the same for producer and consumers
+  else:  # the call's range table (fa2_jax.kernels.block_ranges), the same for producer and consumers
     vr = Refs(variant, st.names, var_refs, b, seq_k=st.seq_k)
     lo, full_lo, full_hi, n_end = vr.ranges(qt)
   key_tail = st.seq_k % bk != 0

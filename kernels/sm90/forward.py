@@ -40,8 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from ...block_ranges import kv_range_table, static_kv_work
-from ...masking import Variant, allowed, soft_cap_tanh
+from ..block_ranges import kv_range_table, static_kv_work
+from ..masking import Variant, allowed, soft_cap_tanh
 from ..softmax import folded_soft_cap, huge_row_scale, row_sum_at_max
 from ..vma import out_struct
 from .config import LOG2E, MosaicConfig, supports
@@ -80,7 +80,7 @@ class _Fwd:
   section: int = 1  # causal launch order: heads per LPT section (schedule.lpt_tile)
   n_ctas: int = 0  # persistent: CTAs that share the query tiles (MosaicConfig.persistent); 0: one per tile
   dealt: bool = False  # persistent: the tiles of each CTA from a deal table (schedule.greedy_deal)
-  variant: Variant | None = None  # an attention variant beyond is_causal (kernels/mosaic/variant.py)
+  variant: Variant | None = None  # an attention variant beyond is_causal (kernels/sm90/variant.py)
   names: tuple[str, ...] = ()  # its operands, after v
 
 
@@ -88,7 +88,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
                 v_bar, k_free, v_free, sched=None, st: _Fwd):
   # q_ref, o_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; stats_ref: [B, N, 2, T_rows] f32, the row
   # statistics (r, l) of kernels/softmax.py; between them the variant operands named by st.names
-  # (kernels/mosaic/variant.py).
+  # (kernels/sm90/variant.py).
   var_refs, refs = refs[:len(st.names)], refs[len(st.names):]
   # deal_ref [n_ctas, 1 + max tiles] int32: a CTA's tile count, then its launch positions
   deal_ref, (o_ref, stats_ref) = (refs[0], refs[1:]) if st.dealt else (None, refs)
@@ -115,7 +115,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
       n_full, n_end = kv_block_ranges(qt * (nwg * bq), nwg * bq, block_k=bk, seq_k=st.seq_k,
                                       is_causal=st.is_causal)
       return (0, 0, n_full, n_end), None
-    # the range table of the call (fa2_jax.block_ranges), the same for producer and consumers
+    # the range table of the call (fa2_jax.kernels.block_ranges), the same for producer and consumers
     vr = Refs(variant, st.names, var_refs, b, seq_k=st.seq_k)
     return vr.ranges(qt), vr
 
@@ -295,7 +295,7 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
     q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` (``N % K == 0``), bfloat16 or float16.
     scale: static Python float. is_causal: top-left causal mask.
     config: a :class:`MosaicConfig`, default ``MosaicConfig.default(H)``.
-    variant, arrays: an attention variant (:mod:`fa2_jax.masking`; None: dense or ``is_causal``).
+    variant, arrays: an attention variant (:mod:`fa2_jax.kernels.masking`; None: dense or ``is_causal``).
     table: its precomputed range table (``config.range_tiles()["fwd"]``), or None to compute it.
 
   Returns:
@@ -341,7 +341,7 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
 def _causal_deal(st: _Fwd, variant_work=None):
   """The greedy deal (``schedule.greedy_deal``) of a causal call's query tiles, in launch order,
   each weighing the key tiles it visits: a dense call's from ``schedule.kv_block_ranges``, a
-  variant's ``variant_work`` (``fa2_jax.block_ranges.static_kv_work``: the same for every batch
+  variant's ``variant_work`` (``fa2_jax.kernels.block_ranges.static_kv_work``: the same for every batch
   element and head)."""
   rows = st.num_wgs * st.block_q
   if variant_work is None:
