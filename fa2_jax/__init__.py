@@ -4,6 +4,12 @@
     out = fa2_jax.flash_attention(q, k, v, is_causal=True)   # q: [B, T, N, H], k/v: [B, S, K, H]
     print(fa2_jax.backend_for(q, k, is_causal=True))          # which kernels that call runs, and why
 """
+import importlib.util as _util
+
+if _util.find_spec(f"{__name__}.kernels") is None:  # a checkout imported without installing it
+  raise ImportError(
+      "fa2_jax's kernels (the folder kernels/ of the source tree) are installed as fa2_jax.kernels: "
+      "install the checkout first, e.g. `pip install -e .` from its root (scripts/setup.sh does)")
 from .attention import backend_for, flash_attention
 from .dispatch import Dispatch
 from .kernels.sm90.config import MosaicConfig

@@ -13,7 +13,7 @@ from . import dispatch, kernel_reuse, sharding
 from .kernels import registry
 from .kernels.backend import KernelCall
 from .kernels.softmax import kernel_scale, lse_from_stats
-from .kernels.vma import cast_like, match_vma
+from .kernels.vma import match_vma
 from .kernels.block_ranges import index_reads, range_tables, warm_static_masks
 from .kernels.masking import Variant, VariantArrays, alibi_lse_shift, remove_alibi_shift
 from .reference import attention_formula

@@ -75,7 +75,13 @@ mkdir -p "$out"
 limit="${GPU_TIMEOUT:-570}"
 
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # fa2_jax and benchmarks from this checkout
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # benchmarks and examples from this checkout
+# fa2_jax as an editable install of this checkout (its kernels/ folder is the package fa2_jax.kernels),
+# from the machine's own setuptools: no download
+if ! python3 -c "import fa2_jax.kernels.registry" >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e "$root" >"$out/install.log" 2>&1 \
+    || { echo "scripts/gpu.sh: installing fa2_jax from $root failed (log: $out/install.log)" >&2; exit 1; }
+fi
 if ls .peer/*.whl >/dev/null 2>&1; then
   rm -rf .peer/site
   python3 -m pip install -q --no-index --no-deps --target .peer/site .peer/*.whl \

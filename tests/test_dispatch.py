@@ -11,7 +11,7 @@ import pytest
 
 from fa2_jax.kernels import platform
 import fa2_jax
-from fa2_jax import dispatch as D
+
 
 from conftest import on_gpu
 

@@ -13,6 +13,7 @@ import pytest
 from jax import export
 
 import fa2_jax
+from fa2_jax.kernels import platform
 
 from conftest import on_gpu
 
@@ -48,7 +49,6 @@ def test_jit_with_x64_enabled(causal):
 @pytest.mark.parametrize("impl", ["triton", "mosaic"])
 def test_kernels_lower_for_cuda_with_x64_enabled(impl, monkeypatch):
   """The compiled (not interpreted) kernels lower under x64 too (checked for sm90 on any machine)."""
-  from fa2_jax import dispatch
   monkeypatch.setattr(platform, "on_gpu", lambda: True)
   monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
   if impl == "triton":

@@ -26,7 +26,7 @@ import pytest
 
 from fa2_jax.kernels import platform
 import fa2_jax
-from fa2_jax import dispatch
+
 from fa2_jax.kernels.softmax import kernel_scale
 
 SCALES = (1e5, 1e9, 1e30, -1e9)

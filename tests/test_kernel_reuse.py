@@ -22,7 +22,7 @@ import pytest
 
 from fa2_jax.kernels import platform
 import fa2_jax
-from fa2_jax import dispatch, kernel_reuse
+from fa2_jax import kernel_reuse
 from fa2_jax.kernels.sm90 import lowering_cache
 from fa2_jax.kernels.sm90.backward import backward
 from fa2_jax.kernels.sm90.config import MosaicConfig
@@ -223,7 +223,7 @@ def _lower_in_a_fresh_process(cache_dir, kind="dense"):
   if kind == "mask_fn":  # flash_attention's dispatch believes it runs on an H200
     program = _CACHE_DIR_PROGRAM.replace(
         "fa2_jax.reuse_kernels_across_programs(",
-        "from fa2_jax import dispatch\ndispatch.on_gpu = lambda: True\n"
+        "from fa2_jax.kernels import platform\nplatform.on_gpu = lambda: True\n"
         "platform.gpu_compute_capability = lambda: (9, 0)\nfa2_jax.reuse_kernels_across_programs(")
   else:
     program = _CACHE_DIR_PROGRAM
@@ -302,7 +302,10 @@ def test_the_sources_hash_covers_the_kernels(monkeypatch):
   monkeypatch.setattr(builtins, "open", spy)
   lowering_cache._sources_hash()
   monkeypatch.undo()
-  assert os.path.join("mosaic", "forward.py") in read and os.path.join("mosaic", "dkdv.py") in read
+  assert os.path.join("sm90", "forward.py") in read and os.path.join("sm90", "dkdv.py") in read
+  # and the public package's, which registers itself (kernel_reuse: add_package_folder)
+  assert os.path.join("..", "fa2_jax", "attention.py") in read or "attention.py" in {
+      os.path.basename(p) for p in read if "fa2_jax" in p}
 
 
 def test_a_function_with_its_own_repr_is_not_written():

@@ -12,7 +12,8 @@ import pytest
 from jax import export
 
 import fa2_jax
-from fa2_jax import dispatch
+from fa2_jax.kernels import platform
+
 
 gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
 registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fa2_jax.kernels import platform
 import fa2_jax
-from fa2_jax import dispatch as D
+
 
 mosaic = functools.partial(fa2_jax.flash_attention, implementation="mosaic")
 # bf16 kernels vs the f32 formula: outputs and grads are O(1); 3e-2 is a few bf16 ulps at 1.0
@@ -349,12 +349,13 @@ def test_mosaic_dkdv_roles_matches_split_passes(h, causal, t, s, n, kh, dq_roles
 
 def test_block_sizes_type_must_match_implementation():
   q, k = jnp.zeros((1, 64, 2, 64), jnp.bfloat16), jnp.zeros((1, 64, 2, 64), jnp.bfloat16)
-  with pytest.raises(TypeError, match="MosaicConfig, which configures implementation='mosaic'"):
+  with pytest.raises(TypeError, match="MosaicConfig, which configures the sm90 kernels; "
+                     "implementation='triton' takes a fa2_jax.BlockSizes"):
     fa2_jax.flash_attention(q, k, k, implementation="triton", interpret=True,
                             block_sizes=fa2_jax.MosaicConfig())
-  with pytest.raises(TypeError, match="BlockSizes, which configures the Triton kernels"):
+  with pytest.raises(TypeError, match="BlockSizes, which configures the triton kernels"):
     fa2_jax.flash_attention(q, k, k, implementation="mosaic", block_sizes=fa2_jax.BlockSizes())
-  with pytest.raises(TypeError, match=r"block_sizes must be a fa2_jax.BlockSizes .*MosaicConfig"):
+  with pytest.raises(TypeError, match=r"block_sizes must be a fa2_jax.MosaicConfig .*BlockSizes"):
     fa2_jax.flash_attention(q, k, k, block_sizes=dict(block_q=64))
 
 

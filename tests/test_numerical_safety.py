@@ -19,7 +19,7 @@ import pytest
 
 from fa2_jax.kernels import platform
 import fa2_jax
-from fa2_jax import dispatch
+
 from fa2_jax.kernels.sm90.config import MosaicConfig
 
 BF16 = jnp.bfloat16

@@ -23,7 +23,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import fa2_jax
-from fa2_jax import attention, dispatch, sharding
+from fa2_jax.kernels import platform
+from fa2_jax import attention, sharding
 from conftest import on_gpu
 
 INTERPRET = None if on_gpu() else True
