@@ -15,8 +15,10 @@ from .dispatch import Dispatch
 from .kernels.sm90.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .kernel_reuse import reuse_kernels_across_programs
+from .kv_cache import KVCache, PagedKVCache, prefill
 from .reference import reference_attention
 
 __all__ = ["flash_attention", "backend_for", "Dispatch", "BlockSizes", "MosaicConfig",
            "reference_attention", "reuse_kernels_across_programs"]
+__all__ += ["KVCache", "PagedKVCache", "prefill"]
 __version__ = "0.1.0"

@@ -1,0 +1,485 @@
+"""Functional key/value caches for autoregressive decoding with :func:`fa2_jax.flash_attention`.
+
+A cache is a pytree of arrays (it passes through ``jax.jit``, ``lax.scan`` and ``lax.fori_loop`` as a
+carry); its methods return a new cache and never mutate. Under ``jax.jit`` with the cache donated
+(``donate_argnums``), or as a loop carry, XLA writes the appended rows in place.
+
+    cache = fa2_jax.KVCache.create(batch=2, capacity=1024, kv_heads=2, head_dim=64, dtype=jnp.bfloat16)
+    out, cache = fa2_jax.prefill(q, k, v, lengths=prompt_lengths, capacity=1024)  # [B, T] prompts
+    cache = cache.append(k_new, v_new)          # [B, T_new, K, H]: each row at its own length
+    out = cache.attend(q_new)                   # [B, T_new, N, H]: the rows just appended, causal
+
+Each batch row has its own length (prompts of different lengths, left-aligned). ``attend`` is
+``flash_attention(q, cache.k, cache.v, is_causal=True, key_value_seq_lengths=cache.lengths,
+q_offset=cache.lengths - T_new)``: query row ``i`` of batch row ``b`` sits at position
+``lengths[b] - T_new + i`` and attends the keys at positions ``<=`` it. Attention variants
+(``local_window_size``, ``logits_soft_cap``, ``alibi_slopes``, ``mask_fn``, ``score_fn``, ``scale``,
+``implementation``, ...) pass through as keyword arguments; a decode-shaped call (``T_new = 1``) runs
+whatever fa2_jax runs for that shape.
+
+The caches are forward-only (inference): differentiating through :meth:`KVCache.attend`,
+:meth:`PagedKVCache.attend` or :func:`prefill` raises a TypeError. To train, call
+:func:`fa2_jax.flash_attention` on the whole sequence with ``is_causal=True`` (the same function).
+
+:class:`PagedKVCache` keeps the rows in fixed-size pages ``[num_pages, page_size, K, H]`` found through
+a page table ``[B, pages_per_row]`` (vLLM's paged attention; FlashAttention's ``block_table``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .attention import flash_attention
+from .validation import DTYPES
+
+__all__ = ["KVCache", "PagedKVCache", "prefill"]
+
+FORWARD_ONLY_MESSAGE = (
+    "fa2_jax's KV caches are forward-only (inference): KVCache.attend, PagedKVCache.attend and "
+    "fa2_jax.prefill have no derivative. To train, call fa2_jax.flash_attention(q, k, v, "
+    "is_causal=True) on the whole sequence (differentiable), outside the cache; for decoding, wrap "
+    "the cache's inputs in jax.lax.stop_gradient if a transform differentiates around it")
+
+# flash_attention arguments the cache sets itself: a caller passing them would contradict it.
+_SET_BY_CACHE = ("is_causal", "q_offset", "key_value_seq_lengths", "q_segment_ids",
+                 "kv_segment_ids")
+# Whether fa2_jax.flash_attention takes a page table itself (FlashAttention's name, block_table):
+# PagedKVCache.attend then passes the pages as they are, else it gathers them into rows first.
+KERNEL_TAKES_BLOCK_TABLE = "block_table" in inspect.signature(flash_attention).parameters
+
+
+# --- forward-only ---------------------------------------------------------------------------------
+
+@jax.custom_jvp
+def _forward_only(x):
+  return x
+
+
+@_forward_only.defjvp
+def _forward_only_jvp(primals, tangents):
+  # JAX calls a custom_jvp rule only for an input that carries a nonzero tangent: grad, vjp, jvp,
+  # jacfwd/jacrev through the cache all land here; calls that do not differentiate never do.
+  del primals, tangents
+  raise TypeError(FORWARD_ONLY_MESSAGE)
+
+
+def _guard(*arrays):
+  return tuple(_forward_only(x) for x in arrays)
+
+
+# --- argument checks ------------------------------------------------------------------------------
+
+def _is_tracer(x) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def _concrete(x):
+  """``x`` as numpy when its values are known now (not traced), else None."""
+  if isinstance(x, (np.ndarray, np.generic, int)):
+    return np.asarray(x)
+  if isinstance(x, jax.Array) and not _is_tracer(x):
+    return np.asarray(x)
+  return None
+
+
+def _positive_int(name: str, value) -> int:
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
+  return int(value)
+
+
+def _cache_dtype(dtype) -> jnp.dtype:
+  try:
+    dtype = jnp.dtype(dtype)
+  except TypeError as e:
+    raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}") from e
+  if dtype not in DTYPES:
+    raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype}")
+  return dtype
+
+
+def _array(name: str, x):
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  return x
+
+
+def _lengths(name: str, x, batch: int, limit: int, limit_name: str):
+  """Integer ``[batch]`` as int32; its values (when concrete) in ``[0, limit]``."""
+  if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
+    x = np.full((batch,), int(x), np.int32)
+  x = _array(name, x)
+  if np.dtype(x.dtype).kind not in "iu":
+    raise TypeError(f"{name} must be an integer array [batch], got dtype {x.dtype}")
+  if tuple(x.shape) != (batch,):
+    raise ValueError(f"{name} must have shape [{batch}] (one length per batch row), got "
+                     f"{list(x.shape)}")
+  values = _concrete(x)
+  if values is not None and values.size and (values.min() < 0 or values.max() > limit):
+    raise ValueError(f"{name} must lie in [0, {limit}] ({limit_name}), got values in "
+                     f"[{values.min()}, {values.max()}]")
+  return jnp.asarray(x).astype(jnp.int32)
+
+
+def _check_kv(name: str, x, batch: int, kv_heads: int, head_dim: int, dtype) -> None:
+  _array(name, x)
+  if x.ndim != 4 or x.shape[0] != batch or x.shape[2] != kv_heads or x.shape[3] != head_dim:
+    raise ValueError(f"{name} must have shape [batch={batch}, T_new, kv_heads={kv_heads}, "
+                     f"head_dim={head_dim}], got {list(x.shape)}")
+  if jnp.dtype(x.dtype) != dtype:
+    raise TypeError(f"{name} must have the cache's dtype {dtype}, got {x.dtype} (cast it, or "
+                    f"create the cache with dtype={x.dtype})")
+
+
+def _check_kwargs(kwargs: dict) -> None:
+  for name in _SET_BY_CACHE:
+    if name in kwargs:
+      raise TypeError(f"{name} is set by the cache (causal attention of the newest rows against "
+                      "the cache's lengths), so it cannot be passed to attend/prefill")
+
+
+def _append_lengths(cache_lengths, lengths, t_new: int, capacity: int):
+  """The per-row count of new rows ([B] int32), after checking that they fit (when concrete)."""
+  batch = cache_lengths.shape[0]
+  if t_new > capacity:
+    raise ValueError(f"k_new/v_new have T_new = {t_new} rows, more than the cache's capacity "
+                     f"{capacity}")
+  new = (jnp.full((batch,), t_new, jnp.int32) if lengths is None
+         else _lengths("lengths", lengths, batch, t_new, "T_new, the rows of k_new"))
+  old, added = _concrete(cache_lengths), _concrete(new)
+  if old is not None and added is not None and (old + added > capacity).any():
+    row = int(np.argmax(old + added > capacity))
+    raise ValueError(
+        f"appending overflows the cache: batch row {row} holds {int(old[row])} rows and gets "
+        f"{int(added[row])} more, past the capacity {capacity} (create a larger cache)")
+  return new
+
+
+def _attend(q, k, v, cache_lengths, query_seq_lengths, attention_fn, kwargs, *, dtype, kv_heads,
+            head_dim, capacity, extra=None):
+  """flash_attention of the newest rows against the cache (the shared body of both caches)."""
+  _check_kwargs(kwargs)
+  _array("q", q)
+  batch = cache_lengths.shape[0]
+  if (q.ndim != 4 or q.shape[0] != batch or q.shape[3] != head_dim or q.shape[2] % kv_heads):
+    raise ValueError(f"q must have shape [batch={batch}, T_new, num_heads, head_dim={head_dim}] "
+                     f"with num_heads a multiple of the cache's kv_heads={kv_heads}, got "
+                     f"{list(q.shape)}")
+  if jnp.dtype(q.dtype) != dtype:
+    raise TypeError(f"q must have the cache's dtype {dtype}, got {q.dtype}")
+  t = q.shape[1]
+  if t > capacity:
+    raise ValueError(f"q has T_new = {t} rows, more than the cache's capacity {capacity}")
+  if query_seq_lengths is None:
+    newest = jnp.full((batch,), t, jnp.int32)
+  else:
+    newest = query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch, t,
+                                          "T_new, q's rows")
+  held, rows = _concrete(cache_lengths), _concrete(newest)
+  if held is not None and rows is not None and (rows > held).any():
+    row = int(np.argmax(rows > held))
+    raise ValueError(
+        f"q's rows are the newest rows of the cache (append them first): batch row {row} has "
+        f"{int(rows[row])} query rows but the cache holds only {int(held[row])}")
+  q, k, v = _guard(q, k, v)
+  fn = flash_attention if attention_fn is None else attention_fn
+  variants = dict(kwargs, is_causal=True, q_offset=cache_lengths - newest,
+                  key_value_seq_lengths=cache_lengths, **(extra or {}))
+  if query_seq_lengths is not None:
+    variants["query_seq_lengths"] = query_seq_lengths
+  return fn(q, k, v, **variants)
+
+
+# --- the contiguous cache -------------------------------------------------------------------------
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "lengths"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+  """Keys and values of ``batch`` sequences, up to ``capacity`` rows each: a pytree.
+
+  Attributes:
+    k, v: ``[batch, capacity, kv_heads, head_dim]``; rows ``>= lengths[b]`` of row ``b`` are unused
+      (never attended; their contents are arbitrary).
+    lengths: int32 ``[batch]``: the rows held per batch row (its next row's position).
+  """
+
+  k: jax.Array
+  v: jax.Array
+  lengths: jax.Array
+
+  @classmethod
+  def create(cls, batch: int, capacity: int, kv_heads: int, head_dim: int,
+             dtype=jnp.float32) -> "KVCache":
+    """An empty cache (zeros, every length 0).
+
+    Raises:
+      ValueError: a size that is not a positive int; TypeError: a dtype other than bfloat16, float16
+        or float32.
+    """
+    shape = tuple(_positive_int(name, value) for name, value in (
+        ("batch", batch), ("capacity", capacity), ("kv_heads", kv_heads), ("head_dim", head_dim)))
+    dtype = _cache_dtype(dtype)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((shape[0],), jnp.int32))
+
+  @property
+  def batch(self) -> int:
+    return self.k.shape[0]
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[1]
+
+  @property
+  def kv_heads(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k.shape[3]
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.k.dtype)
+
+  def append(self, k_new: jax.Array, v_new: jax.Array, *, lengths=None) -> "KVCache":
+    """The cache with ``k_new``/``v_new`` ``[batch, T_new, kv_heads, head_dim]`` written after each
+    batch row's last row (row ``b`` at positions ``self.lengths[b] ...``).
+
+    Args:
+      k_new, v_new: the new rows, in the cache's dtype.
+      lengths: optional int ``[batch]`` in ``[0, T_new]``: row ``b`` appends only its first
+        ``lengths[b]`` rows (the others are written past its new length, where nothing reads them:
+        left-aligned prompts of different lengths); default ``T_new`` for every row.
+
+    Under ``jax.jit`` the overflow check below needs concrete lengths; a traced overflow writes the
+    rows that fit (never over earlier rows) and counts the rest, which attend cannot see.
+
+    Raises:
+      ValueError: shapes that do not match the cache, ``T_new`` above the capacity, lengths outside
+        ``[0, T_new]`` or past the capacity (when concrete); TypeError: another dtype.
+    """
+    _check_kv("k_new", k_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
+    _check_kv("v_new", v_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
+    if k_new.shape != v_new.shape:
+      raise ValueError(f"k_new and v_new must have the same shape, got {list(k_new.shape)} and "
+                       f"{list(v_new.shape)}")
+    t = k_new.shape[1]
+    added = _append_lengths(self.lengths, lengths, t, self.capacity)
+    rows = jnp.arange(self.batch)[:, None]
+    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T_new]
+    # A scatter (in place under jit with donation); rows past the capacity are dropped.
+    k = self.k.at[rows, positions].set(k_new, mode="drop")
+    v = self.v.at[rows, positions].set(v_new, mode="drop")
+    return KVCache(k, v, self.lengths + added)
+
+  def attend(self, q: jax.Array, *, query_seq_lengths=None, attention_fn: Callable | None = None,
+             **kwargs):
+    """Causal attention of the newest rows' queries against the cache.
+
+    ``flash_attention(q, k, v, is_causal=True, key_value_seq_lengths=self.lengths,
+    q_offset=self.lengths - T_new, **kwargs)``: query row ``i`` of batch row ``b`` sits at position
+    ``lengths[b] - T_new + i``, so call it after :meth:`append` of the same rows' keys and values.
+
+    Args:
+      q: ``[batch, T_new, num_heads, head_dim]`` in the cache's dtype; ``num_heads`` a multiple of
+        ``kv_heads`` (grouped-query attention when larger).
+      query_seq_lengths: optional int ``[batch]`` in ``[0, T_new]``, as ``append``'s ``lengths``:
+        row ``b``'s queries are its newest ``query_seq_lengths[b]`` rows, its other query rows are
+        padding (output 0).
+      attention_fn: called instead of :func:`fa2_jax.flash_attention` with the same arguments
+        (e.g. a :func:`fa2_jax.flax.make_attention_fn` function).
+      **kwargs: further arguments of flash_attention (``scale``, ``implementation``,
+        ``local_window_size``, ``logits_soft_cap``, ``return_residual``, ...); not those the cache
+        sets (``is_causal``, ``q_offset``, ``key_value_seq_lengths``, segment ids).
+
+    Returns:
+      flash_attention's result: ``[batch, T_new, num_heads, head_dim]`` (and the lse with
+      ``return_residual=True``). Not differentiable (a TypeError names flash_attention instead).
+    """
+    return _attend(q, self.k, self.v, self.lengths, query_seq_lengths, attention_fn, kwargs,
+                   dtype=self.dtype, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                   capacity=self.capacity)
+
+
+def prefill(q: jax.Array, k: jax.Array, v: jax.Array, *, lengths=None, capacity: int | None = None,
+            attention_fn: Callable | None = None, **kwargs) -> tuple[jax.Array, KVCache]:
+  """Causal attention over prompts, and the cache that holds their keys and values.
+
+  Args:
+    q: ``[batch, T, num_heads, head_dim]``; k, v: ``[batch, T, kv_heads, head_dim]`` (same dtype).
+    lengths: optional int ``[batch]`` in ``[0, T]``: left-aligned prompts, row ``b`` valid up to
+      ``lengths[b]`` (its later rows are padding: output 0, not in the cache); default ``T``.
+    capacity: the cache's rows per batch row, ``>= T`` (default ``T``).
+    attention_fn, **kwargs: as in :meth:`KVCache.attend`.
+
+  Returns:
+    ``(out, cache)``: ``flash_attention(q, k, v, is_causal=True, query_seq_lengths=lengths,
+    key_value_seq_lengths=lengths, **kwargs)`` and a :class:`KVCache` of ``capacity`` rows holding
+    the prompts (``cache.lengths == lengths``). Not differentiable.
+
+  Raises:
+    ValueError / TypeError: bad shapes, dtypes, lengths or capacity, naming the argument.
+  """
+  _check_kwargs(kwargs)
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    _array(name, x)
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have shape [batch, T, heads, head_dim], got {list(x.shape)}")
+  batch, t, heads, head_dim = q.shape
+  if k.shape != v.shape or k.shape[:2] != (batch, t) or k.shape[3] != head_dim or heads % k.shape[2]:
+    raise ValueError(f"k and v must have shape [batch={batch}, T={t}, kv_heads, head_dim="
+                     f"{head_dim}] with kv_heads dividing q's {heads} heads, got {list(k.shape)} "
+                     f"and {list(v.shape)}")
+  dtype = _cache_dtype(q.dtype)
+  if jnp.dtype(k.dtype) != dtype or jnp.dtype(v.dtype) != dtype:
+    raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+  capacity = t if capacity is None else _positive_int("capacity", capacity)
+  if capacity < t:
+    raise ValueError(f"capacity ({capacity}) must be >= the prompts' length T = {t}")
+  if t == 0:
+    raise ValueError("q, k and v must hold at least one row (T >= 1)")
+  if lengths is not None:
+    lengths = _lengths("lengths", lengths, batch, t, "T, the prompts' rows")
+    kwargs = dict(kwargs, query_seq_lengths=lengths, key_value_seq_lengths=lengths)
+  q_, k_, v_ = _guard(q, k, v)
+  fn = flash_attention if attention_fn is None else attention_fn
+  out = fn(q_, k_, v_, is_causal=True, **kwargs)
+  pad = ((0, 0), (0, capacity - t), (0, 0), (0, 0))
+  cache = KVCache(jnp.pad(k, pad), jnp.pad(v, pad),
+                  jnp.full((batch,), t, jnp.int32) if lengths is None else lengths)
+  return out, cache
+
+
+# --- the paged cache ------------------------------------------------------------------------------
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["k_pages", "v_pages", "page_table", "lengths"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+  """Keys and values in fixed-size pages shared by every batch row: a pytree.
+
+  Row ``b``'s position ``p`` lives in page ``page_table[b, p // page_size]`` at slot
+  ``p % page_size``; a row holds up to ``capacity = pages_per_row * page_size`` positions.
+
+  Attributes:
+    k_pages, v_pages: ``[num_pages, page_size, kv_heads, head_dim]``.
+    page_table: int32 ``[batch, pages_per_row]``: the pages of each batch row, in order.
+    lengths: int32 ``[batch]``: the positions held per batch row.
+
+  :meth:`attend` passes the pages and the table to flash_attention as ``block_table`` where
+  flash_attention takes one (``KERNEL_TAKES_BLOCK_TABLE``); until then it gathers each row's pages
+  into a contiguous ``[batch, capacity, kv_heads, head_dim]`` copy first (the fallback: same
+  result, plus one copy of the cache per call).
+  """
+
+  k_pages: jax.Array
+  v_pages: jax.Array
+  page_table: jax.Array
+  lengths: jax.Array
+
+  @classmethod
+  def create(cls, batch: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+             dtype=jnp.float32, *, page_table=None) -> "PagedKVCache":
+    """An empty paged cache.
+
+    Args:
+      page_table: int ``[batch, pages_per_row]`` with values in ``[0, num_pages)``; default: row
+        ``b`` owns pages ``b * P ... (b + 1) * P - 1`` with ``P = num_pages // batch``. Two rows
+        must not share a page they both write.
+
+    Raises:
+      ValueError: sizes that are not positive ints, a page table of another shape or with pages
+        outside ``[0, num_pages)``; TypeError: another dtype, a page table that is not integer.
+    """
+    batch, num_pages, page_size, kv_heads, head_dim = (_positive_int(name, value) for name, value in (
+        ("batch", batch), ("num_pages", num_pages), ("page_size", page_size),
+        ("kv_heads", kv_heads), ("head_dim", head_dim)))
+    dtype = _cache_dtype(dtype)
+    if page_table is None:
+      if num_pages < batch:
+        raise ValueError(f"num_pages ({num_pages}) must be >= batch ({batch}) for the default "
+                         "page table (one share of the pages per row)")
+      per_row = num_pages // batch
+      page_table = np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
+    _array("page_table", page_table)
+    if np.dtype(page_table.dtype).kind not in "iu":
+      raise TypeError(f"page_table must be an integer array, got dtype {page_table.dtype}")
+    if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
+      raise ValueError(f"page_table must have shape [batch={batch}, pages_per_row >= 1], got "
+                       f"{list(page_table.shape)}")
+    values = _concrete(page_table)
+    if values is not None and (values.min() < 0 or values.max() >= num_pages):
+      raise ValueError(f"page_table's pages must lie in [0, {num_pages}), got values in "
+                       f"[{values.min()}, {values.max()}]")
+    shape = (num_pages, page_size, kv_heads, head_dim)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+               jnp.asarray(page_table, jnp.int32), jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def batch(self) -> int:
+    return self.page_table.shape[0]
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pages.shape[1]
+
+  @property
+  def capacity(self) -> int:
+    return self.page_table.shape[1] * self.page_size
+
+  @property
+  def kv_heads(self) -> int:
+    return self.k_pages.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k_pages.shape[3]
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.k_pages.dtype)
+
+  def append(self, k_new: jax.Array, v_new: jax.Array, *, lengths=None) -> "PagedKVCache":
+    """As :meth:`KVCache.append`: each row's new positions go to the slots of its pages."""
+    _check_kv("k_new", k_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
+    _check_kv("v_new", v_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
+    if k_new.shape != v_new.shape:
+      raise ValueError(f"k_new and v_new must have the same shape, got {list(k_new.shape)} and "
+                       f"{list(v_new.shape)}")
+    t = k_new.shape[1]
+    added = _append_lengths(self.lengths, lengths, t, self.capacity)
+    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T_new]
+    index = jnp.minimum(positions // self.page_size, self.page_table.shape[1] - 1)
+    pages = jnp.take_along_axis(self.page_table, index, axis=1)
+    # positions past the capacity go to page num_pages, out of bounds: dropped
+    pages = jnp.where(positions < self.capacity, pages, self.k_pages.shape[0])
+    slots = positions % self.page_size
+    k = self.k_pages.at[pages, slots].set(k_new, mode="drop")
+    v = self.v_pages.at[pages, slots].set(v_new, mode="drop")
+    return PagedKVCache(k, v, self.page_table, self.lengths + added)
+
+  def gather(self) -> tuple[jax.Array, jax.Array]:
+    """Each row's pages in order, as contiguous ``[batch, capacity, kv_heads, head_dim]`` keys and
+    values (a copy)."""
+    shape = (self.batch, self.capacity, self.kv_heads, self.head_dim)
+    return (self.k_pages[self.page_table].reshape(shape),
+            self.v_pages[self.page_table].reshape(shape))
+
+  def attend(self, q: jax.Array, *, query_seq_lengths=None, attention_fn: Callable | None = None,
+             **kwargs):
+    """As :meth:`KVCache.attend`, over the pages (see the class docstring for the two paths)."""
+    if attention_fn is None and KERNEL_TAKES_BLOCK_TABLE:
+      return _attend(q, self.k_pages, self.v_pages, self.lengths, query_seq_lengths, None, kwargs,
+                     dtype=self.dtype, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                     capacity=self.capacity, extra={"block_table": self.page_table})
+    k, v = self.gather()
+    return _attend(q, k, v, self.lengths, query_seq_lengths, attention_fn, kwargs,
+                   dtype=self.dtype, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                   capacity=self.capacity)
