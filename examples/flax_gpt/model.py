@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+import fa2_jax
 import fa2_jax.flax as fa2_flax
 
 from .config import GPTConfig
@@ -72,7 +73,10 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None, cache: fa2_jax.KVCache | None = None,
+               lengths: jax.Array | None = None):
+    """``x -> x``; with ``cache`` (this layer's, decoding) ``x -> (x, new cache)``, ``lengths``
+    the valid new tokens per row."""
     c = self.config
     attn = fa2_flax.CausalSelfAttention(
         num_heads=c.n_head, num_kv_heads=c.kv_heads, head_dim=c.head_dim,
@@ -81,20 +85,26 @@ class Block(nn.Module):
         attention_fn=attention_core(c),
         local_window_size=None if c.window is None else (c.window, 0),
         logits_soft_cap=c.soft_cap, name="attn")
-    x = x + attn(nn.LayerNorm(dtype=c.dtype, name="ln_1")(x), positions,
-                 q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
+    h = nn.LayerNorm(dtype=c.dtype, name="ln_1")(x)
+    if cache is not None:
+      y, cache = attn(h, positions, cache=cache, query_seq_lengths=lengths)
+      x = x + y
+      return x + MLP(c, name="mlp")(nn.LayerNorm(dtype=c.dtype, name="ln_2")(x)), cache
+    x = x + attn(h, positions, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
     return x + MLP(c, name="mlp")(nn.LayerNorm(dtype=c.dtype, name="ln_2")(x))
 
 
 class _ScanBlock(nn.Module):
-  """``Block`` in ``nn.scan``'s ``(carry, x) -> (carry, y)`` form; positions and segment ids are
-  broadcast to every layer."""
+  """``Block`` in ``nn.scan``'s ``(carry, x) -> (carry, y)`` form; positions, segment ids and
+  lengths are broadcast to every layer, the cache (one per layer, stacked) is scanned."""
 
   config: GPTConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, positions, segment_ids) -> tuple[jax.Array, None]:
-    return Block(self.config, name="block")(x, positions, segment_ids), None
+  def __call__(self, x: jax.Array, positions, segment_ids, cache=None, lengths=None):
+    if cache is None:
+      return Block(self.config, name="block")(x, positions, segment_ids), None
+    return Block(self.config, name="block")(x, positions, cache=cache, lengths=lengths)
 
 
 class GPT(nn.Module):
@@ -103,19 +113,35 @@ class GPT(nn.Module):
   ``positions`` ``[B, T]`` (default ``arange(T)``) index the learned position table or the rotary
   angles; ``segment_ids`` ``[B, T]`` (default: one segment) keep each token's attention inside its
   own segment (packed documents).
+
+  Decoding (forward-only, the same parameters): ``cache`` (:func:`init_cache`: one
+  ``fa2_jax.KVCache`` per layer) makes ``tokens`` the next ``T`` tokens of each batch row, at
+  positions ``cache lengths + arange(T)`` (default); their keys and values are appended to the
+  caches and the call returns ``(logits, new cache)``. ``lengths`` ``[B]`` (optional) counts each
+  row's valid new tokens (left-aligned prompts of different lengths; the other rows' logits are
+  meaningless). ``generate.py`` samples with it.
   """
 
   config: GPTConfig
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-               segment_ids: jax.Array | None = None) -> jax.Array:
+               segment_ids: jax.Array | None = None, *, cache=None,
+               lengths: jax.Array | None = None):
     c = self.config
     if tokens.shape[-1] > c.seq_len:
       raise ValueError(f"sequence length {tokens.shape[-1]} exceeds seq_len={c.seq_len}")
     for name, a in (("positions", positions), ("segment_ids", segment_ids)):
       if a is not None and a.shape != tokens.shape:
         raise ValueError(f"{name} must have the tokens' shape {tokens.shape}, got {a.shape}")
+    if cache is not None:
+      if segment_ids is not None:
+        raise ValueError("segment_ids cannot be given with cache (decoding one sequence per row)")
+      if tokens.ndim != 2:
+        raise ValueError(f"with cache, tokens must be [batch, T], got shape {tokens.shape}")
+      if positions is None:  # each row continues at its cache's length (every layer's is the same)
+        held = (cache.lengths[0] if c.scan_layers else cache[0].lengths)
+        positions = held[:, None] + jnp.arange(tokens.shape[-1], dtype=jnp.int32)
     wte = nn.Embed(c.vocab_size, c.n_embd, embedding_init=nn.initializers.normal(INIT_STD),
                    dtype=c.dtype, name="wte")
     x = wte(tokens)
@@ -123,7 +149,9 @@ class GPT(nn.Module):
       wpe = nn.Embed(c.seq_len, c.n_embd, embedding_init=nn.initializers.normal(INIT_STD),
                      dtype=c.dtype, name="wpe")
       x = x + wpe(jnp.arange(tokens.shape[-1]) if positions is None else positions)
-    if c.scan_layers:
+    if cache is not None:
+      x, cache = self._cached_blocks(x, positions, cache, lengths)
+    elif c.scan_layers:
       body = nn.remat(_ScanBlock) if c.remat else _ScanBlock
       stack = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, nn.broadcast), length=c.n_layer)
@@ -138,7 +166,35 @@ class GPT(nn.Module):
     else:
       logits = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype,
                         kernel_init=nn.initializers.normal(INIT_STD), name="lm_head")(x)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    return logits if cache is None else (logits, cache)
+
+  def _cached_blocks(self, x, positions, cache, lengths):
+    """The blocks with their caches (no remat: decoding has no backward pass); the module names
+    are the training path's, so the parameters are the same."""
+    c = self.config
+    if c.scan_layers:
+      stack = nn.scan(_ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True},
+                      in_axes=(nn.broadcast, nn.broadcast, 0, nn.broadcast), length=c.n_layer)
+      return stack(c, name="h")(x, positions, None, cache, lengths)
+    if len(cache) != c.n_layer:
+      raise ValueError(f"cache must hold one KVCache per layer ({c.n_layer}), got {len(cache)}")
+    new = []
+    for i in range(c.n_layer):
+      x, layer_cache = Block(c, name=f"h_{i}")(x, positions, cache=cache[i], lengths=lengths)
+      new.append(layer_cache)
+    return x, tuple(new)
+
+
+def init_cache(config: GPTConfig, batch: int, capacity: int | None = None):
+  """Empty KV caches for :class:`GPT` decoding: a tuple of one ``fa2_jax.KVCache`` per layer
+  (with ``scan_layers``, one KVCache whose arrays have a leading layer axis), ``capacity`` rows
+  (default ``config.seq_len``) of the compute dtype."""
+  one = fa2_jax.KVCache.create(batch, capacity or config.seq_len, config.kv_heads, config.head_dim,
+                               dtype=config.dtype)
+  if config.scan_layers:
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (config.n_layer, *a.shape)), one)
+  return (one,) * config.n_layer
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .attention import attention_fn
+from .attention import FlashAttentionFn, attention_fn
 from .variants import check_static_variants
+from ..kv_cache import KVCache, PagedKVCache
 from ..validation import is_real_dtype
 
 
@@ -146,6 +147,36 @@ def _module_variants(module, **call) -> dict:
   return variants
 
 
+def _cached_attend(module, q, k, v, positions, mask, cache, query_seq_lengths, **set_by_cache):
+  """The ``cache=`` path of both modules: rotary embeddings at the cache's positions, the new keys
+  and values appended to ``cache``, the queries attended against it. Returns ``(y, new cache)``."""
+  if not isinstance(cache, (KVCache, PagedKVCache)):
+    raise TypeError(f"cache must be a fa2_jax.KVCache or fa2_jax.PagedKVCache, got "
+                    f"{type(cache).__name__}")
+  given = sorted(name for name, value in set_by_cache.items() if value is not None)
+  if mask is not None:
+    given.insert(0, "mask")
+  if given:
+    raise TypeError(f"{', '.join(given)} cannot be passed with cache: the cache sets the keys' "
+                    "lengths and the queries' positions (causal attention of the new rows)")
+  if q.ndim != 4:
+    raise ValueError(f"with cache, x must be [batch, T, features], got a query of shape "
+                     f"{tuple(q.shape)} [.., T, heads, head_dim]")
+  if positions is None:  # the new rows continue each batch row's sequence
+    positions = cache.lengths[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)
+  if module.rotary:
+    q = rotary_embedding(q, positions, base=module.rotary_base)
+    k = rotary_embedding(k, positions, base=module.rotary_base)
+  cache = cache.append(k, v, lengths=query_seq_lengths)
+  variants = _static_variants(module.local_window_size, module.logits_soft_cap, module.alibi_slopes,
+                              module.mask_fn, module.score_fn)
+  # The module's attention_fn where it is fa2_jax's (it takes q_offset and the lengths); other
+  # functions (jax.nn.dot_product_attention) have no q_offset: fa2_jax.flash_attention runs instead.
+  fn = module.attention_fn if isinstance(module.attention_fn, FlashAttentionFn) else None
+  y = cache.attend(q, query_seq_lengths=query_seq_lengths, attention_fn=fn, **variants)
+  return y, cache
+
+
 class CausalSelfAttention(nn.Module):
   """Causal self-attention (linen) with GQA and optional rotary embeddings, on FlashAttention.
 
@@ -208,7 +239,8 @@ class CausalSelfAttention(nn.Module):
                mask: jax.Array | None = None, *, query_seq_lengths: jax.Array | None = None,
                key_value_seq_lengths: jax.Array | None = None,
                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-               q_offset: jax.Array | int | None = None) -> jax.Array:
+               q_offset: jax.Array | int | None = None,
+               cache: KVCache | PagedKVCache | None = None):
     """Causal self-attention of ``x``.
 
     Args:
@@ -225,6 +257,17 @@ class CausalSelfAttention(nn.Module):
         tokens attend only tokens of their own segment (packed documents).
       q_offset: int, integer scalar or integer ``[batch...]``: the position of query row 0 for the
         causal mask and the window (not for ``positions``).
+      cache: a :class:`fa2_jax.KVCache` (or ``PagedKVCache``) of this layer, for decoding
+        (forward-only): ``x`` ``[batch, T, features]`` holds the next ``T`` tokens of each batch
+        row; their keys and values are appended to the cache and their queries attend it causally
+        (:meth:`fa2_jax.KVCache.attend`). ``positions`` defaults to ``cache.lengths[:, None] +
+        arange(T)``; ``query_seq_lengths`` gives each row's count of valid new tokens (prompts of
+        different lengths); ``mask``, ``key_value_seq_lengths``, segment ids and ``q_offset``
+        cannot be given (the cache sets them). Runs the ``attention_fn`` when it is a
+        :class:`FlashAttentionFn`, else :func:`fa2_jax.flash_attention`.
+
+    Returns:
+      ``[batch..., T, out_features or features]``; with ``cache``, ``(output, new cache)``.
     """
     kv = self.num_kv_heads or self.num_heads
     dense = functools.partial(nn.DenseGeneral, use_bias=self.use_bias, dtype=self.dtype,
@@ -232,15 +275,22 @@ class CausalSelfAttention(nn.Module):
     qkv = dense(features=(self.num_heads + 2 * kv, self.head_dim), kernel_init=self.kernel_init,
                 name="qkv")(x)
     q, k, v = _split_heads(qkv, self.num_heads, kv)
+    width = x.shape[-1] if self.out_features is None else self.out_features
+    out = dense(features=width, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
+                name="out")
+    if cache is not None:
+      y, cache = _cached_attend(self, q, k, v, positions, mask, cache, query_seq_lengths,
+                                key_value_seq_lengths=key_value_seq_lengths,
+                                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                q_offset=q_offset)
+      return out(y), cache
     variants = _module_variants(self, query_seq_lengths=query_seq_lengths,
                                 key_value_seq_lengths=key_value_seq_lengths,
                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                                 q_offset=q_offset)
     y = _attend(q, k, v, self.attention_fn, self.rotary, self.rotary_base, positions, mask,
                 variants)
-    width = x.shape[-1] if self.out_features is None else self.out_features
-    return dense(features=width, axis=(-2, -1),
-                 kernel_init=self.out_kernel_init or self.kernel_init, name="out")(y)
+    return out(y)
 
 
 class NnxCausalSelfAttention(nnx.Module):
@@ -286,14 +336,22 @@ class NnxCausalSelfAttention(nnx.Module):
                mask: jax.Array | None = None, *, query_seq_lengths: jax.Array | None = None,
                key_value_seq_lengths: jax.Array | None = None,
                q_segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-               q_offset: jax.Array | int | None = None) -> jax.Array:
-    """x: ``[batch..., T, in_features]``; the other arguments as in :class:`CausalSelfAttention`."""
+               q_offset: jax.Array | int | None = None,
+               cache: KVCache | PagedKVCache | None = None):
+    """x: ``[batch..., T, in_features]``; the other arguments as in :class:`CausalSelfAttention`
+    (with ``cache``: returns ``(output, new cache)``)."""
     want = tuple(self.in_features) if isinstance(self.in_features, (tuple, list)) else (
         self.in_features,)  # nnx.LinearGeneral takes an int or a tuple of trailing dims
     if tuple(x.shape[-len(want):]) != want:
       raise ValueError(f"x must end in in_features = {self.in_features} (its trailing dims), got "
                        f"shape {tuple(x.shape)}")
     q, k, v = _split_heads(self.qkv(x), self.num_heads, self.num_kv_heads)
+    if cache is not None:
+      y, cache = _cached_attend(self, q, k, v, positions, mask, cache, query_seq_lengths,
+                                key_value_seq_lengths=key_value_seq_lengths,
+                                q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                                q_offset=q_offset)
+      return self.out(y), cache
     variants = _module_variants(self, query_seq_lengths=query_seq_lengths,
                                 key_value_seq_lengths=key_value_seq_lengths,
                                 q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
