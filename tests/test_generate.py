@@ -372,3 +372,6 @@ def test_generate_command_errors_are_one_line(checkpoint, tmp_path, capsys):
   assert "--temperature must be >= 0" in one_error_line(
       ["--ckpt-dir", ckpt, "--temperature", "-1"], capsys)
   assert "--n-head" in one_error_line(["--ckpt-dir", ckpt, "--n-head", "3"], capsys)
+  assert "invalid int value: 'many'" in one_error_line(["--ckpt-dir", ckpt, "--tokens", "many"],
+                                                      capsys)
+  assert "required: --ckpt-dir" in one_error_line([], capsys)

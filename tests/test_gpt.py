@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 import fa2_jax  # noqa: E402
 from examples.flax_gpt import cli as cli_lib  # noqa: E402
 from examples.flax_gpt import data as data_lib  # noqa: E402
+from examples.flax_gpt import generate as generate_lib  # noqa: E402
 from examples.flax_gpt import metrics as metrics_lib  # noqa: E402
 from examples.flax_gpt import steps as steps_lib  # noqa: E402
 from examples.flax_gpt import train as train_lib  # noqa: E402
@@ -499,7 +500,11 @@ def test_readme_matches_the_cli():
   # (not XLA's --xla_... flags: theirs have underscores)
   readme_flags = set(re.findall(r"(?<![\w=-])--[a-z][a-z0-9-]*(?![\w])", text))
   assert parser_flags - readme_flags == set(), "flags missing from the README"
-  assert readme_flags - parser_flags == set(), "the README names flags the CLI does not have"
+  generate_flags = {s for a in generate_lib.build_parser()._actions for s in a.option_strings
+                    if s.startswith("--")}
+  assert generate_flags - readme_flags == set(), "generate.py's flags missing from the README"
+  assert readme_flags - parser_flags - generate_flags == set(), \
+      "the README names flags the CLI does not have"
   for flag, listed in re.findall(r"`(--[a-z-]+) \{([\w,]+)\}", text):  # e.g. `--dtype {...}`
     action = next(a for a in cli_lib.build_parser()._actions if flag in a.option_strings)
     assert listed.split(",") == list(action.choices), flag
