@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -212,8 +213,8 @@ def test_traced_overflow_drops_rows_instead_of_overwriting():
 
 
 def test_flax_layer_cache_argument():
-  """CausalSelfAttention(cache=...) step by step equals the layer on the whole sequence (the same
-  parameters), and refuses the arguments the cache sets."""
+  """CausalSelfAttention(cache=...) (linen and nnx) step by step equals the layer on the whole
+  sequence (the same parameters), and refuses the arguments the cache sets."""
   layer = fa2_flax.CausalSelfAttention(num_heads=4, num_kv_heads=2, head_dim=8, rotary=True)
   x = jax.random.normal(jax.random.key(3), (B, 6, 16))
   params = layer.init(jax.random.key(0), x)
@@ -225,6 +226,14 @@ def test_flax_layer_cache_argument():
     layer.apply(params, x[:, :1], cache=cache, q_offset=3)
   with pytest.raises(TypeError, match="cache must be a fa2_jax.KVCache"):
     layer.apply(params, x[:, :1], cache=(cache,))
+  nnx_layer = fa2_flax.NnxCausalSelfAttention(16, 4, 8, num_kv_heads=2, rotary=True,
+                                              rngs=nnx.Rngs(0))
+  want = nnx_layer(x)
+  y, cache = nnx_layer(x[:, :5], cache=KVCache.create(B, 6, 2, 8))
+  y2, _ = nnx_layer(x[:, 5:], cache=cache)
+  np.testing.assert_allclose(jnp.concatenate([y, y2], 1), want, atol=1e-5)
+  with pytest.raises(TypeError, match="mask cannot be passed with cache"):
+    nnx_layer(x[:, :1], mask=jnp.ones((1, 1), bool), cache=cache)
 
 
 # --- the GPT example ------------------------------------------------------------------------------
