@@ -201,8 +201,6 @@ def describe(backend: str, query, key, *, is_causal: bool, implementation, block
     elif cfg.dkv_roles:
       bwd = ("mosaic dK/dV (split by role)",
              "mosaic dQ (split by role)" if cfg.dq_roles else "mosaic dQ")
-    elif cfg.dkv_split:
-      bwd = ("mosaic dV", "mosaic dK", "mosaic dQ (split by role)" if cfg.dq_roles else "mosaic dQ")
     else:
       bwd = ("mosaic dK/dV", "mosaic dQ (split by role)" if cfg.dq_roles else "mosaic dQ")
     why = ("a MosaicConfig was passed" if isinstance(block_sizes, MosaicConfig) else
