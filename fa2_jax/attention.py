@@ -60,7 +60,7 @@ _FIELD_LAYOUTS = {"q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "bt",
                   "kv_segment_ids": "bs", "q_offset": "b", "alibi_slopes": "bn"}
 # A range table [B, N', n_blocks, 4]: B with the batch, N' (N or 1) with the heads or whole, and its
 # own letter for the block axis (tables of different kernels have different block counts).
-_TABLE_BLOCK_AXIS = {"fwd": "c", "dkv": "e", "dk": "f", "dq": "g"}
+_TABLE_BLOCK_AXIS = {"fwd": "c", "dkv": "e", "dq": "g"}
 
 
 def _layout(field: str, extra) -> str:
