@@ -110,6 +110,7 @@ def test_sample_expectation_follows_the_validation_loss():
   worse = train_lib.sample_expectation({**summary, "final_val_loss": 3.0})
   better = train_lib.sample_expectation({**summary, "final_val_loss": 1.2})
   assert "barely started" in worse and "common words" in better
+  assert "near-random bytes" in train_lib.sample_expectation({**summary, "final_val_loss": 5.1})
 
 
 def test_training_reduces_the_loss_and_samples_greedily(baseline):

@@ -6,8 +6,10 @@
     python -m examples.flax_gpt.train --preset long8k --data-parallel mesh      # same, one jit step
 
 One ``jax.jit`` (or ``jax.pmap``) train step: AdamW with linear warm-up and cosine decay, global-
-norm gradient clipping. Progress (loss, tokens/s, model TFLOP/s, MFU) is a tqdm bar when stdout is a
-terminal, else one plain line every ``--log-every`` steps. ``--help`` lists every flag with its default.
+norm gradient clipping. Progress (loss, tokens/s; model TFLOP/s on a GPU, MFU where the peak is
+known) is a tqdm bar when stdout is a terminal, else one plain line every ``--log-every`` steps.
+``--help`` lists every flag with its default; a bad flag is one line, ``train: error: ...; see
+--help``, exit status 2.
 
 TFLOP/s and MFU count the FlashAttention-2 paper's dense FLOPs per sequence (forward + backward),
 ``6 * seq_len * n_params + 12 * n_layer * n_embd * seq_len**2``; the JSON summary adds the
@@ -94,8 +96,11 @@ def sample_expectation(summary: dict) -> str | None:
   loss = summary.get("final_val_loss")
   if loss is None:
     return None
-  if loss >= 2.5:
-    quality = "spaces, letters and punctuation, hardly a word: it has barely started to learn"
+  if loss >= 4.0:
+    quality = ("near-random bytes: it has hardly started to learn (a uniform guess scores ln 256 = "
+               "5.55)")
+  elif loss >= 2.5:
+    quality = "mostly spaces, letters and punctuation, hardly a word: it has barely started to learn"
   elif loss >= 1.5:
     quality = "byte-level gibberish with word-like fragments of the training text"
   elif loss >= 1.0:
@@ -391,7 +396,7 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
 
 def main(argv=None) -> dict:
   """Parses ``argv`` (None: ``sys.argv``), trains, prints and returns the summary. A flag value that
-  cannot work exits through ``parser.error`` (usage, the message, status 2), before any training."""
+  cannot work exits through ``parser.error`` (one line, status 2), before any training."""
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
