@@ -136,4 +136,8 @@ def describe(backend: str, call: KernelCall | None, *, implementation, config, f
       why = "Hopper GPU and a supported call (bf16/fp16, head_dim 64/128/192/256)"
     if call.interpret:
       why = f"interpret=True runs the {backend} kernels in Pallas interpret mode"
+  # A family may say what about the call made it the one (kernels/decode: a decoding call).
+  if (own := getattr(family, "chosen_because", None)) is not None and (
+      text := own(call, launch)) is not None:
+    why = f"{text}; {why}"
   return Dispatch(backend, fwd, bwd, deterministic, bool(call.interpret), why)
