@@ -281,3 +281,54 @@ def test_split_heuristic_fills_the_gpu():
   # more waves asked: more splits
   assert num_splits_heuristic(16, 1024, sms=132, waves=4) >= num_splits_heuristic(16, 1024,
                                                                                   sms=132)
+
+
+# --- the Triton lowering (no GPU needed) ---------------------------------------------------------
+
+LOWERING_CASES = [  # (b, t, n, kh, h, s, dtype, splits, variant keywords)
+    (2, 1, 32, 8, 128, 4096, jnp.bfloat16, None, dict(is_causal=True, lengths=True)),
+    (4, 4, 8, 1, 64, 1000, jnp.float16, 1, dict(is_causal=True, lengths=True,
+                                                 local_window_size=(256, 0),
+                                                 logits_soft_cap=30.0)),
+    (1, 16, 4, 4, 256, 2048, jnp.float32, 5, dict(is_causal=True, q_offset=2000, alibi=True)),
+    (3, 2, 6, 2, 80, 777, jnp.bfloat16, 3, {}),
+]
+
+
+@pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: "-".join(map(str, c[:6])))
+def test_lowers_for_hopper(case, monkeypatch):
+  """The decode forward (and the delegated backward) lower to Triton IR for an H200 (jax.export for
+  "cuda" on any machine, as tests/test_lowering.py): the row gathers, the in-kernel block range and
+  the split shares pass the Pallas Triton lowering."""
+  from jax import export
+  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+  registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+  from fa2_jax.kernels import platform
+  monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  b, t, n, kh, h, s, dtype, splits, kw = case
+  kw = dict(kw)
+  q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
+  kv = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
+  lengths = kw.pop("lengths", False)
+  alibi = kw.pop("alibi", False)
+  config = DecodeConfig.default(h, dtype).replace(num_splits=splits)
+
+  def loss(q, k, v, lens, slopes):
+    extra = dict(key_value_seq_lengths=lens, q_offset=lens - t) if lengths else {}
+    if alibi:
+      extra["alibi_slopes"] = slopes
+    o = fa2_jax.flash_attention(q, k, v, block_sizes=config, **extra, **kw)
+    return o.astype(jnp.float32).sum()
+
+  lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+  slopes = jax.ShapeDtypeStruct((n,), jnp.float32)
+  assert fa2_jax.backend_for(q, kv, block_sizes=config, **kw,
+                             **(dict(key_value_seq_lengths=lens, q_offset=lens) if lengths
+                                else {})).backend == "decode"
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  exp = export.export(fn, platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, kv, kv, lens, slopes)
+  text = exp.mlir_module()
+  assert "fa2_decode_forward" in text and text.count("__gpu$xla.gpu.triton") >= 3
