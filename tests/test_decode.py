@@ -156,8 +156,8 @@ def test_grad_through_a_decoding_call_matches_the_formula():
       argnums=(0, 1, 2)))(q, k, v)
   with jax.enable_x64(True):
     q64, k64, v64 = (jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v))
-    ref = jax.grad(loss(lambda a, b, c: fa2_jax.reference_attention(
-        a, b, c, return_residual=True, **kw)), argnums=(0, 1, 2))(q64, k64, v64)
+    ref = jax.jit(jax.grad(loss(lambda a, b, c: fa2_jax.reference_attention(
+        a, b, c, return_residual=True, **kw)), argnums=(0, 1, 2)))(q64, k64, v64)
     ref = [np.asarray(x) for x in ref]
   for name, a, r in zip(("dq", "dk", "dv"), mine, ref):
     err = np.max(np.abs(np.asarray(a, np.float64) - r))
@@ -292,6 +292,8 @@ LOWERING_CASES = [  # (b, t, n, kh, h, s, dtype, splits, variant keywords)
                                                  logits_soft_cap=30.0)),
     (1, 16, 4, 4, 256, 2048, jnp.float32, 5, dict(is_causal=True, q_offset=2000, alibi=True)),
     (3, 2, 6, 2, 80, 777, jnp.bfloat16, 3, {}),
+    (2, 1, 16, 2, 128, 2048, jnp.bfloat16, None, dict(is_causal=True, lengths=True, pages=16)),
+    (2, 2, 8, 8, 64, 1024, jnp.float16, 4, dict(is_causal=True, lengths=True, pages=256)),
 ]
 
 
@@ -313,18 +315,25 @@ def test_lowers_for_hopper(case, monkeypatch):
   kv = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
   lengths = kw.pop("lengths", False)
   alibi = kw.pop("alibi", False)
+  page_size = kw.pop("pages", None)
   config = DecodeConfig.default(h, dtype).replace(num_splits=splits)
+  table = None
+  if page_size is not None:  # a paged cache: as many pages as keys, in one table per row
+    kv = jax.ShapeDtypeStruct((b * s // page_size, page_size, kh, h), dtype)
+    table = jnp.arange(b * s // page_size, dtype=jnp.int32).reshape(b, s // page_size)[::-1]
 
   def loss(q, k, v, lens, slopes):
     extra = dict(key_value_seq_lengths=lens, q_offset=lens - t) if lengths else {}
     if alibi:
       extra["alibi_slopes"] = slopes
+    if table is not None:
+      extra["block_table"] = table
     o = fa2_jax.flash_attention(q, k, v, block_sizes=config, **extra, **kw)
     return o.astype(jnp.float32).sum()
 
   lens = jax.ShapeDtypeStruct((b,), jnp.int32)
   slopes = jax.ShapeDtypeStruct((n,), jnp.float32)
-  assert fa2_jax.backend_for(q, kv, block_sizes=config, **kw,
+  assert fa2_jax.backend_for(q, kv, block_sizes=config, block_table=table, **kw,
                              **(dict(key_value_seq_lengths=lens, q_offset=lens) if lengths
                                 else {})).backend == "decode"
   fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
@@ -332,3 +341,104 @@ def test_lowers_for_hopper(case, monkeypatch):
       export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, kv, kv, lens, slopes)
   text = exp.mlir_module()
   assert "fa2_decode_forward" in text and text.count("__gpu$xla.gpu.triton") >= 3
+
+
+# --- a paged key/value cache (block_table) --------------------------------------------------------
+
+def _paged(b, t, n, kh, h, page_size, max_pages, num_pages, dtype, seed=0):
+  """q, key/value pages, and a block table whose pages are in random order, with rows 0 and 1
+  sharing their first pages."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  dt = DTYPES[dtype]
+  q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dt)
+  kp = jax.random.normal(ks[1], (num_pages, page_size, kh, h), jnp.float32).astype(dt)
+  vp = jax.random.normal(ks[2], (num_pages, page_size, kh, h), jnp.float32).astype(dt)
+  table = jax.random.permutation(ks[3], num_pages)[:b * max_pages].reshape(b, max_pages)
+  if b > 1:
+    table = table.at[1, :2].set(table[0, :2])  # shared pages (a common prefix)
+  return q, kp, vp, table.astype(jnp.int32)
+
+
+@pytest.mark.parametrize("case", [
+    # (b, t, n, kh, h, page_size, max_pages, num_pages, dtype, block_k, splits, lengths)
+    (3, 1, 4, 1, 32, 16, 20, 64, "bfloat16", 32, 3, (320, 0, 77)),  # a block spans 2 pages
+    (2, 4, 8, 2, 16, 64, 5, 12, "float32", 16, None, (300, 64)),  # a page holds 4 blocks
+    (2, 1, 2, 2, 64, 256, 2, 5, "float32", 64, 1, (512, 257)),
+], ids=lambda c: f"page{c[5]}-t{c[1]}-{c[8]}")
+def test_paged_cache_matches_the_gathered_formula(case):
+  from fa2_jax.paged import gather_pages
+  b, t, n, kh, h, page_size, max_pages, num_pages, dtype, block_k, splits, lengths = case
+  q, kp, vp, table = _paged(b, t, n, kh, h, page_size, max_pages, num_pages, dtype)
+  lens = jnp.array(lengths, jnp.int32)
+  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - t)
+  cfg = DecodeConfig(block_k=block_k, num_splits=splits)
+  d = fa2_jax.backend_for(q, kp, vp, interpret=INTERPRET, block_table=table, block_sizes=cfg, **kw)
+  assert d.backend == "decode" and "reads the" in d.reason and "through the table" in d.reason, d
+  out, lse = _jit_call(q, kp, vp, config=cfg, block_table=table, **kw)
+  k, v = gather_pages(kp, table), gather_pages(vp, table)
+  ref = _reference(q, k, v, **kw)
+  low = _reference(q, k, v, compute_dtype=q.dtype, **kw) if dtype != "float32" else ref
+  for name, g, r, lo in zip(("out", "lse"), (out.astype(jnp.float32), lse), ref, low):
+    g = np.asarray(g, np.float64)
+    np.testing.assert_array_equal(np.isneginf(g), np.isneginf(r), err_msg=name)
+    fin = np.isfinite(r)
+    err = np.max(np.abs(g[fin] - r[fin]))
+    bound = (2 * np.max(np.abs(lo[fin] - r[fin]))
+             + ATOL[dtype] * (np.max(np.abs(r[fin])) + 1.0))
+    assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g}"
+
+
+def test_grad_through_a_paged_decoding_call():
+  """Gradients to the query and the pages (shared pages get both rows' share) equal the gathered
+  formula's."""
+  from fa2_jax.paged import gather_pages
+  q, kp, vp, table = _paged(2, 2, 4, 2, 16, 32, 9, 20, "float32", seed=7)
+  lens = jnp.array([288, 100], jnp.int32)
+  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 2)
+  cfg = DecodeConfig(block_k=16, num_splits=2)
+  mine = jax.jit(jax.grad(lambda a, b, c: jnp.sum(jnp.sin(fa2_jax.flash_attention(
+      a, b, c, interpret=INTERPRET, block_sizes=cfg, block_table=table, **kw))),
+      argnums=(0, 1, 2)))(q, kp, vp)
+  ref = jax.jit(jax.grad(lambda a, b, c: jnp.sum(jnp.sin(fa2_jax.reference_attention(
+      a, gather_pages(b, table), gather_pages(c, table), **kw))), argnums=(0, 1, 2)))(q, kp, vp)
+  for name, a, r in zip(("dq", "dkp", "dvp"), mine, ref):
+    np.testing.assert_allclose(a, r, atol=2e-5 * (float(jnp.max(jnp.abs(r))) + 1.0), err_msg=name)
+
+
+def test_a_paged_call_that_is_not_decoding_gathers_the_pages():
+  from fa2_jax.paged import gather_pages
+  q, kp, vp, table = _paged(2, 24, 2, 1, 16, 16, 4, 9, "float32", seed=8)
+  lens = jnp.array([64, 30], jnp.int32)
+  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 24)
+  d = fa2_jax.backend_for(q, kp, vp, interpret=INTERPRET, block_table=table, **kw)
+  assert d.backend != "decode" and "gathered into contiguous K/V [B, 64, K, H]" in d.reason, d
+  out, lse = _jit_call(q, kp, vp, block_table=table, **kw)
+  ref_out, ref_lse = _reference(q, gather_pages(kp, table), gather_pages(vp, table), **kw)
+  np.testing.assert_allclose(np.asarray(out, np.float64), ref_out, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(lse, np.float64), ref_lse, atol=2e-5)
+
+
+def test_paged_arguments_are_validated():
+  q, kp, vp, table = _paged(2, 1, 4, 2, 16, 16, 4, 8, "float32")
+  lens = jnp.array([64, 20], jnp.int32)
+  call = lambda **kw: fa2_jax.backend_for(q, kw.pop("k", kp), kw.pop("v", vp),  # noqa: E731
+                                          interpret=True, **{"block_table": table,
+                                                             "key_value_seq_lengths": lens, **kw})
+  with pytest.raises(TypeError, match="block_table must be an integer array"):
+    call(block_table=table.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"block_table must have shape \[B, max_pages\] with B=2"):
+    call(block_table=table[:1])
+  with pytest.raises(ValueError, match="block_table needs key_value_seq_lengths"):
+    call(key_value_seq_lengths=None)
+  with pytest.raises(ValueError, match="key_value_seq_lengths must be at most max_pages"):
+    call(key_value_seq_lengths=jnp.array([65, 3], jnp.int32))
+  with pytest.raises(ValueError, match=r"page ids outside \[0, 8\).*block_table\[1, 0\] = 8"):
+    call(block_table=table.at[1, 0].set(8))
+  # entries past a row's keys are never read: -1 padding there is fine
+  call(block_table=table.at[1, 2:].set(-1))
+  with pytest.raises(ValueError, match=r"key/value must be pages|key and value must be pages"):
+    call(v=vp[:, :8])
+  with pytest.raises(ValueError, match="needs a rank-4 query"):
+    fa2_jax.flash_attention(q[0], kp, vp, block_table=table, key_value_seq_lengths=lens)
+  with pytest.raises(TypeError, match="block_table must be an integer array"):
+    fa2_jax.flash_attention(q, kp, vp, block_table=[[0, 1]], key_value_seq_lengths=lens)

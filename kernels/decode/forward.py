@@ -99,7 +99,7 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
       ok = j < (seq_k if limit is None else limit)
       j = jnp.where(ok, j, 0)
       index = _idiv(j, page_size)
-      page = plgpu.load(table.at[index])
+      page = jnp.clip(plgpu.load(table.at[index]), 0, ref.shape[0] - 1)  # ids past the pages: clip
       at = ref.at[page[:, None], (j - index * page_size)[:, None], cols]
       mask = ok[:, None] if col_ok is None else ok[:, None] & col_ok
       return plgpu.load(at, mask=mask, other=0.0)
