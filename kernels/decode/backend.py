@@ -117,7 +117,7 @@ class DecodeBackend(Backend):
     fwd = (f"decode split-KV forward ({config.num_splits} split"
            f"{'s' if config.num_splits > 1 else ''})",)
     if config.num_splits > 1:
-      fwd += ("decode combine (XLA)",)
+      fwd += ("decode combine",)
     return fwd, bwd, deterministic
 
   def chosen_because(self, call: KernelCall, config: DecodeLaunch) -> str | None:

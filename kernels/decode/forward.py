@@ -15,8 +15,9 @@ Each program writes its share's output, already divided by its row sum, and its 
 ``(r, l)`` in the kernels' form (kernels/softmax.py: ``r`` the raw logit of the largest ``s * c``,
 ``l`` the row sum relative to that logit's weight). With one split these are the result, written
 straight into ``out [B, T, N, H]`` (q's dtype) and ``stats [B, N, 2, T]``; with several, float32
-partials ``[B, splits, T, N, H]`` / ``[B, splits, N, 2, T]`` that :func:`combine` merges exactly by
-their log-sum-exp (XLA).
+partials ``[B, splits, T, N, H]`` / ``[B, splits, N, 2, T]`` that :func:`combine` (a second small
+kernel, grid ``(B, K)``) merges exactly by their log-sum-exp into the same two outputs. Between
+and around the kernels only reshapes (free) run.
 
 Paged caches (``block_table``): K and V are ``[pages, page_size, K, H]``; the row's key ``j`` lives
 at ``(block_table[b, j // page_size], j % page_size)``, and every loop step gathers its ``block_k``
@@ -27,9 +28,7 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -48,6 +47,22 @@ def _idiv(x, m: int):
   return lax.div(x, jnp.full(x.shape, m, x.dtype)) if m > 1 else x
 
 
+def _packed_rows(kh, *, seq_q: int, group: int, heads: int, rows_padded: int):
+  """The rows of KV head ``kh``'s tile: ``(t, head, real, row, stat)`` per tile row ``r = t * G +
+  g`` (int32 ``[rows_padded]``): its new-token index, query head, whether it is a row at all (the
+  padding up to ``rows_padded`` is not), its row of the ``[T * N, H]`` view of q and out and its
+  index ``(head, 0, t)`` in the ``[N * 2 * T]`` view of the statistics. A padding row's indices
+  point past the end (masked: never read or written; in interpret mode an out-of-range gather is
+  clamped and an out-of-range scatter dropped)."""
+  r = jnp.arange(rows_padded, dtype=jnp.int32)
+  t = _idiv(r, group)
+  head = kh * group + (r - t * group)
+  real = r < seq_q * group
+  row = jnp.where(real, t * heads + head, seq_q * heads)
+  stat = jnp.where(real, head * (2 * seq_q) + t, heads * 2 * seq_q)
+  return t, head, real, row, stat
+
+
 def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: tuple[str, ...],
             seq_q: int, seq_k: int, heads: int, group: int, head_dim: int, block_k: int,
             rows_padded: int, splits: int, page_size: int | None, f32: bool):
@@ -58,14 +73,10 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
   refs = dict(zip(names, var_refs))
   hp = q_ref.shape[-1]
   b, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  rows, rp = seq_q * group, rows_padded
-  r = jnp.arange(rp, dtype=jnp.int32)
-  t_of = _idiv(r, group)  # the row's new-token index t
-  head = kh * group + (r - t_of * group)  # its query head
-  real = r < rows
-  # Its row of q_ref / o_ref; a padding row points past the end (masked: never read or written; in
-  # interpret mode an out-of-range gather is clamped and an out-of-range scatter dropped).
-  qrow = jnp.where(real, t_of * heads + head, seq_q * heads)[:, None]  # [rp, 1]
+  rp = rows_padded
+  t_of, head, real, qrow, at = _packed_rows(kh, seq_q=seq_q, group=group, heads=heads,
+                                            rows_padded=rp)
+  qrow = qrow[:, None]  # [rp, 1]
   cols = jnp.arange(hp, dtype=jnp.int32)[None, :]  # [1, hp]
   col_ok = None if head_dim == hp else cols < head_dim
   row_mask = real[:, None] if col_ok is None else real[:, None] & col_ok
@@ -155,7 +166,6 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
   plgpu.store(o_ref.at[qrow, cols], out.astype(o_ref.dtype), mask=row_mask)
   if scale != 0:
     l_i = row_sum_at_max(r_i, m_i, l_i, c, v_ref.dtype)
-  at = jnp.where(real, head * (2 * seq_q) + t_of, heads * 2 * seq_q)  # [N, 2, T]: (head, 0, t)
   plgpu.store(stats_ref.at[at], r_i, mask=real)
   plgpu.store(stats_ref.at[at + seq_q], l_i, mask=real)
 
@@ -227,30 +237,78 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
       interpret=interpret,
       name="fa2_decode_forward",
   )(q.reshape(b, t * n, h), k, v, *ops)
-  o = o.reshape(b, num_splits, t, n, h)
-  stats = stats.reshape(b, num_splits, n, 2, t)
   if final:
-    return o[:, 0], stats[:, 0]
-  return combine(o, stats, scale=scale, modifies_scores=variant.modifies_scores, dtype=q.dtype)
+    o, stats = o[:, 0], stats[:, 0]
+  else:
+    o, stats = combine(o, stats, scale=scale, modifies_scores=variant.modifies_scores,
+                       dtype=q.dtype, seq_q=t, kv_heads=kh, rows_padded=rows_padded,
+                       interpret=interpret)
+  return o.reshape(b, t, n, h), stats.reshape(b, n, 2, t)
 
 
-def combine(o, stats, *, scale: float, modifies_scores: bool, dtype):
-  """Merge the splits' partials exactly: ``o [B, splits, T, N, H]`` float32, each split's output
-  divided by its own row sum; ``stats [B, splits, N, 2, T]`` its ``(r, l)``. Split ``c`` weighs
+def _combine_kernel(o_ref, stats_ref, out_ref, final_ref, *, c: float, seq_q: int, group: int,
+                    heads: int, head_dim: int, rows_padded: int, splits: int):
+  # o_ref: [splits, T * N, hp] f32, each split's output over its own row sum; stats_ref: [splits,
+  # N * 2 * T]; out_ref: [T * N, hp] (q's dtype); final_ref: [N * 2 * T]. One program per (b, KV
+  # head), merging its tile's rows over the splits in one pass, as the online softmax merges blocks.
+  hp = o_ref.shape[-1]
+  _, _, real, row, at = _packed_rows(pl.program_id(1), seq_q=seq_q, group=group, heads=heads,
+                                     rows_padded=rows_padded)
+  cols = jnp.arange(hp, dtype=jnp.int32)[None, :]
+  mask = real[:, None] if head_dim == hp else real[:, None] & (cols < head_dim)
+  fill = jnp.inf if c < 0 else -jnp.inf
+
+  def merge(split, carry):
+    acc, big, total, r_top = carry
+    r = plgpu.load(stats_ref.at[split, at], mask=real, other=0.0)
+    l = plgpu.load(stats_ref.at[split, at + seq_q], mask=real, other=0.0)
+    seen = l > 0.0
+    m = jnp.where(seen, r * c, -jnp.inf)
+    big_new = jnp.maximum(big, m)
+    base = jnp.where(big_new == -jnp.inf, 0.0, big_new)
+    alpha = jnp.exp2(big - base)  # 0 while nothing was seen (big = -inf)
+    w = jnp.where(seen, l * jnp.exp2(m - base), 0.0)  # the split's weight, relative to 2^base
+    o = plgpu.load(o_ref.at[split, row[:, None], cols], mask=mask, other=0.0)
+    acc = acc * alpha[:, None] + w[:, None] * o
+    r_top = jnp.where(m > big, r, r_top)  # the raw logit of the largest m (the first on ties)
+    return acc, big_new, total * alpha + w, r_top
+
+  carry = (jnp.zeros((rows_padded, hp), jnp.float32),
+           jnp.full((rows_padded,), -jnp.inf, jnp.float32),
+           jnp.zeros((rows_padded,), jnp.float32), jnp.full((rows_padded,), fill, jnp.float32))
+  acc, _, total, r_top = lax.fori_loop(0, splits, merge, carry)
+  out = acc / jnp.where(total == 0.0, 1.0, total)[:, None]
+  plgpu.store(out_ref.at[row[:, None], cols], out.astype(out_ref.dtype), mask=mask)
+  plgpu.store(final_ref.at[at], r_top, mask=real)
+  plgpu.store(final_ref.at[at + seq_q], total, mask=real)
+
+
+def combine(o, stats, *, scale: float, modifies_scores: bool, dtype, seq_q: int, kv_heads: int,
+            rows_padded: int, interpret: bool, num_warps: int = 4):
+  """Merge the splits' partials exactly (a Pallas kernel, grid ``(B, K)``).
+
+  ``o [B, splits, T * N, H]`` float32, each split's output divided by its own row sum; ``stats [B,
+  splits, N * 2 * T]`` its ``(r, l)`` (the ``[N, 2, T]`` statistics flattened). Split ``c`` weighs
   ``l_c 2^(m_c - M)`` (``m_c = r_c * c``, ``M`` the largest): its share of the row's total weight,
-  relative to the row maximum's. Returns ``(out [B, T, N, H] dtype, stats [B, N, 2, T])``, the
-  maximum's ``r`` and the total ``l`` relative to it; a row no split reached keeps ``l = 0``."""
-  c = np.float32(exponent_scale(scale, modifies_scores))
-  r, l = stats[:, :, :, 0], stats[:, :, :, 1]  # [B, splits, N, T]
-  seen = l > 0.0
-  m = jnp.where(seen, r * c, -jnp.inf)
-  top = jnp.argmax(m, axis=1)  # [B, N, T]: the split holding the row maximum
-  big = jnp.max(m, axis=1, keepdims=True)
-  big = jnp.where(big == -jnp.inf, 0.0, big)
-  w = jnp.where(seen, l * jnp.exp2(m - big), 0.0)  # [B, splits, N, T]
-  total = jnp.sum(w, axis=1)  # [B, N, T]
-  w_rows = jnp.transpose(w, (0, 1, 3, 2))[..., None]  # [B, splits, T, N, 1]
-  total_rows = jnp.transpose(total, (0, 2, 1))[..., None]  # [B, T, N, 1]
-  out = jnp.sum(w_rows * o, axis=1) / jnp.where(total_rows == 0.0, 1.0, total_rows)
-  r_top = jnp.take_along_axis(r, top[:, None], axis=1)[:, 0]
-  return out.astype(dtype), jnp.stack([r_top, total], axis=2)
+  relative to the row maximum's. Returns ``(out [B, T * N, H] dtype, stats [B, N * 2 * T])``: the
+  maximum's ``r`` and the total ``l`` relative to it (a row no split reached keeps ``l = 0``).
+  """
+  b, splits, rows, h = o.shape
+  heads = rows // seq_q
+  n_2t = stats.shape[-1]
+  hp = padded_head_dim(h)
+  kernel = functools.partial(_combine_kernel, c=float(exponent_scale(scale, modifies_scores)),
+                             seq_q=seq_q, group=heads // kv_heads, heads=heads, head_dim=h,
+                             rows_padded=rows_padded, splits=splits)
+  return pl.pallas_call(
+      kernel,
+      grid=(b, kv_heads),
+      in_specs=[pl.BlockSpec((None, splits, rows, hp), lambda bi, hi: (bi, 0, 0, 0)),
+                pl.BlockSpec((None, splits, n_2t), lambda bi, hi: (bi, 0, 0))],
+      out_specs=[pl.BlockSpec((None, rows, hp), lambda bi, hi: (bi, 0, 0)),
+                 pl.BlockSpec((None, n_2t), lambda bi, hi: (bi, 0))],
+      out_shape=[out_struct((b, rows, h), dtype, o), out_struct((b, n_2t), jnp.float32, o)],
+      compiler_params=compiler_params(num_warps, 1),
+      interpret=interpret,
+      name="fa2_decode_combine",
+  )(o, stats)
