@@ -111,9 +111,9 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
       j = jnp.where(ok, j, 0)
       index = _idiv(j, page_size)
       page = jnp.clip(plgpu.load(table.at[index]), 0, ref.shape[0] - 1)  # ids past the pages: clip
-      at = ref.at[page[:, None], (j - index * page_size)[:, None], cols]
+      rows = ref.at[page[:, None], (j - index * page_size)[:, None], cols]
       mask = ok[:, None] if col_ok is None else ok[:, None] & col_ok
-      return plgpu.load(at, mask=mask, other=0.0)
+      return plgpu.load(rows, mask=mask, other=0.0)
 
   fold = scale != 0 and not variant.modifies_scores
   c = scale * LOG2E if fold else 1.0
