@@ -20,10 +20,10 @@ from fa2_jax.kernels.decode.config import (DecodeConfig, DecodeLaunch, MAX_SPLIT
                                            num_splits_heuristic)
 
 INTERPRET = None if on_gpu() else True
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # Errors as tests/test_attention.py bounds them: at most twice the formula's own error in the input
 # dtype plus atol * (max |reference| + 1).
-ATOL = {"float32": 2e-5, "bfloat16": 2e-3}
+ATOL = {"float32": 2e-5, "bfloat16": 2e-3, "float16": 5e-4}
 
 
 def _inputs(b, t, n, kh, h, s, dtype, seed=0, nan_past=None):
@@ -130,6 +130,22 @@ def test_dense_gqa_ragged_head_dim_and_keys_bf16():
   lens = jnp.array([260, 200], jnp.int32)
   _check(q, k, v, DecodeConfig(block_k=16, num_splits=5), key_value_seq_lengths=lens,
          q_offset=jnp.array([100, 7], jnp.int32), local_window_size=(50, 20))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    (4, 1, 32, 8, 128, 4096, "bfloat16", None),
+    (2, 4, 16, 2, 64, 8192, "float16", None),
+    (3, 16, 4, 4, 256, 2048, "bfloat16", 7),
+    (64, 1, 8, 1, 128, 1024, "bfloat16", None),
+], ids=lambda c: "-".join(map(str, c[:7])))
+def test_compiled_decoding_shapes_gpu(case):
+  """Compiled (GPU): the decoding shapes the kernels are made for, ragged rows, heuristic splits."""
+  b, t, n, kh, h, s, dtype, splits = case
+  q, k, v = _inputs(b, t, n, kh, h, s, dtype, seed=9)
+  lens = jnp.asarray(np.linspace(s, t, b).astype(np.int32))
+  _check(q, k, v, DecodeConfig.default(h, DTYPES[dtype]).replace(num_splits=splits),
+         is_causal=True, key_value_seq_lengths=lens, q_offset=lens - t)
 
 
 # --- backward: the training family's, exact ------------------------------------------------------
