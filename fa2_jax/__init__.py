@@ -12,13 +12,14 @@ if _util.find_spec(f"{__name__}.kernels") is None:  # a checkout imported withou
       "install the checkout first, e.g. `pip install -e .` from its root (scripts/setup.sh does)")
 from .attention import backend_for, flash_attention
 from .dispatch import Dispatch
+from .kernels.decode.config import DecodeConfig
 from .kernels.sm90.config import MosaicConfig
 from .kernels.triton.config import BlockSizes
 from .kernel_reuse import reuse_kernels_across_programs
 from .kv_cache import KVCache, PagedKVCache, prefill
 from .reference import reference_attention
 
-__all__ = ["flash_attention", "backend_for", "Dispatch", "BlockSizes", "MosaicConfig",
+__all__ = ["flash_attention", "backend_for", "Dispatch", "BlockSizes", "DecodeConfig", "MosaicConfig",
            "reference_attention", "reuse_kernels_across_programs"]
 __all__ += ["KVCache", "PagedKVCache", "prefill"]
 __version__ = "0.1.0"

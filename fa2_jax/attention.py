@@ -60,7 +60,7 @@ _FIELD_LAYOUTS = {"q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "bt",
                   "kv_segment_ids": "bs", "q_offset": "b", "alibi_slopes": "bn"}
 # A range table [B, N', n_blocks, 4]: B with the batch, N' (N or 1) with the heads or whole, and its
 # own letter for the block axis (tables of different kernels have different block counts).
-_TABLE_BLOCK_AXIS = {"fwd": "c", "dkv": "e", "dk": "f", "dq": "g"}
+_TABLE_BLOCK_AXIS = {"fwd": "c", "dkv": "e", "dq": "g"}
 
 
 def _layout(field: str, extra) -> str:
@@ -139,7 +139,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
                     return_residual=False, block_sizes=None, deterministic=False, interpret=None,
                     query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
                     q_segment_ids=None, kv_segment_ids=None, q_offset=None, logits_soft_cap=None,
-                    alibi_slopes=None, mask_fn=None, score_fn=None):
+                    alibi_slopes=None, mask_fn=None, score_fn=None, block_table=None):
   """Exact attention, ``softmax(scale * Q K^T) V``, with FlashAttention-2 kernels.
 
   Args:
@@ -201,6 +201,12 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       float scores and the same index arrays, returning a float array of the score's shape, applied
       after the soft cap and ALiBi. Differentiated with respect to the score (and, on the formula
       path, to arrays it closes over).
+    block_table: a paged key/value cache (FlashAttention's ``flash_attn_with_kvcache`` name): integer
+      ``[B, max_pages]`` page ids, with ``key``/``value`` pages ``[num_pages, page_size, K, H]``;
+      row ``b``'s key ``j`` is ``key[block_table[b, j // page_size], j % page_size]`` (any page
+      order, pages may be shared). Needs ``key_value_seq_lengths`` (at most ``max_pages *
+      page_size``) and a rank-4 query. Decoding calls read the pages in the kernel
+      (kernels/decode); others gather them into contiguous K/V first (fa2_jax/paged.py).
 
     The order of operations per ``(b, h, i, j)``, ``p = q_offset[b] + i``:
     ``s = scale * q_i . k_j``; ``s = cap * tanh(s / cap)``; ``s -= slope[b, h] * |p - j|``;
@@ -224,6 +230,16 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
   Differentiable in reverse mode (``grad``, ``vjp``), once. Forward-mode and second-order derivatives
   raise a TypeError naming the workaround (``implementation="xla"``).
   """
+  if block_table is not None:
+    from .paged import flash_attention_paged
+    return flash_attention_paged(
+        query, key, value, block_table, scale=scale, is_causal=is_causal,
+        implementation=implementation, return_residual=return_residual, block_sizes=block_sizes,
+        deterministic=deterministic, interpret=interpret, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+        logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, mask_fn=mask_fn,
+        score_fn=score_fn)
   call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
                   deterministic, interpret, query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
@@ -323,7 +339,7 @@ _VARIANT_ARGUMENTS = frozenset(inspect.signature(check_variant).parameters) - {"
 
 def backend_for(query, key, value=None, *, is_causal=False, implementation=None, block_sizes=None,
                 deterministic=False, interpret=None, scale=None, return_residual=False,
-                **variant_args) -> dispatch.Dispatch:
+                block_table=None, **variant_args) -> dispatch.Dispatch:
   """Which kernels :func:`flash_attention` would run for these arguments, and why.
 
   Takes the same arguments (arrays or ``jax.ShapeDtypeStruct``; ``value`` defaults to ``key``'s shape)
@@ -338,6 +354,12 @@ def backend_for(query, key, value=None, *, is_causal=False, implementation=None,
   if unknown:
     raise TypeError(f"backend_for() got unexpected keyword arguments {unknown} (flash_attention "
                     f"takes none of them)")
+  if block_table is not None:
+    from .paged import backend_for_paged
+    return backend_for_paged(query, key, value, block_table, scale=scale, is_causal=is_causal,
+                             implementation=implementation, return_residual=return_residual,
+                             block_sizes=block_sizes, deterministic=deterministic,
+                             interpret=interpret, **variant_args)
   call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
                   deterministic, interpret, **variant_args)
   return dispatch.describe(call.backend, call.kernel_call, implementation=implementation,

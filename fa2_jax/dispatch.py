@@ -2,6 +2,10 @@
 
 What runs where (``implementation=None``), in the order of :mod:`kernels.registry`:
 
+* ``"decode"``: decoding calls on any GPU (and ``interpret=True``): at most 16 new query rows (times
+  the query heads per KV head at most 64) against at least 256 keys and 8 per row, with the variants
+  it implements (lengths, ``q_offset``, causal, window, soft cap, ALiBi); split-KV forward, the
+  backward of the family below that would run the call (kernels/decode).
 * ``"sm90"``: NVIDIA Hopper (compute capability 9.x: H100, H200), for the calls its kernels support
   (bfloat16/float16, head_dim 64/128/192/256).
 * ``"triton"``: every other GPU (A100 = sm80, sm86, sm89, Blackwell sm100/sm120, ROCm) and Hopper calls
@@ -136,4 +140,8 @@ def describe(backend: str, call: KernelCall | None, *, implementation, config, f
       why = "Hopper GPU and a supported call (bf16/fp16, head_dim 64/128/192/256)"
     if call.interpret:
       why = f"interpret=True runs the {backend} kernels in Pallas interpret mode"
+  # A family may say what about the call made it the one (kernels/decode: a decoding call).
+  if (own := getattr(family, "chosen_because", None)) is not None and (
+      text := own(call, launch)) is not None:
+    why = f"{text}; {why}"
   return Dispatch(backend, fwd, bwd, deterministic, bool(call.interpret), why)

@@ -7,11 +7,12 @@ one of their own.
 from __future__ import annotations
 
 from .backend import Backend
+from .decode.backend import DECODE
 from .sm90.backend import SM90
 from .triton.backend import TRITON
 
 # Most specialised first: the Hopper kernels where they run, the portable Triton kernels after.
-_BACKENDS: list[Backend] = [SM90, TRITON]
+_BACKENDS: list[Backend] = [DECODE, SM90, TRITON]
 
 # Other names ``implementation=`` takes: "mosaic", the Mosaic GPU family of this GPU generation (the
 # only one today is sm90's).

@@ -142,11 +142,11 @@ def test_registry_refuses_duplicates_and_unknown_names(formula_backend):
 
 
 def test_the_shipped_families_and_their_order():
-  assert registry.names()[:2] == ("sm90", "triton")
+  assert registry.names()[:3] == ("decode", "sm90", "triton")
   assert registry.get("mosaic") is registry.get("sm90")  # the Mosaic GPU family of this GPU
   assert registry.for_config(fa2_jax.MosaicConfig()) is registry.get("sm90")
   assert registry.for_config(fa2_jax.BlockSizes()) is registry.get("triton")
-  assert fa2_jax.dispatch.implementations() == (None, "sm90", "triton", "mosaic", "xla")
+  assert fa2_jax.dispatch.implementations() == (None, "decode", "sm90", "triton", "mosaic", "xla")
 
 
 def test_kernels_import_nothing_from_the_public_package():

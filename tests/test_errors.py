@@ -39,7 +39,7 @@ def call(q=Q, k=KV, v=KV, **kw):
     (dict(implementation="cuda"), ValueError, "implementation must be one of"),
     (dict(implementation="mosaic", interpret=True), ValueError,
      "implementation='mosaic' cannot run this call: it has no Pallas interpret mode"),
-    (dict(block_sizes=(64, 64)), TypeError, "block_sizes must be a fa2_jax.MosaicConfig \\(sm90 kernels\\), a fa2_jax.BlockSizes"),
+    (dict(block_sizes=(64, 64)), TypeError, "block_sizes must be a fa2_jax.DecodeConfig \\(decode kernels\\), a fa2_jax.MosaicConfig \\(sm90 kernels\\), a fa2_jax.BlockSizes"),
     (dict(q="not an array"), TypeError, "query must be a jax/numpy array"),
 ])
 def test_bad_arguments(kwargs, exc, match):

@@ -23,6 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fa2_jax  # noqa: E402
+from examples.flax_gpt import checkpoint as checkpoint_lib  # noqa: E402
 from examples.flax_gpt import cli as cli_lib  # noqa: E402
 from examples.flax_gpt import data as data_lib  # noqa: E402
 from examples.flax_gpt import generate as generate_lib  # noqa: E402
@@ -89,6 +90,28 @@ def test_data_is_deterministic(text_file):
   assert data_lib.decode(data_lib.encode("déf f():")) == "déf f():"
   # a command-line prompt that is not UTF-8 (Python hands its bytes over as lone surrogates)
   assert data_lib.encode(b"\xff\xfeab".decode("utf-8", "surrogateescape")).tolist() == [255, 254, 97, 98]
+
+
+def test_samples_print_without_replacement_characters():
+  """A sample of a barely trained byte model is often not UTF-8: its bad bytes print as \\xNN, and
+  control characters as escapes, instead of U+FFFD or terminal control sequences."""
+  ids = list(b"ok \xff\xc3( r\xc3\xa9\n\tx\x1b[2J\r") + [300] + list("\u202e".encode())
+  text = data_lib.decode(ids)
+  assert text == "ok \\xff\\xc3( ré\n\tx\\x1b[2J\\r?\\u202e"
+  assert "\ufffd" not in text and text.isascii() is False and text.replace("\n\t", "").isprintable()
+
+
+def test_sample_expectation_follows_the_validation_loss():
+  summary = {"n_params": 842_496, "end_step": 600}
+  assert train_lib.sample_expectation({**summary, "final_val_loss": None}) is None
+  line = train_lib.sample_expectation({**summary, "final_val_loss": 1.8})
+  assert line == ("(what to expect: a 0.84M-parameter byte-level model after 600 steps, validation "
+                  "loss 1.80 nats per byte, writes byte-level gibberish with word-like fragments of "
+                  "the training text)")
+  worse = train_lib.sample_expectation({**summary, "final_val_loss": 3.0})
+  better = train_lib.sample_expectation({**summary, "final_val_loss": 1.2})
+  assert "barely started" in worse and "common words" in better
+  assert "near-random bytes" in train_lib.sample_expectation({**summary, "final_val_loss": 5.1})
 
 
 def test_training_reduces_the_loss_and_samples_greedily(baseline):
@@ -241,9 +264,29 @@ def test_cli_run_logs_lines_and_writes_a_json_summary(text_file, tmp_path, capsy
   summary = train_lib.main(argv)
   out = capsys.readouterr().out  # captured: stdout is not a terminal, so no progress bar
   assert "\r" not in out
-  logged = re.findall(r"^step (\d+)/4: loss [\d.]+, [\d,]+ tok/s, [\d.e+-]+ TFLOP/s, MFU ", out,
-                      flags=re.M)
-  assert logged == ["1", "2", "3", "4"]  # every --log-every 1 steps
+  # TFLOP/s only on a GPU (or with --peak-tflops), MFU only with a known peak
+  flops = r", [\d.e+-]+ TFLOP/s(, MFU [\d.]+%)?" if ON_GPU else ""
+  logged = re.findall(rf"^step (\d+)/4: loss [\d.]+, [\d,]+ tok/s{flops}( \(includes compilation\))?$",
+                      out, flags=re.M)
+  assert [step for step, *_ in logged] == ["1", "2", "3", "4"]  # every --log-every 1 steps
+  if not ON_GPU:
+    assert "TFLOP/s" not in out and "MFU" not in out
+    assert re.search(r"^[\d,]+ parameters; final train loss [\d.]+, val loss [\d.]+; [\d,]+ "
+                     r"tokens/s; wall time [\d.]+ s$", out, flags=re.M), out
+  # A short summary of the configs, not their dataclass reprs.
+  assert "GPTConfig(" not in out and "TrainConfig(" not in out
+  assert out.startswith(
+      "preset tiny, changed by --seq-len 32 --n-layer 1 --n-kv-head 2 --n-embd 64 --position "
+      "rotary --attention xla --batch-size 8 --steps 40 --lr 0.01 --warmup-steps 0 --eval-every 0 "
+      "--eval-batches 2 --log-every 1 --data-bytes 200000\n"
+      "  model: a GPT of 1 layer x 64 wide, 4 heads of 16 (2 key/value heads), a context of 32 "
+      "tokens (bytes), rotary positions, float32 compute\n"
+      "  training: 40 steps of 8 sequences, learning rate 0.01 after 0 warm-up steps, then cosine "
+      "decay; validation at the last step\n"
+      f"  data: {text_file}, at most 200,000 bytes; jax {jax.__version__} on ")
+  assert re.search(r"^--- sample: 4 bytes after the prompt, temperature 0.8 ---$", out, flags=re.M)
+  assert re.search(r"^\(what to expect: a 0.\d+M-parameter byte-level model after 4 steps, "
+                   r"validation loss [\d.]+ nats per byte, writes .*\)$", out, flags=re.M), out
   assert "attention xla: jax.nn.dot_product_attention(implementation='xla')" in out
   saved = json.loads((tmp_path / "summary.json").read_text())
   assert saved["preset"] == "tiny" and saved["attention"] == "xla"
@@ -341,13 +384,16 @@ def test_scan_layers_is_the_same_model():
 # --- the command line as a user meets it ----------------------------------------------------------
 
 def cli_error(argv, capsys) -> str:
-  """Runs the CLI expecting argparse's usage error (status 2, before any training); its message."""
+  """Runs the CLI expecting a usage error (status 2, before any training): one line on stderr,
+  ``train: error: MESSAGE; see --help``, without argparse's usage text; its MESSAGE."""
   with pytest.raises(SystemExit) as exit_info:
     train_lib.main(argv)
   assert exit_info.value.code == 2
   captured = capsys.readouterr()
-  assert "Traceback" not in captured.err and "usage: python -m examples.flax_gpt.train" in captured.err
-  return captured.err.strip().splitlines()[-1]
+  assert not re.search(r"^step \d", captured.out, flags=re.M)  # no training step ran
+  line, = captured.err.splitlines()
+  assert line.startswith("train: error: ") and line.endswith("; see --help"), line
+  return line[len("train: error: "):-len("; see --help")]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -368,6 +414,13 @@ def cli_error(argv, capsys) -> str:
     (["--temperature", "-1"], "--temperature must be >= 0 (0: greedy), got -1.0"),
     (["--sample-tokens", "-1"], "--sample-tokens must be >= 0, got -1"),
     (["--stop-at", "0"], "--stop-at must be >= 1, got 0"),
+    (["--steps", "20", "--stop-at", "50"], "--stop-at 50 is past --steps 20 (the last step of "
+                                           "the learning-rate schedule); give a smaller --stop-at "
+                                           "or more --steps"),
+    # (argparse quotes the choices or not, by Python version)
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge' (choose from ..."),
+    (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--peak-tflops", "0"], "--peak-tflops must be > 0, got 0.0"),
     (["--resume"], "--resume needs --ckpt-dir, the folder of the checkpoints to resume from"),
     (["--attention", "xla", "--interpret"], "--interpret true runs the fa2_jax kernels, which "
@@ -377,7 +430,7 @@ def cli_error(argv, capsys) -> str:
     (["--window", "-1"], "--window must be an int >= 0 (unset: the whole context), got -1"),
     (["--soft-cap", "0"], "--soft-cap must be a finite number > 0 (unset: no cap), got 0.0"),
     # values the example's own check lets through reach fa2_jax's, whose names become the flags
-    (["--soft-cap", "1e-40"], "--soft-cap must be in [1e-30, 1e+30] (the "),
+    (["--soft-cap", "1e-40"], "--soft-cap must be in [1e-30, 1e+30] (the ..."),
     (["--window", str(2**30)], "--window must be < 2**30 (unset: the "
                                "whole context), got 1073741824"),
     (["--attention", "xla", "--packing"], "--packing needs fa2_jax attention (--attention flash, "
@@ -391,9 +444,40 @@ def cli_error(argv, capsys) -> str:
 ])
 def test_cli_rejects_bad_values_with_a_usage_error(argv, message, capsys):
   error = cli_error(argv, capsys)
-  if message.endswith("(the "):  # a message whose rest explains the library's bound
-    error = error[:error.index("(the ") + len("(the ")]
-  assert error == f"python -m examples.flax_gpt.train: error: {message}"
+  if message.endswith("..."):  # the message's start: its rest explains the library's bound, ...
+    assert error.startswith(message[:-3]), error
+  else:
+    assert error == message
+
+
+def test_cli_checks_the_checkpoint_folder_before_training(tmp_path, capsys):
+  """--ckpt-dir where nothing can be written: one line before any work, not orbax's traceback at
+  the first save."""
+  a_file = tmp_path / "notes.txt"
+  a_file.write_text("")
+  assert cli_error(["--ckpt-dir", str(a_file)], capsys) == (
+      f"--ckpt-dir {a_file} is a file, not a folder")
+  assert cli_error(["--ckpt-dir", str(a_file / "ckpt")], capsys) == (
+      f"--ckpt-dir {a_file / 'ckpt'}: {a_file} is a file, not a folder; choose a folder you can "
+      "write to")
+  locked = tmp_path / "locked"
+  locked.mkdir()
+  locked.chmod(0o500)
+  try:
+    probe = locked if os.geteuid() != 0 else pathlib.Path("/sys")  # root writes in a 0o500 folder
+    try:
+      checkpoint_lib.tempfile.TemporaryDirectory(dir=probe).cleanup()
+      pytest.skip(f"{probe} is writable here")
+    except OSError as e:
+      reason = e.strerror
+    assert cli_error(["--ckpt-dir", str(probe / "run" / "ckpt")], capsys) == (
+        f"--ckpt-dir {probe / 'run' / 'ckpt'}: cannot write in {probe} ({reason}); choose a folder "
+        "you can write to")
+  finally:
+    locked.chmod(0o700)
+  assert checkpoint_lib.unwritable_reason(str(tmp_path / "new" / "ckpt")) is None
+  assert not (tmp_path / "new").exists()  # the check leaves nothing behind
+  assert checkpoint_lib.unwritable_reason("gs://bucket/ckpt") is None  # left to orbax
 
 
 def test_cli_rejects_missing_and_too_short_data(tmp_path, capsys):

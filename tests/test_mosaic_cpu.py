@@ -73,7 +73,7 @@ def test_supports_rejects(q_shape, k_shape, dtype, h, words):
 def test_default_configs_fit(h):
   cfg = MosaicConfig.default(h)
   assert cfg.check(h) is None
-  assert cfg.dkv_roles == (h > 128) and not cfg.dkv_split and cfg.dq_roles == (h == 256)
+  assert cfg.dkv_roles == (h > 128) and cfg.dq_roles == (h == 256)
   for nwg in (1, 2):
     # the CTA's register pool (kernels/sm90/config.register_pool): producer WG + consumers fit
     assert 128 * (nwg * cfg.registers(nwg) + cfg.memory_registers) <= register_pool(128 * (nwg + 1))
@@ -89,7 +89,8 @@ def test_smem_budget_matches_docstring():
 
 
 def test_fuses_dq_default_rule():
-  # The fused dQ needs deterministic=False, unsplit dK/dV and enough query rows (2k / 4k causal).
+  # The fused dQ needs deterministic=False, dK/dV not split by role and enough query rows (2k / 4k
+  # causal).
   nc, c = MosaicConfig.default(128), MosaicConfig.default(128, is_causal=True)
   assert nc.fuses_dq(2048, deterministic=False) and not nc.fuses_dq(1024, deterministic=False)
   assert c.fuses_dq(4096, deterministic=False) and not c.fuses_dq(2048, deterministic=False)
@@ -105,8 +106,6 @@ def test_fuses_dq_default_rule():
   assert set(c.range_tiles(4096, deterministic=True)) == set(c.range_tiles(2048)) == {
       "fwd", "dkv", "dq"} == set(c.range_tiles())
   assert set(MosaicConfig.default(256).range_tiles(8192)) == {"fwd", "dkv", "dq"}
-  split = MosaicConfig.default(256).replace(dkv_roles=False, dkv_split=True)
-  assert set(split.range_tiles(8192)) == {"fwd", "dkv", "dk", "dq"}
   assert c.registers(2) == nc.registers(2) == 240 and c.memory_registers == nc.memory_registers == 24
   for h in (64, 128):
     for causal in (False, True):
@@ -153,19 +152,14 @@ def test_fused_dq_split_and_smem():
     (dict(dq_fused_variants=1), TypeError, "dq_fused_variants"),
     (dict(dq_fused_min_t=-1), ValueError, "dq_fused_min_t"),
     (dict(dq_fused_min_t=2048.0), TypeError, "dq_fused_min_t"),
-    (dict(dkv_split="yes"), TypeError, "dkv_split"),
     (dict(dkv_roles=1), TypeError, "dkv_roles"),
-    (dict(dkv_roles=True, dkv_split=True), ValueError, "dkv_roles"),
     (dict(dq_roles="no"), TypeError, "dq_roles"),
     (dict(block_k=128.0), TypeError, "block_k"),
     (dict(num_stages=True), TypeError, "num_stages"),
     (dict(memory_registers="40"), TypeError, "memory_registers"),
     (dict(backward_p="fast"), ValueError, "backward_p"),
     (dict(backward_p=None), ValueError, "backward_p"),
-    (dict(consumer_barrier="bar.sync"), ValueError, "consumer_barrier"),
-    (dict(producer_warp=1), TypeError, "producer_warp"),
     (dict(persistent=1), TypeError, "persistent"),
-    (dict(dq_register_order=1), TypeError, "dq_register_order"),
     (dict(persistent_ctas=-1), ValueError, "persistent_ctas"),
     (dict(persistent_ctas=2.0), TypeError, "persistent_ctas"),
     (dict(persistent_deal="snake"), ValueError, "persistent_deal"),
@@ -253,7 +247,6 @@ def test_backward_p_form():
     (128, dict(num_stages_dq=6, block_k_dq=256), "dQ"),
     (128, dict(num_stages_dkv=6, block_q_dkv=256), "dK/dV"),
     (256, dict(num_stages_dkv=6, block_q_dkv=128), "dK/dV"),  # default(256): the role-split kernel
-    (256, dict(dkv_roles=False, dkv_split=True, num_stages_dkv=6, block_q_dkv=128), "dV pass"),
     (256, dict(num_stages_dq=3), "dQ"),  # default(256): the role-split dQ kernel's own layout
 ])
 def test_check_rejects_oversized(h, kwargs, kernel):
@@ -486,14 +479,11 @@ def test_plan_lengths_default_tiles():
     assert p.s_hbm == 896 and p.pad_s == 119  # 777 is not a multiple of 8: padded to 7 x 128
     assert p.t_rows == 1024
   # h256: 64-key forward tiles; the role-split dQ kernel's CTA owns 64 rows and the role-split dK/dV
-  # kernel's 64 keys; the split dV pass would cover 2 x 64 keys
+  # kernel's 64 keys
   cfg = MosaicConfig.default(256)
   assert _fwd_tiles(cfg) == (128, 64)
   assert plan_lengths(1000, 777, q_tile=128, k_tile=64, mode="tma").s_hbm == 832
   assert backward_tiles(cfg) == (64, 64)
-  assert backward_tiles(cfg.replace(dkv_roles=False, dkv_split=True)) == (64, 128)
-  p = plan_lengths(1000, 777, q_tile=64, k_tile=128, mode="tma")
-  assert (p.t_hbm, p.s_hbm, p.t_rows) == (1000, 896, 1024)
 
 
 @pytest.mark.parametrize("t,s,q_tile,k_tile,mode,want", [
@@ -509,6 +499,7 @@ def test_plan_lengths_default_tiles():
     (200, 64, 64, 64, "tma", (200, 64, 256)),
     (200, 64, 192, 64, "tma", (200, 64, 384)),  # lse rows: a whole number of lcm(192, 64) tiles
     (1001, 999, 384, 256, "tma", (1152, 1024, 1152)),
+    (1000, 777, 64, 128, "tma", (1000, 896, 1024)),
 ])
 def test_plan_lengths_cases(t, s, q_tile, k_tile, mode, want):
   p = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=mode)
@@ -563,11 +554,10 @@ LOWER_CASES = [  # b, t, s, n, kh, h, causal, dtype, cfg, kernels
     (1, 300, 300, 2, 1, 128, True, jnp.float16,
      MosaicConfig.default(128, is_causal=True).replace(pingpong=False, ragged="pad"), ("forward", "dkdv", "dq")),
     # head_dim 256: dK/dV in one kernel whose two consumers split each step by role (the default),
-    # or in a dV pass and a dK pass
+    # and dQ split by role too (the default) or in the dQ kernel with one consumer warpgroup
     (1, 256, 200, 2, 2, 256, True, BF16, None, ("forward", "dkdv_roles", "dq_roles")),
-    (1, 256, 200, 4, 2, 256, False, BF16,
-     MosaicConfig.default(256).replace(dkv_roles=False, dkv_split=True, dq_roles=False),
-     ("forward", "dv", "dk", "dq")),
+    (1, 256, 200, 4, 2, 256, False, BF16, MosaicConfig.default(256).replace(dq_roles=False),
+     ("forward", "dkdv_roles", "dq")),
     # fused dQ (TMA reduce-add inside the dK/dV kernel): no dQ kernel
     (1, 1000, 777, 4, 2, 128, True, BF16, MosaicConfig.default(128).replace(dq_fused=True, dq_fused_min_t=0),
      ("forward", "dkdv_dq")),
@@ -593,7 +583,7 @@ def test_lowers_for_sm90(case):
   text = lowered.as_text()
   # one Mosaic GPU custom call per kernel, each carrying its serialized Mosaic module
   assert text.count("stablehlo.custom_call @mosaic_gpu") == len(kernels), text[:2000]
-  names = set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq_roles|dq)_mosaic_gpu", text))
+  names = set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dq_roles|dq)_mosaic_gpu", text))
   assert names == set(kernels)
   # output shapes/dtypes as documented
   outs = lowered.out_info
@@ -752,82 +742,6 @@ def test_fused_dq_under_vmap_interpret():
     for g, e, name in zip(got, each[i], ("dq", "dk", "dv")):
       np.testing.assert_allclose(np.asarray(g[i], np.float32), np.asarray(e, np.float32),
                                  atol=2e-2, rtol=0, err_msg=name)
-
-
-def _traced_fused_dq(t: int, **option):
-  """A causal head_dim-128 forward + backward with the fused dQ and a ``MosaicConfig`` ``option``,
-  traced for lowering (``jax.jit(...).trace``)."""
-  sd = jax.ShapeDtypeStruct((1, t, 2, 128), BF16)
-  lse = jax.ShapeDtypeStruct((1, 2, t), jnp.float32)
-  cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0, **option)
-  return jax.jit(_fwd_bwd(128 ** -0.5, True, cfg)).trace(sd, sd, sd, sd, lse)
-
-
-@pytest.mark.parametrize("barrier", ["mbarrier", "named"])
-def test_consumer_barrier_lowers_for_sm90(barrier):
-  """``MosaicConfig.consumer_barrier="named"``: the fused dK/dV/dQ kernel's consumers meet on a
-  hardware barrier (``bar.sync`` of both warpgroups, in the kernel's PTX); the default keeps the
-  mbarrier."""
-  from fa2_jax.kernels.sm90.ops import CONSUMERS_BARRIER_ID
-  traced = _traced_fused_dq(512, consumer_barrier=barrier)
-  text = traced.lower(lowering_platforms=("cuda",)).as_text()
-  assert "fa2_mosaic_dkdv_dq" in text
-  assert (f"bar.sync {CONSUMERS_BARRIER_ID}, 256;" in text) == (barrier == "named")
-
-
-def test_producer_warp_lowers_for_sm90():
-  """``MosaicConfig.producer_warp``: the fused dK/dV/dQ kernel's producer loop on one warp
-  (``plgpu.warp_map``) lowers for sm90 to another kernel than the warpgroup loop's."""
-  texts = [_traced_fused_dq(512, producer_warp=on).lower(lowering_platforms=("cuda",)).as_text()
-           for on in (False, True)]
-  assert all("fa2_mosaic_dkdv_dq" in t for t in texts)
-  assert texts[0] != texts[1]
-
-
-def test_register_order_is_the_wgmma_layout():
-  """``ops.register_order`` (the order ``store_register_order`` writes a WGMMA-layout f32 tile in)
-  against the PTX layout of ``wgmma .m64nNk16``'s accumulator: thread ``t`` (warp ``w``, lane ``l``)
-  holds rows ``16 w + l // 4`` and ``+ 8`` and, in each 8-column group, columns ``2 (l % 4)`` and
-  ``+ 1`` as one 2-vector; every element once."""
-  from fa2_jax.kernels.sm90.ops import register_order
-  for rows, cols in ((64, 64), (64, 128)):
-    order = register_order((rows, cols))
-    assert sorted(order.tolist()) == list(range(rows * cols))
-    per_thread = order.reshape(-1, 128, 2)  # [register, thread, vector lane]
-    for t in range(128):
-      w, lane = divmod(t, 32)
-      r, c = np.divmod(per_thread[:, t], cols)
-      assert set(r.ravel()) == {16 * w + lane // 4, 16 * w + 8 + lane // 4}
-      assert set(c.ravel()) == {8 * g + 2 * (lane % 4) + e for g in range(cols // 8) for e in (0, 1)}
-      assert np.all(c[:, 1] == c[:, 0] + 1) and np.all(r[:, 1] == r[:, 0])
-
-
-def test_unpermute_dq_restores_row_order():
-  """``dkdv.unpermute_dq`` inverts the register-order accumulator of ``dq_register_order``: a dQ laid
-  out as the kernel's reduce-adds write it (per 64-row tile and 64-column piece, in register order)
-  comes back as ``[B, T, N, H]``."""
-  from fa2_jax.kernels.sm90.dkdv import unpermute_dq
-  from fa2_jax.kernels.sm90.ops import REGISTER_ORDER_ROW, register_order
-  b, tiles, n, p, rows, cols = 2, 3, 4, 2, 64, 64
-  dq = np.random.default_rng(0).standard_normal((b, tiles * rows, n, p * cols)).astype(np.float32)
-  order = register_order((rows, cols))
-  blocks = dq.reshape(b, tiles, rows, n, p, cols).transpose(0, 3, 1, 4, 2, 5)  # [B, N, T/64, P, r, c]
-  written = blocks.reshape(b, n, tiles, p, rows * cols)[..., order]
-  written = written.reshape(b, n, tiles, p, rows * cols // REGISTER_ORDER_ROW, REGISTER_ORDER_ROW)
-  np.testing.assert_array_equal(np.asarray(unpermute_dq(jnp.asarray(written), (rows, cols))), dq)
-
-
-def test_dq_register_order_lowers_for_sm90():
-  """``MosaicConfig.dq_register_order``: the fused dK/dV/dQ kernel with its dQ pieces staged in
-  register order (``inline_mgpu``) lowers for sm90 to another kernel than the swizzled tiles', and
-  the backward's dQ keeps its shape at a ragged length."""
-  texts = []
-  for on in (False, True):
-    traced = _traced_fused_dq(1000, dq_register_order=on)
-    assert traced.out_info[2].shape == (1, 1000, 2, 128)
-    texts.append(traced.lower(lowering_platforms=("cuda",)).as_text())
-  assert all("fa2_mosaic_dkdv_dq" in t for t in texts)
-  assert texts[0] != texts[1]
 
 
 def test_equal_kernels_lower_once_per_program():
@@ -1079,16 +993,13 @@ def test_alibi_from_the_nearest_key_lowers_for_sm90(fused):
   assert text.count("stablehlo.custom_call @mosaic_gpu") == (2 if fused else 3)
 
 
-# slow (CI time: about 12 s each): the opt-in dV and dK passes (dkv_split), whose dense kernels lower
-# in CI (test_lowers_for_sm90); and the fused dQ, whose kernel lowers in CI with a variant under vmap
+# slow (CI time: about 12 s): the fused dQ, whose kernel lowers in CI with a variant under vmap
 # (test_fused_dq_variant_under_vmap_lowers_for_sm90) and whose dK/dV code with every variant here
 # (dkdv.py, the separate pass's)
 @pytest.mark.parametrize("h, fused", [(128, False), (256, False),
-                                      pytest.param(128, True, marks=pytest.mark.slow),
-                                      pytest.param(256, "split", marks=pytest.mark.slow)])
+                                      pytest.param(128, True, marks=pytest.mark.slow)])
 def test_variant_kernels_lower_for_sm90(h, fused):
-  """256: the role-split dK/dV kernel, or (``"split"``) the dV and dK passes; fused: dQ inside the
-  dK/dV kernel (``dq_fused_variants``)."""
+  """256: the role-split dK/dV kernel; fused: dQ inside the dK/dV kernel (``dq_fused_variants``)."""
   from fa2_jax.validation import check_variant
   b, t, s, n, kh = 2, 1000, 777, 4, 2
   sd = jax.ShapeDtypeStruct
@@ -1099,16 +1010,14 @@ def test_variant_kernels_lower_for_sm90(h, fused):
                 logits_soft_cap=30.0, alibi_slopes=jnp.ones((n,)),
                 mask_fn=lambda b_, h_, i, j: (i + j) % 5 != 0, score_fn=lambda x, *_: x * 0.5)
   variant, arrays = check_variant(q, kv, **kwargs)
-  split = fused == "split"
-  cfg = (MosaicConfig.default(h).replace(dkv_roles=False, dkv_split=True, dq_roles=False) if split else
-         MosaicConfig.default(h).replace(dq_fused_variants=True, dq_fused_min_t=0) if fused else None)
+  cfg = MosaicConfig.default(h).replace(dq_fused_variants=True, dq_fused_min_t=0) if fused else None
   f = lambda q, k, v, do, arrays: _variant_run(q, k, v, do, variant, arrays, h ** -0.5, cfg,
-                                               deterministic=not fused or split)
+                                               deterministic=not fused)
   text = jax.jit(f).trace(q, kv, kv, q, arrays).lower(lowering_platforms=("cuda",)).as_text()
-  kernels = (("forward", "dv", "dk", "dq") if split else ("forward", "dkdv_dq") if fused else
+  kernels = (("forward", "dkdv_dq") if fused else
              ("forward", "dkdv_roles", "dq_roles") if h == 256 else ("forward", "dkdv", "dq"))
   assert text.count("stablehlo.custom_call @mosaic_gpu") == len(kernels)
-  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq_roles|dq)_mosaic_gpu", text)) == set(kernels)
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dq_roles|dq)_mosaic_gpu", text)) == set(kernels)
 
 
 def test_fused_dq_under_vmap_keeps_the_batch_index_of_mask_fn():
@@ -1163,5 +1072,5 @@ def test_fused_dq_variant_under_vmap_lowers_for_sm90():
   traced = jax.jit(g).trace(qs, kvs, kvs, qs, arrays)
   assert [o.shape for o in traced.out_info[2:]] == [qs.shape, kvs.shape, kvs.shape]
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
-  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dk|dv|dq_roles|dq)_mosaic_gpu", text)) == {
+  assert set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dq_roles|dq)_mosaic_gpu", text)) == {
       "forward", "dkdv_dq"}

@@ -4,7 +4,7 @@
 
 For every shape ``B,T,N,H`` and mask: the Mosaic forward kernel, the backward's XLA prologue (delta and
 the rows' (r, u) from the forward's row statistics), the backward with the separate dQ kernel (``deterministic=True``) and
-its dK/dV kernel (the dK pass alone where dK/dV is split) and dQ kernel alone, the backward with dQ
+its dK/dV kernel and dQ kernel alone, the backward with dQ
 fused into the dK/dV kernel (``dq_fused=True``, where the config can fuse it), and, for causal calls, forward and backward in the
 per-head launch order (``lpt_heads=1``); then fa2_jax's and cuDNN's forward+backward through the public
 API. Milliseconds per call (benchmarks/timing.py) and TFLOP/s counted with the matmuls each piece does
@@ -48,9 +48,7 @@ def programs(head_dim: int, dtype, causal: bool) -> dict:
   def dkv(q, k, v, do, *r):
     if cfg.dkv_roles:
       return mb.dkv_roles_call(q, k, v, do, *r, seq_q=q.shape[1], seq_k=k.shape[1], **common)
-    return mb.dkv_call(q, k, v, do, *r, seq_q=q.shape[1], want_dk=True, want_dv=not cfg.dkv_split,
-                       num_wgs=cfg.num_wgs_dk if cfg.dkv_split else cfg.num_wgs_dkv, emulate=False,
-                       **common)
+    return mb.dkv_call(q, k, v, do, *r, seq_q=q.shape[1], emulate=False, **common)
 
   out = {
       "mosaic forward": (fwd(cfg), ("q", "k", "v"), 2),
@@ -60,7 +58,7 @@ def programs(head_dim: int, dtype, causal: bool) -> dict:
       **({"mosaic backward, fused dQ": (bwd(fused, False), grads, 5)}
          if fused.fuses_dq(1 << 30, deterministic=False) else {}),
       # the separate-dQ backward's kernels alone (whole tiles: T and S multiples of 128)
-      "mosaic dK/dV kernel": (jax.jit(dkv), rows, 3 if cfg.dkv_split else 4),
+      "mosaic dK/dV kernel": (jax.jit(dkv), rows, 4),
       "mosaic dQ kernel": (jax.jit(lambda q, k, v, do, *r: (
           mb.dq_roles_call if cfg.dq_roles else mb.dq_call)(
               q, k, v, do, *r, seq_k=k.shape[1], emulate=False, **common)), rows, 3),

@@ -6,6 +6,7 @@ functions, so a run without ``--ckpt-dir`` does not load it.
 from __future__ import annotations
 
 import os
+import tempfile
 
 import jax
 import numpy as np
@@ -18,6 +19,24 @@ def checkpoint_manager(ckpt_dir: str):
   import orbax.checkpoint as ocp
   options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
   return ocp.CheckpointManager(os.path.abspath(ckpt_dir), options=options)
+
+
+def unwritable_reason(ckpt_dir: str) -> str | None:
+  """Why checkpoints cannot be written to ``ckpt_dir`` (None: they can), found before any training by
+  making and removing a folder in it, or in its nearest existing parent when it does not exist yet
+  (orbax would make it). A URL (``gs://...``) is left to orbax."""
+  if "://" in ckpt_dir:
+    return None
+  existing = os.path.abspath(ckpt_dir)
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    return f"{existing} is a file, not a folder"
+  try:
+    tempfile.TemporaryDirectory(prefix=".write-check-", dir=existing).cleanup()
+  except OSError as e:
+    return f"cannot write in {existing} ({e.strerror or e})"
+  return None
 
 
 def latest_checkpoint_step(ckpt_dir: str) -> int | None:

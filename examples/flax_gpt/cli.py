@@ -135,10 +135,18 @@ def _add_bool(group, flag: str, help: str, default: bool | None = None) -> None:
                      metavar="{true,false}", help=help)
 
 
+class _Parser(argparse.ArgumentParser):
+  """argparse with its usage errors as one line, ``train: error: MESSAGE; see --help``, and exit
+  status 2 (argparse's own prints the whole usage, 35 lines, before the message)."""
+
+  def error(self, message: str):
+    self.exit(2, f"train: error: {' '.join(message.splitlines())}; see --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
   """The command line. A model or training flag left out keeps its preset's value."""
-  p = argparse.ArgumentParser(prog="python -m examples.flax_gpt.train",
-                              description=DESCRIPTION, formatter_class=_HelpFormatter)
+  p = _Parser(prog="python -m examples.flax_gpt.train", description=DESCRIPTION,
+              formatter_class=_HelpFormatter)
   p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                  help="the model and training configs; the flags below override single fields")
   g = p.add_argument_group("model (defaults: the preset's)")
@@ -214,6 +222,50 @@ def configs_from_args(args: argparse.Namespace) -> tuple[GPTConfig, TrainConfig]
     if getattr(args, flag) is not None:
       changes[cls][field] = getattr(args, flag)
   return dataclasses.replace(mc, **changes[GPTConfig]), dataclasses.replace(tc, **changes[TrainConfig])
+
+
+def _count(n: int, noun: str) -> str:
+  """``3 layers``, ``1 layer``."""
+  return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def data_size(n_bytes: int) -> str:
+  """``8 MiB`` for whole MiB, else ``200,000 bytes``."""
+  return f"{n_bytes // 2**20} MiB" if n_bytes % 2**20 == 0 else f"{n_bytes:,} bytes"
+
+
+def describe_configs(preset: str, mc: GPTConfig, tc: TrainConfig) -> list[str]:
+  """The run's model and training in a few readable lines: what the preset is, and the flags that
+  changed it (the JSON summary of ``--out`` keeps every field)."""
+  heads = _count(mc.n_head, "head") + f" of {mc.head_dim}"
+  if mc.kv_heads != mc.n_head:
+    heads += f" ({_count(mc.kv_heads, 'key/value head')})"
+  vocab = "bytes" if mc.vocab_size == 256 else f"bytes in a {mc.vocab_size:,}-entry vocabulary"
+  features = [f"{mc.position} positions", f"{mc.dtype} compute"]
+  if mc.window is not None:
+    features.append(f"a sliding window of {mc.window}")
+  if mc.soft_cap is not None:
+    features.append(f"logits soft-capped at {mc.soft_cap:g}")
+  if not mc.tie_embeddings:
+    features.append("untied embeddings")
+  features += [name for name, on in (("remat", mc.remat), ("scanned layers", mc.scan_layers)) if on]
+  evals = (f"validation every {tc.eval_every} steps" if tc.eval_every
+           else "validation at the last step")
+  lines = [
+      f"model: a GPT of {_count(mc.n_layer, 'layer')} x {mc.n_embd} wide, {heads}, a context of "
+      f"{mc.seq_len} tokens ({vocab}), {', '.join(features)}",
+      f"training: {_count(tc.steps, 'step')} of {_count(tc.batch_size, 'sequence')}"
+      + (" (packed documents)" if tc.packing else "")
+      + f", learning rate {tc.lr:g} after {_count(tc.warmup_steps, 'warm-up step')}, then cosine "
+      f"decay; "
+      f"{evals}"]
+  preset_mc, preset_tc = get_preset(preset)
+  changed = [f"{_flag(name)} {_show(getattr(configs[1], field))}"
+             for name, (cls, field) in _OVERRIDES.items()
+             for configs in [(preset_mc, mc) if cls is GPTConfig else (preset_tc, tc)]
+             if getattr(configs[0], field) != getattr(configs[1], field)]
+  head = f"preset {preset}" + (f", changed by {' '.join(changed)}" if changed else "")
+  return [head] + ["  " + line for line in lines]
 
 
 # fa2_jax's argument names in its messages -> this command line's flags (longest first).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pathlib
 import sysconfig
+import unicodedata
 from typing import NamedTuple
 
 import numpy as np
@@ -177,9 +178,25 @@ def opening_line(tokens: np.ndarray, max_bytes: int = PROMPT_MAX_BYTES) -> str:
   return head[:max_bytes].decode("utf-8", "ignore")
 
 
+# Characters written as escapes by decode: control and format characters (newline and tab kept),
+# line and paragraph separators, surrogates, private-use and unassigned code points.
+_UNPRINTABLE = ("Cc", "Cf", "Zl", "Zp", "Cs", "Co", "Cn")
+
+
+def _printable(ch: str) -> str:
+  if ch in "\n\t" or unicodedata.category(ch) not in _UNPRINTABLE:
+    return ch
+  return ascii(ch)[1:-1]  # \r, \x1b, \u202e, ...
+
+
 def decode(ids) -> str:
-  """Bytes to text; ids outside a byte (GPT-2-sized vocabularies) and bad UTF-8 are replaced."""
-  return bytes(int(i) if 0 <= int(i) < 256 else ord("?") for i in ids).decode("utf-8", "replace")
+  """Bytes to printable text: UTF-8 where it is valid; each byte that is not valid UTF-8 as a
+  ``\\xNN`` escape (no U+FFFD replacement characters), control and other invisible characters
+  (newline and tab kept) as Python escapes (``\\r``, ``\\x1b``, ``\\u202e``); ids outside a
+  byte (GPT-2-sized vocabularies) as ``?``."""
+  raw = bytes(int(i) if 0 <= int(i) < 256 else ord("?") for i in ids)
+  text = raw.decode("utf-8", "backslashreplace")
+  return "".join(map(_printable, text))
 
 
 def encode(text: str) -> np.ndarray:

@@ -5,7 +5,7 @@ FLOPs per sequence follow the FlashAttention-2 paper (forward + backward):
 (embeddings too) and the attention term dense: every ``[T, T]`` pair, not halved for causal masking
 nor reduced by ``--window`` or ``--packing``. MFU divides the achieved FLOP/s by the dense bfloat16
 peak of the devices: 989.4 TFLOP/s per H100/H200 SXM, 312 per A100 (``--peak-tflops`` overrides it);
-on CPU it is "n/a". The attended-pair count (:func:`attended_flops_per_sequence`) is
+on CPU it is None (the progress lines then show neither TFLOP/s nor MFU). The attended-pair count (:func:`attended_flops_per_sequence`) is
 ``12 * n_layer * n_embd`` times the (query, key) pairs the causal mask and the window leave
 (cross-document pairs of ``--packing`` still counted, as they vary by batch).
 """

@@ -6,8 +6,10 @@
     python -m examples.flax_gpt.train --preset long8k --data-parallel mesh      # same, one jit step
 
 One ``jax.jit`` (or ``jax.pmap``) train step: AdamW with linear warm-up and cosine decay, global-
-norm gradient clipping. Progress (loss, tokens/s, model TFLOP/s, MFU) is a tqdm bar when stdout is a
-terminal, else one plain line every ``--log-every`` steps. ``--help`` lists every flag with its default.
+norm gradient clipping. Progress (loss, tokens/s; model TFLOP/s on a GPU, MFU where the peak is
+known) is a tqdm bar when stdout is a terminal, else one plain line every ``--log-every`` steps.
+``--help`` lists every flag with its default; a bad flag is one line, ``train: error: ...; see
+--help``, exit status 2.
 
 TFLOP/s and MFU count the FlashAttention-2 paper's dense FLOPs per sequence (forward + backward),
 ``6 * seq_len * n_params + 12 * n_layer * n_embd * seq_len**2``; the JSON summary adds the
@@ -37,8 +39,9 @@ import fa2_jax
 
 from . import data as data_lib
 from .checkpoint import (CheckpointMismatch, checkpoint_manager, latest_checkpoint_step,
-                         restore_checkpoint, save_checkpoint)
-from .cli import build_parser, cli_message, configs_from_args, flag_names
+                         restore_checkpoint, save_checkpoint, unwritable_reason)
+from .cli import (build_parser, cli_message, configs_from_args, data_size, describe_configs,
+                  flag_names)
 from .config import BYTE_VOCAB, GPTConfig, TrainConfig
 from .metrics import Throughput, attended_flops_per_sequence, flops_per_sequence, peak_tflops
 from .model import FLASH_IMPLEMENTATIONS, GPT, attention_core, count_params
@@ -84,6 +87,29 @@ def generate(model: GPT, params, prompt: str, n_tokens: int, *, temperature: flo
     key, sub = jax.random.split(key)
     ids.append(int(next_token(params, window, len(context), sub)))
   return data_lib.decode(ids)
+
+
+def sample_expectation(summary: dict) -> str | None:
+  """One line on the quality a sample of this run can have, from its final validation loss (nats
+  per byte; None: no line). A byte-level model writes gibberish until its loss is far below that
+  of the bytes' own frequencies (about 3 nats on Python sources)."""
+  loss = summary.get("final_val_loss")
+  if loss is None:
+    return None
+  if loss >= 4.0:
+    quality = ("near-random bytes: it has hardly started to learn (a uniform guess scores ln 256 = "
+               "5.55)")
+  elif loss >= 2.5:
+    quality = "mostly spaces, letters and punctuation, hardly a word: it has barely started to learn"
+  elif loss >= 1.5:
+    quality = "byte-level gibberish with word-like fragments of the training text"
+  elif loss >= 1.0:
+    quality = ("lines shaped like the training text, with its common words and names, that do not "
+               "make sense")
+  else:
+    quality = "text that looks like the training text line by line, without meaning across lines"
+  return (f"(what to expect: a {summary['n_params'] / 1e6:.2g}M-parameter byte-level model after "
+          f"{summary['end_step']} steps, validation loss {loss:.2f} nats per byte, writes {quality})")
 
 
 # --- attention backend and the checks before a run -----------------------------------------------
@@ -159,12 +185,18 @@ def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_par
   if ckpt_dir:
     if os.path.exists(ckpt_dir) and not os.path.isdir(ckpt_dir):
       raise ValueError(f"--ckpt-dir {ckpt_dir} is a file, not a folder")
+    problem = unwritable_reason(ckpt_dir)
+    if problem is not None:
+      raise ValueError(f"--ckpt-dir {ckpt_dir}: {problem}; choose a folder you can write to")
     newest = latest_checkpoint_step(ckpt_dir)
     if newest is not None and not resume:
       raise ValueError(f"--ckpt-dir {ckpt_dir} already holds checkpoints (newest: step {newest}): "
                        "pass --resume to continue from it, or choose another folder")
   if stop_at is not None and stop_at < 1:
     raise ValueError(f"--stop-at must be >= 1, got {stop_at}")
+  if stop_at is not None and stop_at > tc.steps:
+    raise ValueError(f"--stop-at {stop_at} is past --steps {tc.steps} (the last step of the "
+                     "learning-rate schedule); give a smaller --stop-at or more --steps")
   if sample_tokens < 0:
     raise ValueError(f"--sample-tokens must be >= 0, got {sample_tokens}")
   if not temperature >= 0:
@@ -278,6 +310,8 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
           flush=True)
   devices = jax.local_devices()[:runner.n_devices]
   peak = peak if peak is not None else peak_tflops(devices)
+  # TFLOP/s on a GPU or with a known peak; MFU with a known peak (on CPU neither means much).
+  show_flops = peak is not None or devices[0].platform != "cpu"
   flops_per_step = flops_per_sequence(mc, n_params) * tc.batch_size
   tokens_per_step = tc.batch_size * mc.seq_len
 
@@ -316,14 +350,19 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
       tok_s = tokens_per_step * steps_in_window / dt
       tflops = flops_per_step * steps_in_window / dt / 1e12
       history.append({"step": done, "loss": loss})
-      mfu = f"{tflops / peak:.1%}" if peak else "n/a"
+      columns = {"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}"}
+      if show_flops:
+        columns["TFLOP/s"] = f"{tflops:.3g}"
+      if peak:
+        columns["MFU"] = f"{tflops / peak:.1%}"
       if bar is not None:
-        bar.set_postfix({"loss": f"{loss:.4f}", "tok/s": f"{tok_s:,.0f}",
-                         "TFLOP/s": f"{tflops:.3g}", "MFU": mfu})
+        bar.set_postfix(columns)
         bar.update(done - bar.n)
       elif mode == "lines" and (done % tc.log_every == 0 or done == last or step == start):
-        say(f"step {done}/{last}: loss {loss:.4f}, {tok_s:,.0f} tok/s, {tflops:.3g} TFLOP/s, "
-            f"MFU {mfu}" + (" (includes compilation)" if step == start else ""))
+        say(f"step {done}/{last}: loss {columns.pop('loss')}, {columns.pop('tok/s')} tok/s"
+            + "".join(f", {value} {name}" if name != "MFU" else f", MFU {value}"
+                      for name, value in columns.items())
+            + (" (includes compilation)" if step == start else ""))
       t_window, steps_in_window = time.perf_counter(), 0
     if evaluate:
       val_loss = validate(state)
@@ -357,7 +396,7 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
 
 def main(argv=None) -> dict:
   """Parses ``argv`` (None: ``sys.argv``), trains, prints and returns the summary. A flag value that
-  cannot work exits through ``parser.error`` (usage, the message, status 2), before any training."""
+  cannot work exits through ``parser.error`` (one line, status 2), before any training."""
   parser = build_parser()
   args = parser.parse_args(argv)
   try:
@@ -372,8 +411,11 @@ def main(argv=None) -> dict:
   except ValueError as e:
     parser.error(str(e))
   devices = jax.local_devices()
-  print(f"preset {args.preset}: {mc}\n{tc}\njax {jax.__version__}, {len(devices)} x "
-        f"{devices[0].device_kind} ({jax.default_backend()}), data parallel: {args.data_parallel}")
+  data = args.data or "the Python standard library's sources"
+  print("\n".join(describe_configs(args.preset, mc, tc)))
+  print(f"  data: {data}, at most {data_size(tc.data_bytes)}; jax {jax.__version__} on "
+        f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()})"
+        + (f", data parallel: {args.data_parallel}" if args.data_parallel != "none" else ""))
   print(describe_attention(mc, tc.packing), flush=True)
   try:
     _, summary = train(mc, tc, progress="off" if args.no_progress else "auto", prompt=args.prompt,
@@ -384,14 +426,19 @@ def main(argv=None) -> dict:
     parser.error(str(e))
   summary["preset"] = args.preset
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
+  speed = f"{fmt(summary['tokens_per_s'], ',.0f')} tokens/s"
+  if summary["peak_tflops"] is not None or summary["devices"]["platform"] != "cpu":
+    speed += f", {fmt(summary['tflops_per_s'], '.3g')} TFLOP/s"
+  if summary["peak_tflops"] is not None:
+    speed += f", MFU {fmt(summary['mfu'], '.1%')}"
   print(f"\n{summary['n_params']:,} parameters; final train loss "
         f"{fmt(summary['final_train_loss'], '.4f')}, "
-        f"val loss {fmt(summary['final_val_loss'], '.4f')}; "
-        f"{fmt(summary['tokens_per_s'], ',.0f')} tokens/s, "
-        f"{fmt(summary['tflops_per_s'], '.3g')} TFLOP/s, MFU {fmt(summary['mfu'], '.1%')}; "
+        f"val loss {fmt(summary['final_val_loss'], '.4f')}; {speed}; "
         f"wall time {summary['wall_time_s']:.1f} s")
   if "sample" in summary:
-    print(f"\n--- sample (temperature {args.temperature}) ---\n{summary['sample']}\n---")
+    expect = sample_expectation(summary)
+    print(f"\n--- sample: {args.sample_tokens} bytes after the prompt, temperature "
+          f"{args.temperature:g} ---\n{summary['sample']}\n---" + (f"\n{expect}" if expect else ""))
   if args.out:
     path = pathlib.Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)

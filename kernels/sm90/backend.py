@@ -45,8 +45,6 @@ class SM90Backend(Backend):
       bwd = ("sm90 dK/dV + fused dQ",)
     elif config.dkv_roles:
       bwd = ("sm90 dK/dV (split by role)", dq)
-    elif config.dkv_split:
-      bwd = ("sm90 dV", "sm90 dK", dq)
     else:
       bwd = ("sm90 dK/dV", dq)
     return ("sm90 forward",), bwd, not fused

@@ -20,8 +20,7 @@
    are summed over the group on chip and written once per KV head (no XLA sum, no [B, S, N, H] buffer).
    For head_dim > 128 two 64 x H f32 accumulators do not fit in one warpgroup's registers: the
    default there is ``dkdv_roles.py`` (``MosaicConfig.dkv_roles``), whose two consumers share 64 keys
-   and split each step by role (S^T, P^T, dV | dP^T, dS^T, dK); ``dkv_split`` instead runs a dV-only
-   pass and a dK-only pass (the dK pass with one consumer so K, V, Q, dO fit in SMEM).
+   and split each step by role (S^T, P^T, dV | dP^T, dS^T, dK).
 3. **dQ kernel** (``dq.py``; deterministic; FA2 writes dQ with atomic adds, here a separate pass with grid
    ``(batch, head, query tile)`` owns each dQ_i and loops over key tiles, recomputing S, P, dP, dS — the
    structure of the forward): ``dQ_i += dS K_j`` (line 15), no atomics, bit-identical across runs. At
@@ -70,10 +69,7 @@ from .variant import zero_padding
 def backward_tiles(cfg: MosaicConfig) -> tuple[int, int]:
   """(query, key) extents that every backward kernel's tiles divide: the HBM padding unit."""
   q_tile = math.lcm(cfg.dq_rows(), cfg.block_q_dkv)
-  k_tiles = [cfg.block_k_dq, cfg.dkv_keys()]
-  if cfg.dkv_split:
-    k_tiles.append(cfg.num_wgs_dk * cfg.block_k_dkv)
-  return q_tile, math.lcm(*k_tiles)
+  return q_tile, math.lcm(cfg.block_k_dq, cfg.dkv_keys())
 
 
 def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool = False,
@@ -145,8 +141,7 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     return _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, plan=plan,
                              tables=tables or {}, deterministic=deterministic, **common)
   if cfg.fuses_dq(t, deterministic=deterministic):
-    dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, *per_row, want_dk=True, want_dv=True,
-                              num_wgs=cfg.num_wgs_dkv, fused_dq=True, seq_k=s, **common)
+    dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, *per_row, fused_dq=True, seq_k=s, **common)
     dq = (dq_acc[:, :t] * scale).astype(q.dtype)
     if plan.pad_s:
       dk, dv = dk[:, :s], dv[:, :s]
@@ -154,14 +149,8 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   if cfg.dkv_roles:
     dk, dv = dkv_roles_call(qp, kp, vp, dop, *per_row, scale=scale, is_causal=is_causal, seq_q=t,
                             seq_k=s, cfg=cfg, emulate=emulating())
-  elif cfg.dkv_split:
-    (dv,) = dkv_call(qp, kp, vp, dop, *per_row, want_dk=False, want_dv=True,
-                      num_wgs=cfg.num_wgs_dkv, **common)
-    (dk,) = dkv_call(qp, kp, vp, dop, *per_row, want_dk=True, want_dv=False,
-                      num_wgs=cfg.num_wgs_dk, **common)
   else:
-    dk, dv = dkv_call(qp, kp, vp, dop, *per_row, want_dk=True, want_dv=True,
-                       num_wgs=cfg.num_wgs_dkv, **common)
+    dk, dv = dkv_call(qp, kp, vp, dop, *per_row, **common)
   if cfg.dq_roles:
     dq = dq_roles_call(qp, kp, vp, dop, *per_row, scale=scale, is_causal=is_causal, seq_k=s,
                        cfg=cfg, seq_q=t, emulate=emulating())
@@ -179,7 +168,7 @@ def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables
                       is_causal, seq_q, cfg, emulate, deterministic):
   """The backward kernels of an attention variant, each reading the range table of its own tiles:
   dK/dV with the fused dQ where ``cfg.fuses_dq`` allows it (``dq_fused_variants``), else the separate
-  dK/dV (or dV, dK) and dQ kernels."""
+  dK/dV and dQ kernels."""
   b, t_hbm, n, h = qp.shape
   s_hbm = kp.shape[1]
   t, s = plan.t, plan.s
@@ -195,29 +184,23 @@ def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables
 
   common = dict(scale=scale, is_causal=is_causal, cfg=cfg, emulate=emulate, variant=variant)
 
-  def dkv(want_dk, want_dv, num_wgs, name, fused_dq=False, roles=False):
-    cols = cfg.block_k_dkv if roles else num_wgs * cfg.block_k_dkv  # keys per CTA
-    table = tables.get(name)
+  def dkv(fused_dq=False):
+    cols = cfg.dkv_keys()  # keys per CTA
+    table = tables.get("dkv")
     if table is None:
       table = q_range_table(variant, arrays, block_q=cfg.block_q_dkv, block_k=cols, **dims)
     ops, names = inputs(table, -(-s_hbm // cols))
-    if roles:
+    if cfg.dkv_roles:
       return dkv_roles_call(qp, kp, vp, dop, *per_row, *ops, scale=scale, is_causal=is_causal,
                             seq_q=seq_q, seq_k=s, cfg=cfg, emulate=emulate, variant=variant,
                             names=names)
-    return dkv_call(qp, kp, vp, dop, *per_row, *ops, want_dk=want_dk, want_dv=want_dv,
-                     num_wgs=num_wgs, seq_q=seq_q, seq_k=s, names=names, fused_dq=fused_dq, **common)
+    return dkv_call(qp, kp, vp, dop, *per_row, *ops, seq_q=seq_q, seq_k=s, names=names,
+                    fused_dq=fused_dq, **common)
 
   if cfg.fuses_dq(t, deterministic=deterministic, variant=True):
-    dk, dv, dq_acc = dkv(True, True, cfg.num_wgs_dkv, "dkv", fused_dq=True)
+    dk, dv, dq_acc = dkv(fused_dq=True)
     return (dq_acc[:, :t] * scale).astype(qp.dtype), dk[:, :s], dv[:, :s]
-  if cfg.dkv_roles:
-    dk, dv = dkv(True, True, 2, "dkv", roles=True)
-  elif cfg.dkv_split:
-    (dv,) = dkv(False, True, cfg.num_wgs_dkv, "dkv")
-    (dk,) = dkv(True, False, cfg.num_wgs_dk, "dk")
-  else:
-    dk, dv = dkv(True, True, cfg.num_wgs_dkv, "dkv")
+  dk, dv = dkv()
   rows = cfg.dq_rows()  # query rows per dQ CTA
   table = tables.get("dq")
   if table is None:

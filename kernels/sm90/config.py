@@ -48,9 +48,6 @@ _HEAD_DIMS = (64, 128, 192, 256)
 RAGGED_MODES = ("tma", "pad")
 # How the backward recomputes P (MosaicConfig.backward_p; kernels/softmax.py, docs/design.md "Softmax form")
 BACKWARD_P_FORMS = ("auto", "per_head", "exact")
-# How the consumer warpgroups of the fused dK/dV/dQ kernel meet to exchange dS^T (MosaicConfig.
-# consumer_barrier; kernels/sm90/ops.py, consumers_sync)
-CONSUMER_BARRIERS = ("mbarrier", "named")
 # How the persistent forward hands query tiles to its CTAs (MosaicConfig.persistent_deal; schedule.py)
 PERSISTENT_DEALS = ("cyclic", "greedy")
 # The L2 working set one section of heads may stream: H100/H200 have 50 MiB of L2; keep room for the
@@ -95,17 +92,16 @@ class MosaicConfig:
 
   dK/dV (Alg. 2): a CTA owns ``num_wgs_dkv * block_k_dkv`` keys, ``block_k_dkv`` (= 64) per consumer
   warpgroup, and streams ``block_q_dkv``-row tiles of Q, dO, the rows' (r, u) and delta (``num_stages_dkv`` deep).
-  ``dkv_split`` runs dV and dK as two passes, each keeping one f32 accumulator in registers instead of
-  two (one way for head_dim > 128, where two 64 x 256 f32 accumulators are 256 registers per thread;
-  the default there is ``dkv_roles``).
-  ``num_wgs_dk`` is the consumer count of the dK pass when split (its SMEM holds K, V, Q, dO).
-  ``dkv_roles``: the other way for a large head_dim, one dK/dV kernel whose CTA owns ``block_k_dkv``
-  keys and whose two consumer warpgroups split each step by role (``S^T``, ``P^T``, ``dV`` | ``dP^T``,
-  ``dS^T``, ``dK``; ``kernels/sm90/dkdv_roles.py``), so S and dP are computed once per step.
+  ``dkv_roles``: the dK/dV kernel for a large head_dim (the default for head_dim > 128, where two
+  64 x 256 f32 accumulators in one warpgroup would be 256 registers per thread): its CTA owns
+  ``block_k_dkv`` keys and its two consumer warpgroups split each step by role (``S^T``, ``P^T``,
+  ``dV`` | ``dP^T``, ``dS^T``, ``dK``; ``kernels/sm90/dkdv_roles.py``), so S and dP are computed
+  once per step.
   ``dq_roles``: the same for the separate dQ kernel, whose CTA then owns ``block_q_dq`` query rows
   (``S``, ``P`` | ``dP``, ``dS``; each warpgroup half of dQ's columns; ``kernels/sm90/dq_roles.py``).
   ``dq_fused`` (on by default for head_dim 64/128, used only when the call allows a non-deterministic
-  backward, dK/dV are neither split into passes nor by role and T >= ``dq_fused_min_t``, see :meth:`fuses_dq`): the dK/dV kernel also computes ``dS_ij K_j``
+  backward, dK/dV are not split by role and T >= ``dq_fused_min_t``, see :meth:`fuses_dq`): the
+  dK/dV kernel also computes ``dS_ij K_j``
   and adds it to an f32 dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ
   kernel and its second computation of S and dP; it stages dS^T (bf16, double-buffered) and the dQ piece (f32) in SMEM. With
   two consumers the [block_q_dkv, H] dQ tile is split between them (by columns when H >= 128, else by
@@ -139,21 +135,6 @@ class MosaicConfig:
   whose tiles differ in work; a causal call with an attention variant whose key ranges are known
   only at run time (lengths, segments, an offset, a ``mask_fn``) then runs one CTA per tile (see
   :meth:`forward_persistent`).
-  ``consumer_barrier``: how the fused dK/dV/dQ kernel's consumer warpgroups meet before reading each
-  other's ``dS^T`` tile: ``"mbarrier"`` (default: a shared-memory barrier, every warpgroup arrives
-  then waits on its phase) or ``"named"`` (one hardware ``bar.sync`` for both, as FlashAttention-3
-  does; compiled kernels only, the interpreter runs the mbarrier).
-  ``producer_warp``: the dK/dV kernels' producer runs its loads and its waits on the ring's ``free``
-  barriers on one warp of its warpgroup (``plgpu.warp_map``), the other three waiting at the
-  warpgroup's join, as FlashAttention-3's producer does on one elected warp; ``False`` (default):
-  every thread of the producer warpgroup runs the loop. Compiled kernels only (the interpreter runs
-  the warpgroup loop).
-  ``dq_register_order``: the fused dK/dV/dQ kernel (its ``"cols"`` split: head_dim 128 with two
-  consumers) stages each step's f32 dQ piece in register order (``ops.store_register_order``: each
-  warp's store one contiguous 256-byte run, FlashAttention-3's form) instead of in 128-byte-swizzled
-  tiles, and reduce-adds it into an accumulator laid out the same way, which the backward puts back
-  in row order with the cast that follows (``dkdv.unpermute_dq``); ``False`` (default): swizzled
-  tiles and a row-major accumulator. Compiled kernels only (the interpreter keeps the tiles).
   """
 
   block_q: int = 64
@@ -165,10 +146,8 @@ class MosaicConfig:
   block_k_dkv: int = 64
   num_stages_dkv: int = 2
   num_wgs_dkv: int = 2
-  dkv_split: bool = False
   dkv_roles: bool = False
   dq_roles: bool = False
-  num_wgs_dk: int = 1
   block_q_dq: int = 64
   block_k_dq: int = 64
   num_stages_dq: int = 2
@@ -183,9 +162,6 @@ class MosaicConfig:
   compute_registers: int = 0  # 0: 232 with two consumer warpgroups, 240 with one
   memory_registers: int = 40
   backward_p: str = "auto"
-  consumer_barrier: str = "mbarrier"
-  producer_warp: bool = False  # the dK/dV producer's loop on one warp (compiled kernels only)
-  dq_register_order: bool = False  # the fused dQ piece staged in register order (compiled only)
   persistent: bool = False  # forward: one CTA per SM looping over the query tiles
   persistent_ctas: int = 0  # with persistent: how many CTAs (0: the GPU's SM count)
   persistent_deal: str = "cyclic"  # persistent: which CTA runs which tile ("cyclic" | "greedy")
@@ -206,13 +182,8 @@ class MosaicConfig:
           raise ValueError(f"MosaicConfig.persistent_deal must be one of {PERSISTENT_DEALS}, got "
                            f"{v!r}")
         continue
-      if f.name == "consumer_barrier":
-        if v not in CONSUMER_BARRIERS:
-          raise ValueError(f"MosaicConfig.consumer_barrier must be one of {CONSUMER_BARRIERS}, "
-                           f"got {v!r}")
-        continue
-      if f.name in ("pingpong", "dkv_split", "dkv_roles", "dq_roles", "dq_fused",
-                    "dq_fused_variants", "persistent", "producer_warp", "dq_register_order"):
+      if f.name in ("pingpong", "dkv_roles", "dq_roles", "dq_fused", "dq_fused_variants",
+                    "persistent"):
         if not isinstance(v, bool):
           raise TypeError(f"MosaicConfig.{f.name} must be a bool, got {v!r}")
         continue
@@ -229,14 +200,11 @@ class MosaicConfig:
     for name in ("num_stages", "num_stages_dkv", "num_stages_dq"):
       if not 1 <= getattr(self, name) <= 6:
         raise ValueError(f"MosaicConfig.{name} must be in [1, 6], got {getattr(self, name)}")
-    for name in ("num_wgs", "num_wgs_dkv", "num_wgs_dk", "num_wgs_dq"):
+    for name in ("num_wgs", "num_wgs_dkv", "num_wgs_dq"):
       if getattr(self, name) not in (1, 2):
         raise ValueError(f"MosaicConfig.{name} must be 1 or 2, got {getattr(self, name)}")
     if self.pingpong and self.num_wgs != 2:
       raise ValueError("MosaicConfig.pingpong needs num_wgs=2")
-    if self.dkv_roles and self.dkv_split:
-      raise ValueError("MosaicConfig.dkv_roles and dkv_split are two ways to run dK/dV for a large "
-                       "head_dim: set one")
     if self.compute_registers and (self.compute_registers % 8 or
                                    not 24 <= self.compute_registers <= 256):
       raise ValueError(f"MosaicConfig.compute_registers must be 0 or a multiple of 8 in [24, 256], "
@@ -255,7 +223,7 @@ class MosaicConfig:
       raise ValueError(f"MosaicConfig.memory_registers must be a multiple of 8 in [24, 256], got "
                        f"{self.memory_registers}")
     # Every kernel's consumers (128 threads each) and producer share the CTA's register pool.
-    consumers = 2 if (max(self.num_wgs, self.num_wgs_dkv, self.num_wgs_dk, self.num_wgs_dq) == 2
+    consumers = 2 if (max(self.num_wgs, self.num_wgs_dkv, self.num_wgs_dq) == 2
                       or self.dkv_roles or self.dq_roles) else 1
     total = consumers * WG_THREADS * self.registers(consumers) + WG_THREADS * self.memory_registers
     pool = register_pool((consumers + 1) * WG_THREADS)
@@ -277,12 +245,10 @@ class MosaicConfig:
     if seq_q is not None and self.fuses_dq(seq_q, deterministic=deterministic, variant=True):
       return tiles
     tiles["dq"] = ("kv", self.dq_rows(), self.block_k_dq)
-    if self.dkv_split:  # the dK kernel has its own key tiles
-      tiles["dk"] = ("q", self.block_q_dkv, self.num_wgs_dk * self.block_k_dkv)
     return tiles
 
   def dkv_keys(self) -> int:
-    """Keys per CTA of the (first) dK/dV kernel: one warpgroup's ``block_k_dkv`` for the role-split
+    """Keys per CTA of the dK/dV kernel: one warpgroup's ``block_k_dkv`` for the role-split
     kernel, whose two consumers share them, else ``num_wgs_dkv * block_k_dkv``."""
     return self.block_k_dkv if self.dkv_roles else self.num_wgs_dkv * self.block_k_dkv
 
@@ -372,7 +338,7 @@ class MosaicConfig:
   def fuses_dq(self, seq_q: int, *, deterministic: bool, variant: bool = False) -> bool:
     """Whether a backward of ``seq_q`` query rows (``variant``: with an attention variant beyond
     causal) runs dQ inside the dK/dV kernel."""
-    return (self.dq_fused and not deterministic and not self.dkv_split and not self.dkv_roles
+    return (self.dq_fused and not deterministic and not self.dkv_roles
             and seq_q >= self.dq_fused_min_t and (self.dq_fused_variants or not variant))
 
   def p_form(self, variant=None) -> str:
@@ -392,19 +358,18 @@ class MosaicConfig:
     kv = self.num_stages * 2 * self.block_k * head_dim * itemsize
     return q_o + kv + self.num_wgs * 2 * self.block_q * 4  # + the row statistics (r, l)
 
-  def smem_dkv(self, head_dim: int, itemsize: int = 2, *, want_dk=True, want_dv=True,
-               num_wgs: int | None = None) -> int:
-    nwg = self.num_wgs_dkv if num_wgs is None else num_wgs
+  def smem_dkv(self, head_dim: int, itemsize: int = 2) -> int:
+    nwg = self.num_wgs_dkv
     tile_k = self.block_k_dkv * head_dim * itemsize
     tile_q = self.block_q_dkv * head_dim * itemsize
-    resident = nwg * tile_k * (2 if want_dk else 1)  # K (and V for dP)
-    # Q, dO tiles; the row inputs (r, u) and, for dK, delta: f32 [block_q] each
-    ring = self.num_stages_dkv * (2 * tile_q + self.block_q_dkv * 4 * (3 if want_dk else 2))
+    resident = nwg * tile_k * 2  # K and V (for dP)
+    # Q, dO tiles; the row inputs (r, u) and delta: f32 [block_q] each
+    ring = self.num_stages_dkv * (2 * tile_q + self.block_q_dkv * 4 * 3)
     fused = 0
     if self.dkv_roles:  # one consumer's keys (shared by both) and the P^T ∘ d tile, f32
       resident = tile_k * 2
       fused = self.block_k_dkv * self.block_q_dkv * 4
-    elif self.dq_fused and want_dk and want_dv and not self.dkv_split:
+    elif self.dq_fused:
       # dS^T [keys, rows] per consumer in the input dtype, double-buffered, + each consumer's f32 dQ
       # piece (a 1/nwg share of [rows, H] when the tile splits among the consumers, see dq_split)
       rows, cols = dq_piece(self.block_q_dkv, head_dim, nwg)
@@ -427,12 +392,8 @@ class MosaicConfig:
               f"warpgroup computes half of dQ's columns, whole {WG_ROWS}-element tiles), got "
               f"{head_dim}")
     limit = SMEM_BYTES - SMEM_RESERVE
-    need = {"forward": self.smem_forward(head_dim, itemsize), "dQ": self.smem_dq(head_dim, itemsize)}
-    if self.dkv_split:
-      need["dV pass"] = self.smem_dkv(head_dim, itemsize, want_dk=False)
-      need["dK pass"] = self.smem_dkv(head_dim, itemsize, want_dv=False, num_wgs=self.num_wgs_dk)
-    else:
-      need["dK/dV"] = self.smem_dkv(head_dim, itemsize)
+    need = {"forward": self.smem_forward(head_dim, itemsize), "dQ": self.smem_dq(head_dim, itemsize),
+            "dK/dV": self.smem_dkv(head_dim, itemsize)}
     for name, b in need.items():
       if b > limit:
         return (f"MosaicConfig {name} kernel needs {b // 1024} KiB of shared memory for "

@@ -18,8 +18,7 @@ as wgmma's M dimension::
 GQA/MQA: the loop runs over the ``G = N / K`` query heads of the KV head *inside* the kernel, so dK/dV
 are summed over the group on chip and written once per KV head. For head_dim > 128 two 64 x H f32
 accumulators do not fit in one warpgroup's registers: ``dkdv_roles.py`` (the default there) splits
-each step between two warpgroups by role; ``dkv_split`` runs this kernel as a dV-only pass and a
-dK-only pass.
+each step between two warpgroups by role.
 
 Fused dQ (``fused_dq``): the kernel also stages ``dS^T`` in SMEM, computes ``dS_ij K_j`` with wgmma and
 adds it to an f32 ``[B, T, N, H]`` dQ accumulator in HBM by TMA reduce-add (see ``backward.py``).
@@ -39,7 +38,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -50,9 +48,8 @@ from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig, dq_piece, dq_split
 from .lowering_cache import kernel_call
-from .ops import (REGISTER_ORDER_ROW, acc_loop, accumulators, batch_rule, bcast_cols, consumers_sync,
-                  iota2, per_cta_choice, producer_loop, register_order, smem_transforms,
-                  smem_transforms_f32, store_register_order, wgmma, wgmma_load, wgmma_wait,
+from .ops import (acc_loop, accumulators, batch_rule, bcast_cols, consumers_sync, iota2,
+                  per_cta_choice, smem_transforms, smem_transforms_f32, wgmma, wgmma_load, wgmma_wait,
                   ws_kernel)
 from .schedule import causal_section, cta_tile, over_query_ranges, q_block_ranges
 from .variant import Refs
@@ -72,8 +69,6 @@ class _Dkv:
   block_k: int  # keys per consumer warpgroup (64)
   num_stages: int
   num_wgs: int
-  want_dk: bool
-  want_dv: bool
   dtype: object
   registers: int
   memory_registers: int
@@ -100,10 +95,6 @@ class _Dkv:
   # The form of P (MosaicConfig.p_form): "per_head" (both forms compiled, one per CTA by exact_ref),
   # "exact" or "fast" (one loop).
   p_form: str = "per_head"
-  producer_warp: bool = False  # MosaicConfig.producer_warp (never in emulation)
-  # MosaicConfig.dq_register_order (the "cols" split, never in emulation): dq_smem [num_wgs,
-  # piece / 256, 256] in register order, dq_acc_ref [B, N, T tiles, num_wgs, piece / 256, 256]
-  register_order: bool = False
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
@@ -114,7 +105,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; rows_ref: [B, N, 2, T_rows] the rows'
   # (r, u) (kernels/softmax.py, backward_rows); delta_ref: [B, N, T_rows]; exact_ref: [B, N] int32,
   # the heads whose rows need the exact P (kernels/softmax.py, exact_heads)
-  # outputs: dk_ref and/or dv_ref [B, S, K, H] (per want_dk / want_dv).
+  # outputs: dk_ref, dv_ref [B, S, K, H].
   # fused_dq: dq_acc_ref [B, T, N, H] f32, zero-initialised by the caller (a closed-over ref, so it is
   # aliased in and out of the kernel); emulation: [n_k_tiles * num_wgs, B, T, N, H], one slab per
   # consumer, summed by the caller (Pallas' GPU interpreter has no TMA reduce-add).
@@ -126,9 +117,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   bq, bk, nwg, stages, g_size = st.block_q, st.block_k, st.num_wgs, st.num_stages, st.group
   variant = st.variant
   c = st.scale * LOG2E
-  outs = list(out_refs if closed_outs is None else closed_outs)
-  dk_ref = outs.pop(0) if st.want_dk else None
-  dv_ref = outs.pop(0) if st.want_dv else None
+  dk_ref, dv_ref = out_refs if closed_outs is None else closed_outs
   # Causal: the first key tiles see the most queries, launch them first (LPT).
   b, kvh, kt = cta_tile("k", is_causal=st.is_causal, n_heads=st.n_heads, n_tiles=st.n_k_tiles,
                         n_bh=st.n_bh, section=st.section, longest_last=False)
@@ -156,8 +145,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
     """The fused dQ accumulator's block that consumer ``w``'s piece of query tile ``i``, group head
     ``g`` adds into (emulation: that consumer's own slab, summed by the caller)."""
     h = kvh * g_size + g
-    if st.register_order:  # this piece's own contiguous block (unpermute_dq restores the order)
-      return dq_acc_ref.at[b, h, i, w]
     r0 = i * bq + w * rows_q if st.dq_split == "rows" else i * bq
     dq_rows = (b, pl.ds(r0, rows_q), h)
     if st.dq_split == "cols":
@@ -176,12 +163,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
     k_s = k_smem.at[wg]
     rows = (b, pl.ds(k0, bk), kvh)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_s, k_bar.at[wg])
-    if st.want_dk:
-      v_s = v_smem.at[wg]
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s, v_bar.at[wg])
+    v_s = v_smem.at[wg]
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s, v_bar.at[wg])
     plgpu.barrier_wait(k_bar.at[wg])
-    if st.want_dk:
-      plgpu.barrier_wait(v_bar.at[wg])
+    plgpu.barrier_wait(v_bar.at[wg])
 
     hd = st.head_dim
     split = st.dq_split
@@ -200,7 +185,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
       if split is None:  # this consumer's keys only: A = (dS^T)^T [rows, keys], B = K_j [keys, H]
         terms = [(ds_smem.at[par, wg], k_s)]
       else:  # both consumers' keys (wait until both dS^T tiles are in SMEM)
-        consumers_sync(None if ds_bar is None else ds_bar.at[0], nwg)
+        consumers_sync(ds_bar.at[0])
         if split == "cols":
           terms = [(ds_smem.at[par, w], k_smem.at[w, :, pl.ds(wg * cols_q, cols_q)])
                    for w in range(nwg)]
@@ -216,10 +201,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
 
       dq_part = accumulators(dq_piece_of_step, (rows_q, cols_q))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_smem
-      if st.register_order:
-        store_register_order(dq_part, dq_smem.at[wg])
-      else:
-        dq_smem.at[wg][...] = dq_part
+      dq_smem.at[wg][...] = dq_part
       plgpu.commit_smem()
       reduce_add(dq_smem.at[wg], dq_dst(i, g, wg))
 
@@ -276,41 +258,36 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
         return p_t.astype(st.dtype), pd_t, keep, dp_t
 
       tile = (bk, bq)
-      early = st.want_dk and st.dp_early
+      early = st.dp_early
       p16, pd_t, keep, dp_t = accumulators(scores, *([tile, tile] if early else [tile]))
-      if not st.want_dk:
+      if not early:  # dP^T issued now, dV_j += P^T dO_i behind it: dV runs while dS^T is formed
         plgpu.barrier_wait(do_bar.at[slot])
-        wgmma(dv_acc, p16, do_t)  # dV_j += P^T dO_i  (line 12)
+
+        def dp_then_dv(dp_acc):
+          wgmma(dp_acc, v_s, do_t, tb=True)  # line 13
+          wgmma(dv_acc, p16, do_t)  # line 12
+          return wgmma_load(dp_acc, wait_n=1)
+
+        dp_t = accumulators(dp_then_dv, tile)
+      plgpu.barrier_wait(delta_bar.at[slot])
+      delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+      # dS^T = P^T ∘ (dP^T − D_i) (eq. 4), times d s_out / d s_in through a soft cap or score_fn
+      ds_t = pd_t * (dp_t - bcast_cols(delta, dp_t.shape))
+      if variant is not None and keep is not None:  # (dP^T issued late) masked pairs: no 0 * NaN
+        ds_t = jnp.where(keep, ds_t, 0.0)  # from dP or the derivative
+      if key_tail:  # keys past S (zero K rows) leave dS^T as 0: no inf * 0 in the fused dS K
+        ds_t = jnp.where(k0 + iota2(tile, 0) < st.seq_k, ds_t, 0.0)
+      ds16 = ds_t.astype(st.dtype)
+      par = store_ds(idx, ds16) if st.fused_dq else None
+      if early:
+        # dV_j += P^T dO_i (line 12), in flight from here on; issued before dS^T's fence, which
+        # orders nothing it reads (P^T in registers, dO_i loaded by TMA)
+        wgmma(dv_acc, p16, do_t)
+      if st.fused_dq:
+        plgpu.commit_smem()  # dS^T visible to the dQ wgmma (async proxy)
+        fused_dq_step(par, i, g, ds16, q_t, dk_acc)
       else:
-        if not early:  # dP^T issued now, dV_j += P^T dO_i behind it: dV runs while dS^T is formed
-          plgpu.barrier_wait(do_bar.at[slot])
-
-          def dp_then_dv(dp_acc):
-            wgmma(dp_acc, v_s, do_t, tb=True)  # line 13
-            if st.want_dv:
-              wgmma(dv_acc, p16, do_t)  # line 12
-            return wgmma_load(dp_acc, wait_n=1 if st.want_dv else 0)
-
-          dp_t = accumulators(dp_then_dv, tile)
-        plgpu.barrier_wait(delta_bar.at[slot])
-        delta = plgpu.load(delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        # dS^T = P^T ∘ (dP^T − D_i) (eq. 4), times d s_out / d s_in through a soft cap or score_fn
-        ds_t = pd_t * (dp_t - bcast_cols(delta, dp_t.shape))
-        if variant is not None and keep is not None:  # (dP^T issued late) masked pairs: no 0 * NaN
-          ds_t = jnp.where(keep, ds_t, 0.0)  # from dP or the derivative
-        if key_tail:  # keys past S (zero K rows) leave dS^T as 0: no inf * 0 in the fused dS K
-          ds_t = jnp.where(k0 + iota2(tile, 0) < st.seq_k, ds_t, 0.0)
-        ds16 = ds_t.astype(st.dtype)
-        par = store_ds(idx, ds16) if st.fused_dq else None
-        if st.want_dv and early:
-          # dV_j += P^T dO_i (line 12), in flight from here on; issued before dS^T's fence, which
-          # orders nothing it reads (P^T in registers, dO_i loaded by TMA)
-          wgmma(dv_acc, p16, do_t)
-        if st.fused_dq:
-          plgpu.commit_smem()  # dS^T visible to the dQ wgmma (async proxy)
-          fused_dq_step(par, i, g, ds16, q_t, dk_acc)
-        else:
-          wgmma(dk_acc, ds16, q_t)  # dK_j += dS^T Q_i  (line 16)
+        wgmma(dk_acc, ds16, q_t)  # dK_j += dS^T Q_i  (line 16)
       wgmma_wait(0)
       plgpu.barrier_arrive(free.at[slot])  # all wgmmas reading this slot have completed
 
@@ -321,39 +298,29 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
                                    exact=exact)
       over_query_ranges(loop, masked, unmasked, q_ranges)
 
-    def all_queries(*accs, exact):
+    def all_queries(dk_acc, dv_acc, *, exact):
       """dK_j, dV_j accumulated in registers over every query tile (and GQA group head)."""
-      accs = list(accs)
-      dk_acc = accs.pop(0) if st.want_dk else None
-      dv_acc = accs.pop(0) if st.want_dv else None
       body = functools.partial(over_queries, dk_acc=dk_acc, dv_acc=dv_acc, exact=exact)
       if g_size == 1:
         body(jnp.int32(0))
       else:
         acc_loop(0, g_size, body, (dk_acc, dv_acc))  # GQA: sum over the head group
-      return (wgmma_load(dk_acc) if st.want_dk else None,
-              wgmma_load(dv_acc) if st.want_dv else None)
+      return wgmma_load(dk_acc), wgmma_load(dv_acc)
 
     def finish(exact: bool):
       """The query loop and the epilogue, in the exact or the fast form of P (one per CTA)."""
-      dk, dv = accumulators(functools.partial(all_queries, exact=exact),
-                            *[(bk, hd)] * (int(st.want_dk) + int(st.want_dv)))
+      dk, dv = accumulators(functools.partial(all_queries, exact=exact), (bk, hd), (bk, hd))
       epilogue(dk, dv)
 
     def epilogue(dk, dv):
       if st.fused_dq and split is not None:  # the other consumer's last dQ wgmma has read our K_j
-        consumers_sync(None if ds_bar is None else ds_bar.at[0], nwg)
+        consumers_sync(ds_bar.at[0])
       # K_j / V_j are dead: reuse their SMEM to stage the results for the TMA store.
-      if st.want_dk:
-        k_s[...] = (dk * st.scale).astype(st.dtype)
-      if st.want_dv:
-        dv_s = v_smem.at[wg] if st.want_dk else k_s
-        dv_s[...] = dv.astype(st.dtype)
+      k_s[...] = (dk * st.scale).astype(st.dtype)
+      v_s[...] = dv.astype(st.dtype)
       plgpu.commit_smem()
-      if st.want_dk:
-        plgpu.copy_smem_to_gmem(k_s, dk_ref.at[rows], commit_group=False)
-      if st.want_dv:
-        plgpu.copy_smem_to_gmem(dv_s, dv_ref.at[rows], commit_group=False)
+      plgpu.copy_smem_to_gmem(k_s, dk_ref.at[rows], commit_group=False)
+      plgpu.copy_smem_to_gmem(v_s, dv_ref.at[rows], commit_group=False)
       plgpu.commit_smem_to_gmem_group()
       plgpu.wait_smem_to_gmem(0)
 
@@ -365,19 +332,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   @pl.when(wg == nwg)
   def _producer():
     plgpu.set_max_registers(st.memory_registers, action="decrease")
-    producer_loop(functools.partial(
-        stream_queries, q_ref, do_ref, rows_ref, delta_ref if st.want_dk else None, q_smem, do_smem,
-        rows_smem, delta_smem, q_bar, do_bar, rows_bar, delta_bar, free, b=b, kvh=kvh,
-        group=g_size, i_start=i_start, n_i=n_i, block_q=bq, stages=stages),
-        one_warp=st.producer_warp)
+    stream_queries(q_ref, do_ref, rows_ref, delta_ref, q_smem, do_smem, rows_smem, delta_smem, q_bar,
+                   do_bar, rows_bar, delta_bar, free, b=b, kvh=kvh, group=g_size, i_start=i_start,
+                   n_i=n_i, block_q=bq, stages=stages)
 
 
 def stream_queries(q_ref, do_ref, rows_ref, delta_ref, q_smem, do_smem, rows_smem, delta_smem, q_bar,
                    do_bar, rows_bar, delta_bar, free, *, b, kvh, group: int, i_start, n_i,
                    block_q: int, stages: int):
   """The producer warpgroup of the dK/dV kernels: TMA each step's ``Q_i``, the rows' ``(r, u)_i``,
-  ``dO_i`` and (``delta_ref`` not None) ``delta_i`` into a ``stages``-deep SMEM ring, over the query
-  tiles ``[i_start, i_start + n_i)`` of each of the ``group`` query heads of KV head ``kvh``.
+  ``dO_i`` and ``delta_i`` into a ``stages``-deep SMEM ring, over the query tiles ``[i_start,
+  i_start + n_i)`` of each of the ``group`` query heads of KV head ``kvh``.
 
   Slot ``step % stages`` is refilled once every consumer has arrived on its ``free`` barrier for the
   step ``stages`` back; the drain at the end observes the consumers' last releases (as
@@ -401,8 +366,7 @@ def stream_queries(q_ref, do_ref, rows_ref, delta_ref, q_smem, do_smem, rows_sme
     plgpu.copy_gmem_to_smem(rows_ref.at[b, h, :, pl.ds(i * block_q, block_q)], rows_smem.at[slot],
                             rows_bar.at[slot])
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_bar.at[slot])
-    if delta_ref is not None:
-      plgpu.copy_gmem_to_smem(delta_ref.at[row_span], delta_smem.at[slot], delta_bar.at[slot])
+    plgpu.copy_gmem_to_smem(delta_ref.at[row_span], delta_smem.at[slot], delta_bar.at[slot])
 
   @pl.loop(jnp.maximum(n_steps - stages, 0), n_steps)  # drain (see ops.stream_kv)
   def _(idx):
@@ -411,68 +375,54 @@ def stream_queries(q_ref, do_ref, rows_ref, delta_ref, q_smem, do_smem, rows_sme
 
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py); one per process
 # with the lowering cache on (lowering_cache.py).
-@kernel_call(('scale', 'is_causal', 'seq_q', 'cfg', 'want_dk', 'want_dv', 'num_wgs', 'emulate',
-              'fused_dq', 'seq_k', 'variant', 'names'))
+@kernel_call(('scale', 'is_causal', 'seq_q', 'cfg', 'emulate', 'fused_dq', 'seq_k', 'variant',
+              'names'))
 def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, cfg: MosaicConfig,
-              want_dk, want_dv, num_wgs, emulate, fused_dq=False, seq_k=0, variant=None, names=()):
+             emulate, fused_dq=False, seq_k=0, variant=None, names=()):
   b, t_hbm, n, h = q.shape
   s_hbm, kh = k.shape[1], k.shape[2]
-  bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv
+  bq, bk, stages, num_wgs = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv, cfg.num_wgs_dkv
   n_k_tiles = -(-s_hbm // (num_wgs * bk))
   st = _Dkv(scale=scale, is_causal=is_causal, seq_q=seq_q, group=n // kh, head_dim=h, block_q=bq,
-            block_k=bk, num_stages=stages, num_wgs=num_wgs, want_dk=want_dk, want_dv=want_dv,
-            dtype=q.dtype, registers=cfg.registers(num_wgs),
-            memory_registers=cfg.memory_registers, emulate=emulate, fused_dq=fused_dq,
-            dq_split=dq_split(bq, h, num_wgs) if fused_dq else None, n_heads=kh, n_bh=b * kh,
-            n_k_tiles=n_k_tiles,
+            block_k=bk, num_stages=stages, num_wgs=num_wgs, dtype=q.dtype,
+            registers=cfg.registers(num_wgs), memory_registers=cfg.memory_registers, emulate=emulate,
+            fused_dq=fused_dq, dq_split=dq_split(bq, h, num_wgs) if fused_dq else None, n_heads=kh,
+            n_bh=b * kh, n_k_tiles=n_k_tiles,
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                    kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
             seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq,
-            p_form=cfg.p_form(variant), producer_warp=cfg.producer_warp and not emulate,
-            register_order=(cfg.dq_register_order and fused_dq and not emulate
-                            and dq_split(bq, h, num_wgs) == "cols"))
+            p_form=cfg.p_form(variant))
   tf = smem_transforms()
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
-      v_smem=plgpu.SMEM((num_wgs, bk, h), v.dtype, transforms=tf) if want_dk else None,
+      v_smem=plgpu.SMEM((num_wgs, bk, h), v.dtype, transforms=tf),
       q_smem=plgpu.SMEM((stages, bq, h), q.dtype, transforms=tf),
       do_smem=plgpu.SMEM((stages, bq, h), do.dtype, transforms=tf),
       rows_smem=plgpu.SMEM((stages, 2, bq), jnp.float32),
-      delta_smem=plgpu.SMEM((stages, bq), jnp.float32) if want_dk else None,
+      delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
       k_bar=plgpu.Barrier(num_barriers=num_wgs),
-      v_bar=plgpu.Barrier(num_barriers=num_wgs) if want_dk else None,
+      v_bar=plgpu.Barrier(num_barriers=num_wgs),
       q_bar=plgpu.Barrier(num_barriers=stages),
       do_bar=plgpu.Barrier(num_barriers=stages),
       rows_bar=plgpu.Barrier(num_barriers=stages),
-      delta_bar=plgpu.Barrier(num_barriers=stages) if want_dk else None,
+      delta_bar=plgpu.Barrier(num_barriers=stages),
       free=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
   if fused_dq:
     rows_q, cols_q = dq_piece(bq, h, num_wgs)
     scratch["ds_smem"] = plgpu.SMEM((2, num_wgs, bk, bq), q.dtype, transforms=tf)
-    if st.register_order:
-      scratch["dq_smem"] = plgpu.SMEM(
-          (num_wgs, rows_q * cols_q // REGISTER_ORDER_ROW, REGISTER_ORDER_ROW), jnp.float32)
-    else:
-      scratch["dq_smem"] = plgpu.SMEM((num_wgs, rows_q, cols_q), jnp.float32,
-                                      transforms=smem_transforms_f32())
-    # The consumers' meeting before the dS^T exchange (ops.consumers_sync): this mbarrier, or with
-    # MosaicConfig.consumer_barrier="named" (compiled only) a hardware bar.sync and no ds_bar.
-    if st.dq_split is not None and (cfg.consumer_barrier != "named" or emulate):
+    scratch["dq_smem"] = plgpu.SMEM((num_wgs, rows_q, cols_q), jnp.float32,
+                                    transforms=smem_transforms_f32())
+    # The consumers' meeting before the dS^T exchange (ops.consumers_sync)
+    if st.dq_split is not None:
       scratch["ds_bar"] = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1)
-  out_type = []
-  if want_dk:
-    out_type.append(out_struct(k.shape, k.dtype, q))
-  if want_dv:
-    out_type.append(out_struct(v.shape, v.dtype, q))
-  name = "fa2_mosaic_dkdv" if (want_dk and want_dv) else ("fa2_mosaic_dk" if want_dk else
-                                                           "fa2_mosaic_dv")
+  out_type = [out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)]
 
   def launch(out_type, operands, **extra):
     return ws_kernel(
         functools.partial(_dkv_kernel, st=st, **extra), out_type=tuple(out_type), scratch=scratch,
         grid=(b, kh, n_k_tiles), grid_names=("b", "h", "k"), num_consumers=num_wgs,
-        name=name + ("_dq" if fused_dq else ""),
+        name="fa2_mosaic_dkdv" + ("_dq" if fused_dq else ""),
     )(*operands)
 
   operands = (q, k, v, do, rows, delta, exact, *extras)
@@ -482,10 +432,6 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
   # and aliases it to the output, which a TMA reduce-add needs (a kernel's own outputs start
   # uninitialised). dK and dV are closed-over refs too, so every result leaves through the state.
   acc_shape = (b, t_hbm, n, h) if not emulate else (n_k_tiles * num_wgs, b, t_hbm, n, h)
-  if st.register_order:
-    pieces = dq_piece(bq, h, num_wgs)
-    acc_shape = (b, n, -(-t_hbm // bq), num_wgs, pieces[0] * pieces[1] // REGISTER_ORDER_ROW,
-                 REGISTER_ORDER_ROW)
 
   @jax.custom_batching.custom_vmap
   def fused(*operands):
@@ -495,8 +441,6 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
 
     acc, dk, dv = pl.run_state(stateful)((jnp.zeros(acc_shape, jnp.float32),
                                           jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)))
-    if st.register_order:
-      acc = unpermute_dq(acc, dq_piece(bq, h, num_wgs))[:, :t_hbm]
     return dk, dv, (acc.sum(axis=0) if emulate else acc)
 
   @fused.def_vmap
@@ -504,22 +448,7 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
     # run_state has no batching rule: every operand has B first (the variant operands too), so the
     # vmapped axis folds into B (ops.batch_rule)
     call = functools.partial(dkv_call, scale=scale, is_causal=is_causal, seq_q=seq_q, cfg=cfg,
-                             want_dk=want_dk, want_dv=want_dv, num_wgs=num_wgs, emulate=emulate,
-                             fused_dq=True, seq_k=seq_k, variant=variant, names=names)
+                             emulate=emulate, fused_dq=True, seq_k=seq_k, variant=variant, names=names)
     return batch_rule(call, axis_size, in_batched, args, variant)
 
   return fused(*operands)
-
-
-def unpermute_dq(acc, piece: tuple[int, int]):
-  """The fused dQ accumulator of ``MosaicConfig.dq_register_order``, ``[B, N, T tiles, P, piece /
-  256, 256]`` (each ``piece = (rows, cols)`` block in the order :func:`ops.store_register_order`
-  writes it, ``P`` column pieces per row tile) -> ``[B, T tiles * rows, N, P * cols]``, the usual
-  ``[B, T, N, H]``. A gather within each 16 KiB block and a transpose, which XLA fuses with the
-  scale and cast that follow."""
-  b, n, tiles, p = acc.shape[:4]
-  rows, cols = piece
-  inverse = np.argsort(register_order(piece))  # row-major index -> position in register order
-  acc = jnp.take(acc.reshape(b, n, tiles, p, rows * cols), inverse, axis=-1)
-  acc = acc.reshape(b, n, tiles, p, rows, cols).transpose(0, 2, 4, 1, 3, 5)
-  return acc.reshape(b, tiles * rows, n, p * cols)

@@ -1,9 +1,9 @@
 """The dK/dV kernel for head_dim > 128: two consumer warpgroups on the same keys, split by role.
 
 At head_dim 256 a ``[64, H]`` f32 accumulator is 128 registers per thread, so one warpgroup cannot
-hold both ``dK_j`` and ``dV_j``; ``dkdv.py`` then runs a dV pass and a dK pass, each recomputing
-``S^T`` (and the dK pass ``dP^T``). Here one CTA owns 64 keys and its two consumer warpgroups share
-every step of Alg. 2 between them, two products each::
+hold both ``dK_j`` and ``dV_j`` (the kernel of ``dkdv.py`` once ran as a dV pass and a dK pass there,
+each recomputing ``S^T``, and the dK pass ``dP^T``: docs/removed-experiments.md). Here one CTA owns
+64 keys and its two consumer warpgroups share every step of Alg. 2 between them, two products each::
 
     warpgroup 0 (P):   S^T = K_j Q_i^T, P^T (lines 9-11)     dV_j += P^T dO_i  (line 12)
     warpgroup 1 (dS):  dP^T = V_j dO_i^T (line 13)           dK_j += dS^T Q_i  (line 16)

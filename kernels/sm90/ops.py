@@ -29,20 +29,13 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax._src.state import types as state_types
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax._src.pallas.mosaic_gpu import helpers as mgpu_helpers
 
 from ..batching import fold_mapped, unfold_mapped
 from ..block_ranges import index_reads
-
-# The hardware barrier of consumers_sync: 0 is the whole CTA's (__syncthreads) and Mosaic's own
-# warpgroup barriers take 1..num_warpgroups (mosaic/gpu/utils.py, warpgroup_barrier_idx); ids go to 15.
-CONSUMERS_BARRIER_ID = 8
-WARPGROUP_THREADS = 128
 
 # _COMPILE_NOTE: every kernel launch is wrapped in a jax.jit with its settings static, so a program that
 # calls attention at many sites (one per layer) lowers each distinct kernel once and the Mosaic GPU
@@ -83,69 +76,6 @@ def smem_transforms_f32():
   return (plgpu.TilingTransform((8, _SWIZZLE // 4)), plgpu.SwizzleTransform(_SWIZZLE))
 
 
-# A register-order piece (MosaicConfig.dq_register_order) is staged as rows of this many f32: one TMA
-# box dimension holds at most 256 elements.
-REGISTER_ORDER_ROW = 256
-
-
-@functools.cache  # a constant of the shape: the backward's trace reads it once per piece shape
-def register_order(shape: tuple[int, int]):
-  """int64 ``[prod(shape)]``: entry ``k`` is the row-major index, in a ``shape`` array of WGMMA layout
-  (the f32 accumulator's, Mosaic's ``WGMMA_LAYOUT``), of the value that thread ``t`` of the
-  warpgroup holds in vector lane ``v`` of its register ``i``, at ``k = (i * 128 + t) * vec + v``: the
-  order in which :func:`store_register_order` writes it. Computed from the layout's tiling, as
-  Mosaic's ``TiledLayout.thread_idxs`` does on the device (the PTX layout of ``wgmma .m64nNk16``:
-  warp ``w``, lane ``l`` hold rows ``16 w + l // 4`` and ``+ 8``, columns ``2 (l % 4)`` and ``+ 1`` of
-  each 8-column group). Read-only (cached)."""
-  from jax.experimental.mosaic.gpu import fragmented_array as fa
-
-  layout = fa.WGMMA_LAYOUT
-  contig = tuple(int(np.prod(shape[d + 1:])) for d in range(len(shape)))
-  tile_strides = layout.tiling.tile_strides(contig)
-  rank = layout.tiled_tiling_rank
-  sizes_of, inner = layout.tiled_tiling_shape, tile_strides[-rank:]
-
-  def offset(index: int, dims) -> int:  # TiledLayout._delinearize_index, then the dot with strides
-    sizes = [d.times if isinstance(d, fa.Replicated) else sizes_of[d] for d in dims]
-    out = 0
-    for j, (d, size) in enumerate(zip(dims, sizes)):
-      if not isinstance(d, fa.Replicated):
-        out += (index // int(np.prod(sizes[j + 1:]))) % size * inner[d]
-    return out
-
-  regs = list(np.ndindex(layout.registers_shape(tuple(shape))))
-  vec = layout.vector_length
-  order = np.empty((len(regs), WARPGROUP_THREADS, vec), np.int64)
-  for t in range(WARPGROUP_THREADS):
-    base = offset((t // 32) % 4, layout.warp_dims) + offset(t % 32, layout.lane_dims)
-    for i, r in enumerate(regs):
-      order[i, t] = base + sum(a * s for a, s in zip(r, tile_strides)) + np.arange(vec) * inner[
-          layout.vector_dim]
-  order = order.reshape(-1)
-  order.flags.writeable = False
-  return order
-
-
-def store_register_order(x, ref):
-  """Store ``x`` (f32, WGMMA layout, ``[rows, cols]``) into ``ref`` (f32 SMEM ``[rows * cols / 256,
-  256]``, no transforms) in register order (:func:`register_order`): each warp's store is one
-  contiguous run of 256 bytes, no bank conflicts and no swizzle, where a row-major tile puts a
-  warp's 8 rows on the same banks. Compiled kernels only (Pallas' interpreter has no
-  ``inline_mgpu``)."""
-  from jax.experimental.mosaic.gpu import fragmented_array as fa
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
-  def store(ctx, arr, smem):
-    del ctx
-    vec = fa.WGMMA_LAYOUT.vector_length
-    flat = fa.FragmentedArray(_registers=arr.registers.reshape(-1),
-                              _layout=fa.WGStridedFragLayout(tuple(ref.shape), vec),
-                              _is_signed=None)
-    flat.store_untiled(smem)
-
-  store(x, ref)
-
-
 def compiler_params():
   # approx_math: exp2/log/reciprocal may use the fast MUFU forms (as FA2 does with ex2.approx).
   # unsafe_no_auto_barriers: Pallas otherwise puts a warpgroup barrier before and after every SMEM
@@ -176,22 +106,6 @@ def ws_kernel(body, *, out_type, scratch, grid, grid_names, num_consumers: int, 
   return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=grid,
                       grid_names=grid_names, num_threads=num_consumers + 1, thread_name="wg",
                       compiler_params=compiler_params(), kernel_name=name)
-
-
-def producer_loop(loop, *, one_warp: bool):
-  """Run the producer warpgroup's ``loop()`` (loads and waits on scalars and refs only) on all its
-  threads, or (``one_warp``) on its first warp alone: the other three warps skip it and wait at the
-  warpgroup's join, instead of spinning on the ring's barriers (``plgpu.warp_map``; compiled kernels
-  only: Pallas' GPU interpreter has no warp-level semantics)."""
-  if not one_warp:
-    loop()
-    return
-
-  @plgpu.warp_map
-  def _(warp):
-    @pl.when(warp == 0)
-    def _():
-      loop()
 
 
 def batch_rule(call, axis_size: int, in_batched, operands, variant):
@@ -316,19 +230,9 @@ def accumulators(body, *shapes):
   return pl.run_scoped(body, *[plgpu.ACC(tuple(s), jnp.float32) for s in shapes])
 
 
-def consumers_sync(barrier_ref, n_consumers: int):
-  """The consumer warpgroups wait here for each other (all ``n_consumers`` of them must call it).
-
-  ``barrier_ref``: an mbarrier expecting ``n_consumers`` arrivals (arrive, then wait on its phase),
-  or None: one hardware ``bar.sync`` of ``CONSUMERS_BARRIER_ID`` over their ``128 * n_consumers``
-  threads, which also orders their shared-memory writes before it for every thread after it (the
-  writers fence their tiles for the tensor cores' async proxy first: ``plgpu.commit_smem``). Pallas'
-  GPU interpreter has no inline PTX: emulated kernels use the mbarrier.
-  """
-  if barrier_ref is None:
-    mgpu_helpers.inline_ptx(
-        f"bar.sync {CONSUMERS_BARRIER_ID}, {WARPGROUP_THREADS * n_consumers};")
-    return
+def consumers_sync(barrier_ref):
+  """The consumer warpgroups wait here for each other (all of them must call it): ``barrier_ref`` is
+  an mbarrier expecting one arrival per consumer warpgroup; each arrives, then waits on its phase."""
   plgpu.barrier_arrive(barrier_ref)
   plgpu.barrier_wait(barrier_ref)
 

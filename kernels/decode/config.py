@@ -1,0 +1,144 @@
+"""Launch settings of the decode kernels: one frozen, validated dataclass, the split heuristic, and
+the launch form (the config resolved against a call, with the training family its backward uses).
+
+Names: ``block_k`` keys per step of a program's loop (the paper's ``B_c``); a *split* is one share of
+a row's key range, run by its own program (flash-decoding); ``waves`` is how many times the programs
+fill the GPU's SMs (one program per SM counted as one wave).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..softmax import check_input_dtype
+
+# Triton tiles: power-of-two sides, 16 the smallest a tensor-core dot takes.
+_MIN_BLOCK, _MAX_BLOCK = 16, 256
+# The heuristic never makes more splits than this (the combine's partials grow with them) nor splits
+# shorter than MIN_BLOCKS_PER_SPLIT key blocks (each split pays its setup and a partial's write).
+MAX_SPLITS = 128
+MIN_BLOCKS_PER_SPLIT = 2
+# SMs of an H100 SXM: the heuristic's count where the device does not say (on CPU, interpret mode).
+DEFAULT_SMS = 132
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Tiles and launch parameters of the decode (split-KV) forward kernel.
+
+  Attributes:
+    block_k: keys per loop step (a power of two in [16, 256]).
+    num_splits: programs per (batch element, KV head) that share its key range; None: the
+      heuristic (:func:`num_splits_heuristic`) picks it from B, K, S and the SM count.
+    num_warps, num_stages: Triton launch settings of the forward kernel.
+    waves: the heuristic's target, in programs per SM: it splits the keys until ``B * K * splits``
+      reaches ``waves`` times the SM count (or the splits would get shorter than
+      ``MIN_BLOCKS_PER_SPLIT`` key blocks).
+  """
+
+  block_k: int = 64
+  num_splits: int | None = None
+  num_warps: int = 4
+  num_stages: int = 2
+  waves: int = 2
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      v = getattr(self, f.name)
+      if f.name == "num_splits" and v is None:
+        continue
+      if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"DecodeConfig.{f.name} must be an int, got {type(v).__name__} {v!r}")
+      object.__setattr__(self, f.name, int(v))
+    if not _is_pow2(self.block_k) or not _MIN_BLOCK <= self.block_k <= _MAX_BLOCK:
+      raise ValueError(f"DecodeConfig.block_k must be a power of two in [{_MIN_BLOCK}, "
+                       f"{_MAX_BLOCK}], got {self.block_k}")
+    if self.num_splits is not None and not 1 <= self.num_splits <= 1024:
+      raise ValueError(f"DecodeConfig.num_splits must be None or in [1, 1024], got "
+                       f"{self.num_splits}")
+    if self.num_warps not in (1, 2, 4, 8, 16):
+      raise ValueError(f"DecodeConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
+    if not 1 <= self.num_stages <= 8:
+      raise ValueError(f"DecodeConfig.num_stages must be in [1, 8], got {self.num_stages}")
+    if not 1 <= self.waves <= 64:
+      raise ValueError(f"DecodeConfig.waves must be in [1, 64], got {self.waves}")
+
+  replace = dataclasses.replace
+
+  @classmethod
+  def default(cls, head_dim: int, dtype=jnp.bfloat16) -> "DecodeConfig":
+    """The default per (head_dim, dtype). Untuned on a GPU so far: the first guesses are 64 keys per
+    step for 16-bit inputs up to head_dim 128 (a [64, 128] K and V tile, 16 KiB each, two stages),
+    32 at head_dim 256 and for float32."""
+    if isinstance(head_dim, (bool, np.bool_)) or not isinstance(head_dim, (int, np.integer)):
+      raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__} {head_dim!r}")
+    if head_dim < 1:
+      raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    hp = max(16, 1 << math.ceil(math.log2(int(head_dim))))
+    f32 = check_input_dtype(dtype) == jnp.float32
+    block_k = 32 if (hp > 128 or f32) else 64
+    return cls(block_k=block_k, num_warps=4, num_stages=2)
+
+
+def num_splits_heuristic(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS, waves: int = 2,
+                         max_splits: int = MAX_SPLITS,
+                         min_blocks: int = MIN_BLOCKS_PER_SPLIT) -> int:
+  """How many splits of the key range (>= 1).
+
+  ``programs`` = B * K (one program per batch element and KV head before splitting), ``n_blocks``
+  the key blocks of the longest row (S_max / block_k: static; the rows' own lengths are not known
+  when the kernel is built, and each row's reachable range is split evenly among the splits at run
+  time). With at least 0.8 * ``waves * sms`` programs the GPU is full without splitting: 1.
+  Otherwise the fewest splits that reach ``waves * sms`` programs, but no more than ``max_splits``
+  and no splits shorter than ``min_blocks`` key blocks (of the longest row); then the count is
+  lowered to the least that gives the longest row the same chunk length (no empty trailing chunk).
+  """
+  programs, n_blocks, sms = max(1, int(programs)), max(1, int(n_blocks)), max(1, int(sms))
+  target = waves * sms
+  if programs >= 0.8 * target:
+    return 1
+  cap = max(1, min(max_splits, n_blocks // max(1, min_blocks)))
+  splits = min(cap, -(-target // programs))
+  # the split count that leaves no trailing empty chunk for the longest row
+  per = -(-n_blocks // splits)
+  return max(1, -(-n_blocks // per))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLaunch:
+  """A :class:`DecodeConfig` resolved against one call: what the kernels launch with (hashable: it
+  is static state of the ``custom_vjp``).
+
+  Attributes:
+    config: the user's or the default :class:`DecodeConfig`.
+    num_splits: the splits this call runs (the config's, or the heuristic's).
+    rows: query rows a program packs, ``T * N / K`` (its tile has ``rows_padded`` rows).
+    backward: the training family whose backward (and, for a call that is not decode-shaped as
+      launched, forward) runs: ``"sm90"`` or ``"triton"``.
+    backward_config: that family's launch config for the call.
+    delegate_forward: True when the launched call is not decode-shaped (e.g. padded to a length
+      multiple by ``reuse_kernels_across_programs``): the training family's forward runs it.
+  """
+
+  config: DecodeConfig
+  num_splits: int
+  rows: int
+  backward: str
+  backward_config: object
+  delegate_forward: bool = False
+
+  @property
+  def block_k(self) -> int:
+    return self.config.block_k
+
+  @property
+  def rows_padded(self) -> int:
+    """The tile's rows: ``rows`` up to a power of two, at least 16 (a tensor-core dot's M)."""
+    return max(16, 1 << max(0, math.ceil(math.log2(max(1, self.rows)))))

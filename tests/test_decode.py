@@ -1,0 +1,460 @@
+"""The decode family (kernels/decode): a few new query rows against a long key/value cache.
+
+Out, lse and gradients against the float64 formula (``fa2_jax.reference_attention``) for the
+decoding shapes and variants it runs (T_new 1, 4, 16; GQA, MQA, MHA; ragged per-row lengths with an
+empty and a full row; per-row and scalar ``q_offset``; windows; soft cap; ALiBi; one split and
+several; bfloat16 and float32), the split heuristic, and dispatch: which calls it takes, why, and
+what falls through to the training families. On CPU the kernels run in Pallas interpret mode.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fa2_jax
+from conftest import on_gpu
+from fa2_jax.kernels import registry
+from fa2_jax.kernels.decode.config import (DecodeConfig, DecodeLaunch, MAX_SPLITS,
+                                           num_splits_heuristic)
+
+INTERPRET = None if on_gpu() else True
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# Errors as tests/test_attention.py bounds them: at most twice the formula's own error in the input
+# dtype plus atol * (max |reference| + 1).
+ATOL = {"float32": 2e-5, "bfloat16": 2e-3, "float16": 5e-4}
+
+
+def _inputs(b, t, n, kh, h, s, dtype, seed=0, nan_past=None):
+  ks = jax.random.split(jax.random.key(seed), 3)
+  dt = DTYPES[dtype]
+  q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dt)
+  k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(dt)
+  v = jax.random.normal(ks[2], (b, s, kh, h), jnp.float32).astype(dt)
+  if nan_past is not None:  # NaN in the cache past each row's length: never attended
+    past = (jnp.arange(s)[None, :] >= jnp.asarray(nan_past)[:, None])[:, :, None, None]
+    k, v = jnp.where(past, jnp.nan, k).astype(dt), jnp.where(past, jnp.nan, v).astype(dt)
+  return q, k, v
+
+
+def _reference(q, k, v, compute_dtype=None, **kw):
+  """(out, lse) as float64 numpy: the formula in float64 (compute_dtype None) or in the inputs'
+  dtype (the error budget)."""
+  cpu = jax.devices("cpu")[0]
+  if compute_dtype is not None:
+    out, lse = jax.jit(lambda a, b, c: fa2_jax.reference_attention(
+        a, b, c, compute_dtype=compute_dtype, return_residual=True, **kw))(q, k, v)
+    return np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)
+  with jax.enable_x64(True):
+    args = [jax.device_put(np.asarray(x.astype(jnp.float32), np.float64), cpu) for x in (q, k, v)]
+    out, lse = jax.jit(lambda a, b, c: fa2_jax.reference_attention(
+        a, b, c, return_residual=True, **kw))(*args)
+    return np.asarray(out), np.asarray(lse)
+
+
+def _split(kw):
+  """(array keywords, the others): the arrays become arguments of a jitted call."""
+  arrays = {n: x for n, x in kw.items() if isinstance(x, jax.Array)}
+  return arrays, {n: x for n, x in kw.items() if n not in arrays}
+
+
+def _jit_call(q, k, v, config=None, **kw):
+  """flash_attention(..., return_residual=True) under jit: one compile (eager, every op of the
+  wrapper compiles on its own, several times slower in interpret mode)."""
+  arrays, static = _split(kw)
+  return jax.jit(lambda a, b, c, arr: fa2_jax.flash_attention(
+      a, b, c, interpret=INTERPRET, return_residual=True, block_sizes=config, **static, **arr))(
+          q, k, v, arrays)
+
+
+def _check(q, k, v, config=None, **kw):
+  """Runs the call on the decode kernels (asserting that dispatch picks them) and checks out and
+  lse against the float64 formula. Returns (out, lse) as numpy."""
+  d = fa2_jax.backend_for(q, k, v, interpret=INTERPRET, block_sizes=config, **kw)
+  assert d.backend == "decode", d
+  out, lse = _jit_call(q, k, v, config=config, **kw)
+  assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == q.shape[:3]
+  got = [np.asarray(out.astype(jnp.float32), np.float64), np.asarray(lse, np.float64)]
+  ref = _reference(q, k, v, **kw)
+  dtype = jnp.dtype(q.dtype).name
+  low = (_reference(q, k, v, compute_dtype=q.dtype, **kw) if dtype != "float32" else ref)
+  for name, g, r, lo in zip(("out", "lse"), got, ref, low):
+    np.testing.assert_array_equal(np.isneginf(g), np.isneginf(r), err_msg=f"{name}: -inf rows")
+    fin = np.isfinite(r)
+    assert np.all(np.isfinite(g[fin])), f"{name}: non-finite values"
+    err = np.max(np.abs(g[fin] - r[fin]), initial=0.0)
+    budget = 2 * np.max(np.abs(lo[fin] - r[fin]), initial=0.0)
+    bound = budget + ATOL[dtype] * (np.max(np.abs(r[fin]), initial=0.0) + 1.0)
+    assert err <= bound, f"{name}: error {err:.3g} > bound {bound:.3g} ({d})"
+  return got
+
+
+# --- forward: out and lse ------------------------------------------------------------------------
+
+def test_one_row_gqa_ragged_lengths_several_splits():
+  """T_new = 1, GQA (8 query heads on 2 KV heads), per-row lengths with an empty row (out 0, lse
+  -inf) and a full one, q_offset = lengths - 1, 3 splits forced; NaN stored past each length."""
+  lens = jnp.array([300, 0, 137], jnp.int32)
+  q, k, v = _inputs(3, 1, 8, 2, 32, 300, "float32", nan_past=lens)
+  cfg = DecodeConfig(block_k=32, num_splits=3)
+  assert "3 splits" in str(fa2_jax.backend_for(q, k, interpret=INTERPRET, block_sizes=cfg,
+                                               is_causal=True, key_value_seq_lengths=lens,
+                                               q_offset=lens - 1))
+  out, lse = _check(q, k, v, cfg, is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 1)
+  np.testing.assert_array_equal(out[1], 0.0)
+  assert np.all(np.isneginf(lse[1])) and np.all(np.isfinite(lse[[0, 2]]))
+
+
+def test_four_rows_mqa_window_soft_cap_query_lengths_bf16_one_split():
+  """T_new = 4, MQA (one KV head), bfloat16, one split: bottom-right causal rows (q_offset =
+  lengths - 4) with a sliding window, a soft cap and query lengths (a padded row)."""
+  lens = jnp.array([512, 45], jnp.int32)
+  q, k, v = _inputs(2, 4, 4, 1, 64, 512, "bfloat16", seed=1)
+  _check(q, k, v, DecodeConfig(block_k=64, num_splits=1), is_causal=True,
+         key_value_seq_lengths=lens, q_offset=lens - 4, local_window_size=(64, 0),
+         logits_soft_cap=20.0, query_seq_lengths=jnp.array([4, 3], jnp.int32))
+
+
+def test_sixteen_rows_mha_alibi_scalar_offset_heuristic_splits():
+  """T_new = 16, MHA, a scalar q_offset, ALiBi, the heuristic's splits."""
+  q, k, v = _inputs(2, 16, 2, 2, 16, 384, "float32", seed=2)
+  _check(q, k, v, is_causal=True, q_offset=300, alibi_slopes=jnp.array([0.05, 0.3], jnp.float32))
+
+
+def test_dense_gqa_ragged_head_dim_and_keys_bf16():
+  """No variant at all (a cross-attention-like call): head_dim 40 (padded to 64 in the tile), S not
+  a multiple of block_k, 4 splits, two-sided window on another call."""
+  q, k, v = _inputs(2, 2, 8, 2, 40, 260, "bfloat16", seed=3)
+  _check(q, k, v, DecodeConfig(block_k=32, num_splits=4))
+  lens = jnp.array([260, 200], jnp.int32)
+  _check(q, k, v, DecodeConfig(block_k=16, num_splits=5), key_value_seq_lengths=lens,
+         q_offset=jnp.array([100, 7], jnp.int32), local_window_size=(50, 20))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    (4, 1, 32, 8, 128, 4096, "bfloat16", None),
+    (2, 4, 16, 2, 64, 8192, "float16", None),
+    (3, 16, 4, 4, 256, 2048, "bfloat16", 7),
+    (64, 1, 8, 1, 128, 1024, "bfloat16", None),
+], ids=lambda c: "-".join(map(str, c[:7])))
+def test_compiled_decoding_shapes_gpu(case):
+  """Compiled (GPU): the decoding shapes the kernels are made for, ragged rows, heuristic splits."""
+  b, t, n, kh, h, s, dtype, splits = case
+  q, k, v = _inputs(b, t, n, kh, h, s, dtype, seed=9)
+  lens = jnp.asarray(np.linspace(s, t, b).astype(np.int32))
+  _check(q, k, v, DecodeConfig.default(h, DTYPES[dtype]).replace(num_splits=splits),
+         is_causal=True, key_value_seq_lengths=lens, q_offset=lens - t)
+
+
+# --- backward: the training family's, exact ------------------------------------------------------
+
+def test_grad_through_a_decoding_call_matches_the_formula():
+  """jax.grad through a decoding call (out and lse cotangents) runs the training family's backward
+  on the decode forward's statistics: equal to the formula's gradients."""
+  lens = jnp.array([256, 0, 70], jnp.int32)
+  q, k, v = _inputs(3, 2, 4, 2, 16, 256, "float32", seed=4)
+  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 2)
+  cfg = DecodeConfig(block_k=32, num_splits=2)
+  d = fa2_jax.backend_for(q, k, interpret=INTERPRET, block_sizes=cfg, **kw)
+  assert d.backend == "decode" and d.backward and "backward is" in d.reason, d
+
+  def loss(fn):
+    def f(a, b, c):
+      out, lse = fn(a, b, c)
+      lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+      return jnp.sum(out * jnp.cos(out)) + jnp.sum(jnp.sin(lse))
+    return f
+
+  mine = jax.jit(jax.grad(loss(lambda a, b, c: fa2_jax.flash_attention(
+      a, b, c, interpret=INTERPRET, block_sizes=cfg, return_residual=True, **kw)),
+      argnums=(0, 1, 2)))(q, k, v)
+  with jax.enable_x64(True):
+    q64, k64, v64 = (jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v))
+    ref = jax.jit(jax.grad(loss(lambda a, b, c: fa2_jax.reference_attention(
+        a, b, c, return_residual=True, **kw)), argnums=(0, 1, 2)))(q64, k64, v64)
+    ref = [np.asarray(x) for x in ref]
+  for name, a, r in zip(("dq", "dk", "dv"), mine, ref):
+    err = np.max(np.abs(np.asarray(a, np.float64) - r))
+    assert err <= 5e-5 * (np.max(np.abs(r)) + 1.0), f"{name}: error {err:.3g}"
+  np.testing.assert_array_equal(np.asarray(mine[0])[1], 0.0)  # the empty row: no gradient
+
+
+def test_a_call_padded_past_decoding_shape_runs_the_training_forward():
+  """reuse_kernels_across_programs(length_multiple=...) pads T for the kernels: the launched call is
+  no longer decode-shaped, and the training family's forward runs it (same results)."""
+  lens = jnp.array([300, 41], jnp.int32)
+  q, k, v = _inputs(2, 1, 4, 2, 16, 300, "float32", seed=5)
+  previous = fa2_jax.reuse_kernels_across_programs(True, length_multiple=64)
+  try:
+    _check(q, k, v, is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 1)
+  finally:
+    fa2_jax.reuse_kernels_across_programs(previous)
+
+
+# --- dispatch ------------------------------------------------------------------------------------
+
+def _shapes(b=2, t=1, n=8, kh=2, h=64, s=1024, dtype=jnp.bfloat16):
+  return (jax.ShapeDtypeStruct((b, t, n, h), dtype), jax.ShapeDtypeStruct((b, s, kh, h), dtype))
+
+
+def test_backend_for_names_decode_and_why():
+  q, k = _shapes()
+  lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+  d = fa2_jax.backend_for(q, k, interpret=True, is_causal=True, key_value_seq_lengths=lens,
+                          q_offset=lens)
+  assert d.backend == "decode", d
+  assert d.forward[0].startswith("decode split-KV forward") and d.backward == (
+      "triton dK/dV", "triton dQ") or on_gpu(), d
+  assert "a decoding call (T=1 new rows x 4 query heads per KV head = 4 rows in one 16-row tile" \
+      in d.reason and "interpret=True" in d.reason, d.reason
+  # the registry tries it first
+  assert registry.names()[0] == "decode"
+  assert registry.for_config(DecodeConfig()) is registry.get("decode")
+
+
+@pytest.mark.parametrize("shape, kw, why", [
+    (dict(t=1024, s=1024), {}, "at most 16 new query rows, got T=1024"),
+    (dict(t=16, n=8, kh=1), dict(is_causal=True, q_offset=5), "at most 64 rows"),
+    (dict(t=1, s=128), {}, "keys S >= 256"),
+    (dict(t=16, n=2, kh=2, s=100 * 1), {}, "keys S >= 256"),
+    (dict(t=1), dict(is_causal=True), "top-left causal"),
+    (dict(t=1, h=512), {}, "head_dim <= 256"),
+])
+def test_calls_that_are_not_decode_shaped_fall_through(shape, kw, why):
+  q, k = _shapes(**shape)
+  d = fa2_jax.backend_for(q, k, interpret=True, **kw)
+  assert d.backend != "decode", d
+  if q.shape[-1] <= 256:
+    assert d.backend == "triton", d
+  with pytest.raises(ValueError, match=f"implementation='decode' cannot run this call: .*{why}"):
+    fa2_jax.backend_for(q, k, interpret=True, implementation="decode", **kw)
+  with pytest.raises(ValueError, match="block_sizes is a DecodeConfig"):
+    fa2_jax.backend_for(q, k, interpret=True, block_sizes=DecodeConfig(), **kw)
+
+
+def test_variants_it_lacks_fall_through_to_triton():
+  q, k = _shapes(b=1)
+  seg = jax.ShapeDtypeStruct((1, 1), jnp.int32), jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+  for kw, name in ((dict(q_segment_ids=seg[0], kv_segment_ids=seg[1]), "q_segment_ids"),
+                   (dict(mask_fn=lambda b, h, i, j: j <= i + 3), "mask_fn"),
+                   (dict(score_fn=lambda s, b, h, i, j: s * 0.5), "score_fn")):
+    d = fa2_jax.backend_for(q, k, interpret=True, **kw)
+    assert d.backend == "triton", d
+    with pytest.raises(ValueError, match=f"implementation='decode' cannot run this call: it does "
+                       f"not implement {name}"):
+      fa2_jax.backend_for(q, k, interpret=True, implementation="decode", **kw)
+
+
+def test_off_gpu_without_interpret_runs_the_formula():
+  if on_gpu():
+    pytest.skip("CPU dispatch rule")
+  q, k = _shapes()
+  assert fa2_jax.backend_for(q, k).backend == "xla"
+
+
+def test_a_forced_split_count_shows_in_backend_for():
+  q, k = _shapes(s=4096)
+  for splits, names in ((1, ("decode split-KV forward (1 split)",)),
+                        (7, ("decode split-KV forward (7 splits)", "decode combine"))):
+    d = fa2_jax.backend_for(q, k, interpret=True, block_sizes=DecodeConfig(num_splits=splits))
+    assert d.forward == names, d
+
+
+# --- config and heuristic ------------------------------------------------------------------------
+
+def test_decode_config_validates_its_fields():
+  with pytest.raises(ValueError, match="block_k must be a power of two"):
+    DecodeConfig(block_k=48)
+  with pytest.raises(ValueError, match="num_splits"):
+    DecodeConfig(num_splits=0)
+  with pytest.raises(TypeError, match="num_warps must be an int"):
+    DecodeConfig(num_warps=4.0)
+  with pytest.raises(ValueError, match="waves"):
+    DecodeConfig(waves=0)
+  assert DecodeConfig.default(128, jnp.bfloat16).block_k == 64
+  assert DecodeConfig.default(256, jnp.bfloat16).block_k == 32
+  assert DecodeConfig.default(64, jnp.float32).block_k == 32
+  hash(DecodeLaunch(DecodeConfig(), 3, 4, "triton", fa2_jax.BlockSizes()))
+
+
+def test_split_heuristic_fills_the_gpu():
+  # enough (batch, KV head) programs already: no split
+  assert num_splits_heuristic(64 * 8, 64, sms=132) == 1
+  assert num_splits_heuristic(220, 64, sms=132) == 1
+  # one sequence, 8 KV heads, 4096 keys in 64-key blocks: 33 splits would reach 2 waves, but a
+  # split keeps 2 blocks at least: 32
+  assert num_splits_heuristic(8, 64, sms=132) == 32
+  # long cache: the split count reaching 2 waves, lowered to the least with the same chunk length
+  s = num_splits_heuristic(8, 2048, sms=132)
+  assert 8 * s >= 264 and s <= MAX_SPLITS
+  per = -(-2048 // s)
+  assert -(-2048 // per) == s
+  # short cache: never a split shorter than 2 blocks
+  assert num_splits_heuristic(1, 5, sms=132) == 2
+  assert num_splits_heuristic(1, 1, sms=132) == 1
+  # more waves asked: more splits
+  assert num_splits_heuristic(16, 1024, sms=132, waves=4) >= num_splits_heuristic(16, 1024,
+                                                                                  sms=132)
+
+
+# --- the Triton lowering (no GPU needed) ---------------------------------------------------------
+
+LOWERING_CASES = [  # (b, t, n, kh, h, s, dtype, splits, variant keywords)
+    (2, 1, 32, 8, 128, 4096, jnp.bfloat16, None, dict(is_causal=True, lengths=True)),
+    (4, 4, 8, 1, 64, 1000, jnp.float16, 1, dict(is_causal=True, lengths=True,
+                                                 local_window_size=(256, 0),
+                                                 logits_soft_cap=30.0)),
+    (1, 16, 4, 4, 256, 2048, jnp.float32, 5, dict(is_causal=True, q_offset=2000, alibi=True)),
+    (3, 2, 6, 2, 80, 777, jnp.bfloat16, 3, {}),
+    (2, 1, 16, 2, 128, 2048, jnp.bfloat16, None, dict(is_causal=True, lengths=True, pages=16)),
+    (2, 2, 8, 8, 64, 1024, jnp.float16, 4, dict(is_causal=True, lengths=True, pages=256)),
+]
+
+
+@pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: "-".join(map(str, c[:6])))
+def test_lowers_for_hopper(case, monkeypatch):
+  """The decode forward (and the delegated backward) lower to Triton IR for an H200 (jax.export for
+  "cuda" on any machine, as tests/test_lowering.py): the row gathers, the in-kernel block range and
+  the split shares pass the Pallas Triton lowering."""
+  from jax import export
+  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
+  registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+  from fa2_jax.kernels import platform
+  monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  b, t, n, kh, h, s, dtype, splits, kw = case
+  kw = dict(kw)
+  q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
+  kv = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
+  lengths = kw.pop("lengths", False)
+  alibi = kw.pop("alibi", False)
+  page_size = kw.pop("pages", None)
+  config = DecodeConfig.default(h, dtype).replace(num_splits=splits)
+  table = None
+  if page_size is not None:  # a paged cache: as many pages as keys, in one table per row
+    kv = jax.ShapeDtypeStruct((b * s // page_size, page_size, kh, h), dtype)
+    table = jnp.arange(b * s // page_size, dtype=jnp.int32).reshape(b, s // page_size)[::-1]
+
+  def loss(q, k, v, lens, slopes):
+    extra = dict(key_value_seq_lengths=lens, q_offset=lens - t) if lengths else {}
+    if alibi:
+      extra["alibi_slopes"] = slopes
+    if table is not None:
+      extra["block_table"] = table
+    o = fa2_jax.flash_attention(q, k, v, block_sizes=config, **extra, **kw)
+    return o.astype(jnp.float32).sum()
+
+  lens = jax.ShapeDtypeStruct((b,), jnp.int32)
+  slopes = jax.ShapeDtypeStruct((n,), jnp.float32)
+  assert fa2_jax.backend_for(q, kv, block_sizes=config, block_table=table, **kw,
+                             **(dict(key_value_seq_lengths=lens, q_offset=lens) if lengths
+                                else {})).backend == "decode"
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+  exp = export.export(fn, platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, kv, kv, lens, slopes)
+  text = exp.mlir_module()
+  assert "fa2_decode_forward" in text and text.count("__gpu$xla.gpu.triton") >= 3
+
+
+# --- a paged key/value cache (block_table) --------------------------------------------------------
+
+def _paged(b, t, n, kh, h, page_size, max_pages, num_pages, dtype, seed=0):
+  """q, key/value pages, and a block table whose pages are in random order, with rows 0 and 1
+  sharing their first pages."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  dt = DTYPES[dtype]
+  q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(dt)
+  kp = jax.random.normal(ks[1], (num_pages, page_size, kh, h), jnp.float32).astype(dt)
+  vp = jax.random.normal(ks[2], (num_pages, page_size, kh, h), jnp.float32).astype(dt)
+  table = jax.random.permutation(ks[3], num_pages)[:b * max_pages].reshape(b, max_pages)
+  if b > 1:
+    table = table.at[1, :2].set(table[0, :2])  # shared pages (a common prefix)
+  return q, kp, vp, table.astype(jnp.int32)
+
+
+@pytest.mark.parametrize("case", [
+    # (b, t, n, kh, h, page_size, max_pages, num_pages, dtype, block_k, splits, lengths)
+    (3, 1, 4, 1, 32, 16, 20, 64, "bfloat16", 32, 3, (320, 0, 77)),  # a block spans 2 pages
+    (2, 4, 8, 2, 16, 64, 5, 12, "float32", 16, None, (300, 64)),  # a page holds 4 blocks
+    (2, 1, 2, 2, 64, 256, 2, 5, "float32", 64, 1, (512, 257)),
+], ids=lambda c: f"page{c[5]}-t{c[1]}-{c[8]}")
+def test_paged_cache_matches_the_gathered_formula(case):
+  from fa2_jax.paged import gather_pages
+  b, t, n, kh, h, page_size, max_pages, num_pages, dtype, block_k, splits, lengths = case
+  q, kp, vp, table = _paged(b, t, n, kh, h, page_size, max_pages, num_pages, dtype)
+  lens = jnp.array(lengths, jnp.int32)
+  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - t)
+  cfg = DecodeConfig(block_k=block_k, num_splits=splits)
+  d = fa2_jax.backend_for(q, kp, vp, interpret=INTERPRET, block_table=table, block_sizes=cfg, **kw)
+  assert d.backend == "decode" and "reads the" in d.reason and "through the table" in d.reason, d
+  out, lse = _jit_call(q, kp, vp, config=cfg, block_table=table, **kw)
+  k, v = gather_pages(kp, table), gather_pages(vp, table)
+  ref = _reference(q, k, v, **kw)
+  low = _reference(q, k, v, compute_dtype=q.dtype, **kw) if dtype != "float32" else ref
+  for name, g, r, lo in zip(("out", "lse"), (out.astype(jnp.float32), lse), ref, low):
+    g = np.asarray(g, np.float64)
+    np.testing.assert_array_equal(np.isneginf(g), np.isneginf(r), err_msg=name)
+    fin = np.isfinite(r)
+    err = np.max(np.abs(g[fin] - r[fin]))
+    bound = (2 * np.max(np.abs(lo[fin] - r[fin]))
+             + ATOL[dtype] * (np.max(np.abs(r[fin])) + 1.0))
+    assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g}"
+
+
+def test_grad_through_a_paged_decoding_call():
+  """Gradients to the query and the pages (shared pages get both rows' share) equal the gathered
+  formula's."""
+  from fa2_jax.paged import gather_pages
+  q, kp, vp, table = _paged(2, 2, 4, 2, 16, 32, 9, 20, "float32", seed=7)
+  lens = jnp.array([288, 100], jnp.int32)
+  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 2)
+  cfg = DecodeConfig(block_k=16, num_splits=2)
+  mine = jax.jit(jax.grad(lambda a, b, c: jnp.sum(jnp.sin(fa2_jax.flash_attention(
+      a, b, c, interpret=INTERPRET, block_sizes=cfg, block_table=table, **kw))),
+      argnums=(0, 1, 2)))(q, kp, vp)
+  ref = jax.jit(jax.grad(lambda a, b, c: jnp.sum(jnp.sin(fa2_jax.reference_attention(
+      a, gather_pages(b, table), gather_pages(c, table), **kw))), argnums=(0, 1, 2)))(q, kp, vp)
+  for name, a, r in zip(("dq", "dkp", "dvp"), mine, ref):
+    np.testing.assert_allclose(a, r, atol=2e-5 * (float(jnp.max(jnp.abs(r))) + 1.0), err_msg=name)
+
+
+def test_a_paged_call_that_is_not_decoding_gathers_the_pages():
+  from fa2_jax.paged import gather_pages
+  q, kp, vp, table = _paged(2, 24, 2, 1, 16, 16, 4, 9, "float32", seed=8)
+  lens = jnp.array([64, 30], jnp.int32)
+  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 24)
+  d = fa2_jax.backend_for(q, kp, vp, interpret=INTERPRET, block_table=table, **kw)
+  assert d.backend != "decode" and "gathered into contiguous K/V [B, 64, K, H]" in d.reason, d
+  out, lse = _jit_call(q, kp, vp, block_table=table, **kw)
+  ref_out, ref_lse = _reference(q, gather_pages(kp, table), gather_pages(vp, table), **kw)
+  np.testing.assert_allclose(np.asarray(out, np.float64), ref_out, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(lse, np.float64), ref_lse, atol=2e-5)
+
+
+def test_paged_arguments_are_validated():
+  q, kp, vp, table = _paged(2, 1, 4, 2, 16, 16, 4, 8, "float32")
+  lens = jnp.array([64, 20], jnp.int32)
+  call = lambda **kw: fa2_jax.backend_for(q, kw.pop("k", kp), kw.pop("v", vp),  # noqa: E731
+                                          interpret=True, **{"block_table": table,
+                                                             "key_value_seq_lengths": lens, **kw})
+  with pytest.raises(TypeError, match="block_table must be an integer array"):
+    call(block_table=table.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"block_table must have shape \[B, max_pages\] with B=2"):
+    call(block_table=table[:1])
+  with pytest.raises(ValueError, match="block_table needs key_value_seq_lengths"):
+    call(key_value_seq_lengths=None)
+  with pytest.raises(ValueError, match="key_value_seq_lengths must be at most max_pages"):
+    call(key_value_seq_lengths=jnp.array([65, 3], jnp.int32))
+  with pytest.raises(ValueError, match=r"page ids outside \[0, 8\).*block_table\[1, 0\] = 8"):
+    call(block_table=table.at[1, 0].set(8))
+  # entries past a row's keys are never read: -1 padding there is fine
+  call(block_table=table.at[1, 2:].set(-1))
+  with pytest.raises(ValueError, match=r"key/value must be pages|key and value must be pages"):
+    call(v=vp[:, :8])
+  with pytest.raises(ValueError, match="needs a rank-4 query"):
+    fa2_jax.flash_attention(q[0], kp, vp, block_table=table, key_value_seq_lengths=lens)
+  with pytest.raises(TypeError, match="block_table must be an integer array"):
+    fa2_jax.flash_attention(q, kp, vp, block_table=[[0, 1]], key_value_seq_lengths=lens)
