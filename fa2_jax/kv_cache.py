@@ -50,7 +50,8 @@ FORWARD_ONLY_MESSAGE = (
 _SET_BY_CACHE = ("is_causal", "q_offset", "key_value_seq_lengths", "q_segment_ids",
                  "kv_segment_ids")
 # Whether fa2_jax.flash_attention takes a page table itself (FlashAttention's name, block_table):
-# PagedKVCache.attend then passes the pages as they are, else it gathers them into rows first.
+# PagedKVCache.attend then passes the pages as they are, else it gathers them into rows first (the
+# fallback, kept for an attention_fn that has no block_table).
 KERNEL_TAKES_BLOCK_TABLE = "block_table" in inspect.signature(flash_attention).parameters
 
 
@@ -373,10 +374,12 @@ class PagedKVCache:
     page_table: int32 ``[batch, pages_per_row]``: the pages of each batch row, in order.
     lengths: int32 ``[batch]``: the positions held per batch row.
 
-  :meth:`attend` passes the pages and the table to flash_attention as ``block_table`` where
-  flash_attention takes one (``KERNEL_TAKES_BLOCK_TABLE``); until then it gathers each row's pages
-  into a contiguous ``[batch, capacity, kv_heads, head_dim]`` copy first (the fallback: same
-  result, plus one copy of the cache per call).
+  :meth:`attend` passes the pages and the table to flash_attention as ``block_table`` (a decode
+  call's kernel reads the pages through the table; other calls gather them inside flash_attention).
+  With an ``attention_fn`` (which need not take ``block_table``), or a flash_attention without
+  ``block_table`` (``KERNEL_TAKES_BLOCK_TABLE`` False), it gathers each row's pages into a
+  contiguous ``[batch, capacity, kv_heads, head_dim]`` copy first (:meth:`gather`: the same result,
+  plus one copy of the cache per call).
   """
 
   k_pages: jax.Array
@@ -474,7 +477,8 @@ class PagedKVCache:
 
   def attend(self, q: jax.Array, *, query_seq_lengths=None, attention_fn: Callable | None = None,
              **kwargs):
-    """As :meth:`KVCache.attend`, over the pages (see the class docstring for the two paths)."""
+    """As :meth:`KVCache.attend`, over the pages (``block_table``, or gathered with an
+    ``attention_fn``: see the class docstring)."""
     if attention_fn is None and KERNEL_TAKES_BLOCK_TABLE:
       return _attend(q, self.k_pages, self.v_pages, self.lengths, query_seq_lengths, None, kwargs,
                      dtype=self.dtype, kv_heads=self.kv_heads, head_dim=self.head_dim,

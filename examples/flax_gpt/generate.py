@@ -35,7 +35,8 @@ import numpy as np
 import fa2_jax
 
 from . import data as data_lib
-from .cli import _OVERRIDES, _add_bool, _flag, _preset_help, BARE_TRUE, cli_message, flag_names
+from .cli import (_OVERRIDES, _add_bool, _flag, _preset_help, BARE_TRUE, cli_message,
+                  describe_configs, flag_names)
 from .config import ATTENTIONS, DTYPES, POSITIONS, PRESETS, GPTConfig, get_preset
 from .model import FLASH_IMPLEMENTATIONS, GPT, count_params, init_cache
 
@@ -371,7 +372,7 @@ def describe_decode_attention(mc: GPTConfig, batch: int) -> str:
 
 
 def _fail(message: str) -> None:
-  print(f"{PROG}: error: {message}", file=sys.stderr)
+  print(f"generate: error: {' '.join(str(message).splitlines())}", file=sys.stderr)
   raise SystemExit(2)
 
 
@@ -409,7 +410,8 @@ def main(argv=None) -> dict:
     _fail(cli_message(str(e)))
   devices = jax.local_devices()
   print(f"checkpoint of step {step} in {os.path.abspath(args.ckpt_dir)}: "
-        f"{count_params(params):,} parameters; preset {args.preset}: {mc}")
+        f"{count_params(params):,} parameters")
+  print("\n".join(describe_configs(args.preset, mc, get_preset(args.preset)[1])[:2]))
   print(f"jax {jax.__version__}, {devices[0].device_kind} ({jax.default_backend()})")
   print(attention_line, flush=True)
   ids = [list(data_lib.encode(p)) for p in prompts]
