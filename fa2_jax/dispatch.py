@@ -141,7 +141,6 @@ def describe(backend: str, call: KernelCall | None, *, implementation, config, f
     if call.interpret:
       why = f"interpret=True runs the {backend} kernels in Pallas interpret mode"
   # A family may say what about the call made it the one (kernels/decode: a decoding call).
-  if (own := getattr(family, "chosen_because", None)) is not None and (
-      text := own(call, launch)) is not None:
+  if (text := family.chosen_because(call, launch)) is not None:
     why = f"{text}; {why}"
   return Dispatch(backend, fwd, bwd, deterministic, bool(call.interpret), why)

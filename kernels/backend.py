@@ -102,6 +102,12 @@ class Backend:
   def partitionable(self) -> bool:
     return True
 
+  def chosen_because(self, call: KernelCall, config) -> str | None:
+    """What about ``call`` made this family the one, for ``backend_for`` (None: nothing to add to
+    dispatch's reason)."""
+    del call, config
+    return None
+
   def forward(self, q, k, v, *, scale: float, is_causal: bool, config, variant: Variant | None,
               arrays, table, interpret: bool):
     """``(out [B, T, N, H] in q's dtype, stats [B, N, 2, T] f32)``: the rows' statistics
