@@ -338,7 +338,9 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, *, lengths=None, capacity:
     raise ValueError(f"k and v must have shape [batch={batch}, T={t}, kv_heads, head_dim="
                      f"{head_dim}] with kv_heads dividing q's {heads} heads, got {list(k.shape)} "
                      f"and {list(v.shape)}")
-  dtype = _cache_dtype(q.dtype)
+  dtype = jnp.dtype(q.dtype)
+  if dtype not in DTYPES:
+    raise TypeError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
   if jnp.dtype(k.dtype) != dtype or jnp.dtype(v.dtype) != dtype:
     raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   capacity = t if capacity is None else _positive_int("capacity", capacity)
