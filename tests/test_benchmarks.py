@@ -844,3 +844,14 @@ def test_result_metadata_names_no_machine_paths(monkeypatch):
   assert info["git_commit"] == "abc1234"
   assert "cwd" not in info and "hostname" not in info
 
+
+def test_results_index_links_every_result_file():
+  """benchmarks/results/README.md links only files that exist, and every result file is reachable from
+  it: linked itself, the data of a linked md (same name), or in a linked folder (runs/ and ab/)."""
+  results = ROOT / "benchmarks" / "results"
+  links = {(results / x).resolve() for x in re.findall(r"\]\(([^)#\s]+)\)", (results / "README.md").read_text())
+           if "://" not in x}
+  assert links and not [x for x in links if not x.exists()], [x for x in links if not x.exists()]
+  files = {p.resolve() for p in results.rglob("*") if p.is_file() and p.name != "README.md"}
+  unreached = [p for p in files if not any(x in (p, p.with_suffix(".md")) or x in p.parents for x in links)]
+  assert not unreached, unreached
