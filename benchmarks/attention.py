@@ -246,7 +246,7 @@ def table(cells) -> str:
   return h.md_table(
       ["cell"] + [h.style(n)[0] for n in names] + [f"fa2_jax ÷ {label}" for _, label in ratios],
       [[cell_label(g)] + [cell_text(by.get((n, g["id"]))) for n in names]
-       + [h.pair((by.get(("fa2", g["id"])) or {}).get(f"vs_{n}"), lambda x: h.fmt_num(x, ".2f"))
+       + [h.pair((by.get(("fa2", g["id"])) or {}).get(f"vs_{n}"), h.fmt_ratio)
           for n, _ in ratios] for cs in groups(cells).values() for g in cs])
 
 
@@ -285,8 +285,9 @@ def plot(data, cells, base, pass_: str):
             for group, gcells in grouped.items()]
   fig = h.bar_panels(plt, panels, ylabel=f"{pass_} TFLOP/s")
   what = "forward+backward" if pass_ == "fwd+bwd" else "forward"
-  return h.save(plt, fig, base, data, f"Attention {what} TFLOP/s, {data.get('config', {}).get('dtype', 'bf16')} "
-                f"(higher is better)", "" if pass_ == "fwd+bwd" else "_fwd")
+  dtype = data.get("config", {}).get("dtype", "bf16")
+  return h.save(plt, fig, base, data, f"Attention {what} TFLOP/s, {dtype} (higher is better)",
+                "" if pass_ == "fwd+bwd" else "_fwd")
 
 
 def summary(data) -> str:

@@ -81,6 +81,10 @@ def fmt_tf(x) -> str:
   return fmt_num(x, ".0f" if finite(x) and abs(x) >= 10 else ".3g")
 
 
+def fmt_ratio(x) -> str:
+  return fmt_num(x, ".2f")
+
+
 def fmt_ms(x) -> str:
   """Milliseconds: three significant digits below 100, whole numbers above."""
   return fmt_num(x, ".3g" if finite(x) and abs(x) < 100 else ".0f")
@@ -601,7 +605,7 @@ class Run:
     deadline = args.deadline
     if args.budget_s is not None:
       deadline = min(deadline or math.inf, time.time() + args.budget_s)
-    self.budget, self.bar, self.stem, self.tag = Budget(deadline), progress(total, stem), stem, args.tag
+    self.budget, self.bar, self.stem = Budget(deadline), progress(total, stem), stem
 
   def skip(self, cell: dict, kind: str = "cell", default: float = 0.0) -> bool:
     if self.rec.key(cell) in self.rec.done:  # --resume: measured (or crashed) in the last run

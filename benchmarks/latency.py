@@ -55,7 +55,8 @@ def run(args) -> dict:
     seqs, calls = args.seqs or [64, 128], args.calls or 5
     args.heads, args.head_dim = min(args.heads, 2), min(args.head_dim, 32)
   else:
-    seqs, calls = args.seqs or (QUICK_SEQS if args.quick else SEQS), args.calls or (100 if args.quick else 200)
+    seqs = args.seqs or (QUICK_SEQS if args.quick else SEQS)
+    calls = args.calls or (100 if args.quick else 200)
   names, info["absent_impls"] = impls.split_available(args.impls or DEFAULT_IMPLS)
   dtype = h.jnp_dtype(args.dtype)
   # The two ends first (a budget cut then loses the middle of the curve).

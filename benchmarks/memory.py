@@ -181,8 +181,9 @@ def run(args) -> dict:
     if not isolate:
       measure_impl(impl, seqs, args, run.budget, emit)
       continue
-    left = run.budget.left()
-    cells, err = in_child(impl, seqs, args, None if math.isinf(left) else time.time() + left / (len(names) - k))
+    left = run.budget.left()  # each implementation gets an equal share of what is left
+    cells, err = in_child(impl, seqs, args,
+                          None if math.isinf(left) else time.time() + left / (len(names) - k))
     for c in cells:
       emit(c)
     for s in sorted(set(seqs) - {c["seq"] for c in cells}):
@@ -218,7 +219,8 @@ def _impls(cells):
 
 
 def render(data, base):
-  cells, cfg, meta = [c for c in data.get("cells", []) if "impl" in c], data.get("config", {}), data.get("meta", {})
+  cells = [c for c in data.get("cells", []) if "impl" in c]
+  cfg, meta = data.get("config", {}), data.get("meta", {})
   lines = h.header(data, f"Memory of one forward+backward (batch {cfg.get('batch')}, {cfg.get('heads')} "
                    f"heads × {cfg.get('head_dim')}, {cfg.get('dtype')}, "
                    f"{'causal' if cfg.get('causal') else 'non-causal'})") + [

@@ -117,7 +117,8 @@ def run_impl(impl, q, k, v, do, *, causal):
   import fa2_jax
   if impl == "xla":
     def f(q, k, v):
-      logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+      logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+      logits = logits / math.sqrt(q.shape[-1])
       if causal:
         logits = jnp.where(jnp.tril(jnp.ones(logits.shape[-2:], bool)), logits, -jnp.inf)
       return (jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla"),
@@ -254,7 +255,9 @@ def render(data, base):
         if c is None or c.get("status") == "skipped":
           return "–" if c is None else "skip"
         r, bad = _err(c, q), _err(c, q, "nonfinite")
-        return f"{r:.1e} ({_err(c, q, 'max_abs'):.1e})" if h.finite(r) else f"NaN/inf ×{bad}" if bad else "–"
+        if h.finite(r):
+          return f"{r:.1e} ({_err(c, q, 'max_abs'):.1e})"
+        return f"NaN/inf ×{bad}" if bad else "–"
       rows = [[dt, h.style(i)[0]] + [text(sub.get((i, dt, s))) for s in seqs]
               for dt in DTYPES for i in h.ordered(i for i, _, _ in sub)
               if any(_err(sub.get((i, dt, s)), q) is not None for s in seqs)]

@@ -229,7 +229,8 @@ def render(data, base):
         [[r["head_dim"], mask(r), r["sweep"], f"{h.seq_label(r['seq'])} (B={r['batch']})", f"`{r['best']}`",
           h.fmt_tf(r["tflops"]), h.fmt_tf(r["default_tflops"]), h.fmt_num(r["gain"], ".2f"), r["n"]]
          for r in per_case]), ""]
-  lines += h.failures([c for c in cells if c.get("status") != "skipped"], lambda c: f"{c['sweep']} `{c['changes']}`",
+  lines += h.failures([c for c in cells if c.get("status") != "skipped"],
+                      lambda c: f"{c['sweep']} `{c['changes']}`",
                       lambda c: f"d{c['head_dim']} {h.seq_label(c['seq'])} {'c' if c['causal'] else 'nc'}",
                       keys=("error",))
   return [h.write_md(lines, base)]

@@ -527,7 +527,7 @@ def render(data, base):
           h.pair(c.get("ms"), h.fmt_ms), h.pair(c.get("tflops"), h.fmt_tf), _status_text(c)]
          for c in by.values()]))
     lines += ["", f"- ran: {', '.join(c['row'] for c in by.values() if c.get('ms')) or 'none'}"]
-    lines += [f"- `{a}` ÷ `{b}` (rate over the same attended pairs): {h.pair(r, lambda x: h.fmt_num(x, '.2f'))}"
+    lines += [f"- `{a}` ÷ `{b}` (rate over the same attended pairs): {h.pair(r, h.fmt_ratio)}"
               for a, b, r in compare(by, first.get("kind"))]
     lines += [f"- bar: {b['text']}: " + (", ".join(
         f"{p} {h.fmt_num(b['ratio'][p], '.2f')} {'✓' if b['ok'][p] else '✗'}" for p in PASSES
