@@ -164,7 +164,7 @@ def run(args) -> dict:
 
     if rows:
       run.together(rows, iters=args.iters, reps=args.reps, check=check, t0=t0)
-    del inputs, refs, rows
+    del inputs, refs, rows, check
     jax.clear_caches()  # compiled programs of this cell's shapes are not used again
   attach_ratios(run.rec.cells)
   return run.finish(render, summary)

@@ -683,6 +683,9 @@ def status_of(cell: dict, passes=("fwd", "fwd+bwd")) -> str:
   return "error" if all(errs) else "partial" if any(errs) else cell.get("status", "ok")
 
 
+BATCHED = ("query_seq_lengths", "key_value_seq_lengths", "q_segment_ids", "kv_segment_ids")
+
+
 def reference(q, k, v, heads: int, **kw):
   """The float32 reference output (``fa2_jax.reference_attention`` with ``kw``) of batch 0, the first
   ``heads`` query heads and their K/V heads, and the mask of its rows that hold tokens (or None)."""
@@ -691,7 +694,7 @@ def reference(q, k, v, heads: int, **kw):
   import fa2_jax
   nq = min(heads, q.shape[2])
   nk = max(1, -(-nq // (q.shape[2] // k.shape[2])))
-  kw = {n: jnp.asarray(x)[:1] if hasattr(x, "shape") else x for n, x in kw.items()}
+  kw = {n: jnp.asarray(x)[:1] if n in BATCHED else x for n, x in kw.items()}
   ref = jax.block_until_ready(jax.jit(lambda q, k, v: fa2_jax.reference_attention(
       q, k, v, compute_dtype=jnp.float32, query_block="auto", **kw).astype(jnp.float32))(
           q[:1, :, :nq], k[:1, :, :nk], v[:1, :, :nk]))

@@ -138,8 +138,7 @@ def _xla_shapes(q_shape, kv_shape, dtype, causal):
 class Impl:
   """One implementation: ``impl(q, k, v, causal=..., **variant)`` runs it."""
 
-  name: str
-  label: str
+  name: str  # its legend name and colour in tables and plots: harness.PALETTE
   about: str
   fn: Callable
   probe: Callable[[], str | None] = lambda: None
@@ -151,22 +150,19 @@ class Impl:
 
 
 IMPLS = {i.name: i for i in (
-    Impl("fa2", "fa2_jax", "fa2_jax.flash_attention defaults", _fa2(), describe=_fa2_describe()),
-    Impl("fa2_det", "fa2_jax deterministic", "fa2_jax.flash_attention(deterministic=True)",
-         _fa2(deterministic=True), describe=_fa2_describe(deterministic=True)),
-    Impl("fa2_triton", "fa2_jax triton", 'fa2_jax.flash_attention(implementation="triton")',
-         _fa2(implementation="triton"), describe=_fa2_describe(implementation="triton")),
-    Impl("cudnn", "cuDNN", 'jax.nn.dot_product_attention(implementation="cudnn")',
-         _jax_nn("cudnn"), _need_gpu, _half_only),
-    Impl("xla", "XLA", 'jax.nn.dot_product_attention(implementation="xla")', _jax_nn("xla"),
-         shapes=_xla_shapes),
-    Impl("tokamax", "tokamax mosaic", 'tokamax.dot_product_attention(implementation="mosaic")',
-         _tokamax, _peer_probe("tokamax"), _half_only),
-    Impl("fa3", "FlashAttention-3", "flash_attn3_jax.flash_mha", _fa3, _peer_probe("flash_attn3_jax"),
-         _fa3_shapes),
+    Impl("fa2", "fa2_jax.flash_attention defaults", _fa2(), describe=_fa2_describe()),
+    Impl("fa2_det", "fa2_jax.flash_attention(deterministic=True)", _fa2(deterministic=True),
+         describe=_fa2_describe(deterministic=True)),
+    Impl("fa2_triton", 'fa2_jax.flash_attention(implementation="triton")', _fa2(implementation="triton"),
+         describe=_fa2_describe(implementation="triton")),
+    Impl("cudnn", 'jax.nn.dot_product_attention(implementation="cudnn")', _jax_nn("cudnn"), _need_gpu,
+         _half_only),
+    Impl("xla", 'jax.nn.dot_product_attention(implementation="xla")', _jax_nn("xla"), shapes=_xla_shapes),
+    Impl("tokamax", 'tokamax.dot_product_attention(implementation="mosaic")', _tokamax,
+         _peer_probe("tokamax"), _half_only),
+    Impl("fa3", "flash_attn3_jax.flash_mha", _fa3, _peer_probe("flash_attn3_jax"), _fa3_shapes),
 )}
 NAMES = tuple(IMPLS)
-PEERS = ("tokamax", "fa3")
 
 _PROBED: dict[str, str | None] = {}
 

@@ -96,10 +96,10 @@ def main(argv=None):
   out = h.resolve_out(argparse.Namespace(out=args.out), info)
   stem = "compile_time_shapes" if args.shapes else "compile_time"
   h.write_json(out / (stem + ("_lowered_sm90" if args.lower_for_sm90 else "") + ".json"),
-             {"meta": dict(info, cache_dir=bool(args.cache_dir), causal=not args.non_causal,
-                           reuse_kernels=args.reuse_kernels, length_multiple=args.length_multiple,
-                           lower_for_sm90=args.lower_for_sm90, kernel_reuse=reuse),
-              "rows": rows})
+               {"meta": dict(info, cache_dir=bool(args.cache_dir), causal=not args.non_causal,
+                             reuse_kernels=args.reuse_kernels, length_multiple=args.length_multiple,
+                             lower_for_sm90=args.lower_for_sm90, kernel_reuse=reuse),
+                "rows": rows})
 
 
 _TIMING = {"lower_only": False}  # --lower-for-sm90
