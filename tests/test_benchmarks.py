@@ -229,38 +229,38 @@ def test_attention_markdown_rows_ratios_and_marks(tmp_path, monkeypatch):
 
 
 def test_plots_name_the_gpu_and_keep_one_colour_per_implementation(tmp_path, monkeypatch):
-  """Every plot's title names the GPU, its legends use the palette's user-facing names, an
-  implementation has the same colour in every plot, and no two x tick labels overlap (here the
-  long labels of the grid's other shapes); ``--render`` writes a result file's md and plots beside it."""
-  figs, save = [], harness.save
-  monkeypatch.setattr(harness, "save", lambda plt, fig, *a, **kw: figs.append(fig) or save(plt, fig, *a, **kw))
-  meta = {"versions": {}, "command": "x", "gpu_name": "NVIDIA H200"}
-  other = dict(group="other shapes", heads=32, kv_heads=8)
-  grid = [_cell(f"d128-{i}", impl, 500.0 + i, 400.0, **other) for i in range(6)
-          for impl in ("fa2", "fa2_det", "cudnn", "fa3", "tokamax", "xla")]
-  grid += [_cell("d128-8k-c", impl, 500.0, 400.0) for impl in ("fa2", "cudnn", "xla")]
-  path = tmp_path / "grid.json"
-  path.write_text(json.dumps(dict(_result(grid), meta=meta)))
-  attention.main(["--render", str(path)])
+  """The committed results' plots, redrawn: every title names the GPU, legends use the palette's
+  user-facing names, an implementation has the same colour in every plot, and no two x tick labels
+  overlap (the grid's other shapes have the longest); ``--render`` writes a result's md and plots beside
+  it."""
+  from matplotlib.colors import to_hex
+
+  from benchmarks import latency, memory
+  figs, save = [], harness.save  # each figure kept for the checks below, written at a low resolution
+  monkeypatch.setattr(harness, "save", lambda plt, fig, *a, **kw: figs.append(fig) or save(
+      plt, fig, *a, **dict(kw, dpi=20)))
+  results = ROOT / "benchmarks" / "results" / "h200"
+  (tmp_path / "grid.json").write_text((results / "grid.json").read_text())
+  attention.main(["--render", str(tmp_path / "grid.json")])
   assert {p.name for p in tmp_path.iterdir()} == {"grid.json", "grid.md", "grid.png", "grid_fwd.png"}
-  rows = [dict(id=f"{kind}-32k", kind=kind, row=row, tflops={"fwd+bwd": 300.0}) for kind, names in (
-      ("window", ("fa2", "fa2_dense", "fa3", "cudnn")),
-      ("packed", ("fa2", "fa2_batch", "fa3_varlen", "cudnn_batch"))) for row in names]
-  variants.render({"script": "variants", "meta": meta, "config": {}, "cells": rows}, tmp_path / "variants")
-  assert len(figs) == 3
-  colours, legend_names = {}, {harness.style(n)[0] for n in harness.PALETTE}
+  for mod in (variants, latency, memory, numerics):
+    mod.render(harness.read_json(results / f"{mod.STEM}.json"), tmp_path / mod.STEM)
+  assert len(figs) == 6
+  colours, names = {}, {harness.style(n)[0] for n in harness.PALETTE}
   for fig in figs:
     assert fig._suptitle.get_text().endswith("— NVIDIA H200") and not harness.overlapping_ticks(fig)
-    legends = fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]
-    assert {t.get_text() for lg in legends for t in lg.get_texts()} <= legend_names
-    for ax in fig.axes:
-      for bars in ax.containers:
-        colours.setdefault(bars.get_label(), set()).add(bars.patches[0].get_facecolor())
-  assert set(colours) >= {"fa2_jax", "cuDNN", "FlashAttention-3", "FlashAttention-3 varlen", "cuDNN on a batch"}
-  assert all(len(c) == 1 for c in colours.values()), colours
-  assert colours["cuDNN"] == colours["cuDNN on a batch"] and colours["fa2_jax"] == colours["fa2_jax on a batch"]
-  assert len({next(iter(colours[n])) for n in ("fa2_jax", "fa2_jax (deterministic)", "cuDNN", "FlashAttention-3",
-                                               "tokamax", "XLA")}) == 6
+    for lg in fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]:
+      for handle, text in zip(lg.legend_handles, lg.get_texts()):
+        if text.get_text() in names:
+          colour = handle.get_color() if hasattr(handle, "get_xdata") else handle.get_facecolor()
+          colours.setdefault(text.get_text(), set()).add(to_hex(colour))
+  assert set(colours) >= {"fa2_jax", "fa2_jax (deterministic)", "fa2_jax (Triton)", "cuDNN",
+                          "FlashAttention-3", "FlashAttention-3 varlen", "tokamax", "XLA", "cuDNN on a batch"}
+  assert all(len(c) == 1 for c in colours.values()), colours  # one colour per name in every plot
+  one = {n: next(iter(c)) for n, c in colours.items()}
+  assert one["cuDNN"] == one["cuDNN on a batch"] and one["fa2_jax"] == one["fa2_jax dense causal"]
+  assert len({one[n] for n in ("fa2_jax", "fa2_jax (deterministic)", "fa2_jax (Triton)", "cuDNN",
+                               "FlashAttention-3", "tokamax", "XLA")}) == 7  # implementations differ
 
 
 def test_merge_later_measurement_wins_but_not_a_skip(tmp_path):
