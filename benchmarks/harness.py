@@ -870,11 +870,13 @@ def save(plt, fig, base, data, title: str, suffix: str = "", dpi: int = 110) -> 
   """Title the figure with what it shows and the GPU it was measured on, rotate x tick labels that
   would overlap, leave room for a figure legend below the panels, write ``<base><suffix>.png``."""
   fig.suptitle(f"{title} — {gpu_title(data)}")
-  fig.draw_without_rendering()
-  for ax in overlapping_ticks(fig):
-    plt.setp(ax.get_xticklabels(), rotation=30, ha="right", rotation_mode="anchor")
   below = sum(lg.get_window_extent().height for lg in fig.legends) / fig.bbox.height
   fig.tight_layout(rect=(0, below, 1, 0.97))
+  crowded = overlapping_ticks(fig)
+  for ax in crowded:
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right", rotation_mode="anchor")
+  if crowded:
+    fig.tight_layout(rect=(0, below, 1, 0.97))
   path = Path(f"{base}{suffix}.png")
   fig.savefig(path, dpi=dpi)
   plt.close(fig)

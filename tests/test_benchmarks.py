@@ -229,13 +229,13 @@ def test_attention_markdown_rows_ratios_and_marks(tmp_path, monkeypatch):
 
 
 def test_plots_name_the_gpu_and_keep_one_colour_per_implementation(tmp_path, monkeypatch):
-  """The committed results' plots, redrawn: every title names the GPU, legends use the palette's
+  """The committed results' bar and line plots, redrawn: every title names the GPU, legends use the palette's
   user-facing names, an implementation has the same colour in every plot, and no two x tick labels
   overlap (the grid's other shapes have the longest); ``--render`` writes a result's md and plots beside
   it."""
   from matplotlib.colors import to_hex
 
-  from benchmarks import latency, memory
+  from benchmarks import latency
   figs, save = [], harness.save  # each figure kept for the checks below, written at a low resolution
   monkeypatch.setattr(harness, "save", lambda plt, fig, *a, **kw: figs.append(fig) or save(
       plt, fig, *a, **dict(kw, dpi=20)))
@@ -243,9 +243,9 @@ def test_plots_name_the_gpu_and_keep_one_colour_per_implementation(tmp_path, mon
   (tmp_path / "grid.json").write_text((results / "grid.json").read_text())
   attention.main(["--render", str(tmp_path / "grid.json")])
   assert {p.name for p in tmp_path.iterdir()} == {"grid.json", "grid.md", "grid.png", "grid_fwd.png"}
-  for mod in (variants, latency, memory, numerics):
+  for mod in (variants, latency, numerics):
     mod.render(harness.read_json(results / f"{mod.STEM}.json"), tmp_path / mod.STEM)
-  assert len(figs) == 6
+  assert len(figs) == 5
   colours, names = {}, {harness.style(n)[0] for n in harness.PALETTE}
   for fig in figs:
     assert fig._suptitle.get_text().endswith("— NVIDIA H200") and not harness.overlapping_ticks(fig)
@@ -263,7 +263,8 @@ def test_plots_name_the_gpu_and_keep_one_colour_per_implementation(tmp_path, mon
                                "FlashAttention-3", "tokamax", "XLA")}) == 7  # implementations differ
 
 
-def test_merge_later_measurement_wins_but_not_a_skip(tmp_path):
+def test_merge_later_measurement_wins_but_not_a_skip(tmp_path, monkeypatch):
+  monkeypatch.setattr(harness, "pyplot", lambda: None)  # the merge alone (plots: the test above)
   a = [_cell("d128-8k-c", "fa2", 500.0, 400.0), _cell("d128-2k-c", "fa2", 300.0, 200.0)]
   b = [_cell("d128-8k-c", "fa2", 510.0, 410.0), _cell("d128-2k-c", "fa2", None, None, status="skipped"),
        _cell("d128-4k-c", "cudnn", 450.0, 420.0)]
