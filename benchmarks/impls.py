@@ -39,17 +39,28 @@ def _backend() -> str:
   return jax.default_backend()
 
 
+def on_gpu() -> bool:
+  return _backend() in ("gpu", "cuda")
+
+
+def compute_capability() -> str | None:
+  """The GPU's compute capability as jax reports it ("9.0" on an H100 or H200), or None."""
+  import jax
+  return getattr(jax.devices()[0], "compute_capability", None) if on_gpu() else None
+
+
+def is_hopper() -> bool:
+  return str(compute_capability()).startswith("9.")
+
+
 def _need_gpu() -> str | None:
-  return None if _backend() in ("gpu", "cuda") else f"needs an NVIDIA GPU (jax backend {_backend()})"
+  return None if on_gpu() else f"needs an NVIDIA GPU (jax backend {_backend()})"
 
 
 def _need_hopper() -> str | None:
-  from fa2_jax import dispatch
-  if dispatch.is_hopper():
-    return None
-  cc = dispatch.gpu_compute_capability()
-  here = f"compute capability {cc[0]}.{cc[1]}" if cc else f"jax backend {_backend()}"
-  return f"needs a Hopper GPU (compute capability 9.x); this is {here}"
+  cc = compute_capability()
+  return None if is_hopper() else ("needs a Hopper GPU (compute capability 9.x); this is "
+                                   + (f"compute capability {cc}" if cc else f"jax backend {_backend()}"))
 
 
 def _import(module: str):
@@ -75,8 +86,7 @@ def _peer_probe(module: str) -> Callable[[], str | None]:
 def _interpret():
   """fa2_jax entries on a CPU run the kernels in Pallas interpret mode (its default there would be
   the XLA formula)."""
-  from fa2_jax import dispatch
-  return None if dispatch.on_gpu() else True
+  return None if on_gpu() else True
 
 
 def _fa2(**kw):

@@ -26,6 +26,7 @@ import math
 import time
 
 from . import harness as h
+from . import impls
 from .timing import attention_flops, measure, tflops
 
 STEM = "tune"
@@ -127,7 +128,7 @@ def run(args) -> dict:
   import fa2_jax
   info = h.device_info()
   h.cpu_fallback(args, info, STEM)
-  if args.backend == "mosaic" and not fa2_jax.dispatch.is_hopper():
+  if args.backend == "mosaic" and not impls.is_hopper():
     raise SystemExit("--backend mosaic needs a Hopper GPU (compute capability 9.x)")
   grid = "smoke" if args.smoke else "quick" if args.quick else "full"
   todo = [(cs, *v) for cs in cases(args) for v in variants(args.backend, cs, grid)]

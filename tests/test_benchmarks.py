@@ -817,7 +817,7 @@ def test_variants_packed_cell_on_gpu(tmp_path):
 @pytest.mark.gpu
 def test_registers_and_mosaic_tune_run_on_hopper(tmp_path):
   from benchmarks.diag import registers
-  if not fa2_jax.dispatch.is_hopper():
+  if not impls.is_hopper():
     pytest.skip("the Mosaic kernels need a Hopper GPU")
   registers.main(["--shapes", "1,1024,4,128", "--causal", "true", "--out", str(tmp_path)])
   rows = _load(tmp_path / "registers.json")["rows"]

@@ -93,9 +93,8 @@ def main(argv=None):
   os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
   os.environ["MOSAIC_GPU_DUMP_TO"] = str(folder)
   import jax.numpy as jnp
-  from fa2_jax import dispatch
   from ..timing import fwd_bwd_fn
-  if not dispatch.is_hopper():
+  if not impls.is_hopper():
     raise SystemExit("registers reports the Mosaic kernels' ptxas allocation: it needs a Hopper GPU "
                      "(compute capability 9.x)")
   info = h.device_info()
