@@ -25,7 +25,7 @@ import dataclasses
 import importlib
 from typing import Callable
 
-from .report import err_str
+from .harness import err_str
 
 # The XLA formula materialises the [B, N, T, S] f32 scores, and its backward keeps several copies: with
 # 16k tokens (batch = 16384 / seq) one copy is 16 GiB at seq 16k with 16 heads (32 GiB with 32), 8 GiB
@@ -39,17 +39,28 @@ def _backend() -> str:
   return jax.default_backend()
 
 
+def on_gpu() -> bool:
+  return _backend() in ("gpu", "cuda")
+
+
+def compute_capability() -> str | None:
+  """The GPU's compute capability as jax reports it ("9.0" on an H100 or H200), or None."""
+  import jax
+  return getattr(jax.devices()[0], "compute_capability", None) if on_gpu() else None
+
+
+def is_hopper() -> bool:
+  return str(compute_capability()).startswith("9.")
+
+
 def _need_gpu() -> str | None:
-  return None if _backend() in ("gpu", "cuda") else f"needs an NVIDIA GPU (jax backend {_backend()})"
+  return None if on_gpu() else f"needs an NVIDIA GPU (jax backend {_backend()})"
 
 
 def _need_hopper() -> str | None:
-  from fa2_jax import dispatch
-  if dispatch.is_hopper():
-    return None
-  cc = dispatch.gpu_compute_capability()
-  here = f"compute capability {cc[0]}.{cc[1]}" if cc else f"jax backend {_backend()}"
-  return f"needs a Hopper GPU (compute capability 9.x); this is {here}"
+  cc = compute_capability()
+  return None if is_hopper() else ("needs a Hopper GPU (compute capability 9.x); this is "
+                                   + (f"compute capability {cc}" if cc else f"jax backend {_backend()}"))
 
 
 def _import(module: str):
@@ -75,8 +86,7 @@ def _peer_probe(module: str) -> Callable[[], str | None]:
 def _interpret():
   """fa2_jax entries on a CPU run the kernels in Pallas interpret mode (its default there would be
   the XLA formula)."""
-  from fa2_jax import dispatch
-  return None if dispatch.on_gpu() else True
+  return None if on_gpu() else True
 
 
 def _fa2(**kw):
@@ -138,8 +148,7 @@ def _xla_shapes(q_shape, kv_shape, dtype, causal):
 class Impl:
   """One implementation: ``impl(q, k, v, causal=..., **variant)`` runs it."""
 
-  name: str
-  label: str
+  name: str  # its legend name and colour in tables and plots: harness.PALETTE
   about: str
   fn: Callable
   probe: Callable[[], str | None] = lambda: None
@@ -151,22 +160,19 @@ class Impl:
 
 
 IMPLS = {i.name: i for i in (
-    Impl("fa2", "fa2_jax", "fa2_jax.flash_attention defaults", _fa2(), describe=_fa2_describe()),
-    Impl("fa2_det", "fa2_jax deterministic", "fa2_jax.flash_attention(deterministic=True)",
-         _fa2(deterministic=True), describe=_fa2_describe(deterministic=True)),
-    Impl("fa2_triton", "fa2_jax triton", 'fa2_jax.flash_attention(implementation="triton")',
-         _fa2(implementation="triton"), describe=_fa2_describe(implementation="triton")),
-    Impl("cudnn", "cuDNN", 'jax.nn.dot_product_attention(implementation="cudnn")',
-         _jax_nn("cudnn"), _need_gpu, _half_only),
-    Impl("xla", "XLA", 'jax.nn.dot_product_attention(implementation="xla")', _jax_nn("xla"),
-         shapes=_xla_shapes),
-    Impl("tokamax", "tokamax mosaic", 'tokamax.dot_product_attention(implementation="mosaic")',
-         _tokamax, _peer_probe("tokamax"), _half_only),
-    Impl("fa3", "FlashAttention-3", "flash_attn3_jax.flash_mha", _fa3, _peer_probe("flash_attn3_jax"),
-         _fa3_shapes),
+    Impl("fa2", "fa2_jax.flash_attention defaults", _fa2(), describe=_fa2_describe()),
+    Impl("fa2_det", "fa2_jax.flash_attention(deterministic=True)", _fa2(deterministic=True),
+         describe=_fa2_describe(deterministic=True)),
+    Impl("fa2_triton", 'fa2_jax.flash_attention(implementation="triton")', _fa2(implementation="triton"),
+         describe=_fa2_describe(implementation="triton")),
+    Impl("cudnn", 'jax.nn.dot_product_attention(implementation="cudnn")', _jax_nn("cudnn"), _need_gpu,
+         _half_only),
+    Impl("xla", 'jax.nn.dot_product_attention(implementation="xla")', _jax_nn("xla"), shapes=_xla_shapes),
+    Impl("tokamax", 'tokamax.dot_product_attention(implementation="mosaic")', _tokamax,
+         _peer_probe("tokamax"), _half_only),
+    Impl("fa3", "flash_attn3_jax.flash_mha", _fa3, _peer_probe("flash_attn3_jax"), _fa3_shapes),
 )}
 NAMES = tuple(IMPLS)
-PEERS = ("tokamax", "fa3")
 
 _PROBED: dict[str, str | None] = {}
 

@@ -1,4 +1,4 @@
-"""Run every benchmark under one time budget: attention, memory, latency, numerics, ablation.
+"""Run the benchmarks under one time budget: attention, memory, latency, numerics.
 
 Each stage runs as its own process (a crash, a hung compile or a poisoned CUDA context costs one stage,
 the memory stage gets a device no other stage has touched), with a soft deadline (the stage stops
@@ -27,24 +27,16 @@ import tarfile
 import time
 from pathlib import Path
 
-from . import cli
-from .device import ROOT, command_line, device_info, gpu_in_subprocess
-from .report import err_str, fmt_num, md_table, meta_lines, out_name, read_json, write_json
+from . import harness as h
 
-STAGES = ("attention", "memory", "latency", "numerics", "ablation")
-# WEIGHTS: each stage's share of the time budget (the throughput grid has the most cells; --full
-# widens the ablation's tile sweeps). DEFAULT_BUDGET_S: seconds for all stages, under a 10-minute
-# command limit with room for setup and the report. SUMMARY_CHARS: each stage's part of the
-# 12k-character log tail printed last.
-WEIGHTS = {
-    "quick": {"attention": 0.45, "memory": 0.11, "latency": 0.11, "numerics": 0.16, "ablation": 0.17},
-    "full": {"attention": 0.40, "memory": 0.10, "latency": 0.10, "numerics": 0.15, "ablation": 0.25},
-    "smoke": {s: 0.2 for s in STAGES},
-}
+STAGES = ("attention", "memory", "latency", "numerics")
+# WEIGHTS: each stage's share of the time budget (the throughput grid has the most cells).
+# DEFAULT_BUDGET_S: seconds for all stages, under a 10-minute command limit with room for setup and the
+# report. SUMMARY_CHARS: each stage's part of the 12k-character log tail printed last.
+WEIGHTS = {"attention": 0.55, "memory": 0.13, "latency": 0.13, "numerics": 0.19}
 DEFAULT_BUDGET_S = {"quick": 450.0, "full": 540.0, "smoke": 300.0}
-RESUMABLE = ("attention", "latency", "numerics", "ablation")
-SUMMARY_CHARS = {"attention": 3800, "memory": 1200, "latency": 1600, "numerics": 1700,
-                 "ablation": 1400}
+RESUMABLE = ("attention", "latency", "numerics")
+SUMMARY_CHARS = {"attention": 4800, "memory": 1800, "latency": 2000, "numerics": 2200}
 
 
 def build_parser():
@@ -55,15 +47,15 @@ def build_parser():
   mode.add_argument("--full", action="store_true", help="every stage's full sweep (split with --only)")
   mode.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny shapes")
   p.add_argument("--out", type=Path, default=None,
-                 help=f"output folder (default {cli.DEFAULT_OUT.name}/<gpu>/ in the checkout)")
+                 help=f"output folder (default {h.DEFAULT_OUT.name}/<gpu>/ in the checkout)")
   p.add_argument("--tag", default=None)
-  p.add_argument("--budget-s", type=cli.positive_float, default=None,
+  p.add_argument("--budget-s", type=h.positive_float, default=None,
                  help="total seconds (default: quick 450, full 540, smoke 300)")
   p.add_argument("--grace-s", type=float, default=None,
                  help="seconds a stage may overrun its soft deadline before it is killed "
                       "(default 45; smoke 60)")
-  p.add_argument("--only", type=cli.parse_strs, default=None, help=",".join(STAGES))
-  p.add_argument("--skip", type=cli.parse_strs, default=[], help=",".join(STAGES))
+  p.add_argument("--only", type=h.parse_strs, default=None, help=",".join(STAGES))
+  p.add_argument("--skip", type=h.parse_strs, default=[], help=",".join(STAGES))
   p.add_argument("--archive", type=Path, default=None,
                  help="also pack the output folder into this .tar.gz (rewritten after every stage)")
   p.add_argument("--stage-args", action="append", default=[],
@@ -73,10 +65,6 @@ def build_parser():
 
 def _mode(args):
   return "smoke" if args.smoke else "full" if args.full else "quick"
-
-
-def _stage_files(out: Path, stem: str, tag):
-  return out / out_name(stem, tag, "json"), out / out_name(stem, tag, "md")
 
 
 def _kill_group(p: subprocess.Popen):
@@ -118,9 +106,9 @@ def run_stage(name, args, mode, out: Path, deadline: float, timeout: float, extr
   t0 = time.time()
   rec = {"stage": name, "command": cmd, "soft_s": deadline - t0, "hard_s": timeout}
   try:
-    p = subprocess.Popen(cmd, cwd=ROOT, env=env, process_group=0)
+    p = subprocess.Popen(cmd, cwd=h.ROOT, env=env, process_group=0)
   except Exception as e:  # noqa: BLE001
-    rec.update(status="failed to start", error=err_str(e), seconds=0.0)
+    rec.update(status="failed to start", error=h.err_str(e), seconds=0.0)
     return rec
   try:
     rc = p.wait(timeout=max(1.0, timeout))
@@ -137,26 +125,25 @@ def run_stage(name, args, mode, out: Path, deadline: float, timeout: float, extr
 
 def finish_stage(name, out: Path, tag, force_render=False):
   """Render a stage whose process died before rendering, and return its summary text."""
-  js, md = _stage_files(out, name, tag)
-  if not js.exists():
+  base = out / h.out_name(name, tag)
+  if not base.with_suffix(".json").exists():
     return None, "no results file"
   try:
     mod = importlib.import_module(f"benchmarks.{name}")
-    data = read_json(js)
-    if force_render or data.get("status") != "done" or not md.exists():
-      mod.render(data, out, tag)
-    text = mod.summary(data)
-    n = len(data.get("cells", []))
+    data = h.read_json(base.with_suffix(".json"))
+    if force_render or data.get("status") != "done" or not base.with_suffix(".md").exists():
+      mod.render(data, base)
     skipped = sum(1 for c in data.get("cells", []) if c.get("status") == "skipped")
-    return data, f"{n} cells ({skipped} skipped), status {data.get('status')}\n{text}"
+    return data, (f"{len(data.get('cells', []))} cells ({skipped} skipped), status {data.get('status')}\n"
+                  f"{mod.summary(data)}")
   except Exception as e:  # noqa: BLE001
-    return None, f"could not render/summarise: {err_str(e)}"
+    return None, f"could not render/summarise: {h.err_str(e)}"
 
 
 def main(argv=None):
   args = build_parser().parse_args(argv)
   mode = _mode(args)
-  if mode != "smoke" and not gpu_in_subprocess():
+  if mode != "smoke" and not h.gpu_in_subprocess():
     print(f"[run_all] no GPU: running the CPU smoke size instead of --{mode}", flush=True)
     mode = "smoke"
   t_start = time.time()
@@ -173,13 +160,13 @@ def main(argv=None):
     if name not in extra:
       raise SystemExit(f"--stage-args: unknown stage {name!r}")
     extra[name] += shlex.split(rest)
-  os.environ["FA2_BENCH_PARENT_CMD"] = command_line()
+  os.environ["FA2_BENCH_PARENT_CMD"] = h.command_line()
   # No jax backend here: the GPU is left to the stages.
-  info = device_info(init_backend=False)
-  out = cli.resolve_out(args, dict(info, backend="cpu" if mode == "smoke" else None)).resolve()
+  info = h.device_info(init_backend=False)
+  out = h.resolve_out(args, dict(info, backend="cpu" if mode == "smoke" else None)).resolve()
   print(f"[run_all] mode {mode}, budget {budget:.0f} s, stages {', '.join(stages)}, out {out}",
         flush=True)
-  weights = WEIGHTS[mode]
+  weights = WEIGHTS
   records, summaries = [], {}
   reserve = 15.0  # for the final rendering and the archive
   for i, name in enumerate(stages):
@@ -195,8 +182,8 @@ def main(argv=None):
     timeout = min(share + grace, hard_end - now)
     deadline = now + share
     rec = run_stage(name, args, mode, out, deadline, timeout, extra[name])
-    # A crash (not a timeout) of a stage that can resume: go on from its JSON, without the cell
-    # (and, but for the ablation, the implementation) that was running when it died.
+    # A crash (not a timeout) of a stage that can resume: go on from its JSON, without the cell that
+    # was running when it died.
     tries = 0
     while (rec.get("rc") not in (0, None) and name in RESUMABLE and tries < 2
            and deadline - time.time() > (5.0 if mode == "smoke" else 20.0)):
@@ -217,24 +204,24 @@ def main(argv=None):
       try:
         _archive(out, args.archive)
       except Exception as e:  # noqa: BLE001
-        print(f"[run_all] archive failed: {err_str(e)}", flush=True)
+        print(f"[run_all] archive failed: {h.err_str(e)}", flush=True)
   total = time.time() - t_start
-  overview = md_table(["stage", "status", "seconds", "soft budget s"],
-                        [[r["stage"], r.get("status"), fmt_num(r.get("seconds"), ".0f"),
-                          fmt_num(r.get("soft_s"), ".0f")] for r in records])
-  md = ["# Benchmarks: run_all", ""] + meta_lines(dict(info, parent_command=None)) + [
+  overview = h.md_table(["stage", "status", "seconds", "soft budget s"],
+                        [[r["stage"], r.get("status"), h.fmt_num(r.get("seconds"), ".0f"),
+                          h.fmt_num(r.get("soft_s"), ".0f")] for r in records])
+  md = ["# Benchmarks: run_all", ""] + h.meta_lines(dict(info, parent_command=None)) + [
       f"- mode {mode}, budget {budget:.0f} s, used {total:.0f} s", "", overview, ""]
   for name in stages:
     md += [f"## {name}", "", "```", (summaries.get(name) or "").strip(), "```", ""]
-  (out / out_name("run_all", args.tag, "md")).write_text("\n".join(md) + "\n")
-  write_json(out / out_name("run_all", args.tag, "json"),
+  (out / h.out_name("run_all", args.tag, "md")).write_text("\n".join(md) + "\n")
+  h.write_json(out / h.out_name("run_all", args.tag, "json"),
                {"meta": info, "mode": mode, "budget_s": budget, "seconds": total,
                 "stages": records, "out": str(out)})
   if args.archive:
     try:
       _archive(out, args.archive)
     except Exception as e:  # noqa: BLE001
-      print(f"[run_all] archive failed: {err_str(e)}", flush=True)
+      print(f"[run_all] archive failed: {h.err_str(e)}", flush=True)
   # Last: the summary (a log's tail keeps it).
   print("\n" + "=" * 30 + " SUMMARY " + "=" * 30)
   print(f"{info.get('gpu_name') or 'cpu'} | jax {info['versions'].get('jax')} | mode {mode} | "
@@ -244,7 +231,7 @@ def main(argv=None):
     text = (summaries.get(name) or "").strip()
     cap = SUMMARY_CHARS.get(name, 1500)
     if len(text) > cap:
-      text = text[:cap].rsplit("\n", 1)[0] + f"\n  … (cut; see {out_name(name, args.tag, 'md')})"
+      text = text[:cap].rsplit("\n", 1)[0] + f"\n  … (cut; see {h.out_name(name, args.tag, 'md')})"
     print(f"--- {name}: {text}")
   print(overview)
   return {"out": str(out), "stages": records}

@@ -15,6 +15,11 @@
 
 Inputs are fresh random normals, never zeros. ``clock`` and ``block`` are parameters so that the
 statistics can be tested with a fake clock.
+
+FLOPs, the FlashAttention-2 paper's convention (§4.1; the anchors use the same): forward two matmuls,
+``Q K^T`` and ``P V``, each ``2·B·N·T·S·H``, halved when causal; backward 2.5 times the forward (five
+matmuls instead of two); forward+backward 3.5 times. The same count for every implementation, whatever
+it really computes, so TFLOP/s compare like times.
 """
 from __future__ import annotations
 
@@ -22,13 +27,34 @@ import time
 
 import numpy as np
 
-from .flops import tflops
-from .report import err_str
+from .harness import err_str
 
 WARMUP = 2  # calls before timing: compilation, autotuning and first-touch allocations
 REPS = 5  # repetitions; the median is reported
 ITERS = 10  # back-to-back calls per repetition (launch gaps overlap with the previous call)
 LATENCY_WARMUP = 5  # latency mode: more warm-up calls, as its single calls are short and clocks ramp
+PASSES = ("fwd", "bwd", "fwd+bwd")
+PASS_FLOP_MULT = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+
+def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
+                    causal: bool) -> float:
+  """Forward FLOPs: ``4·B·N·T·S·H``, halved when causal. ``heads`` counts query heads (GQA: N)."""
+  for name, v in (("batch", batch), ("heads", heads), ("seq_q", seq_q), ("seq_k", seq_k),
+                  ("head_dim", head_dim)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  f = 4.0 * batch * heads * seq_q * seq_k * head_dim
+  return f / 2 if causal else f
+
+
+def tflops(flops_fwd: float, pass_: str, seconds: float | None) -> float | None:
+  """TFLOP/s of one pass that took ``seconds`` (None when there is no positive time)."""
+  if pass_ not in PASS_FLOP_MULT:
+    raise ValueError(f"pass_ must be one of {PASSES}, got {pass_!r}")
+  if seconds is None or not seconds > 0:
+    return None
+  return PASS_FLOP_MULT[pass_] * flops_fwd / seconds / 1e12
 
 
 def _block(x):

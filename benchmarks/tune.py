@@ -25,13 +25,9 @@ import itertools
 import math
 import time
 
-from . import cli
-from .device import device_info
-from .flops import attention_flops, tflops
-from .recorder import Recorder, close_cell, finish_run
-from .report import (SMOKE_CAVEAT, err_str, fmt_num, fmt_tf, is_smoke, md_table, meta_lines, out_name, ratio,
-                     seq_label, write_md)
-from .timing import ITERS, REPS, WARMUP, measure
+from . import harness as h
+from . import impls
+from .timing import attention_flops, measure, tflops
 
 STEM = "tune"
 # Triton: {sweep: {field: values}}; the product of the values is timed. "fwd" is timed forward only.
@@ -73,25 +69,21 @@ def build_parser():
   p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--backend", choices=["triton", "mosaic"], default="triton")
-  p.add_argument("--head-dims", type=cli.parse_ints, default=None)
-  p.add_argument("--seqs", type=cli.parse_ints, default=None)
+  p.add_argument("--head-dims", type=h.parse_ints, default=None)
+  p.add_argument("--seqs", type=h.parse_ints, default=None)
   p.add_argument("--causal", choices=["both", "true", "false"], default="both")
-  p.add_argument("--iters", type=cli.positive_int, default=ITERS,
-                 help=f"back-to-back calls per repetition (--smoke: {cli.SMOKE_ITERS})")
-  p.add_argument("--reps", type=cli.positive_int, default=REPS,
-                 help=f"repetitions, median taken (--smoke: {cli.SMOKE_REPS})")
-  cli.add_common_args(p)
+  h.add_common_args(p, counts=True)
   return p
 
 
 def cases(args):
-  causals = {"both": [False, True], "true": [True], "false": [False]}[args.causal]
+  causals = h.masks(args.causal)
   if args.smoke:
     return [dict(batch=1, heads=2, seq=64, head_dim=32, causal=c) for c in causals[:1]]
   hds = args.head_dims or [128, 64]
   seqs = args.seqs or ([8192] if args.quick else [8192, 2048])
-  return [dict(batch=max(1, 16384 // s), heads=2048 // h, seq=s, head_dim=h, causal=c)
-          for h in hds for s in seqs for c in causals]
+  return [dict(batch=max(1, 16384 // s), heads=2048 // d, seq=s, head_dim=d, causal=c)
+          for d in hds for s in seqs for c in causals]
 
 
 def variants(backend, case, grid):
@@ -102,9 +94,8 @@ def variants(backend, case, grid):
       out += [(sweep, "fwd" if sweep == "fwd" else "fwd+bwd", dict(zip(g, vals)))
               for vals in itertools.product(*g.values())]
     return out
-  h = case["head_dim"]
-  out += [("fwd", "fwd", v) for v in MOSAIC_FWD.get(h, [])]
-  out += [("bwd", "fwd+bwd", v) for v in MOSAIC_BWD.get(h, [])]
+  out += [("fwd", "fwd", v) for v in MOSAIC_FWD.get(case["head_dim"], [])]
+  out += [("bwd", "fwd+bwd", v) for v in MOSAIC_BWD.get(case["head_dim"], [])]
   if case["causal"]:
     out += [("fwd", "fwd", dict(lpt_heads=n)) for n in LPT_HEADS]
     out += [("bwd", "fwd+bwd", dict(lpt_heads=n, lpt_heads_dkv=n)) for n in LPT_HEADS]
@@ -120,7 +111,7 @@ def _config(backend, case, changes):
       return dataclasses.replace(fa2_jax.BlockSizes.default(case["head_dim"], jnp.bfloat16), **changes)
     cfg = fa2_jax.MosaicConfig.default(case["head_dim"], jnp.bfloat16, case["causal"]).replace(**changes)
   except (TypeError, ValueError) as e:
-    return err_str(e)
+    return h.err_str(e)
   return cfg.check(case["head_dim"]) or cfg
 
 
@@ -135,46 +126,39 @@ def cell_key(c):
 def run(args) -> dict:
   import jax.numpy as jnp
   import fa2_jax
-  info = device_info()
-  cli.cpu_fallback(args, info, STEM)
-  cli.smoke_counts(args)
-  if args.backend == "mosaic" and not fa2_jax.dispatch.is_hopper():
+  info = h.device_info()
+  h.cpu_fallback(args, info, STEM)
+  if args.backend == "mosaic" and not impls.is_hopper():
     raise SystemExit("--backend mosaic needs a Hopper GPU (compute capability 9.x)")
   grid = "smoke" if args.smoke else "quick" if args.quick else "full"
-  out_dir = cli.resolve_out(args, info)
   todo = [(cs, *v) for cs in cases(args) for v in variants(args.backend, cs, grid)]
-  rec = Recorder(out_dir / out_name(f"{STEM}_{args.backend}", args.tag, "json"), info, dict(
-      backend=args.backend, cases=cases(args), grid=grid, iters=args.iters, reps=args.reps, smoke=args.smoke,
-      method="benchmarks.timing; bwd = fwd+bwd - the default's fwd of the same case"),
-      STEM, key=cell_key, resume=args.resume)
-  budget = cli.make_budget(args)
-  bar = cli.progress(len(todo), f"{STEM} {args.backend}")
+  args.tag = f"{args.backend}{'_' + args.tag if args.tag else ''}"
+  run = h.Run(args, STEM, info, dict(
+      backend=args.backend, cases=cases(args), grid=grid, iters=args.iters, reps=args.reps,
+      method="benchmarks.timing; bwd = fwd+bwd - the default's fwd of the same case"), cell_key, len(todo))
   inputs_key, inputs, default_fwd = None, None, {}
-  interpret = None if info.get("backend") != "cpu" else True
   for cs, sweep, pass_, changes in todo:
     fl = attention_flops(cs["batch"], cs["heads"], cs["seq"], cs["seq"], cs["head_dim"], cs["causal"])
     cell = dict(cs, backend=args.backend, sweep=sweep, pass_=pass_, changes=changes, flops_fwd=fl,
                 status="ok")
-    bar.set_postfix_str(f"{sweep} {changes} T={cs['seq']} H={cs['head_dim']}")
-    if cell_key(cell) in rec.done:
-      bar.update(1)
-      continue
+    run.bar.set_postfix_str(f"{sweep} {changes} T={cs['seq']} H={cs['head_dim']}")
     cfg = _config(args.backend, cs, changes)
-    if isinstance(cfg, str) or not budget.fits(sweep):
-      rec.add(dict(cell, status="invalid" if isinstance(cfg, str) else "skipped",
-                   error=cfg if isinstance(cfg, str) else "skipped: time budget"))
-      bar.update(1)
+    if isinstance(cfg, str):
+      if run.rec.key(cell) not in run.rec.done:
+        run.add(dict(cell, status="invalid", error=cfg), check=False)
       continue
-    rec.begin(cell)
+    if run.skip(cell, sweep):
+      continue
+    run.begin(cell, sweep)
     t0 = time.time()
     try:
       if inputs_key != _case_id(cs):
         shape = (cs["batch"], cs["seq"], cs["heads"], cs["head_dim"])
-        inputs = cli.random_inputs(args.seed + cs["seq"] + cs["head_dim"], [shape] * 3, jnp.bfloat16)
+        inputs = h.random_inputs(args.seed + cs["seq"] + cs["head_dim"], [shape] * 3, jnp.bfloat16)
         inputs_key = _case_id(cs)
       f = functools.partial(fa2_jax.flash_attention, is_causal=cs["causal"], block_sizes=cfg,
-                            implementation=args.backend, interpret=interpret)
-      res = measure(f, *inputs, flops_fwd=fl, iters=args.iters, reps=args.reps, warmup=WARMUP,
+                            implementation=args.backend, interpret=True if args.smoke else None)
+      res = measure(f, *inputs, flops_fwd=fl, iters=args.iters, reps=args.reps,
                     passes=("fwd", "fwd+bwd") if sweep == "default" else (pass_,))
       res.pop("out")
       cell.update(res, config=dataclasses.asdict(cfg))
@@ -188,9 +172,9 @@ def run(args) -> dict:
       if errs:
         cell.update(status="error", error=errs[0])
     except Exception as e:  # noqa: BLE001
-      cell.update(status="error", error=err_str(e))
-    close_cell(rec, budget, sweep, cell, t0, bar)
-  return finish_run(rec, bar, render, summary, out_dir, f"{args.backend}{'_' + args.tag if args.tag else ''}")
+      cell.update(status="error", error=h.err_str(e))
+    run.add(cell, kind=sweep, t0=t0)
+  return run.finish(render, summary)
 
 
 # --- rendering ------------------------------------------------------------------------------------------
@@ -208,65 +192,61 @@ def best_rows(cells):
   for c in cells:
     if c.get("sweep") != "default" and _metric(c):
       groups.setdefault((c["head_dim"], c["causal"], c["sweep"]), []).append(c)
-  for (h, cz, sweep), lst in sorted(groups.items()):
+  for (d, cz, sweep), lst in sorted(groups.items()):
     by_case: dict = {}
     for c in lst:
       by_case.setdefault(_case_id(c), []).append(c)
     scores: dict = {}
     for cid, cs in sorted(by_case.items()):
       best = max(cs, key=_metric)
-      d = defaults.get(cid) or {}
-      base = (d.get("tflops") or {}).get("fwd" if sweep == "fwd" else "bwd")
-      per_case.append(dict(head_dim=h, causal=cz, sweep=sweep, seq=cid[2], batch=cid[0],
+      base = ((defaults.get(cid) or {}).get("tflops") or {}).get("fwd" if sweep == "fwd" else "bwd")
+      per_case.append(dict(head_dim=d, causal=cz, sweep=sweep, seq=cid[2], batch=cid[0],
                            best=best["changes"], tflops=_metric(best), default_tflops=base,
-                           gain=ratio(_metric(best), base), n=len(cs)))
+                           gain=h.ratio(_metric(best), base), n=len(cs)))
       for c in cs:
         scores.setdefault(tuple(sorted(c["changes"].items())), []).append(_metric(c) / _metric(best))
     full = {k: v for k, v in scores.items() if len(v) == len(by_case)}
     if full:
       k = max(full, key=lambda k: sum(math.log(x) for x in full[k]))
-      overall.append(dict(head_dim=h, causal=cz, sweep=sweep, best=dict(k), n_cases=len(by_case),
+      overall.append(dict(head_dim=d, causal=cz, sweep=sweep, best=dict(k), n_cases=len(by_case),
                           rel=math.exp(sum(math.log(x) for x in full[k]) / len(full[k]))))
   return per_case, overall
 
 
-def render(data, out_dir, tag=None):
-  cells = [c for c in data.get("cells", []) if "sweep" in c]
-  cfg = data.get("config", {})
-  lines = [f"# {cfg.get('backend', '')} kernel settings (bf16)", ""] + meta_lines(data.get("meta", {}))
-  lines += [f"- method: {cfg.get('method')}", ""]
+def render(data, base):
+  cells, cfg = [c for c in data.get("cells", []) if "sweep" in c], data.get("config", {})
+  lines = h.header(data, f"{cfg.get('backend', '')} kernel settings (bf16)") + [
+      f"- method: {cfg.get('method')}", ""]
   per_case, overall = best_rows(cells)
+  mask = lambda r: "causal" if r["causal"] else "non-causal"  # noqa: E731
   if overall:
-    lines += ["## Best setting per (head_dim, causal, sweep)", "",
-              md_table(["head_dim", "mask", "sweep", "changes to the default", "× of per-case best",
-                        "cases"],
-                       [[o["head_dim"], "causal" if o["causal"] else "non-causal", o["sweep"],
-                         f"`{o['best']}`", f"{o['rel']:.3f}", o["n_cases"]] for o in overall]), ""]
+    lines += ["## Best setting per (head_dim, causal, sweep)", "", h.md_table(
+        ["head_dim", "mask", "sweep", "changes to the default", "× of per-case best", "cases"],
+        [[o["head_dim"], mask(o), o["sweep"], f"`{o['best']}`", f"{o['rel']:.3f}", o["n_cases"]]
+         for o in overall]), ""]
   if per_case:
-    lines += ["## Best per case", "", md_table(
+    lines += ["## Best per case", "", h.md_table(
         ["head_dim", "mask", "sweep", "seq", "best changes", "TFLOP/s", "default", "gain", "settings"],
-        [[r["head_dim"], "causal" if r["causal"] else "non-causal", r["sweep"],
-          f"{seq_label(r['seq'])} (B={r['batch']})", f"`{r['best']}`", fmt_tf(r["tflops"]),
-          fmt_tf(r["default_tflops"]), fmt_num(r["gain"], ".2f"), r["n"]] for r in per_case]), ""]
-  bad = [c for c in cells if c.get("error") and c.get("status") != "skipped"]
-  if bad:
-    lines += ["## Invalid or failed settings", ""]
-    lines += [f"- d{c['head_dim']} {seq_label(c['seq'])} {'c' if c['causal'] else 'nc'} "
-              f"{c['sweep']} `{c['changes']}`: {c['error'][:200]}" for c in bad]
-  path = write_md(lines, out_dir, STEM, tag)
-  return [path]
+        [[r["head_dim"], mask(r), r["sweep"], f"{h.seq_label(r['seq'])} (B={r['batch']})", f"`{r['best']}`",
+          h.fmt_tf(r["tflops"]), h.fmt_tf(r["default_tflops"]), h.fmt_num(r["gain"], ".2f"), r["n"]]
+         for r in per_case]), ""]
+  lines += h.failures([c for c in cells if c.get("status") != "skipped"],
+                      lambda c: f"{c['sweep']} `{c['changes']}`",
+                      lambda c: f"d{c['head_dim']} {h.seq_label(c['seq'])} {'c' if c['causal'] else 'nc'}",
+                      keys=("error",))
+  return [h.write_md(lines, base)]
 
 
 def summary(data) -> str:
   _, overall = best_rows([c for c in data.get("cells", []) if "sweep" in c])
   return "\n".join([f"{STEM}: best setting per (head_dim, causal, sweep), × of each case's best"
-                    + (f" ({SMOKE_CAVEAT})" if is_smoke(data) else "")] + [
+                    + (f" ({h.SMOKE_CAVEAT})" if h.is_smoke(data) else "")] + [
       f"  d{o['head_dim']} {'c ' if o['causal'] else 'nc'} {o['sweep']:<8} {o['best']} ({o['rel']:.3f})"
       for o in overall])
 
 
 def main(argv=None):
-  return cli.script_main(argv, build_parser(), run, render, summary, STEM, cell_key)
+  return h.script_main(argv, build_parser(), run, render, summary, STEM, cell_key)
 
 
 if __name__ == "__main__":

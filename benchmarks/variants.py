@@ -36,30 +36,289 @@ first REF_HEADS heads, the rows that hold tokens; ⚠ when off).
     python -m benchmarks.variants --merge a/variants.json b/variants.json --out DIR
 
 ``--quick`` leaves out window-128k (the longest cell). Timing: benchmarks/timing.py (segment ids, lengths
-and cu_seqlens are arguments of the jitted call, as in training, not compile-time constants).
+and cu_seqlens are arguments of the jitted call, as in training, not compile-time constants). The plot
+draws each row in its implementation's colour, hatched where it does the same work another way.
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import fnmatch
+import importlib
 import time
 import zlib
+from typing import Callable
 
-from . import cli, impls
-from .device import device_info
-from .recorder import Recorder, close_cell, finish_run, simulated_crash_hook
-from .report import err_str, out_name
-from .timing import ITERS, REPS, WARMUP, measure_together
-from .variant_cells import (BARS, PAD_MULTIPLE, PASSES, RAGGED_SEED, SIZES, SOFT_CAP, Arr, Cell, Row,
-                            build_cells)
-from .variants_report import STEM, render, summary
+import numpy as np
 
+from . import harness as h
+from . import impls
+from .harness import seq_label
+
+STEM = "variants"
 FAMILIES = ("fa2", "cudnn", "fa3", "tokamax")  # the registry entries (benchmarks/impls.py) with rows here
-REL_ERR_WARN = 2e-2  # forward output vs the f32 reference: a fast row must also be a right one
 REF_HEADS = 2  # the reference check compares batch 0, the first REF_HEADS heads
 DTYPE = "bf16"  # the inputs of every cell
 QUICK_SKIP = ("window-128k",)  # --quick leaves out the longest cell
+KIND_TITLES = {"window": "local window (4095, 0), causal", "packed": "packed documents, causal",
+               "softcap": "soft cap 50", "padding": "50% padding", "maskfn": "mask_fn against the built-in"}
+PASSES = ("fwd", "fwd+bwd")  # every row is timed, and every bar checked, on each pass
+SOFT_CAP = 50.0  # logits_soft_cap of the soft-cap cells (Gemma 2's attention cap)
+RAGGED_SEED = 0  # numpy seed of the ragged document lengths (fixed: every run packs the same documents)
+PAD_MULTIPLE = 128  # the padded batch's length: the longest document rounded up to whole 128-row tiles
+
+# Sizes of the cells. full: the GPU sweep; smoke: seconds on a CPU in Pallas interpret mode. window: the
+# left reach of the (window, 0) cells (4095: 4096 keys with the query's own); tokens / docs: the packed
+# cells (equal documents: tokens // docs each; ragged: lengths in ragged = (lo, hi)); batch: of the
+# soft-cap and padding cells; pad_fill: the tokens each padded sequence holds.
+SIZES = {
+    "full": dict(heads=16, head_dim=128, window=4095, window_seqs=(32768, 131072), tokens=32768, docs=8,
+                 ragged=(100, 8192), batch=2, cap_seq=8192, pad_seq=8192, pad_fill=4096,
+                 mask_seq=32768),
+    "smoke": dict(heads=2, head_dim=32, window=31, window_seqs=(128,), tokens=256, docs=4,
+                  ragged=(8, 96), batch=2, cap_seq=64, pad_seq=64, pad_fill=32, mask_seq=128),
+}
+
+
+# --- attended pairs -----------------------------------------------------------------------------------
+
+def causal_pairs(n: int, left: int | None = None) -> int:
+  """(query, key) pairs of a causal ``n x n`` call, key ``j`` in ``[i - left, i]`` (``left=None``: all
+  ``j <= i``)."""
+  if left is None or left >= n - 1:
+    return n * (n + 1) // 2
+  # rows i < left see i + 1 keys, the others left + 1
+  return left * (left + 1) // 2 + (n - left) * (left + 1)
+
+
+def dense_pairs(n: int, causal: bool) -> int:
+  return causal_pairs(n) if causal else n * n
+
+
+def ragged_lengths(total: int, lo: int, hi: int, seed: int = RAGGED_SEED) -> list[int]:
+  """Document lengths in ``[lo, hi]`` summing to ``total`` (``total >= lo``), drawn uniformly with a
+  fixed numpy seed; each draw leaves at least ``lo`` tokens for the documents after it."""
+  if not 1 <= lo <= hi or total < lo:
+    raise ValueError(f"need 1 <= lo <= hi and total >= lo, got total={total}, lo={lo}, hi={hi}")
+  rng = np.random.default_rng(seed)
+  lens, left = [], total
+  while left > hi:
+    n = int(rng.integers(lo, min(hi, left - lo) + 1))
+    lens.append(n)
+    left -= n
+  return lens + [left]
+
+
+# --- cells and rows -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Arr:
+  """A keyword argument that is one of the cell's integer arrays (``Cell.arrays[name]``): passed to the
+  timed function as a runtime argument."""
+
+  name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One measured call of a cell."""
+
+  name: str  # unique in its cell: fa2, fa2_dense, fa3, cudnn_batch, ... (its legend: harness.PALETTE)
+  impl: str  # the benchmarks/impls.py entry whose availability and shape limits apply
+  about: str  # the call, in words
+  layout: str  # which of the cell's input layouts it runs on
+  causal: bool
+  kw: dict  # the call's keyword arguments (Arr values: runtime arrays)
+  pairs: int  # attended (query, key) pairs per head, summed over the batch
+  ref: dict  # fa2_jax.reference_attention arguments computing the same attention on this layout
+  call: Callable | None = None  # f(q, k, v, *, causal, **kw); None: the registry entry
+
+
+@dataclasses.dataclass
+class Cell:
+  id: str
+  kind: str  # window, packed, softcap, padding, maskfn
+  title: str
+  heads: int
+  head_dim: int
+  layouts: dict  # name -> (batch, seq)
+  rows: list
+  arrays: dict = dataclasses.field(default_factory=dict)  # name -> int32 numpy array
+  info: dict = dataclasses.field(default_factory=dict)  # recorded with every row (document lengths...)
+
+
+def _fa3_varlen(q, k, v, *, causal, cu_seqlens, max_seqlen):
+  """FlashAttention-3's varlen call on the packed layout ``[1, total, N, H]`` (a free reshape)."""
+  fa3 = importlib.import_module("flash_attn3_jax")
+  return fa3.flash_mha_varlen(q[0], k[0], v[0], cu_seqlens, cu_seqlens, max_seqlen_q=max_seqlen,
+                              max_seqlen_k=max_seqlen, is_causal=causal)[None]
+
+
+def _window_cell(seq, w, n, d):
+  win = dict(local_window_size=(w, 0))
+  pw = causal_pairs(seq, w)
+  ref = dict(is_causal=True, **win)
+  rows = [
+      Row("fa2", "fa2", f"flash_attention(is_causal=True, local_window_size=({w}, 0))",
+          layout="seq", causal=True, kw=win, pairs=pw, ref=ref),
+      Row("fa2_dense", "fa2", "flash_attention(is_causal=True)",
+          layout="seq", causal=True, kw={}, pairs=causal_pairs(seq), ref=dict(is_causal=True)),
+      Row("fa3", "fa3", f"flash_mha(is_causal=True, window_size=({w}, 0))",
+          layout="seq", causal=True, kw=dict(window_size=(w, 0)), pairs=pw, ref=ref),
+      Row("cudnn", "cudnn", 'jax.nn.dot_product_attention(implementation="cudnn", '
+          f"is_causal=True, local_window_size=({w}, 0))",
+          layout="seq", causal=True, kw=win, pairs=pw, ref=ref),
+  ]
+  return Cell(f"window-{seq_label(seq)}", "window", f"window ({w}, 0) causal, {seq_label(seq)} (B=1)",
+              n, d, layouts={"seq": (1, seq)}, rows=rows)
+
+
+def _packed_cell(lens, n, d, ragged):
+  """Documents ``lens`` packed in one causal row of ``sum(lens)`` tokens, and the same as a batch."""
+  lens = [int(x) for x in lens]
+  total, docs = sum(lens), len(lens)
+  seg = np.repeat(np.arange(docs, dtype=np.int32), lens)[None]  # [1, total]: document of each token
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)  # [docs + 1]: FA3's cu_seqlens
+  pairs = sum(causal_pairs(x) for x in lens)
+  packed = dict(q_segment_ids=Arr("seg"), kv_segment_ids=Arr("seg"))
+  if ragged:
+    width = -(-max(lens) // PAD_MULTIPLE) * PAD_MULTIPLE
+    batch = dict(query_seq_lengths=Arr("lens"), key_value_seq_lengths=Arr("lens"))
+    cid, what = "packed-ragged", f"{docs} documents of {min(lens)} ... {max(lens)} tokens"
+    on_batch = f"a padded batch [{docs}, {width}], query_seq_lengths = key_value_seq_lengths"
+  else:
+    width, batch = lens[0], {}
+    cid, what = f"packed-{docs}x{seq_label(width)}", f"{docs} documents of {seq_label(width)}"
+    on_batch = f"a batch [{docs}, {seq_label(width)}]"
+  rows = [
+      Row("fa2", "fa2", "flash_attention(is_causal=True, q_segment_ids = "
+          "kv_segment_ids = document ids) on [1, total]",
+          layout="packed", causal=True, kw=packed, pairs=pairs, ref=dict(is_causal=True, **packed)),
+      Row("fa2_batch", "fa2", f"flash_attention(is_causal=True) on {on_batch}",
+          layout="batch", causal=True, kw=batch, pairs=pairs, ref=dict(is_causal=True, **batch)),
+      Row("fa3_varlen", "fa3", "flash_mha_varlen(cu_seqlens, max_seqlen = "
+          "longest document, is_causal=True) on [total]",
+          layout="packed", causal=True, kw=dict(cu_seqlens=Arr("cu"), max_seqlen=max(lens)),
+          pairs=pairs, ref=dict(is_causal=True, **packed), call=_fa3_varlen),
+      Row("cudnn_batch", "cudnn",
+          f'jax.nn.dot_product_attention(implementation="cudnn", is_causal=True) on {on_batch}',
+          layout="batch", causal=True, kw=batch, pairs=pairs, ref=dict(is_causal=True, **batch)),
+  ]
+  return Cell(cid, "packed", f"packed: {seq_label(total)} tokens, {what}, causal", n, d,
+              layouts={"packed": (1, total), "batch": (docs, width)}, rows=rows,
+              arrays=dict(seg=seg, cu=cu, lens=np.asarray(lens, np.int32)),
+              info=dict(doc_lengths=lens, padded_width=width if ragged else None))
+
+
+def _softcap_cell(seq, b, n, d, causal):
+  cap = dict(logits_soft_cap=SOFT_CAP)
+  p = b * dense_pairs(seq, causal)
+  flag = "is_causal=True, " if causal else ""  # the call text names what the row passes
+  rows = [
+      Row("fa2", "fa2", f"flash_attention({flag}logits_soft_cap={SOFT_CAP:g})",
+          layout="seq", causal=causal, kw=cap, pairs=p, ref=dict(is_causal=causal, **cap)),
+      Row("fa2_nocap", "fa2", f"flash_attention({flag.rstrip(', ')})",
+          layout="seq", causal=causal, kw={}, pairs=p, ref=dict(is_causal=causal)),
+      Row("tokamax", "tokamax", 'tokamax.dot_product_attention(implementation='
+          f'"mosaic", {flag}logits_soft_cap={SOFT_CAP:g})',
+          layout="seq", causal=causal, kw=cap, pairs=p, ref=dict(is_causal=causal, **cap)),
+  ]
+  mode = "causal" if causal else "non-causal"
+  return Cell(f"softcap-{seq_label(seq)}-{'c' if causal else 'nc'}", "softcap",
+              f"soft cap {SOFT_CAP:g}, {seq_label(seq)} {mode} (B={b})", n, d,
+              layouts={"seq": (b, seq)}, rows=rows)
+
+
+def _padding_cell(seq, fill, b, n, d, causal):
+  lens = dict(query_seq_lengths=Arr("lens"), key_value_seq_lengths=Arr("lens"))
+  p_fill = b * dense_pairs(fill, causal)
+  rows = [
+      Row("fa2", "fa2",
+          f"flash_attention(query_seq_lengths = key_value_seq_lengths = {fill})",
+          layout="seq", causal=causal, kw=lens, pairs=p_fill, ref=dict(is_causal=causal, **lens)),
+      Row("fa2_full", "fa2", f"flash_attention() on all {seq_label(seq)}",
+          layout="seq", causal=causal, kw={}, pairs=b * dense_pairs(seq, causal),
+          ref=dict(is_causal=causal)),
+      Row("cudnn", "cudnn", 'jax.nn.dot_product_attention(implementation="cudnn", '
+          f"query_seq_lengths = key_value_seq_lengths = {fill})",
+          layout="seq", causal=causal, kw=lens, pairs=p_fill, ref=dict(is_causal=causal, **lens)),
+  ]
+  mode = "causal" if causal else "non-causal"
+  return Cell(f"padding-{seq_label(seq)}-{'c' if causal else 'nc'}", "padding",
+              f"padding: {seq_label(fill)} of {seq_label(seq)} filled, {mode} (B={b})", n, d,
+              layouts={"seq": (b, seq)}, rows=rows, arrays=dict(lens=np.full((b,), fill, np.int32)))
+
+
+def _causal_mask(b, head, q_idx, kv_idx):
+  del b, head
+  return kv_idx <= q_idx
+
+
+def _window_mask(left: int):
+  def mask(b, head, q_idx, kv_idx):
+    del b, head
+    return (kv_idx <= q_idx) & (kv_idx >= q_idx - left)
+  return mask
+
+
+def _maskfn_cell(seq, n, d, left=None):
+  """fa2 with a mask_fn equal to causal (``left=None``) or to the window ``(left, 0)``; the built-in."""
+  if left is None:
+    name, title, builtin, mask, text = "causal", "causal", {}, _causal_mask, "kv_idx <= q_idx"
+  else:
+    name, title = "window", f"window ({left}, 0)"
+    builtin, mask, text = dict(local_window_size=(left, 0)), _window_mask(left), (
+        f"q_idx - {left} <= kv_idx <= q_idx")
+  pairs, ref = causal_pairs(seq, left), dict(is_causal=True, **builtin)
+  call = "flash_attention(is_causal=True" + "".join(f", {k}={v}" for k, v in builtin.items()) + ")"
+  rows = [
+      Row("fa2_mask_fn", "fa2", f"flash_attention(mask_fn: {text})",
+          layout="seq", causal=False, kw=dict(mask_fn=mask), pairs=pairs, ref=ref),
+      Row("fa2", "fa2", call,
+          layout="seq", causal=True, kw=builtin, pairs=pairs, ref=ref),
+  ]
+  return Cell(f"maskfn-{name}-{seq_label(seq)}", "maskfn", f"mask_fn = {title}, {seq_label(seq)} (B=1)",
+              n, d, layouts={"seq": (1, seq)}, rows=rows)
+
+
+def build_cells(size: str = "full") -> list[Cell]:
+  s = SIZES[size]
+  n, d, w = s["heads"], s["head_dim"], s["window"]
+  return ([_window_cell(t, w, n, d) for t in s["window_seqs"]]
+          + [_packed_cell([s["tokens"] // s["docs"]] * s["docs"], n, d, ragged=False),
+             _packed_cell(ragged_lengths(s["tokens"], *s["ragged"]), n, d, ragged=True)]
+          + [_softcap_cell(s["cap_seq"], s["batch"], n, d, c) for c in (True, False)]
+          + [_padding_cell(s["pad_seq"], s["pad_fill"], s["batch"], n, d, c) for c in (False, True)]
+          + [_maskfn_cell(s["mask_seq"], n, d), _maskfn_cell(s["mask_seq"], n, d, w)])
+
+
+# --- bars and comparisons -------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Bar:
+  row: str
+  ref: str
+  measure: str  # "rate": TFLOP/s over attended pairs, row ÷ ref; "time": ms, row ÷ ref
+  op: str  # ">=" or "<="
+  threshold: float
+  text: str
+
+
+BARS = {
+    "window": [Bar("fa2", "fa2_dense", "rate", ">=", 0.9,
+                   "fa2 window rate ≥ 0.9× fa2 dense causal rate (per attended pair)")],
+    "padding": [Bar("fa2", "fa2_full", "time", "<=", 0.55, "fa2 at 50% fill ≤ 0.55× the unpadded time")],
+    "maskfn": [Bar("fa2_mask_fn", "fa2", "time", "<=", 1.10, "fa2 mask_fn ≤ 1.10× the built-in's time")],
+}
+# (row, other): row's rate over other's, both over the same attended pairs (so other's time ÷ row's).
+COMPARE = {
+    "window": [("fa2", "fa3"), ("fa2", "cudnn")],
+    "packed": [("fa2", "fa2_batch"), ("fa2", "fa3_varlen"), ("fa2", "cudnn_batch")],
+    "softcap": [("fa2", "fa2_nocap"), ("fa2", "tokamax")],
+    "padding": [("fa2", "cudnn")],
+    "maskfn": [],
+}
+KINDS = ("window", "packed", "softcap", "padding", "maskfn")
 
 
 # --- measuring ------------------------------------------------------------------------------------------
@@ -68,11 +327,10 @@ def cell_key(c):
   return (c.get("id"), c.get("row"))
 
 
-def _resolve(kw: dict, arrays: dict, batch0: bool = False) -> dict:
-  """``kw`` with each Arr replaced by the cell's array (``batch0``: its batch-0 slice, ``[:1]``)."""
+def _resolve(kw: dict, arrays: dict) -> dict:
+  """``kw`` with each Arr replaced by the cell's array."""
   import jax.numpy as jnp
-  return {k: (jnp.asarray(arrays[v.name][:1] if batch0 else arrays[v.name]) if isinstance(v, Arr) else v)
-          for k, v in kw.items()}
+  return {k: jnp.asarray(arrays[v.name]) if isinstance(v, Arr) else v for k, v in kw.items()}
 
 
 def timed_fn(row: Row):
@@ -87,225 +345,236 @@ def timed_fn(row: Row):
   return f, tuple(row.kw[n].name for n in names)
 
 
-def _reference(row: Row, arrays, q, k, v):
-  """float32 reference output of batch 0, heads [0, REF_HEADS), and the mask of its rows with tokens."""
-  import jax
-  import jax.numpy as jnp
-  import fa2_jax
-  kw = _resolve(row.ref, arrays, batch0=True)
-  nh = min(REF_HEADS, q.shape[2])
-  ref = jax.block_until_ready(jax.jit(lambda q, k, v: fa2_jax.reference_attention(
-      q, k, v, compute_dtype=jnp.float32, query_block="auto", **kw).astype(jnp.float32))(
-          q[:1, :, :nh], k[:1, :, :nh], v[:1, :, :nh]))
-  qlen = kw.get("query_seq_lengths")
-  valid = None if qlen is None else (jnp.arange(q.shape[1])[None, :] < qlen[:, None])  # [1, T]
-  return ref, valid
-
-
-def _rel_err(out, ref, valid) -> float:
-  import jax.numpy as jnp
-  d = out[:1, :, :ref.shape[2]].astype(jnp.float32) - ref
-  r = ref
-  if valid is not None:
-    d, r = (jnp.where(valid[:, :, None, None], x, 0.0) for x in (d, r))
-  return float(jnp.linalg.norm(d) / jnp.linalg.norm(r))
-
-
-def _row_record(cell: Cell, row: Row) -> dict:
+def record(cell: Cell, row: Row) -> dict:
   batch, seq = cell.layouts[row.layout]
-  return dict(id=cell.id, kind=cell.kind, title=cell.title, row=row.name, impl=row.impl, label=row.label,
-              about=row.about, layout=row.layout, batch=batch, seq=seq, heads=cell.heads,
-              head_dim=cell.head_dim, causal=row.causal, dtype=DTYPE, pairs=row.pairs,
+  return dict(id=cell.id, kind=cell.kind, title=cell.title, row=row.name, impl=row.impl, about=row.about,
+              layout=row.layout, batch=batch, seq=seq, heads=cell.heads, head_dim=cell.head_dim,
+              causal=row.causal, dtype=DTYPE, pairs=row.pairs, status="ok",
               flops_fwd=4.0 * cell.heads * cell.head_dim * row.pairs, **cell.info)
-
-
-def prepare_row(cell: Cell, row: Row, inputs):
-  """One row's record and its timed call ``(f, (q, k, v, *aux))``, or ``None`` where it does not run
-  (the record says why)."""
-  import jax.numpy as jnp
-  q, k, v = inputs[row.layout]
-  rec = dict(_row_record(cell, row), status="ok")
-  why = impls.unsupported(row.impl, q.shape, k.shape, q.dtype, row.causal)
-  if why:
-    rec.update(status="unsupported", error=why)
-    return rec, None
-  impl = impls.get(row.impl)
-  if impl.describe is not None and row.call is None:
-    try:
-      rec["backend"] = str(impl.describe(q, k, v, causal=row.causal, **_resolve(row.kw, cell.arrays)))
-    except Exception as e:  # noqa: BLE001 - the call itself will report it
-      rec["backend"] = err_str(e, 200)
-  f, aux_names = timed_fn(row)
-  aux = tuple(jnp.asarray(cell.arrays[n]) for n in aux_names)  # one per argument, repeats kept
-  return rec, (f, (q, k, v, *aux))
-
-
-def finish_row(cell: Cell, row: Row, rec: dict, res: dict, inputs, refs, args) -> dict:
-  """A row's record with its measurement (benchmarks/timing) and the forward's error."""
-  q, k, v = inputs[row.layout]
-  out = res.pop("out")
-  rec.update(res)
-  if out is not None and not args.no_check:
-    key = (row.layout, repr(sorted(row.ref.items())))
-    try:
-      if key not in refs:
-        refs[key] = _reference(row, cell.arrays, q, k, v)
-      rec["rel_err"] = _rel_err(out, *refs[key])
-      if not rec["rel_err"] <= REL_ERR_WARN:
-        rec["warning"] = f"forward rel. error {rec['rel_err']:.2e} vs the f32 reference"
-    except Exception as e:  # noqa: BLE001
-      rec["check_error"] = f"no f32 reference: {err_str(e, 300)}"
-  errs = [rec.get(f"{p}_error") for p in PASSES]
-  if all(errs):
-    rec["status"] = "error"
-  elif any(errs):
-    rec["status"] = "partial"
-  return rec
-
-
-def _inputs(cell: Cell, seed: int, dtype):
-  """Fresh random normals ``q, k, v [B, T, N, H]`` per layout of the cell, drawn from the cell's id and
-  layout (and ``--seed``), so that a ``--cells`` subset measures the same inputs."""
-  return {name: cli.random_inputs(zlib.crc32(f"{cell.id}/{name}/{seed}".encode()),
-                                  [(b, t, cell.heads, cell.head_dim)] * 3, dtype)
-          for name, (b, t) in cell.layouts.items()}
 
 
 def build_parser():
   p = argparse.ArgumentParser(prog="python -m benchmarks.variants", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--cells", type=cli.parse_strs, default=None,
+  p.add_argument("--cells", type=h.parse_strs, default=None,
                  help="only the cells whose id matches one of these patterns, e.g. 'window-*,packed-*'")
   p.add_argument("--list-cells", action="store_true", help="print the cell ids and rows, and exit")
-  p.add_argument("--impls", type=cli.impl_names, default=None,
+  p.add_argument("--impls", type=h.impl_names, default=None,
                  help=f"rows of these registry entries only: comma list of {', '.join(FAMILIES)} "
                       "(default all)")
-  p.add_argument("--iters", type=cli.positive_int, default=ITERS,
-                 help=f"back-to-back calls per repetition (--smoke: {cli.SMOKE_ITERS})")
-  p.add_argument("--reps", type=cli.positive_int, default=REPS,
-                 help=f"repetitions, median taken (--smoke: {cli.SMOKE_REPS})")
   p.add_argument("--no-check", action="store_true", help="skip the f32 reference check")
-  cli.add_common_args(p)
+  h.add_common_args(p, counts=True)
   return p
 
 
 def select_cells(args) -> list[Cell]:
-  """The cells of the size that runs (``--cells``: those matching a pattern); none matching is an error
-  that lists the ids of that size's cells."""
-  every = build_cells("smoke" if args.smoke else "full")
-  if args.quick:
-    every = [c for c in every if c.id not in QUICK_SKIP]
-  if not args.cells:
-    return every
-  cells = [c for c in every if any(fnmatch.fnmatchcase(c.id, pat) for pat in args.cells)]
-  if not cells:
-    which = ("the CPU smoke cells (--smoke, or no GPU)" if args.smoke else
-             "the quick GPU cells" if args.quick else "the GPU cells")
-    raise SystemExit(f"--cells {','.join(args.cells)} matches no cell of {which}; their ids: "
-                     + " ".join(c.id for c in every))
-  return cells
-
-
-def _families(args) -> list[str]:
-  names = args.impls or list(FAMILIES)
-  bad = [n for n in names if n not in FAMILIES]
-  if bad:
-    raise SystemExit(f"--impls: {', '.join(bad)} {'has' if len(bad) == 1 else 'have'} no rows here; "
-                     f"the variants' rows run {', '.join(FAMILIES)}")
-  return names
+  """The cells of the size that runs (``--cells``: those matching a pattern)."""
+  every = [c for c in build_cells("smoke" if args.smoke else "full")
+           if not (args.quick and c.id in QUICK_SKIP)]
+  which = ("the CPU smoke cells (--smoke, or no GPU)" if args.smoke else
+           "the quick GPU cells" if args.quick else "the GPU cells")
+  return h.select(every, args.cells, lambda c: c.id, f"{which}; their ids")
 
 
 def run(args) -> dict:
   import jax
-  families = _families(args)
+  families = args.impls or list(FAMILIES)
+  if set(families) - set(FAMILIES):
+    bad = [n for n in families if n not in FAMILIES]
+    raise SystemExit(f"--impls: {', '.join(bad)} {'has' if len(bad) == 1 else 'have'} no rows here; "
+                     f"the variants' rows run {', '.join(FAMILIES)}")
   if args.list_cells:
     for c in select_cells(args):
       shapes = ", ".join(f"{k} [{b}, {t}]" for k, (b, t) in c.layouts.items())
       print(f"{c.id:<20} {c.title}; {c.heads} x {c.head_dim}; {shapes}; rows "
             + " ".join(r.name for r in c.rows if r.impl in families))
     return {}
-  info = device_info()
-  cli.cpu_fallback(args, info, STEM)
-  cli.smoke_counts(args)  # a few calls: the smoke size checks the harness
+  info = h.device_info()
+  h.cpu_fallback(args, info, STEM)
   cells = select_cells(args)
   names, absent = impls.split_available(families)
-  info["absent_impls"] = absent
-  info["impls"] = {n: impls.get(n).about for n in names}
-  out_dir = cli.resolve_out(args, info)
-  dtype = cli.jnp_dtype(DTYPE)
+  info.update(absent_impls=absent, impls={n: impls.get(n).about for n in names})
   size = "smoke" if args.smoke else "full"
-  rec = Recorder(out_dir / out_name(STEM, args.tag, "json"), info, dict(
+  todo = [(c, r) for c in cells for r in c.rows if r.impl in families]
+  run = h.Run(args, STEM, info, dict(
       size=size, sizes=SIZES[size], cells=[dict(id=c.id, kind=c.kind, title=c.title, layouts=c.layouts,
                                                 rows=[r.name for r in c.rows], **c.info) for c in cells],
-      impls=families, dtype=DTYPE, iters=args.iters, reps=args.reps, smoke=args.smoke,
-      soft_cap=SOFT_CAP, ragged_seed=RAGGED_SEED, pad_multiple=PAD_MULTIPLE,
+      impls=families, dtype=DTYPE, iters=args.iters, reps=args.reps, soft_cap=SOFT_CAP,
+      ragged_seed=RAGGED_SEED, pad_multiple=PAD_MULTIPLE,
       bars={k: [dataclasses.asdict(b) for b in v] for k, v in BARS.items()},
       flops="forward 4·N·H·(attended pairs), forward+backward 3.5× that",
       method="benchmarks.timing: jit; 2 warm-up calls; median of reps x (iters back-to-back calls, then "
              "block_until_ready), the repetitions of a cell's rows and passes interleaved (order "
-             "rotated each repetition); fwd+bwd = jit(grad(f32 sum of the output)); integer arrays (segment "
-             "ids, lengths, cu_seqlens) are runtime arguments"),
-      STEM, key=cell_key, resume=args.resume)
-  crashed = {(c.get("id"), c.get("row")) for c in rec.crashed}
-  budget = cli.make_budget(args)
-  todo = [(c, r) for c in cells for r in c.rows if r.impl in families]
-  bar = cli.progress(len(todo), STEM)
+             "rotated each repetition); fwd+bwd = jit(grad(f32 sum of the output)); integer arrays "
+             "(segment ids, lengths, cu_seqlens) are runtime arguments"), cell_key, len(todo))
   for cell in cells:
-    # A cell's rows are compiled and warmed up, then timed with their repetitions interleaved
-    # (benchmarks/timing.measure_together): a drift over the cell's time falls on every row alike.
-    bar.set_postfix_str(cell.id)
-    t0 = time.time()
-    inputs, refs, timed = None, {}, {}  # timed: row name -> (row, record, call)
+    run.bar.set_postfix_str(cell.id)
+    t0, inputs, refs, rows = time.time(), None, {}, {}
     for row in (r for r in cell.rows if r.impl in families):
-      base = _row_record(cell, row)
-      if cell_key(base) in rec.done:  # --resume: measured by the last run
-        bar.update(1)
-        continue
+      rec = record(cell, row)
       if row.impl in absent:
-        rec.add(dict(base, status="unavailable", error=absent[row.impl]))
-        bar.update(1)
+        if run.rec.key(rec) not in run.rec.done:
+          run.add(dict(rec, status="unavailable", error=absent[row.impl]), check=False)
         continue
-      if cell_key(base) in crashed or not budget.fits("cell"):
-        rec.add(dict(base, status="skipped", error="skipped: " + (
-            "it crashed the process in the last run" if cell_key(base) in crashed else "time budget")))
-        bar.update(1)
+      if run.skip(rec):
         continue
-      rec.begin(base)
-      simulated_crash_hook(row.impl)
       try:
-        if inputs is None:
-          inputs = _inputs(cell, args.seed, dtype)
-        out, call = prepare_row(cell, row, inputs)
-        if call is not None:
-          timed[row.name] = (row, out, call)
+        if inputs is None:  # drawn from the cell's id: a --cells subset measures the same inputs
+          inputs = {name: h.random_inputs(zlib.crc32(f"{cell.id}/{name}/{args.seed}".encode()),
+                                          [(b, t, cell.heads, cell.head_dim)] * 3, h.jnp_dtype(DTYPE))
+                    for name, (b, t) in cell.layouts.items()}
+        q, k, v = inputs[row.layout]
+        why = impls.unsupported(row.impl, q.shape, k.shape, q.dtype, row.causal)
+        if why:
+          run.add(dict(rec, status="unsupported", error=why), check=False)
           continue
+        if impls.get(row.impl).describe is not None and row.call is None:
+          rec["backend"] = str(impls.get(row.impl).describe(q, k, v, causal=row.causal,
+                                                             **_resolve(row.kw, cell.arrays)))
+        f, aux = timed_fn(row)
+        rows[row.name] = (rec, f, (q, k, v, *(jax.numpy.asarray(cell.arrays[n]) for n in aux)))
       except Exception as e:  # noqa: BLE001
-        out = dict(base, status="error", error=err_str(e))
-      close_cell(rec, budget, "cell", out, t0, bar)
-    if timed:
-      def before(name, timed=timed):
-        rec.begin(timed[name][1])
-        simulated_crash_hook(timed[name][0].impl)
-      try:
-        results = measure_together({n: call for n, (_, _, call) in timed.items()},
-                                   flops_fwd={n: r["flops_fwd"] for n, (_, r, _) in timed.items()},
-                                   iters=args.iters, reps=args.reps, warmup=WARMUP, before=before)
-      except Exception as e:  # noqa: BLE001
-        results = {n: {"fwd_error": err_str(e), "fwd+bwd_error": err_str(e), "out": None}
-                   for n in timed}
-      for name, (row, out, _) in timed.items():
-        try:
-          out = finish_row(cell, row, out, results[name], inputs, refs, args)
-        except Exception as e:  # noqa: BLE001
-          out.update(status="error", error=err_str(e))
-        close_cell(rec, budget, "cell", out, t0, bar)  # wall_s: the cell's time so far
-    del inputs, refs, timed
+        run.add(dict(rec, status="error", error=h.err_str(e)))
+
+    def check(name, out, cell=cell, inputs=inputs, refs=refs):
+      if args.no_check:
+        return None
+      row = next(r for r in cell.rows if r.name == name)
+      key = (row.layout, repr(sorted(row.ref.items())))
+      if key not in refs:
+        refs[key] = h.reference(*inputs[row.layout], REF_HEADS, **_resolve(row.ref, cell.arrays))
+      return h.rel_err(out, *refs[key])
+
+    if rows:
+      run.together(rows, iters=args.iters, reps=args.reps, check=check, t0=t0)
+    del inputs, refs, rows, check
     jax.clear_caches()  # compiled programs of this cell's shapes are not used again
-  return finish_run(rec, bar, render, summary, out_dir, args.tag)
+  return run.finish(render, summary)
+
+
+# --- report ---------------------------------------------------------------------------------------------
+
+def _value(c, measure, p):
+  return ((c or {}).get("tflops" if measure == "rate" else "ms") or {}).get(p)
+
+
+def by_cell(cells) -> dict:
+  out: dict = {}
+  for c in cells:
+    if "row" in c and "id" in c:
+      out.setdefault(c["id"], {})[c["row"]] = c
+  return out
+
+
+def evaluate(cells) -> list[dict]:
+  """Every bar of every measured cell: ``ratio`` and ``ok`` per pass, ``verdict`` pass / fail / n/a
+  (pass: every pass measured and within the bar)."""
+  out = []
+  for cid, by in by_cell(cells).items():
+    kind = next(iter(by.values())).get("kind")
+    for bar in BARS.get(kind, []):
+      r = {p: h.ratio(_value(by.get(bar.row), bar.measure, p), _value(by.get(bar.ref), bar.measure, p))
+           for p in PASSES}
+      ok = {p: None if r[p] is None else bool(r[p] >= bar.threshold if bar.op == ">="
+                                              else r[p] <= bar.threshold) for p in PASSES}
+      verdict = ("fail" if any(v is False for v in ok.values()) else
+                 "pass" if all(v is not None for v in ok.values()) else "n/a")
+      out.append(dict(cell=cid, kind=kind, text=bar.text, row=bar.row, ref=bar.ref, measure=bar.measure,
+                      op=bar.op, threshold=bar.threshold, ratio=r, ok=ok, verdict=verdict))
+  return out
+
+
+def compare(by: dict, kind: str) -> list[tuple[str, str, dict]]:
+  """``(row, other, {pass: row's rate ÷ other's})`` for the pairs of COMPARE both measured."""
+  got = [(a, b, {p: h.ratio(_value(by.get(a), "rate", p), _value(by.get(b), "rate", p)) for p in PASSES})
+         for a, b in COMPARE.get(kind, [])]
+  return [g for g in got if any(v is not None for v in g[2].values())]
+
+
+def _status_text(c) -> str:
+  s = c.get("status")
+  if s == "ok" or s == "partial" and (c.get("ms") or {}):
+    parts = ((c.get("backend") or "").split(":")[0], "⚠" if c.get("warning") else "",
+             "partial" if s == "partial" else "")
+    return " ".join(x for x in parts if x) or "ok"
+  return {"unavailable": "absent", "unsupported": "n/a", "skipped": "skip"}.get(s, "✗")
+
+
+def render(data, base):
+  cells, cfg = [c for c in data.get("cells", []) if "row" in c and "id" in c], data.get("config", {})
+  lines = h.header(data, "Attention variants: speed and bars (bf16)") + [
+      f"- FLOPs over *attended* (query, key) pairs: {cfg.get('flops', '')}",
+      f"- timing: {cfg.get('method', '')}",
+      "- cells: ms and TFLOP/s `fwd / fwd+bwd`; fa2_jax rows name the kernels that ran "
+      "(`fa2_jax.backend_for`); absent: implementation not importable here; n/a: shape not supported; "
+      "⚠: forward output off the f32 reference", ""]
+  bars = evaluate(cells)
+  if bars:
+    lines += ["## Bars", "", h.md_table(
+        ["cell", "bar", *(f"{p} ratio" for p in PASSES), "verdict"],
+        [[b["cell"], b["text"], *(h.fmt_num(b["ratio"][p], ".2f") for p in PASSES), f"**{b['verdict']}**"]
+         for b in bars]), ""]
+  for cid, by in by_cell(cells).items():
+    first = next(iter(by.values()))
+    lines += [f"## {cid}: {first.get('title', '')}", ""]
+    if first.get("doc_lengths"):
+      lens = first["doc_lengths"]
+      lines += [f"Documents ({len(lens)}): {', '.join(map(str, lens))}" + (
+          f"; padded batch width {first['padded_width']}" if first.get("padded_width") else ""), ""]
+    lines.append(h.md_table(
+        ["row", "call", "shape [B, T]", "ms", "TFLOP/s", "ran"],
+        [[f"{h.style(c['row'])[0]} (`{c['row']}`)", c.get("about", ""), f"[{c.get('batch')}, {c.get('seq')}]",
+          h.pair(c.get("ms"), h.fmt_ms), h.pair(c.get("tflops"), h.fmt_tf), _status_text(c)]
+         for c in by.values()]))
+    lines += ["", f"- ran: {', '.join(c['row'] for c in by.values() if c.get('ms')) or 'none'}"]
+    lines += [f"- `{a}` ÷ `{b}` (rate over the same attended pairs): {h.pair(r, h.fmt_ratio)}"
+              for a, b, r in compare(by, first.get("kind"))]
+    lines += [f"- bar: {b['text']}: " + (", ".join(
+        f"{p} {h.fmt_num(b['ratio'][p], '.2f')} {'✓' if b['ok'][p] else '✗'}" for p in PASSES
+        if b["ratio"][p] is not None) or "not measured") + f" → **{b['verdict']}**"
+        for b in bars if b["cell"] == cid]
+    lines.append("")
+  lines += h.failures(cells, lambda c: c["row"], lambda c: c["id"])
+  lines += [f"- note: {n}" for n in data.get("notes", [])]
+  return [h.write_md(lines, base)] + plot(data, cells, base)
+
+
+def plot(data, cells, base):
+  """Forward+backward TFLOP/s over attended pairs: a panel per kind of cell, a bar per row (the
+  implementation's colour; hatched: the same work done another way), each panel with its legend."""
+  plt, grouped = h.pyplot(), by_cell(cells)
+  kinds = [k for k in KINDS if any(next(iter(by.values())).get("kind") == k for by in grouped.values())]
+  if plt is None or not kinds:
+    return []
+  known = [c.id for c in build_cells("full")] + [c.id for c in build_cells("smoke")]
+  panels = []
+  for kind in kinds:
+    ids = sorted((cid for cid, by in grouped.items() if next(iter(by.values())).get("kind") == kind),
+                 key=lambda i: known.index(i) if i in known else len(known))
+    rows = h.ordered(r for i in ids for r in grouped[i] if _value(grouped[i][r], "rate", "fwd+bwd"))
+    panels.append((KIND_TITLES[kind], ids, [(r, [_value(grouped[i].get(r), "rate", "fwd+bwd") or 0.0
+                                                 for i in ids]) for r in rows]))
+  fig = h.bar_panels(plt, panels, ylabel="fwd+bwd TFLOP/s", shared_legend=False)
+  return h.save(plt, fig, base, data, "Attention variants: forward+backward TFLOP/s over attended pairs "
+                "(higher is better)")
+
+
+def summary(data) -> str:
+  cells, smoke = [c for c in data.get("cells", []) if "row" in c and "id" in c], h.is_smoke(data)
+  caveat = f" ({h.SMOKE_CAVEAT})" if smoke else ""
+  lines = [f"{STEM}: ms fwd / fwd+bwd, TFLOP/s over attended pairs fwd / fwd+bwd"
+           + (f" ({h.SMOKE_CAVEAT}; the bars' verdicts mean nothing)" if smoke else "")]
+  lines += [f"  {c['id']:<18} {c['row']:<12} " + (f"{h.pair(c.get('ms'), h.fmt_ms)} ms  "
+                                                  f"{h.pair(c.get('tflops'), h.fmt_tf)} TF"
+                                                  if c.get("ms") else str(c.get("status"))) for c in cells]
+  lines += [f"  BAR {b['cell']:<18} {b['row']} vs {b['ref']} ({b['measure']} {b['op']} {b['threshold']:g}): "
+            + " ".join(f"{p} {h.fmt_num(b['ratio'][p], '.2f')}" for p in PASSES) + f" -> {b['verdict']}"
+            + caveat for b in evaluate(cells)]
+  return "\n".join(lines)
 
 
 def main(argv=None):
-  return cli.script_main(argv, build_parser(), run, render, summary, STEM, cell_key)
+  return h.script_main(argv, build_parser(), run, render, summary, STEM, cell_key)
 
 
 if __name__ == "__main__":

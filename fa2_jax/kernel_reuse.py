@@ -31,7 +31,7 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
   costs no kernel lowering or compile. Results equal the unpadded call's up to rounding (the padded
   call may run other kernels: the fused dQ from a padded 4096 causal rows, say); the padding costs a
   copy of the inputs and the masked variant of the kernels (measured in
-  ``benchmarks/results/h200/latency/compile_reuse_kernels.md``). None (default): no padding.
+  ``benchmarks/results/h200/compile_reuse_kernels.md``). None (default): no padding.
 
   ``cache_dir``: with ``enabled``, a folder where each kernel's lowering is also written (a file per
   kernel, settings and shapes, named by their hash with the JAX version and this package's sources)

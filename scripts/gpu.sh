@@ -29,8 +29,9 @@
 #   bash scripts/gpu.sh variants [args]          the attention variants' speed and bars
 #                                                (python -m benchmarks.variants); split it with --cells,
 #                                                e.g. variants --cells 'window-*' --tag a
-#   bash scripts/gpu.sh latency|memory|numerics|ablation|tune [args]   python -m benchmarks.<mode>
-#   bash scripts/gpu.sh all      [args]          python -m benchmarks.run_all --quick
+#   bash scripts/gpu.sh latency|memory|numerics|tune [args]   python -m benchmarks.<mode>
+#   bash scripts/gpu.sh all      [args]          python -m benchmarks.run_all --quick (attention, memory,
+#                                                latency, numerics under one time budget)
 #
 # Results go to $OUT/<mode>/ when OUT is set (a device tool's output folder), else ./out/<mode>/ (ignored
 # by git). GPU_TIMEOUT (seconds, default 570) bounds each command, so a device call's limit is not hit.
@@ -39,7 +40,7 @@
 # shared host's GPUs out of service); optional peer wheels carried in .peer/ (tokamax, flash_attn3_jax,
 # and a stub/ folder) are installed to .peer/site and put on PYTHONPATH, so the benchmarks add their rows.
 set -uo pipefail
-MODES="tests grid gpt variants latency memory numerics ablation tune all"
+MODES="tests grid gpt variants latency memory numerics tune all"
 mode="${1:-}"
 if [ -z "$mode" ] || [[ "$mode" == *[[:space:]]* ]] || [[ " $MODES " != *" $mode "* ]]; then
   echo "scripts/gpu.sh: mode must be one of: $MODES; got '$mode'" >&2
@@ -120,7 +121,7 @@ case "$mode" in
     export FA2_TEST_DURATIONS="$out/durations.tsv"
     # the longest compiles start first, at the heads of the workers' shares (tests/conftest.py),
     # unless FA2_TEST_FIRST is set
-    export FA2_TEST_FIRST="${FA2_TEST_FIRST-kernel_times_and_mosaic_tune,mosaic_jit_grad_and_jit_of_grad,dkdv_roles_head_dim_256,extreme_logits_compiled,extreme_logits_gqa_compiled}"
+    export FA2_TEST_FIRST="${FA2_TEST_FIRST-registers_and_mosaic_tune,mosaic_jit_grad_and_jit_of_grad,dkdv_roles_head_dim_256,extreme_logits_compiled,extreme_logits_gqa_compiled}"
     if [ "$workers" -gt 1 ]; then  # several processes share the GPU: each allocates as it goes
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
       pytest_gpu+=(-n "$workers" --dist worksteal)

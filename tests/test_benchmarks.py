@@ -1,7 +1,8 @@
 """The benchmark harness on the CPU: the timing statistics (fake clock), the implementations registry,
-the FLOP count, the markdown / merge logic, the grid's CPU smoke run, run_all's resume after a crash,
-and the FlashAttention-1-like kernel variants of the ablation (numerics in interpret mode, lowering for
-an H200). GPU-only parts (Mosaic diagnostics and sweeps) are the tests marked ``gpu``."""
+the FLOP count, the markdown / merge / render logic, the plots (GPU in the title, the palette's legend
+names and colours, tick labels apart), the grid's and the variants' CPU smoke runs, run_all's resume
+after a crash, the diagnostics' flags, the results index's links. GPU-only parts (Mosaic diagnostics and
+sweeps) are the tests marked ``gpu``."""
 import json
 import math
 import os
@@ -18,11 +19,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is a package of the repository, not of the wheel
 
-from fa2_jax.kernels import platform
 import fa2_jax  # noqa: E402
-from benchmarks import ablation, ablation_kernels, attention, cli, impls, numerics, report, timing  # noqa: E402
-from benchmarks.attention_report import attach_ratios  # noqa: E402
-from benchmarks.flops import attention_flops, tflops  # noqa: E402
+from benchmarks import attention, harness, impls, numerics, timing, tune, variants  # noqa: E402
+from benchmarks.attention import attach_ratios  # noqa: E402
+from benchmarks.timing import attention_flops, tflops  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -198,7 +198,8 @@ def _result(cells, notes=()):
           "config": {"dtype": "bf16"}, "cells": cells, "notes": list(notes)}
 
 
-def test_attention_markdown_rows_ratios_and_marks(tmp_path):
+def test_attention_markdown_rows_ratios_and_marks(tmp_path, monkeypatch):
+  monkeypatch.setattr(harness, "pyplot", lambda: None)  # the md alone (plots: the next test)
   cells = [_cell("d128-8k-c", "fa2", 500.0, 400.0), _cell("d128-8k-c", "cudnn", 400.0, 500.0),
            _cell("d128-8k-c", "fa3", 625.0, 800.0), _cell("d128-8k-c", "fa2_det", None, None,
                                                           status="same", same_as="fa2"),
@@ -210,37 +211,67 @@ def test_attention_markdown_rows_ratios_and_marks(tmp_path):
   attach_ratios(cells)
   assert cells[0]["vs_cudnn"]["fwd"] == pytest.approx(1.25)
   assert cells[0]["vs_fa3"]["fwd+bwd"] == pytest.approx(0.5)
-  md = Path(attention.render(_result(cells), tmp_path)[0]).read_text()
-  lines = md.splitlines()
+  lines = attention.render(_result(cells), tmp_path / "grid")[0].read_text().splitlines()
   row = lambda name: next(x for x in lines if x.startswith(f"| {name}"))  # noqa: E731
-  assert row("FA2 (`fa2`)") == "| FA2 (`fa2`) | 500 / 400 |"
-  assert row("FA2_DET") == "| FA2_DET (`fa2_det`) | = fa2 |"
-  assert row("XLA") == "| XLA (`xla`) | skip |"
-  assert row("fa2 ÷ cuDNN") == "| fa2 ÷ cuDNN | 1.25 / 0.80 |"
-  assert row("fa2 ÷ FA3") == "| fa2 ÷ FA3 | 0.80 / 0.50 |"
-  assert "## other shapes" in md and "| FA3 (`fa3`) | n/a |" in md
-  assert "d256 8k causal (B=2, N=8)" in md
-  # the overview (the README's table): a row per cell, a column per implementation, fa2's ratios
-  assert row("h128 causal 8k (B=2)") == (
-      "| h128 causal 8k (B=2) | 500 / 400 | = | 400 / 500 | 625 / 800 | skip | 0.80 | 0.50 |")
-  assert row("h256 causal 8k (B=2)") == "| h256 causal 8k (B=2) | 300 / 200 | – | – | n/a | – | – | – |"
-  assert md.index("## Overview") < md.index("## head_dim 128, causal")
-  assert (tmp_path / "attention.png").read_bytes()[:8] == PNG_MAGIC
+  # a row per cell, a column per implementation (user-facing names), fa2_jax's ratios
+  assert row("cell") == ("| cell | fa2_jax | fa2_jax (deterministic) | cuDNN | FlashAttention-3 | XLA | "
+                         "fa2_jax ÷ cuDNN | fa2_jax ÷ FA3 |")
+  assert row("h128 8k causal (B=2)") == (
+      "| h128 8k causal (B=2) | 500 / 400 | = | 400 / 500 | 625 / 800 | skip | 1.25 / 0.80 | 0.80 / 0.50 |")
+  assert row("h256 8k causal (B=2)") == "| h256 8k causal (B=2) | 300 / 200 | – | – | n/a | – | – / – | – / – |"
+  assert lines.index(row("h128")) < lines.index(row("h256"))  # the paper's groups first
+  assert "- **XLA** error (d128-8k-c): `skipped above seq 8192`" in lines
   # Without cuDNN or FA3 rows nothing names them (the CPU smoke table).
   alone = [c for c in cells if c["impl"] not in ("cudnn", "fa3")]
-  md = Path(attention.render(_result(alone), tmp_path)[0]).read_text()
+  md = attention.render(_result(alone), tmp_path / "alone")[0].read_text()
   assert "cuDNN" not in md and "FA3" not in md
   assert "cuDNN" not in attention.summary(_result(alone))
 
 
-def test_merge_later_measurement_wins_but_not_a_skip(tmp_path):
+def test_plots_name_the_gpu_and_keep_one_colour_per_implementation(tmp_path, monkeypatch):
+  """The committed results' bar and line plots, redrawn: every title names the GPU, legends use the palette's
+  user-facing names, an implementation has the same colour in every plot, and no two x tick labels
+  overlap (the grid's other shapes have the longest); ``--render`` writes a result's md and plots beside
+  it."""
+  from matplotlib.colors import to_hex
+
+  from benchmarks import latency
+  figs, save = [], harness.save  # each figure kept for the checks below, written at a low resolution
+  monkeypatch.setattr(harness, "save", lambda plt, fig, *a, **kw: figs.append(fig) or save(
+      plt, fig, *a, **dict(kw, dpi=20)))
+  results = ROOT / "benchmarks" / "results" / "h200"
+  (tmp_path / "grid.json").write_text((results / "grid.json").read_text())
+  attention.main(["--render", str(tmp_path / "grid.json")])
+  assert {p.name for p in tmp_path.iterdir()} == {"grid.json", "grid.md", "grid.png", "grid_fwd.png"}
+  for mod in (variants, latency, numerics):
+    mod.render(harness.read_json(results / f"{mod.STEM}.json"), tmp_path / mod.STEM)
+  assert len(figs) == 5
+  colours, names = {}, {harness.style(n)[0] for n in harness.PALETTE}
+  for fig in figs:
+    assert fig._suptitle.get_text().endswith("— NVIDIA H200") and not harness.overlapping_ticks(fig)
+    for lg in fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]:
+      for handle, text in zip(lg.legend_handles, lg.get_texts()):
+        if text.get_text() in names:
+          colour = handle.get_color() if hasattr(handle, "get_xdata") else handle.get_facecolor()
+          colours.setdefault(text.get_text(), set()).add(to_hex(colour))
+  assert set(colours) >= {"fa2_jax", "fa2_jax (deterministic)", "fa2_jax (Triton)", "cuDNN",
+                          "FlashAttention-3", "FlashAttention-3 varlen", "tokamax", "XLA", "cuDNN on a batch"}
+  assert all(len(c) == 1 for c in colours.values()), colours  # one colour per name in every plot
+  one = {n: next(iter(c)) for n, c in colours.items()}
+  assert one["cuDNN"] == one["cuDNN on a batch"] and one["fa2_jax"] == one["fa2_jax dense causal"]
+  assert len({one[n] for n in ("fa2_jax", "fa2_jax (deterministic)", "fa2_jax (Triton)", "cuDNN",
+                               "FlashAttention-3", "tokamax", "XLA")}) == 7  # implementations differ
+
+
+def test_merge_later_measurement_wins_but_not_a_skip(tmp_path, monkeypatch):
+  monkeypatch.setattr(harness, "pyplot", lambda: None)  # the merge alone (plots: the test above)
   a = [_cell("d128-8k-c", "fa2", 500.0, 400.0), _cell("d128-2k-c", "fa2", 300.0, 200.0)]
   b = [_cell("d128-8k-c", "fa2", 510.0, 410.0), _cell("d128-2k-c", "fa2", None, None, status="skipped"),
        _cell("d128-4k-c", "cudnn", 450.0, 420.0)]
   p1, p2 = tmp_path / "a.json", tmp_path / "b.json"
   p1.write_text(json.dumps(_result(a, ["same note", "first note"])))
   p2.write_text(json.dumps(_result(b, ["same note"])))
-  merged = report.merge_json([p1, p2], attention.cell_key)
+  merged = harness.merge_json([p1, p2], attention.cell_key)
   by = {c["id"]: c for c in merged["cells"]}
   assert len(merged["cells"]) == 3
   assert by["d128-8k-c"]["tflops"]["fwd"] == 510.0 and by["d128-8k-c"]["source"] == str(p2)
@@ -249,10 +280,10 @@ def test_merge_later_measurement_wins_but_not_a_skip(tmp_path):
   other = tmp_path / "c.json"
   other.write_text(json.dumps(dict(_result([]), script="latency")))
   with pytest.raises(ValueError, match="different scripts"):
-    report.merge_json([p1, other], attention.cell_key)
+    harness.merge_json([p1, other], attention.cell_key)
   other.write_text("[1, 2]")
   with pytest.raises(ValueError, match="not a benchmark result"):
-    report.merge_json([other], attention.cell_key)
+    harness.merge_json([other], attention.cell_key)
   data = attention.main(["--merge", str(p1), str(p2), "--out", str(tmp_path / "m")])
   assert len(data["cells"]) == 3 and (tmp_path / "m" / "attention_merged.md").exists()
 
@@ -260,7 +291,7 @@ def test_merge_later_measurement_wins_but_not_a_skip(tmp_path):
 def test_merge_of_a_bad_file_is_a_usage_error(tmp_path, capsys):
   """--merge with a missing, non-JSON or non-result file (or results of two scripts): usage and one
   line naming the file, exit code 2, no traceback; in every script that has --merge."""
-  from benchmarks import latency, memory, tune, variants
+  from benchmarks import latency, memory
   good, listed, text = tmp_path / "a.json", tmp_path / "list.json", tmp_path / "text.json"
   good.write_text(json.dumps(_result([_cell("d128-8k-c", "fa2", 500.0, 400.0)])))
   listed.write_text("[1, 2]")
@@ -277,7 +308,7 @@ def test_merge_of_a_bad_file_is_a_usage_error(tmp_path, capsys):
       attention.main(["--merge", *map(str, paths), "--out", str(tmp_path / "m")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and msg in err and "usage: python -m benchmarks.attention" in err, err
-  for mod in (variants, latency, memory, numerics, ablation, tune):
+  for mod in (variants, latency, memory, numerics, tune):
     for paths, msg in cases[:1] + cases[2:3]:
       with pytest.raises(SystemExit) as e:
         mod.main(["--merge", *map(str, paths), "--out", str(tmp_path / "m")])
@@ -310,7 +341,6 @@ def test_grid_cells_and_filters():
 def test_cells_error_lists_the_ids_of_the_grid_that_runs():
   """On the CPU the smoke grid runs: an id of the GPU grid matches nothing there, and the message lists
   the smoke ids, not the GPU grid's (which hold the id asked for)."""
-  from benchmarks import variant_cells, variants
   with pytest.raises(SystemExit) as e:
     attention.main(["--cells", "d128-8k-c"])  # no GPU here: the CPU smoke size is chosen
   smoke_ids = " ".join(c["id"] for c in attention.GRIDS["smoke"]())
@@ -319,7 +349,7 @@ def test_cells_error_lists_the_ids_of_the_grid_that_runs():
   args = variants.build_parser().parse_args(["--smoke", "--cells", "window-32k"])
   with pytest.raises(SystemExit) as e:
     variants.select_cells(args)
-  smoke_ids = " ".join(c.id for c in variant_cells.build_cells("smoke"))
+  smoke_ids = " ".join(c.id for c in variants.build_cells("smoke"))
   assert "window-32k" not in smoke_ids.split()
   assert str(e.value.code).endswith(f"matches no cell of the CPU smoke cells (--smoke, or no GPU); "
                                     f"their ids: {smoke_ids}"), e.value.code
@@ -328,8 +358,7 @@ def test_cells_error_lists_the_ids_of_the_grid_that_runs():
 def test_smoke_summaries_say_they_are_no_measurement():
   """The console summary of a smoke-size result says its numbers (and ratios, gains, best settings)
   are no measurement; a GPU result's does not."""
-  from benchmarks import attention_report, tune
-  for summary in (attention_report.summary, ablation.summary, tune.summary):
+  for summary in (attention.summary, tune.summary):
     for smoke in (False, True):
       first = summary({"config": {"smoke": smoke}, "cells": []}).splitlines()[0]
       assert first.endswith("(smoke size (CPU, Pallas interpret mode): not a measurement)") == smoke, (
@@ -338,11 +367,10 @@ def test_smoke_summaries_say_they_are_no_measurement():
 
 def test_count_flags_must_be_positive(capsys):
   """--iters / --reps and the other counts and sizes: a whole number >= 1, else usage + exit code 2."""
-  from benchmarks import cli, latency, memory, run_all, tune, variants
+  from benchmarks import latency, memory, run_all
   bad = [(attention, ["--iters", "0"], "argument --iters: must be at least 1, got 0"),
          (attention, ["--reps", "-3"], "argument --reps: must be at least 1, got -3"),
          (variants, ["--iters", "2.5"], "argument --iters: not a whole number: '2.5'"),
-         (ablation, ["--reps", "0"], "argument --reps: must be at least 1"),
          (tune, ["--iters", "0"], "argument --iters: must be at least 1"),
          (latency, ["--calls", "0"], "argument --calls: must be at least 1"),
          (latency, ["--input-sets", "0"], "argument --input-sets: must be at least 1"),
@@ -358,9 +386,8 @@ def test_count_flags_must_be_positive(capsys):
     assert e.value.code == 2 and msg in err and "usage:" in err, (mod.__name__, argv, err)
   args = attention.build_parser().parse_args(["--iters", "7", "--reps", "1", "--budget-s", "0.5"])
   assert (args.iters, args.reps, args.budget_s) == (7, 1, 0.5)
-  args.smoke = True
-  cli.smoke_counts(args)  # the smoke size times a few calls, and the result file records those
-  assert (args.iters, args.reps) == (cli.SMOKE_ITERS, cli.SMOKE_REPS)
+  harness.cpu_fallback(args, {"backend": "cpu"}, "attention")  # no GPU: the smoke size, a few calls
+  assert args.smoke and (args.iters, args.reps) == (harness.SMOKE_ITERS, harness.SMOKE_REPS)
 
 
 # --- the CPU smoke run of the grid and of run_all ----------------------------------------------------
@@ -390,9 +417,10 @@ def test_grid_smoke_on_cpu(tmp_path, capsys):
       assert {(t["iters"], t["reps"]) for t in c["timing"].values()} == {(2, 2)}
   assert by[("d32-t32-s64-nc-kv2", "fa2")]["backend"].startswith("triton")
   md = (tmp_path / "attention.md").read_text()
-  assert "## other shapes" in md and "GQA 4/2" in md and "= fa2" in md
+  assert "| h32 T=32 S=64 non-causal (B=1, GQA 4/2) | " in md and " | = | " in md
   assert "smoke size on the CPU (Pallas interpret mode)" in md
-  assert (tmp_path / "attention.png").read_bytes()[:8] == PNG_MAGIC
+  for png in ("attention.png", "attention_fwd.png"):
+    assert (tmp_path / png).read_bytes()[:8] == PNG_MAGIC
   assert data["files"][0].endswith("attention.json")
 
 
@@ -419,9 +447,8 @@ def test_run_all_resumes_after_a_crash(tmp_path):
     ("benchmarks.diag.compile_time", ["--shapes", ""], "--shapes: names no shape"),
     ("benchmarks.diag.compile_time", ["--length-multiple", "-8", "--reuse-kernels"],
      "--length-multiple: must be at least 1"),
-    ("benchmarks.diag.deal_balance", ["--ctas", "0"], "--ctas: must be at least 1"),
-    ("benchmarks.diag.deal_balance", ["--random", "-1"], "--random: must be at least 0"),
-    ("benchmarks.diag.deal_balance", ["--docs", "x"], "--docs: 'x' is not LENGTH"),
+    ("benchmarks.diag.registers", ["--shapes", "1,2"], "--shapes: must be four whole numbers"),
+    ("benchmarks.diag.ab", ["--base", "x", "--rounds", "0"], "--rounds: must be at least 1"),
 ])
 def test_bad_flags_are_one_line_errors_naming_the_flag(module, args, message):
   """An empty list means nothing, not every cell; a malformed shape or count stops before any work,
@@ -432,7 +459,7 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(module, args, message):
 
 
 def test_resume_without_earlier_results_says_it_starts_afresh(tmp_path, capsys):
-  from benchmarks.recorder import Recorder
+  from benchmarks.harness import Recorder
   rec = Recorder(tmp_path / "grid.json", {}, {}, "test", resume=True)
   assert rec.done == set() and "no earlier results" in capsys.readouterr().err
   Recorder(tmp_path / "grid.json", {}, {}, "test", resume=True)  # the file exists now: no notice
@@ -462,6 +489,7 @@ def test_diag_ab_checks_its_flags_before_timing():
 
 def test_gpu_script_rejects_an_unknown_mode(tmp_path):
   for args, env, msg in ((["nope"], {}, "mode must be one of"), (["gpt", "flash", "fa9"], {}, "'fa9'"),
+                         (["ablation"], {}, "mode must be one of"),  # a mode that was removed
                          (["tests grid"], {}, "mode must be one of"),  # one word, not two modes
                          (["gpt", "pmap", "flash"], {}, "takes no further arguments"),
                          (["gpt", "flash", "pmap"], {}, "pmap alone"),
@@ -533,13 +561,12 @@ def test_first_tests_start_at_the_heads_of_the_worker_shares():
 def test_variants_attended_pairs_match_the_library_masks():
   """Every row's pair count is the number of (query, key) pairs its reference attends: with q = k = 0
   each row's lse is log(number of allowed keys), read back from fa2_jax.reference_attention."""
-  from benchmarks import variant_cells, variants
-  assert variant_cells.causal_pairs(5) == 15 and variant_cells.causal_pairs(5, 1) == 9  # 1 + 2 + 2 + 2 + 2
+  assert variants.causal_pairs(5) == 15 and variants.causal_pairs(5, 1) == 9  # 1 + 2 + 2 + 2 + 2
   i, j = np.arange(300)[:, None], np.arange(300)[None, :]
   for left in (0, 7, 298, 299, 1000):
-    assert variant_cells.causal_pairs(300, left) == int(((j <= i) & (j >= i - left)).sum()), left
+    assert variants.causal_pairs(300, left) == int(((j <= i) & (j >= i - left)).sum()), left
   counted = {}
-  for cell in variant_cells.build_cells("smoke"):
+  for cell in variants.build_cells("smoke"):
     for row in cell.rows:
       key = (cell.id, row.layout, repr(sorted(row.ref.items())))  # rows of one attention: counted once
       if key not in counted:
@@ -551,13 +578,12 @@ def test_variants_attended_pairs_match_the_library_masks():
 
 
 def test_variants_cells_documents_and_bars():
-  from benchmarks import variant_cells, variants, variants_report
-  lens = variant_cells.ragged_lengths(32768, 100, 8192)
+  lens = variants.ragged_lengths(32768, 100, 8192)
   assert sum(lens) == 32768 and min(lens) >= 100 and max(lens) <= 8192 and len(lens) > 4
-  assert lens == variant_cells.ragged_lengths(32768, 100, 8192)  # a fixed seed: the same documents
+  assert lens == variants.ragged_lengths(32768, 100, 8192)  # a fixed seed: the same documents
   with pytest.raises(ValueError, match="lo <= hi"):
-    variant_cells.ragged_lengths(10, 20, 10)
-  cells = {c.id: c for c in variant_cells.build_cells("full")}
+    variants.ragged_lengths(10, 20, 10)
+  cells = {c.id: c for c in variants.build_cells("full")}
   assert list(cells) == ["window-32k", "window-128k", "packed-8x4k", "packed-ragged", "softcap-8k-c",
                          "softcap-8k-nc", "padding-8k-nc", "padding-8k-c", "maskfn-causal-32k",
                          "maskfn-window-32k"]
@@ -576,14 +602,14 @@ def test_variants_cells_documents_and_bars():
           row("p", "padding", "fa2", {"fwd": 1.0, "fwd+bwd": 2.0}, {}),
           row("p", "padding", "fa2_full", {"fwd": 2.0, "fwd+bwd": 4.0}, {}),
           row("m", "maskfn", "fa2", {"fwd": 1.0, "fwd+bwd": 2.0}, {})]
-  got = {b["cell"]: b for b in variants_report.evaluate(fake)}
+  got = {b["cell"]: b for b in variants.evaluate(fake)}
   assert got["w"]["ratio"] == {"fwd": pytest.approx(0.9), "fwd+bwd": pytest.approx(0.75)}
   assert got["w"]["ok"] == {"fwd": True, "fwd+bwd": False} and got["w"]["verdict"] == "fail"
   assert got["p"]["ratio"]["fwd+bwd"] == pytest.approx(0.5) and got["p"]["verdict"] == "pass"
   assert got["m"]["verdict"] == "n/a"
   # The log's BAR lines: a verdict of the smoke size is marked as no measurement, a GPU run's is not.
   for smoke in (False, True):
-    text = variants_report.summary({"config": {"smoke": smoke}, "cells": fake})
+    text = variants.summary({"config": {"smoke": smoke}, "cells": fake})
     bar = next(ln for ln in text.splitlines() if "BAR p " in ln)
     assert bar.endswith("-> pass (smoke size (CPU, Pallas interpret mode): not a measurement)"
                         if smoke else "-> pass"), bar
@@ -592,7 +618,6 @@ def test_variants_cells_documents_and_bars():
 
 
 def test_variants_smoke_on_cpu(tmp_path, capsys):
-  from benchmarks import variants
   data = variants.main(["--smoke", "--out", str(tmp_path), "--cells", "padding-*-nc"])
   js = _load(tmp_path / "variants.json")
   assert js["status"] == "done" and js["config"]["smoke"] and data["files"][0].endswith("variants.json")
@@ -617,84 +642,6 @@ def test_variants_smoke_on_cpu(tmp_path, capsys):
   assert (tmp_path / "variants.png").read_bytes()[:8] == PNG_MAGIC
 
 
-# --- the ablation's kernel variants --------------------------------------------------------------------
-
-def test_ablation_kernels_match_the_reference():
-  """All three ideas switched off at once (per-step normalisation, one program per head, atomic dQ) on a
-  causal GQA call with ragged lengths: out, lse and the gradients equal the float32 formula's."""
-  ks = jax.random.split(jax.random.key(3), 4)
-  q = jax.random.normal(ks[0], (1, 50, 4, 32), jnp.float32)
-  k, v = (jax.random.normal(kk, (1, 40, 2, 32), jnp.float32) for kk in ks[1:3])
-  do = jax.random.normal(ks[3], q.shape, jnp.float32)
-  blocks = fa2_jax.BlockSizes(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16)
-
-  def run(f):
-    (o, lse), pull = jax.vjp(f, q, k, v)
-    return (o, lse, *pull((do, jnp.ones_like(lse))))  # a cotangent on lse too
-
-  got = run(lambda q, k, v: ablation_kernels.attention(
-      q, k, v, is_causal=True, block_sizes=blocks, normalize_each_step=True, seq_parallel=False,
-      atomic_dq=True, return_residual=True))
-  want = run(lambda q, k, v: fa2_jax.reference_attention(q, k, v, is_causal=True,
-                                                         return_residual=True))
-  for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5, err_msg=name)
-
-
-def test_ablation_kernels_reject_bad_arguments():
-  q = jnp.zeros((1, 8, 2, 16), jnp.float32)
-  with pytest.raises(TypeError, match="atomic_dq"):
-    ablation_kernels.attention(q, q, q, atomic_dq=1)
-  with pytest.raises(TypeError, match="block_sizes"):
-    ablation_kernels.attention(q, q, q, block_sizes=fa2_jax.MosaicConfig())
-  with pytest.raises(ValueError, match="rank 4"):
-    ablation_kernels.attention(q[0], q[0], q[0])
-
-
-@pytest.fixture
-def as_h200(monkeypatch):
-  gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
-  registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
-  monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
-                      lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-  monkeypatch.setattr(platform, "on_gpu", lambda: True)
-
-
-@pytest.mark.parametrize("case", [
-    # (b, t, s, n, kh, h, causal, dtype, switches, kernels in the program)
-    (1, 300, 100, 4, 1, 96, True, jnp.float16, dict(atomic_dq=True),
-     {"fa2_forward", "fa2_ablation_backward_dkdv_atomic_dq"}),
-    (1, 512, 512, 2, 2, 64, True, jnp.bfloat16, dict(normalize_each_step=True, seq_parallel=False),
-     {"fa2_ablation_forward", "fa2_backward_dkdv", "fa2_backward_dq"}),
-], ids=["atomic_dq-gqa-fp16", "fa1_forward-bf16"])
-def test_ablation_kernels_lower_for_hopper(case, as_h200):
-  """The variants pass the Pallas Triton lowering for an H200 (what rejects bad tiles or loop bounds)."""
-  from jax import export
-  b, t, s, n, kh, h, causal, dtype, switches, kernels = case
-  q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
-  kv = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
-  fn = jax.jit(jax.grad(lambda q, k, v: ablation_kernels.attention(
-      q, k, v, is_causal=causal, interpret=False, **switches).astype(jnp.float32).sum(),
-      argnums=(0, 1, 2)))
-  text = export.export(fn, platforms=["cuda"], disabled_checks=[
-      export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, kv, kv).mlir_module()
-  assert set(re.findall(r'name = "(fa2_[a-z_]+)"', text)) == kernels
-  assert text.count("__gpu$xla.gpu.triton") == len(kernels)
-
-
-def test_ablation_rows_and_gains():
-  cells = []
-  for var, fwd, bwd in (("fa2", 400.0, None), ("no_deferred_norm", 200.0, None),
-                        ("no_seq_parallel", 100.0, None), ("separate_dq", 400.0, 300.0),
-                        ("atomic_dq", 400.0, 60.0)):
-    cells.append(dict(batch=2, heads=16, seq=8192, head_dim=128, causal=True, variant=var,
-                      tflops={"fwd": fwd, **({"bwd": bwd} if bwd else {})}))
-  (row,) = ablation.ideas_rows(cells)
-  assert row["fwd_fa2"] == 400.0 and row["no_deferred_norm_gain"] == 2.0
-  assert row["no_seq_parallel_gain"] == 4.0 and row["separate_gain"] == 5.0
-  assert row["fa1_like"] is None and row["fa1_like_gain"] is None
-
-
 def test_numerics_reference_matches_autodiff():
   """The chunked float64 reference (forward and analytic gradients) equals jax autodiff of the plain
   formula, also across chunk boundaries and with a causal mask."""
@@ -713,66 +660,6 @@ def test_numerics_reference_matches_autodiff():
       for name, g in zip(("out", "lse", "dq", "dk", "dv"), got):
         np.testing.assert_allclose(ref[name], np.asarray(g), atol=1e-11, err_msg=name)
 
-
-def test_kernel_times_programs_lower_for_hopper(monkeypatch):
-  """The diagnostic calls the Mosaic kernel modules' public functions as they are now: its programs
-  trace and lower for sm90 on any machine."""
-  from benchmarks.diag import kernel_times
-  monkeypatch.setattr(platform, "on_gpu", lambda: True)
-  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
-  f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
-  for h, dkv, dq in ((64, "dkdv", "dq"), (256, "dkdv_roles", "dq_roles")):
-    x = jax.ShapeDtypeStruct((1, 256, 2, h), jnp.bfloat16)
-    arrays = dict(q=x, k=x, v=x, do=x, out=x, stats=f32(1, 2, 2, 256), rows=f32(1, 2, 2, 256),
-                  delta=f32(1, 2, 256), exact=jax.ShapeDtypeStruct((1, 2), jnp.int32))
-    progs = kernel_times.programs(h, jnp.bfloat16, causal=False)
-    pieces = [("sm90 forward", "forward"), ("backward prologue (XLA)", None),
-              ("sm90 dK/dV kernel", dkv), ("sm90 dQ kernel", dq)]
-    if h == 64:
-      pieces.append(("mosaic backward, fused dQ", "dkdv_dq"))
-    for name, kernel in pieces:
-      fn, arg_names, _ = progs[name]
-      text = fn.trace(*[arrays[a] for a in arg_names]).lower(lowering_platforms=("cuda",)).as_text()
-      assert kernel is None or f"fa2_mosaic_{kernel}_mosaic_gpu" in text, (h, name)
-
-
-def test_diag_shape_args():
-  import argparse
-  ap = argparse.ArgumentParser()
-  cli.add_shape_args(ap, "1,2,3,4")
-  args = ap.parse_args(["--shapes", "1,256,2,64;2,512,4,128", "--causal", "true"])
-  assert cli.shapes_and_masks(args) == [("1,256,2,64", (1, 256, 2, 64), (True,)),
-                                        ("2,512,4,128", (2, 512, 4, 128), (True,))]
-  assert cli.shapes_and_masks(ap.parse_args([])) == [("1,2,3,4", (1, 2, 3, 4), (False, True))]
-  with pytest.raises(SystemExit, match="B,T,N,H"):
-    cli.shapes_and_masks(ap.parse_args(["--shapes", "1,2,3"]))
-
-
-
-def test_deal_balance_counts_key_tiles_and_compares_deals(tmp_path):
-  """The deal diagnostic's per-tile work follows each tile's first row's document (causal, 128 x 128
-  tiles), every deal's busiest CTA carries at least the mean, the hardware deal (greedy on the true
-  work) stays within one tile of it, and the JSON keeps the command."""
-  import json
-
-  from benchmarks.diag import deal_balance
-  assert deal_balance.tile_work([256, 128]).tolist() == [1, 2, 1]
-  assert deal_balance.tile_work([100, 300]).tolist() == [1, 2, 3, 4]  # a tile across a boundary
-  assert deal_balance.parse_docs("64*3;5,7") == [[64, 64, 64], [5, 7]]
-  for bad in ("x", "64*0", "0,5", "64*two"):
-    with pytest.raises(ValueError, match="LENGTH|at least 1"):
-      deal_balance.parse_docs(bad)
-  rows = deal_balance.main(["--docs", "1024*2;700,300,1000", "--random", "1", "--heads", "4",
-                            "--ctas", "5", "--out", str(tmp_path)])
-  assert len(rows) == 3
-  for r in rows:
-    work = deal_balance.tile_work(r["docs"])
-    mean = 4 * work.sum() / 5
-    for name in ("hardware", "cyclic", "dense_work", "work_quanta", "section_snake", "global_snake"):
-      assert r[name] >= 1.0 - 1e-9, (name, r)
-    assert r["hardware"] * mean <= mean + work.max() + 1e-9
-  saved = json.loads((tmp_path / "deal_balance.json").read_text())
-  assert saved["command"].endswith("--ctas 5 --out " + str(tmp_path)) and len(saved["rows"]) == 3
 
 # slow (CI time: two processes compiling, about 15 s): the compile-time diagnostic's persistent-cache mode
 @pytest.mark.slow
@@ -858,10 +745,10 @@ def test_ab_compares_a_copy_of_this_checkout(tmp_path):
   with pytest.raises(SystemExit, match="--new-config: 'registers=240'"):
     ab.parse_config("registers=240")
   with pytest.raises(SystemExit, match="--kwargs"):
-    cli.call_kwargs("logits_soft_cap=5")
+    harness.call_kwargs("logits_soft_cap=5")
   with pytest.raises(SystemExit, match="--kwargs"):
-    cli.call_kwargs("[1, 2]")
-  kw = cli.call_kwargs('{"alibi_slopes": [0.5, 0.25], "local_window_size": [3, 0]}')
+    harness.call_kwargs("[1, 2]")
+  kw = harness.call_kwargs('{"alibi_slopes": [0.5, 0.25], "local_window_size": [3, 0]}')
   assert kw["local_window_size"] == (3, 0) and kw["alibi_slopes"].dtype == np.float32
   x = jnp.ones((1, 8, 2, 16))
   assert fa2_jax.flash_attention(x, x, x, implementation="xla", **kw).shape == x.shape
@@ -928,15 +815,10 @@ def test_variants_packed_cell_on_gpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_kernel_times_and_mosaic_tune_run_on_hopper(tmp_path):
-  from benchmarks import tune
-  from benchmarks.diag import kernel_times
-  if not platform.is_hopper():
-    pytest.skip("the Mosaic kernels need a Hopper GPU")
-  kernel_times.main(["--shapes", "1,1024,4,128", "--out", str(tmp_path)])
-  rows = _load(tmp_path / "kernel_times.json")["rows"]
-  assert rows and all("ms" in r for r in rows), [r for r in rows if "ms" not in r]
+def test_registers_and_mosaic_tune_run_on_hopper(tmp_path):
   from benchmarks.diag import registers
+  if not impls.is_hopper():
+    pytest.skip("the Mosaic kernels need a Hopper GPU")
   registers.main(["--shapes", "1,1024,4,128", "--causal", "true", "--out", str(tmp_path)])
   rows = _load(tmp_path / "registers.json")["rows"]
   assert any(r.get("kernel") == "fa2_mosaic_dkdv" and r["registers"] > 0 for r in rows), rows
@@ -952,14 +834,25 @@ def test_result_metadata_names_no_machine_paths(monkeypatch):
   """A result's command writes the device tool's output folder as ``$OUT`` and the checkout's files
   relative to it; no working directory or host name is recorded; ``FA2_GIT_COMMIT`` names the
   commit where the checkout is a copy without git."""
-  from benchmarks import device
   monkeypatch.setenv("OUT", "/scratch/out")
   monkeypatch.setattr(sys, "orig_argv", ["python3", "-m", "benchmarks.attention", "--out",
-                                         "/scratch/out/grid", "--merge", str(device.ROOT / "a.json"),
+                                         "/scratch/out/grid", "--merge", str(harness.ROOT / "a.json"),
                                          "--cells", "d64-*", "/scratch/outside"])
-  assert device.command_line() == (
+  assert harness.command_line() == (
       "python3 -m benchmarks.attention --out $OUT/grid --merge a.json --cells 'd64-*' /scratch/outside")
   monkeypatch.setenv("FA2_GIT_COMMIT", "abc1234")
-  info = device.device_info(init_backend=False)
+  info = harness.device_info(init_backend=False)
   assert info["git_commit"] == "abc1234"
   assert "cwd" not in info and "hostname" not in info
+
+
+def test_results_index_links_every_result_file():
+  """benchmarks/results/README.md links only files that exist, and every result file is reachable from
+  it: linked itself, the data of a linked md (same name), or in a linked folder (runs/ and ab/)."""
+  results = ROOT / "benchmarks" / "results"
+  links = {(results / x).resolve() for x in re.findall(r"\]\(([^)#\s]+)\)", (results / "README.md").read_text())
+           if "://" not in x}
+  assert links and not [x for x in links if not x.exists()], [x for x in links if not x.exists()]
+  files = {p.resolve() for p in results.rglob("*") if p.is_file() and p.name != "README.md"}
+  unreached = [p for p in files if not any(x in (p, p.with_suffix(".md")) or x in p.parents for x in links)]
+  assert not unreached, unreached

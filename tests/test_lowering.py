@@ -26,7 +26,7 @@ def as_h200(monkeypatch):
   monkeypatch.setattr(platform, "on_gpu", lambda: True)
 
 
-CASES = [  # (b, t, s, n, kh, h, causal, dtype); the ablation's kernel variants: test_benchmarks.py
+CASES = [  # (b, t, s, n, kh, h, causal, dtype)
     (2, 1024, 1024, 8, 8, 128, False, jnp.bfloat16),
     (2, 1023, 1000, 8, 2, 80, True, jnp.bfloat16),
     (3, 113, 1, 4, 4, 64, False, jnp.bfloat16),  # one ragged key block (was an i1/i32 bug)

@@ -1,6 +1,7 @@
-"""Diagnostics of fa2_jax's kernels on a GPU (each a script: ``python -m benchmarks.diag.<name>``):
+"""Diagnostics for work on the kernels, each answering a question docs/design.md still asks
+(``python -m benchmarks.diag.<name>``; benchmarks/README.md):
 
-* ``kernel_times``: the Mosaic forward, backward and its XLA prologue timed on their own, beside cuDNN;
-* ``compile_time``: lower / compile seconds of ``jit(grad)`` with 1, 2, 4 ... attention calls;
-* ``profile``: one steady-state forward+backward per implementation, to run under ``ncu``.
+* ``ab``: this checkout against another version (or a config candidate) in one process;
+* ``compile_time``: lower / compile seconds per call site and per new shape, kernel reuse and caches;
+* ``registers``: registers and spills of the Mosaic kernels (ptxas' report).
 """

@@ -29,11 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .. import cli
-from ..device import device_info
-from ..flops import attention_flops, tflops
-from ..report import write_json
-from ..timing import forward_fn, fwd_bwd_fn, time_calls
+from .. import harness as h
+from ..timing import attention_flops, forward_fn, fwd_bwd_fn, time_calls, tflops
 
 BASE_NAME = "fa2_base"
 
@@ -98,20 +95,20 @@ def check_arguments(cells, new_config: dict, kwargs: dict) -> None:
   taken = sorted({"block_sizes", "deterministic", "is_causal"} & set(kwargs))
   if taken:
     raise SystemExit(f"--kwargs: {taken} are set by --new-config, --deterministic and --cells")
-  for b, t, n, h, causal in cells:
+  for b, t, n, d, causal in cells:
     if new_config:
-      cell = f"{b},{t},{n},{h},{'c' if causal else 'nc'}"
+      cell = f"{b},{t},{n},{d},{'c' if causal else 'nc'}"
       try:
-        cfg = fa2_jax.MosaicConfig.default(h, jnp.bfloat16, causal)
+        cfg = fa2_jax.MosaicConfig.default(d, jnp.bfloat16, causal)
       except (TypeError, ValueError) as e:
         raise SystemExit(f"--cells: {cell}: {e} (--new-config runs the Mosaic kernels)") from None
       try:
         cfg = cfg.replace(**new_config)
       except (TypeError, ValueError) as e:
         raise SystemExit(f"--new-config: {e}") from None
-      if (why := cfg.check(h, 2)) is not None:
+      if (why := cfg.check(d, 2)) is not None:
         raise SystemExit(f"--new-config: at {cell}: {why}")
-    q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
     try:
       fa2_jax.backend_for(q, q, is_causal=causal, **kwargs)
     except (TypeError, ValueError) as e:
@@ -135,13 +132,13 @@ def compare(versions: dict, cells, *, rounds: int, deterministic: bool, iters: i
   kwargs = dict(kwargs or {})
   import jax.numpy as jnp
   rows = []
-  for b, t, n, h, causal in cells:
-    q, k, v = cli.random_inputs(seed + t + h, [(b, t, n, h)] * 3, jnp.bfloat16)
+  for b, t, n, d, causal in cells:
+    q, k, v = h.random_inputs(seed + t + d, [(b, t, n, d)] * 3, jnp.bfloat16)
     fns = {}
     for name, mod in versions.items():
       blocks = None
       if name == "new" and new_config:
-        blocks = mod.MosaicConfig.default(h, jnp.bfloat16, causal).replace(**new_config)
+        blocks = mod.MosaicConfig.default(d, jnp.bfloat16, causal).replace(**new_config)
       f = (lambda mod, blocks: lambda q, k, v: mod.flash_attention(
           q, k, v, is_causal=causal, deterministic=deterministic, block_sizes=blocks, **kwargs))(
               mod, blocks)
@@ -156,11 +153,11 @@ def compare(versions: dict, cells, *, rounds: int, deterministic: bool, iters: i
           samples[name][pass_].append(st["median_s"])
           if pass_ == "fwd+bwd":
             grads[name] = out
-    flops = attention_flops(b, n, t, t, h, causal)
+    flops = attention_flops(b, n, t, t, d, causal)
     rates = {name: {p: tflops(flops, p, statistics.median(s)) for p, s in by_pass.items()}
              for name, by_pass in samples.items()}
     rows.append(dict(
-        cell=f"{b},{t},{n},{h},{'c' if causal else 'nc'}", tflops=rates,
+        cell=f"{b},{t},{n},{d},{'c' if causal else 'nc'}", tflops=rates,
         ratio={p: rates["new"][p] / rates["base"][p] for p in ("fwd", "fwd+bwd")},
         grad_rel_diff=[_rel_diff(x, y) for x, y in zip(grads["new"], grads["base"])],
         samples_s=samples))
@@ -173,30 +170,30 @@ def main(argv=None):
   ap.add_argument("--base", required=True, help="folder with the other version's fa2_jax/ and kernels/")
   ap.add_argument("--cells", default="32,512,16,128,c;8,2048,16,128,c;2,8192,16,128,nc;2,8192,32,64,nc",
                   help="B,T,N,H,c|nc;...")
-  ap.add_argument("--rounds", type=cli.positive_int, default=2)
+  ap.add_argument("--rounds", type=h.positive_int, default=2)
   ap.add_argument("--deterministic", action="store_true", help="both versions with deterministic=True")
   ap.add_argument("--new-config", default=None,
                   help="MosaicConfig fields for this checkout's calls: field=value,...")
   ap.add_argument("--kwargs", default=None,
                   help="further flash_attention arguments for both versions, a Python dict literal")
-  ap.add_argument("--iters", type=cli.positive_int, default=10)
-  ap.add_argument("--reps", type=cli.positive_int, default=5)
+  ap.add_argument("--iters", type=h.positive_int, default=10)
+  ap.add_argument("--reps", type=h.positive_int, default=5)
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
   cells = parse_cells(args.cells)
   new_config = parse_config(args.new_config)
-  kwargs = cli.call_kwargs(args.kwargs)
+  kwargs = h.call_kwargs(args.kwargs)
   check_arguments(cells, new_config, kwargs)
   import fa2_jax
   base = import_base(args.base)
-  info = device_info()
+  info = h.device_info()
   rows = compare({"base": base, "new": fa2_jax}, cells, rounds=args.rounds,
                  deterministic=args.deterministic, iters=args.iters, reps=args.reps,
                  new_config=new_config, kwargs=kwargs)
-  out = cli.resolve_out(argparse.Namespace(out=args.out), info)
-  write_json(out / "ab.json", {"meta": info, "deterministic": args.deterministic,
-                               "new_config": new_config, "kwargs": {k: repr(v) for k, v in kwargs.items()},
-                               "rounds": args.rounds, "rows": rows})
+  out = h.resolve_out(argparse.Namespace(out=args.out), info)
+  h.write_json(out / "ab.json", {"meta": info, "deterministic": args.deterministic,
+                                 "new_config": new_config, "rounds": args.rounds, "rows": rows,
+                                 "kwargs": {k: repr(v) for k, v in kwargs.items()}})
   print(f"\n{'cell':<20} {'base fwd / fwd+bwd':>20} {'new fwd / fwd+bwd':>20} {'new/base fwd':>13} "
         f"{'fwd+bwd':>8}  grad rel diff (dq, dk, dv)")
   for r in rows:

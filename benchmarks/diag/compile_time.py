@@ -30,19 +30,18 @@ from __future__ import annotations
 import argparse
 import time
 
-from .. import cli, impls
-from ..device import device_info
-from ..report import err_str, write_json
+from .. import harness as h
+from .. import impls
 from ..timing import time_calls
 
 
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m benchmarks.diag.compile_time", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--impls", type=cli.impl_names, default=["fa2", "fa2_triton"])
-  ap.add_argument("--layers", type=cli.parse_ints, default=[1, 2, 4])
-  ap.add_argument("--shape", type=cli.parse_shape, default=(4, 8192, 8, 128), help="B,T,N,H")
-  ap.add_argument("--shapes", type=cli.parse_shapes, default=None,
+  ap.add_argument("--impls", type=h.impl_names, default=["fa2", "fa2_triton"])
+  ap.add_argument("--layers", type=h.parse_ints, default=[1, 2, 4])
+  ap.add_argument("--shape", type=h.parse_shape, default=(4, 8192, 8, 128), help="B,T,N,H")
+  ap.add_argument("--shapes", type=h.parse_shapes, default=None,
                   help="B,T,N,H;B,T,N,H...: one call site per shape, in order (see above)")
   ap.add_argument("--cache-dir", default=None, help="JAX's persistent compilation cache folder")
   ap.add_argument("--non-causal", action="store_true", help="time non-causal calls (default causal)")
@@ -50,7 +49,7 @@ def main(argv=None):
                   help="with --shapes: two more programs per shape (see above)")
   ap.add_argument("--reuse-kernels", action="store_true",
                   help="fa2_jax.reuse_kernels_across_programs() on")
-  ap.add_argument("--length-multiple", type=cli.positive_int, default=None,
+  ap.add_argument("--length-multiple", type=h.positive_int, default=None,
                   help="with --reuse-kernels: its length_multiple")
   ap.add_argument("--lower-for-sm90", action="store_true",
                   help="lower only, for sm90, on any machine (see above)")
@@ -73,12 +72,12 @@ def main(argv=None):
     fa2_jax.reuse_kernels_across_programs(
         True, length_multiple=args.length_multiple,
         cache_dir=os.path.join(args.cache_dir, "fa2_jax_kernels") if args.cache_dir else None)
-  info = device_info()
+  info = h.device_info()
   shapes = args.shapes or [args.shape]
   if args.lower_for_sm90:
-    from fa2_jax import dispatch  # the dispatcher believes it runs on an H200 (compute capability 9.0)
-    dispatch.on_gpu = lambda: True
-    dispatch.gpu_compute_capability = lambda: (9, 0)
+    from fa2_jax.kernels import platform  # the dispatcher believes it runs on an H200 (9.0)
+    platform.on_gpu = lambda: True
+    platform.gpu_compute_capability = lambda: (9, 0)
     _TIMING["lower_only"] = True
   elif info.get("backend") == "cpu":
     shapes = [(1, 64 * (i + 1), 2, 32) for i in range(len(shapes))]
@@ -94,13 +93,13 @@ def main(argv=None):
   if args.reuse_kernels:  # what the switch did in this process: exports made, read, written
     from fa2_jax import kernel_reuse
     reuse = kernel_reuse.info()
-  out = cli.resolve_out(argparse.Namespace(out=args.out), info)
+  out = h.resolve_out(argparse.Namespace(out=args.out), info)
   stem = "compile_time_shapes" if args.shapes else "compile_time"
-  write_json(out / (stem + ("_lowered_sm90" if args.lower_for_sm90 else "") + ".json"),
-             {"meta": dict(info, cache_dir=bool(args.cache_dir), causal=not args.non_causal,
-                           reuse_kernels=args.reuse_kernels, length_multiple=args.length_multiple,
-                           lower_for_sm90=args.lower_for_sm90, kernel_reuse=reuse),
-              "rows": rows})
+  h.write_json(out / (stem + ("_lowered_sm90" if args.lower_for_sm90 else "") + ".json"),
+               {"meta": dict(info, cache_dir=bool(args.cache_dir), causal=not args.non_causal,
+                             reuse_kernels=args.reuse_kernels, length_multiple=args.length_multiple,
+                             lower_for_sm90=args.lower_for_sm90, kernel_reuse=reuse),
+                "rows": rows})
 
 
 _TIMING = {"lower_only": False}  # --lower-for-sm90
@@ -131,7 +130,7 @@ def _new_shapes(name, shapes, jax, jnp, *, causal: bool, other_programs: bool = 
   attn = impls.get(name)
   rows = []
   for i, shape in enumerate(shapes):
-    q, k, v = cli.random_inputs(i, [shape] * 3, jnp.bfloat16)
+    q, k, v = h.random_inputs(i, [shape] * 3, jnp.bfloat16)
     loss = lambda q, k, v: jnp.sum(attn(q, k, v, causal=causal).astype(jnp.float32))  # noqa: E731
     programs = [("grad", jax.grad(loss, argnums=(0, 1, 2)))]
     if other_programs:
@@ -147,8 +146,7 @@ def _new_shapes(name, shapes, jax, jnp, *, causal: bool, other_programs: bool = 
 
 
 def _call_sites(names, layer_counts, shape, jax, jnp, *, causal: bool):
-  q, k, v = cli.random_inputs(0, [shape] * 3, jnp.bfloat16)
-  b, t, n, h = shape
+  q, k, v = h.random_inputs(0, [shape] * 3, jnp.bfloat16)
   rows = []
   for name in names:
     attn = impls.get(name)
@@ -161,7 +159,7 @@ def _call_sites(names, layer_counts, shape, jax, jnp, *, causal: bool):
         for _ in range(layers):
           x = attn(x, k, v, causal=causal)
         return jnp.sum(x.astype(jnp.float32))
-      row = dict(impl=name, layers=layers, shape=[b, t, n, h], causal=causal)
+      row = dict(impl=name, layers=layers, shape=list(shape), causal=causal)
       rows.append(_measured_row(row, f"{name:<10} L={layers}:", jax.grad(loss, argnums=(0, 1, 2)),
                                 (q, k, v)))
   return rows
@@ -177,7 +175,7 @@ def _measured_row(row, label, fn, args):
     print(f"{label} lower {row['lower_s']:6.2f} s  compile {row['compile_s']:6.2f} s  "
           f"first run {row['first_run_s']:6.3f} s  run {row['run_s'] * 1e3:7.3f} ms", flush=True)
   except Exception as e:  # noqa: BLE001
-    row["error"] = err_str(e)
+    row["error"] = h.err_str(e)
     print(f"{label} {row['error']}", flush=True)
   return row
 

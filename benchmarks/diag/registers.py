@@ -26,9 +26,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from .. import cli, impls
-from ..device import device_info
-from ..report import err_str, write_json
+from .. import harness as h
+from .. import impls
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -80,35 +79,36 @@ def _reports(folder: Path, seen: set) -> list[dict]:
 def main(argv=None):
   ap = argparse.ArgumentParser(prog="python -m benchmarks.diag.registers", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  cli.add_shape_args(ap, "2,8192,32,64;2,8192,16,128;32,512,16,128")
-  ap.add_argument("--impls", type=cli.impl_names, default=["fa2", "fa2_det"])
+  ap.add_argument("--shapes", type=h.parse_shapes, default="2,8192,32,64;2,8192,16,128;32,512,16,128",
+                  help="B,T,N,H;...")
+  ap.add_argument("--causal", default="both", choices=("both", "true", "false"))
+  ap.add_argument("--impls", type=h.impl_names, default=["fa2", "fa2_det"])
   ap.add_argument("--kwargs", default=None,
                   help="further flash_attention arguments (an attention variant), a Python dict literal")
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
   args = ap.parse_args(argv)
-  kwargs = cli.call_kwargs(args.kwargs)
+  kwargs = h.call_kwargs(args.kwargs)
   folder = Path(tempfile.mkdtemp(prefix="fa2_ptxas_"))
   # Read by Mosaic GPU when it compiles a kernel: set before the first compilation.
   os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
   os.environ["MOSAIC_GPU_DUMP_TO"] = str(folder)
   import jax.numpy as jnp
-  from fa2_jax import dispatch
   from ..timing import fwd_bwd_fn
-  if not dispatch.is_hopper():
+  if not impls.is_hopper():
     raise SystemExit("registers reports the Mosaic kernels' ptxas allocation: it needs a Hopper GPU "
                      "(compute capability 9.x)")
-  info = device_info()
-  out = cli.resolve_out(argparse.Namespace(out=args.out), info)
+  info = h.device_info()
+  out = h.resolve_out(argparse.Namespace(out=args.out), info)
   rows, seen = [], set()
   # Each case compiles its kernels (seconds each): rows are printed and the JSON rewritten as they
   # come, so a run cut short by a time limit still reports the cases it finished.
   print(f"{'shape':<16} {'mask':<5} {'impl':<8} {'kernel':<22} {'regs':>5} {'stack':>6} "
         f"{'spill st':>9} {'spill ld':>9} {'serialized':>10} {'arrive':>6}", flush=True)
-  for shape, (b, t, n, h), masks in cli.shapes_and_masks(args):
-    q, k, v = cli.random_inputs(t + h, [(b, t, n, h)] * 3, jnp.bfloat16)
-    for causal in masks:
+  for shape in args.shapes:
+    q, k, v = h.random_inputs(sum(shape), [shape] * 3, jnp.bfloat16)
+    for causal in h.masks(args.causal):
       for name in args.impls:
-        case = dict(shape=shape, causal=causal, impl=name)
+        case = dict(shape=",".join(map(str, shape)), causal=causal, impl=name)
         if (why := impls.unavailable(name)) is not None:
           new = [dict(case, error=why)]
         else:
@@ -117,12 +117,12 @@ def main(argv=None):
             fwd_bwd_fn(lambda q, k, v: attn(q, k, v, causal=causal, **kwargs))(q, k, v)[0].block_until_ready()
             new = [dict(case, **r) for r in _reports(folder, seen)] or [dict(case, note="no new kernel compiled")]
           except Exception as e:  # noqa: BLE001 - report and go on
-            new = [dict(case, error=err_str(e, 300))]
+            new = [dict(case, error=h.err_str(e, 300))]
         rows += new
         for r in new:
           print(format_row(r), flush=True)
-        write_json(out / "registers.json", {"meta": info, "kwargs": {k: repr(v) for k, v in kwargs.items()},
-                                            "rows": rows})
+        h.write_json(out / "registers.json", {"meta": info, "rows": rows,
+                                              "kwargs": {k: repr(v) for k, v in kwargs.items()}})
   print(f"wrote {out / 'registers.json'}")
 
 
