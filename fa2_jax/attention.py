@@ -182,20 +182,20 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     logits_soft_cap: a static float ``> 0``: the scaled logits become ``cap * tanh(s / cap)``.
     alibi_slopes: float ``[N]`` or ``[B, N]`` (used as float32): adds ``-slope[b, h] * |p - j|`` to
       the logits (after the soft cap). Not differentiated: its cotangent is zero.
-    mask_fn: ``mask_fn(b, h, q_idx, kv_idx) -> bool``: a plain jnp function of int32 index arrays
-      that broadcast against each other (the whole ``[B, N, T, S]`` grid on the formula path, a
-      kernel's tile with scalar ``b``/``h`` in a kernel), returning a bool array broadcastable to
-      their shape; ``q_idx`` is the absolute query position ``q_offset + i``, ``h`` the query head.
-      False hides the pair. Traced once at the call on both forms (a TypeError naming ``mask_fn``
-      and the cause if that fails). The kernels take closures over Python and numpy scalars; a
-      function that closes over a JAX array (0-d ones too) or a traced value runs the XLA formula (an
-      explicit kernel raises). A ``mask_fn`` of the indices alone has its block mask computed
-      once, when the call is traced; on Hopper one that reads ``h`` runs the Triton kernels (the
-      Mosaic ones share block ranges across heads).
-    score_fn: ``score_fn(score, b, h, q_idx, kv_idx) -> score``: an elementwise jnp function of the
-      float scores and the same index arrays, returning a float array of the score's shape, applied
-      after the soft cap and ALiBi. Differentiated with respect to the score (and, on the formula
-      path, to arrays it closes over).
+    mask_fn: ``mask_fn(b, h, q_idx, kv_idx) -> bool``: a jnp function called as if per pair, with
+      int32 scalars (every path evaluates it so: ``jax.vmap`` on the formula, its scalar jaxpr on a
+      kernel's tile), so it must be elementwise: a reduction such as ``jnp.min(q_idx)`` sees one
+      element. Returns one bool; ``q_idx`` is the absolute query position ``q_offset + i``, ``h``
+      the query head. False hides the pair. Traced once at the call on scalars (a TypeError naming
+      ``mask_fn`` and the cause if that fails). The kernels take closures over Python and numpy
+      scalars and elementwise operations; a function that closes over a JAX array (0-d ones too) or
+      a traced value, or whose trace holds an operation that is not elementwise (``iota``, a loop),
+      runs the XLA formula (an explicit kernel raises). A ``mask_fn`` of the indices alone has its
+      block mask computed once, when the call is traced; on Hopper one that reads ``h`` runs the
+      Triton kernels (the Mosaic ones share block ranges across heads).
+    score_fn: ``score_fn(score, b, h, q_idx, kv_idx) -> score``: called as ``mask_fn`` is, per pair
+      with a float scalar score, returning one float; applied after the soft cap and ALiBi.
+      Differentiated with respect to the score (and, on the formula path, to arrays it closes over).
 
     The order of operations per ``(b, h, i, j)``, ``p = q_offset[b] + i``:
     ``s = scale * q_i . k_j``; ``s = cap * tanh(s / cap)``; ``s -= slope[b, h] * |p - j|``;

@@ -85,11 +85,13 @@ def unsupported_features(backend: str, variant) -> tuple[str, ...]:
   if variant is None or backend == "xla":
     return ()
   missing = tuple(f for f in variant.features if f not in KERNEL_FEATURES[backend])
-  from .masking import closes_over_arrays
+  from .masking import closes_over_arrays, not_per_pair
   if (fn := closes_over_arrays(variant)) is not None:
     missing += (f"a {fn} whose trace holds an array constant (an array it closes over or builds, "
                 "e.g. jnp.asarray of a list) or a traced value (a kernel needs it as an operand; "
                 "close over Python scalars instead)",)
+  elif (why := not_per_pair(variant)) is not None:
+    missing += (why,)
   return missing
 
 

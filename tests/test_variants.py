@@ -541,6 +541,51 @@ def test_score_fn_equal_to_soft_cap():
     np.testing.assert_allclose(x, y, atol=1e-6)
 
 
+# Functions that are not elementwise on arrays (issue 46: `j <= jnp.min(i)` and `jnp.sum(i)` were
+# accepted and reduced over whatever array a path passed, the formula's whole grid or a kernel's tile:
+# results 3.7 apart). They are called per pair, with scalars, so a reduction is over one element.
+NOT_ELEMENTWISE = Spec(
+    mask_np=lambda b, h, p, j: (j <= p) | ((p + j) % 3 == 0),
+    mask_jnp=lambda b, h, p, j: (j <= jnp.min(p)) | ((jnp.sum(p) + j) % 3 == 0),
+    score=(lambda x, b, h, p, j: 0.9 * x + (p - j) / 64,
+           lambda x, b, h, p, j: np.full_like(x, 0.9),
+           lambda x, b, h, p, j: x - 0.1 * jnp.max(x) + (jnp.sum(p) - j).astype(x.dtype) / 64),
+    q_offset=np.array([3, -2]))
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_user_functions_are_called_per_pair(impl):
+  """Out, lse and gradients of both paths equal the numpy reference of the per-pair meaning."""
+  check_against_numpy(impl, NOT_ELEMENTWISE, B, 37, 45, N, KH, seed=12)
+
+
+def test_user_functions_are_traced_on_scalars():
+  seen = []
+  def mask_fn(b, h, p, j):
+    seen.append(tuple(jnp.shape(x) for x in (b, h, p, j)))
+    return j <= p
+  q, k, v, _, _ = qkv(B, 9, 13, N, KH)
+  fa2_jax.flash_attention(q, k, v, mask_fn=mask_fn, implementation="triton", interpret=True)
+  fa2_jax.flash_attention(q, k, v, mask_fn=mask_fn, implementation="xla")
+  assert seen and set(seen) == {((), (), (), ())}, set(seen)
+
+
+def test_a_mask_fn_the_kernels_cannot_evaluate_per_pair_runs_the_formula():
+  """A function whose trace on one pair is not elementwise (an iota, a loop) cannot run on a
+  kernel's tile: implementation=None runs the formula, an explicit kernel names the cause."""
+  q, k, v, _, _ = qkv(B, 9, 13, N, KH)
+  fn = lambda b, h, p, j: jnp.any(jnp.arange(3) == (p - j) % 5)  # noqa: E731
+  d = fa2_jax.backend_for(q, k, mask_fn=fn, interpret=True)
+  assert d.backend == "xla" and "mask_fn" in d.reason and "iota" in d.reason, d
+  with pytest.raises(ValueError, match="implementation='triton' does not support a mask_fn.*iota"):
+    fa2_jax.flash_attention(q, k, v, mask_fn=fn, implementation="triton", interpret=True)
+  spec = Spec(mask_np=lambda b, h, p, j: (p - j) % 5 < 3, mask_jnp=fn)
+  check_against_numpy("xla", spec, B, 9, 13, N, KH)
+  loop = lambda x, b, h, p, j: jax.lax.fori_loop(0, 2, lambda i, y: y * 0.5, x)  # noqa: E731
+  d = fa2_jax.backend_for(q, k, score_fn=loop, interpret=True)
+  assert d.backend == "xla" and "score_fn" in d.reason, d
+
+
 # --- fa2_jax.masking: the elementwise rule and scores on kernel-shaped tiles ----------------------
 
 def test_allowed_keeps_the_causal_kernel_form():
@@ -855,7 +900,7 @@ I32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
 
 
 def _bad_mask(b, h, p, j):
-  return p[0, 0, :] >= j[0, 0, :]  # indexes the formula's rank-4 arrays: fails on a kernel tile
+  return p[0, 0, :] >= j[0, 0, :]  # indexes the formula's rank-4 arrays: fails on one pair
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
@@ -910,17 +955,17 @@ def _bad_mask(b, h, p, j):
     (dict(q_segment_ids=np.full((2, 8), 2 ** 40, np.uint64), kv_segment_ids=np.zeros((2, 12), np.int64)),
      TypeError, "no common integer dtype"),
     (dict(score_fn=lambda s, b, h, p, j: s - s.max(axis=-1, keepdims=True)), TypeError,
-     "score_fn could not be traced.*single pairs"),
+     "score_fn could not be traced on one pair"),
     (dict(mask_fn="causal"), TypeError, "mask_fn must be a callable"),
     (dict(score_fn=3), TypeError, "score_fn must be a callable"),
     (dict(mask_fn=lambda b, h, p: p > 0), TypeError, "mask_fn could not be traced.*TypeError"),
-    (dict(mask_fn=_bad_mask), TypeError, "mask_fn could not be traced.*a kernel tile"),
+    (dict(mask_fn=_bad_mask), TypeError, "mask_fn could not be traced on one pair.*IndexError"),
     (dict(mask_fn=lambda b, h, p, j: p - j), TypeError, "mask_fn must return a bool array"),
     (dict(mask_fn=lambda b, h, p, j: jnp.ones((3, 3), bool)), ValueError,
-     "mask_fn must return an array broadcastable"),
+     r"mask_fn must return one bool per pair .*got shape \[3, 3\]"),
     (dict(score_fn=lambda s, b, h, p, j: s > 0), TypeError, "score_fn must return a floating array"),
-    (dict(score_fn=lambda s, b, h, p, j: s.sum()), ValueError,
-     "score_fn must return an array of the score's shape"),
+    (dict(score_fn=lambda s, b, h, p, j: jnp.stack([s, s])), ValueError,
+     r"score_fn must return one score per pair .*got shape \[2\]"),
     (dict(score_fn=lambda s, b, h, p, j: (s, s)), TypeError, "score_fn must return one array"),
     (dict(score_fn=lambda s, b, h, p, j: s + undefined_name), TypeError,  # noqa: F821
      "score_fn could not be traced.*NameError"),

@@ -157,7 +157,7 @@ class Refs:
                           other=0)[None, :]
     keep = allowed_pairs(self.variant, b, h, i + self.q_offset, j, q_len=self.q_len,
                          kv_len=self.kv_len, q_seg=q_seg, kv_seg=kv_seg, q_offset=self.q_offset,
-                         seq_k=seq_k)
+                         seq_k=seq_k, in_kernel=True)
     rows_real = i < seq_q
     return rows_real if keep is None else keep & rows_real
 
@@ -168,4 +168,5 @@ class Refs:
     q_idx = row0 + jnp.arange(rows, dtype=jnp.int32)[:, None] + self.q_offset
     kv_idx = col0 + jnp.arange(cols, dtype=jnp.int32)[None, :]
     return kernel_scores(self.variant, s, b, h, q_idx, kv_idx, scale=scale, out_scale=LOG2E,
-                         slope=self.slope(g), derivative=derivative, kv_extent=self.seq_k)
+                         slope=self.slope(g), derivative=derivative, kv_extent=self.seq_k,
+                         in_kernel=True)
