@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from . import dispatch, kernel_reuse, sharding
 from .kernels.mosaic.config import MosaicConfig
@@ -46,6 +47,8 @@ class _Static:
   fields: tuple[str, ...] = ()
   # (axis, reason) of the axes the kernels cannot split over devices (_unsplittable).
   whole: tuple[tuple[str, str], ...] = ()
+  # The backward also returns the ALiBi slopes' gradient (set in _flash_bwd where they are perturbed).
+  slope_grad: bool = False
 
   def arrays(self, extras) -> VariantArrays:
     """The :class:`VariantArrays` of the extra operands (in the order of ``fields``)."""
@@ -436,11 +439,27 @@ def _flash(q, k, v, extras, st: _Static):
   return out, _lse(st, stats, extras, k.shape[1])
 
 
+_SLOPES_MOSAIC = (
+    "fa2_jax: the Mosaic kernels do not differentiate alibi_slopes, and a gradient with respect to "
+    "them is requested here; pass jax.lax.stop_gradient(alibi_slopes) for fixed slopes, or "
+    "implementation='triton' or 'xla', which differentiate them")
+
+
 def _flash_fwd(q, k, v, extras, st: _Static):
+  # symbolic_zeros: each primal comes as a CustomVJPPrimal, .perturbed telling whether it has a
+  # tangent (the ALiBi slopes: whether their gradient is wanted)
+  slopes = st.fields.index("alibi_slopes") if "alibi_slopes" in st.fields else None
+  slope_grad = slopes is not None and extras[slopes].perturbed
+  if slope_grad and st.backend == "mosaic":
+    raise TypeError(_SLOPES_MOSAIC)
+  q, k, v = q.value, k.value, v.value
+  extras = tuple(x.value for x in extras)
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
                                 partition=_partitionable(st), whole=dict(st.whole),
                                 fold_vmap=_foldable(st))
-  return (out, _lse(st, stats, extras, k.shape[1])), (q, k, v, extras, out, stats)
+  # slope_grad, static, as the residuals' structure: () or (None,)
+  return (out, _lse(st, stats, extras, k.shape[1])), (q, k, v, extras, out, stats,
+                                                      (None,) if slope_grad else ())
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -459,7 +478,7 @@ def _backward(st: _Static, q, k, v, out, stats, dout, dlse, *extras):
                     block_q_dq=bs.block_q_dq, block_k_dq=bs.block_k_dq,
                     num_warps=bs.num_warps_bwd, num_stages=bs.num_stages_bwd,
                     interpret=st.interpret, variant=st.variant, arrays=st.arrays(extras),
-                    tables=st.tables(extras))
+                    tables=st.tables(extras), slope_grad=st.slope_grad)
 
 
 @_backward.defjvp
@@ -469,16 +488,27 @@ def _backward_jvp(st, primals, tangents):
 
 
 def _flash_bwd(st: _Static, residuals, cotangents):
-  q, k, v, extras, out, stats = residuals
-  dout, dlse = cotangents
+  q, k, v, extras, out, stats, slope_grad = residuals
+  dout, dlse_public = (jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
+                       for c in cotangents)
   # d lse_i / d S_ij = P_ij, so a cotangent on lse enters dS = P ∘ (dP − D + dlse): fold it into D.
-  dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
-  dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, stats, dout.astype(q.dtype), dlse,
-                                 extras, _layouts(st, extras), partition=_partitionable(st),
-                                 whole=dict(st.whole), fold_vmap=_foldable(st))
-  # The variant operands (lengths, segment ids, offsets: integers; ALiBi slopes: not differentiated)
-  # get zero cotangents.
-  return dq, dk, dv, tuple(None for _ in extras)
+  dlse = jnp.swapaxes(dlse_public, 1, 2).astype(jnp.float32)  # [B, N, T]
+  if slope_grad:  # the Triton backward adds up the slopes' gradient through the scores
+    st = dataclasses.replace(st, slope_grad=True)
+  grads = sharding.backward(_backward, st, q, k, v, out, stats, dout.astype(q.dtype), dlse,
+                            extras, _layouts(st, extras), partition=_partitionable(st),
+                            whole=dict(st.whole), fold_vmap=_foldable(st),
+                            extra_outputs=(sharding.LSE,) if slope_grad else ())
+  # The variant operands (lengths, segment ids, offsets: integers) get zero cotangents; the ALiBi
+  # slopes, where perturbed, theirs: through the scores (the kernel's row sums) and through the
+  # lse's shift back (masking.alibi_lse_shift).
+  cts = [None for _ in extras]
+  if slope_grad:
+    i = st.fields.index("alibi_slopes")
+    shift = lambda sl: _lse(st, stats, extras[:i] + (sl,) + extras[i + 1:], k.shape[1])  # noqa: E731
+    d_shift, = jax.vjp(shift, extras[i])[1](dlse_public.astype(jnp.float32))
+    cts[i] = grads[3].sum(-1) + d_shift
+  return (*grads[:3], tuple(cts))
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)

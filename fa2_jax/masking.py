@@ -396,7 +396,7 @@ class VariantArrays(NamedTuple):
     q_segment_ids: ``[B, T]`` int32.
     kv_segment_ids: ``[B, S]`` int32.
     q_offset: ``[B]`` int32, absolute position of query row 0.
-    alibi_slopes: ``[B, N]`` float32 (not differentiated).
+    alibi_slopes: ``[B, N]`` float32 (differentiated on the formula and the Triton kernels).
   """
 
   q_lengths: jax.Array | None = None
@@ -518,13 +518,13 @@ def alibi_lse_shift(variant: Variant, arrays: "VariantArrays", t: int, kv_extent
                     dtype=jnp.float32):
   """``[B, T, N]`` (``dtype``) to subtract from an lse whose logits had the shifted ALiBi bias of
   keys ``[0, kv_extent)`` (``slope * alibi_row_shift(p)`` per row), or None when nothing was
-  shifted. The slopes are constants of the call: no gradient flows to them."""
+  shifted. Differentiable in the slopes (``-slope`` times the shift enters their gradient)."""
   if not shifts_alibi(variant):
     return None
   rows = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
   p = rows + arrays.q_offset[:, None] if variant.has_q_offset else rows  # [B or 1, T]
   near = alibi_row_shift(p, kv_extent).astype(dtype)
-  slopes = jax.lax.stop_gradient(arrays.alibi_slopes).astype(dtype)
+  slopes = arrays.alibi_slopes.astype(dtype)
   return slopes[:, None, :] * near[:, :, None]
 
 
@@ -535,11 +535,15 @@ def remove_alibi_shift(lse, shift):
 
 
 def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bool,
-            in_scale=1.0, out_scale=1.0, kv_extent: int | None = None, in_kernel: bool = False):
-  """``(out_scale * modify_scores(in_scale * s), d s_out / d s_in)``. Without a ``score_fn`` the two
-  scales fold into the soft cap's and ALiBi's constants: a kernel's softmax scale (``in_scale``) and
-  base-2 conversion (``out_scale = log2 e``) then cost no multiply per score beyond the cap's own."""
-  deriv = None
+            in_scale=1.0, out_scale=1.0, kv_extent: int | None = None, in_kernel: bool = False,
+            slope_derivative: bool = False):
+  """``(out_scale * modify_scores(in_scale * s), d s_out / d s_in)``, and with ``slope_derivative``
+  a third element, ``d modify_scores / d slope`` (without ``out_scale``: ``-|p - j|`` times the
+  ``score_fn``'s derivative). Without a ``score_fn`` the two scales fold into the soft cap's and
+  ALiBi's constants: a kernel's softmax scale (``in_scale``) and base-2 conversion (``out_scale =
+  log2 e``) then cost no multiply per score beyond the cap's own."""
+  deriv = d_slope = None
+  with_derivative = with_derivative or slope_derivative
   fold = variant.score_fn is None
   if not fold:
     s = s * in_scale
@@ -562,6 +566,7 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
     dist = jnp.abs(q_idx - kv_idx).astype(s.dtype)  # |p - j| in int32, then converted
     slope = jnp.asarray(slope).astype(s.dtype)
     s = s - (slope * out_scale if fold else slope) * dist  # d/ds = 1
+    d_slope = -dist
   if variant.score_fn is not None:
     # called per pair (per_pair), in the scores' dtype whatever the function returns
     out = per_pair(_score_one(variant.score_fn, with_derivative), s, b, h, q_idx, kv_idx,
@@ -570,10 +575,13 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
     if with_derivative:
       s, d_fn = (jnp.broadcast_to(x, shape) for x in out)
       deriv = d_fn if deriv is None else deriv * d_fn
+      d_slope = None if d_slope is None else d_slope * d_fn
     else:
       s = jnp.broadcast_to(out[0], shape)
   if not fold and out_scale != 1.0:
     s = s * out_scale
+  if slope_derivative:
+    return s, deriv, d_slope
   return s, deriv
 
 
@@ -599,7 +607,8 @@ def soft_cap_tanh(s, into: float, derivative: bool):
 
 
 def kernel_scores(variant: Variant, raw, b, h, q_idx, kv_idx, *, scale, out_scale, slope=None,
-                  derivative: bool = False, kv_extent: int | None = None, in_kernel: bool = False):
+                  derivative: bool = False, kv_extent: int | None = None, in_kernel: bool = False,
+                  slope_derivative: bool = False):
   """``(out_scale * modify_scores(scale * raw), d s_out / d s_in or None)`` of a tile of raw
   ``q . k`` products, the form a kernel's softmax needs (``out_scale = log2 e`` for base-2 logits),
   with the constants folded where no ``score_fn`` is involved. ``scale`` and ``out_scale`` are
@@ -607,9 +616,11 @@ def kernel_scores(variant: Variant, raw, b, h, q_idx, kv_idx, *, scale, out_scal
   formula's compute dtype there). ``derivative=False`` gives None for
   the derivative. ``kv_extent``: the call's key count S, for the ALiBi distances relative to each
   row's nearest key (:func:`alibi_row_shift`; the lse then needs :func:`alibi_lse_shift`).
-  ``in_kernel``: True inside a kernel (``score_fn`` evaluated as :func:`per_pair` says)."""
+  ``in_kernel``: True inside a kernel (``score_fn`` evaluated as :func:`per_pair` says).
+  ``slope_derivative``: also return ``d modify_scores / d slope`` per pair (natural units, for the
+  slopes' gradient ``sum dS * it``: :func:`_modify`), the derivative then computed too."""
   return _modify(variant, raw, b, h, q_idx, kv_idx, slope, derivative, scale, out_scale, kv_extent,
-                 in_kernel)
+                 in_kernel, slope_derivative)
 
 
 def modify_scores(variant: Variant, s, b, h, q_idx, kv_idx, *, slope=None,
