@@ -184,7 +184,9 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       Ignored when nothing reads positions.
     logits_soft_cap: a static float ``> 0``: the scaled logits become ``cap * tanh(s / cap)``.
     alibi_slopes: float ``[N]`` or ``[B, N]`` (used as float32): adds ``-slope[b, h] * |p - j|`` to
-      the logits (after the soft cap). Not differentiated: its cotangent is zero.
+      the logits (after the soft cap). Differentiated on the formula and the Triton kernels; a
+      gradient asked of the Mosaic kernels raises a TypeError (``jax.lax.stop_gradient`` the slopes,
+      or pick ``implementation="triton"``/``"xla"``).
     mask_fn: ``mask_fn(b, h, q_idx, kv_idx) -> bool``: a jnp function called as if per pair, with
       int32 scalars (every path evaluates it so: ``jax.vmap`` on the formula, its scalar jaxpr on a
       kernel's tile), so it must be elementwise: a reduction such as ``jnp.min(q_idx)`` sees one
@@ -210,7 +212,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     through the tile products, and such query rows (and their ``dout`` rows) reach dK and dV (keys
     past ``key_value_seq_lengths``, rows past ``query_seq_lengths`` and keys past ``T`` under
     top-left causal excepted: README, Limits).
-    Gradients flow to ``query``, ``key`` and ``value`` only (integer arguments have none). The
+    Gradients flow to ``query``, ``key``, ``value`` and ``alibi_slopes`` (integer arguments have
+    none; ``mask_fn``/``score_fn`` closures: on the formula path). The
     kernels implement the variants listed in :data:`fa2_jax.dispatch.KERNEL_FEATURES`; with
     ``implementation=None`` any other variant runs on the XLA formula (chunked over query blocks
     for long sequences, so memory stays linear in ``T``), and an explicit ``"triton"``/``"mosaic"``
