@@ -281,7 +281,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
         extras += tuple(range_tables(variant, local_arrays, tiles, batch=q.shape[0],
                                      heads=q.shape[2], seq_q=q.shape[1],
                                      seq_k=k.shape[1]).values())
-      return _flash(*match_vma(q, k, v), tuple(extras), static)
+      return _kernels(static)(*match_vma(q, k, v), tuple(extras), static)
 
     layouts = (sharding.Q, sharding.KV, sharding.KV, *(_FIELD_LAYOUTS[f] for f in fields))
     names = (*sharding.QKV_NAMES, *fields)
@@ -434,12 +434,27 @@ def _lse(st: _Static, stats, extras, kv_extent: int):
   return lse if shift is None else remove_alibi_shift(lse, shift)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, extras, st: _Static):
+def _flash_impl(q, k, v, extras, st: _Static):
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
                                 partition=_partitionable(st), whole=dict(st.whole),
                                 fold_vmap=_foldable(st))
   return out, _lse(st, stats, extras, k.shape[1])
+
+
+# Two custom_vjps of the same kernels: _flash for calls without ALiBi; _flash_slopes, with
+# symbolic_zeros, for calls with it, whose fwd must know whether the slopes are differentiated
+# (CustomVJPPrimal.perturbed), under a jit of its own (an eager shard_map, Explicit mesh axes,
+# refuses a symbolic_zeros custom_vjp; under a jit it is traced as usual).
+_flash = jax.custom_vjp(_flash_impl, nondiff_argnums=(4,))
+_flash_slopes = jax.custom_vjp(_flash_impl, nondiff_argnums=(4,))
+_flash_slopes_jit = jax.jit(_flash_slopes, static_argnums=(4,))
+
+
+def _kernels(st: _Static):
+  """The custom_vjp call of a call's kernels (see ``_flash_slopes``)."""
+  if st.variant is not None and st.variant.has_alibi:
+    return _flash_slopes_jit
+  return _flash
 
 
 _SLOPES_MOSAIC = (
@@ -449,14 +464,14 @@ _SLOPES_MOSAIC = (
 
 
 def _flash_fwd(q, k, v, extras, st: _Static):
-  # symbolic_zeros: each primal comes as a CustomVJPPrimal, .perturbed telling whether it has a
-  # tangent (the ALiBi slopes: whether their gradient is wanted)
+  # _flash_slopes (symbolic_zeros): each primal comes as a CustomVJPPrimal, .perturbed telling
+  # whether it has a tangent (the ALiBi slopes: whether their gradient is wanted); _flash: arrays
   slopes = st.fields.index("alibi_slopes") if "alibi_slopes" in st.fields else None
-  slope_grad = slopes is not None and extras[slopes].perturbed
+  slope_grad = slopes is not None and getattr(extras[slopes], "perturbed", False)
   if slope_grad and st.backend == "mosaic":
     raise TypeError(_SLOPES_MOSAIC)
-  q, k, v = q.value, k.value, v.value
-  extras = tuple(x.value for x in extras)
+  q, k, v = (getattr(x, "value", x) for x in (q, k, v))
+  extras = tuple(getattr(x, "value", x) for x in extras)
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
                                 partition=_partitionable(st), whole=dict(st.whole),
                                 fold_vmap=_foldable(st))
@@ -514,4 +529,5 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   return (*grads[:3], tuple(cts))
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
+_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash_slopes.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
