@@ -314,10 +314,12 @@ def _map_axes(fn, args):
   ranked = [x for x in args if jnp.ndim(x)]
   if not ranked:
     return fn(*args)
-  n = max(x.shape[0] for x in ranked)
-  axes = tuple(0 if jnp.ndim(x) and x.shape[0] == n and n > 1 else None for x in args)
+  # mapped: the arguments whose size here is not 1 (all the same size; symbolic sizes, jax.export's,
+  # count as not 1, as broadcasting takes them)
+  one = lambda d: isinstance(d, int) and d == 1  # noqa: E731
+  axes = tuple(0 if jnp.ndim(x) and not one(x.shape[0]) else None for x in args)
   inner = [x if ax == 0 else (x[0] if jnp.ndim(x) else x) for x, ax in zip(args, axes)]
-  if n == 1:
+  if all(ax is None for ax in axes):
     return jax.tree.map(lambda y: y[None], _map_axes(fn, inner))
   return jax.vmap(lambda *xs: _map_axes(fn, xs), in_axes=axes)(*inner)
 
