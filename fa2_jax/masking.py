@@ -26,8 +26,8 @@ The rule (:func:`allowed_pairs`): the pair ``(b, h, i, j)`` is allowed when ever
 
 Scores (:func:`modify_scores`), per pair, in this order: ``s = scale * q_i . k_j``;
 ``s = cap * tanh(s / cap)`` (soft cap); ``s = s - slope[b, h] * |p - j|`` (ALiBi);
-``s = score_fn(s, b, h, p, j)`` (per pair); then disallowed pairs become ``-inf``. A row with no allowed key has
-output 0, lse ``-inf`` and zero gradients.
+``s = score_fn(s, b, h, p, j)`` (per pair); then disallowed pairs become ``-inf``. A row with no
+allowed key has output 0, lse ``-inf`` and zero gradients.
 
 Block ranges, derived from this rule, are in :mod:`fa2_jax.block_ranges`: which tiles a kernel can skip
 (no allowed pair) and which need no mask (every pair allowed).
@@ -191,12 +191,12 @@ def _trace(fn, args):
 #   control flow) and keeps its custom derivative rules for autodiff;
 # * inside a kernel: the function traced once on scalars, and that jaxpr evaluated primitive by
 #   primitive on the tile (:func:`_evaluate`), each elementwise primitive bound on the tile's arrays
-#   as jnp would bind it (so a kernel lowers exactly the operations it lowered when the function was
-#   called on the tile, for an elementwise function). A primitive that is not elementwise on a pair
-#   (``while``, ``iota``, a gather) cannot run there: :func:`not_per_pair` names it and dispatch runs
-#   the formula instead (an explicit kernel raises). vmap's batching rules never run inside a kernel
-#   (they emit a reduction over no axis for ``jnp.min`` of a scalar, and may move batch axes: not what
-#   the Triton or Mosaic lowering takes).
+#   as jnp would bind it, calls inlined, a reduction over no axis dropped: for an elementwise function
+#   a kernel holds the operations it held when the function was called on the tile (or fewer: the
+#   constant factors of a derivative stay scalars), and vmap's batching rules, which emit operations
+#   a tile never held (a reduction over no axis, moved batch axes), stay out of the kernels. A
+#   primitive that is not elementwise on a pair (``while``, ``iota``, a gather) cannot run there:
+#   :func:`not_per_pair` names it and dispatch runs the formula instead (an explicit kernel raises).
 
 # Elementwise primitives, bound as they stand on broadcastable operands (lax broadcasts them as jnp
 # does); select_n and clamp need operands of one shape (or scalar ones) and get them broadcast.
