@@ -8,6 +8,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 from . import dispatch, kernel_reuse, sharding
 from .kernels import registry
@@ -45,6 +46,8 @@ class _Static:
   fields: tuple[str, ...] = ()
   # (axis, reason) of the axes the kernels cannot split over devices (_unsplittable).
   whole: tuple[tuple[str, str], ...] = ()
+  # The backward also returns the ALiBi slopes' gradient (set in _flash_bwd where they are perturbed).
+  slope_grad: bool = False
 
   def arrays(self, extras) -> VariantArrays:
     """The :class:`VariantArrays` of the extra operands (in the order of ``fields``)."""
@@ -186,21 +189,23 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       Ignored when nothing reads positions.
     logits_soft_cap: a static float ``> 0``: the scaled logits become ``cap * tanh(s / cap)``.
     alibi_slopes: float ``[N]`` or ``[B, N]`` (used as float32): adds ``-slope[b, h] * |p - j|`` to
-      the logits (after the soft cap). Not differentiated: its cotangent is zero.
-    mask_fn: ``mask_fn(b, h, q_idx, kv_idx) -> bool``: a plain jnp function of int32 index arrays
-      that broadcast against each other (the whole ``[B, N, T, S]`` grid on the formula path, a
-      kernel's tile with scalar ``b``/``h`` in a kernel), returning a bool array broadcastable to
-      their shape; ``q_idx`` is the absolute query position ``q_offset + i``, ``h`` the query head.
-      False hides the pair. Traced once at the call on both forms (a TypeError naming ``mask_fn``
-      and the cause if that fails). The kernels take closures over Python and numpy scalars; a
-      function that closes over a JAX array (0-d ones too) or a traced value runs the XLA formula (an
-      explicit kernel raises). A ``mask_fn`` of the indices alone has its block mask computed
-      once, when the call is traced; on Hopper one that reads ``h`` runs the Triton kernels (the
-      Mosaic ones share block ranges across heads).
-    score_fn: ``score_fn(score, b, h, q_idx, kv_idx) -> score``: an elementwise jnp function of the
-      float scores and the same index arrays, returning a float array of the score's shape, applied
-      after the soft cap and ALiBi. Differentiated with respect to the score (and, on the formula
-      path, to arrays it closes over).
+      the logits (after the soft cap). Differentiated on the formula and the Triton kernels; a
+      gradient asked of the Mosaic kernels raises a TypeError (``jax.lax.stop_gradient`` the slopes,
+      or pick ``implementation="triton"``/``"xla"``).
+    mask_fn: ``mask_fn(b, h, q_idx, kv_idx) -> bool``: a jnp function called as if per pair, with
+      int32 scalars (every path evaluates it so: ``jax.vmap`` on the formula, its scalar jaxpr on a
+      kernel's tile), so it must be elementwise: a reduction such as ``jnp.min(q_idx)`` sees one
+      element. Returns one bool; ``q_idx`` is the absolute query position ``q_offset + i``, ``h``
+      the query head. False hides the pair. Traced once at the call on scalars (a TypeError naming
+      ``mask_fn`` and the cause if that fails). The kernels take closures over Python and numpy
+      scalars and elementwise operations; a function that closes over a JAX array (0-d ones too) or
+      a traced value, or whose trace holds an operation that is not elementwise (``iota``, a loop),
+      runs the XLA formula (an explicit kernel raises). A ``mask_fn`` of the indices alone has its
+      block mask computed once, when the call is traced; on Hopper one that reads ``h`` runs the
+      Triton kernels (the Mosaic ones share block ranges across heads).
+    score_fn: ``score_fn(score, b, h, q_idx, kv_idx) -> score``: called as ``mask_fn`` is, per pair
+      with a float scalar score, returning one float; applied after the soft cap and ALiBi.
+      Differentiated with respect to the score (and, on the formula path, to arrays it closes over).
     block_table: a paged key/value cache (FlashAttention's ``flash_attn_with_kvcache`` name): integer
       ``[B, max_pages]`` page ids, with ``key``/``value`` pages ``[num_pages, page_size, K, H]``;
       row ``b``'s key ``j`` is ``key[block_table[b, j // page_size], j % page_size]`` (any page
@@ -218,7 +223,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
     through the tile products, and such query rows (and their ``dout`` rows) reach dK and dV (keys
     past ``key_value_seq_lengths``, rows past ``query_seq_lengths`` and keys past ``T`` under
     top-left causal excepted: README, Limits).
-    Gradients flow to ``query``, ``key`` and ``value`` only (integer arguments have none). The
+    Gradients flow to ``query``, ``key``, ``value`` and ``alibi_slopes`` (integer arguments have
+    none; ``mask_fn``/``score_fn`` closures: on the formula path). The
     kernel families implement the variants each lists in its ``Backend.features``; with
     ``implementation=None`` any other variant runs on the XLA formula (chunked over query blocks
     for long sequences, so memory stays linear in ``T``), and an explicit family raises a
@@ -287,7 +293,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
         extras += tuple(range_tables(variant, local_arrays, tiles, batch=q.shape[0],
                                      heads=q.shape[2], seq_q=q.shape[1],
                                      seq_k=k.shape[1]).values())
-      return _flash(*match_vma(q, k, v), tuple(extras), static)
+      return _kernels(static)(*match_vma(q, k, v), tuple(extras), static)
 
     layouts = (sharding.Q, sharding.KV, sharding.KV, *(_FIELD_LAYOUTS[f] for f in fields))
     names = (*sharding.QKV_NAMES, *fields)
@@ -430,19 +436,50 @@ def _lse(st: _Static, stats, extras, kv_extent: int):
   return lse if shift is None else remove_alibi_shift(lse, shift)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, extras, st: _Static):
+def _flash_impl(q, k, v, extras, st: _Static):
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
                                 partition=_partitionable(st), whole=dict(st.whole),
                                 fold_vmap=_foldable(st))
   return out, _lse(st, stats, extras, k.shape[1])
 
 
+# Two custom_vjps of the same kernels: _flash for calls without ALiBi; _flash_slopes, with
+# symbolic_zeros, for calls with it, whose fwd must know whether the slopes are differentiated
+# (CustomVJPPrimal.perturbed), under a jit of its own (an eager shard_map, Explicit mesh axes,
+# refuses a symbolic_zeros custom_vjp; under a jit it is traced as usual).
+_flash = jax.custom_vjp(_flash_impl, nondiff_argnums=(4,))
+_flash_slopes = jax.custom_vjp(_flash_impl, nondiff_argnums=(4,))
+_flash_slopes_jit = jax.jit(_flash_slopes, static_argnums=(4,))
+
+
+def _kernels(st: _Static):
+  """The custom_vjp call of a call's kernels (see ``_flash_slopes``)."""
+  if st.variant is not None and st.variant.has_alibi:
+    return _flash_slopes_jit
+  return _flash
+
+
+def _slopes_refused(backend: str) -> str:
+  return (f"fa2_jax: the {backend} kernels do not differentiate alibi_slopes, and a gradient with "
+          "respect to them is requested here; pass jax.lax.stop_gradient(alibi_slopes) for fixed "
+          "slopes, or implementation='triton' or 'xla', which differentiate them")
+
+
 def _flash_fwd(q, k, v, extras, st: _Static):
+  # _flash_slopes (symbolic_zeros): each primal comes as a CustomVJPPrimal, .perturbed telling
+  # whether it has a tangent (the ALiBi slopes: whether their gradient is wanted); _flash: arrays
+  slopes = st.fields.index("alibi_slopes") if "alibi_slopes" in st.fields else None
+  slope_grad = slopes is not None and getattr(extras[slopes], "perturbed", False)
+  if slope_grad and not registry.get(st.backend).differentiates_slopes(st.config):
+    raise TypeError(_slopes_refused(st.backend))
+  q, k, v = (getattr(x, "value", x) for x in (q, k, v))
+  extras = tuple(getattr(x, "value", x) for x in extras)
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
                                 partition=_partitionable(st), whole=dict(st.whole),
                                 fold_vmap=_foldable(st))
-  return (out, _lse(st, stats, extras, k.shape[1])), (q, k, v, extras, out, stats)
+  # slope_grad, static, as the residuals' structure: () or (None,)
+  return (out, _lse(st, stats, extras, k.shape[1])), (q, k, v, extras, out, stats,
+                                                      (None,) if slope_grad else ())
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -451,7 +488,8 @@ def _backward(st: _Static, q, k, v, out, stats, dout, dlse, *extras):
     return registry.get(st.backend).backward(
         q, k, v, out, stats, dout, dlse=dlse, scale=st.scale, is_causal=st.is_causal,
         deterministic=st.deterministic, config=st.config, variant=st.variant,
-        arrays=st.arrays(extras), tables=st.tables(extras), interpret=st.interpret)
+        arrays=st.arrays(extras), tables=st.tables(extras), interpret=st.interpret,
+        slope_grad=st.slope_grad)
 
 
 @_backward.defjvp
@@ -461,16 +499,28 @@ def _backward_jvp(st, primals, tangents):
 
 
 def _flash_bwd(st: _Static, residuals, cotangents):
-  q, k, v, extras, out, stats = residuals
-  dout, dlse = cotangents
+  q, k, v, extras, out, stats, slope_grad = residuals
+  dout, dlse_public = (jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
+                       for c in cotangents)
   # d lse_i / d S_ij = P_ij, so a cotangent on lse enters dS = P ∘ (dP − D + dlse): fold it into D.
-  dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)  # [B, N, T]
-  dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, stats, dout.astype(q.dtype), dlse,
-                                 extras, _layouts(st, extras), partition=_partitionable(st),
-                                 whole=dict(st.whole), fold_vmap=_foldable(st))
-  # The variant operands (lengths, segment ids, offsets: integers; ALiBi slopes: not differentiated)
-  # get zero cotangents.
-  return dq, dk, dv, tuple(None for _ in extras)
+  dlse = jnp.swapaxes(dlse_public, 1, 2).astype(jnp.float32)  # [B, N, T]
+  if slope_grad:  # the Triton backward adds up the slopes' gradient through the scores
+    st = dataclasses.replace(st, slope_grad=True)
+  grads = sharding.backward(_backward, st, q, k, v, out, stats, dout.astype(q.dtype), dlse,
+                            extras, _layouts(st, extras), partition=_partitionable(st),
+                            whole=dict(st.whole), fold_vmap=_foldable(st),
+                            extra_outputs=(sharding.LSE,) if slope_grad else ())
+  # The variant operands (lengths, segment ids, offsets: integers) get zero cotangents; the ALiBi
+  # slopes, where perturbed, theirs: through the scores (the kernel's row sums) and through the
+  # lse's shift back (masking.alibi_lse_shift).
+  cts = [None for _ in extras]
+  if slope_grad:
+    i = st.fields.index("alibi_slopes")
+    shift = lambda sl: _lse(st, stats, extras[:i] + (sl,) + extras[i + 1:], k.shape[1])  # noqa: E731
+    d_shift, = jax.vjp(shift, extras[i])[1](dlse_public.astype(jnp.float32))
+    cts[i] = grads[3].sum(-1) + d_shift
+  return (*grads[:3], tuple(cts))
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+_flash_slopes.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)

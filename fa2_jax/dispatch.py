@@ -25,7 +25,7 @@ import jax
 
 from .kernels import platform, registry
 from .kernels.backend import Backend, KernelCall
-from .kernels.masking import closes_over_arrays
+from .kernels.masking import closes_over_arrays, not_per_pair
 
 
 def implementations() -> tuple:
@@ -42,6 +42,8 @@ def unsupported_features(backend: Backend, variant) -> tuple[str, ...]:
     missing += (f"a {fn} whose trace holds an array constant (an array it closes over or builds, "
                 "e.g. jnp.asarray of a list) or a traced value (a kernel needs it as an operand; "
                 "close over Python scalars instead)",)
+  elif (why := not_per_pair(variant)) is not None:
+    missing += (why,)
   return missing
 
 

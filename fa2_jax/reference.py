@@ -182,8 +182,8 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
   k = key.astype(compute_dtype)
   v = value.astype(compute_dtype)
   slopes = None
-  if variant.has_alibi:  # not differentiated
-    slopes = lax.stop_gradient(arrays.alibi_slopes).astype(compute_dtype)[:, :, None, None]
+  if variant.has_alibi:  # differentiated (dslope = -sum dS * |p - j|, by autodiff)
+    slopes = arrays.alibi_slopes.astype(compute_dtype)[:, :, None, None]
   q_seg = arrays.q_segment_ids
   block = _block_rows(query_block, t, s)
   if block is not None:

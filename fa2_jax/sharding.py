@@ -377,14 +377,15 @@ def forward(kernel: Callable, q, k, v, st, extras=(), extra_layouts=(), partitio
 
 def backward(kernel: Callable, st, q, k, v, out, stats, dout, dlse, extras=(), extra_layouts=(),
              partition: bool = True, whole: Mapping[str, str] | None = None,
-             fold_vmap: bool = False):
-  """``kernel(st, q, k, v, out, stats, dout, dlse, *extras) -> (dq, dk, dv)``, partitioned."""
+             fold_vmap: bool = False, extra_outputs: Sequence[str] = ()):
+  """``kernel(st, q, k, v, out, stats, dout, dlse, *extras) -> (dq, dk, dv, *more)``, partitioned;
+  ``extra_outputs``: the layouts of ``more`` (e.g. the ALiBi slopes' row sums, ``LSE``)."""
   fn = functools.partial(_call_backward, kernel, st)
   arrays = (q, k, v, out, stats, dout, dlse, *extras)
   if not partition:
     return fn(*arrays)
-  return partitioned(fn, arrays, (Q, KV, KV, Q, STATS, Q, LSE, *extra_layouts), (Q, KV, KV), whole,
-                     fold_vmap)
+  return partitioned(fn, arrays, (Q, KV, KV, Q, STATS, Q, LSE, *extra_layouts),
+                     (Q, KV, KV, *extra_outputs), whole, fold_vmap)
 
 
 def _call_forward(kernel, st, q, k, v, *extras):

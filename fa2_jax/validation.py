@@ -347,28 +347,18 @@ def _check_alibi(slopes, b, n, rank3: bool):
   return jnp.broadcast_to(jnp.asarray(slopes).astype(jnp.float32), (b, n))
 
 
-def _sizes(dims):
-  """Concrete sizes for tracing the user functions (symbolic dimensions get small stand-ins)."""
-  return tuple(d if is_static_dim(d) else 3 + i for i, d in enumerate(dims))
-
-
-def _trace_user_fn(name, fn, forms, make_args, check_out):
-  """Trace ``fn`` on each form of abstract int32 index arrays; TypeError naming ``name`` with the
-  cause when it fails, then ``check_out(out, want_shape, form)``."""
-  i32 = jnp.int32
-  for form, shapes in forms:
-    structs = [jax.ShapeDtypeStruct(s, i32) for s in shapes]
-    args = make_args(structs)
-    want = jnp.broadcast_shapes(*shapes)
-    try:
-      out = jax.eval_shape(fn, *args)
-    except Exception as e:  # noqa: BLE001  any failure of user code at trace time
-      desc = ", ".join(f"{a} {_shape_str(s)}" for a, s in zip(("b", "h", "q_idx", "kv_idx"), shapes))
-      raise TypeError(f"{name} could not be traced with int32 index arrays ({form}: {desc}): "
-                      f"{type(e).__name__}: {e}") from e
-    if not isinstance(out, jax.ShapeDtypeStruct):
-      raise TypeError(f"{name} must return one array, got {type(out).__name__}")
-    check_out(out, want, form)
+def _trace_user_fn(name, fn, make_args, check_out):
+  """Trace ``fn`` on one pair (scalar int32 indices: every path calls it so, masking.per_pair);
+  TypeError naming ``name`` with the cause when it fails, then ``check_out(out)``."""
+  args = make_args([jax.ShapeDtypeStruct((), jnp.int32)] * 4)
+  try:
+    out = jax.eval_shape(fn, *args)
+  except Exception as e:  # noqa: BLE001  any failure of user code at trace time
+    raise TypeError(f"{name} could not be traced on one pair (it is called per pair, with scalar "
+                    f"int32 indices b, h, q_idx, kv_idx): {type(e).__name__}: {e}") from e
+  if not isinstance(out, jax.ShapeDtypeStruct):
+    raise TypeError(f"{name} must return one array, got {type(out).__name__}")
+  check_out(out)
 
 
 def check_variant(query, key, *, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
@@ -416,39 +406,25 @@ def check_variant(query, key, *, is_causal=False, query_seq_lengths=None, key_va
       score_fn=score_fn)
   arrays = masking.VariantArrays(q_len, kv_len, q_seg, kv_seg, offset, slopes)
 
-  # The user functions, traced on the forms they meet: the formula's whole arrays, a kernel's tile
-  # (scalar batch and head indices, a [block_q, 1] column of rows, a [1, block_k] row of keys) and
-  # single pairs (scalars: the caches' fingerprint of what they compute). The functions must be
-  # elementwise: a reduction over the tile would see different pairs on each path.
-  bb, nn, tt, ss = _sizes((b, n, t, s))
-  tile_q, tile_k = 16, 32  # a kernel tile's rows and keys (any sizes; distinct to catch mix-ups)
-  forms = [("whole arrays", ((bb, 1, 1, 1), (1, nn, 1, 1), (bb if offset is not None else 1, 1, tt, 1),
-                             (1, 1, 1, ss))),
-           ("a kernel tile", ((), (), (tile_q, 1), (1, tile_k))),
-           ("single pairs", ((), (), (), ()))]
+  # The user functions, traced on one pair: every path calls them per pair, with scalars
+  # (masking.per_pair), so a function that is not elementwise means the same everywhere.
   if mask_fn is not None:
-    def check_mask(out, want, form):
+    def check_mask(out):
       if out.dtype != jnp.bool_:
-        raise TypeError(f"mask_fn must return a bool array, got dtype {out.dtype} ({form})")
-      try:
-        fits = jnp.broadcast_shapes(out.shape, want) == tuple(want)
-      except ValueError:
-        fits = False
-      if not fits:
-        raise ValueError(f"mask_fn must return an array broadcastable to the index arrays' shape "
-                         f"{_shape_str(want)}, got {_shape_str(out.shape)} ({form})")
-    _trace_user_fn("mask_fn", mask_fn, forms, lambda a: a, check_mask)
+        raise TypeError(f"mask_fn must return a bool array, got dtype {out.dtype}")
+      if out.shape != ():
+        raise ValueError(f"mask_fn must return one bool per pair (a scalar: it is called with scalar "
+                         f"indices), got shape {_shape_str(out.shape)}")
+    _trace_user_fn("mask_fn", mask_fn, lambda a: a, check_mask)
   if score_fn is not None:
-    def check_score(out, want, form):
+    def check_score(out):
       if not jnp.issubdtype(out.dtype, jnp.floating):
-        raise TypeError(f"score_fn must return a floating array, got dtype {out.dtype} ({form})")
-      if tuple(out.shape) != tuple(want):
-        raise ValueError(f"score_fn must return an array of the score's shape {_shape_str(want)}, "
-                         f"got {_shape_str(out.shape)} ({form})")
-    def score_args(structs):
-      want = jnp.broadcast_shapes(*(x.shape for x in structs))
-      return [jax.ShapeDtypeStruct(want, jnp.float32), *structs]
-    _trace_user_fn("score_fn", score_fn, forms, score_args, check_score)
+        raise TypeError(f"score_fn must return a floating array, got dtype {out.dtype}")
+      if out.shape != ():
+        raise ValueError(f"score_fn must return one score per pair (a scalar: it is called with a "
+                         f"scalar score and indices), got shape {_shape_str(out.shape)}")
+    _trace_user_fn("score_fn", score_fn, lambda a: [jax.ShapeDtypeStruct((), jnp.float32), *a],
+                   check_score)
   if mask_fn is not None or score_fn is not None:  # checked: now what they compute, for the caches
     variant = dataclasses.replace(variant, functions=masking.functions_fingerprint(mask_fn, score_fn))
   return variant, arrays

@@ -102,6 +102,11 @@ class Backend:
   def partitionable(self) -> bool:
     return True
 
+  def differentiates_slopes(self, config) -> bool:
+    """Whether :meth:`backward` returns the ALiBi slopes' gradient when asked (``slope_grad``)."""
+    del config
+    return False
+
   def chosen_because(self, call: KernelCall, config) -> str | None:
     """What about ``call`` made this family the one, for ``backend_for`` (None: nothing to add to
     dispatch's reason)."""
@@ -117,9 +122,11 @@ class Backend:
 
   def backward(self, q, k, v, out, stats, dout, *, dlse, scale: float, is_causal: bool,
                deterministic: bool, config, variant: Variant | None, arrays, tables: dict,
-               interpret: bool):
+               interpret: bool, slope_grad: bool = False):
     """``(dq, dk, dv)`` in q's dtype. ``dlse`` ``[B, N, T]`` f32, the lse cotangent; ``tables`` the
-    block-range tables by kernel name."""
+    block-range tables by kernel name. ``slope_grad`` (only where :meth:`differentiates_slopes`):
+    also each query row's part of the ALiBi slopes' gradient, ``[B, N, T]`` f32, as a fourth
+    output."""
     raise NotImplementedError
 
   def __repr__(self) -> str:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .masking import Variant, VariantArrays
+from .masking import Variant, VariantArrays, allowed_pairs
 
 # --- block ranges (analytic: causal, window, lengths, offset) -------------------------------------
 
@@ -355,9 +355,9 @@ def index_reads(variant: Variant | None,
                 functions: tuple[str, ...] = ("mask_fn", "score_fn")) -> frozenset[str]:
   """Which of the batch (``"b"``) and head (``"h"``) indices the variant's ``mask_fn`` or
   ``score_fn`` (those named in ``functions``) reads: those its result depends on, found abstractly
-  on a ``[1, 1]`` tile of pairs with scalar ``b`` and ``h``, as the kernels call them (the function
-  ``vmap``-ed over that index with an unmapped result fails to trace when the result varies with
-  it, through any operation, a reduction included; any other failure counts as a read too). The
+  on one pair of scalars, as every path calls them (``masking.per_pair``: the function ``vmap``-ed
+  over that index with an unmapped result fails to trace when the result varies with it, through
+  any operation; any other failure counts as a read too). The
   kernels give these functions the index of their grid, so an axis they read cannot be split over
   devices, and a ``mask_fn`` that reads ``h`` has a block mask per head. Memoized per variant."""
   if variant is None:
@@ -367,14 +367,13 @@ def index_reads(variant: Variant | None,
 
 @functools.lru_cache(maxsize=256)
 def _index_reads(variant: Variant, functions: tuple[str, ...]) -> frozenset[str]:
-  i32 = jax.ShapeDtypeStruct((), jnp.int32)
-  tile_i32, tile_f32 = (jax.ShapeDtypeStruct((1, 1), t) for t in (jnp.int32, jnp.float32))
-  pair = (i32, i32, tile_i32, tile_i32)  # b, h, q_idx, kv_idx
+  i32, f32 = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
+  pair = (i32, i32, i32, i32)  # b, h, q_idx, kv_idx
   calls = []
   if "mask_fn" in functions and variant.mask_fn is not None:
     calls.append((variant.mask_fn, pair, 0))
   if "score_fn" in functions and variant.score_fn is not None:
-    calls.append((variant.score_fn, (tile_f32, *pair), 1))
+    calls.append((variant.score_fn, (f32, *pair), 1))
   reads = set()
   for fn, args, first in calls:
     for name, pos in (("b", first), ("h", first + 1)):
@@ -408,7 +407,7 @@ def _block_mask(variant: Variant, arrays: VariantArrays, *, batch: int, heads: i
   def one_step(st):
     rows = (st * per_step * block_q
             + jnp.arange(per_step * block_q, dtype=i32)[None, None, :, None])
-    m = jnp.asarray(variant.mask_fn(b, h, rows + off, kv_idx), jnp.bool_)
+    m = allowed_pairs(Variant(mask_fn=variant.mask_fn), b, h, rows + off, kv_idx)  # per pair
     m = jnp.broadcast_to(m, (nb, nh, per_step * block_q, nk * block_k))
     real = (rows < seq_q) & key_real
     shape = (nb, nh, per_step, block_q, nk, block_k)

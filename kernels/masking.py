@@ -5,7 +5,8 @@ Everything here is plain ``jnp`` on broadcastable int32 index arrays, with no Py
 traced values, so the same functions run on a kernel's tile (``q_idx`` of shape ``[block_q, 1]``,
 ``kv_idx`` of shape ``[1, block_k]``, per-row / per-column vectors for lengths and segment ids, scalar
 batch and head indices) and on the reference's whole ``[B, N, T, S]`` arrays. Because both use these
-functions they cannot disagree about the mask.
+functions they cannot disagree about the mask. The user's ``mask_fn``/``score_fn`` are the exception
+to "any shape": they are called per pair, with scalars, whatever the shapes (:func:`per_pair`).
 
 Positions. Query row ``i`` (``0 <= i < T``) of batch element ``b`` sits at the *absolute* position
 ``p = q_offset[b] + i`` (``q_offset = 0`` by default: top-left alignment, as
@@ -20,13 +21,13 @@ The rule (:func:`allowed_pairs`): the pair ``(b, h, i, j)`` is allowed when ever
 * query lengths: ``i < q_len[b]`` (rows past it are padding: no key at all);
 * key/value lengths: ``j < kv_len[b]``;
 * segments: ``q_seg[b, i] == kv_seg[b, j]``;
-* ``mask_fn(b, h, p, j)`` is True;
+* ``mask_fn(b, h, p, j)`` is True (called per pair, with scalars: :func:`per_pair`);
 * (kernels only) ``j < seq_k``: the padded tail of the last key tile.
 
 Scores (:func:`modify_scores`), per pair, in this order: ``s = scale * q_i . k_j``;
 ``s = cap * tanh(s / cap)`` (soft cap); ``s = s - slope[b, h] * |p - j|`` (ALiBi);
-``s = score_fn(s, b, h, p, j)``; then disallowed pairs become ``-inf``. A row with no allowed key has
-output 0, lse ``-inf`` and zero gradients.
+``s = score_fn(s, b, h, p, j)`` (per pair); then disallowed pairs become ``-inf``. A row with no
+allowed key has output 0, lse ``-inf`` and zero gradients.
 
 Block ranges, derived from this rule, are in :mod:`fa2_jax.kernels.block_ranges`: which tiles a kernel can skip
 (no allowed pair) and which need no mask (every pair allowed).
@@ -38,7 +39,9 @@ import functools
 from typing import Callable, NamedTuple
 
 import jax
+import jax.extend.core as jex_core
 import jax.numpy as jnp
+from jax import lax
 
 # Bound on |window side|, |q_offset| and sequence lengths: with each below 2**30, j - p and p - left
 # stay inside int32; p + right can pass 2**31, so the rule compares j - p with the sides and the block
@@ -177,6 +180,215 @@ def _trace(fn, args):
   return jax.make_jaxpr(lambda *a: fn(*a))(*args)
 
 
+# --- mask_fn / score_fn, called per pair ----------------------------------------------------------
+# The user functions are called as if once per (b, h, q_idx, kv_idx) pair, with scalars: a function
+# that is not elementwise (``j <= jnp.min(q_idx)``) then means the same on every path (the minimum of
+# one position is that position), instead of reducing over whatever array a path happens to pass (the
+# formula's whole [B, N, T, S] grid, a kernel's tile). Two evaluations, one meaning:
+#
+# * off the kernels (the formula, the block masks): ``jax.vmap`` of the function over every axis of the
+#   index arrays (:func:`per_pair`), which takes any jnp function (gathers from arrays it closes over,
+#   control flow) and keeps its custom derivative rules for autodiff;
+# * inside a kernel: the function traced once on scalars, and that jaxpr evaluated primitive by
+#   primitive on the tile (:func:`_evaluate`), each elementwise primitive bound on the tile's arrays
+#   as jnp would bind it, calls inlined, a reduction over no axis dropped: for an elementwise function
+#   a kernel holds the operations it held when the function was called on the tile (or fewer: the
+#   constant factors of a derivative stay scalars), and vmap's batching rules, which emit operations
+#   a tile never held (a reduction over no axis, moved batch axes), stay out of the kernels. A
+#   primitive that is not elementwise on a pair (``while``, ``iota``, a gather) cannot run there:
+#   :func:`not_per_pair` names it and dispatch runs the formula instead (an explicit kernel raises).
+
+# Elementwise primitives, bound as they stand on broadcastable operands (lax broadcasts them as jnp
+# does); select_n and clamp need operands of one shape (or scalar ones) and get them broadcast.
+_ELEMENTWISE = frozenset("""
+    abs acos acosh add add_any and asin asinh atan atan2 atanh bessel_i0e bessel_i1e cbrt ceil clamp
+    clz convert_element_type cos cosh digamma div eq erf erf_inv erfc exp exp2 expm1 floor ge gt igamma
+    igammac integer_pow is_finite le lgamma log log1p log2 logistic lt max min mul mulhi ne neg
+    nextafter not or polygamma population_count pow reduce_precision rem round rsqrt select_n
+    shift_left shift_right_arithmetic shift_right_logical sign sin sinh sqrt square sub tan tanh xor
+    zeta""".split())
+_SAME_SHAPE = frozenset({"select_n", "clamp"})
+# The identity on a scalar (a reduction over no axis, a reshape to (), a copy; stop_gradient: a kernel
+# takes no derivative through the function, only the one it asks jax.jvp for, per pair).
+_IDENTITY = frozenset("""
+    reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor broadcast_in_dim
+    reshape squeeze copy copy_p transpose rev optimization_barrier stop_gradient""".split())
+# Calls: their jaxpr is evaluated in place (a custom_jvp's primal: the kernels differentiate with
+# jax.jvp per pair, where the custom rule applies).
+_CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+          "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
+          "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr"}
+
+
+class NotPerPair(TypeError):
+  """A user function whose trace on one pair holds an operation a kernel cannot evaluate on a tile."""
+
+
+def _pair_aval(x):
+  """The abstract value of one element of ``x`` (int32 for Python ints and None)."""
+  dtype = getattr(x, "dtype", None)
+  return jax.ShapeDtypeStruct((), jnp.int32 if dtype is None else dtype)
+
+
+def _open(jaxpr):
+  """``(jaxpr, consts)`` of a Jaxpr or ClosedJaxpr."""
+  if isinstance(jaxpr, jex_core.ClosedJaxpr):
+    return jaxpr.jaxpr, jaxpr.consts
+  return jaxpr, ()
+
+
+def _unsupported(jaxpr) -> str | None:
+  """The first primitive of ``jaxpr`` (traced on scalars, sub-jaxprs included) that
+  :func:`_evaluate` cannot evaluate on a tile, else None."""
+  jaxpr, consts = _open(jaxpr)
+  if any(jnp.ndim(c) for c in consts):
+    return "an array constant"
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+    if any(getattr(a, "shape", None) != () for a in avals):
+      return f"{name} (on a non-scalar array)"
+    if name in _CALLS and _CALLS[name] in eqn.params:
+      if (why := _unsupported(eqn.params[_CALLS[name]])) is not None:
+        return why
+    elif name == "cond":
+      for branch in eqn.params["branches"]:
+        if (why := _unsupported(branch)) is not None:
+          return why
+    elif name not in _ELEMENTWISE and name not in _IDENTITY:
+      return name
+  return None
+
+
+def _broadcast_all(values, scalars: bool = True):
+  """``values`` broadcast to one shape, as ``jnp.where`` broadcasts its operands (``scalars``
+  False: rank-0 values stay, as ``lax.clamp`` takes them)."""
+  shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in values))
+  return [x if jnp.shape(x) == shape or (not scalars and jnp.ndim(x) == 0)
+          else jnp.broadcast_to(x, shape) for x in values]
+
+
+def _evaluate(jaxpr, args):
+  """The scalar ``jaxpr`` evaluated on broadcastable arrays ``args``, as on each of their elements
+  (its primitives elementwise: :func:`_unsupported` is None)."""
+  jaxpr, consts = _open(jaxpr)
+  env = {}
+  read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
+  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    ins = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    if name in _CALLS and _CALLS[name] in eqn.params:
+      outs = _evaluate(eqn.params[_CALLS[name]], ins)
+    elif name == "cond":  # every branch, then the index's (what vmap does with a mapped index)
+      index, *ops = ins
+      results = [_evaluate(branch, ops) for branch in eqn.params["branches"]]
+      outs = [lax.select_n(*_broadcast_all([index, *r])) for r in zip(*results)]
+    elif name in _IDENTITY:
+      outs = ins[:len(eqn.outvars)]
+    elif name in _ELEMENTWISE:
+      if name in _SAME_SHAPE:
+        ins = _broadcast_all(ins, scalars=name == "select_n")
+      out = eqn.primitive.bind(*ins, **eqn.params)
+      outs = out if eqn.primitive.multiple_results else [out]
+    else:
+      raise NotPerPair(f"the kernels cannot evaluate {name} on a tile")
+    for v, x in zip(eqn.outvars, outs):
+      if not isinstance(v, jex_core.DropVar):
+        env[v] = x
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _reads(jaxpr) -> list[bool]:
+  """Which inputs of ``jaxpr`` its equations or outputs use."""
+  jaxpr, _ = _open(jaxpr)
+  used = {v for eqn in jaxpr.eqns for v in eqn.invars if not isinstance(v, jex_core.Literal)}
+  used |= {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+  return [v in used for v in jaxpr.invars]
+
+
+def _map_axes(fn, args):
+  """``fn`` over the broadcast of ``args`` (each rank 0 or all one rank), by one ``jax.vmap`` per
+  axis; an argument of size 1 on an axis enters that level unmapped."""
+  ranked = [x for x in args if jnp.ndim(x)]
+  if not ranked:
+    return fn(*args)
+  # mapped: the arguments whose size here is not 1 (all the same size; symbolic sizes, jax.export's,
+  # count as not 1, as broadcasting takes them)
+  one = lambda d: isinstance(d, int) and d == 1  # noqa: E731
+  axes = tuple(0 if jnp.ndim(x) and not one(x.shape[0]) else None for x in args)
+  inner = [x if ax == 0 else (x[0] if jnp.ndim(x) else x) for x, ax in zip(args, axes)]
+  if all(ax is None for ax in axes):
+    return jax.tree.map(lambda y: y[None], _map_axes(fn, inner))
+  return jax.vmap(lambda *xs: _map_axes(fn, xs), in_axes=axes)(*inner)
+
+
+def per_pair(fn, *args, in_kernel: bool = False):
+  """``fn(*args)`` as if called once per element of the broadcast of ``args`` (the pairs), with
+  scalars: the tuple of ``fn``'s results (the leaves of what it returns), each of the broadcast
+  shape of the arguments it reads (arguments it does not read add no axes) or a scalar.
+
+  Args:
+    fn: a function of scalars (``mask_fn``, ``score_fn``, or a wrapper of one).
+    args: int32 index arrays, a float score array, scalars; broadcastable against each other.
+    in_kernel: True inside a Pallas kernel: ``fn`` traced once on scalars and its jaxpr evaluated on
+      the arrays (elementwise primitives only; :class:`NotPerPair` otherwise). False: ``jax.vmap``.
+  """
+  jaxpr = _trace(fn, [_pair_aval(x) for x in args])
+  reads = _reads(jaxpr)
+  if in_kernel:
+    if (why := _unsupported(jaxpr)) is not None:
+      raise NotPerPair(f"a kernel cannot evaluate this function per pair: it holds {why}")
+    outs = _evaluate(jaxpr, [x if r else None for x, r in zip(args, reads)])
+    outs = [jnp.asarray(x) for x in outs]
+  else:
+    # unread arguments as scalars (no axes), the rest at one rank
+    args = [x if r else jnp.zeros((), _pair_aval(x).dtype) for x, r in zip(args, reads)]
+    rank = max(jnp.ndim(x) for x in args)
+    args = [x if jnp.ndim(x) in (0, rank) else jnp.reshape(x, (1,) * (rank - jnp.ndim(x))
+                                                             + jnp.shape(x)) for x in args]
+    outs = jax.tree.leaves(_map_axes(lambda *a: jax.tree.map(jnp.asarray, fn(*a)), args))
+  return tuple(outs)
+
+
+def _score_one(score_fn, with_derivative: bool):
+  """``score_fn`` on one pair, its result in the score's dtype (a bfloat16 result would round the
+  logits), with ``d out / d score`` by ``jax.jvp`` when ``with_derivative`` (a custom JVP rule of the
+  function applies)."""
+  def one(x, b, h, q_idx, kv_idx):
+    f = lambda x: jnp.asarray(score_fn(x, b, h, q_idx, kv_idx), x.dtype)  # noqa: E731
+    return jax.jvp(f, (x,), (jnp.ones_like(x),)) if with_derivative else f(x)
+  return one
+
+
+def _mask_one(mask_fn):
+  return lambda b, h, q_idx, kv_idx: jnp.asarray(mask_fn(b, h, q_idx, kv_idx), jnp.bool_)
+
+
+@functools.lru_cache(maxsize=64)  # dispatch asks several times per call; the key holds .functions
+def not_per_pair(variant: Variant) -> str | None:
+  """Why the kernels cannot evaluate ``mask_fn`` or ``score_fn`` (and its derivative) on a tile, one
+  pair per element (a primitive that is not elementwise, e.g. ``while`` or ``iota``: see
+  :func:`per_pair`), or None when they can."""
+  i32, f32 = jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32)
+  forms = []
+  if variant.mask_fn is not None:
+    forms.append(("mask_fn", _mask_one(variant.mask_fn), (i32,) * 4))
+  if variant.score_fn is not None:
+    for deriv in (False, True):
+      forms.append(("score_fn", _score_one(variant.score_fn, deriv), (f32, *(i32,) * 4)))
+  for name, fn, args in forms:
+    try:
+      why = _unsupported(_trace(fn, args))
+    except Exception as e:  # noqa: BLE001  e.g. jax.jvp of a custom_vjp function
+      why = f"{type(e).__name__}: {e}"
+    if why is not None:
+      return (f"a {name} whose trace on one pair holds {why}, which a kernel cannot evaluate "
+              "elementwise on its tile")
+  return None
+
+
 class VariantArrays(NamedTuple):
   """The array part of a variant (a pytree), normalised by the public API; None where unused.
 
@@ -186,7 +398,7 @@ class VariantArrays(NamedTuple):
     q_segment_ids: ``[B, T]`` int32.
     kv_segment_ids: ``[B, S]`` int32.
     q_offset: ``[B]`` int32, absolute position of query row 0.
-    alibi_slopes: ``[B, N]`` float32 (not differentiated).
+    alibi_slopes: ``[B, N]`` float32 (differentiated on the formula and the Triton kernels).
   """
 
   q_lengths: jax.Array | None = None
@@ -200,7 +412,7 @@ class VariantArrays(NamedTuple):
 # --- the elementwise rule -------------------------------------------------------------------------
 
 def allowed_pairs(variant: Variant, b, h, q_idx, kv_idx, *, q_len=None, kv_len=None, q_seg=None,
-                  kv_seg=None, q_offset=None, seq_k=None):
+                  kv_seg=None, q_offset=None, seq_k=None, in_kernel: bool = False):
   """Boolean mask, True where the pair may attend (the rule of the module docstring).
 
   Args:
@@ -216,6 +428,7 @@ def allowed_pairs(variant: Variant, b, h, q_idx, kv_idx, *, q_len=None, kv_len=N
     q_offset: the batch element's offset, needed for the query-length term when
       ``variant.has_q_offset`` (the row index is ``q_idx - q_offset``).
     seq_k: when given, keys at ``kv_idx >= seq_k`` (a tile's padded tail) are masked out.
+    in_kernel: True inside a kernel (``mask_fn`` evaluated as :func:`per_pair` says).
 
   Returns:
     A bool array of the broadcast shape of the index arrays (and of ``mask_fn``'s result), or None
@@ -246,7 +459,8 @@ def allowed_pairs(variant: Variant, b, h, q_idx, kv_idx, *, q_len=None, kv_len=N
       raise ValueError("allowed_pairs: the variant has segment ids; pass q_seg and kv_seg")
     terms.append(q_seg == kv_seg)
   if variant.mask_fn is not None:
-    terms.append(jnp.asarray(variant.mask_fn(b, h, q_idx, kv_idx), jnp.bool_))
+    # called per pair, whatever the shapes of the index arrays
+    terms.append(per_pair(_mask_one(variant.mask_fn), b, h, q_idx, kv_idx, in_kernel=in_kernel)[0])
   if seq_k is not None:
     terms.append(kv_idx < seq_k)
   if not terms:
@@ -306,13 +520,13 @@ def alibi_lse_shift(variant: Variant, arrays: "VariantArrays", t: int, kv_extent
                     dtype=jnp.float32):
   """``[B, T, N]`` (``dtype``) to subtract from an lse whose logits had the shifted ALiBi bias of
   keys ``[0, kv_extent)`` (``slope * alibi_row_shift(p)`` per row), or None when nothing was
-  shifted. The slopes are constants of the call: no gradient flows to them."""
+  shifted. Differentiable in the slopes (``-slope`` times the shift enters their gradient)."""
   if not shifts_alibi(variant):
     return None
   rows = jnp.arange(t, dtype=jnp.int32)[None, :]  # [1, T]
   p = rows + arrays.q_offset[:, None] if variant.has_q_offset else rows  # [B or 1, T]
   near = alibi_row_shift(p, kv_extent).astype(dtype)
-  slopes = jax.lax.stop_gradient(arrays.alibi_slopes).astype(dtype)
+  slopes = arrays.alibi_slopes.astype(dtype)
   return slopes[:, None, :] * near[:, :, None]
 
 
@@ -323,11 +537,15 @@ def remove_alibi_shift(lse, shift):
 
 
 def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bool,
-            in_scale=1.0, out_scale=1.0, kv_extent: int | None = None):
-  """``(out_scale * modify_scores(in_scale * s), d s_out / d s_in)``. Without a ``score_fn`` the two
-  scales fold into the soft cap's and ALiBi's constants: a kernel's softmax scale (``in_scale``) and
-  base-2 conversion (``out_scale = log2 e``) then cost no multiply per score beyond the cap's own."""
-  deriv = None
+            in_scale=1.0, out_scale=1.0, kv_extent: int | None = None, in_kernel: bool = False,
+            slope_derivative: bool = False):
+  """``(out_scale * modify_scores(in_scale * s), d s_out / d s_in)``, and with ``slope_derivative``
+  a third element, ``d modify_scores / d slope`` (without ``out_scale``: ``-|p - j|`` times the
+  ``score_fn``'s derivative). Without a ``score_fn`` the two scales fold into the soft cap's and
+  ALiBi's constants: a kernel's softmax scale (``in_scale``) and base-2 conversion (``out_scale =
+  log2 e``) then cost no multiply per score beyond the cap's own."""
+  deriv = d_slope = None
+  with_derivative = with_derivative or slope_derivative
   fold = variant.score_fn is None
   if not fold:
     s = s * in_scale
@@ -350,16 +568,22 @@ def _modify(variant: Variant, s, b, h, q_idx, kv_idx, slope, with_derivative: bo
     dist = jnp.abs(q_idx - kv_idx).astype(s.dtype)  # |p - j| in int32, then converted
     slope = jnp.asarray(slope).astype(s.dtype)
     s = s - (slope * out_scale if fold else slope) * dist  # d/ds = 1
+    d_slope = -dist
   if variant.score_fn is not None:
-    # in the scores' dtype whatever the function returns (a bfloat16 result would round the logits)
-    fn = lambda x: jnp.asarray(variant.score_fn(x, b, h, q_idx, kv_idx), x.dtype)  # noqa: E731
+    # called per pair (per_pair), in the scores' dtype whatever the function returns
+    out = per_pair(_score_one(variant.score_fn, with_derivative), s, b, h, q_idx, kv_idx,
+                   in_kernel=in_kernel)
+    shape = jnp.shape(s)
     if with_derivative:
-      s, d_fn = jax.jvp(fn, (s,), (jnp.ones_like(s),))
+      s, d_fn = (jnp.broadcast_to(x, shape) for x in out)
       deriv = d_fn if deriv is None else deriv * d_fn
+      d_slope = None if d_slope is None else d_slope * d_fn
     else:
-      s = fn(s)
+      s = jnp.broadcast_to(out[0], shape)
   if not fold and out_scale != 1.0:
     s = s * out_scale
+  if slope_derivative:
+    return s, deriv, d_slope
   return s, deriv
 
 
@@ -385,15 +609,20 @@ def soft_cap_tanh(s, into: float, derivative: bool):
 
 
 def kernel_scores(variant: Variant, raw, b, h, q_idx, kv_idx, *, scale, out_scale, slope=None,
-                  derivative: bool = False, kv_extent: int | None = None):
+                  derivative: bool = False, kv_extent: int | None = None, in_kernel: bool = False,
+                  slope_derivative: bool = False):
   """``(out_scale * modify_scores(scale * raw), d s_out / d s_in or None)`` of a tile of raw
   ``q . k`` products, the form a kernel's softmax needs (``out_scale = log2 e`` for base-2 logits),
   with the constants folded where no ``score_fn`` is involved. ``scale`` and ``out_scale`` are
   Python floats (static kernel settings), ``raw`` a float tile (float32 in the kernels, the
   formula's compute dtype there). ``derivative=False`` gives None for
   the derivative. ``kv_extent``: the call's key count S, for the ALiBi distances relative to each
-  row's nearest key (:func:`alibi_row_shift`; the lse then needs :func:`alibi_lse_shift`)."""
-  return _modify(variant, raw, b, h, q_idx, kv_idx, slope, derivative, scale, out_scale, kv_extent)
+  row's nearest key (:func:`alibi_row_shift`; the lse then needs :func:`alibi_lse_shift`).
+  ``in_kernel``: True inside a kernel (``score_fn`` evaluated as :func:`per_pair` says).
+  ``slope_derivative``: also return ``d modify_scores / d slope`` per pair (natural units, for the
+  slopes' gradient ``sum dS * it``: :func:`_modify`), the derivative then computed too."""
+  return _modify(variant, raw, b, h, q_idx, kv_idx, slope, derivative, scale, out_scale, kv_extent,
+                 in_kernel, slope_derivative)
 
 
 def modify_scores(variant: Variant, s, b, h, q_idx, kv_idx, *, slope=None,

@@ -51,3 +51,22 @@ def test_lowers_for_hopper(case, as_h200):
   text = exp.mlir_module()
   # forward, dK/dV and dQ kernels: each a Triton custom call
   assert text.count("__gpu$xla.gpu.triton") >= 3
+
+
+@pytest.mark.parametrize("score_fn", [None, lambda x, b, h, i, j: x * 0.9 + jnp.sin(x) * 0.1])
+def test_alibi_slopes_gradient_lowers_for_hopper(as_h200, score_fn):
+  """The dQ kernel's second output, the rows' sums of dS * d s / d slope, when the slopes are
+  differentiated (with a score_fn, its derivative in the chain)."""
+  q = jax.ShapeDtypeStruct((2, 300, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, 260, 2, 64), jnp.bfloat16)
+  slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+  def loss(q, k, v, slopes):
+    o = fa2_jax.flash_attention(q, k, v, is_causal=True, implementation="triton",
+                                alibi_slopes=slopes, score_fn=score_fn, q_offset=40)
+    return o.astype(jnp.float32).sum()
+
+  fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+  exp = export.export(fn, platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, kv, kv, slopes)
+  assert exp.mlir_module().count("__gpu$xla.gpu.triton") >= 3

@@ -781,6 +781,12 @@ VARIANT_CASES = {  # name: (b, t, s, n, kh, h, variant kwargs)
     "mask_fn_score_fn": (1, 150, 150, 2, 1, 64, lambda: dict(  # a score-dependent derivative
         mask_fn=lambda b, h, i, j: (i - j) % 3 != 1,
         score_fn=lambda x, b, h, i, j: x * 0.7 + 0.3 * jnp.sin(2 * x) - (i - j).astype(x.dtype) / 64)),
+    # functions that are not elementwise on arrays, called per pair (masking.per_pair): the formula
+    # reduced over its whole grid, the kernels over a tile; with per-batch offsets
+    "not_elementwise_user_fns": (2, 100, 140, 2, 1, 64, lambda: dict(
+        q_offset=jnp.array([5, -3]),
+        mask_fn=lambda b, h, i, j: (j <= jnp.min(i)) | ((jnp.sum(i) + j) % 3 == 0),
+        score_fn=lambda x, b, h, i, j: x - 0.1 * jnp.max(x) + (jnp.sum(i) - j).astype(x.dtype) / 64)),
     # ALiBi without a cap, per-batch offsets, one 2^30 positions past the keys (the bias from each
     # row's nearest key, fa2_jax.kernels.masking.alibi_nearest_key, and the lse's shift back)
     "alibi_offsets_gqa": (2, 72, 130, 2, 1, 64, lambda: dict(
@@ -822,8 +828,11 @@ SEPARATE_DQ_ELSEWHERE = ("lengths_soft_cap_alibi", "causal_window_segments_offse
 # ALiBi and soft caps in the persistent-forward tests below; GQA there and in mask_fn_score_fn; a soft
 # cap alone (the one-FMA backward) in test_extreme_logits.py's
 # test_soft_cap_with_huge_scale_takes_the_fast_form_mosaic_emulated; the masks of whole tiles in the
-# fused case, whose forward applies them as the dQ kernel does (Refs.keep on [rows, keys] tiles).
-SEPARATE_DQ_SLOW = ("alibi_offsets_gqa", "soft_cap_window_gqa", "whole_tiles_window_lengths_segments")
+# fused case, whose forward applies them as the dQ kernel does (Refs.keep on [rows, keys] tiles); the
+# per-pair evaluation of user functions in the fused case's forward and dK/dV kernels (the dQ kernel
+# evaluates them through the same Refs.keep / Refs.scores).
+SEPARATE_DQ_SLOW = ("alibi_offsets_gqa", "soft_cap_window_gqa", "whole_tiles_window_lengths_segments",
+                    "not_elementwise_user_fns")
 # Fused-dQ case marked slow: its variant (static key ranges) runs with the separate dQ kernel in
 # test_interpret_static_causal_variant_greedy_forward, whose dK/dV kernel reads the same range
 # table; the fused dK/dV kernel runs every other variant here.

@@ -265,6 +265,28 @@ def test_explicit_mesh_replicated_kv_and_eager():
 
 
 @needs4
+def test_explicit_mesh_alibi_slopes_gradient_and_eager():
+  """ALiBi's slopes sharded with B over Explicit axes: their gradient equals the formula's, and an
+  eager call runs (the kernels' custom_vjp with symbolic zeros, which an eager shard_map refuses
+  unless under a jit of its own)."""
+  mesh = _mesh((4,), ("data",), AxisType.Explicit)
+  q, k, v = _qkv(seed=6)
+  slopes = jnp.linspace(0.1, 0.8, B * N).reshape(B, N)
+
+  def loss(fn):
+    return lambda q, sl: jnp.sum(jnp.tanh(fn(q, k, v, is_causal=True, alibi_slopes=sl)))
+
+  want = jax.value_and_grad(loss(fa2_jax.reference_attention), argnums=(0, 1))(q, slopes)
+  with jax.set_mesh(mesh):
+    qs, sls = jax.device_put(q, P("data")), jax.device_put(slopes, P("data"))
+    got = jax.jit(jax.value_and_grad(loss(flash), argnums=(0, 1)))(qs, sls)
+    out = flash(qs, k, v, is_causal=True, alibi_slopes=sls)  # an eager shard_map
+  _check(got, want)
+  np.testing.assert_allclose(out, fa2_jax.reference_attention(q, k, v, is_causal=True,
+                                                              alibi_slopes=slopes), atol=2e-5)
+
+
+@needs4
 @pytest.mark.parametrize("q_spec, k_spec, match", [
     (P(), P(None, "data"), r"key is sharded along its sequence axis S \(dim 1\) over mesh axis "
      r"'data'.* context parallelism \(a sequence-sharded attention\) is not supported"),

@@ -465,11 +465,77 @@ def test_vmap_of_rank3_calls_with_scalar_lengths(impl):
   np.testing.assert_allclose(rank3, want[1], atol=1e-6)
 
 
-def test_alibi_slopes_are_not_differentiated():
-  q, k, v, _, _ = qkv(B, 6, 6, N, KH)
-  g = jax.jit(jax.grad(lambda sl: fa2_jax.flash_attention(q, k, v, alibi_slopes=sl).sum()))(
-      np.ones(N, np.float32))
-  assert g.shape == (N,) and not np.any(np.asarray(g))
+def np_slopes_grad(q, k, v, spec: Spec, scale, dout, dlse, eps=1e-4):
+  """d (sum out * dout + sum lse * dlse) / d slopes ``[B, N]`` of :func:`np_attention` (float64), by
+  central differences."""
+  grad = np.zeros(spec.slopes.shape)
+  for idx in np.ndindex(*spec.slopes.shape):
+    loss = []
+    for sign in (1, -1):
+      sl = np.array(spec.slopes, np.float64)
+      sl[idx] += sign * eps
+      out, lse, _ = np_attention(q, k, v, dataclasses.replace(spec, slopes=sl), scale, dout, dlse)
+      loss.append(np.sum(out * np.asarray(dout, np.float64))
+                  + np.sum(np.where(np.isfinite(lse), lse, 0) * np.asarray(dlse, np.float64)))
+    grad[idx] = (loss[0] - loss[1]) / (2 * eps)
+  return grad
+
+
+_SLOPES = np.array([[0.5, 0.25, 0.125, 0.0625], [0.3, 0.2, 0.1, 0.05]])
+ALIBI_GRAD_CASES = {
+    # the distances from each row's nearest key (no score_fn), rows past the keys both sides
+    "offsets": Spec(slopes=_SLOPES, q_offset=np.array([30, -4])),
+    # a soft cap before, a score_fn after (its derivative in the slopes' chain), causal, lengths
+    "cap_score_fn_lengths": Spec(causal=True, cap=2.0, slopes=_SLOPES, score=_score_fn(),
+                                 q_len=np.array([11, 13]), kv_len=np.array([21, 9])),
+}
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("case", list(ALIBI_GRAD_CASES))
+def test_alibi_slopes_are_differentiated(impl, case):
+  """The gradient with respect to alibi_slopes (once silently zero), together with the
+  query's, against float64 finite differences and the numpy gradient; ``[N]`` slopes get the sum
+  over the batch."""
+  spec = ALIBI_GRAD_CASES[case]
+  t, s = 13, 21
+  q, k, v, dout, dlse = qkv(B, t, s, N, KH, seed=13)
+  kw = dict(IMPLEMENTATIONS[impl], **spec.kwargs(B, N))
+  del kw["alibi_slopes"]
+
+  def loss(q, slopes):
+    out, lse = fa2_jax.flash_attention(q, k, v, alibi_slopes=slopes, return_residual=True, **kw)
+    return jnp.sum(out * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) * dlse)
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+  dq, dslopes = grad(q, jnp.asarray(spec.slopes, jnp.float32))
+  want = np_slopes_grad(q, k, v, spec, 1 / np.sqrt(8), dout, dlse)
+  assert_close(dslopes, want, 1e-4, "dslopes")
+  assert_close(dq, np_attention(q, k, v, spec, 1 / np.sqrt(8), dout, dlse)[2][0], TOL[impl], "dq")
+  shared = spec.slopes[0]
+  _, d_shared = grad(q, jnp.asarray(shared, jnp.float32))
+  assert_close(d_shared, np_slopes_grad(q, k, v, dataclasses.replace(
+      spec, slopes=np.broadcast_to(shared, (B, N))), 1 / np.sqrt(8), dout, dlse).sum(0), 1e-4,
+      "dslopes [N]")
+
+
+def test_alibi_slopes_gradient_on_the_mosaic_kernels_raises(monkeypatch):
+  """The Mosaic kernels do not differentiate the slopes: a gradient asked of them raises, naming
+  alibi_slopes and the ways out (traced for sm90 on the CPU); a gradient of the query alone runs."""
+  from fa2_jax import dispatch
+  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
+  monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: (9, 0))
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  slopes = jax.ShapeDtypeStruct((2,), jnp.float32)
+
+  def loss(q, slopes):
+    return fa2_jax.flash_attention(q, q, q, alibi_slopes=slopes, implementation="mosaic").astype(
+        jnp.float32).sum()
+
+  with pytest.raises(TypeError, match=r"alibi_slopes.*stop_gradient.*'triton' or 'xla'"):
+    jax.jit(jax.grad(loss, argnums=1)).trace(q, slopes)
+  jax.jit(jax.grad(loss)).trace(q, slopes)
+  jax.jit(jax.grad(lambda q, sl: loss(q, jax.lax.stop_gradient(sl)), argnums=(0, 1))).trace(q, slopes)
 
 
 def test_score_fn_closing_over_an_array_on_the_formula_path():
@@ -539,6 +605,51 @@ def test_score_fn_equal_to_soft_cap():
                                     is_causal=True))
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_allclose(x, y, atol=1e-6)
+
+
+# Functions that are not elementwise on arrays (`j <= jnp.min(i)` and `jnp.sum(i)` were once accepted
+# and reduced over whatever array a path passed, the formula's whole grid or a kernel's tile: results
+# 3.7 apart). They are called per pair, with scalars, so a reduction is over one element.
+NOT_ELEMENTWISE = Spec(
+    mask_np=lambda b, h, p, j: (j <= p) | ((p + j) % 3 == 0),
+    mask_jnp=lambda b, h, p, j: (j <= jnp.min(p)) | ((jnp.sum(p) + j) % 3 == 0),
+    score=(lambda x, b, h, p, j: 0.9 * x + (p - j) / 64,
+           lambda x, b, h, p, j: np.full_like(x, 0.9),
+           lambda x, b, h, p, j: x - 0.1 * jnp.max(x) + (jnp.sum(p) - j).astype(x.dtype) / 64),
+    q_offset=np.array([3, -2]))
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_user_functions_are_called_per_pair(impl):
+  """Out, lse and gradients of both paths equal the numpy reference of the per-pair meaning."""
+  check_against_numpy(impl, NOT_ELEMENTWISE, B, 37, 45, N, KH, seed=12)
+
+
+def test_user_functions_are_traced_on_scalars():
+  seen = []
+  def mask_fn(b, h, p, j):
+    seen.append(tuple(jnp.shape(x) for x in (b, h, p, j)))
+    return j <= p
+  q, k, v, _, _ = qkv(B, 9, 13, N, KH)
+  fa2_jax.flash_attention(q, k, v, mask_fn=mask_fn, implementation="triton", interpret=True)
+  fa2_jax.flash_attention(q, k, v, mask_fn=mask_fn, implementation="xla")
+  assert seen and set(seen) == {((), (), (), ())}, set(seen)
+
+
+def test_a_mask_fn_the_kernels_cannot_evaluate_per_pair_runs_the_formula():
+  """A function whose trace on one pair is not elementwise (an iota, a loop) cannot run on a
+  kernel's tile: implementation=None runs the formula, an explicit kernel names the cause."""
+  q, k, v, _, _ = qkv(B, 9, 13, N, KH)
+  fn = lambda b, h, p, j: jnp.any(jnp.arange(3) == (p - j) % 5)  # noqa: E731
+  d = fa2_jax.backend_for(q, k, mask_fn=fn, interpret=True)
+  assert d.backend == "xla" and "mask_fn" in d.reason and "iota" in d.reason, d
+  with pytest.raises(ValueError, match="implementation='triton' cannot run this call: it does not implement a mask_fn.*iota"):
+    fa2_jax.flash_attention(q, k, v, mask_fn=fn, implementation="triton", interpret=True)
+  spec = Spec(mask_np=lambda b, h, p, j: (p - j) % 5 < 3, mask_jnp=fn)
+  check_against_numpy("xla", spec, B, 9, 13, N, KH)
+  loop = lambda x, b, h, p, j: jax.lax.fori_loop(0, 2, lambda i, y: y * 0.5, x)  # noqa: E731
+  d = fa2_jax.backend_for(q, k, score_fn=loop, interpret=True)
+  assert d.backend == "xla" and "score_fn" in d.reason, d
 
 
 # --- fa2_jax.kernels.masking: the elementwise rule and scores on kernel-shaped tiles ----------------------
@@ -855,7 +966,7 @@ I32 = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
 
 
 def _bad_mask(b, h, p, j):
-  return p[0, 0, :] >= j[0, 0, :]  # indexes the formula's rank-4 arrays: fails on a kernel tile
+  return p[0, 0, :] >= j[0, 0, :]  # indexes the formula's rank-4 arrays: fails on one pair
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
@@ -910,17 +1021,17 @@ def _bad_mask(b, h, p, j):
     (dict(q_segment_ids=np.full((2, 8), 2 ** 40, np.uint64), kv_segment_ids=np.zeros((2, 12), np.int64)),
      TypeError, "no common integer dtype"),
     (dict(score_fn=lambda s, b, h, p, j: s - s.max(axis=-1, keepdims=True)), TypeError,
-     "score_fn could not be traced.*single pairs"),
+     "score_fn could not be traced on one pair"),
     (dict(mask_fn="causal"), TypeError, "mask_fn must be a callable"),
     (dict(score_fn=3), TypeError, "score_fn must be a callable"),
     (dict(mask_fn=lambda b, h, p: p > 0), TypeError, "mask_fn could not be traced.*TypeError"),
-    (dict(mask_fn=_bad_mask), TypeError, "mask_fn could not be traced.*a kernel tile"),
+    (dict(mask_fn=_bad_mask), TypeError, "mask_fn could not be traced on one pair.*IndexError"),
     (dict(mask_fn=lambda b, h, p, j: p - j), TypeError, "mask_fn must return a bool array"),
     (dict(mask_fn=lambda b, h, p, j: jnp.ones((3, 3), bool)), ValueError,
-     "mask_fn must return an array broadcastable"),
+     r"mask_fn must return one bool per pair .*got shape \[3, 3\]"),
     (dict(score_fn=lambda s, b, h, p, j: s > 0), TypeError, "score_fn must return a floating array"),
-    (dict(score_fn=lambda s, b, h, p, j: s.sum()), ValueError,
-     "score_fn must return an array of the score's shape"),
+    (dict(score_fn=lambda s, b, h, p, j: jnp.stack([s, s])), ValueError,
+     r"score_fn must return one score per pair .*got shape \[2\]"),
     (dict(score_fn=lambda s, b, h, p, j: (s, s)), TypeError, "score_fn must return one array"),
     (dict(score_fn=lambda s, b, h, p, j: s + undefined_name), TypeError,  # noqa: F821
      "score_fn could not be traced.*NameError"),

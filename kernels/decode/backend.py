@@ -145,12 +145,15 @@ class DecodeBackend(Backend):
                    num_warps=config.config.num_warps, num_stages=config.config.num_stages,
                    interpret=interpret, block_table=block_table, seq_k=seq_k)
 
+  def differentiates_slopes(self, config: DecodeLaunch) -> bool:
+    return self._family(config).differentiates_slopes(config.backward_config)
+
   def backward(self, q, k, v, out, stats, dout, *, dlse, scale, is_causal, deterministic,
-               config: DecodeLaunch, variant, arrays, tables, interpret):
+               config: DecodeLaunch, variant, arrays, tables, interpret, slope_grad=False):
     return self._family(config).backward(
         q, k, v, out, stats, dout, dlse=dlse, scale=scale, is_causal=is_causal,
         deterministic=deterministic, config=config.backward_config, variant=variant,
-        arrays=arrays, tables=tables, interpret=interpret)
+        arrays=arrays, tables=tables, interpret=interpret, slope_grad=slope_grad)
 
 
 DECODE = DecodeBackend()

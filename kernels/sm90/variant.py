@@ -112,7 +112,7 @@ class Refs:
       q_seg, kv_seg = self._segments(shape, row0, col0, transposed)
     keep = allowed_pairs(self.variant, self.b, h, rows + self.q_offset, keys, q_len=self.q_len,
                          kv_len=self.kv_len, q_seg=q_seg, kv_seg=kv_seg, q_offset=self.q_offset,
-                         seq_k=seq_k)
+                         seq_k=seq_k, in_kernel=True)
     if seq_q is None:
       return keep
     return rows < seq_q if keep is None else keep & (rows < seq_q)
@@ -127,7 +127,7 @@ class Refs:
     rows, keys = self._indices(s.shape, row0, col0, transposed)
     return kernel_scores(self.variant, s, self.b, h, rows + self.q_offset, keys, scale=scale,
                          out_scale=LOG2E, slope=self.slope(h), derivative=derivative,
-                         kv_extent=self.seq_k)
+                         kv_extent=self.seq_k, in_kernel=True)
 
 
 def zero_padding(x, lengths):

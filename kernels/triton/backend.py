@@ -43,14 +43,18 @@ class TritonBackend(Backend):
                    num_stages=config.num_stages_fwd, interpret=interpret, variant=variant,
                    arrays=arrays, table=table)
 
+  def differentiates_slopes(self, config) -> bool:
+    return True
+
   def backward(self, q, k, v, out, stats, dout, *, dlse, scale, is_causal, deterministic,
-               config: BlockSizes, variant, arrays, tables, interpret):
+               config: BlockSizes, variant, arrays, tables, interpret, slope_grad=False):
     from .backward import backward
     return backward(q, k, v, out, stats, dout, dlse=dlse, scale=scale, is_causal=is_causal,
                     block_q_dkv=config.block_q_dkv, block_k_dkv=config.block_k_dkv,
                     block_q_dq=config.block_q_dq, block_k_dq=config.block_k_dq,
                     num_warps=config.num_warps_bwd, num_stages=config.num_stages_bwd,
-                    interpret=interpret, variant=variant, arrays=arrays, tables=tables)
+                    interpret=interpret, variant=variant, arrays=arrays, tables=tables,
+                    slope_grad=slope_grad)
 
 
 TRITON = TritonBackend()

@@ -160,10 +160,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale:
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: float,
                variant: Variant, names: tuple[str, ...], seq_q: int, seq_k: int, head_dim: int,
-               block_q: int, block_k: int, f32: bool):
+               block_q: int, block_k: int, f32: bool, slope_grad: bool = False):
   # q_ref, do_ref, dq_ref: [T, hp]; k_ref, v_ref: [S, hp] (KV head h // G); rows_ref: [1, 2, Tp] (r,
-  # u); delta_ref: [1, Tp]; then the variant operands named by `names`.
-  var_refs, (dq_ref,) = rest[:len(names)], rest[len(names):]
+  # u); delta_ref: [1, Tp]; then the variant operands named by `names`; with slope_grad a second
+  # output, dslope_ref [block_q]: this block's rows' sums of dS * d s / d slope (ALiBi).
+  var_refs, out_refs = rest[:len(names)], rest[len(names):]
+  dq_ref = out_refs[0]
   hp = q_ref.shape[-1]
   i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   table = uses_table(variant)
@@ -178,7 +180,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: f
   delta = plgpu.load(delta_ref.at[jnp.int32(0), pl.ds(start, block_q)])
   key_end = vr.key_end(seq_k) if table else seq_k
 
-  def body(j, dq, masked: bool):
+  def body(j, carry, masked: bool):
+    dq, dslope = carry if slope_grad else (carry, None)
     k_start = j * block_k
     k = load_tile(k_ref, k_start, block_k, key_end if masked else None, head_dim)
     v = load_tile(v_ref, k_start, block_k, key_end if masked else None, head_dim)
@@ -186,6 +189,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: f
     deriv = None
     if fold:
       p = _exact_p(s, r, u, c)
+    elif slope_grad:
+      s2, deriv, d_slope = vr.scores(s, scale, b, h, start, k_start, derivative=True,
+                                     slope_derivative=True)
+      p = _exact_p(_rounded(s2, r), r, u, 1.0)
     else:
       s2, deriv = vr.scores(s, scale, b, h, start, k_start, derivative=True)
       p = _exact_p(_rounded(s2, r), r, u, 1.0)
@@ -199,13 +206,21 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: f
         p = jnp.where(keep, p, 0.0)
     dp = dot(do, v, trans_b=True, f32=f32)
     ds = p * (dp - delta[:, None])
+    if slope_grad:  # d loss / d slope: dS (w.r.t. the modified logits) times d s / d slope
+      part = ds * d_slope
+      if keep is not None:
+        part = jnp.where(keep, part, 0.0)
+      dslope = dslope + jnp.sum(part, axis=1)
     if deriv is not None:
       ds = ds * deriv
     if table and keep is not None:
       ds = jnp.where(keep, ds, 0.0)
-    return dq + dot(ds.astype(k.dtype), k, f32=f32)  # dQ_i += dS_ij K_j
+    dq = dq + dot(ds.astype(k.dtype), k, f32=f32)  # dQ_i += dS_ij K_j
+    return (dq, dslope) if slope_grad else dq
 
   dq = jnp.zeros((block_q, hp), jnp.float32)
+  if slope_grad:
+    dq = (dq, jnp.zeros((block_q,), jnp.float32))
   masked, unmasked = functools.partial(body, masked=True), functools.partial(body, masked=False)
   if table:
     lo, full_lo, full_hi, hi = vr.ranges()
@@ -217,14 +232,17 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: f
                                     is_causal=variant.is_causal)
     dq = lax.fori_loop(0, n_full, unmasked, dq)
     dq = lax.fori_loop(n_full, n_end, masked, dq)
+  if slope_grad:
+    dq, dslope = dq
+    out_refs[1][...] = dslope
   store_tile(dq_ref, start, dq * scale, q_limit, head_dim)
 
 
 def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool, block_q_dkv: int,
              block_k_dkv: int, block_q_dq: int, block_k_dq: int, num_warps: int, num_stages: int,
              interpret: bool, variant: Variant | None = None, arrays: VariantArrays | None = None,
-             tables: dict | None = None):
-  """Gradients of attention w.r.t. q, k, v.
+             tables: dict | None = None, slope_grad: bool = False):
+  """Gradients of attention w.r.t. q, k, v (and the ALiBi slopes' part from the scores).
 
   Args:
     q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; stats: ``[B, N, 2, T]`` f32, the forward's
@@ -234,9 +252,12 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     variant, arrays: the attention variant (:mod:`fa2_jax.kernels.masking`; None: dense or ``is_causal``).
     tables: its precomputed range tables ``{"dkv": ..., "dq": ...}`` (``BlockSizes.range_tiles``),
       or None to compute them here.
+    slope_grad: also return ``dslope_rows [B, N, T]`` f32, per query row the sum over its keys of
+      ``dS * d s / d slope`` (ALiBi; summed over T it is the slopes' gradient through the scores:
+      ``masking.kernel_scores``). The dQ kernel adds it up in the loop it runs anyway.
 
   Returns:
-    ``dq, dk, dv`` in the dtypes of q, k, v.
+    ``dq, dk, dv`` in the dtypes of q, k, v (then ``dslope_rows`` with ``slope_grad``).
   """
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
@@ -301,9 +322,16 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   )(q, k, v, do, rows_p, delta_p, *dkv_ops)
 
   # --- dQ --------------------------------------------------------------------------------------
+  slope_grad = bool(slope_grad and variant.has_alibi)
+  dq_spec = pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0))
+  dq_shape = out_struct(q.shape, q.dtype, q)
+  if slope_grad:  # per query row, padded to Tp: [B, N, Tp] f32
+    dq_spec = [dq_spec, pl.BlockSpec((None, None, block_q_dq), lambda i, bi, hi: (bi, hi, i))]
+    dq_shape = [dq_shape, out_struct((b, n, tp), jnp.float32, q)]
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, scale=float(scale), variant=variant, names=dq_names, seq_q=t,
-                        seq_k=s, head_dim=h, block_q=block_q_dq, block_k=block_k_dq, f32=f32),
+                        seq_k=s, head_dim=h, block_q=block_q_dq, block_k=block_k_dq, f32=f32,
+                        slope_grad=slope_grad),
       grid=(pl.cdiv(t, block_q_dq), b, n),
       in_specs=[
           pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),  # q
@@ -314,10 +342,13 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
           pl.BlockSpec((None, 1, tp), lambda i, bi, hi: (bi, hi, 0)),  # delta
           *dq_specs,
       ],
-      out_specs=pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),
-      out_shape=out_struct(q.shape, q.dtype, q),
+      out_specs=dq_spec,
+      out_shape=dq_shape,
       compiler_params=params,
       interpret=interpret,
       name="fa2_backward_dq",
   )(q, k, v, do, rows_p, delta_p, *dq_ops)
+  if slope_grad:
+    dq, dslope_rows = dq
+    return dq, dk, dv, dslope_rows[:, :, :t]
   return dq, dk, dv

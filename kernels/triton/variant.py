@@ -157,15 +157,18 @@ class Refs:
                           other=0)[None, :]
     keep = allowed_pairs(self.variant, b, h, i + self.q_offset, j, q_len=self.q_len,
                          kv_len=self.kv_len, q_seg=q_seg, kv_seg=kv_seg, q_offset=self.q_offset,
-                         seq_k=seq_k)
+                         seq_k=seq_k, in_kernel=True)
     rows_real = i < seq_q
     return rows_real if keep is None else keep & rows_real
 
-  def scores(self, s, scale: float, b, h, row0, col0, *, g=None, derivative: bool = False):
+  def scores(self, s, scale: float, b, h, row0, col0, *, g=None, derivative: bool = False,
+             slope_derivative: bool = False):
     """Base-2 logits ``modify_scores(scale * s) * log2(e)`` of a ``[rows, cols]`` tile of raw
-    ``Q K^T`` (and ``d s_out / d s_in`` or None when ``derivative``)."""
+    ``Q K^T`` (and ``d s_out / d s_in`` or None when ``derivative``; and ``d modify_scores / d
+    slope`` when ``slope_derivative``: :func:`kernels.masking.kernel_scores`)."""
     rows, cols = s.shape
     q_idx = row0 + jnp.arange(rows, dtype=jnp.int32)[:, None] + self.q_offset
     kv_idx = col0 + jnp.arange(cols, dtype=jnp.int32)[None, :]
     return kernel_scores(self.variant, s, b, h, q_idx, kv_idx, scale=scale, out_scale=LOG2E,
-                         slope=self.slope(g), derivative=derivative, kv_extent=self.seq_k)
+                         slope=self.slope(g), derivative=derivative, kv_extent=self.seq_k,
+                         in_kernel=True, slope_derivative=slope_derivative)
