@@ -61,7 +61,8 @@ class FormulaBackend(Backend):
     return out, jnp.stack([r, seen.astype(jnp.float32)], axis=2)
 
   def backward(self, q, k, v, out, stats, dout, *, dlse, scale, is_causal, deterministic, config,
-               variant, arrays, tables, interpret):
+               variant, arrays, tables, interpret, slope_grad=False):
+    assert not slope_grad  # differentiates_slopes is False (and it has no ALiBi)
     f = lambda q, k, v: self._formula(q, k, v, scale, is_causal, variant, arrays)  # noqa: E731
     _, vjp = jax.vjp(f, q, k, v)
     return vjp((dout, jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)))
