@@ -396,7 +396,7 @@ def attention(call: Call, backend: str):
   kw = dict(scale=call.scale, is_causal=call.causal, return_residual=True)
   if backend == "triton":
     kw.update(implementation="triton", interpret=INTERPRET, block_sizes=call.blocks)
-  elif backend == "sm90":
+  elif backend == "mosaic":
     kw.update(implementation="mosaic", block_sizes=call.blocks)
   else:
     assert backend == "default", backend
@@ -452,10 +452,10 @@ def run(call: Call, backend: str, q, k, v, do, dlse):
   """out, lse, dq, dk, dv of the backend under the call's transform, as float64 numpy arrays."""
   f = attention(call, backend)
   tr = call.transform
-  ctx = mosaic_interpret() if backend == "sm90" else contextlib.nullcontext()
+  ctx = mosaic_interpret() if backend == "mosaic" else contextlib.nullcontext()
   x64 = contextlib.nullcontext()
   if tr == "jit_x64":
-    x64 = x64_in_every_thread() if backend == "sm90" else jax.enable_x64(True)
+    x64 = x64_in_every_thread() if backend == "mosaic" else jax.enable_x64(True)
   with ctx, x64:
     if tr == "grad":
       def loss(a, b, c):
@@ -859,7 +859,7 @@ def check_extreme(call: Call, backend: str):
     (out, lse), vjp = jax.vjp(attention(call, backend), q, k, v)
     return out, lse, vjp((do, jnp.zeros_like(lse)))
 
-  ctx = mosaic_interpret() if backend == "sm90" else contextlib.nullcontext()
+  ctx = mosaic_interpret() if backend == "mosaic" else contextlib.nullcontext()
   with ctx:
     out, lse, grads = jax.jit(run)(q, k, v, do)
   out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)

@@ -491,10 +491,11 @@ def test_cli_rejects_missing_and_too_short_data(tmp_path, capsys):
 @pytest.mark.skipif(ON_GPU, reason="the CPU messages of the GPU-only kernels")
 def test_cli_names_its_own_flags_for_gpu_only_attention(capsys):
   triton = cli_error(["--attention", "flash_triton"], capsys)
-  assert "--attention flash_triton needs a GPU" in triton and "pass --interpret true" in triton
+  assert "--attention flash_triton cannot run this call: it needs a GPU" in triton
+  assert "pass --interpret true" in triton and "use --attention flash or --attention xla" in triton
   assert "interpret=True" not in triton and "implementation=" not in triton
   mosaic = cli_error(["--attention", "flash_mosaic"], capsys)
-  assert "Hopper" in mosaic and "use --attention flash_triton or --attention flash" in mosaic
+  assert "Hopper" in mosaic and "use --attention flash or --attention xla" in mosaic
   assert "implementation=" not in mosaic
   assert "needs an NVIDIA GPU" in cli_error(["--attention", "cudnn"], capsys)
   # With the kernels in interpret mode the same choice is accepted and reported.

@@ -358,7 +358,8 @@ def test_inside_shard_map_nothing_is_added(fake_hopper, impl):
 
 
 def _mosaic_static(h=128, causal=False):
-  return attention._Static(h ** -0.5, causal, "mosaic", False, False)
+  return attention._Static(h ** -0.5, causal, "sm90", False, False,
+                           fa2_jax.MosaicConfig.default(h, jnp.bfloat16, causal))
 
 
 @pytest.mark.parametrize("causal", [True, False])  # non-causal: the fused-dQ (custom_vmap) backward

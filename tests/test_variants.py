@@ -1293,7 +1293,7 @@ def test_mask_fn_closing_over_an_array_runs_the_formula():
   fn = lambda b, h, i, j: keep[j]  # noqa: E731
   d = fa2_jax.backend_for(q, k, mask_fn=fn, interpret=True)
   assert d.backend == "xla" and "array constant" in d.reason, d
-  with pytest.raises(ValueError, match="does not support a mask_fn whose trace holds an array constant"):
+  with pytest.raises(ValueError, match="does not implement a mask_fn whose trace holds an array constant"):
     fa2_jax.flash_attention(q, k, v, mask_fn=fn, implementation="triton", interpret=True)
   out = fa2_jax.flash_attention(q, k, v, mask_fn=fn, interpret=True)
   want = fa2_jax.flash_attention(q, k, v, mask_fn=lambda b, h, i, j: j % 3 != 0, interpret=True)

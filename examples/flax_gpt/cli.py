@@ -272,6 +272,7 @@ def describe_configs(preset: str, mc: GPTConfig, tc: TrainConfig) -> list[str]:
 _CLI_NAMES = (
     ("implementation='triton' or None", "--attention flash_triton or --attention flash"),
     ("implementation='xla' or None", "--attention xla or --attention flash"),
+    ("implementation=None or 'xla'", "--attention flash or --attention xla"),
     ("implementation='triton'", "--attention flash_triton"),
     ("implementation='mosaic'", "--attention flash_mosaic"),
     ("implementation='xla'", "--attention xla"),
