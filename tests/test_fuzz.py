@@ -61,8 +61,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import fa2_jax
+from fa2_jax.kernels import platform
 from conftest import on_gpu
-from fa2_jax import dispatch
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -385,7 +385,7 @@ def mosaic_interpret():
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
   from fa2_jax.kernels.sm90.ops import emulated_mma
-  with (mock.patch.object(dispatch, "is_hopper", return_value=True), emulated_mma(),
+  with (mock.patch.object(platform, "gpu_compute_capability", return_value=(9, 0)), emulated_mma(),
         plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams())):
     yield
 

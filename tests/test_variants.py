@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import fa2_jax
+from fa2_jax.kernels import platform
 from fa2_jax.kernels import block_ranges, masking
 from fa2_jax.kernels.masking import Variant, VariantArrays
 
@@ -522,9 +523,8 @@ def test_alibi_slopes_are_differentiated(impl, case):
 def test_alibi_slopes_gradient_on_the_mosaic_kernels_raises(monkeypatch):
   """The Mosaic kernels do not differentiate the slopes: a gradient asked of them raises, naming
   alibi_slopes and the ways out (traced for sm90 on the CPU); a gradient of the query alone runs."""
-  from fa2_jax import dispatch
-  monkeypatch.setattr(dispatch, "on_gpu", lambda: True)
-  monkeypatch.setattr(dispatch, "gpu_compute_capability", lambda: (9, 0))
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
   q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
   slopes = jax.ShapeDtypeStruct((2,), jnp.float32)
 
