@@ -74,17 +74,18 @@ class DecodeConfig:
 
   @classmethod
   def default(cls, head_dim: int, dtype=jnp.bfloat16) -> "DecodeConfig":
-    """The default per (head_dim, dtype). Untuned on a GPU so far: the first guesses are 64 keys per
-    step for 16-bit inputs up to head_dim 128 (a [64, 128] K and V tile, 16 KiB each, two stages),
-    32 at head_dim 256 and for float32."""
+    """The default per (head_dim, dtype): 64 keys per step for 16-bit inputs up to head_dim 128 (a
+    [64, 128] K and V tile, 16 KiB each) with three stages (docs/measurements.md#decode-kernels:
+    on an H100 three stages read 64 x 8k at 721 us against 787 with two, 32 x 16k ragged at 461
+    against 507, the rest equal), 32 at head_dim 256 and for float32, two stages."""
     if isinstance(head_dim, (bool, np.bool_)) or not isinstance(head_dim, (int, np.integer)):
       raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__} {head_dim!r}")
     if head_dim < 1:
       raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     hp = max(16, 1 << math.ceil(math.log2(int(head_dim))))
     f32 = check_input_dtype(dtype) == jnp.float32
-    block_k = 32 if (hp > 128 or f32) else 64
-    return cls(block_k=block_k, num_warps=4, num_stages=2)
+    wide = hp > 128 or f32
+    return cls(block_k=32 if wide else 64, num_warps=4, num_stages=2 if wide else 3)
 
 
 def num_splits_heuristic(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS, waves: int = 2,
