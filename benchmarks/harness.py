@@ -259,7 +259,8 @@ def is_smoke(data) -> bool:
 
 def _measured(c) -> bool:
   return isinstance(c, dict) and c.get("status") not in ("skipped", "unavailable") and bool(
-      c.get("tflops") or c.get("latency") or c.get("compiled") or c.get("errors") or c.get("ms"))
+      c.get("tflops") or c.get("latency") or c.get("compiled") or c.get("errors") or c.get("ms")
+      or c.get("us"))
 
 
 def merge_json(paths, key) -> dict:
@@ -779,6 +780,7 @@ def write_md(lines, base: Path) -> Path:
 
 _FA2, _DET, _TRITON, _CUDNN = "#1f77b4", "#17becf", "#2ca02c", "#d62728"
 _FA3, _TOKAMAX, _XLA, _FA1, _ATOMIC = "#9467bd", "#8c564b", "#7f7f7f", "#ff7f0e", "#bcbd22"
+_TRAIN = "#e377c2"
 # Every row name any result file holds -> (legend name, colour, hatch): one colour per implementation in
 # every plot; a hatched bar is that implementation doing the same work another way (the variants'
 # reference rows). The earlier harness's names map to the implementation they ran.
@@ -793,6 +795,7 @@ PALETTE = {
     "fa2_det": ("fa2_jax (deterministic)", _DET, ""),
     "fa2_mosaic_det": ("fa2_jax (deterministic)", _DET, ""),
     "fa2_triton": ("fa2_jax (Triton)", _TRITON, ""),
+    "fa2_train": ("fa2_jax (training kernels)", _TRAIN, ""),  # decode: the call without the decode family
     "fa2_normstep": ("FlashAttention-1 form (normalise every step)", _FA1, ""),
     "fa2_atomic_dq": ("atomic dQ", _ATOMIC, ""),
     "cudnn": ("cuDNN", _CUDNN, ""),

@@ -245,3 +245,15 @@ def matmul_peak(n: int = 8192) -> dict:
   st, _ = time_calls(jax.jit(lambda x, y: x @ y), (a, b))
   return {"n": n, "dtype": "bfloat16", "median_s": st["median_s"],
           "tflops": 2.0 * n ** 3 / st["median_s"] / 1e12}
+
+
+def copy_rate(nbytes: int = 2 ** 30) -> dict:
+  """Measured device-to-device copy rate: ``jit(x + 1)`` over a bf16 array of ``nbytes`` (it reads
+  and writes ``nbytes``), timed as every benchmark (``time_calls``); TB/s counts both. The ceiling
+  the K/V read rates of benchmarks/decode.py are read against."""
+  import jax
+  import jax.numpy as jnp
+  x = jax.random.normal(jax.random.key(11), (nbytes // 2,), jnp.bfloat16)
+  st, _ = time_calls(jax.jit(lambda x: x + jnp.bfloat16(1)), (x,))
+  return {"bytes": nbytes, "median_s": st["median_s"], "tbps": 2.0 * nbytes / st["median_s"] / 1e12,
+          "what": f"jit(x + 1) on {nbytes / 2 ** 30:g} GiB of bf16: bytes read + written ÷ time"}

@@ -29,6 +29,8 @@
 #   bash scripts/gpu.sh variants [args]          the attention variants' speed and bars
 #                                                (python -m benchmarks.variants); split it with --cells,
 #                                                e.g. variants --cells 'window-*' --tag a
+#   bash scripts/gpu.sh decode   [args]          decode latency against a KV cache, every implementation
+#                                                (python -m benchmarks.decode); --quick: 8 cells, about 3 min
 #   bash scripts/gpu.sh latency|memory|numerics|tune [args]   python -m benchmarks.<mode>
 #   bash scripts/gpu.sh all      [args]          python -m benchmarks.run_all --quick (attention, memory,
 #                                                latency, numerics under one time budget)
@@ -40,7 +42,7 @@
 # shared host's GPUs out of service); optional peer wheels carried in .peer/ (tokamax, flash_attn3_jax,
 # and a stub/ folder) are installed to .peer/site and put on PYTHONPATH, so the benchmarks add their rows.
 set -uo pipefail
-MODES="tests grid gpt variants latency memory numerics tune all"
+MODES="tests grid gpt variants decode latency memory numerics tune all"
 mode="${1:-}"
 if [ -z "$mode" ] || [[ "$mode" == *[[:space:]]* ]] || [[ " $MODES " != *" $mode "* ]]; then
   echo "scripts/gpu.sh: mode must be one of: $MODES; got '$mode'" >&2

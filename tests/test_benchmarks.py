@@ -789,6 +789,204 @@ ptxas info    : Used 128 registers, used 16 barriers, 1 bytes smem
       "2,8192,16,128", "nc", "fa2", "boom"]
 
 
+# --- decode latency against a KV cache -------------------------------------------------------------------
+
+def test_decode_cells_parse_and_select(capsys):
+  """The cell list: readable ids and labels, the quick subset, ragged lengths and shuffled page tables
+  from fixed seeds, the K/V bytes the TB/s count, the flags, each row's limits, FA3's split count."""
+  from benchmarks import decode
+  from fa2_jax import DecodeConfig
+  full = decode.build_cells("full")
+  by = {c.id: c for c in full}
+  assert list(by) == ["1x8k", "1x128k", "8x32k", "16x32k", "64x8k", "8x32k-ragged", "32x16k-ragged",
+                      "8x32k-t4", "8x32k-t16", "8x32k-mqa", "8x32k-d64", "8x32k-d256", "8x32k-paged16",
+                      "8x32k-paged256"]
+  assert [c.id for c in decode.build_cells("quick")] == list(decode.QUICK)
+  assert by["8x32k-ragged"].label == "8 × 32k ragged (4k–32k)" and by["1x8k"].label == "1 × 8k"
+  assert by["8x32k-t4"].label == "8 × 32k, T_new 4" and by["8x32k-mqa"].label == "8 × 32k, MQA 32/1"
+  assert by["8x32k-paged16"].label == "8 × 32k, paged (16-key pages)"
+  assert (by["8x32k-d256"].head_dim, by["8x32k-mqa"].kv_heads, by["8x32k-t16"].t_new) == (256, 1, 16)
+  big = by["1x128k"]
+  assert big.kv_bytes() == 2 * 131072 * 8 * 128 * 2 and big.block_table() is None
+  assert big.lengths().tolist() == [131072]
+  ragged = by["32x16k-ragged"].lengths()
+  assert ragged.dtype == np.int32 and ragged.min() >= 2048 and ragged.max() <= 16384
+  assert len(set(ragged.tolist())) > 16 and ragged.tolist() == by["32x16k-ragged"].lengths().tolist()
+  assert by["32x16k-ragged"].kv_bytes() == 2 * int(ragged.sum()) * 8 * 128 * 2
+  table = by["8x32k-paged16"].block_table()
+  assert table.shape == (8, 2048) and sorted(table.ravel().tolist()) == list(range(8 * 2048))
+  assert table.ravel().tolist() != sorted(table.ravel().tolist())  # shuffled
+  # flags: the issue's 5 x 20 calls; patterns of ids; rows by name; FA3's splits
+  args = decode.build_parser().parse_args(["--cells", "8x32k-paged*"])
+  assert (args.iters, args.reps, args.fa3_splits) == (20, 5, None)
+  args.smoke = False
+  assert [c.id for c in decode.select_cells(args)] == ["8x32k-paged16", "8x32k-paged256"]
+  args = decode.build_parser().parse_args(["--quick", "--cells", "16x32k", "--fa3-splits", "3"])
+  assert args.fa3_splits == 3
+  args.smoke = False
+  with pytest.raises(SystemExit, match="matches no cell of the quick cells"):
+    decode.select_cells(args)
+  with pytest.raises(SystemExit):
+    decode.build_parser().parse_args(["--impls", "fa2,fa4"])
+  assert "unknown rows ['fa4']" in capsys.readouterr().err
+  assert decode.build_parser().parse_args(["--impls", "fa2,fa3"]).impls == ["fa2", "fa3"]
+  # what each row cannot express, and the size each row runs
+  rows = decode.ROWS
+  assert "T_new = 1 only" in decode.unsupported(rows["cudnn"], by["8x32k-t4"])
+  assert "no paged cache" in decode.unsupported(rows["xla"], by["8x32k-paged256"])
+  assert "head_dim 128 only" in decode.unsupported(rows["fa3"], by["8x32k-d64"])
+  assert decode.unsupported(rows["fa3"], by["8x32k-paged16"]) is None
+  assert all(decode.unsupported(rows[n], c) is None for n in ("fa2", "fa2_train") for c in full)
+  assert decode.unsupported(rows["xla"], by["64x8k"]) is None  # 64 MiB of f32 scores
+  # FA3's own heuristic (batch counted as 1 with cache_seqlens): 15 splits of 8 K/V heads' tiles
+  assert decode.fa3_num_splits(by["8x32k"]) == 15 and decode.fa3_num_splits(by["8x32k-mqa"]) == 109
+  assert decode.fa3_num_splits(decode.make_cell(1, 512)) == 1  # 3 key blocks: never split
+  # --sweep: tests/decode_sweep.py's grid, the default left out (it is the fa2 row)
+  assert len(decode.sweep_configs()) == 36
+  sweep = decode.sweep_rows(by["8x32k"])
+  assert len(sweep) == 35 and all(r.impl == "fa2" and r.config != DecodeConfig() for r in sweep)
+  # the references the md gives: the copy rate (read + write bytes) and the dispatch floor
+  copy = timing.copy_rate(2 ** 16)
+  assert copy["bytes"] == 2 ** 16 and copy["tbps"] == pytest.approx(2 * 2 ** 16 / copy["median_s"] / 1e12)
+  assert decode.dispatch_floor(2, 2)["us"] > 0
+
+
+def test_decode_fa3_row_passes_the_cache_lengths_and_page_table(monkeypatch):
+  """FlashAttention-3's kvcache call (a stand-in module here: the wheel is GPU-only) gets the pages
+  as its cache, the page table, the lengths as cache_seqlens, causal, and the split count."""
+  import types
+  from benchmarks import decode
+  seen = {}
+
+  def kvcache(q, k_cache, v_cache, **kw):
+    seen.update(kw, shape=k_cache.shape)
+    return q
+
+  monkeypatch.setitem(sys.modules, "flash_attn3_jax", types.SimpleNamespace(flash_mha_with_kvcache=kvcache))
+  cell = decode.make_cell(2, 256, t_new=4, heads=4, kv_heads=2, head_dim=32, page_size=16,
+                          base=decode.SMOKE_BASE)
+  q, k, v, lens, off, table = decode.make_inputs(cell, 0)
+  assert k.shape == (32, 16, 2, 32) and table.shape == (2, 16) and off.tolist() == [252, 252]
+  assert decode.call_fn(decode.ROWS["fa3"], cell, fa3_splits=3)(q, k, v, lens, off, table) is q
+  assert seen.pop("page_table") is table and seen.pop("cache_seqlens") is lens
+  assert seen == dict(is_causal=True, num_splits=3, shape=(32, 16, 2, 32))
+
+
+def _decode_result(tmp_path):
+  """A synthetic result: two cells, every row, a flagged output, a sweep row."""
+  from benchmarks import decode
+  plain, t4 = decode.make_cell(8, 32768), decode.make_cell(8, 32768, t_new=4)
+  timed = {("8x32k", "fa2"): 400.0, ("8x32k", "fa2_train"): 900.0, ("8x32k", "cudnn"): 500.0,
+           ("8x32k", "fa3"): 320.0, ("8x32k", "xla"): 2000.0, ("8x32k-t4", "fa2"): 450.0,
+           ("8x32k-t4", "fa3"): 360.0, ("8x32k", decode.config_name(decode.sweep_configs()[0])): 380.0}
+  cells = []
+  for cell in (plain, t4):
+    for row in list(decode.ROWS.values()) + [decode.Row(decode.config_name(decode.sweep_configs()[0]),
+                                                        "fa2", "a sweep row", decode.sweep_configs()[0])]:
+      rec = decode.record(cell, row)
+      us = timed.get((cell.id, row.name))
+      if us is None:
+        if decode.unsupported(row, cell) is None:
+          continue
+        rec.update(status="unsupported", error=decode.unsupported(row, cell))
+      else:
+        rec.update(us=us, tbps=rec["kv_bytes"] / us / 1e6, max_abs_err=2e-4, ref_max=0.05,
+                   err_vs="fa2" if row.name != "fa2" else "f32 formula, rows 0, 7")
+      if row.name == "fa2":
+        rec["config"] = "bk64 splits auto waves 2 warps 4 stages 2"
+      cells.append(rec)
+  flagged = next(c for c in cells if (c["id"], c["row"]) == ("8x32k", "fa3"))
+  flagged.update(max_abs_err=0.04, warning="output off the fa2: max abs error 0.04")
+  data = {"script": "decode", "status": "done", "meta": {"gpu_name": "NVIDIA H200", "versions": {},
+                                                         "command": "python -m benchmarks.decode"},
+          "config": {"dtype": "bf16", "iters": 20, "reps": 5, "err_tol": decode.ERR_TOL},
+          "copy": {"tbps": 4.1, "what": "jit(x + 1)"}, "floor": {"us": 9.5, "what": "q * 2"},
+          "cells": cells, "notes": []}
+  path = tmp_path / "decode.json"
+  path.write_text(json.dumps(data))
+  return path
+
+
+def test_decode_table_and_plot_render_from_json(tmp_path, monkeypatch):
+  """``--render``: a row per cell with µs (TB/s) per implementation, fa2_jax's time ratios to cuDNN
+  and FA3, the copy rate in the header, the flagged output marked, the error table, the sweep; the
+  plot's two panels (time, TB/s) with the GPU in the title and the palette's names."""
+  from benchmarks import decode
+  figs, save = [], harness.save
+  monkeypatch.setattr(harness, "save", lambda plt, fig, *a, **kw: figs.append(fig) or save(
+      plt, fig, *a, **dict(kw, dpi=20)))
+  path = _decode_result(tmp_path)
+  data = decode.main(["--render", str(path)])
+  assert {p.name for p in tmp_path.iterdir()} == {"decode.json", "decode.md", "decode.png"}
+  lines = (tmp_path / "decode.md").read_text().splitlines()
+  row = lambda start: next(x for x in lines if x.startswith(start))  # noqa: E731
+  assert row("| cell") == (
+      "| cell: µs per call (TB/s); copy rate 4.10 TB/s | K/V read | fa2_jax | fa2_jax (training kernels) "
+      "| cuDNN | FlashAttention-3 | XLA | fa2_jax ÷ cuDNN (time) | fa2_jax ÷ FA3 (time) |")
+  assert row("| 8 × 32k |") == ("| 8 × 32k | 1,074 MB | 400 (2.68) | 900 (1.19) | 500 (2.15) "
+                                "| 320 (3.36) ⚠ | 2000 (0.54) | 0.80 | 1.25 |")
+  assert row("| 8 × 32k, T_new 4 |") == ("| 8 × 32k, T_new 4 | 1,074 MB | 450 (2.39) | – | n/a "
+                                          "| 360 (2.98) | n/a | – | 1.25 |")
+  assert "| 8 × 32k | 2.0e-04 | 2.0e-04 | 2.0e-04 | 4.0e-02 ⚠ | 2.0e-04 |" in lines
+  assert any("copy rate: 4.10 TB/s" in x for x in lines) and any("9.5 µs per call" in x for x in lines)
+  assert "## DecodeConfig sweep" in lines
+  assert row("| cfg bk32").endswith("| 380 | 2.83 | 0.95 |")
+  assert row("| default (bk64").endswith("| 400 | 2.68 | 1.00 |")
+  assert any(x.startswith("- **FlashAttention-3** warning (8x32k)") for x in lines)
+  assert decode.summary(data).splitlines()[1].split() == ["8x32k", "fa2", "400", "(2.68)", "err", "2.0e-04"]
+  (fig,) = figs
+  assert fig._suptitle.get_text().endswith("— NVIDIA H200") and len(fig.axes) == 2
+  assert fig.axes[0].get_yscale() == "log" and not harness.overlapping_ticks(fig)
+  legend = [t.get_text() for t in fig.legends[0].get_texts()]
+  assert legend[:5] == ["fa2_jax", "fa2_jax (training kernels)", "cuDNN", "FlashAttention-3", "XLA"]
+  assert "cfg" not in " ".join(legend) and "copy rate (4.10 TB/s)" in legend
+  # --merge: a later run's cell wins unless that run only skipped it
+  later = _load(path)
+  later["cells"] = [dict(c, status="skipped", us=None) if (c["id"], c["row"]) == ("8x32k", "fa2")
+                    else dict(c, us=c["us"] / 2) if (c["id"], c["row"]) == ("8x32k", "cudnn") else c
+                    for c in later["cells"] if c["id"] == "8x32k"]
+  (tmp_path / "later.json").write_text(json.dumps(later))
+  merged = decode.main(["--merge", str(path), str(tmp_path / "later.json"), "--out", str(tmp_path / "m")])
+  us = {(c["id"], c["row"]): c.get("us") for c in merged["cells"]}
+  assert us[("8x32k", "fa2")] == 400.0 and us[("8x32k", "cudnn")] == 250.0 and len(us) == len(data["cells"])
+
+
+def test_decode_smoke_on_cpu(tmp_path, monkeypatch, capsys):
+  """The CPU smoke size runs the decode kernels in Pallas interpret mode on ragged lengths and on a
+  paged cache, beside XLA and a --sweep setting: times, TB/s and every output checked; cuDNN and the
+  absent peers are named, not measured; the md and plot are written. (The training kernels' row is
+  the same call with implementation="triton" here: left out to keep the test short.)"""
+  from benchmarks import decode
+  from fa2_jax import DecodeConfig
+  monkeypatch.setattr(decode, "sweep_configs", lambda: [DecodeConfig(block_k=32, num_splits=1)])
+  data = decode.main(["--smoke", "--out", str(tmp_path), "--cells", "2x512-ragged,2x256-paged16",
+                      "--impls", "fa2,cudnn,fa3,xla", "--sweep"])
+  js = _load(tmp_path / "decode.json")
+  assert js["status"] == "done" and js["config"]["smoke"]
+  assert (js["config"]["iters"], js["config"]["reps"]) == (2, 2)
+  assert "cudnn" in js["meta"]["absent_impls"] and data["files"][0].endswith("decode.json")
+  assert capsys.readouterr().out.startswith("decode: us per call (TB/s) (smoke size")
+  by = {(c["id"], c["row"]): c for c in js["cells"]}
+  sweep = decode.config_name(DecodeConfig(block_k=32, num_splits=1))
+  ran = {("2x512-ragged", n) for n in ("fa2", "xla", sweep)} | {("2x256-paged16", n) for n in ("fa2", sweep)}
+  assert {k for k, c in by.items() if c["status"] == "ok"} == ran, by
+  assert by[("2x256-paged16", "xla")]["status"] == "unsupported"
+  for key in ran:
+    c = by[key]
+    assert c["us"] > 0 and c["tbps"] > 0 and not c.get("warning"), c
+    assert c["max_abs_err"] < decode.ERR_TOL * c["ref_max"], c
+    assert c["err_vs"] == ("fa2" if key[1] != "fa2" else "f32 formula, rows 0, 1")
+    assert {(c["timing"]["iters"], c["timing"]["reps"])} == {(2, 2)}
+  fa2 = by[("2x512-ragged", "fa2")]
+  assert fa2["backend"].startswith("decode") and fa2["kv_bytes"] == 2 * sum(fa2["lengths"]) * 2 * 32 * 2
+  paged = by[("2x256-paged16", "fa2")]["backend"]
+  assert paged.startswith("decode") and "reads the 16 pages of 16 keys per row through the table" in paged
+  md = (tmp_path / "decode.md").read_text()
+  assert "smoke size on the CPU" in md and "| 2 × 512 ragged (64–512) |" in md
+  assert "## DecodeConfig sweep" in md
+  assert (tmp_path / "decode.png").read_bytes()[:8] == PNG_MAGIC
+
+
 # --- on a GPU ----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
