@@ -32,6 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
+from . import impls
+from .timing import ITERS, REPS, err_str, measure_together
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "out"  # ignored by git; benchmarks/results/ only when --out names it
 GPU_BACKENDS = ("gpu", "cuda", "rocm")
@@ -46,11 +49,6 @@ REL_ERR_WARN = 2e-2  # forward output vs the f32 reference: a fast row must also
 
 
 # --- numbers ----------------------------------------------------------------------------------------
-
-def err_str(e: BaseException, limit: int = 400) -> str:
-  """One line: ``Type: message``, whitespace collapsed, cut at ``limit`` characters."""
-  return f"{type(e).__name__}: {' '.join(str(e).split())}"[:limit]
-
 
 def is_oom(msg: str | None) -> bool:
   m = (msg or "").lower()
@@ -444,7 +442,6 @@ def parse_shapes(text: str) -> list[tuple[int, int, int, int]]:
 
 def impl_names(text: str) -> list[str]:
   """``--impls``: names of benchmarks/impls.py entries; an unknown one is an argparse error naming it."""
-  from . import impls
   try:
     names = impls.parse_names(text)
   except ValueError as e:
@@ -476,7 +473,6 @@ def masks(text: str) -> list[bool]:
 
 def add_common_args(p: argparse.ArgumentParser, *, counts: bool = False) -> None:
   """The flags of every script; ``counts``: also ``--iters`` / ``--reps`` of the timing helper."""
-  from .timing import ITERS, REPS
   g = p.add_argument_group("common")
   g.add_argument("--out", type=Path, default=None,
                  help=f"output folder (default {DEFAULT_OUT.name}/<gpu>/ in the checkout, ignored by git)")
@@ -643,7 +639,6 @@ class Run:
     compiled and warmed up first, then their repetitions interleaved (timing.measure_together);
     ``check(name, out)`` gives a row's forward error against the reference (⚠ above REL_ERR_WARN;
     None: not checked)."""
-    from .timing import measure_together
 
     def before(name):
       self.begin(rows[name][0], rows[name][0].get("impl"))

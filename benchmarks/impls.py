@@ -25,7 +25,7 @@ import dataclasses
 import importlib
 from typing import Callable
 
-from .harness import err_str
+from .timing import err_str
 
 # The XLA formula materialises the [B, N, T, S] f32 scores, and its backward keeps several copies: with
 # 16k tokens (batch = 16384 / seq) one copy is 16 GiB at seq 16k with 16 heads (32 GiB with 32), 8 GiB

@@ -27,7 +27,6 @@ import time
 
 import numpy as np
 
-from .harness import err_str
 
 WARMUP = 2  # calls before timing: compilation, autotuning and first-touch allocations
 REPS = 5  # repetitions; the median is reported
@@ -36,6 +35,11 @@ LATENCY_WARMUP = 5  # latency mode: more warm-up calls, as its single calls are 
 PASSES = ("fwd", "bwd", "fwd+bwd")
 PASS_FLOP_MULT = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
+
+
+def err_str(e: BaseException, limit: int = 400) -> str:
+  """One line: ``Type: message``, whitespace collapsed, cut at ``limit`` characters."""
+  return f"{type(e).__name__}: {' '.join(str(e).split())}"[:limit]
 
 def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
                     causal: bool) -> float:
