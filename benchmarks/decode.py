@@ -197,7 +197,7 @@ XLA_MAX_SCORE_BYTES = 4 * 2 ** 30  # the formula's f32 scores [B, N, T, S]: no r
 
 
 def sweep_configs() -> list:
-  """The DecodeConfig grid of ``--sweep`` (tests/decode_sweep.py's): block_k × warps × stages ×
+  """The DecodeConfig grid of ``--sweep``: block_k × warps × stages ×
   (heuristic splits with 2 or 4 waves, or one split)."""
   from fa2_jax import DecodeConfig
   return [DecodeConfig(block_k=bk, num_splits=sp, num_warps=w, num_stages=st, waves=wv)

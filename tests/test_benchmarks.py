@@ -505,9 +505,10 @@ def test_gpu_script_runs_just_the_node_ids_given(tmp_path):
   """``gpu.sh tests FILE::TEST`` runs that test alone (collected here, not run: no GPU), not the whole
   suite and the fuzz profile after it."""
   node = "tests/test_gpt.py::test_resume_is_bit_identical_on_gpu_with_deterministic_ops"
+  path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
   r = subprocess.run(["bash", str(ROOT / "scripts" / "gpu.sh"), "tests", node, "--collect-only"],
                      capture_output=True, text=True, timeout=300, cwd=ROOT,
-                     env=dict(os.environ, OUT=str(tmp_path), GPU_TIMEOUT="240"))
+                     env=dict(os.environ, OUT=str(tmp_path), GPU_TIMEOUT="240", PATH=path))
   log = (tmp_path / "tests" / "tests.log").read_text()
   assert r.returncode == 0, r.stdout + r.stderr
   assert "1 test collected" in log and node in log, log
@@ -841,10 +842,11 @@ def test_decode_cells_parse_and_select(capsys):
   # FA3's own heuristic (batch counted as 1 with cache_seqlens): 15 splits of 8 K/V heads' tiles
   assert decode.fa3_num_splits(by["8x32k"]) == 15 and decode.fa3_num_splits(by["8x32k-mqa"]) == 109
   assert decode.fa3_num_splits(decode.make_cell(1, 512)) == 1  # 3 key blocks: never split
-  # --sweep: tests/decode_sweep.py's grid, the default left out (it is the fa2 row)
+  # --sweep: the DecodeConfig grid, the default left out (it is the fa2 row)
   assert len(decode.sweep_configs()) == 36
   sweep = decode.sweep_rows(by["8x32k"])
-  assert len(sweep) == 35 and all(r.impl == "fa2" and r.config != DecodeConfig() for r in sweep)
+  default = DecodeConfig.default(128, jnp.bfloat16)
+  assert len(sweep) == 35 and all(r.impl == "fa2" and r.config != default for r in sweep)
   # the references the md gives: the copy rate (read + write bytes) and the dispatch floor
   copy = timing.copy_rate(2 ** 16)
   assert copy["bytes"] == 2 ** 16 and copy["tbps"] == pytest.approx(2 * 2 ** 16 / copy["median_s"] / 1e12)
