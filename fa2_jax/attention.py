@@ -17,8 +17,8 @@ from .kernels.vma import cast_like, match_vma
 from .block_ranges import index_reads, range_tables, warm_static_masks
 from .masking import Variant, VariantArrays, alibi_lse_shift, remove_alibi_shift
 from .reference import attention_formula
-from .validation import (check_bool, check_options, check_scale, check_soft_cap_scale, check_variant,
-                         is_static_dim, validate_qkv)
+from .validation import (check_bool, check_no_dense, check_options, check_scale, check_soft_cap_scale,
+                         check_variant, is_static_dim, validate_qkv)
 
 _SECOND_ORDER = (
     "fa2_jax kernels have no second-order derivative (grad of grad, hessian, jvp of the backward): "
@@ -89,8 +89,9 @@ class _Call:
 
 
 def _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
-             deterministic, interpret, **variant_args) -> _Call:
+             deterministic, interpret, bias=None, mask=None, **variant_args) -> _Call:
   validate_qkv(query, key, value)
+  check_no_dense(bias, mask)
   if jnp.dtype(query.dtype) == jnp.float64:
     raise TypeError("query/key/value dtype must be bfloat16, float16 or float32, got float64 "
                     "(fa2_jax.reference_attention computes in float64)")
@@ -131,17 +132,23 @@ def _prepare(query, key, value, scale, is_causal, implementation, return_residua
                interpret, backend, variant, arrays)
 
 
-def flash_attention(query, key, value, *, scale=None, is_causal=False, implementation=None,
-                    return_residual=False, block_sizes=None, deterministic=False, interpret=None,
-                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                    q_segment_ids=None, kv_segment_ids=None, q_offset=None, logits_soft_cap=None,
-                    alibi_slopes=None, mask_fn=None, score_fn=None):
+def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                    implementation=None,
+                    return_residual=False, block_sizes=None, deterministic=False,
+                    interpret=None, query_seq_lengths=None, key_value_seq_lengths=None,
+                    local_window_size=None, q_segment_ids=None, kv_segment_ids=None, q_offset=None,
+                    logits_soft_cap=None, alibi_slopes=None, mask_fn=None, score_fn=None):
   """Exact attention, ``softmax(scale * Q K^T) V``, with FlashAttention-2 kernels.
 
   Args:
     query: ``[B, T, N, H]`` or ``[T, N, H]``; bfloat16, float16 or float32.
     key, value: ``[B, S, K, H]`` (or ``[S, K, H]``), ``N % K == 0``: ``K < N`` is grouped-query
       attention, ``K == 1`` multi-query. K/V heads are shared without copies.
+    bias, mask: None only, by keyword or position (``jax.nn.dot_product_attention``'s argument
+      order). A dense array raises a ValueError naming what to pass instead: the kernels never form
+      the ``[T, S]`` logits, so masks are given by their structure (``is_causal``, lengths,
+      ``local_window_size``, segment ids, ``mask_fn``) and biases as ``alibi_slopes``,
+      ``logits_soft_cap`` or ``score_fn``.
     scale: logit scale, default ``1 / sqrt(H)``. A static Python float.
     is_causal: query ``i`` attends keys ``j <= p`` where ``p = q_offset + i`` is its absolute
       position (``q_offset = 0``: top-left aligned, as ``jax.nn.dot_product_attention``; for
@@ -220,7 +227,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
   raise a TypeError naming the workaround (``implementation="xla"``).
   """
   call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
-                  deterministic, interpret, query_seq_lengths=query_seq_lengths,
+                  deterministic, interpret, bias, mask, query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
                   logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, mask_fn=mask_fn,
@@ -325,9 +332,9 @@ _VARIANT_ARGUMENTS = frozenset(inspect.signature(check_variant).parameters) - {"
                                                                              "is_causal"}
 
 
-def backend_for(query, key, value=None, *, is_causal=False, implementation=None, block_sizes=None,
-                deterministic=False, interpret=None, scale=None, return_residual=False,
-                **variant_args) -> dispatch.Dispatch:
+def backend_for(query, key, value=None, bias=None, mask=None, *, is_causal=False,
+                implementation=None, block_sizes=None, deterministic=False, interpret=None,
+                scale=None, return_residual=False, **variant_args) -> dispatch.Dispatch:
   """Which kernels :func:`flash_attention` would run for these arguments, and why.
 
   Takes the same arguments (arrays or ``jax.ShapeDtypeStruct``; ``value`` defaults to ``key``'s shape)
@@ -343,7 +350,7 @@ def backend_for(query, key, value=None, *, is_causal=False, implementation=None,
     raise TypeError(f"backend_for() got unexpected keyword arguments {unknown} (flash_attention "
                     f"takes none of them)")
   call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
-                  deterministic, interpret, **variant_args)
+                  deterministic, interpret, bias, mask, **variant_args)
   return dispatch.describe(call.backend, call.query, call.key, is_causal=call.is_causal,
                            implementation=implementation, block_sizes=block_sizes,
                            deterministic=call.deterministic, interpret=bool(call.interpret),
