@@ -859,14 +859,17 @@ def _bad_mask(b, h, p, j):
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(query_seq_lengths=jnp.zeros(2)), TypeError, "query_seq_lengths must have an integer dtype"),
+    (dict(query_seq_lengths=jnp.zeros(2)), ValueError, "query_seq_lengths must have an integer dtype"),
     (dict(query_seq_lengths=I32(3)), ValueError, r"query_seq_lengths must have shape \[2\]"),
     (dict(query_seq_lengths=3), ValueError, r"query_seq_lengths must have shape \[2\]"),
-    (dict(query_seq_lengths=[3, 3]), TypeError, "query_seq_lengths must be an integer array"),
+    (dict(query_seq_lengths=[3.0, 3.0]), ValueError, "query_seq_lengths must have an integer dtype"),
+    (dict(query_seq_lengths=[[3], [3, 3]]), ValueError, "query_seq_lengths must be an integer array"),
+    (dict(query_seq_lengths="3"), TypeError, "query_seq_lengths must be an integer array"),
+    (dict(query_seq_lengths=[3, 3, 3]), ValueError, r"query_seq_lengths must have shape \[2\]"),
     (dict(query_seq_lengths=jnp.array([1, 9])), ValueError,
      r"query_seq_lengths must lie in \[0, 8\]"),
     (dict(query_seq_lengths=jnp.array([-1, 2])), ValueError, r"query_seq_lengths must lie in"),
-    (dict(key_value_seq_lengths=jnp.array([True, False])), TypeError,
+    (dict(key_value_seq_lengths=jnp.array([True, False])), ValueError,
      "key_value_seq_lengths must have an integer dtype"),
     (dict(key_value_seq_lengths=jnp.array([13, 2])), ValueError,
      r"key_value_seq_lengths must lie in \[0, 12\]"),
