@@ -43,14 +43,9 @@ def attention_core(config: GPTConfig) -> Callable[..., jax.Array]:
   if config.attention == "cudnn" and jax.default_backend() != "gpu":
     raise ValueError(f"--attention cudnn needs an NVIDIA GPU, but JAX's backend is "
                      f"{jax.default_backend()!r}; use --attention flash or xla")
-
-  def xla_attention(*args, **kwargs):
-    # jax.nn.dot_product_attention promotes bfloat16/float16 inputs with float32 implicitly
-    # (jax 0.11.2), which jax_numpy_dtype_promotion="strict" refuses: it runs under the standard
-    # promotion, the rest of the model under the user's setting.
-    with jax.numpy_dtype_promotion("standard"):
-      return jax.nn.dot_product_attention(*args, implementation=config.attention, **kwargs)
-  return xla_attention
+  # (jax.nn.dot_product_attention promotes half-precision inputs with float32 implicitly, forward
+  # and backward: under jax_numpy_dtype_promotion="strict" these two run in float32 only.)
+  return functools.partial(jax.nn.dot_product_attention, implementation=config.attention)
 
 
 class MLP(nn.Module):
