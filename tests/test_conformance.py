@@ -80,7 +80,8 @@ def _close(got, want, tol, what):
 
 def _both(q, k, v, dout, path, **kw):
   """``(out, lse, (dq, dk, dv))`` of jax.nn and of fa2_jax (on ``path``) for the same call, the
-  output cotangent ``dout`` and a zero lse cotangent, each side one jitted program (jax.nn's traced
+  output cotangent ``dout`` and a zero lse cotangent (``dout`` may be a tuple of cotangents: then a
+  tuple of gradients for each), each side one jitted program (jax.nn's traced
   under the standard dtype promotion, as :func:`jax_nn`; in float16 on a CPU eagerly: there it asks
   for an F16_F16_F32 dot, which the CPU refuses, and only an eager call falls back)."""
   results = []
@@ -89,6 +90,8 @@ def _both(q, k, v, dout, path, **kw):
     def run(q, k, v, dout, fn=fn):
       (out, lse), vjp = jax.vjp(lambda q_, k_, v_: fn(q_, k_, v_, return_residual=True, **kw),
                                 q, k, v)
+      if isinstance(dout, tuple):
+        return out, lse, tuple(vjp((d, jnp.zeros_like(lse))) for d in dout)
       return out, lse, vjp((dout, jnp.zeros_like(lse)))
     eager = promotion and q.dtype == jnp.float16 and not on_gpu()
     with jax.numpy_dtype_promotion(promotion) if promotion else contextlib.nullcontext():
@@ -102,8 +105,14 @@ def _check_against_jax_nn(q, k, v, dout, path, *, allowed, **kw):
   lse -inf (and zero gradients), jax.nn the mean of the values (0 past ``query_seq_lengths``) and a
   huge negative lse."""
   has_key = allowed.any(-1)  # [B, T]
-  dout = jnp.where(jnp.asarray(has_key)[:, :, None, None], dout, jnp.zeros_like(dout))
-  (out_r, lse_r, grads_r), (out, lse, grads) = _both(q, k, v, dout, path, **kw)
+  rows = jnp.asarray(has_key)[:, :, None, None]
+  # gradients compared with a cotangent on the rows with keys; one on the others, apart
+  douts = (jnp.where(rows, dout, jnp.zeros_like(dout)), jnp.where(rows, jnp.zeros_like(dout), dout))
+  if has_key.all():
+    douts = douts[0]
+  (out_r, lse_r, grads_r), (out, lse, grads) = _both(q, k, v, douts, path, **kw)
+  if not has_key.all():
+    (grads_r, empty_grads_r), (grads, empty_grads) = grads_r, grads
   dtype = jnp.dtype(q.dtype)
   tol = TOL[dtype]
   assert out.dtype == dtype and out.shape == q.shape
@@ -128,6 +137,12 @@ def _check_against_jax_nn(q, k, v, dout, path, *, allowed, **kw):
               else np.arange(q.shape[1])[None, :] >= np.asarray(q_len)[:, None])
     want = np.where(padded[..., None, None], 0.0, mean_v[:, None])  # [B, T, N, H]
     _close(np.asarray(out_r, np.float32)[empty], want[empty], tol, "jax.nn's out on empty rows")
+    # gradients from those rows: none in fa2_jax; into the values in jax.nn (the mean's), but from
+    # rows past query_seq_lengths (its output is multiplied by 0 there)
+    for name, g, g_r in zip(("dq", "dk", "dv"), empty_grads, empty_grads_r):
+      assert not np.any(np.asarray(g, np.float32)), f"fa2_jax: {name} from rows without keys"
+      assert np.any(np.asarray(g_r, np.float32)) == (name == "dv" and bool((empty & ~padded).any())), (
+          f"jax.nn: {name} from rows without keys")
 
 
 # --- numbers: dtypes, GQA/MQA, scale, T != S ------------------------------------------------------
@@ -377,6 +392,60 @@ def test_implementation_values_differ():
          "xla")
   with pytest.raises(ValueError, match="implementation must be one of"):
     fa2_jax.flash_attention(q, k, v, implementation="cudnn")
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_nan_in_masked_values(path):
+  """A difference: NaN stored in values no query may attend (past key_value_seq_lengths) makes
+  jax.nn's whole output NaN (0 * NaN in P V); fa2_jax's formula and Triton kernels never let it
+  through."""
+  q, k, v, _ = _inputs(2, 8, 12, 2, 1, 16, jnp.float32, seed=9)
+  lens = jnp.array([12, 5], jnp.int32)
+  v = v.at[1, 5:].set(jnp.nan)
+  want = jax_nn(q, k, jnp.nan_to_num(v), key_value_seq_lengths=lens)
+  assert np.isnan(np.asarray(jax_nn(q, k, v, key_value_seq_lengths=lens))[1]).all()
+  got = fa2_jax.flash_attention(q, k, v, key_value_seq_lengths=lens, **PATHS[path])
+  _close(got, want, TOL[jnp.dtype(jnp.float32)], "out")
+
+
+def test_argument_domains_differ():
+  """Differences in what each takes (docs/jax-nn-differences.md): fa2_jax refuses what is likely a
+  mistake or what its kernels cannot take, and takes an unbounded window side."""
+  q, k, v, _ = _inputs(1, 8, 8, 2, 2, 16, jnp.float32)
+  jax_nn_only = [
+      (dict(is_causal=1), TypeError, "is_causal must be a Python bool"),
+      (dict(local_window_size=-1), ValueError, "local_window_size sides must be >= 0"),
+      (dict(query_seq_lengths=jnp.array([9], jnp.int32)), ValueError,
+       r"query_seq_lengths must lie in \[0, 8\]"),
+  ]
+  for kw, exc, match in jax_nn_only:
+    jax_nn(q, k, v, **kw)
+    with pytest.raises(exc, match=match):
+      fa2_jax.flash_attention(q, k, v, **kw)
+  for args, exc, match in (((q.astype(jnp.int32),) * 3, TypeError, "bfloat16, float16 or float32"),
+                           ((np.asarray(q).tolist(), k, v), TypeError, "query must be a jax/numpy"),
+                           ((q[0, 0], k[0, 0], v[0, 0]), ValueError, "query must have rank 4")):
+    jax_nn(*args)
+    with pytest.raises(exc, match=match):
+      fa2_jax.flash_attention(*args)
+  jax.jit(lambda s: jax_nn(q, k, v, scale=s))(0.5)
+  with pytest.raises(TypeError, match="static Python float"):
+    jax.jit(lambda s: fa2_jax.flash_attention(q, k, v, scale=s))(0.5)
+  with pytest.raises(TypeError):  # jax.nn: no unbounded side
+    jax_nn(q, k, v, local_window_size=(None, 0))
+  _close(fa2_jax.flash_attention(q, k, v, local_window_size=(None, 0)),
+         jax_nn(q, k, v, is_causal=True), TOL[jnp.dtype(jnp.float32)], "(None, 0) is causal")
+
+
+def test_forward_mode_through_the_kernels_differs():
+  """A difference: jax.nn differentiates in forward mode; fa2_jax's kernels in reverse mode only
+  (a TypeError naming implementation='xla', whose formula does)."""
+  q, k, v, _ = _inputs(1, 8, 8, 2, 2, 16, jnp.float32)
+  tangent = jnp.ones_like(q)
+  jax.jvp(lambda q_: jax_nn(q_, k, v), (q,), (tangent,))
+  jax.jvp(lambda q_: fa2_jax.flash_attention(q_, k, v, implementation="xla"), (q,), (tangent,))
+  with pytest.raises(TypeError, match="implementation='xla'"):
+    jax.jvp(lambda q_: fa2_jax.flash_attention(q_, k, v, **PATHS["triton"]), (q,), (tangent,))
 
 
 def test_empty_sequences_agree():
