@@ -133,11 +133,11 @@ def _prepare(query, key, value, scale, is_causal, implementation, return_residua
 
 
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
-                    implementation=None,
-                    return_residual=False, block_sizes=None, deterministic=False,
-                    interpret=None, query_seq_lengths=None, key_value_seq_lengths=None,
-                    local_window_size=None, q_segment_ids=None, kv_segment_ids=None, q_offset=None,
-                    logits_soft_cap=None, alibi_slopes=None, mask_fn=None, score_fn=None):
+                    implementation=None, return_residual=False, block_sizes=None,
+                    deterministic=False, interpret=None, query_seq_lengths=None,
+                    key_value_seq_lengths=None, local_window_size=None, q_segment_ids=None,
+                    kv_segment_ids=None, q_offset=None, logits_soft_cap=None, alibi_slopes=None,
+                    mask_fn=None, score_fn=None):
   """Exact attention, ``softmax(scale * Q K^T) V``, with FlashAttention-2 kernels.
 
   Args:
@@ -158,7 +158,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
       ``"mosaic"`` (raises a ValueError naming the reason on a call it cannot run) or ``"xla"``.
       :func:`fa2_jax.backend_for` tells which kernels a call runs, and why.
     return_residual: also return ``lse`` ``[B, T, N]`` float32, the natural-log logsumexp of each
-      row's scaled logits (differentiable).
+      row's scaled logits (differentiable; jax.nn's is in the key's dtype, without a gradient:
+      docs/jax-nn-differences.md).
     block_sizes: None for the tuned defaults, a :class:`fa2_jax.BlockSizes` (tiles of the Triton
       kernels; with ``implementation=None`` it selects them) or a :class:`fa2_jax.MosaicConfig`
       (tiles of the Mosaic kernels; with ``implementation=None`` it selects them).
