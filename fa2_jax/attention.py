@@ -18,8 +18,8 @@ from .kernels.vma import match_vma
 from .kernels.block_ranges import index_reads, range_tables, warm_static_masks
 from .kernels.masking import Variant, VariantArrays, alibi_lse_shift, remove_alibi_shift
 from .reference import attention_formula
-from .validation import (check_bool, check_options, check_scale, check_soft_cap_scale, check_variant,
-                         is_static_dim, validate_qkv)
+from .validation import (check_bool, check_no_dense, check_options, check_scale, check_soft_cap_scale,
+                         check_variant, is_static_dim, validate_qkv)
 
 _SECOND_ORDER = (
     "fa2_jax kernels have no second-order derivative (grad of grad, hessian, jvp of the backward): "
@@ -93,8 +93,9 @@ class _Call:
 
 
 def _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
-             deterministic, interpret, **variant_args) -> _Call:
+             deterministic, interpret, bias=None, mask=None, **variant_args) -> _Call:
   validate_qkv(query, key, value)
+  check_no_dense(bias, mask)
   if jnp.dtype(query.dtype) == jnp.float64:
     raise TypeError("query/key/value dtype must be bfloat16, float16 or float32, got float64 "
                     "(fa2_jax.reference_attention computes in float64)")
@@ -138,17 +139,23 @@ def _prepare(query, key, value, scale, is_causal, implementation, return_residua
                interpret, backend, variant, arrays, kernel_call, formula_reason)
 
 
-def flash_attention(query, key, value, *, scale=None, is_causal=False, implementation=None,
-                    return_residual=False, block_sizes=None, deterministic=False, interpret=None,
-                    query_seq_lengths=None, key_value_seq_lengths=None, local_window_size=None,
-                    q_segment_ids=None, kv_segment_ids=None, q_offset=None, logits_soft_cap=None,
-                    alibi_slopes=None, mask_fn=None, score_fn=None, block_table=None):
+def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+                    implementation=None, return_residual=False, block_sizes=None,
+                    deterministic=False, interpret=None, query_seq_lengths=None,
+                    key_value_seq_lengths=None, local_window_size=None, q_segment_ids=None,
+                    kv_segment_ids=None, q_offset=None, logits_soft_cap=None, alibi_slopes=None,
+                    mask_fn=None, score_fn=None, block_table=None):
   """Exact attention, ``softmax(scale * Q K^T) V``, with FlashAttention-2 kernels.
 
   Args:
     query: ``[B, T, N, H]`` or ``[T, N, H]``; bfloat16, float16 or float32.
     key, value: ``[B, S, K, H]`` (or ``[S, K, H]``), ``N % K == 0``: ``K < N`` is grouped-query
       attention, ``K == 1`` multi-query. K/V heads are shared without copies.
+    bias, mask: None only, by keyword or position (``jax.nn.dot_product_attention``'s argument
+      order). A dense array raises a ValueError naming what to pass instead: the kernels never form
+      the ``[T, S]`` logits, so masks are given by their structure (``is_causal``, lengths,
+      ``local_window_size``, segment ids, ``mask_fn``) and biases as ``alibi_slopes``,
+      ``logits_soft_cap`` or ``score_fn``.
     scale: logit scale, default ``1 / sqrt(H)``. A static Python float.
     is_causal: query ``i`` attends keys ``j <= p`` where ``p = q_offset + i`` is its absolute
       position (``q_offset = 0``: top-left aligned, as ``jax.nn.dot_product_attention``; for
@@ -159,7 +166,8 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
       this GPU, sm90's), which raises a ValueError naming the reason on a call it cannot run, or
       ``"xla"``. :func:`fa2_jax.backend_for` tells which kernels a call runs, and why.
     return_residual: also return ``lse`` ``[B, T, N]`` float32, the natural-log logsumexp of each
-      row's scaled logits (differentiable).
+      row's scaled logits (differentiable; jax.nn's is in the key's dtype, without a gradient:
+      docs/jax-nn-differences.md).
     block_sizes: None for the tuned defaults, or a kernel family's config, which selects that
       family (a ValueError if it cannot run the call): :class:`fa2_jax.MosaicConfig` (sm90) or
       :class:`fa2_jax.BlockSizes` (Triton).
@@ -237,6 +245,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
   raise a TypeError naming the workaround (``implementation="xla"``).
   """
   if block_table is not None:
+    check_no_dense(bias, mask)
     from .paged import flash_attention_paged
     return flash_attention_paged(
         query, key, value, block_table, scale=scale, is_causal=is_causal,
@@ -247,7 +256,7 @@ def flash_attention(query, key, value, *, scale=None, is_causal=False, implement
         logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, mask_fn=mask_fn,
         score_fn=score_fn)
   call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
-                  deterministic, interpret, query_seq_lengths=query_seq_lengths,
+                  deterministic, interpret, bias, mask, query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
                   logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, mask_fn=mask_fn,
@@ -343,9 +352,10 @@ _VARIANT_ARGUMENTS = frozenset(inspect.signature(check_variant).parameters) - {"
                                                                              "is_causal"}
 
 
-def backend_for(query, key, value=None, *, is_causal=False, implementation=None, block_sizes=None,
-                deterministic=False, interpret=None, scale=None, return_residual=False,
-                block_table=None, **variant_args) -> dispatch.Dispatch:
+def backend_for(query, key, value=None, bias=None, mask=None, *, is_causal=False,
+                implementation=None, block_sizes=None, deterministic=False, interpret=None,
+                scale=None, return_residual=False, block_table=None,
+                **variant_args) -> dispatch.Dispatch:
   """Which kernels :func:`flash_attention` would run for these arguments, and why.
 
   Takes the same arguments (arrays or ``jax.ShapeDtypeStruct``; ``value`` defaults to ``key``'s shape)
@@ -361,13 +371,14 @@ def backend_for(query, key, value=None, *, is_causal=False, implementation=None,
     raise TypeError(f"backend_for() got unexpected keyword arguments {unknown} (flash_attention "
                     f"takes none of them)")
   if block_table is not None:
+    check_no_dense(bias, mask)
     from .paged import backend_for_paged
     return backend_for_paged(query, key, value, block_table, scale=scale, is_causal=is_causal,
                              implementation=implementation, return_residual=return_residual,
                              block_sizes=block_sizes, deterministic=deterministic,
                              interpret=interpret, **variant_args)
   call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
-                  deterministic, interpret, **variant_args)
+                  deterministic, interpret, bias, mask, **variant_args)
   return dispatch.describe(call.backend, call.kernel_call, implementation=implementation,
                            config=block_sizes, formula_reason=call.formula_reason)
 

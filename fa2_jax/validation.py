@@ -97,9 +97,9 @@ def validate_qkv(query, key, value) -> None:
                        f"{'[B, S, K, H]' if query.ndim == 4 else '[S, K, H]'}), got shape "
                        f"{tuple(x.shape)}")
   dtypes = {jnp.dtype(x.dtype) for x in (query, key, value)}
-  if len(dtypes) != 1:
-    raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, "
-                    f"{value.dtype}")
+  if len(dtypes) != 1:  # a ValueError, as jax.nn.dot_product_attention raises for it
+    raise ValueError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, "
+                     f"{value.dtype}")
   if jnp.dtype(query.dtype) not in DTYPES + (jnp.dtype(jnp.float64),):
     raise TypeError(f"query/key/value dtype must be bfloat16, float16 or float32, got {query.dtype}")
   q4 = query.shape if query.ndim == 4 else (1, *query.shape)
@@ -119,6 +119,24 @@ def validate_qkv(query, key, value) -> None:
                      f"head count K={kh} (K < N is GQA, K == 1 is MQA)")
   if is_static_dim(h) and h < 1:
     raise ValueError(f"head_dim must be >= 1, got {h}")
+
+
+def check_no_dense(bias, mask) -> None:
+  """``bias`` and ``mask`` (``jax.nn.dot_product_attention``'s dense arrays) must be None: a
+  ValueError naming what to pass instead otherwise."""
+  if bias is not None:
+    raise ValueError(
+        "bias: flash_attention takes no dense bias array (its kernels never form the [B, N, T, S] "
+        "logits); pass bias=None and give the bias as alibi_slopes, logits_soft_cap or "
+        "score_fn(score, b, h, q_idx, kv_idx) (a function of the score and its indices), or call "
+        "jax.nn.dot_product_attention for a dense bias")
+  if mask is not None:
+    raise ValueError(
+        "mask: flash_attention takes no dense mask array (its kernels never form the [B, N, T, S] "
+        "logits); pass mask=None and give the mask by its structure: is_causal, "
+        "query_seq_lengths/key_value_seq_lengths (padding), local_window_size, "
+        "q_segment_ids/kv_segment_ids (packed documents) or mask_fn(b, h, q_idx, kv_idx), or call "
+        "jax.nn.dot_product_attention for a dense mask")
 
 
 def check_options(implementation, block_sizes) -> None:
@@ -188,7 +206,26 @@ def _shape_str(shape) -> str:
 
 
 def _check_lengths(name, x, b, limit, rank3: bool):
-  """Lengths: integer ``[B]`` (rank-3 call: scalar or ``[1]``), values in ``[0, limit]`` when known."""
+  """Lengths: integer ``[B]`` (rank-3 call: scalar or ``[1]``), values in ``[0, limit]`` when known.
+  A list or tuple counts as the array it makes (as in ``jax.nn.dot_product_attention``); a numeric
+  dtype that is not an integer one (float, bool, complex) is a ValueError, as there."""
+  if isinstance(x, (list, tuple)):
+    if any(isinstance(e, jax.Array) for e in jax.tree.leaves(x)):
+      x = jnp.asarray(x)  # traced or device elements
+    else:
+      try:
+        x = np.asarray(x)
+      except ValueError as e:  # ragged
+        raise ValueError(f"{name} must be an integer array of shape {_shape_str((b,))}, got a "
+                         f"{type(x).__name__} that is not one: {e}") from None
+      if x.size == 0 and x.dtype.kind == "f":
+        x = x.astype(np.int32)  # [] is float64 to numpy
+  elif isinstance(x, (bool, np.bool_)):
+    x = np.asarray(x)
+  if hasattr(x, "dtype") and not isinstance(x, type) and (
+      np.dtype(x.dtype).kind in "fcb" or jnp.issubdtype(x.dtype, jnp.floating)):
+    raise ValueError(f"{name} must have an integer dtype (jax.nn.dot_product_attention: int32), got "
+                     f"{x.dtype}")
   raw = x
   x = _int_array(name, x, clip=(0, limit) if is_static_dim(limit) else None)
   want = [(b,)] + ([()] if rank3 else [])

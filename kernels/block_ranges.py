@@ -178,7 +178,7 @@ def _ranges_from_table(reach, full):
   ``[..., n]``: ``[lo, hi)`` spans every reachable block; ``[full_lo, full_hi)`` is the first run of
   full blocks."""
   n = reach.shape[-1]
-  idx = jnp.arange(n, dtype=jnp.int32)
+  idx = lax.broadcasted_iota(jnp.int32, (1,) * (reach.ndim - 1) + (n,), reach.ndim - 1)  # [1.., n]
   big = jnp.int32(n)
   lo = jnp.min(jnp.where(reach, idx, big), -1)
   hi = jnp.max(jnp.where(reach, idx + 1, 0), -1)
@@ -433,7 +433,7 @@ def _with_mask_fn(rng, any_, all_):
   """Intersect ``(lo, full_lo, full_hi, hi)`` ``[B, n]`` with a ``mask_fn`` block mask ``[B', N', n,
   m]`` -> ranges ``[B, N', n]``: reachable blocks must pass ``any_``, full ones ``all_``."""
   m = any_.shape[-1]
-  idx = jnp.arange(m, dtype=jnp.int32)
+  idx = jnp.arange(m, dtype=jnp.int32)[None, None, None, :]  # [1, 1, 1, m]
   lo, full_lo, full_hi, hi = (x[:, None, :, None] for x in rng)  # [B, 1, n, 1]
   reach = (idx >= lo) & (idx < hi) & any_
   full = (idx >= full_lo) & (idx < full_hi) & all_

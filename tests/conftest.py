@@ -11,6 +11,14 @@ import pytest
 # Must happen before the first use of jax's backends.
 jax.config.update("jax_num_cpu_devices", 4)
 
+# JAX's strict numpy modes, for the whole session: no implicit rank promotion (a broadcast between
+# arrays of different ranks raises) and no implicit dtype promotion (mixing dtypes raises), settings
+# a user may run with; every path (formula, kernels, sharding, Flax, the GPT example) must work
+# under them, and running the suite so keeps it that way. FA2_TEST_STRICT=0 runs with JAX's defaults.
+if os.environ.get("FA2_TEST_STRICT", "1") != "0":
+  jax.config.update("jax_numpy_rank_promotion", "raise")
+  jax.config.update("jax_numpy_dtype_promotion", "strict")
+
 # Hypothesis profiles of the property-based suite (tests/test_fuzz.py); HYPOTHESIS_PROFILE picks one:
 #   ci (default): derandomized (the same examples on every run), 8 examples per property (scaled by
 #     each property's weight in test_fuzz.py), about 1.5 minutes of CPU, no shrinking (a failure is printed as drawn, and the run stays bounded);

@@ -20,7 +20,7 @@ def call(q=Q, k=KV, v=KV, **kw):
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(q=jnp.zeros((8, 16))), ValueError, "query must have rank 4"),
     (dict(k=jnp.zeros((12, 2, 16))), ValueError, "key must have the same rank"),
-    (dict(v=jnp.zeros((2, 12, 2, 16), jnp.bfloat16)), TypeError, "share one dtype"),
+    (dict(v=jnp.zeros((2, 12, 2, 16), jnp.bfloat16)), ValueError, "share one dtype"),  # as jax.nn
     (dict(q=Q.astype(jnp.int32), k=KV.astype(jnp.int32), v=KV.astype(jnp.int32)), TypeError,
      "bfloat16, float16 or float32"),
     (dict(v=jnp.zeros((2, 11, 2, 16))), ValueError, "key and value must have the same shape"),

@@ -86,8 +86,8 @@ def valid_tokens(batch_shape, length):
 
 
 def causal_like(mask, t, s):
-  """The top-left causal mask ``[t, s]`` with ``mask``'s rank, for nn.combine_masks."""
-  return jnp.tril(jnp.ones((t, s), bool)).reshape((1,) * (mask.ndim - 2) + (t, s))
+  """The top-left causal mask ``[t, s]`` with ``mask``'s rank and dtype, for nn.combine_masks."""
+  return jnp.tril(jnp.ones((t, s), mask.dtype)).reshape((1,) * (mask.ndim - 2) + (t, s))
 
 
 def assert_trees_close(a, b, **tol):
@@ -223,7 +223,7 @@ def test_attention_fn_mask_shapes_and_gqa(caller, causal):
   masks = {
       "[S]": valid_tokens((2,), T)[1],  # a padded sequence's keys
       "[T, S] float": jax.random.bernoulli(keys[4], 0.7, (T, T)).astype(jnp.float32),
-      "[3, 1, T, S]": nn.make_attention_mask(jnp.ones((3, T)), valid_tokens((3,), T)),
+      "[3, 1, T, S]": nn.make_attention_mask(jnp.ones((3, T), bool), valid_tokens((3,), T)),
       "[2, 1, 1, 1, S]": valid_tokens((2,), T)[:, None, None, None, :],
       "[batch, 1, T, S] padding": nn.make_attention_mask(rows, rows),  # padded query rows
       "[batch, N, T, S]": per_head,
@@ -234,7 +234,10 @@ def test_attention_fn_mask_shapes_and_gqa(caller, causal):
   def reference(q, k, v, mask):
     # flax's linen formula, with the key/value heads repeated and the causal mask AND-ed in.
     k, v = (jnp.repeat(x, HEADS // KV_HEADS, axis=-2) for x in (k, v))
-    mask = jnp.logical_and(mask != 0, jnp.tril(jnp.ones((T, T), bool))) if causal else mask
+    if causal:
+      rank = max(mask.ndim, 2)
+      mask = jnp.logical_and(jax.lax.broadcast_to_rank(mask.astype(bool), rank),
+                             jax.lax.broadcast_to_rank(jnp.tril(jnp.ones((T, T), bool)), rank))
     return nn.dot_product_attention(q, k, v, mask=mask)
 
   def value_and_grads(fn, mask):
@@ -337,7 +340,7 @@ def test_linen_decode_matches_flax_step_by_step(adapter_causal):
   ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True)
   ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True,
                                          attention_fn=kernel_fn(is_causal=adapter_causal))
-  init_mask = nn.combine_masks(key_mask, nn.make_causal_mask(x[..., 0]))
+  init_mask = nn.combine_masks(key_mask, nn.make_causal_mask(x[..., 0], dtype=jnp.bool_))
   y_ref, variables = ref.init_with_output(jax.random.PRNGKey(1), x, mask=init_mask)
   # The causal adapter needs only the padding; the plain one the full mask, as flax.
   with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING):
@@ -606,7 +609,8 @@ def test_causal_modules_with_padding_mask(batch):
 def test_rotary_matches_nnx_rope():
   x = inputs(shape=(B, T, HEADS, 16))
   positions = jnp.arange(T)
-  expected = nnx.RoPE()(jnp.swapaxes(x, -2, -3), positions)  # nnx.RoPE wants [..., T, H]
+  # nnx.RoPE wants [..., T, H] (and float positions under strict dtype promotion)
+  expected = nnx.RoPE()(jnp.swapaxes(x, -2, -3), positions.astype(jnp.float32))
   np.testing.assert_allclose(fa2_flax.rotary_embedding(x, positions), jnp.swapaxes(expected, -2, -3),
                              atol=1e-5, rtol=1e-5)
 
@@ -794,7 +798,7 @@ def test_lone_row_mask_with_extra_batch_dims_and_per_head_masks():
   q, k, v = qkv(batch=(2, 2), t=6, kv_heads=HEADS)
   q = q[:, :, -1:]
   last = jnp.array([[3, 5], [0, 2]])
-  mask = (jnp.arange(6) <= last[..., None])[:, :, None, None, :]  # [b1, b2, 1, 1, S]
+  mask = (jnp.arange(6)[None, None] <= last[..., None])[:, :, None, None, :]  # [b1, b2, 1, 1, S]
   fn = fa2_flax.make_attention_fn(implementation="xla", is_causal=True, local_window_size=(2, 0))
   with pytest.warns(FlashAttentionFallbackWarning, match="single query row"):
     out = fn(q, k, v, mask=mask)
@@ -909,7 +913,7 @@ def test_export_with_symbolic_shapes_and_variants():
   spec = lambda *shape, dtype=jnp.float32: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, HEADS, 8))
   mask = jnp.tril(jnp.ones((2, 1, 5, 5), bool)).at[1, :, :, 3:].set(False)
-  cache_mask = (jnp.arange(5) <= jnp.array([2, 4])[:, None])[:, None, None, :]
+  cache_mask = (jnp.arange(5)[None] <= jnp.array([2, 4])[:, None])[:, None, None, :]
   cases = [
       (lambda q, m: fn(q, q, q, mask=m), (spec(b, t, HEADS, 8), spec(b, 1, t, t, dtype=jnp.bool_)),
        (x, mask)),

@@ -472,7 +472,7 @@ def _mask_of_positions(b, h, i, j):
 
 
 def _score_reads_h(s, b, h, i, j):
-  return s * (1.0 + 0.5 * h)
+  return s * (1.0 + 0.5 * h.astype(s.dtype))
 
 
 @needs4

@@ -690,9 +690,9 @@ def test_allowed_pairs_on_a_tile_matches_numpy():
 
 
 @pytest.mark.parametrize("variant", [Variant(soft_cap=2.0), Variant(has_alibi=True),
-                                     Variant(score_fn=lambda x, b, h, p, j: x * jnp.tanh(x) + h),
+                                     Variant(score_fn=lambda x, b, h, p, j: x * jnp.tanh(x) + h.astype(x.dtype)),
                                      Variant(soft_cap=1.0, has_alibi=True,
-                                             score_fn=lambda x, b, h, p, j: jnp.exp(x / 4) * p)])
+                                             score_fn=lambda x, b, h, p, j: jnp.exp(x / 4) * p.astype(x.dtype))])
 def test_score_derivative_matches_autodiff(variant):
   s = jnp.asarray(np.random.default_rng(1).standard_normal((8, 16)) * 3, jnp.float32)
   b, h = jnp.int32(1), jnp.int32(2)
@@ -715,7 +715,7 @@ def test_score_derivative_matches_autodiff(variant):
                                      Variant(soft_cap=3.0, has_alibi=True),
                                      Variant(has_alibi=True, score_fn=lambda x, b, h, p, j: x * x),
                                      Variant(soft_cap=1.0, has_alibi=True,
-                                             score_fn=lambda x, b, h, p, j: jnp.exp(x / 4) * p)])
+                                             score_fn=lambda x, b, h, p, j: jnp.exp(x / 4) * p.astype(x.dtype))])
 def test_kernel_scores_fold_the_scales(variant, scale):
   """kernel_scores (the kernels' form, scale and log2 e folded into the cap's and ALiBi's
   constants) equals out_scale * modify_scores(scale * raw), and gives the same derivative."""
@@ -773,7 +773,7 @@ def _tile_kernel(var, s, off, kv_len, slopes, *, block_q, block_k, interpret):
 
 TILE_VARIANT = Variant(is_causal=True, window=(5, None), has_kv_lengths=True, has_q_offset=True,
                        soft_cap=2.0, has_alibi=True,
-                       score_fn=lambda x, b, h, p, j: x * jnp.tanh(x) + b)
+                       score_fn=lambda x, b, h, p, j: x * jnp.tanh(x) + b.astype(x.dtype))
 
 
 def _tile_inputs():
@@ -970,14 +970,17 @@ def _bad_mask(b, h, p, j):
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(query_seq_lengths=jnp.zeros(2)), TypeError, "query_seq_lengths must have an integer dtype"),
+    (dict(query_seq_lengths=jnp.zeros(2)), ValueError, "query_seq_lengths must have an integer dtype"),
     (dict(query_seq_lengths=I32(3)), ValueError, r"query_seq_lengths must have shape \[2\]"),
     (dict(query_seq_lengths=3), ValueError, r"query_seq_lengths must have shape \[2\]"),
-    (dict(query_seq_lengths=[3, 3]), TypeError, "query_seq_lengths must be an integer array"),
+    (dict(query_seq_lengths=[3.0, 3.0]), ValueError, "query_seq_lengths must have an integer dtype"),
+    (dict(query_seq_lengths=[[3], [3, 3]]), ValueError, "query_seq_lengths must be an integer array"),
+    (dict(query_seq_lengths="3"), TypeError, "query_seq_lengths must be an integer array"),
+    (dict(query_seq_lengths=[3, 3, 3]), ValueError, r"query_seq_lengths must have shape \[2\]"),
     (dict(query_seq_lengths=jnp.array([1, 9])), ValueError,
      r"query_seq_lengths must lie in \[0, 8\]"),
     (dict(query_seq_lengths=jnp.array([-1, 2])), ValueError, r"query_seq_lengths must lie in"),
-    (dict(key_value_seq_lengths=jnp.array([True, False])), TypeError,
+    (dict(key_value_seq_lengths=jnp.array([True, False])), ValueError,
      "key_value_seq_lengths must have an integer dtype"),
     (dict(key_value_seq_lengths=jnp.array([13, 2])), ValueError,
      r"key_value_seq_lengths must lie in \[0, 12\]"),
@@ -1356,6 +1359,6 @@ def test_one_index_read_rule_serves_block_masks_dispatch_and_sharding():
     with_offset = Variant(mask_fn=fn, has_q_offset=True)
     assert block_ranges._mask_extent(with_offset, 2, 3)[0] == 2  # the offset is per batch element
   # A score_fn's reads count for sharding, not for the block mask.
-  both = Variant(mask_fn=cases[()], score_fn=lambda s, b, h, i, j: s - h)
+  both = Variant(mask_fn=cases[()], score_fn=lambda s, b, h, i, j: s - h.astype(s.dtype))
   assert block_ranges.index_reads(both) == {"h"}
   assert block_ranges._mask_extent(both, 2, 3) == (1, 1)

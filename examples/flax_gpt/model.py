@@ -44,6 +44,8 @@ def attention_core(config: GPTConfig) -> Callable[..., jax.Array]:
   if config.attention == "cudnn" and jax.default_backend() != "gpu":
     raise ValueError(f"--attention cudnn needs an NVIDIA GPU, but JAX's backend is "
                      f"{jax.default_backend()!r}; use --attention flash or xla")
+  # (jax.nn.dot_product_attention promotes half-precision inputs with float32 implicitly, forward
+  # and backward: under jax_numpy_dtype_promotion="strict" these two run in float32 only.)
   return functools.partial(jax.nn.dot_product_attention, implementation=config.attention)
 
 
@@ -59,6 +61,15 @@ class MLP(nn.Module):
     h = dense(c.mlp_ratio * c.n_embd, kernel_init=nn.initializers.normal(INIT_STD), name="fc")(x)
     h = nn.gelu(h)
     return dense(c.n_embd, kernel_init=_residual_init(c), name="proj")(h)
+
+
+def _layer_norm(config: GPTConfig, name: str, x: jax.Array) -> jax.Array:
+  """``nn.LayerNorm`` (inside the calling module). Flax (0.12.10) computes its statistics in
+  ``promote_types(dtype, float32)``, which ``jax_numpy_dtype_promotion="strict"`` refuses for a
+  bfloat16/float16 dtype: it runs under the standard promotion, the rest of the model under the
+  user's setting."""
+  with jax.numpy_dtype_promotion("standard"):
+    return nn.LayerNorm(dtype=config.dtype, name=name)(x)
 
 
 def _residual_init(config: GPTConfig):
@@ -85,13 +96,13 @@ class Block(nn.Module):
         attention_fn=attention_core(c),
         local_window_size=None if c.window is None else (c.window, 0),
         logits_soft_cap=c.soft_cap, name="attn")
-    h = nn.LayerNorm(dtype=c.dtype, name="ln_1")(x)
+    h = _layer_norm(c, "ln_1", x)
     if cache is not None:
       y, cache = attn(h, positions, cache=cache, query_seq_lengths=lengths)
       x = x + y
-      return x + MLP(c, name="mlp")(nn.LayerNorm(dtype=c.dtype, name="ln_2")(x)), cache
+      return x + MLP(c, name="mlp")(_layer_norm(c, "ln_2", x)), cache
     x = x + attn(h, positions, q_segment_ids=segment_ids, kv_segment_ids=segment_ids)
-    return x + MLP(c, name="mlp")(nn.LayerNorm(dtype=c.dtype, name="ln_2")(x))
+    return x + MLP(c, name="mlp")(_layer_norm(c, "ln_2", x))
 
 
 class _ScanBlock(nn.Module):
@@ -148,7 +159,8 @@ class GPT(nn.Module):
     if c.position == "learned":
       wpe = nn.Embed(c.seq_len, c.n_embd, embedding_init=nn.initializers.normal(INIT_STD),
                      dtype=c.dtype, name="wpe")
-      x = x + wpe(jnp.arange(tokens.shape[-1]) if positions is None else positions)
+      pos = wpe(jnp.arange(tokens.shape[-1]) if positions is None else positions)
+      x = x + jax.lax.broadcast_to_rank(pos, x.ndim)  # [T, C] for every sequence of the batch
     if cache is not None:
       x, cache = self._cached_blocks(x, positions, cache, lengths)
     elif c.scan_layers:
@@ -160,7 +172,7 @@ class GPT(nn.Module):
       block = nn.remat(Block) if c.remat else Block
       for i in range(c.n_layer):
         x = block(c, name=f"h_{i}")(x, positions, segment_ids)
-    x = nn.LayerNorm(dtype=c.dtype, name="ln_f")(x)
+    x = _layer_norm(c, "ln_f", x)
     if c.tie_embeddings:
       logits = wte.attend(x)
     else:

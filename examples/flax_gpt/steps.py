@@ -87,7 +87,10 @@ def make_steps(model: GPT, tx: optax.GradientTransformation, axis_name: str | No
   def train_step(state: TrainState, x, y):
     loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y, weight_total(y))
     grads, loss = mean(grads), mean(loss)  # every device holds an equal share of the batch
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    # optax (0.2.8) raises a Python float to an int32 count (Adam's bias correction), which
+    # jax_numpy_dtype_promotion="strict" refuses: its update runs under the standard promotion.
+    with jax.numpy_dtype_promotion("standard"):
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics

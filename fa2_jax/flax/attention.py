@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 try:
@@ -239,7 +240,7 @@ def _mask_as_flag(mask, is_causal: bool, t: int, s: int, shifted: bool = False) 
 def _folded_mask(mask, query):
   """A flax mask broadcastable to ``[batch..., N, T, S]`` -> bool ``[prod(batch) | 1, N | 1, T | 1,
   S | 1]``, the batch dims folded as :func:`flash_any_batch` folds them."""
-  allowed = jnp.asarray(mask) != 0  # flax attends where the mask is nonzero
+  allowed = jnp.asarray(mask).astype(jnp.bool_)  # flax attends where the mask is nonzero
   batch = query.shape[:-3]
   allowed = allowed.reshape((1,) * (len(batch) + 3 - allowed.ndim) + allowed.shape)
   if any(d != 1 for d in allowed.shape[:-3]):
@@ -279,7 +280,7 @@ def _last_allowed_key(allowed, batch: tuple, s: int, kv_len):
   there is none. ``allowed``: folded ``[B|1, 1, 1, S|1]`` (one head axis)."""
   row = allowed[:, 0, 0, :]  # [B|1, S|1]: the lone query row
   row = jnp.broadcast_to(row, row.shape[:-1] + (s,))
-  keys = jnp.arange(s, dtype=jnp.int32)
+  keys = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, S]
   if kv_len is not None:
     row = jnp.logical_and(row, keys < jnp.reshape(jnp.asarray(kv_len, jnp.int32), (-1, 1)))
   last = jnp.max(jnp.where(row, keys, -1), axis=-1)  # [B|1]
@@ -337,7 +338,10 @@ def _flax_formula(query, key, value, *, linen_caller: bool, is_causal: bool, pro
   if mask is not None:
     mask = jnp.asarray(mask).astype(jnp.bool_)  # flax attends where the mask is nonzero
     if is_causal:
-      mask = jnp.logical_and(mask, _causal_mask(query.shape[-3], key.shape[-3]))
+      rank = max(mask.ndim, 2)  # explicit ranks: jax_numpy_rank_promotion="raise" allows no other
+      mask = jnp.logical_and(lax.broadcast_to_rank(mask, rank),
+                             lax.broadcast_to_rank(_causal_mask(query.shape[-3], key.shape[-3]),
+                                                   rank))
       is_causal = False
   if not linen_caller:
     if promote_dtype is not None:
@@ -347,8 +351,8 @@ def _flax_formula(query, key, value, *, linen_caller: bool, is_causal: bool, pro
     return nnx.dot_product_attention(query, key, value, mask=mask, bias=bias, is_causal=is_causal,
                                      **common, **extra)
   # linen's function has neither ``is_causal`` nor GQA: fold them in without changing the math.
-  if is_causal:
-    mask = _causal_mask(query.shape[-3], key.shape[-3])
+  if is_causal:  # at the logits' rank, [batch..., N, T, S]
+    mask = lax.broadcast_to_rank(_causal_mask(query.shape[-3], key.shape[-3]), query.ndim)
   groups = query.shape[-2] // key.shape[-2]
   if groups > 1:
     key, value = (jnp.repeat(x, groups, axis=-2) for x in (key, value))

@@ -12,6 +12,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 from flax import nnx
 
@@ -50,8 +51,11 @@ def rotary_embedding(x: jax.Array, positions: jax.Array | None = None, *,
                      f"{positions.shape}")
   half = h // 2
   inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., T, H/2]
-  cos, sin = jnp.cos(angles)[..., None, :], jnp.sin(angles)[..., None, :]  # broadcast over heads
+  angles = positions.astype(jnp.float32)[..., None] * lax.broadcast_to_rank(
+      inv_freq, positions.ndim + 1)  # [..., T, H/2]
+  # broadcast over heads (and, for positions without x's batch axes, over those: at x's rank, as
+  # jax_numpy_rank_promotion="raise" asks)
+  cos, sin = (lax.broadcast_to_rank(f(angles)[..., None, :], x.ndim) for f in (jnp.cos, jnp.sin))
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
