@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 
 import jax
 import jax.numpy as jnp
@@ -12,14 +11,14 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import dispatch, kernel_reuse, sharding
 from .kernels import registry
-from .kernels.backend import KernelCall
 from .kernels.softmax import kernel_scale, lse_from_stats
 from .kernels.vma import match_vma
 from .kernels.block_ranges import index_reads, range_tables, warm_static_masks
 from .kernels.masking import Variant, VariantArrays, alibi_lse_shift, remove_alibi_shift
+from .call import prepare
+from .paged import backend_for_paged, flash_attention_paged
 from .reference import attention_formula
-from .validation import (check_bool, check_no_dense, check_options, check_scale, check_soft_cap_scale,
-                         check_variant, is_static_dim, validate_qkv)
+from .validation import check_no_dense, check_variant
 
 _SECOND_ORDER = (
     "fa2_jax kernels have no second-order derivative (grad of grad, hessian, jvp of the backward): "
@@ -70,73 +69,6 @@ def _layout(field: str, extra) -> str:
   if field in _FIELD_LAYOUTS:
     return _FIELD_LAYOUTS[field]
   return "b" + ("n" if extra.shape[1] > 1 else "a") + _TABLE_BLOCK_AXIS[field[len("table_"):]] + "d"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Call:
-  """A validated call, rank 4."""
-
-  query: object
-  key: object
-  value: object
-  squeeze: bool
-  scale: float
-  is_causal: bool
-  return_residual: bool
-  deterministic: bool
-  interpret: bool | None
-  backend: str  # a kernel family's name, or "xla"
-  variant: object = None  # masking.Variant
-  arrays: object = None  # masking.VariantArrays, rank 4
-  kernel_call: KernelCall | None = None  # None: empty or symbolic shapes (the formula runs them)
-  formula_reason: str | None = None  # why the formula runs a kernel_call-less call
-
-
-def _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
-             deterministic, interpret, bias=None, mask=None, **variant_args) -> _Call:
-  validate_qkv(query, key, value)
-  check_no_dense(bias, mask)
-  if jnp.dtype(query.dtype) == jnp.float64:
-    raise TypeError("query/key/value dtype must be bfloat16, float16 or float32, got float64 "
-                    "(fa2_jax.reference_attention computes in float64)")
-  scale = check_scale(scale)
-  is_causal = check_bool("is_causal", is_causal)
-  return_residual = check_bool("return_residual", return_residual)
-  deterministic = check_bool("deterministic", deterministic)
-  if interpret is not None:
-    interpret = check_bool("interpret", interpret)
-  check_options(implementation, block_sizes)
-  variant, arrays = check_variant(query, key, is_causal=is_causal, **variant_args)
-  squeeze = query.ndim == 3
-  if squeeze:  # arrays or jax.ShapeDtypeStruct (backend_for)
-    query, key, value = (jax.ShapeDtypeStruct((1, *x.shape), x.dtype)
-                         if isinstance(x, jax.ShapeDtypeStruct) else x[None]
-                         for x in (query, key, value))
-  h = query.shape[-1]
-  scale = 1.0 / math.sqrt(h) if scale is None else scale
-  check_soft_cap_scale(scale, variant.soft_cap)
-  symbolic = [d for d in (*query.shape, *key.shape) if not is_static_dim(d)]
-  kernel_call, formula_reason = None, None
-  if symbolic or 0 in query.shape[:2] or key.shape[1] == 0:
-    # Symbolic (jax.export) or empty dimensions: the kernels need static, non-empty grids. Empty
-    # calls are exact through the formula (zeros; lse = -inf where S = 0); symbolic ones run it too.
-    if symbolic and (implementation not in (None, "xla") or block_sizes is not None):
-      raise ValueError(
-          f"implementation={implementation!r} needs static shapes; query {tuple(query.shape)} / key "
-          f"{tuple(key.shape)} have symbolic dimensions {sorted(set(map(str, symbolic)))} (jax.export): use "
-          "implementation=None or 'xla', or export with concrete sequence lengths")
-    backend = "xla"
-    formula_reason = ("symbolic shapes (jax.export): the kernels need static shapes" if symbolic else
-                      "an empty batch or sequence: the formula returns the empty (or all-zero) result")
-  else:
-    kernel_call = KernelCall(tuple(query.shape), tuple(key.shape), jnp.dtype(query.dtype), is_causal,
-                             variant, bool(interpret), deterministic)
-    backend = dispatch.choose_backend(implementation, kernel_call, block_sizes)
-  if backend != "xla" and block_sizes is not None and (
-      why := registry.get(backend).check_config(kernel_call, block_sizes)) is not None:
-    raise ValueError(f"block_sizes: {why}")  # a config that cannot run this call (SMEM, head_dim)
-  return _Call(query, key, value, squeeze, scale, is_causal, return_residual, deterministic,
-               interpret, backend, variant, arrays, kernel_call, formula_reason)
 
 
 def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
@@ -246,16 +178,15 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
   """
   if block_table is not None:
     check_no_dense(bias, mask)
-    from .paged import flash_attention_paged
     return flash_attention_paged(
-        query, key, value, block_table, scale=scale, is_causal=is_causal,
+        query, key, value, block_table, flash_attention, scale=scale, is_causal=is_causal,
         implementation=implementation, return_residual=return_residual, block_sizes=block_sizes,
         deterministic=deterministic, interpret=interpret, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
         logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, mask_fn=mask_fn,
         score_fn=score_fn)
-  call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
+  call = prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
                   deterministic, interpret, bias, mask, query_seq_lengths=query_seq_lengths,
                   key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
@@ -372,12 +303,11 @@ def backend_for(query, key, value=None, bias=None, mask=None, *, is_causal=False
                     f"takes none of them)")
   if block_table is not None:
     check_no_dense(bias, mask)
-    from .paged import backend_for_paged
     return backend_for_paged(query, key, value, block_table, scale=scale, is_causal=is_causal,
                              implementation=implementation, return_residual=return_residual,
                              block_sizes=block_sizes, deterministic=deterministic,
                              interpret=interpret, **variant_args)
-  call = _prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
+  call = prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
                   deterministic, interpret, bias, mask, **variant_args)
   return dispatch.describe(call.backend, call.kernel_call, implementation=implementation,
                            config=block_sizes, formula_reason=call.formula_reason)

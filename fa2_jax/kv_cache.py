@@ -274,7 +274,7 @@ class KVCache:
     t = k_new.shape[1]
     added = _append_lengths(self.lengths, lengths, t, self.capacity)
     rows = jnp.arange(self.batch)[:, None]
-    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T_new]
+    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T_new]
     # A scatter (in place under jit with donation); rows past the capacity are dropped.
     k = self.k.at[rows, positions].set(k_new, mode="drop")
     v = self.v.at[rows, positions].set(v_new, mode="drop")
@@ -460,7 +460,7 @@ class PagedKVCache:
                        f"{list(v_new.shape)}")
     t = k_new.shape[1]
     added = _append_lengths(self.lengths, lengths, t, self.capacity)
-    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T_new]
+    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T_new]
     index = jnp.minimum(positions // self.page_size, self.page_table.shape[1] - 1)
     pages = jnp.take_along_axis(self.page_table, index, axis=1)
     # positions past the capacity go to page num_pages, out of bounds: dropped

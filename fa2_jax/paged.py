@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import dispatch
+from .call import prepare
 from .kernels import registry
 from .kernels.masking import Variant, alibi_lse_shift, remove_alibi_shift
 from .kernels.softmax import kernel_scale, lse_from_stats
@@ -99,20 +101,19 @@ def _split(kwargs):
   return arrays, static
 
 
-def flash_attention_paged(query, key, value, block_table, **kwargs):
-  """:func:`fa2_jax.flash_attention` with ``block_table`` (its module docstring)."""
-  from .attention import _prepare, flash_attention
+def flash_attention_paged(query, key, value, block_table, attend, **kwargs):
+  """:func:`fa2_jax.flash_attention` with ``block_table`` (its module docstring); ``attend`` is
+  ``flash_attention`` itself, which runs the gathered form (and its gradient)."""
   check_paged(query, key, value, block_table, kwargs.get("key_value_seq_lengths"))
   max_pages, page_size = block_table.shape[1], key.shape[1]
   b, _, _, _ = query.shape
   logical = jax.ShapeDtypeStruct((b, max_pages * page_size, *key.shape[2:]), key.dtype)
-  call = _prepare(query, logical, logical, **_prepare_args(kwargs))
+  call = prepare(query, logical, logical, **_prepare_args(kwargs))
   if call.backend != "decode" or registry.get("decode").launch_config(
       call.kernel_call, kwargs.get("block_sizes")).delegate_forward:
-    return flash_attention(query, gather_pages(key, block_table), gather_pages(value, block_table),
-                           **kwargs)
+    return attend(query, gather_pages(key, block_table), gather_pages(value, block_table), **kwargs)
   arrays, static = _split(kwargs)
-  out, lse = _paged_decode(query, key, value, block_table, arrays, static)
+  out, lse = _paged_decode(query, key, value, block_table, arrays, static, attend)
   return (out, lse) if kwargs.get("return_residual") else out
 
 
@@ -128,13 +129,12 @@ def _prepare_args(kwargs):
 
 def _decode_forward(query, key, value, block_table, arrays, static):
   """The paged decode kernel: ``(out, lse [B, T, N])``."""
-  from .attention import _prepare
   kwargs = {**dict(static), **arrays}
   max_pages, page_size = block_table.shape[1], key.shape[1]
   b = query.shape[0]
   s = max_pages * page_size
   logical = jax.ShapeDtypeStruct((b, s, *key.shape[2:]), key.dtype)
-  call = _prepare(query, logical, logical, **_prepare_args(kwargs))
+  call = prepare(query, logical, logical, **_prepare_args(kwargs))
   family = registry.get("decode")
   launch = family.launch_config(call.kernel_call, kwargs.get("block_sizes"))
   variant = call.variant
@@ -150,25 +150,26 @@ def _decode_forward(query, key, value, block_table, arrays, static):
   return out, (lse if shift is None else remove_alibi_shift(lse, shift))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _paged_decode(query, key, value, block_table, arrays, static):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _paged_decode(query, key, value, block_table, arrays, static, attend):
   return _decode_forward(query, key, value, block_table, arrays, static)
 
 
-def _paged_decode_fwd(query, key, value, block_table, arrays, static):
+def _paged_decode_fwd(query, key, value, block_table, arrays, static, attend):
+  del attend
   out = _decode_forward(query, key, value, block_table, arrays, static)
   return out, (query, key, value, block_table, arrays)
 
 
-def _paged_decode_bwd(static, residuals, cotangents):
-  # The gradient of the gathered form (the same function): the training family's backward on the
-  # gathered K/V, whose cotangent the gather's transpose adds back into the pages.
-  from .attention import flash_attention
+def _paged_decode_bwd(static, attend, residuals, cotangents):
+  # The gradient of the gathered form (the same function, ``attend`` = flash_attention): the
+  # training family's backward on the gathered K/V, whose cotangent the gather's transpose adds back
+  # into the pages.
   query, key, value, block_table, arrays = residuals
   kwargs = {**dict(static), **arrays, "return_residual": True}
 
   def gathered(q, k, v):
-    return flash_attention(q, gather_pages(k, block_table), gather_pages(v, block_table), **kwargs)
+    return attend(q, gather_pages(k, block_table), gather_pages(v, block_table), **kwargs)
 
   _, vjp = jax.vjp(gathered, query, key, value)
   dq, dk, dv = vjp(cotangents)
@@ -180,12 +181,10 @@ _paged_decode.defvjp(_paged_decode_fwd, _paged_decode_bwd)
 
 def backend_for_paged(query, key, value, block_table, **kwargs):
   """:func:`fa2_jax.backend_for` of a paged call."""
-  from . import dispatch
-  from .attention import _prepare
   check_paged(query, key, value, block_table, kwargs.get("key_value_seq_lengths"))
   b, max_pages, page_size = query.shape[0], block_table.shape[1], key.shape[1]
   logical = jax.ShapeDtypeStruct((b, max_pages * page_size, *key.shape[2:]), key.dtype)
-  call = _prepare(query, logical, logical, **_prepare_args(kwargs))
+  call = prepare(query, logical, logical, **_prepare_args(kwargs))
   d = dispatch.describe(call.backend, call.kernel_call, implementation=kwargs.get("implementation"),
                         config=kwargs.get("block_sizes"), formula_reason=call.formula_reason)
   if d.backend == "decode" and not registry.get("decode").launch_config(

@@ -152,7 +152,7 @@ class GPT(nn.Module):
         raise ValueError(f"with cache, tokens must be [batch, T], got shape {tokens.shape}")
       if positions is None:  # each row continues at its cache's length (every layer's is the same)
         held = (cache.lengths[0] if c.scan_layers else cache[0].lengths)
-        positions = held[:, None] + jnp.arange(tokens.shape[-1], dtype=jnp.int32)
+        positions = held[:, None] + jnp.arange(tokens.shape[-1], dtype=jnp.int32)[None, :]
     wte = nn.Embed(c.vocab_size, c.n_embd, embedding_init=nn.initializers.normal(INIT_STD),
                    dtype=c.dtype, name="wte")
     x = wte(tokens)

@@ -167,7 +167,7 @@ def _cached_attend(module, q, k, v, positions, mask, cache, query_seq_lengths, *
     raise ValueError(f"with cache, x must be [batch, T, features], got a query of shape "
                      f"{tuple(q.shape)} [.., T, heads, head_dim]")
   if positions is None:  # the new rows continue each batch row's sequence
-    positions = cache.lengths[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)
+    positions = cache.lengths[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
   if module.rotary:
     q = rotary_embedding(q, positions, base=module.rotary_base)
     k = rotary_embedding(k, positions, base=module.rotary_base)
