@@ -162,39 +162,72 @@ def _append_lengths(cache_lengths, lengths, t_new: int, capacity: int):
   return new
 
 
-def _attend(q, k, v, cache_lengths, query_seq_lengths, attention_fn, kwargs, *, dtype, kv_heads,
-            head_dim, capacity, extra=None):
-  """flash_attention of the newest rows against the cache (the shared body of both caches)."""
-  _check_kwargs(kwargs)
-  _array("q", q)
-  batch = cache_lengths.shape[0]
-  if (q.ndim != 4 or q.shape[0] != batch or q.shape[3] != head_dim or q.shape[2] % kv_heads):
-    raise ValueError(f"q must have shape [batch={batch}, T_new, num_heads, head_dim={head_dim}] "
-                     f"with num_heads a multiple of the cache's kv_heads={kv_heads}, got "
-                     f"{list(q.shape)}")
-  if jnp.dtype(q.dtype) != dtype:
-    raise TypeError(f"q must have the cache's dtype {dtype}, got {q.dtype}")
-  t = q.shape[1]
-  if t > capacity:
-    raise ValueError(f"q has T_new = {t} rows, more than the cache's capacity {capacity}")
-  if query_seq_lengths is None:
-    newest = jnp.full((batch,), t, jnp.int32)
-  else:
-    newest = query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch, t,
-                                          "T_new, q's rows")
-  held, rows = _concrete(cache_lengths), _concrete(newest)
-  if held is not None and rows is not None and (rows > held).any():
-    row = int(np.argmax(rows > held))
-    raise ValueError(
-        f"q's rows are the newest rows of the cache (append them first): batch row {row} has "
-        f"{int(rows[row])} query rows but the cache holds only {int(held[row])}")
-  q, k, v = _guard(q, k, v)
-  fn = flash_attention if attention_fn is None else attention_fn
-  variants = dict(kwargs, is_causal=True, q_offset=cache_lengths - newest,
-                  key_value_seq_lengths=cache_lengths, **(extra or {}))
-  if query_seq_lengths is not None:
-    variants["query_seq_lengths"] = query_seq_lengths
-  return fn(q, k, v, **variants)
+# --- what both caches share ----------------------------------------------------------------------
+
+class _Cache:
+  """The part of :class:`KVCache` and :class:`PagedKVCache` that is the same: keys laid out
+  ``[..., ..., kv_heads, head_dim]`` (``_keys``: ``k`` or ``k_pages``), per-row ``lengths``,
+  append's checks and attend's call. A subclass defines ``_keys``, ``batch`` and ``capacity``."""
+
+  @property
+  def kv_heads(self) -> int:
+    return self._keys.shape[2]
+
+  @property
+  def head_dim(self) -> int:
+    return self._keys.shape[3]
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return jnp.dtype(self._keys.dtype)
+
+  def _new_rows(self, k_new, v_new, lengths):
+    """append's checks of ``k_new``/``v_new`` and ``lengths``: the new rows' positions ``[B, T_new]``
+    (int32, from each row's length on) and the per-row count of rows they add (``[B]`` int32)."""
+    _check_kv("k_new", k_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
+    _check_kv("v_new", v_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
+    if k_new.shape != v_new.shape:
+      raise ValueError(f"k_new and v_new must have the same shape, got {list(k_new.shape)} and "
+                       f"{list(v_new.shape)}")
+    t = k_new.shape[1]
+    added = _append_lengths(self.lengths, lengths, t, self.capacity)
+    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+    return positions, added
+
+  def _attend(self, q, k, v, query_seq_lengths, attention_fn, kwargs, extra=None):
+    """flash_attention of the newest rows against the cache's keys and values ``k``, ``v`` (the
+    cache's own arrays, or the paged cache's gathered copy): the body of both caches' attend."""
+    _check_kwargs(kwargs)
+    _array("q", q)
+    cache_lengths, dtype, capacity = self.lengths, self.dtype, self.capacity
+    batch, kv_heads, head_dim = cache_lengths.shape[0], self.kv_heads, self.head_dim
+    if (q.ndim != 4 or q.shape[0] != batch or q.shape[3] != head_dim or q.shape[2] % kv_heads):
+      raise ValueError(f"q must have shape [batch={batch}, T_new, num_heads, head_dim={head_dim}] "
+                       f"with num_heads a multiple of the cache's kv_heads={kv_heads}, got "
+                       f"{list(q.shape)}")
+    if jnp.dtype(q.dtype) != dtype:
+      raise TypeError(f"q must have the cache's dtype {dtype}, got {q.dtype}")
+    t = q.shape[1]
+    if t > capacity:
+      raise ValueError(f"q has T_new = {t} rows, more than the cache's capacity {capacity}")
+    if query_seq_lengths is None:
+      newest = jnp.full((batch,), t, jnp.int32)
+    else:
+      newest = query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch, t,
+                                            "T_new, q's rows")
+    held, rows = _concrete(cache_lengths), _concrete(newest)
+    if held is not None and rows is not None and (rows > held).any():
+      row = int(np.argmax(rows > held))
+      raise ValueError(
+          f"q's rows are the newest rows of the cache (append them first): batch row {row} has "
+          f"{int(rows[row])} query rows but the cache holds only {int(held[row])}")
+    q, k, v = _guard(q, k, v)
+    fn = flash_attention if attention_fn is None else attention_fn
+    variants = dict(kwargs, is_causal=True, q_offset=cache_lengths - newest,
+                    key_value_seq_lengths=cache_lengths, **(extra or {}))
+    if query_seq_lengths is not None:
+      variants["query_seq_lengths"] = query_seq_lengths
+    return fn(q, k, v, **variants)
 
 
 # --- the contiguous cache -------------------------------------------------------------------------
@@ -202,7 +235,7 @@ def _attend(q, k, v, cache_lengths, query_seq_lengths, attention_fn, kwargs, *, 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "lengths"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
-class KVCache:
+class KVCache(_Cache):
   """Keys and values of ``batch`` sequences, up to ``capacity`` rows each: a pytree.
 
   Attributes:
@@ -230,24 +263,16 @@ class KVCache:
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((shape[0],), jnp.int32))
 
   @property
+  def _keys(self) -> jax.Array:
+    return self.k
+
+  @property
   def batch(self) -> int:
     return self.k.shape[0]
 
   @property
   def capacity(self) -> int:
     return self.k.shape[1]
-
-  @property
-  def kv_heads(self) -> int:
-    return self.k.shape[2]
-
-  @property
-  def head_dim(self) -> int:
-    return self.k.shape[3]
-
-  @property
-  def dtype(self) -> jnp.dtype:
-    return jnp.dtype(self.k.dtype)
 
   def append(self, k_new: jax.Array, v_new: jax.Array, *, lengths=None) -> "KVCache":
     """The cache with ``k_new``/``v_new`` ``[batch, T_new, kv_heads, head_dim]`` written after each
@@ -266,15 +291,8 @@ class KVCache:
       ValueError: shapes that do not match the cache, ``T_new`` above the capacity, lengths outside
         ``[0, T_new]`` or past the capacity (when concrete); TypeError: another dtype.
     """
-    _check_kv("k_new", k_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
-    _check_kv("v_new", v_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
-    if k_new.shape != v_new.shape:
-      raise ValueError(f"k_new and v_new must have the same shape, got {list(k_new.shape)} and "
-                       f"{list(v_new.shape)}")
-    t = k_new.shape[1]
-    added = _append_lengths(self.lengths, lengths, t, self.capacity)
+    positions, added = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B]
     rows = jnp.arange(self.batch)[:, None]
-    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T_new]
     # A scatter (in place under jit with donation); rows past the capacity are dropped.
     k = self.k.at[rows, positions].set(k_new, mode="drop")
     v = self.v.at[rows, positions].set(v_new, mode="drop")
@@ -304,9 +322,7 @@ class KVCache:
       flash_attention's result: ``[batch, T_new, num_heads, head_dim]`` (and the lse with
       ``return_residual=True``). Not differentiable (a TypeError names flash_attention instead).
     """
-    return _attend(q, self.k, self.v, self.lengths, query_seq_lengths, attention_fn, kwargs,
-                   dtype=self.dtype, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                   capacity=self.capacity)
+    return self._attend(q, self.k, self.v, query_seq_lengths, attention_fn, kwargs)
 
 
 def prefill(q: jax.Array, k: jax.Array, v: jax.Array, *, lengths=None, capacity: int | None = None,
@@ -365,7 +381,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, *, lengths=None, capacity:
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["k_pages", "v_pages", "page_table", "lengths"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
-class PagedKVCache:
+class PagedKVCache(_Cache):
   """Keys and values in fixed-size pages shared by every batch row: a pytree.
 
   Row ``b``'s position ``p`` lives in page ``page_table[b, p // page_size]`` at slot
@@ -428,6 +444,10 @@ class PagedKVCache:
                jnp.asarray(page_table, jnp.int32), jnp.zeros((batch,), jnp.int32))
 
   @property
+  def _keys(self) -> jax.Array:
+    return self.k_pages
+
+  @property
   def batch(self) -> int:
     return self.page_table.shape[0]
 
@@ -439,28 +459,9 @@ class PagedKVCache:
   def capacity(self) -> int:
     return self.page_table.shape[1] * self.page_size
 
-  @property
-  def kv_heads(self) -> int:
-    return self.k_pages.shape[2]
-
-  @property
-  def head_dim(self) -> int:
-    return self.k_pages.shape[3]
-
-  @property
-  def dtype(self) -> jnp.dtype:
-    return jnp.dtype(self.k_pages.dtype)
-
   def append(self, k_new: jax.Array, v_new: jax.Array, *, lengths=None) -> "PagedKVCache":
     """As :meth:`KVCache.append`: each row's new positions go to the slots of its pages."""
-    _check_kv("k_new", k_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
-    _check_kv("v_new", v_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
-    if k_new.shape != v_new.shape:
-      raise ValueError(f"k_new and v_new must have the same shape, got {list(k_new.shape)} and "
-                       f"{list(v_new.shape)}")
-    t = k_new.shape[1]
-    added = _append_lengths(self.lengths, lengths, t, self.capacity)
-    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T_new]
+    positions, added = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B]
     index = jnp.minimum(positions // self.page_size, self.page_table.shape[1] - 1)
     pages = jnp.take_along_axis(self.page_table, index, axis=1)
     # positions past the capacity go to page num_pages, out of bounds: dropped
@@ -482,10 +483,7 @@ class PagedKVCache:
     """As :meth:`KVCache.attend`, over the pages (``block_table``, or gathered with an
     ``attention_fn``: see the class docstring)."""
     if attention_fn is None and KERNEL_TAKES_BLOCK_TABLE:
-      return _attend(q, self.k_pages, self.v_pages, self.lengths, query_seq_lengths, None, kwargs,
-                     dtype=self.dtype, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                     capacity=self.capacity, extra={"block_table": self.page_table})
+      return self._attend(q, self.k_pages, self.v_pages, query_seq_lengths, None, kwargs,
+                          extra={"block_table": self.page_table})
     k, v = self.gather()
-    return _attend(q, k, v, self.lengths, query_seq_lengths, attention_fn, kwargs,
-                   dtype=self.dtype, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                   capacity=self.capacity)
+    return self._attend(q, k, v, query_seq_lengths, attention_fn, kwargs)

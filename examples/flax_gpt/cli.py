@@ -135,6 +135,21 @@ def _add_bool(group, flag: str, help: str, default: bool | None = None) -> None:
                      metavar="{true,false}", help=help)
 
 
+def add_model_flags(g, bools=("tie_embeddings", "remat", "scan_layers")) -> None:
+  """The model flags (a :class:`GPTConfig` field each, the preset's value when left out) in the
+  argument group ``g``; ``bools``: the boolean ones (generate.py has no ``--remat``)."""
+  g.add_argument("--attention", choices=ATTENTIONS, help=_preset_help("attention"))
+  _add_bool(g, "--interpret", _preset_help("interpret", BARE_TRUE))
+  g.add_argument("--position", choices=POSITIONS, help=_preset_help("position"))
+  g.add_argument("--dtype", choices=DTYPES, help=_preset_help("dtype"))
+  for name in ("seq_len", "n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size"):
+    g.add_argument(_flag(name), type=int, help=_preset_help(name))
+  for name in bools:
+    _add_bool(g, _flag(name), _preset_help(name, BARE_TRUE))
+  g.add_argument("--window", type=int, metavar="N", help=_preset_help("window"))
+  g.add_argument("--soft-cap", type=float, metavar="X", help=_preset_help("soft_cap"))
+
+
 class _Parser(argparse.ArgumentParser):
   """argparse with its usage errors as one line, ``train: error: MESSAGE; see --help``, and exit
   status 2 (argparse's own prints the whole usage, 35 lines, before the message)."""
@@ -149,17 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
               formatter_class=_HelpFormatter)
   p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                  help="the model and training configs; the flags below override single fields")
-  g = p.add_argument_group("model (defaults: the preset's)")
-  g.add_argument("--attention", choices=ATTENTIONS, help=_preset_help("attention"))
-  _add_bool(g, "--interpret", _preset_help("interpret", BARE_TRUE))
-  g.add_argument("--position", choices=POSITIONS, help=_preset_help("position"))
-  g.add_argument("--dtype", choices=DTYPES, help=_preset_help("dtype"))
-  for name in ("seq_len", "n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size"):
-    g.add_argument(_flag(name), type=int, help=_preset_help(name))
-  for name in ("tie_embeddings", "remat", "scan_layers"):
-    _add_bool(g, _flag(name), _preset_help(name, BARE_TRUE))
-  g.add_argument("--window", type=int, metavar="N", help=_preset_help("window"))
-  g.add_argument("--soft-cap", type=float, metavar="X", help=_preset_help("soft_cap"))
+  add_model_flags(p.add_argument_group("model (defaults: the preset's)"))
   g = p.add_argument_group("training (defaults: the preset's)")
   for name in ("batch_size", "steps", "warmup_steps", "eval_every", "eval_batches", "log_every",
                "ckpt_every", "seed", "data_bytes"):

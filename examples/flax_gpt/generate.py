@@ -35,9 +35,8 @@ import numpy as np
 import fa2_jax
 
 from . import data as data_lib
-from .cli import (_OVERRIDES, _add_bool, _flag, _preset_help, BARE_TRUE, cli_message,
-                  describe_configs, flag_names)
-from .config import ATTENTIONS, DTYPES, POSITIONS, PRESETS, GPTConfig, get_preset
+from .cli import _OVERRIDES, add_model_flags, cli_message, describe_configs, flag_names
+from .config import PRESETS, GPTConfig, get_preset
 from .model import FLASH_IMPLEMENTATIONS, GPT, count_params, init_cache
 
 PROG = "python -m examples.flax_gpt.generate"
@@ -335,16 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
   g = p.add_argument_group("model (the flags the checkpoint was trained with; defaults: the "
                            "preset's)")
   g.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="(default: tiny)")
-  g.add_argument("--attention", choices=ATTENTIONS, help=_preset_help("attention"))
-  _add_bool(g, "--interpret", _preset_help("interpret", BARE_TRUE))
-  g.add_argument("--position", choices=POSITIONS, help=_preset_help("position"))
-  g.add_argument("--dtype", choices=DTYPES, help=_preset_help("dtype"))
-  for name in ("seq_len", "n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size"):
-    g.add_argument(_flag(name), type=int, help=_preset_help(name))
-  for name in ("tie_embeddings", "scan_layers"):
-    _add_bool(g, _flag(name), _preset_help(name, BARE_TRUE))
-  g.add_argument("--window", type=int, metavar="N", help=_preset_help("window"))
-  g.add_argument("--soft-cap", type=float, metavar="X", help=_preset_help("soft_cap"))
+  add_model_flags(g, bools=("tie_embeddings", "scan_layers"))
   return p
 
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from .. import platform
 from ..backend import Backend, KernelCall
 from ..sm90.backend import SM90
-from ..triton.backend import TRITON
+from ..triton.backend import TRITON, triton_refusal
 from .config import DEFAULT_SMS, DecodeConfig, DecodeLaunch, num_splits_heuristic
 
 # Decode-shaped: at most MAX_NEW_ROWS new rows, at most MAX_ROWS packed rows (T * N / K) per program,
@@ -60,11 +60,8 @@ class DecodeBackend(Backend):
                         "q_offset", "logits_soft_cap", "alibi_slopes"})
 
   def supports(self, call: KernelCall) -> str | None:
-    if call.head_dim > MAX_HEAD_DIM:
-      return f"it supports head_dim <= {MAX_HEAD_DIM}, got {call.head_dim}"
-    if not call.interpret and not platform.on_gpu():
-      return (f"it needs a GPU; on this platform ({platform.describe().split()[-1]}) pass "
-              "interpret=True to run the kernels in Pallas interpret mode")
+    if (why := triton_refusal(call, MAX_HEAD_DIM)) is not None:
+      return why
     if jnp.dtype(call.dtype) not in _DTYPES:
       return f"it supports bfloat16, float16 and float32, got {jnp.dtype(call.dtype).name}"
     if (why := decode_shape_refusal(call.q_shape, call.k_shape)) is not None:

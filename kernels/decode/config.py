@@ -14,19 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..softmax import check_input_dtype
+from ..triton.config import check_launch_field
 
-# Triton tiles: power-of-two sides, 16 the smallest a tensor-core dot takes.
-_MIN_BLOCK, _MAX_BLOCK = 16, 256
 # The heuristic never makes more splits than this (the combine's partials grow with them) nor splits
 # shorter than MIN_BLOCKS_PER_SPLIT key blocks (each split pays its setup and a partial's write).
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 2
 # SMs of an H100 SXM: the heuristic's count where the device does not say (on CPU, interpret mode).
 DEFAULT_SMS = 132
-
-
-def _is_pow2(x: int) -> bool:
-  return x > 0 and (x & (x - 1)) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,16 +52,11 @@ class DecodeConfig:
       if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
         raise TypeError(f"DecodeConfig.{f.name} must be an int, got {type(v).__name__} {v!r}")
       object.__setattr__(self, f.name, int(v))
-    if not _is_pow2(self.block_k) or not _MIN_BLOCK <= self.block_k <= _MAX_BLOCK:
-      raise ValueError(f"DecodeConfig.block_k must be a power of two in [{_MIN_BLOCK}, "
-                       f"{_MAX_BLOCK}], got {self.block_k}")
+    for f in dataclasses.fields(self):  # block_k, num_warps, num_stages: Triton's limits
+      check_launch_field("DecodeConfig", f.name, getattr(self, f.name))
     if self.num_splits is not None and not 1 <= self.num_splits <= 1024:
       raise ValueError(f"DecodeConfig.num_splits must be None or in [1, 1024], got "
                        f"{self.num_splits}")
-    if self.num_warps not in (1, 2, 4, 8, 16):
-      raise ValueError(f"DecodeConfig.num_warps must be one of 1, 2, 4, 8, 16, got {self.num_warps}")
-    if not 1 <= self.num_stages <= 8:
-      raise ValueError(f"DecodeConfig.num_stages must be in [1, 8], got {self.num_stages}")
     if not 1 <= self.waves <= 64:
       raise ValueError(f"DecodeConfig.waves must be in [1, 64], got {self.waves}")
 

@@ -37,7 +37,7 @@ from ..block_ranges import kv_block_range
 from ..masking import Variant, VariantArrays, allowed_pairs, kernel_scores
 from ..softmax import exponent_scale, huge_row_scale, row_sum_at_max
 from ..triton.common import LOG2E, cdiv, compiler_params, dot, load_tile, padded_head_dim
-from ..triton.variant import zero_unattended
+from ..triton.variant import add_scalar_inputs, zero_unattended
 from ..vma import out_struct
 
 
@@ -198,15 +198,8 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
   arrays = arrays or VariantArrays()
   if (rows_padded < t * group or rows_padded < 16 or rows_padded & (rows_padded - 1)):
     raise ValueError(f"rows_padded {rows_padded} cannot hold {t} x {group} rows")
-  scalar = lambda bi, hi, ci: (bi,)  # noqa: E731
   ops, specs, names = [], [], []
-  for name, arr, on in (("q_offset", arrays.q_offset, variant.has_q_offset),
-                        ("q_len", arrays.q_lengths, variant.has_q_lengths),
-                        ("kv_len", arrays.kv_lengths, variant.has_kv_lengths)):
-    if on:
-      ops.append(arr.astype(jnp.int32))
-      specs.append(pl.BlockSpec((None,), scalar))
-      names.append(name)
+  add_scalar_inputs(ops, specs, names, variant, arrays, lambda bi, hi, ci: (bi,))
   if variant.has_alibi:
     ops.append(arrays.alibi_slopes.astype(jnp.float32))  # [B, N]
     specs.append(pl.BlockSpec((None, n), lambda bi, hi, ci: (bi, 0)))

@@ -10,17 +10,23 @@ from .config import BlockSizes
 MAX_HEAD_DIM = 256
 
 
+def triton_refusal(call: KernelCall, max_head_dim: int = MAX_HEAD_DIM) -> str | None:
+  """Why a family of Pallas Triton kernels (this one, the decode family) cannot run ``call``: a
+  head_dim past ``max_head_dim``, or no GPU outside interpret mode; None when it can."""
+  if call.head_dim > max_head_dim:
+    return f"it supports head_dim <= {max_head_dim}, got {call.head_dim}"
+  if not call.interpret and not platform.on_gpu():
+    return (f"it needs a GPU; on this platform ({platform.describe().split()[-1]}) pass "
+            "interpret=True to run the kernels in Pallas interpret mode")
+  return None
+
+
 class TritonBackend(Backend):
   name = "triton"
   config_type = BlockSizes
 
   def supports(self, call: KernelCall) -> str | None:
-    if call.head_dim > MAX_HEAD_DIM:
-      return f"it supports head_dim <= {MAX_HEAD_DIM}, got {call.head_dim}"
-    if not call.interpret and not platform.on_gpu():
-      return (f"it needs a GPU; on this platform ({platform.describe().split()[-1]}) pass "
-              "interpret=True to run the kernels in Pallas interpret mode")
-    return None
+    return triton_refusal(call)
 
   def default_config(self, call: KernelCall) -> BlockSizes:
     return BlockSizes.default(call.head_dim, call.dtype)

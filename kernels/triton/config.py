@@ -24,6 +24,22 @@ def _is_pow2(x: int) -> bool:
 _MIN_BLOCK, _MAX_BLOCK = 16, 256
 
 
+def check_launch_field(owner: str, name: str, value: int) -> None:
+  """Raises ValueError for an int field of a Triton kernel config (``owner``: its class name) that
+  Triton cannot launch with: a tile side ``block_*`` that is not a power of two in [16, 256], a
+  ``num_warps*`` not in 1, 2, 4, 8, 16, a ``num_stages*`` outside [1, 8]. Other fields pass."""
+  if name.startswith("block_"):
+    if not _is_pow2(value) or not _MIN_BLOCK <= value <= _MAX_BLOCK:
+      raise ValueError(
+          f"{owner}.{name} must be a power of two in [{_MIN_BLOCK}, {_MAX_BLOCK}], got {value}")
+  elif name.startswith("num_warps"):
+    if value not in (1, 2, 4, 8, 16):
+      raise ValueError(f"{owner}.{name} must be one of 1, 2, 4, 8, 16, got {value}")
+  elif name.startswith("num_stages"):
+    if not 1 <= value <= 8:
+      raise ValueError(f"{owner}.{name} must be in [1, 8], got {value}")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tiles and launch parameters of the Triton kernels.
@@ -53,16 +69,7 @@ class BlockSizes:
       v = getattr(self, f.name)
       if not isinstance(v, int) or isinstance(v, bool):
         raise TypeError(f"BlockSizes.{f.name} must be an int, got {type(v).__name__} {v!r}")
-      if f.name.startswith("block_"):
-        if not _is_pow2(v) or not _MIN_BLOCK <= v <= _MAX_BLOCK:
-          raise ValueError(
-              f"BlockSizes.{f.name} must be a power of two in [{_MIN_BLOCK}, {_MAX_BLOCK}], got {v}")
-      elif f.name.startswith("num_warps"):
-        if v not in (1, 2, 4, 8, 16):
-          raise ValueError(f"BlockSizes.{f.name} must be one of 1, 2, 4, 8, 16, got {v}")
-      elif f.name.startswith("num_stages"):
-        if not 1 <= v <= 8:
-          raise ValueError(f"BlockSizes.{f.name} must be in [1, 8], got {v}")
+      check_launch_field("BlockSizes", f.name, v)
 
   @property
   def max_block_q(self) -> int:

@@ -52,14 +52,7 @@ def inputs(variant: Variant, arrays: VariantArrays, table, *, kv_heads_grid: boo
                               lambda i, bi, hi: (bi, 0, i, 0)))
   ops.append(table)
   names.append("table")
-  scalar = lambda i, bi, hi: (bi,)  # noqa: E731
-  for name, arr, on in (("q_offset", arrays.q_offset, variant.has_q_offset),
-                        ("q_len", arrays.q_lengths, variant.has_q_lengths),
-                        ("kv_len", arrays.kv_lengths, variant.has_kv_lengths)):
-    if on:
-      ops.append(arr.astype(jnp.int32))
-      specs.append(pl.BlockSpec((None,), scalar))
-      names.append(name)
+  add_scalar_inputs(ops, specs, names, variant, arrays, lambda i, bi, hi: (bi,))
   if variant.has_segments:
     t, s = arrays.q_segment_ids.shape[1], arrays.kv_segment_ids.shape[1]
     ops += [arrays.q_segment_ids.astype(jnp.int32), arrays.kv_segment_ids.astype(jnp.int32)]
@@ -72,6 +65,20 @@ def inputs(variant: Variant, arrays: VariantArrays, table, *, kv_heads_grid: boo
                               lambda i, bi, hi: (bi, hi)))
     names.append("slopes")
   return ops, specs, tuple(names)
+
+
+def add_scalar_inputs(ops: list, specs: list, names: list, variant: Variant, arrays: VariantArrays,
+                      index_map) -> None:
+  """Appends the variant's per-batch int32 scalars (``q_offset``, ``q_len``, ``kv_len``: ``[B]``
+  arrays, those the variant uses) to a kernel's operands, BlockSpecs and names; ``index_map`` maps a
+  program's grid indices to ``(batch element,)``. The Triton kernels' and the decode kernel's."""
+  for name, arr, on in (("q_offset", arrays.q_offset, variant.has_q_offset),
+                        ("q_len", arrays.q_lengths, variant.has_q_lengths),
+                        ("kv_len", arrays.kv_lengths, variant.has_kv_lengths)):
+    if on:
+      ops.append(arr.astype(jnp.int32))
+      specs.append(pl.BlockSpec((None,), index_map))
+      names.append(name)
 
 
 def any_along(mask, axis: int):
