@@ -191,7 +191,7 @@ class _Cache:
                        f"{list(v_new.shape)}")
     t = k_new.shape[1]
     added = _append_lengths(self.lengths, lengths, t, self.capacity)
-    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)
+    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     return positions, added
 
   def _attend(self, q, k, v, query_seq_lengths, attention_fn, kwargs, extra=None):
