@@ -1306,7 +1306,7 @@ def test_mask_fn_closing_over_an_array_runs_the_formula():
   for kw in (dict(mask_fn=lambda b, h, i, j: (i - j) < width),
              dict(score_fn=lambda x, b, h, i, j: x / temp)):
     assert fa2_jax.backend_for(q, k, interpret=True, **kw).backend == "xla"
-    with pytest.raises(ValueError, match=f"does not support a {next(iter(kw))} whose trace holds"):
+    with pytest.raises(ValueError, match=f"does not implement a {next(iter(kw))} whose trace holds"):
       fa2_jax.flash_attention(q, k, v, implementation="triton", interpret=True, **kw)
   assert fa2_jax.backend_for(q, k, interpret=True,
                              score_fn=lambda x, b, h, i, j: x / np.float32(1.5)).backend == "triton"
