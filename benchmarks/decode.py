@@ -1,4 +1,4 @@
-"""Decode latency: a few new query rows against a key/value cache, forward only (the project's issue 48).
+"""Decode latency: a few new query rows against a key/value cache, forward only.
 
 Every cell is one decoding step, bf16: ``q [B, T_new, N, H]`` against a cache of ``S`` keys per row
 (``k, v [B, S, K, H]``, or pages ``[num_pages, page_size, K, H]`` with a ``block_table``), each row's
