@@ -20,6 +20,6 @@ from .kv_cache import KVCache, PagedKVCache, prefill
 from .reference import reference_attention
 
 __all__ = ["flash_attention", "backend_for", "Dispatch", "BlockSizes", "DecodeConfig", "MosaicConfig",
-           "reference_attention", "reuse_kernels_across_programs"]
-__all__ += ["KVCache", "PagedKVCache", "prefill"]
+           "reference_attention", "reuse_kernels_across_programs", "KVCache", "PagedKVCache",
+           "prefill"]
 __version__ = "0.1.0"
