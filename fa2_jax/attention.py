@@ -11,6 +11,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import dispatch, kernel_reuse, sharding
 from .kernels import registry
+from .kernels.backend import KernelCall
 from .kernels.softmax import kernel_scale, lse_from_stats
 from .kernels.vma import match_vma
 from .kernels.block_ranges import index_reads, range_tables, warm_static_masks
@@ -214,8 +215,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
     fields = tuple(f for f in VariantArrays._fields if getattr(arrays, f) is not None)
     extras = tuple(getattr(arrays, f) for f in fields)
     family = registry.get(call.backend)
-    launched = dataclasses.replace(call.kernel_call, q_shape=tuple(q.shape), k_shape=tuple(k.shape),
-                                   variant=variant)  # as the kernels see it (sliced, padded)
+    launched = launched_call(call.kernel_call)  # as the kernels see it (sliced, padded)
+    assert (launched.q_shape, launched.k_shape) == (tuple(q.shape), tuple(k.shape))
     variant = None if variant == Variant(is_causal=call.is_causal) else variant
     config = family.launch_config(launched, block_sizes)
     tiles = family.range_tiles(launched, config)
@@ -253,6 +254,24 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
   if call.squeeze:
     out, lse = out[0], lse[0]
   return (out, lse) if call.return_residual else out
+
+
+def launched_call(kernel_call: KernelCall) -> KernelCall:
+  """The call as the kernels see it: top-left causal with ``T < S`` sliced to ``S = T`` (keys no
+  query attends), then T and S padded to the length multiple (``reuse_kernels_across_programs``),
+  their true lengths passed as lengths. ``flash_attention`` slices and pads the arrays so."""
+  b, t, n, h = kernel_call.q_shape
+  _, s, kh, _ = kernel_call.k_shape
+  variant = kernel_call.variant
+  if kernel_call.is_causal and t < s and not variant.has_q_offset:
+    s = t
+  if (multiple := kernel_reuse.length_multiple()) is not None:
+    t_pad, s_pad = -(-t // multiple) * multiple, -(-s // multiple) * multiple
+    if (t_pad, s_pad) != (t, s):
+      t, s = t_pad, s_pad
+      variant = dataclasses.replace(variant, has_q_lengths=True, has_kv_lengths=True)
+  return dataclasses.replace(kernel_call, q_shape=(b, t, n, h), k_shape=(b, s, kh, h),
+                             variant=variant)
 
 
 def _pad_lengths(q, k, v, variant: Variant, arrays: VariantArrays, multiple: int):
@@ -309,7 +328,8 @@ def backend_for(query, key, value=None, bias=None, mask=None, *, is_causal=False
                              interpret=interpret, **variant_args)
   call = prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
                   deterministic, interpret, bias, mask, **variant_args)
-  return dispatch.describe(call.backend, call.kernel_call, implementation=implementation,
+  kernel_call = None if call.kernel_call is None else launched_call(call.kernel_call)
+  return dispatch.describe(call.backend, kernel_call, implementation=implementation,
                            config=block_sizes, formula_reason=call.formula_reason)
 
 

@@ -135,11 +135,10 @@ def describe(backend: str, call: KernelCall | None, *, implementation, config, f
     why = f"a {type(config).__name__} was passed"
   else:
     earlier = [b for b in registry.backends()[:registry.names().index(backend)]]
-    why = "the first kernel family that runs this call"
+    why = ("Hopper GPU and a supported call (bf16/fp16, head_dim 64/128/192/256)"
+           if backend == "sm90" else "the first kernel family that runs this call")
     if earlier:
       why += " (" + "; ".join(f"{b.name}: {_refusal(b, call)}" for b in earlier) + ")"
-    elif backend == "sm90":
-      why = "Hopper GPU and a supported call (bf16/fp16, head_dim 64/128/192/256)"
     if call.interpret:
       why = f"interpret=True runs the {backend} kernels in Pallas interpret mode"
   # A family may say what about the call made it the one (kernels/decode: a decoding call).

@@ -109,12 +109,20 @@ def flash_attention_paged(query, key, value, block_table, attend, **kwargs):
   b, _, _, _ = query.shape
   logical = jax.ShapeDtypeStruct((b, max_pages * page_size, *key.shape[2:]), key.dtype)
   call = prepare(query, logical, logical, **_prepare_args(kwargs))
-  if call.backend != "decode" or registry.get("decode").launch_config(
-      call.kernel_call, kwargs.get("block_sizes")).delegate_forward:
+  if not reads_pages(call, kwargs):
     return attend(query, gather_pages(key, block_table), gather_pages(value, block_table), **kwargs)
   arrays, static = _split(kwargs)
   out, lse = _paged_decode(query, key, value, block_table, arrays, static, attend)
   return (out, lse) if kwargs.get("return_residual") else out
+
+
+def reads_pages(call, kwargs) -> bool:
+  """Whether the decode kernel reads the pages through the table (else they are gathered first):
+  a call the decode family runs itself, without ALiBi, whose slopes' gradient only the gathered
+  form's families give (or refuse)."""
+  return (call.backend == "decode" and kwargs.get("alibi_slopes") is None
+          and not registry.get("decode").launch_config(call.kernel_call,
+                                                       kwargs.get("block_sizes")).delegate_forward)
 
 
 def _prepare_args(kwargs):
@@ -187,10 +195,8 @@ def backend_for_paged(query, key, value, block_table, **kwargs):
   call = prepare(query, logical, logical, **_prepare_args(kwargs))
   d = dispatch.describe(call.backend, call.kernel_call, implementation=kwargs.get("implementation"),
                         config=kwargs.get("block_sizes"), formula_reason=call.formula_reason)
-  if d.backend == "decode" and not registry.get("decode").launch_config(
-      call.kernel_call, kwargs.get("block_sizes")).delegate_forward:
+  if reads_pages(call, kwargs):
     return dataclasses.replace(d, reason=f"block_table: the kernel reads the {max_pages} pages of "
                                f"{page_size} keys per row through the table; {d.reason}")
-  return dataclasses.replace(d, reason="block_table: not a decoding call, so the pages are gathered "
-                             f"into contiguous K/V [B, {max_pages * page_size}, K, H] first; "
-                             f"{d.reason}")
+  return dataclasses.replace(d, reason="block_table: the pages are gathered into contiguous K/V "
+                             f"[B, {max_pages * page_size}, K, H] first; {d.reason}")

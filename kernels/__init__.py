@@ -1,5 +1,9 @@
-"""Pallas kernel bodies and their pallas_call builders (installed as ``fa2_jax.kernels``).
+"""The kernel families and what they share (installed as ``fa2_jax.kernels``; imports nothing from
+``fa2_jax``).
 
-``triton/``: the portable Triton backend (A100 = sm80 and newer; runs in interpret mode on CPU).
-``mosaic/``: the Hopper (sm90) backend on Pallas Mosaic GPU (the default on sm90+ for the calls it supports).
+``backend.py``: the interface a family implements; ``registry.py``: the families in the order
+``implementation=None`` tries them. ``decode/``: split-KV forward for a few new rows against a long
+cache (Pallas Triton). ``sm90/``: Hopper's Mosaic GPU kernels (wgmma, TMA). ``triton/``: the portable
+Pallas Triton kernels (every GPU; interpret mode on CPU). ``masking.py`` and ``block_ranges.py``: the
+one mask rule and the tile ranges it gives; ``softmax.py``: the row statistics.
 """

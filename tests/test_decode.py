@@ -421,6 +421,40 @@ def test_grad_through_a_paged_decoding_call():
     np.testing.assert_allclose(a, r, atol=2e-5 * (float(jnp.max(jnp.abs(r))) + 1.0), err_msg=name)
 
 
+def test_alibi_slopes_gradient_through_a_paged_decoding_call():
+  """ALiBi with a paged cache runs the gathered form, so the slopes' gradient is the formula's (the
+  paged kernel's custom rule differentiates q, k and v only; it once returned zero for the slopes)."""
+  from fa2_jax.paged import gather_pages
+  q, kp, vp, table = _paged(2, 1, 2, 1, 16, 32, 9, 20, "float32", seed=9)
+  lens = jnp.array([200, 256], jnp.int32)
+  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 1)
+  slopes = jnp.array([0.1, 0.2], jnp.float32)
+  d = fa2_jax.backend_for(q, kp, vp, interpret=INTERPRET, block_table=table, alibi_slopes=slopes,
+                          **kw)
+  assert "pages are gathered" in d.reason, d
+  mine = jax.grad(lambda s: fa2_jax.flash_attention(
+      q, kp, vp, interpret=INTERPRET, block_table=table, alibi_slopes=s, **kw).sum())(slopes)
+  ref = jax.grad(lambda s: fa2_jax.reference_attention(
+      q, gather_pages(kp, table), gather_pages(vp, table), alibi_slopes=s, **kw).sum())(slopes)
+  assert float(jnp.max(jnp.abs(ref))) > 1e-3
+  np.testing.assert_allclose(mine, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_backend_for_describes_the_padded_call_under_a_length_multiple():
+  """With reuse_kernels_across_programs(length_multiple=...) flash_attention pads T and S before the
+  kernels; backend_for describes that padded call (T = 2 padded to 128 is no decoding call)."""
+  q, k, v = _inputs(2, 2, 4, 2, 16, 256, "float32")[:3]
+  lens = jnp.array([200, 256], jnp.int32)
+  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 2, interpret=INTERPRET)
+  assert fa2_jax.backend_for(q, k, v, **kw).backend == "decode"
+  previous = fa2_jax.reuse_kernels_across_programs(True, length_multiple=128)
+  try:
+    d = fa2_jax.backend_for(q, k, v, **kw)
+  finally:
+    fa2_jax.reuse_kernels_across_programs(previous)
+  assert "decode split-KV" not in " ".join(d.forward), d
+
+
 def test_a_paged_call_that_is_not_decoding_gathers_the_pages():
   from fa2_jax.paged import gather_pages
   q, kp, vp, table = _paged(2, 24, 2, 1, 16, 16, 4, 9, "float32", seed=8)
