@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import fa2_jax
-from fa2_jax.kernels.sm90.backward import backward, backward_tiles
+from fa2_jax.kernels.sm90.backward import backward, backward_tiles, group_split
 from fa2_jax.kernels.sm90.config import (SMEM_BYTES, SMEM_RESERVE, MosaicConfig, register_pool,
                                           supports)
 from fa2_jax.kernels.sm90.forward import forward
@@ -448,6 +448,21 @@ def test_lpt_tile_traced_matches_python():
   for b, h, t in itertools.product(range(2), range(3), range(5)):
     got = tuple(int(x) for x in f(jnp.int32(b), jnp.int32(h), jnp.int32(t)))
     assert got == lpt_tile(b, h, t, **args)
+
+
+def test_group_split():
+  """The dK/dV kernel splits a GQA group over CTAs until the grid has 2 CTAs per SM and each loops
+  over at most 8 heads, by powers of two that divide the group; a grid that fills the GPU with short
+  loops, or an odd group, is left alone."""
+  assert group_split(1, 1, 32, 64, 132) == 8  # MQA 32/1 at 8k: 64 key CTAs -> 512
+  assert group_split(4, 1, 48, 32, 132) == 8  # StarCoder 48/1 at 4k x 4: 128 -> 1024, 6 heads each
+  assert group_split(4, 1, 8, 64, 132) == 2  # Gemma 2B 8/1 (head_dim 256, 64-key CTAs) at 4k x 4
+  assert group_split(64, 1, 32, 32, 132) == 4  # a full grid, but 32 heads per CTA -> 8
+  assert group_split(4, 8, 8, 32, 132) == 1  # Llama-3 70B 64/8
+  assert group_split(1, 8, 4, 64, 132) == 1  # GQA 32/8 at 8k: 512 CTAs already
+  assert group_split(1, 4, 7, 8, 132) == 1  # Qwen2 28/4: odd group
+  assert group_split(1, 1, 2, 1, 132) == 2  # capped at the group
+  assert group_split(1, 1, 12, 1, 132) == 4  # the largest power of two dividing 12
 
 
 def test_section_heads():

@@ -74,7 +74,8 @@ class DecodeBackend(Backend):
     return None
 
   def default_config(self, call: KernelCall) -> DecodeConfig:
-    return DecodeConfig.default(call.head_dim, call.dtype)
+    b, t, n, _ = call.q_shape
+    return DecodeConfig.default(call.head_dim, call.dtype, rows=t * (n // call.k_shape[2]))
 
   def check_config(self, call: KernelCall, config: DecodeConfig) -> str | None:
     del call, config

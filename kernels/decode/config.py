@@ -20,6 +20,9 @@ from ..triton.config import check_launch_field
 # shorter than MIN_BLOCKS_PER_SPLIT key blocks (each split pays its setup and a partial's write).
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 2
+# Packed query rows from which a decode program's tile does enough work per key block that one wave
+# of programs beats two (DecodeConfig.default).
+FULL_TILE_ROWS = 32
 # SMs of an H100 SXM: the heuristic's count where the device does not say (on CPU, interpret mode).
 DEFAULT_SMS = 132
 
@@ -63,11 +66,15 @@ class DecodeConfig:
   replace = dataclasses.replace
 
   @classmethod
-  def default(cls, head_dim: int, dtype=jnp.bfloat16) -> "DecodeConfig":
+  def default(cls, head_dim: int, dtype=jnp.bfloat16, rows: int = 1) -> "DecodeConfig":
     """The default per (head_dim, dtype): 64 keys per step for 16-bit inputs up to head_dim 128 (a
     [64, 128] K and V tile, 16 KiB each) with three stages (docs/measurements.md#decode-kernels:
     on an H100 three stages read 64 x 8k at 721 us against 787 with two, 32 x 16k ragged at 461
-    against 507, the rest equal), 32 at head_dim 256 and for float32, two stages."""
+    against 507, the rest equal), 32 at head_dim 256 and for float32, two stages. ``rows``: the
+    query rows a program packs (``T * N / K``); from :data:`FULL_TILE_ROWS` up (MQA) one wave of
+    programs: its splits each do 8x a 4-row tile's work per key, and fewer, longer splits read
+    faster (docs/measurements.md#decode-kernels: 8 x 32k MQA 32/1 75 us against 81 with two waves,
+    64 x 8k 118 against 144)."""
     if isinstance(head_dim, (bool, np.bool_)) or not isinstance(head_dim, (int, np.integer)):
       raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__} {head_dim!r}")
     if head_dim < 1:
@@ -75,7 +82,8 @@ class DecodeConfig:
     hp = max(16, 1 << math.ceil(math.log2(int(head_dim))))
     f32 = check_input_dtype(dtype) == jnp.float32
     wide = hp > 128 or f32
-    return cls(block_k=32 if wide else 64, num_warps=4, num_stages=2 if wide else 3)
+    return cls(block_k=32 if wide else 64, num_warps=4, num_stages=2 if wide else 3,
+               waves=1 if rows >= FULL_TILE_ROWS else 2)
 
 
 def num_splits_heuristic(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS, waves: int = 2,

@@ -240,15 +240,17 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
 
 
 def _combine_kernel(o_ref, stats_ref, out_ref, final_ref, *, c: float, seq_q: int, group: int,
-                    heads: int, head_dim: int, rows_padded: int, splits: int):
+                    heads: int, head_dim: int, rows_padded: int, splits: int, cols: int):
   # o_ref: [splits, T * N, hp] f32, each split's output over its own row sum; stats_ref: [splits,
   # N * 2 * T]; out_ref: [T * N, hp] (q's dtype); final_ref: [N * 2 * T]. One program per (b, KV
-  # head), merging its tile's rows over the splits in one pass, as the online softmax merges blocks.
-  hp = o_ref.shape[-1]
+  # head, chunk of `cols` output columns), merging its tile's rows over the splits in one pass, as
+  # the online softmax merges blocks (every chunk's program reads the rows' statistics; the first
+  # writes the merged ones).
+  first = pl.program_id(2) == 0
   _, _, real, row, at = _packed_rows(pl.program_id(1), seq_q=seq_q, group=group, heads=heads,
                                      rows_padded=rows_padded)
-  cols = jnp.arange(hp, dtype=jnp.int32)[None, :]
-  mask = real[:, None] if head_dim == hp else real[:, None] & (cols < head_dim)
+  col = pl.program_id(2) * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
+  mask = real[:, None] & (col < head_dim)
   fill = jnp.inf if c < 0 else -jnp.inf
 
   def merge(split, carry):
@@ -261,24 +263,30 @@ def _combine_kernel(o_ref, stats_ref, out_ref, final_ref, *, c: float, seq_q: in
     base = jnp.where(big_new == -jnp.inf, 0.0, big_new)
     alpha = jnp.exp2(big - base)  # 0 while nothing was seen (big = -inf)
     w = jnp.where(seen, l * jnp.exp2(m - base), 0.0)  # the split's weight, relative to 2^base
-    o = plgpu.load(o_ref.at[split, row[:, None], cols], mask=mask, other=0.0)
+    o = plgpu.load(o_ref.at[split, row[:, None], col], mask=mask, other=0.0)
     acc = acc * alpha[:, None] + w[:, None] * o
     r_top = jnp.where(m > big, r, r_top)  # the raw logit of the largest m (the first on ties)
     return acc, big_new, total * alpha + w, r_top
 
-  carry = (jnp.zeros((rows_padded, hp), jnp.float32),
+  carry = (jnp.zeros((rows_padded, cols), jnp.float32),
            jnp.full((rows_padded,), -jnp.inf, jnp.float32),
            jnp.zeros((rows_padded,), jnp.float32), jnp.full((rows_padded,), fill, jnp.float32))
   acc, _, total, r_top = lax.fori_loop(0, splits, merge, carry)
   out = acc / jnp.where(total == 0.0, 1.0, total)[:, None]
-  plgpu.store(out_ref.at[row[:, None], cols], out.astype(out_ref.dtype), mask=mask)
-  plgpu.store(final_ref.at[at], r_top, mask=real)
-  plgpu.store(final_ref.at[at + seq_q], total, mask=real)
+  plgpu.store(out_ref.at[row[:, None], col], out.astype(out_ref.dtype), mask=mask)
+  plgpu.store(final_ref.at[at], r_top, mask=real & first)
+  plgpu.store(final_ref.at[at + seq_q], total, mask=real & first)
+
+
+# Output columns per combine program: the combine's loop over the splits is a chain of dependent
+# loads, so its time is the splits' count times a load's latency unless more programs share the
+# rows (MQA: 32 rows x 32 splits in one program per (batch, KV head) before).
+COMBINE_COLS = 32
 
 
 def combine(o, stats, *, scale: float, modifies_scores: bool, dtype, seq_q: int, kv_heads: int,
             rows_padded: int, interpret: bool, num_warps: int = 4):
-  """Merge the splits' partials exactly (a Pallas kernel, grid ``(B, K)``).
+  """Merge the splits' partials exactly (a Pallas kernel, grid ``(B, K, H / COMBINE_COLS)``).
 
   ``o [B, splits, T * N, H]`` float32, each split's output divided by its own row sum; ``stats [B,
   splits, N * 2 * T]`` its ``(r, l)`` (the ``[N, 2, T]`` statistics flattened). Split ``c`` weighs
@@ -290,16 +298,17 @@ def combine(o, stats, *, scale: float, modifies_scores: bool, dtype, seq_q: int,
   heads = rows // seq_q
   n_2t = stats.shape[-1]
   hp = padded_head_dim(h)
+  cols = min(hp, COMBINE_COLS)
   kernel = functools.partial(_combine_kernel, c=float(exponent_scale(scale, modifies_scores)),
                              seq_q=seq_q, group=heads // kv_heads, heads=heads, head_dim=h,
-                             rows_padded=rows_padded, splits=splits)
+                             rows_padded=rows_padded, splits=splits, cols=cols)
   return pl.pallas_call(
       kernel,
-      grid=(b, kv_heads),
-      in_specs=[pl.BlockSpec((None, splits, rows, hp), lambda bi, hi: (bi, 0, 0, 0)),
-                pl.BlockSpec((None, splits, n_2t), lambda bi, hi: (bi, 0, 0))],
-      out_specs=[pl.BlockSpec((None, rows, hp), lambda bi, hi: (bi, 0, 0)),
-                 pl.BlockSpec((None, n_2t), lambda bi, hi: (bi, 0))],
+      grid=(b, kv_heads, hp // cols),
+      in_specs=[pl.BlockSpec((None, splits, rows, hp), lambda bi, hi, ci: (bi, 0, 0, 0)),
+                pl.BlockSpec((None, splits, n_2t), lambda bi, hi, ci: (bi, 0, 0))],
+      out_specs=[pl.BlockSpec((None, rows, hp), lambda bi, hi, ci: (bi, 0, 0)),
+                 pl.BlockSpec((None, n_2t), lambda bi, hi, ci: (bi, 0))],
       out_shape=[out_struct((b, rows, h), dtype, o), out_struct((b, n_2t), jnp.float32, o)],
       compiler_params=compiler_params(num_warps, 1),
       interpret=interpret,

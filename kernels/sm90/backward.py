@@ -18,6 +18,10 @@
        dK_j += dS^T Q_i                                           (line 16)
    GQA/MQA: the loop runs over the ``G = N / K`` query heads of the KV head *inside* the kernel, so dK/dV
    are summed over the group on chip and written once per KV head (no XLA sum, no [B, S, N, H] buffer).
+   A large group on few KV heads leaves SMs idle (MQA 32/1 at 8k: 64 CTAs on 132 SMs, each looping
+   over 32 heads): :func:`group_split` then splits each group over ``r`` CTAs, which read the KV
+   head through ``r`` copies of K/V (``[B, S, K*r, H]``, the group's heads split in ``r`` runs) and
+   write ``r`` partial dK/dV that one XLA sum (f32) reduces.
    For head_dim > 128 two 64 x H f32 accumulators do not fit in one warpgroup's registers: the
    default there is ``dkdv_roles.py`` (``MosaicConfig.dkv_roles``), whose two consumers share 64 keys
    and split each step by role (S^T, P^T, dV | dP^T, dS^T, dK).
@@ -58,7 +62,7 @@ from .dkdv_roles import dkv_roles_call
 from .dq import dq_call
 from .dq_roles import dq_roles_call
 from .lengths import pad_axis, plan_lengths
-from .ops import emulating
+from .ops import emulating, sm_count
 from .variant import operands as variant_operands
 from .variant import supported as variant_supported
 from .variant import zero_padding
@@ -94,9 +98,30 @@ def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool =
   return delta, backward_rows(stats, None if p_form == "exact" else exact, c), exact
 
 
+# The dK/dV grid is split until it has this many CTAs per SM: causal key tiles differ in work (the
+# last tiles see the fewest query rows), so two CTAs per SM let the scheduler even them out ...
+SPLIT_CTAS_PER_SM = 2
+# ... and until a CTA loops over at most this many query heads: a long loop per CTA leaves the causal
+# tail uneven even on a full grid (StarCoder 48/1 at 4 x 4k on an H100: 4 CTAs per group, 12 heads
+# each, 389 TFLOP/s fwd+bwd; 8 CTAs, 6 heads each, 476; docs/measurements.md#dkdv-group-split).
+SPLIT_HEADS_PER_CTA = 8
+
+
+def group_split(batch: int, kv_heads: int, group: int, key_ctas: int, sms: int) -> int:
+  """CTAs per GQA group of the dK/dV kernel: the smallest power of two ``r`` dividing ``group``
+  with ``batch * kv_heads * r * key_ctas >= SPLIT_CTAS_PER_SM * sms`` and ``group / r <=
+  SPLIT_HEADS_PER_CTA`` (or the largest power of two dividing ``group``, where none reaches both).
+  1 for a grid that fills the GPU with short loops already (GQA 32/8)."""
+  r = 1
+  while ((batch * kv_heads * r * key_ctas < SPLIT_CTAS_PER_SM * sms
+          or group // r > SPLIT_HEADS_PER_CTA) and group % (2 * r) == 0):
+    r *= 2
+  return r
+
+
 def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool,
              deterministic: bool = True, config: MosaicConfig | None = None, variant=None,
-             arrays=None, tables=None):
+             arrays=None, tables=None, split_groups: bool = True):
   """Gradients of attention w.r.t. q, k, v on Hopper.
 
   Args:
@@ -106,6 +131,8 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
     deterministic: True guarantees the separate dQ kernel (no atomics, bit-identical across runs).
       False allows the fused dQ where ``config.fuses_dq`` says so (TMA reduce-adds).
+    split_groups: split large GQA groups over several dK/dV CTAs where the grid is small
+      (:func:`group_split`).
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v (dk/dv already summed over each GQA group).
@@ -121,6 +148,20 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   scale, is_causal = float(scale), bool(is_causal)
   q_tile, k_tile = backward_tiles(cfg)
   plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
+  kh = k.shape[2]
+  r = group_split(b, kh, n // kh, -(-plan.s_hbm // cfg.dkv_keys()), sm_count())
+  if split_groups and r > 1:
+    # Query head n reads KV head n // G; with r copies per KV head it reads copy n // (G / r), whose
+    # partial dK/dV sums its run of G / r heads. The copies' sum (f32, then rounded once) is dK/dV.
+    dq, dk, dv = backward(q, jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2), out, stats, do,
+                          dlse=dlse, scale=scale, is_causal=is_causal, deterministic=deterministic,
+                          config=cfg, variant=variant, arrays=arrays, tables=tables,
+                          split_groups=False)
+
+    def merge(g, like):
+      return g.reshape(b, s, kh, r, h).astype(jnp.float32).sum(axis=3).astype(like.dtype)
+
+    return dq, merge(dk, k), merge(dv, v)
 
   if variant is not None:  # padded rows read as zeros (kernels/sm90/variant.py, zero_padding)
     q, do = zero_padding(q, arrays.q_lengths), zero_padding(do, arrays.q_lengths)
@@ -213,4 +254,4 @@ def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables
   return dq[:, :t], dk[:, :s], dv[:, :s]
 
 
-__all__ = ["backward", "backward_tiles", "WG_ROWS"]
+__all__ = ["backward", "backward_tiles", "group_split", "WG_ROWS"]
