@@ -35,9 +35,9 @@ Rows (``--impls``, default ``fa2,fa2_det,cudnn,fa3,tokamax``; benchmarks/impls.p
             logits_soft_cap)
 A variant is passed under the implementation's own name (``VARIANT_ARGS``), never dropped: where an
 implementation refuses the call (no such argument, a head_dim or a value head_dim it does not take) the
-refusal is caught when the row's forward+backward is traced (``jax.eval_shape``, before any compile)
-and the cell says n/a with the exception's text; a failure when compiling or running says ✗ with its
-text. Nothing is special-cased per model: the DeepSeek cells run whatever fa2_jax accepts today.
+refusal is caught before any compile (fa2_jax: ``fa2_jax.backend_for``, which validates the call as
+``flash_attention`` does; the peers: ``jax.eval_shape`` of the row's forward+backward) and the cell says
+n/a with the exception's text; a failure when compiling or running says ✗ with its text. Nothing is special-cased per model: the DeepSeek cells run whatever fa2_jax accepts today.
 
 FLOPs (the harness's convention, benchmarks/timing.py): forward 2·B·N·pairs·(H + Hv), the QK^T product
 over the query/key head_dim H and PV over the value head_dim Hv (4·B·N·pairs·H when they are equal), with
@@ -262,13 +262,19 @@ def inputs_of(cell: dict, seed: int):
                           (b, s, cell["kv_heads"], cell["v_head_dim"])], h.jnp_dtype(DTYPE))
 
 
-def refusal(f, q, k, v) -> str | None:
-  """None when the forward+backward of ``f`` traces on these inputs, else the exception's text: an
-  implementation refusing the call (an argument it does not have, a shape it does not take) says so
-  here, before anything is compiled."""
+def refusal(impl: impls.Impl, f, q, k, v, kw: dict) -> str | None:
+  """None when ``impl`` takes the call ``f`` (``impl`` with the variant arguments ``kw``) on these
+  inputs, else the exception's text: an implementation refusing the call (an argument it does not
+  have, a shape it does not take) says so here, before anything is compiled. fa2_jax's entries:
+  ``fa2_jax.backend_for``, which validates the call as ``flash_attention`` does (without tracing
+  the kernels); the others: ``jax.eval_shape`` of the forward+backward, which traces the call and its
+  gradient."""
   import jax
   try:
-    jax.eval_shape(fwd_bwd_fn(f), q, k, v)
+    if impl.describe is not None:
+      impl.describe(q, k, v, causal=True, **kw)
+    else:
+      jax.eval_shape(fwd_bwd_fn(f), q, k, v)
   except Exception as e:  # noqa: BLE001 - the refusal is the cell's result
     return h.err_str(e)
   return None
@@ -315,7 +321,7 @@ def run(args) -> dict:
         q, k, v = inputs
         impl, kw = impls.get(name), variant_kwargs(name, cell)
         f = functools.partial(impl, causal=True, **kw)
-        why = impls.unsupported(name, q.shape, k.shape, q.dtype, True) or refusal(f, q, k, v)
+        why = impls.unsupported(name, q.shape, k.shape, q.dtype, True) or refusal(impl, f, q, k, v, kw)
         if why:
           run.add(dict(rec, status="unsupported", error=why), check=False)
           continue

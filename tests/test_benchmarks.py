@@ -1038,6 +1038,28 @@ def test_models_cells_batches_variants_and_flops():
   assert cells["untuned-gemma2-9b-local-6000"]["pairs"] == variants.causal_pairs(6000, 4095)
 
 
+def test_models_refusals_are_caught_before_compiling():
+  """A call an implementation refuses gives the exception's text (traced, nothing compiled): jax.nn
+  has no soft-cap argument and wants value head_dim = head_dim; fa2_jax (through backend_for) refuses
+  query heads that are no multiple of the key heads; a call that traces gives None."""
+  import functools
+
+  from benchmarks import models
+  q, k, v = (jnp.zeros((1, 16, n, d), jnp.bfloat16) for n, d in ((4, 32), (2, 32), (2, 16)))
+
+  def refusal(name, q, k, v, **kw):
+    impl = impls.get(name)
+    return models.refusal(impl, functools.partial(impl, causal=True, **kw), q, k, v, kw)
+
+  with jax.numpy_dtype_promotion("standard"):  # jax.nn in half precision (strict refuses it)
+    assert refusal("xla", q, k, k, local_window_size=(3, 0)) is None
+    assert refusal("xla", q, k, k, logits_soft_cap=50.0) == (
+        "TypeError: dot_product_attention() got an unexpected keyword argument 'logits_soft_cap'")
+    assert refusal("xla", q, k, v).startswith("ValueError: value shape should be [1, 16, 2, 32]")
+  assert refusal("fa2", q[:, :, :3], k, k).startswith("ValueError: ")
+  assert refusal("fa2", q, k, k, local_window_size=(3, 0), logits_soft_cap=50.0) is None
+
+
 def _models_result():
   """A GPU result of a few cells: measured rows, refusals (n/a), a failure (✗), the same program."""
   from benchmarks import models
