@@ -881,13 +881,14 @@ def save(plt, fig, base, data, title: str, suffix: str = "", dpi: int = 110) -> 
   return [path]
 
 
-def bar_panels(plt, panels, *, ylabel: str, shared_legend: bool = True):
-  """A figure of grouped-bar panels, two per row. ``panels``: ``(title, tick labels, series)``, each
-  series ``(row name, values)`` drawn side by side at each tick in the row's palette style; one legend
-  for the figure (``shared_legend``) or one per panel."""
-  ncol = 2 if len(panels) > 1 else 1
+def bar_panels(plt, panels, *, ylabel: str, shared_legend: bool = True, ncol: int | None = None,
+               panel_width: float = 7.5):
+  """A figure of grouped-bar panels, ``ncol`` per row (default two). ``panels``: ``(title, tick labels,
+  series)``, each series ``(row name, values)`` drawn side by side at each tick in the row's palette
+  style; one legend for the figure (``shared_legend``) or one per panel. ``panel_width``: inches."""
+  ncol = min(ncol or 2, len(panels)) or 1
   nrow = -(-len(panels) // ncol)
-  fig, axes = plt.subplots(nrow, ncol, squeeze=False, figsize=(7.5 * ncol, 3.6 * nrow + 0.8))
+  fig, axes = plt.subplots(nrow, ncol, squeeze=False, figsize=(panel_width * ncol, 3.6 * nrow + 0.8))
   for ax, (title, ticks, series) in zip(axes.flat, panels):
     width, x = 0.8 / max(1, len(series)), np.arange(len(ticks))
     for j, (name, values) in enumerate(series):

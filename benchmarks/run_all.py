@@ -1,4 +1,5 @@
-"""Run the benchmarks under one time budget: attention, memory, latency, numerics.
+"""Run the benchmarks under one time budget: attention, memory, latency, numerics (and, when named with
+``--only``, the model configs' benchmark, models).
 
 Each stage runs as its own process (a crash, a hung compile or a poisoned CUDA context costs one stage,
 the memory stage gets a device no other stage has touched), with a soft deadline (the stage stops
@@ -8,6 +9,7 @@ JSON, written after every cell, is rendered here). Time a stage does not use goe
     python -m benchmarks.run_all --quick [--budget-s 450] [--out DIR] [--archive FILE.tar.gz]
     python -m benchmarks.run_all --full --only attention --budget-s 540      # one part of the full set
     python -m benchmarks.run_all --smoke --out OUT_DIR                     # CPU, interpret mode
+    python -m benchmarks.run_all --quick --only models --budget-s 540      # resumed after a crash
 
 Without a GPU (asked of jax in a child process) the smoke size is run whatever the mode. Results go to
 ``out/<gpu>/`` in the checkout (ignored by git) unless ``--out`` says otherwise.
@@ -29,14 +31,16 @@ from pathlib import Path
 
 from . import harness as h
 
-STAGES = ("attention", "memory", "latency", "numerics")
+STAGES = ("attention", "memory", "latency", "numerics")  # the default stages
+OPTIONAL_STAGES = ("models",)  # run only when --only names them (the model configs fill a budget alone)
+KNOWN = STAGES + OPTIONAL_STAGES
 # WEIGHTS: each stage's share of the time budget (the throughput grid has the most cells).
 # DEFAULT_BUDGET_S: seconds for all stages, under a 10-minute command limit with room for setup and the
 # report. SUMMARY_CHARS: each stage's part of the 12k-character log tail printed last.
-WEIGHTS = {"attention": 0.55, "memory": 0.13, "latency": 0.13, "numerics": 0.19}
+WEIGHTS = {"attention": 0.55, "memory": 0.13, "latency": 0.13, "numerics": 0.19, "models": 0.55}
 DEFAULT_BUDGET_S = {"quick": 450.0, "full": 540.0, "smoke": 300.0}
-RESUMABLE = ("attention", "latency", "numerics")
-SUMMARY_CHARS = {"attention": 4800, "memory": 1800, "latency": 2000, "numerics": 2200}
+RESUMABLE = ("attention", "latency", "numerics", "models")
+SUMMARY_CHARS = {"attention": 4800, "memory": 1800, "latency": 2000, "numerics": 2200, "models": 4800}
 
 
 def build_parser():
@@ -54,8 +58,9 @@ def build_parser():
   p.add_argument("--grace-s", type=float, default=None,
                  help="seconds a stage may overrun its soft deadline before it is killed "
                       "(default 45; smoke 60)")
-  p.add_argument("--only", type=h.parse_strs, default=None, help=",".join(STAGES))
-  p.add_argument("--skip", type=h.parse_strs, default=[], help=",".join(STAGES))
+  p.add_argument("--only", type=h.parse_strs, default=None,
+                 help=f"stages from {','.join(KNOWN)} (default {','.join(STAGES)})")
+  p.add_argument("--skip", type=h.parse_strs, default=[], help=",".join(KNOWN))
   p.add_argument("--archive", type=Path, default=None,
                  help="also pack the output folder into this .tar.gz (rewritten after every stage)")
   p.add_argument("--stage-args", action="append", default=[],
@@ -150,11 +155,11 @@ def main(argv=None):
   budget = args.budget_s if args.budget_s is not None else DEFAULT_BUDGET_S[mode]
   grace = args.grace_s if args.grace_s is not None else (60.0 if mode == "smoke" else 45.0)
   hard_end = t_start + budget
-  stages = [s for s in (args.only or STAGES) if s in STAGES and s not in args.skip]
-  bad = [s for s in (args.only or []) + args.skip if s not in STAGES]
+  stages = [s for s in (args.only or STAGES) if s in KNOWN and s not in args.skip]
+  bad = [s for s in (args.only or []) + args.skip if s not in KNOWN]
   if bad:
-    raise SystemExit(f"unknown stages {bad}; known: {', '.join(STAGES)}")
-  extra = {s: [] for s in STAGES}
+    raise SystemExit(f"unknown stages {bad}; known: {', '.join(KNOWN)}")
+  extra = {s: [] for s in KNOWN}
   for item in args.stage_args:
     name, _, rest = item.partition("=")
     if name not in extra:

@@ -31,6 +31,13 @@
 #                                                e.g. variants --cells 'window-*' --tag a
 #   bash scripts/gpu.sh decode   [args]          decode latency against a KV cache, every implementation
 #                                                (python -m benchmarks.decode); --quick: 8 cells, about 3 min
+#   bash scripts/gpu.sh models   [args]          the attention of public model configs at 4k and 16k,
+#                                                fwd+bwd beside cuDNN, FA3, tokamax (python -m
+#                                                benchmarks.models --budget-s GPU_TIMEOUT-60: a cell
+#                                                that would start later is recorded as skipped and the
+#                                                md and plot are still written); --quick: the 4k and
+#                                                6000-token cells; the 16k ones: --cells '*-16k' --tag
+#                                                16k, then python -m benchmarks.models --merge A B
 #   bash scripts/gpu.sh latency|memory|numerics|tune [args]   python -m benchmarks.<mode>
 #   bash scripts/gpu.sh all      [args]          python -m benchmarks.run_all --quick (attention, memory,
 #                                                latency, numerics under one time budget)
@@ -42,7 +49,7 @@
 # shared host's GPUs out of service); optional peer wheels carried in .peer/ (tokamax, flash_attn3_jax,
 # and a stub/ folder) are installed to .peer/site and put on PYTHONPATH, so the benchmarks add their rows.
 set -uo pipefail
-MODES="tests grid gpt variants decode latency memory numerics tune all"
+MODES="tests grid gpt variants decode models latency memory numerics tune all"
 mode="${1:-}"
 if [ -z "$mode" ] || [[ "$mode" == *[[:space:]]* ]] || [[ " $MODES " != *" $mode "* ]]; then
   echo "scripts/gpu.sh: mode must be one of: $MODES; got '$mode'" >&2
@@ -153,6 +160,10 @@ case "$mode" in
         fi
       done
     fi ;;
+  models)  # under the call's limit, so that the md and plot are written (a later --budget-s wins):
+    # a minute for rendering and the last cell's overrun, half the limit when it is short
+    run models python3 -m benchmarks.models --out "$out" \
+      --budget-s $(( limit > 120 ? limit - 60 : (limit + 1) / 2 )) "$@" ;;
   all)
     run all python3 -m benchmarks.run_all --quick --budget-s $((limit - 60)) --out "$out" "$@" ;;
   *)

@@ -1,8 +1,8 @@
 """The benchmark harness on the CPU: the timing statistics (fake clock), the implementations registry,
 the FLOP count, the markdown / merge / render logic, the plots (GPU in the title, the palette's legend
 names and colours, tick labels apart), the grid's and the variants' CPU smoke runs, run_all's resume
-after a crash, the diagnostics' flags, the results index's links. GPU-only parts (Mosaic diagnostics and
-sweeps) are the tests marked ``gpu``."""
+after a crash, the diagnostics' flags, the results index's links, the model configs' cells, table and
+CPU smoke run. GPU-only parts (Mosaic diagnostics and sweeps) are the tests marked ``gpu``."""
 import json
 import math
 import os
@@ -291,7 +291,7 @@ def test_merge_later_measurement_wins_but_not_a_skip(tmp_path, monkeypatch):
 def test_merge_of_a_bad_file_is_a_usage_error(tmp_path, capsys):
   """--merge with a missing, non-JSON or non-result file (or results of two scripts): usage and one
   line naming the file, exit code 2, no traceback; in every script that has --merge."""
-  from benchmarks import latency, memory
+  from benchmarks import latency, memory, models
   good, listed, text = tmp_path / "a.json", tmp_path / "list.json", tmp_path / "text.json"
   good.write_text(json.dumps(_result([_cell("d128-8k-c", "fa2", 500.0, 400.0)])))
   listed.write_text("[1, 2]")
@@ -308,7 +308,7 @@ def test_merge_of_a_bad_file_is_a_usage_error(tmp_path, capsys):
       attention.main(["--merge", *map(str, paths), "--out", str(tmp_path / "m")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and msg in err and "usage: python -m benchmarks.attention" in err, err
-  for mod in (variants, latency, memory, numerics, tune):
+  for mod in (variants, latency, memory, numerics, tune, models):
     for paths, msg in cases[:1] + cases[2:3]:
       with pytest.raises(SystemExit) as e:
         mod.main(["--merge", *map(str, paths), "--out", str(tmp_path / "m")])
@@ -358,7 +358,8 @@ def test_cells_error_lists_the_ids_of_the_grid_that_runs():
 def test_smoke_summaries_say_they_are_no_measurement():
   """The console summary of a smoke-size result says its numbers (and ratios, gains, best settings)
   are no measurement; a GPU result's does not."""
-  for summary in (attention.summary, tune.summary):
+  from benchmarks import models
+  for summary in (attention.summary, tune.summary, models.summary):
     for smoke in (False, True):
       first = summary({"config": {"smoke": smoke}, "cells": []}).splitlines()[0]
       assert first.endswith("(smoke size (CPU, Pallas interpret mode): not a measurement)") == smoke, (
@@ -990,6 +991,182 @@ def test_decode_smoke_on_cpu(tmp_path, monkeypatch, capsys):
   assert "smoke size on the CPU" in md and "| 2 × 512 ragged (64–512) |" in md
   assert "## DecodeConfig sweep" in md
   assert (tmp_path / "decode.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# --- the attention of public model configs -----------------------------------------------------------------
+
+def test_models_cells_batches_variants_and_flops():
+  """The model table's cells: 16k tokens per call (B=4 at 4k, B=1 at 16k) but for the fixed-length
+  untuned cells, each model's variants under every implementation's own argument names, the FLOPs of
+  the harness's convention (value head_dim counted in the PV product, a window's attended pairs)."""
+  from benchmarks import models
+  cells = {c["id"]: c for c in models.build_cells("full")}
+  model_ids = [f"{m.key}-{s}" for s in ("4k", "16k") for m in models.MODELS]
+  assert list(cells)[:len(model_ids)] == model_ids and len(models.MODELS) == 11
+  assert {i for i in cells if i.startswith("untuned-")} == {
+      "untuned-h80-4k", "untuned-h112-4k", "untuned-gqa40x8-4k", "untuned-h80-16k", "untuned-h112-16k",
+      "untuned-gqa40x8-16k", "untuned-llama3-8b-6000", "untuned-gemma2-9b-local-6000"}
+  for c in cells.values():
+    fixed = c["id"].endswith("-6000")
+    assert (c["batch"], c["seq_q"], c["seq_k"]) == ((3, 6000, 6000) if fixed else
+                                                    (16384 // c["seq_q"], c["seq_q"], c["seq_q"]))
+    assert c["causal"] and c["heads"] % c["kv_heads"] == 0
+  assert [c["id"] for c in models.build_cells("quick")] == [
+      i for i in cells if i.endswith("-4k")] + ["untuned-llama3-8b-6000", "untuned-gemma2-9b-local-6000"]
+  shape = lambda i: tuple(cells[i][k] for k in ("heads", "kv_heads", "head_dim", "v_head_dim"))  # noqa: E731
+  assert shape("gemma-2b-4k") == (8, 1, 256, 256) and shape("starcoder-16k") == (48, 1, 128, 128)
+  assert shape("deepseek-v2-lite-4k") == (16, 16, 192, 128) and shape("phi3-mini-4k") == (32, 32, 96, 96)
+  glob, local, mistral = cells["gemma2-9b-global-16k"], cells["gemma2-9b-local-16k"], cells["mistral-7b-4k"]
+  assert (glob["soft_cap"], glob["window"]) == (50.0, None)
+  assert (local["soft_cap"], local["window"]) == (50.0, [4095, 0])
+  assert (mistral["window"], mistral["soft_cap"]) == ([4095, 0], None)
+  assert models.variant_kwargs("fa2", local) == {"local_window_size": (4095, 0), "logits_soft_cap": 50.0}
+  for impl in ("fa2_det", "cudnn", "tokamax"):  # jax.nn's names
+    assert models.variant_kwargs(impl, local) == models.variant_kwargs("fa2", local), impl
+  assert models.variant_kwargs("fa3", local) == {"window_size": (4095, 0), "softcap": 50.0}
+  assert models.variant_kwargs("cudnn", cells["llama3-8b-4k"]) == {}
+  # FLOPs: the grid's causal count where H = Hv and no window cuts keys (a window of 4096 keys at 4k
+  # cuts none); QK^T over H and PV over Hv; a window cutting keys: its attended pairs.
+  for cid in ("llama3-8b-4k", "gpt2-16k", "mistral-7b-4k", "untuned-llama3-8b-6000"):
+    c = cells[cid]
+    assert c["flops_fwd"] == attention_flops(c["batch"], c["heads"], c["seq_q"], c["seq_k"], c["head_dim"],
+                                             True), cid
+  ds = cells["deepseek-v2-lite-4k"]
+  assert ds["flops_fwd"] == 2 * 4 * 16 * (4096 * 4096 / 2) * (192 + 128)
+  assert local["pairs"] == variants.causal_pairs(16384, 4095) and local["pairs"] < 16384 ** 2 / 4
+  assert local["flops_fwd"] == 4 * 1 * 16 * local["pairs"] * 256
+  assert cells["untuned-gemma2-9b-local-6000"]["pairs"] == variants.causal_pairs(6000, 4095)
+
+
+def test_models_refusals_are_caught_before_compiling():
+  """A call an implementation refuses gives the exception's text (traced, nothing compiled): jax.nn
+  has no soft-cap argument and wants value head_dim = head_dim; fa2_jax (through backend_for) refuses
+  query heads that are no multiple of the key heads; a call that traces gives None."""
+  import functools
+
+  from benchmarks import models
+  q, k, v = (jnp.zeros((1, 16, n, d), jnp.bfloat16) for n, d in ((4, 32), (2, 32), (2, 16)))
+
+  def refusal(name, q, k, v, **kw):
+    impl = impls.get(name)
+    return models.refusal(impl, functools.partial(impl, causal=True, **kw), q, k, v, kw)
+
+  with jax.numpy_dtype_promotion("standard"):  # jax.nn in half precision (strict refuses it)
+    assert refusal("xla", q, k, k, local_window_size=(3, 0)) is None
+    assert refusal("xla", q, k, k, logits_soft_cap=50.0) == (
+        "TypeError: dot_product_attention() got an unexpected keyword argument 'logits_soft_cap'")
+    assert refusal("xla", q, k, v).startswith("ValueError: value shape should be [1, 16, 2, 32]")
+  assert refusal("fa2", q[:, :, :3], k, k).startswith("ValueError: ")
+  assert refusal("fa2", q, k, k, local_window_size=(3, 0), logits_soft_cap=50.0) is None
+
+
+def _models_result():
+  """A GPU result of a few cells: measured rows, refusals (n/a), a failure (✗), the same program."""
+  from benchmarks import models
+  cells = {c["id"]: c for c in models.build_cells("full")}
+
+  def rec(cid, impl, fb=None, **kw):  # fb: forward+backward ms (the forward: a third of it)
+    c = dict(cells[cid], impl=impl, dtype="bf16", **{"status": "ok", **kw})
+    if fb is not None:
+      c["ms"] = {"fwd": fb / 3, "fwd+bwd": fb}
+      c["tflops"] = {p: tflops(c["flops_fwd"], p, ms * 1e-3) for p, ms in c["ms"].items()}
+    return c
+
+  refuse_cap = "TypeError: dot_product_attention() got an unexpected keyword argument 'logits_soft_cap'"
+  refuse_mla = "ValueError: key and value must have the same shape [B, S, K, H]"
+  return {"script": "models", "status": "done", "notes": [],
+          "meta": {"gpu_name": "NVIDIA H100 80GB HBM3", "versions": {},
+                   "command": "python -m benchmarks.models"},
+          "config": {"tokens": 16384, "flops": "forward 2·B·N·pairs·(H + Hv)", "method": "m"},
+          "cells": [rec("llama3-8b-4k", "fa2", 4.0, backend="mosaic: ..."),
+                    rec("llama3-8b-4k", "fa2_det", 4.4), rec("llama3-8b-4k", "cudnn", 4.2),
+                    rec("llama3-8b-4k", "fa3", 3.6), rec("llama3-8b-4k", "tokamax", 5.0),
+                    rec("gemma2-9b-global-4k", "fa2", 3.0),
+                    rec("gemma2-9b-global-4k", "fa2_det", status="same"),
+                    rec("gemma2-9b-global-4k", "cudnn", status="unsupported", error=refuse_cap),
+                    rec("gemma2-9b-global-4k", "fa3", status="unsupported",
+                        error="head_dim 128 only, got 256"),
+                    rec("gemma2-9b-global-4k", "tokamax", 4.0),
+                    rec("deepseek-v2-lite-4k", "fa2", status="unsupported", error=refuse_mla),
+                    rec("deepseek-v2-lite-4k", "tokamax", status="error", **{
+                        "fwd_error": "XlaRuntimeError: INTERNAL",
+                        "fwd+bwd_error": "XlaRuntimeError: INTERNAL"}),
+                    rec("untuned-llama3-8b-6000", "fa2", 5.0),
+                    rec("untuned-llama3-8b-6000", "cudnn", 4.5)]}
+
+
+def test_models_table_bars_and_plot_render_from_json(tmp_path, monkeypatch):
+  """``--render``: a row per cell with TFLOP/s (ms) per implementation, n/a for a refused call with its
+  reason listed, ✗ for a failed one, fa2_jax's ratios to cuDNN and FA3 against the bars, the bars'
+  count; the plot names the GPU, uses the palette's names and marks the bars without a number."""
+  from benchmarks import models
+  figs, save = [], harness.save
+  monkeypatch.setattr(harness, "save", lambda plt, fig, *a, **kw: figs.append(fig) or save(
+      plt, fig, *a, **dict(kw, dpi=20)))
+  path = tmp_path / "models.json"
+  path.write_text(json.dumps(_models_result()))
+  data = models.main(["--render", str(path)])
+  assert {p.name for p in tmp_path.iterdir()} == {"models.json", "models.md", "models.png"}
+  lines = (tmp_path / "models.md").read_text().splitlines()
+  row = lambda start: next(x for x in lines if x.startswith(start))  # noqa: E731
+  assert row("| cell") == (
+      "| cell | model | heads × head_dim, variants | B × T | fa2_jax | fa2_jax (deterministic) | cuDNN | "
+      "FlashAttention-3 | tokamax | fa2_jax ÷ cuDNN (bar 1.00) | fa2_jax ÷ FA3 (bar 0.95) |")
+  assert row("| `llama3-8b-4k`") == (
+      "| `llama3-8b-4k` | Llama-3 8B | 32/8 × 128 | 4 × 4k | 481 (4 ms) | 437 (4.4 ms) | 458 (4.2 ms) "
+      "| 534 (3.6 ms) | 385 (5 ms) | 1.05 ✓ | 0.90 ✗ |")
+  assert row("| `gemma2-9b-global-4k`") == (
+      "| `gemma2-9b-global-4k` | Gemma-2 9B global | 16/8 × 256, cap 50 | 4 × 4k | 641 (3 ms) | = "
+      "| n/a | n/a | 481 (4 ms) | – | – |")
+  assert row("| `deepseek-v2-lite-4k`") == ("| `deepseek-v2-lite-4k` | DeepSeek-V2-Lite | 16/16 × 192/128 "
+                                            "| 4 × 4k | n/a | – | – | – | ✗ | – | – |")
+  assert row("| `untuned-llama3-8b-6000` | Llama-3 8B | 32/8 × 128 | 3 × 6000").endswith(
+      "| 0.90 ✗ | – |")
+  assert lines.index(row("| `deepseek")) < lines.index(row("| `untuned-llama3-8b-6000`"))
+  assert ("- ≥ 1.00× cuDNN where cuDNN runs the cell: met in 1 of 2 cells; not met: "
+          "untuned-llama3-8b-6000 0.90") in lines
+  assert "- ≥ 0.95× FA3 where FA3 runs the cell: met in 0 of 1 cells; not met: llama3-8b-4k 0.90" in lines
+  assert ("- **cuDNN** error (gemma2-9b-global-4k): `TypeError: dot_product_attention() got an unexpected "
+          "keyword argument 'logits_soft_cap'`") in lines
+  assert any(x.startswith("- **fa2_jax** error (deepseek-v2-lite-4k): `ValueError:") for x in lines)
+  assert any(x.startswith("- **tokamax** fwd+bwd_error (deepseek-v2-lite-4k)") for x in lines)
+  assert "## Forward" in lines and any(x.startswith("| `llama3-8b-4k` | Llama-3 8B | 32/8 × 128 | 4 × 4k | "
+                                                    "412 (1.33 ms) |") for x in lines)
+  summary = models.summary(data).splitlines()
+  assert "BAR fa2 fwd+bwd >= 1.00x cudnn: 1/2 met; untuned-llama3-8b-6000 0.90" in summary[-2]
+  (fig,) = figs
+  assert fig._suptitle.get_text().endswith("— NVIDIA H100 80GB HBM3") and len(fig.axes) == 2
+  assert not harness.overlapping_ticks(fig)
+  assert [t.get_text() for t in fig.legends[0].get_texts()] == [
+      "fa2_jax", "fa2_jax (deterministic)", "cuDNN", "FlashAttention-3", "tokamax"]
+  marks = [t.get_text() for t in fig.axes[0].texts if t.get_text()]
+  assert sorted(marks) == ["=", "n/a", "n/a", "n/a", "✗"], marks
+
+
+def test_models_smoke_on_cpu(tmp_path, capsys):
+  """The CPU smoke size in Pallas interpret mode: a window with a soft cap and GQA measured and checked
+  against the f32 reference; the cell with value head_dim != head_dim records what fa2_jax does with it
+  (measured, or its refusal's text) without stopping the run; cuDNN and the absent peers are named."""
+  from benchmarks import models
+  data = models.main(["--smoke", "--out", str(tmp_path), "--cells", "window-cap-128,mla-32"])
+  js = _load(tmp_path / "models.json")
+  assert js["status"] == "done" and js["config"]["smoke"] and data["files"][0].endswith("models.json")
+  assert (js["config"]["iters"], js["config"]["reps"]) == (2, 2) and "cudnn" in js["meta"]["absent_impls"]
+  assert capsys.readouterr().out.startswith("models: fwd+bwd TFLOP/s (ms) (smoke size")
+  by = {(c["id"], c["impl"]): c for c in js["cells"]}
+  assert set(by) == {(i, n) for i in ("window-cap-128", "mla-32") for n in ("fa2", "fa2_det")}
+  fa2 = by[("window-cap-128", "fa2")]
+  assert fa2["status"] == "ok" and fa2["rel_err"] < 2e-2 and fa2["tflops"]["fwd+bwd"] > 0, fa2
+  assert fa2["about"] == "flash_attention(is_causal=True, local_window_size=(15, 0), logits_soft_cap=50.0)"
+  assert fa2["pairs"] == variants.causal_pairs(128, 15)
+  assert by[("window-cap-128", "fa2_det")]["status"] == "same"  # Triton's backward is deterministic
+  mla = by[("mla-32", "fa2")]
+  assert mla["status"] == "ok" or (mla["status"] == "unsupported" and re.match(
+      r"(ValueError|TypeError): ", mla["error"])), mla
+  md = (tmp_path / "models.md").read_text()
+  assert "smoke size on the CPU" in md
+  assert "| `window-cap-128` | window + cap | 4/2 × 32, window (15, 0), cap 50 | 1 × 128 |" in md
+  assert (tmp_path / "models.png").read_bytes()[:8] == PNG_MAGIC
 
 
 # --- on a GPU ----------------------------------------------------------------------------------------
