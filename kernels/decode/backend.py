@@ -74,7 +74,8 @@ class DecodeBackend(Backend):
     return None
 
   def default_config(self, call: KernelCall) -> DecodeConfig:
-    return DecodeConfig.default(call.head_dim, call.dtype)
+    # The tiles of the larger head_dim: K tiles have H columns, the V tile and accumulator Hv.
+    return DecodeConfig.default(max(call.head_dim, call.value_head_dim), call.dtype)
 
   def check_config(self, call: KernelCall, config: DecodeConfig) -> str | None:
     del call, config
