@@ -52,6 +52,9 @@ def _variant_args(case: Case) -> dict:
     return dict(is_causal=True)
   if case.variant == "dense":
     return {}
+  if case.variant == "decoding":  # the newest T rows against per-row cache lengths
+    lens = jnp.asarray(np.linspace(case.s, case.t, case.b).astype(np.int32))
+    return dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - case.t)
   if case.variant == "window_segments_lengths":  # causal, a sliding window, two documents, padding
     q_seg = np.repeat(np.arange(2), [case.t // 2, case.t - case.t // 2])[None].repeat(case.b, 0)
     kv_seg = np.repeat(np.arange(2), [case.s // 2, case.s - case.s // 2])[None].repeat(case.b, 0)
@@ -367,13 +370,16 @@ def test_flax_attention_fn_runs_the_kernel():
     Case(1, 1000, 777, 8, 2, 192, 128, "bfloat16", "window_segments_lengths"),
     Case(2, 513, 1024, 4, 1, 64, 256, "float16", "dense"),
     Case(1, 300, 300, 4, 2, 96, 40, "float32"),
+    Case(3, 1, 4096, 16, 16, 192, 128, "bfloat16", "decoding"),  # the decode forward
+    Case(2, 4, 2000, 8, 2, 64, 128, "float16", "decoding"),
 ], ids=str)
 def test_compiled_matches_the_float64_formula_gpu(case):
   q, k, v, do = _inputs(case, seed=6)
   kw = _variant_args(case)
   arrays = {n: x for n, x in kw.items() if isinstance(x, jax.Array)}
   static = {n: x for n, x in kw.items() if n not in arrays}
-  assert fa2_jax.backend_for(q, k, v, **kw).backend == "triton"
+  want = "decode" if case.variant == "decoding" else "triton"
+  assert fa2_jax.backend_for(q, k, v, **kw).backend == want
 
   def run(q, k, v, do, arrays):
     fn = lambda a, b, c: fa2_jax.flash_attention(  # noqa: E731
