@@ -109,8 +109,8 @@ def validate_qkv(query, key, value) -> None:
   # value's head_dim Hv may differ from the query/key head_dim H (multi-head latent attention, e.g.
   # DeepSeek-V2: H = 192, Hv = 128); B, S and K must match key's.
   if k4[:3] != v4[:3]:
-    raise ValueError(f"key and value must have the same [B, S, K] (value: [B, S, K, Hv], Hv may differ "
-                     f"from key's H), got {tuple(key.shape)} and {tuple(value.shape)}")
+    raise ValueError(f"key and value must have the same [B, S, K] (value: [B, S, K, Hv], Hv may "
+                     f"differ from key's H), got {tuple(key.shape)} and {tuple(value.shape)}")
   if k4[0] != b:
     raise ValueError(f"key/value batch size {k4[0]} does not match query batch size {b}")
   if k4[3] != h:

@@ -15,7 +15,8 @@ Each program writes its share's output, already divided by its row sum, and its 
 ``(r, l)`` in the kernels' form (kernels/softmax.py: ``r`` the raw logit of the largest ``s * c``,
 ``l`` the row sum relative to that logit's weight). With one split these are the result, written
 straight into ``out [B, T, N, Hv]`` (q's dtype; ``Hv`` the value's head_dim, ``H`` or another) and
-``stats [B, N, 2, T]``; with several, float32 partials ``[B, splits, T, N, Hv]`` / ``[B, splits, N, 2, T]`` that :func:`combine` (a second small
+``stats [B, N, 2, T]``; with several, float32 partials ``[B, splits, T, N, Hv]`` /
+``[B, splits, N, 2, T]`` that :func:`combine` (a second small
 kernel, grid ``(B, K)``) merges exactly by their log-sum-exp into the same two outputs. Between
 and around the kernels only reshapes (free) run.
 
