@@ -82,14 +82,18 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
 
   Args:
     query: ``[B, T, N, H]`` or ``[T, N, H]``; bfloat16, float16 or float32.
-    key, value: ``[B, S, K, H]`` (or ``[S, K, H]``), ``N % K == 0``: ``K < N`` is grouped-query
+    key: ``[B, S, K, H]`` (or ``[S, K, H]``), ``N % K == 0``: ``K < N`` is grouped-query
       attention, ``K == 1`` multi-query. K/V heads are shared without copies.
+    value: ``[B, S, K, Hv]`` (or ``[S, K, Hv]``): ``Hv`` may differ from ``H`` (multi-head latent
+      attention, e.g. DeepSeek-V2's ``H = 192``, ``Hv = 128``; jax.nn requires ``Hv == H``); the
+      output has ``Hv``. The sm90 kernels need ``Hv == H`` (``implementation=None`` runs the
+      Triton kernels for such a call).
     bias, mask: None only, by keyword or position (``jax.nn.dot_product_attention``'s argument
       order). A dense array raises a ValueError naming what to pass instead: the kernels never form
       the ``[T, S]`` logits, so masks are given by their structure (``is_causal``, lengths,
       ``local_window_size``, segment ids, ``mask_fn``) and biases as ``alibi_slopes``,
       ``logits_soft_cap`` or ``score_fn``.
-    scale: logit scale, default ``1 / sqrt(H)``. A static Python float.
+    scale: logit scale, default ``1 / sqrt(H)`` (the query/key head_dim). A static Python float.
     is_causal: query ``i`` attends keys ``j <= p`` where ``p = q_offset + i`` is its absolute
       position (``q_offset = 0``: top-left aligned, as ``jax.nn.dot_product_attention``; for
       ``T > S`` rows past ``S`` see every key; ``q_offset = S - T`` aligns bottom-right).
@@ -148,7 +152,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
       with a float scalar score, returning one float; applied after the soft cap and ALiBi.
       Differentiated with respect to the score (and, on the formula path, to arrays it closes over).
     block_table: a paged key/value cache (FlashAttention's ``flash_attn_with_kvcache`` name): integer
-      ``[B, max_pages]`` page ids, with ``key``/``value`` pages ``[num_pages, page_size, K, H]``;
+      ``[B, max_pages]`` page ids, with ``key``/``value`` pages ``[num_pages, page_size, K, H]``
+      (``value``'s last axis ``Hv``);
       row ``b``'s key ``j`` is ``key[block_table[b, j // page_size], j % page_size]`` (any page
       order, pages may be shared). Needs ``key_value_seq_lengths`` (at most ``max_pages *
       page_size``) and a rank-4 query. Decoding calls read the pages in the kernel
@@ -172,7 +177,8 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
     ValueError naming the argument (:func:`fa2_jax.backend_for` says which).
 
   Returns:
-    ``out`` with the shape and dtype of ``query`` (and ``lse`` if ``return_residual``).
+    ``out`` with the dtype of ``query`` and its shape with ``H`` replaced by the value's ``Hv``
+    (``[B, T, N, Hv]``; and ``lse`` if ``return_residual``).
 
   Differentiable in reverse mode (``grad``, ``vjp``), once. Forward-mode and second-order derivatives
   raise a TypeError naming the workaround (``implementation="xla"``).
@@ -236,7 +242,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
                                      seq_k=k.shape[1]).values())
       return _kernels(static)(*match_vma(q, k, v), tuple(extras), static)
 
-    layouts = (sharding.Q, sharding.KV, sharding.KV, *(_FIELD_LAYOUTS[f] for f in fields))
+    layouts = (sharding.Q, sharding.KV, sharding.V, *(_FIELD_LAYOUTS[f] for f in fields))
     names = (*sharding.QKV_NAMES, *fields)
     if variant is not None:  # on the whole call: a shard_map cannot evaluate them while tracing
       warm_static_masks(variant, tiles, batch=q.shape[0], heads=q.shape[2], seq_q=q.shape[1],

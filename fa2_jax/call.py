@@ -59,7 +59,7 @@ def prepare(query, key, value, scale, is_causal, implementation, return_residual
   h = query.shape[-1]
   scale = 1.0 / math.sqrt(h) if scale is None else scale
   check_soft_cap_scale(scale, variant.soft_cap)
-  symbolic = [d for d in (*query.shape, *key.shape) if not is_static_dim(d)]
+  symbolic = [d for d in (*query.shape, *key.shape, value.shape[-1]) if not is_static_dim(d)]
   kernel_call, formula_reason = None, None
   if symbolic or 0 in query.shape[:2] or key.shape[1] == 0:
     # Symbolic (jax.export) or empty dimensions: the kernels need static, non-empty grids. Empty
@@ -74,7 +74,7 @@ def prepare(query, key, value, scale, is_causal, implementation, return_residual
                       "an empty batch or sequence: the formula returns the empty (or all-zero) result")
   else:
     kernel_call = KernelCall(tuple(query.shape), tuple(key.shape), jnp.dtype(query.dtype), is_causal,
-                             variant, bool(interpret), deterministic)
+                             variant, bool(interpret), deterministic, value.shape[-1])
     backend = dispatch.choose_backend(implementation, kernel_call, block_sizes)
   if backend != "xla" and block_sizes is not None and (
       why := registry.get(backend).check_config(kernel_call, block_sizes)) is not None:

@@ -9,6 +9,10 @@ carry); its methods return a new cache and never mutate. Under ``jax.jit`` with 
     cache = cache.append(k_new, v_new)          # [B, T_new, K, H]: each row at its own length
     out = cache.attend(q_new)                   # [B, T_new, N, H]: the rows just appended, causal
 
+Values may have their own head_dim (``create(..., value_head_dim=Hv)``, or a ``v`` ``[B, T, K, Hv]``
+in :func:`prefill`; multi-head latent attention): ``v_new`` then has ``Hv`` and ``attend`` returns
+``[B, T_new, N, Hv]``.
+
 Each batch row has its own length (prompts of different lengths, left-aligned). ``attend`` is
 ``flash_attention(q, cache.k, cache.v, is_causal=True, key_value_seq_lengths=cache.lengths,
 q_offset=cache.lengths - T_new)``: query row ``i`` of batch row ``b`` sits at position
@@ -166,8 +170,9 @@ def _append_lengths(cache_lengths, lengths, t_new: int, capacity: int):
 
 class _Cache:
   """The part of :class:`KVCache` and :class:`PagedKVCache` that is the same: keys laid out
-  ``[..., ..., kv_heads, head_dim]`` (``_keys``: ``k`` or ``k_pages``), per-row ``lengths``,
-  append's checks and attend's call. A subclass defines ``_keys``, ``batch`` and ``capacity``."""
+  ``[..., ..., kv_heads, head_dim]`` (``_keys``: ``k`` or ``k_pages``), values alike with their own
+  ``value_head_dim`` (``_values``), per-row ``lengths``, append's checks and attend's call. A
+  subclass defines ``_keys``, ``_values``, ``batch`` and ``capacity``."""
 
   @property
   def kv_heads(self) -> int:
@@ -175,7 +180,13 @@ class _Cache:
 
   @property
   def head_dim(self) -> int:
+    """The keys' (and queries') head_dim."""
     return self._keys.shape[3]
+
+  @property
+  def value_head_dim(self) -> int:
+    """The values' head_dim (the output's): ``head_dim`` unless created otherwise."""
+    return self._values.shape[3]
 
   @property
   def dtype(self) -> jnp.dtype:
@@ -185,10 +196,10 @@ class _Cache:
     """append's checks of ``k_new``/``v_new`` and ``lengths``: the new rows' positions ``[B, T_new]``
     (int32, from each row's length on) and the per-row count of rows they add (``[B]`` int32)."""
     _check_kv("k_new", k_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
-    _check_kv("v_new", v_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
-    if k_new.shape != v_new.shape:
-      raise ValueError(f"k_new and v_new must have the same shape, got {list(k_new.shape)} and "
-                       f"{list(v_new.shape)}")
+    _check_kv("v_new", v_new, self.batch, self.kv_heads, self.value_head_dim, self.dtype)
+    if k_new.shape[:3] != v_new.shape[:3]:
+      raise ValueError(f"k_new and v_new must have the same [batch, T_new, kv_heads], got "
+                       f"{list(k_new.shape)} and {list(v_new.shape)}")
     t = k_new.shape[1]
     added = _append_lengths(self.lengths, lengths, t, self.capacity)
     positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
@@ -239,8 +250,8 @@ class KVCache(_Cache):
   """Keys and values of ``batch`` sequences, up to ``capacity`` rows each: a pytree.
 
   Attributes:
-    k, v: ``[batch, capacity, kv_heads, head_dim]``; rows ``>= lengths[b]`` of row ``b`` are unused
-      (never attended; their contents are arbitrary).
+    k, v: ``[batch, capacity, kv_heads, head_dim]`` (v: ``value_head_dim``); rows ``>= lengths[b]``
+      of row ``b`` are unused (never attended; their contents are arbitrary).
     lengths: int32 ``[batch]``: the rows held per batch row (its next row's position).
   """
 
@@ -250,8 +261,9 @@ class KVCache(_Cache):
 
   @classmethod
   def create(cls, batch: int, capacity: int, kv_heads: int, head_dim: int,
-             dtype=jnp.float32) -> "KVCache":
-    """An empty cache (zeros, every length 0).
+             dtype=jnp.float32, *, value_head_dim: int | None = None) -> "KVCache":
+    """An empty cache (zeros, every length 0); ``value_head_dim``: the values' head_dim, default
+    ``head_dim``.
 
     Raises:
       ValueError: a size that is not a positive int; TypeError: a dtype other than bfloat16, float16
@@ -259,12 +271,18 @@ class KVCache(_Cache):
     """
     shape = tuple(_positive_int(name, value) for name, value in (
         ("batch", batch), ("capacity", capacity), ("kv_heads", kv_heads), ("head_dim", head_dim)))
+    hv = shape[3] if value_head_dim is None else _positive_int("value_head_dim", value_head_dim)
     dtype = _cache_dtype(dtype)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((shape[0],), jnp.int32))
+    return cls(jnp.zeros(shape, dtype), jnp.zeros((*shape[:3], hv), dtype),
+               jnp.zeros((shape[0],), jnp.int32))
 
   @property
   def _keys(self) -> jax.Array:
     return self.k
+
+  @property
+  def _values(self) -> jax.Array:
+    return self.v
 
   @property
   def batch(self) -> int:
@@ -275,7 +293,8 @@ class KVCache(_Cache):
     return self.k.shape[1]
 
   def append(self, k_new: jax.Array, v_new: jax.Array, *, lengths=None) -> "KVCache":
-    """The cache with ``k_new``/``v_new`` ``[batch, T_new, kv_heads, head_dim]`` written after each
+    """The cache with ``k_new``/``v_new`` ``[batch, T_new, kv_heads, head_dim]`` (``v_new``:
+    ``value_head_dim``) written after each
     batch row's last row (row ``b`` at positions ``self.lengths[b] ...``).
 
     Args:
@@ -319,7 +338,7 @@ class KVCache(_Cache):
         sets (``is_causal``, ``q_offset``, ``key_value_seq_lengths``, segment ids).
 
     Returns:
-      flash_attention's result: ``[batch, T_new, num_heads, head_dim]`` (and the lse with
+      flash_attention's result: ``[batch, T_new, num_heads, value_head_dim]`` (and the lse with
       ``return_residual=True``). Not differentiable (a TypeError names flash_attention instead).
     """
     return self._attend(q, self.k, self.v, query_seq_lengths, attention_fn, kwargs)
@@ -330,7 +349,8 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, *, lengths=None, capacity:
   """Causal attention over prompts, and the cache that holds their keys and values.
 
   Args:
-    q: ``[batch, T, num_heads, head_dim]``; k, v: ``[batch, T, kv_heads, head_dim]`` (same dtype).
+    q: ``[batch, T, num_heads, head_dim]``; k: ``[batch, T, kv_heads, head_dim]``, v: ``[batch, T,
+      kv_heads, Hv]`` (same dtype; ``Hv``, the cache's ``value_head_dim``, may differ).
     lengths: optional int ``[batch]`` in ``[0, T]``: left-aligned prompts, row ``b`` valid up to
       ``lengths[b]`` (its later rows are padding: output 0, not in the cache); default ``T``.
     capacity: the cache's rows per batch row, ``>= T`` (default ``T``).
@@ -350,10 +370,11 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, *, lengths=None, capacity:
     if x.ndim != 4:
       raise ValueError(f"{name} must have shape [batch, T, heads, head_dim], got {list(x.shape)}")
   batch, t, heads, head_dim = q.shape
-  if k.shape != v.shape or k.shape[:2] != (batch, t) or k.shape[3] != head_dim or heads % k.shape[2]:
+  if (k.shape[:3] != v.shape[:3] or k.shape[:2] != (batch, t) or k.shape[3] != head_dim
+      or heads % k.shape[2]):
     raise ValueError(f"k and v must have shape [batch={batch}, T={t}, kv_heads, head_dim="
-                     f"{head_dim}] with kv_heads dividing q's {heads} heads, got {list(k.shape)} "
-                     f"and {list(v.shape)}")
+                     f"{head_dim}] (v: its own head_dim) with kv_heads dividing q's {heads} heads, "
+                     f"got {list(k.shape)} and {list(v.shape)}")
   dtype = jnp.dtype(q.dtype)
   if dtype not in DTYPES:
     raise TypeError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
@@ -388,7 +409,7 @@ class PagedKVCache(_Cache):
   ``p % page_size``; a row holds up to ``capacity = pages_per_row * page_size`` positions.
 
   Attributes:
-    k_pages, v_pages: ``[num_pages, page_size, kv_heads, head_dim]``.
+    k_pages, v_pages: ``[num_pages, page_size, kv_heads, head_dim]`` (v_pages: ``value_head_dim``).
     page_table: int32 ``[batch, pages_per_row]``: the pages of each batch row, in order.
     lengths: int32 ``[batch]``: the positions held per batch row.
 
@@ -407,10 +428,12 @@ class PagedKVCache(_Cache):
 
   @classmethod
   def create(cls, batch: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-             dtype=jnp.float32, *, page_table=None) -> "PagedKVCache":
+             dtype=jnp.float32, *, page_table=None,
+             value_head_dim: int | None = None) -> "PagedKVCache":
     """An empty paged cache.
 
     Args:
+      value_head_dim: the values' head_dim, default ``head_dim``.
       page_table: int ``[batch, pages_per_row]`` with values in ``[0, num_pages)``; default: row
         ``b`` owns pages ``b * P ... (b + 1) * P - 1`` with ``P = num_pages // batch``. Two rows
         must not share a page they both write.
@@ -422,6 +445,7 @@ class PagedKVCache(_Cache):
     batch, num_pages, page_size, kv_heads, head_dim = (_positive_int(name, value) for name, value in (
         ("batch", batch), ("num_pages", num_pages), ("page_size", page_size),
         ("kv_heads", kv_heads), ("head_dim", head_dim)))
+    hv = head_dim if value_head_dim is None else _positive_int("value_head_dim", value_head_dim)
     dtype = _cache_dtype(dtype)
     if page_table is None:
       if num_pages < batch:
@@ -440,12 +464,16 @@ class PagedKVCache(_Cache):
       raise ValueError(f"page_table's pages must lie in [0, {num_pages}), got values in "
                        f"[{values.min()}, {values.max()}]")
     shape = (num_pages, page_size, kv_heads, head_dim)
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+    return cls(jnp.zeros(shape, dtype), jnp.zeros((*shape[:3], hv), dtype),
                jnp.asarray(page_table, jnp.int32), jnp.zeros((batch,), jnp.int32))
 
   @property
   def _keys(self) -> jax.Array:
     return self.k_pages
+
+  @property
+  def _values(self) -> jax.Array:
+    return self.v_pages
 
   @property
   def batch(self) -> int:
@@ -473,10 +501,10 @@ class PagedKVCache(_Cache):
 
   def gather(self) -> tuple[jax.Array, jax.Array]:
     """Each row's pages in order, as contiguous ``[batch, capacity, kv_heads, head_dim]`` keys and
-    values (a copy)."""
-    shape = (self.batch, self.capacity, self.kv_heads, self.head_dim)
-    return (self.k_pages[self.page_table].reshape(shape),
-            self.v_pages[self.page_table].reshape(shape))
+    values (``value_head_dim``; a copy)."""
+    shape = (self.batch, self.capacity, self.kv_heads)
+    return (self.k_pages[self.page_table].reshape(*shape, self.head_dim),
+            self.v_pages[self.page_table].reshape(*shape, self.value_head_dim))
 
   def attend(self, q: jax.Array, *, query_seq_lengths=None, attention_fn: Callable | None = None,
              **kwargs):

@@ -1,5 +1,6 @@
 """A paged key/value cache (``flash_attention(..., block_table=...)``, FlashAttention's
-``flash_attn_with_kvcache`` name): K and V are pages ``[num_pages, page_size, K, H]`` and row ``b``'s
+``flash_attn_with_kvcache`` name): K and V are pages ``[num_pages, page_size, K, H]`` (V's last axis
+may be its own head_dim ``Hv``) and row ``b``'s
 key ``j`` is at ``(block_table[b, j // page_size], j % page_size)``.
 
 A decode-shaped call (the decode family takes it: kernels/decode) reads the pages through the table
@@ -49,9 +50,10 @@ def check_paged(query, key, value, block_table, key_value_seq_lengths):
     if x.ndim != 4:
       raise ValueError(f"with block_table, {name} must be pages [num_pages, page_size, K, H], got "
                        f"shape {tuple(x.shape)}")
-  if tuple(key.shape) != tuple(value.shape):
-    raise ValueError(f"with block_table, key and value must be pages of one shape [num_pages, "
-                     f"page_size, K, H], got {tuple(key.shape)} and {tuple(value.shape)}")
+  if tuple(key.shape[:3]) != tuple(value.shape[:3]):
+    raise ValueError(f"with block_table, key and value must be pages of one [num_pages, page_size, "
+                     f"K] (value: [num_pages, page_size, K, Hv]), got {tuple(key.shape)} and "
+                     f"{tuple(value.shape)}")
   b = query.shape[0]
   if block_table.ndim != 2 or block_table.shape[0] != b:
     raise ValueError(f"block_table must have shape [B, max_pages] with B={b} (the query's batch), "
@@ -85,9 +87,15 @@ def check_paged(query, key, value, block_table, key_value_seq_lengths):
   return max_pages, page_size
 
 
+def logical_kv(key, value, batch: int, seq_k: int):
+  """The contiguous K/V ``[B, S, K, H]`` / ``[B, S, K, Hv]`` the pages stand for, as
+  ``jax.ShapeDtypeStruct``s (``S = max_pages * page_size``)."""
+  return tuple(jax.ShapeDtypeStruct((batch, seq_k, *x.shape[2:]), x.dtype) for x in (key, value))
+
+
 def gather_pages(pages, block_table):
-  """``[B, max_pages * page_size, K, H]``: each row's pages, in its table's order (ids clipped to
-  the pages there are)."""
+  """``[B, max_pages * page_size, K, H]`` (H: the pages' last axis): each row's pages, in its
+  table's order (ids clipped to the pages there are)."""
   b, max_pages = block_table.shape
   idx = jnp.clip(block_table.astype(jnp.int32), 0, pages.shape[0] - 1)
   out = jnp.take(pages, idx, axis=0)  # [B, max_pages, page_size, K, H]
@@ -107,8 +115,8 @@ def flash_attention_paged(query, key, value, block_table, attend, **kwargs):
   check_paged(query, key, value, block_table, kwargs.get("key_value_seq_lengths"))
   max_pages, page_size = block_table.shape[1], key.shape[1]
   b, _, _, _ = query.shape
-  logical = jax.ShapeDtypeStruct((b, max_pages * page_size, *key.shape[2:]), key.dtype)
-  call = prepare(query, logical, logical, **_prepare_args(kwargs))
+  logical_k, logical_v = logical_kv(key, value, b, max_pages * page_size)
+  call = prepare(query, logical_k, logical_v, **_prepare_args(kwargs))
   if not reads_pages(call, kwargs):
     return attend(query, gather_pages(key, block_table), gather_pages(value, block_table), **kwargs)
   arrays, static = _split(kwargs)
@@ -141,8 +149,8 @@ def _decode_forward(query, key, value, block_table, arrays, static):
   max_pages, page_size = block_table.shape[1], key.shape[1]
   b = query.shape[0]
   s = max_pages * page_size
-  logical = jax.ShapeDtypeStruct((b, s, *key.shape[2:]), key.dtype)
-  call = prepare(query, logical, logical, **_prepare_args(kwargs))
+  logical_k, logical_v = logical_kv(key, value, b, s)
+  call = prepare(query, logical_k, logical_v, **_prepare_args(kwargs))
   family = registry.get("decode")
   launch = family.launch_config(call.kernel_call, kwargs.get("block_sizes"))
   variant = call.variant
@@ -191,8 +199,8 @@ def backend_for_paged(query, key, value, block_table, **kwargs):
   """:func:`fa2_jax.backend_for` of a paged call."""
   check_paged(query, key, value, block_table, kwargs.get("key_value_seq_lengths"))
   b, max_pages, page_size = query.shape[0], block_table.shape[1], key.shape[1]
-  logical = jax.ShapeDtypeStruct((b, max_pages * page_size, *key.shape[2:]), key.dtype)
-  call = prepare(query, logical, logical, **_prepare_args(kwargs))
+  logical_k, logical_v = logical_kv(key, value, b, max_pages * page_size)
+  call = prepare(query, logical_k, logical_v, **_prepare_args(kwargs))
   d = dispatch.describe(call.backend, call.kernel_call, implementation=kwargs.get("implementation"),
                         config=kwargs.get("block_sizes"), formula_reason=call.formula_reason)
   if reads_pages(call, kwargs):

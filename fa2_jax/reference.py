@@ -40,12 +40,13 @@ def reference_attention(query, key, value, *, scale=None, is_causal=False, retur
                         local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
                         q_offset=None, logits_soft_cap=None, alibi_slopes=None, mask_fn=None,
                         score_fn=None, query_block=None):
-  """Reference attention on ``[B, T, N, H]`` / ``[B, S, K, H]`` inputs (GQA when ``K < N``).
+  """Reference attention on ``[B, T, N, H]`` / ``[B, S, K, H]`` inputs (GQA when ``K < N``); the value
+  ``[B, S, K, Hv]`` may have its own head_dim ``Hv`` (the output's).
 
   Args:
     query, key, value: arrays as in :func:`fa2_jax.flash_attention` (rank 4, or rank 3 without the
       batch axis); float64 inputs compute in float64.
-    scale: logit scale, default ``1/sqrt(H)``.
+    scale: logit scale, default ``1/sqrt(H)`` (the query/key head_dim).
     is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size, q_segment_ids,
       kv_segment_ids, q_offset, logits_soft_cap, alibi_slopes, mask_fn, score_fn: the variant, as in
       :func:`fa2_jax.flash_attention` (``mask_fn``/``score_fn`` may close over arrays here).
@@ -170,9 +171,10 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
   """The formula on validated rank-4 inputs and a normalised variant (see :func:`reference_attention`).
 
   Returns:
-    ``out [B, T, N, H]`` (query dtype) and ``lse [B, T, N]`` (compute dtype).
+    ``out [B, T, N, Hv]`` (query dtype) and ``lse [B, T, N]`` (compute dtype).
   """
   b, t, n, hd = query.shape
+  hv = value.shape[-1]  # the value's head_dim: the output's
   s, kh = key.shape[1], key.shape[2]
   if compute_dtype is None:
     compute_dtype = jnp.float64 if query.dtype == jnp.float64 else jnp.float32
@@ -220,7 +222,7 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
   g = n // kh
 
   def rows_block(q_blk, row0, seg_blk):
-    """Out ``[B, rows, N, H]`` and lse ``[B, rows, N]`` of the query rows ``[row0, row0 + rows)``."""
+    """Out ``[B, rows, N, Hv]`` and lse ``[B, rows, N]`` of the query rows ``[row0, row0 + rows)``."""
     rows = q_blk.shape[1]
     mask, idx = _mask(variant, arrays, b, n, row0, rows, s, seg_blk)
     if mask is not None:
@@ -261,7 +263,7 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
     l_safe = jnp.where(has_key, l, 1)  # log and division never see 0
     lse = jnp.where(has_key, m[..., 0] + jnp.log(l_safe), -jnp.inf)
     out = jnp.einsum("bkgts,bskh->btkgh", p.reshape(b, kh, g, rows, s), v, precision=prec)
-    out = out.reshape(b, rows, n, hd) / jnp.swapaxes(l_safe, 1, 2)[..., None]
+    out = out.reshape(b, rows, n, hv) / jnp.swapaxes(l_safe, 1, 2)[..., None]
     return out, jnp.swapaxes(lse, 1, 2)
 
   if block == t_pad:
@@ -280,7 +282,7 @@ def attention_formula(query, key, value, variant: Variant, arrays: VariantArrays
 
     # jax.checkpoint: the backward recomputes each block's scores instead of storing all of them.
     out, lse = lax.map(jax.checkpoint(body), (qb, starts, segb))
-    out = jnp.moveaxis(out, 0, 1).reshape(b, t_pad, n, hd)[:, :t]
+    out = jnp.moveaxis(out, 0, 1).reshape(b, t_pad, n, hv)[:, :t]
     lse = jnp.moveaxis(lse, 0, 1).reshape(b, t_pad, n)[:, :t]
   # ALiBi's distances were taken from each row's nearest key (masking.alibi_nearest_key): the rows'
   # shift back into the lse

@@ -9,7 +9,7 @@ Explicit-axes mesh the kernels' refs refuse sharded slicing outright. Which mesh
 * B (dim 0 of every operand): any mesh axes whose devices divide B.
 * The heads (N of q, K of k/v, alike): mesh axes over ``d`` devices with ``K % d == 0``, so that each
   device holds whole GQA groups (its query heads and the KV heads they read).
-* T, S (the sequence axes) and H (head_dim): none. Sharding T or S is context parallelism (ring or
+* T, S (the sequence axes), H and Hv (the query/key and value head_dims): none. Sharding T or S is context parallelism (ring or
   all-to-all attention), which these kernels do not implement.
 * Neither B nor the heads where the call's ``mask_fn``/``score_fn`` reads that index: the kernels pass
   the index of their grid, which on a device's share counts from 0 (``whole`` of :func:`plan`).
@@ -32,8 +32,9 @@ applied three ways:
   mechanisms step aside (``custom_partitioning`` lowers its body directly there).
 
 Operands are described by layouts, one letter per dimension: ``b`` batch, ``t`` query sequence, ``s``
-key sequence, ``n`` query heads, ``k`` KV heads, ``h`` head_dim, ``x`` the two row statistics (q
-``"btnh"``, k/v ``"bskh"``, the forward's row statistics ``"bnxt"``, the lse cotangent ``"bnt"``).
+key sequence, ``n`` query heads, ``k`` KV heads, ``h`` head_dim, ``v`` the value's head_dim (which
+may differ: out and dout ``"btnv"``), ``x`` the two row statistics (q ``"btnh"``, k ``"bskh"``, v
+``"bskv"``, the forward's row statistics ``"bnxt"``, the lse cotangent ``"bnt"``).
 An operand the kernels gain later (lengths ``"b"``, segment ids ``"bt"``/``"bs"``, per-head slopes
 ``"n"``, a scalar ``""``) is sharded by the same plan through its layout.
 
@@ -65,15 +66,17 @@ from .kernels.batching import fold_mapped, unfold_mapped
 AxisNames = tuple[str, ...]
 
 # Layouts of the kernels' operands, one letter per dimension (see the module docstring).
-Q = "btnh"  # q, out, dout, dq: [B, T, N, H]
-KV = "bskh"  # k, v, dk, dv: [B, S, K, H]
+Q = "btnh"  # q, dq: [B, T, N, H]
+KV = "bskh"  # k, dk: [B, S, K, H]
+O = "btnv"  # out, dout: [B, T, N, Hv] (Hv: the value's head_dim, H or another)
+V = "bskv"  # v, dv: [B, S, K, Hv]
 LSE = "bnt"  # the kernels' lse cotangent dlse: [B, N, T]
 STATS = "bnxt"  # the forward's row statistics (r, l): [B, N, 2, T] (kernels/softmax.py)
 LSE_PUBLIC = "btn"  # flash_attention's lse: [B, T, N]
 QKV_NAMES = ("query", "key", "value")
 _WHAT = {"b": "batch axis B", "t": "sequence axis T", "s": "sequence axis S", "n": "heads",
-         "k": "heads", "h": "head_dim H"}
-_WHOLE = "tshx"  # letters no mesh axis may shard
+         "k": "heads", "h": "head_dim H", "v": "value head_dim Hv"}
+_WHOLE = "tshvx"  # letters no mesh axis may shard
 
 
 # --- the plan: which mesh axes shard B and the heads, and what cannot be kept ---------------------
@@ -127,7 +130,7 @@ class Plan:
 
 
 def plan(axis_sizes: Mapping[str, int], shapes: Sequence[Sequence[int]], specs: Sequence,
-         layouts: Sequence[str] = (Q, KV, KV), names: Sequence[str] = QKV_NAMES,
+         layouts: Sequence[str] = (Q, KV, V), names: Sequence[str] = QKV_NAMES,
          whole: Mapping[str, str] | None = None) -> Plan:
   """The local split of a call whose operands (shapes, layouts, names for the messages) are sharded
   by ``specs`` over a mesh with ``axis_sizes``.
@@ -146,9 +149,10 @@ def plan(axis_sizes: Mapping[str, int], shapes: Sequence[Sequence[int]], specs: 
   if sequence:
     problems.append(", ".join(sequence) + ": context parallelism (a sequence-sharded attention) is "
                     "not supported")
-  problems += [f"{name} is sharded along head_dim H (dim {i}) over {_show(d[i])}: each kernel tile "
-               "needs whole rows of H" for name, layout, d in zip(names, layouts, dims)
-               for i, c in enumerate(layout) if c == "h" and d[i]]
+  problems += [f"{name} is sharded along {_WHAT[c]} (dim {i}) over {_show(d[i])}: each kernel tile "
+               f"needs whole rows of {_WHAT[c].split()[-1]}"
+               for name, layout, d in zip(names, layouts, dims)
+               for i, c in enumerate(layout) if c in "hv" and d[i]]
 
   def size(axes: AxisNames) -> int:
     return math.prod(axis_sizes[a] for a in axes)
@@ -211,8 +215,8 @@ def _explicit_spec(x) -> tuple[object, P] | None:
   return mesh, P(*map(_entry, kept))
 
 
-def local_call(fn: Callable, arrays: Sequence, layouts: Sequence[str] = (Q, KV, KV),
-               out_layouts: Sequence[str] = (Q, LSE_PUBLIC), names: Sequence[str] = QKV_NAMES,
+def local_call(fn: Callable, arrays: Sequence, layouts: Sequence[str] = (Q, KV, V),
+               out_layouts: Sequence[str] = (O, LSE_PUBLIC), names: Sequence[str] = QKV_NAMES,
                whole: Mapping[str, str] | None = None):
   """``fn(*arrays)``, run per device (a ``shard_map``) when Explicit mesh axes shard the arrays;
   called as is otherwise. ``arrays`` start with q, k, v; ``fn`` returns arrays of ``out_layouts``;
@@ -291,10 +295,11 @@ def _partition(fn, in_layouts, out_layouts, whole, mesh, arg_shapes, result_shap
 
 
 def _rule(fn, in_layouts, out_layouts, whole, mesh, value_types, result_types):
-  """The Shardy rule, e.g. ``b t n h, b s k h, b s k h -> b t n h, b n t``. The query heads N and
+  """The Shardy rule, e.g. ``b t n h, b s k h, b s k v -> b t n v, b n x t``. The query heads N and
   the KV heads K are separate factors: relating them as N = (K G) would let propagation split K over
   part of a mesh axis (K % devices != 0), a sharding no PartitionSpec names; the partition callback
-  shards K with N itself. T, S and H must stay whole (need-replication factors, listed in the order
+  shards K with N itself. H and the value's Hv are separate factors too (their sizes may differ).
+  T, S, H and Hv must stay whole (need-replication factors, listed in the order
   the rule first names them, as Shardy requires)."""
   del fn, whole, mesh, value_types, result_types
   side = lambda layouts: ", ".join(" ".join(layout) for layout in layouts)
@@ -363,7 +368,7 @@ def partitioned(fn: Callable, arrays: Sequence, in_layouts: Sequence[str],
 
 def forward(kernel: Callable, q, k, v, st, extras=(), extra_layouts=(), partition: bool = True,
             whole: Mapping[str, str] | None = None, fold_vmap: bool = False):
-  """``kernel(q, k, v, extras, st) -> (out [B, T, N, H], stats [B, N, 2, T])``, partitioned; ``extras``
+  """``kernel(q, k, v, extras, st) -> (out [B, T, N, Hv], stats [B, N, 2, T])``, partitioned; ``extras``
   (the variant operands) are sharded by their ``extra_layouts`` (e.g. ``"b"``, ``"bt"``).
   ``partition=False`` calls the kernel as is (kernels that cannot be partitioned, see
   ``attention._partitionable``); ``whole`` as for :func:`plan`; ``fold_vmap`` as for
@@ -371,7 +376,7 @@ def forward(kernel: Callable, q, k, v, st, extras=(), extra_layouts=(), partitio
   fn = functools.partial(_call_forward, kernel, st)
   if not partition:
     return fn(q, k, v, *extras)
-  return partitioned(fn, (q, k, v, *extras), (Q, KV, KV, *extra_layouts), (Q, STATS), whole,
+  return partitioned(fn, (q, k, v, *extras), (Q, KV, V, *extra_layouts), (O, STATS), whole,
                      fold_vmap)
 
 
@@ -384,8 +389,8 @@ def backward(kernel: Callable, st, q, k, v, out, stats, dout, dlse, extras=(), e
   arrays = (q, k, v, out, stats, dout, dlse, *extras)
   if not partition:
     return fn(*arrays)
-  return partitioned(fn, arrays, (Q, KV, KV, Q, STATS, Q, LSE, *extra_layouts),
-                     (Q, KV, KV, *extra_outputs), whole, fold_vmap)
+  return partitioned(fn, arrays, (Q, KV, V, O, STATS, O, LSE, *extra_layouts),
+                     (Q, KV, V, *extra_outputs), whole, fold_vmap)
 
 
 def _call_forward(kernel, st, q, k, v, *extras):

@@ -106,19 +106,23 @@ def validate_qkv(query, key, value) -> None:
   k4 = key.shape if key.ndim == 4 else (1, *key.shape)
   v4 = value.shape if value.ndim == 4 else (1, *value.shape)
   b, _, n, h = q4
-  if k4 != v4:
-    raise ValueError(f"key and value must have the same shape [B, S, K, H], got {tuple(key.shape)} "
-                     f"and {tuple(value.shape)}")
+  # value's head_dim Hv may differ from the query/key head_dim H (multi-head latent attention, e.g.
+  # DeepSeek-V2: H = 192, Hv = 128); B, S and K must match key's.
+  if k4[:3] != v4[:3]:
+    raise ValueError(f"key and value must have the same [B, S, K] (value: [B, S, K, Hv], Hv may "
+                     f"differ from key's H), got {tuple(key.shape)} and {tuple(value.shape)}")
   if k4[0] != b:
     raise ValueError(f"key/value batch size {k4[0]} does not match query batch size {b}")
   if k4[3] != h:
-    raise ValueError(f"key/value head_dim {k4[3]} does not match query head_dim {h}")
+    raise ValueError(f"key head_dim {k4[3]} does not match query head_dim {h}")
   kh = k4[2]
   if is_static_dim(n) and is_static_dim(kh) and (n < 1 or kh < 1 or n % kh != 0):
     raise ValueError(f"the query head count N={n} must be a positive multiple of the key/value "
                      f"head count K={kh} (K < N is GQA, K == 1 is MQA)")
   if is_static_dim(h) and h < 1:
     raise ValueError(f"head_dim must be >= 1, got {h}")
+  if is_static_dim(v4[3]) and v4[3] < 1:
+    raise ValueError(f"value head_dim must be >= 1, got {v4[3]}")
 
 
 def check_no_dense(bias, mask) -> None:

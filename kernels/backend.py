@@ -28,7 +28,8 @@ class KernelCall:
 
   ``q_shape`` ``[B, T, N, H]``, ``k_shape`` ``[B, S, K, H]`` (static ints, non-empty); ``variant`` the
   call's attention variant (``Variant(is_causal=...)`` for a plain call); ``interpret``: Pallas
-  interpret mode was asked for (``interpret=True``).
+  interpret mode was asked for (``interpret=True``); ``value_head_dim`` the value's (and the
+  output's) head_dim ``Hv``, value ``[B, S, K, Hv]`` (None given: ``H``, stored so).
   """
 
   q_shape: tuple[int, ...]
@@ -38,10 +39,21 @@ class KernelCall:
   variant: Variant
   interpret: bool = False
   deterministic: bool = False
+  value_head_dim: int | None = None
+
+  def __post_init__(self):
+    if self.value_head_dim is None:  # one value per call: equal calls compare (and hash) equal
+      object.__setattr__(self, "value_head_dim", self.q_shape[-1])
 
   @property
   def head_dim(self) -> int:
+    """The query/key head_dim ``H``."""
     return self.q_shape[-1]
+
+  @property
+  def v_shape(self) -> tuple[int, ...]:
+    """``[B, S, K, Hv]``."""
+    return (*self.k_shape[:3], self.value_head_dim)
 
   @property
   def seq_q(self) -> int:
@@ -115,7 +127,7 @@ class Backend:
 
   def forward(self, q, k, v, *, scale: float, is_causal: bool, config, variant: Variant | None,
               arrays, table, interpret: bool):
-    """``(out [B, T, N, H] in q's dtype, stats [B, N, 2, T] f32)``: the rows' statistics
+    """``(out [B, T, N, Hv] in q's dtype, stats [B, N, 2, T] f32)``: the rows' statistics
     (kernels/softmax.py). ``variant`` None: a plain (dense or causal) call; ``arrays`` its
     :class:`kernels.masking.VariantArrays`; ``table`` the forward's block-range table or None."""
     raise NotImplementedError

@@ -437,6 +437,21 @@ def test_argument_domains_differ():
          jax_nn(q, k, v, is_causal=True), TOL[jnp.dtype(jnp.float32)], "(None, 0) is causal")
 
 
+def test_a_value_head_dim_of_its_own_differs():
+  """A difference: jax.nn needs value with key's shape; fa2_jax takes value [B, S, K, Hv] with
+  another Hv (MLA) and returns [B, T, N, Hv], at the scale 1 / sqrt(H) jax.nn would use: per value
+  column the same as jax.nn on the value padded to H with zeros."""
+  q, k, v, _ = _inputs(1, 8, 8, 2, 2, 16, jnp.float32)
+  narrow = v[..., :8]
+  with pytest.raises(ValueError, match="value shape"):
+    jax_nn(q, k, narrow)
+  padded = jnp.pad(narrow, ((0, 0), (0, 0), (0, 0), (0, 8)))
+  for path in ("xla", "triton"):
+    got = fa2_jax.flash_attention(q, k, narrow, is_causal=True, **PATHS[path])
+    assert got.shape == (1, 8, 2, 8)
+    _close(got, jax_nn(q, k, padded, is_causal=True)[..., :8], TOL[jnp.dtype(jnp.float32)], path)
+
+
 def test_forward_mode_through_the_kernels_differs():
   """A difference: jax.nn differentiates in forward mode; fa2_jax's kernels in reverse mode only
   (a TypeError naming implementation='xla', whose formula does)."""

@@ -147,7 +147,7 @@ def test_xla_implementation_has_higher_derivatives():
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(query=jnp.ones((4, 2, 8))[0]), ValueError, "query must have rank 4"),
     (dict(key=jnp.ones((1, 4, 2))), ValueError, "key must have the same rank as query"),
-    (dict(value=jnp.ones((1, 5, 2, 8))), ValueError, "key and value must have the same shape"),
+    (dict(value=jnp.ones((1, 5, 2, 8))), ValueError, "key and value must have the same \\[B, S, K\\]"),
     (dict(scale=np.array(1 + 2j)), TypeError, "scale must be a real number"),
     (dict(scale=1j), TypeError, "scale must be a Python float"),
     (dict(scale=10 ** 400), ValueError, "scale must be finite, got a number too large"),

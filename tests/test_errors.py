@@ -23,7 +23,8 @@ def call(q=Q, k=KV, v=KV, **kw):
     (dict(v=jnp.zeros((2, 12, 2, 16), jnp.bfloat16)), ValueError, "share one dtype"),  # as jax.nn
     (dict(q=Q.astype(jnp.int32), k=KV.astype(jnp.int32), v=KV.astype(jnp.int32)), TypeError,
      "bfloat16, float16 or float32"),
-    (dict(v=jnp.zeros((2, 11, 2, 16))), ValueError, "key and value must have the same shape"),
+    (dict(v=jnp.zeros((2, 11, 2, 16))), ValueError,
+     "key and value must have the same \\[B, S, K\\]"),
     (dict(k=jnp.zeros((3, 12, 2, 16)), v=jnp.zeros((3, 12, 2, 16))), ValueError, "batch size"),
     (dict(k=jnp.zeros((2, 12, 2, 32)), v=jnp.zeros((2, 12, 2, 32))), ValueError, "head_dim"),
     (dict(k=jnp.zeros((2, 12, 3, 16)), v=jnp.zeros((2, 12, 3, 16))), ValueError,

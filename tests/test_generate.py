@@ -143,7 +143,7 @@ ERRORS = {
     "k_new shape": (lambda: _cache().append(jnp.zeros((B, 1, K + 1, H)), jnp.zeros((B, 1, K + 1, H))),
                     ValueError, r"k_new must have shape \[batch=2, T_new, kv_heads=2"),
     "v_new shape": (lambda: _cache().append(jnp.zeros((B, 1, K, H)), jnp.zeros((B, 2, K, H))),
-                    ValueError, "k_new and v_new must have the same shape"),
+                    ValueError, r"k_new and v_new must have the same \[batch, T_new, kv_heads\]"),
     "k_new dtype": (lambda: _cache().append(jnp.zeros((B, 1, K, H), jnp.bfloat16),
                                             jnp.zeros((B, 1, K, H), jnp.bfloat16)),
                     TypeError, "k_new must have the cache's dtype float32"),

@@ -53,6 +53,27 @@ def test_lowers_for_hopper(case, as_h200):
   assert text.count("__gpu$xla.gpu.triton") >= 3
 
 
+@pytest.mark.parametrize("t, s, causal", [(300, 300, True), (1, 1024, False)],
+                         ids=["training", "decoding"])
+def test_value_head_dim_lowers_for_hopper(as_h200, t, s, causal):
+  """A value head_dim other than the query/key one (DeepSeek-V2's H 192, Hv 128): V, O, dO and dV
+  tiles of 128 columns beside Q/K/dQ/dK tiles of 256 (192 padded) pass the Triton lowering, on the
+  training kernels and on the decode forward (whose backward is the Triton one)."""
+  q = jax.ShapeDtypeStruct((2, t, 8, 192), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, s, 2, 192), jnp.bfloat16)
+  v = jax.ShapeDtypeStruct((2, s, 2, 128), jnp.bfloat16)
+  assert fa2_jax.backend_for(q, k, v, is_causal=causal).backend == ("triton" if t > 1 else "decode")
+
+  def loss(q, k, v):
+    return fa2_jax.flash_attention(q, k, v, is_causal=causal).astype(jnp.float32).sum()
+
+  fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  exp = export.export(fn, platforms=["cuda"], disabled_checks=[
+      export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(q, k, v)
+  assert [a.shape for a in exp.out_avals] == [q.shape, k.shape, v.shape]
+  assert exp.mlir_module().count("__gpu$xla.gpu.triton") >= 3
+
+
 @pytest.mark.parametrize("score_fn", [None, lambda x, b, h, i, j: x * 0.9 + jnp.sin(x) * 0.1])
 def test_alibi_slopes_gradient_lowers_for_hopper(as_h200, score_fn):
   """The dQ kernel's second output, the rows' sums of dS * d s / d slope, when the slopes are

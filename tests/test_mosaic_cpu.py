@@ -13,6 +13,7 @@ No GPU needed:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -65,6 +66,23 @@ def test_supports_rejects(q_shape, k_shape, dtype, h, words):
     assert isinstance(why, str) and why, (q_shape, k_shape, dtype, h, causal)
     for w in words:
       assert w in why, (w, why)
+
+
+def test_backend_refuses_a_value_head_dim_other_than_head_dim(monkeypatch):
+  """What dispatch asks the family: a value head_dim Hv != H (multi-head latent attention,
+  DeepSeek-V2's 192 / 128) is refused with the reason, on Hopper too (the kernels tile Q/K and V/O
+  by one head_dim); the same call with Hv == H is not."""
+  from fa2_jax.kernels import platform
+  from fa2_jax.kernels.backend import KernelCall
+  from fa2_jax.kernels.masking import Variant
+  from fa2_jax.kernels.sm90.backend import SM90
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
+  call = KernelCall((2, 1024, 8, 192), (2, 1024, 8, 192), jnp.dtype(BF16), True,
+                    Variant(is_causal=True))
+  assert call.value_head_dim == 192 and SM90.supports(call) is None
+  mla = dataclasses.replace(call, value_head_dim=128)
+  assert mla.v_shape == (2, 1024, 8, 128)
+  assert SM90.supports(mla).startswith("value head_dim != query head_dim (128 != 192)")
 
 
 # --- MosaicConfig -------------------------------------------------------------------------------------

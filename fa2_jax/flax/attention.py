@@ -144,7 +144,7 @@ def _check_dropout(dropout_rate, deterministic, dropout_rng) -> None:
     raise ValueError(f"dropout_rate={dropout_rate} with deterministic=False needs a dropout_rng")
 
 
-def _fallback_reason(query, value, dtype, bias, dropout_rate, deterministic, module, einsums,
+def _fallback_reason(dtype, bias, dropout_rate, deterministic, module, einsums,
                      extra) -> tuple[str, str] | None:
   """Why this call cannot run on the kernel and what to pass instead, or None when it can.
 
@@ -167,9 +167,6 @@ def _fallback_reason(query, value, dtype, bias, dropout_rate, deterministic, mod
   if extra:
     return (f"unsupported arguments {sorted(extra)} were passed",
             "Leave them unset (None) to run the kernel.")
-  if value.shape[-1] != query.shape[-1]:
-    return (f"value head_dim {value.shape[-1]} differs from the query/key head_dim "
-            f"{query.shape[-1]}", "The kernel needs one head_dim for query, key and value.")
   if jnp.dtype(dtype) not in _KERNEL_DTYPES:
     return (f"dtype {jnp.dtype(dtype)} is not bfloat16, float16 or float32",
             "Pass dtype=jnp.float32 (or bfloat16/float16) to run the kernel.")
@@ -572,8 +569,8 @@ class FlashAttentionFn:
       query, key, value = promote_dtype((query, key, value), dtype=dtype)
     else:
       query, key, value = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
-    why = _fallback_reason(query, value, query.dtype, bias, dropout_rate, deterministic, module,
-                           einsums, extra)
+    why = _fallback_reason(query.dtype, bias, dropout_rate, deterministic, module, einsums,
+                           extra)
     if why is None and mask is not None:
       flag = _mask_as_flag(mask, causal, query.shape[-3], key.shape[-3],
                            shifted="q_offset" in variants)

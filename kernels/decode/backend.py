@@ -74,8 +74,10 @@ class DecodeBackend(Backend):
     return None
 
   def default_config(self, call: KernelCall) -> DecodeConfig:
+    # The tiles of the larger head_dim: K tiles have H columns, the V tile and accumulator Hv.
     b, t, n, _ = call.q_shape
-    return DecodeConfig.default(call.head_dim, call.dtype, rows=t * (n // call.k_shape[2]))
+    return DecodeConfig.default(max(call.head_dim, call.value_head_dim), call.dtype,
+                                rows=t * (n // call.k_shape[2]))
 
   def check_config(self, call: KernelCall, config: DecodeConfig) -> str | None:
     del call, config

@@ -14,12 +14,14 @@ without a mask, the others with the variant's rule.
 Each program writes its share's output, already divided by its row sum, and its rows' statistics
 ``(r, l)`` in the kernels' form (kernels/softmax.py: ``r`` the raw logit of the largest ``s * c``,
 ``l`` the row sum relative to that logit's weight). With one split these are the result, written
-straight into ``out [B, T, N, H]`` (q's dtype) and ``stats [B, N, 2, T]``; with several, float32
-partials ``[B, splits, T, N, H]`` / ``[B, splits, N, 2, T]`` that :func:`combine` (a second small
-kernel, grid ``(B, K)``) merges exactly by their log-sum-exp into the same two outputs. Between
-and around the kernels only reshapes (free) run.
+straight into ``out [B, T, N, Hv]`` (q's dtype; ``Hv`` the value's head_dim, ``H`` or another) and
+``stats [B, N, 2, T]``; with several, float32 partials ``[B, splits, T, N, Hv]`` /
+``[B, splits, N, 2, T]`` that :func:`combine` (a second small kernel, grid ``(B, K)``) merges exactly
+by their log-sum-exp into the same two outputs. Between and around the kernels only reshapes (free)
+run.
 
-Paged caches (``block_table``): K and V are ``[pages, page_size, K, H]``; the row's key ``j`` lives
+Paged caches (``block_table``): K and V are ``[pages, page_size, K, H]`` (V's last axis ``Hv``); the
+row's key ``j`` lives
 at ``(block_table[b, j // page_size], j % page_size)``, and every loop step gathers its ``block_k``
 key rows through the table (any page order, shared pages, any page size: one row's gather is
 ``H`` contiguous elements).
@@ -64,24 +66,31 @@ def _packed_rows(kh, *, seq_q: int, group: int, heads: int, rows_padded: int):
 
 
 def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: tuple[str, ...],
-            seq_q: int, seq_k: int, heads: int, group: int, head_dim: int, block_k: int,
-            rows_padded: int, splits: int, page_size: int | None, f32: bool):
-  # q_ref: [T * N, hp] (this batch element's rows, row t * N + head); k_ref, v_ref: [S, hp] (this KV
-  # head) or, paged, [pages, page_size, hp]; then the variant operands named by `names`; o_ref:
-  # [T * N, hp] of this split; stats_ref: [N * 2 * T] of this split (the [N, 2, T] statistics).
+            seq_q: int, seq_k: int, heads: int, group: int, head_dim: int, value_head_dim: int,
+            block_k: int, rows_padded: int, splits: int, page_size: int | None, f32: bool):
+  # q_ref: [T * N, hp] (this batch element's rows, row t * N + head); k_ref: [S, hp] (this KV head)
+  # or, paged, [pages, page_size, hp]; v_ref the same with hvp; then the variant operands named by
+  # `names`; o_ref: [T * N, hvp] of this split; stats_ref: [N * 2 * T] of this split (the [N, 2, T]
+  # statistics). hp, hvp: H and Hv padded (triton.common.padded_head_dim).
   var_refs, (o_ref, stats_ref) = rest[:len(names)], rest[len(names):]
   refs = dict(zip(names, var_refs))
-  hp = q_ref.shape[-1]
+  hp, hvp = q_ref.shape[-1], v_ref.shape[-1]
   b, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   rp = rows_padded
   t_of, head, real, qrow, at = _packed_rows(kh, seq_q=seq_q, group=group, heads=heads,
                                             rows_padded=rp)
   qrow = qrow[:, None]  # [rp, 1]
-  cols = jnp.arange(hp, dtype=jnp.int32)[None, :]  # [1, hp]
-  col_ok = None if head_dim == hp else cols < head_dim
-  row_mask = real[:, None] if col_ok is None else real[:, None] & col_ok
+
+  def columns(dim: int, padded: int):
+    """The ``[1, padded]`` column indices and which of them are real (None: all)."""
+    cols = jnp.arange(padded, dtype=jnp.int32)[None, :]
+    return cols, None if dim == padded else cols < dim
+
+  q_cols, q_col_ok = columns(head_dim, hp)
+  o_cols, o_col_ok = columns(value_head_dim, hvp)  # V's, the output's
+  row_mask = lambda ok: real[:, None] if ok is None else real[:, None] & ok  # noqa: E731
   # Row gathers index every axis with an array (the form Pallas interpret mode takes too).
-  q = plgpu.load(q_ref.at[qrow, cols], mask=row_mask, other=0.0)  # [rp, hp]
+  q = plgpu.load(q_ref.at[qrow, q_cols], mask=row_mask(q_col_ok), other=0.0)  # [rp, hp]
 
   off = refs["q_offset"][()] if "q_offset" in refs else jnp.int32(0)
   q_len = refs["q_len"][()] if "q_len" in refs else None
@@ -100,12 +109,13 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
   c1 = jnp.minimum(c0 + share, hi)
 
   if page_size is None:
-    def load_kv(ref, start, limit):
-      return load_tile(ref, start, block_k, limit, head_dim)
+    def load_kv(ref, start, limit, dim):
+      return load_tile(ref, start, block_k, limit, dim)
   else:
     table = refs["block_table"]  # [max_pages] int32 of this batch element
 
-    def load_kv(ref, start, limit):
+    def load_kv(ref, start, limit, dim):
+      cols, col_ok = columns(dim, ref.shape[-1])
       j = start + jnp.arange(block_k, dtype=jnp.int32)
       ok = j < (seq_k if limit is None else limit)
       j = jnp.where(ok, j, 0)
@@ -122,8 +132,8 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
   def body(j, carry, masked: bool):
     acc, m_i, l_i, r_i = carry
     start = j * block_k
-    k = load_kv(k_ref, start, key_end if masked else None)  # [block_k, hp]
-    v = load_kv(v_ref, start, key_end if masked else None)
+    k = load_kv(k_ref, start, key_end if masked else None, head_dim)  # [block_k, hp]
+    v = load_kv(v_ref, start, key_end if masked else None, value_head_dim)  # [block_k, hvp]
     s = dot(q, k, trans_b=True, f32=f32)  # [rp, block_k] f32
     kv_idx = start + jnp.arange(block_k, dtype=jnp.int32)[None, :]
     if variant.modifies_scores:
@@ -152,7 +162,7 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, f32=f32)
     return acc, m_new, l_new, r_new
 
-  carry = (jnp.zeros((rp, hp), jnp.float32), jnp.full((rp,), -jnp.inf, jnp.float32),
+  carry = (jnp.zeros((rp, hvp), jnp.float32), jnp.full((rp,), -jnp.inf, jnp.float32),
            jnp.zeros((rp,), jnp.float32), jnp.full((rp,), fill, jnp.float32))
   masked, unmasked = functools.partial(body, masked=True), functools.partial(body, masked=False)
   # This split's share [c0, c1) of the three ranges: masked [lo, full_lo), unmasked [full_lo,
@@ -163,7 +173,7 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
   acc, m_i, l_i, r_i = lax.fori_loop(jnp.maximum(full_hi, c0), c1, masked, carry)
 
   out = acc / jnp.where(l_i == 0.0, 1.0, l_i)[:, None]
-  plgpu.store(o_ref.at[qrow, cols], out.astype(o_ref.dtype), mask=row_mask)
+  plgpu.store(o_ref.at[qrow, o_cols], out.astype(o_ref.dtype), mask=row_mask(o_col_ok))
   if scale != 0:
     l_i = row_sum_at_max(r_i, m_i, l_i, c, v_ref.dtype)
   plgpu.store(stats_ref.at[at], r_i, mask=real)
@@ -176,8 +186,8 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
   """Run the decode forward (and :func:`combine` when it splits the keys).
 
   Args:
-    q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` with ``N % K == 0``, or with ``block_table`` pages
-      ``[pages, page_size, K, H]``.
+    q: ``[B, T, N, H]``; k: ``[B, S, K, H]``, v: ``[B, S, K, Hv]`` with ``N % K == 0``, or with
+      ``block_table`` pages ``[pages, page_size, K, H]`` (v: ``Hv``).
     variant, arrays: the attention variant (:mod:`kernels.masking`; lengths, ``q_offset``, window,
       soft cap and ALiBi: the features of :class:`kernels.decode.backend.DecodeBackend`).
     block_k, num_splits, rows_padded, num_warps, num_stages: the launch (:class:`DecodeLaunch`).
@@ -185,7 +195,7 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
       row the call spans (``max_pages * page_size``).
 
   Returns:
-    ``out [B, T, N, H]`` (q's dtype) and ``stats [B, N, 2, T]`` float32, as
+    ``out [B, T, N, Hv]`` (q's dtype) and ``stats [B, N, 2, T]`` float32, as
     :meth:`kernels.backend.Backend.forward`.
   """
   b, t, n, h = q.shape
@@ -194,7 +204,8 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
   paged = block_table is not None
   page_size = k.shape[1] if paged else None
   s = seq_k if paged else k.shape[1]
-  hp = padded_head_dim(h)
+  hv = v.shape[-1]
+  hp, hvp = padded_head_dim(h), padded_head_dim(hv)
   arrays = arrays or VariantArrays()
   if (rows_padded < t * group or rows_padded < 16 or rows_padded & (rows_padded - 1)):
     raise ValueError(f"rows_padded {rows_padded} cannot hold {t} x {group} rows")
@@ -208,23 +219,24 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
     ops.append(block_table.astype(jnp.int32))  # [B, max_pages]
     specs.append(pl.BlockSpec((None, block_table.shape[1]), lambda bi, hi, ci: (bi, 0)))
     names.append("block_table")
-    kv_spec = pl.BlockSpec((k.shape[0], page_size, None, hp), lambda bi, hi, ci: (0, 0, hi, 0))
+    kv_block, kv_index = (k.shape[0], page_size, None), lambda bi, hi, ci: (0, 0, hi, 0)
   else:
-    kv_spec = pl.BlockSpec((None, s, None, hp), lambda bi, hi, ci: (bi, 0, hi, 0))
+    kv_block, kv_index = (None, s, None), lambda bi, hi, ci: (bi, 0, hi, 0)
+  kv_spec = lambda d: pl.BlockSpec((*kv_block, d), kv_index)  # noqa: E731  K's (hp), V's (hvp)
   final = num_splits == 1
   out_dtype = q.dtype if final else jnp.float32
   kernel = functools.partial(
       _kernel, scale=float(scale), variant=variant, names=tuple(names), seq_q=t, seq_k=s,
-      heads=n, group=group, head_dim=h, block_k=block_k, rows_padded=rows_padded,
-      splits=num_splits, page_size=page_size, f32=q.dtype == jnp.float32)
+      heads=n, group=group, head_dim=h, value_head_dim=hv, block_k=block_k,
+      rows_padded=rows_padded, splits=num_splits, page_size=page_size, f32=q.dtype == jnp.float32)
   o, stats = pl.pallas_call(
       kernel,
       grid=(b, kh, num_splits),
-      in_specs=[pl.BlockSpec((None, t * n, hp), lambda bi, hi, ci: (bi, 0, 0)), kv_spec, kv_spec,
-                *specs],
-      out_specs=[pl.BlockSpec((None, None, t * n, hp), lambda bi, hi, ci: (bi, ci, 0, 0)),
+      in_specs=[pl.BlockSpec((None, t * n, hp), lambda bi, hi, ci: (bi, 0, 0)), kv_spec(hp),
+                kv_spec(hvp), *specs],
+      out_specs=[pl.BlockSpec((None, None, t * n, hvp), lambda bi, hi, ci: (bi, ci, 0, 0)),
                  pl.BlockSpec((None, None, n * 2 * t), lambda bi, hi, ci: (bi, ci, 0))],
-      out_shape=[out_struct((b, num_splits, t * n, h), out_dtype, q),
+      out_shape=[out_struct((b, num_splits, t * n, hv), out_dtype, q),
                  out_struct((b, num_splits, n * 2 * t), jnp.float32, q)],
       compiler_params=compiler_params(num_warps, num_stages),
       interpret=interpret,
@@ -236,7 +248,7 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
     o, stats = combine(o, stats, scale=scale, modifies_scores=variant.modifies_scores,
                        dtype=q.dtype, seq_q=t, kv_heads=kh, rows_padded=rows_padded,
                        interpret=interpret)
-  return o.reshape(b, t, n, h), stats.reshape(b, n, 2, t)
+  return o.reshape(b, t, n, hv), stats.reshape(b, n, 2, t)
 
 
 def _combine_kernel(o_ref, stats_ref, out_ref, final_ref, *, c: float, seq_q: int, group: int,
@@ -288,10 +300,10 @@ def combine(o, stats, *, scale: float, modifies_scores: bool, dtype, seq_q: int,
             rows_padded: int, interpret: bool, num_warps: int = 4):
   """Merge the splits' partials exactly (a Pallas kernel, grid ``(B, K, H / COMBINE_COLS)``).
 
-  ``o [B, splits, T * N, H]`` float32, each split's output divided by its own row sum; ``stats [B,
+  ``o [B, splits, T * N, Hv]`` float32, each split's output divided by its own row sum; ``stats [B,
   splits, N * 2 * T]`` its ``(r, l)`` (the ``[N, 2, T]`` statistics flattened). Split ``c`` weighs
   ``l_c 2^(m_c - M)`` (``m_c = r_c * c``, ``M`` the largest): its share of the row's total weight,
-  relative to the row maximum's. Returns ``(out [B, T * N, H] dtype, stats [B, N * 2 * T])``: the
+  relative to the row maximum's. Returns ``(out [B, T * N, Hv] dtype, stats [B, N * 2 * T])``: the
   maximum's ``r`` and the total ``l`` relative to it (a row no split reached keeps ``l = 0``).
   """
   b, splits, rows, h = o.shape

@@ -16,6 +16,10 @@ class SM90Backend(Backend):
   config_type = MosaicConfig
 
   def supports(self, call: KernelCall) -> str | None:
+    if call.value_head_dim != call.head_dim:
+      # The kernels size the O/V tiles (and dO, dV) by the Q/K head_dim.
+      return (f"value head_dim != query head_dim ({call.value_head_dim} != {call.head_dim}): its "
+              "kernels tile Q/K and V/O by one head_dim")
     if call.interpret:
       return "it has no Pallas interpret mode here (interpret=True)"
     cc = platform.gpu_compute_capability()

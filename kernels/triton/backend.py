@@ -12,9 +12,12 @@ MAX_HEAD_DIM = 256
 
 def triton_refusal(call: KernelCall, max_head_dim: int = MAX_HEAD_DIM) -> str | None:
   """Why a family of Pallas Triton kernels (this one, the decode family) cannot run ``call``: a
-  head_dim past ``max_head_dim``, or no GPU outside interpret mode; None when it can."""
+  head_dim (the query/key one or the value's) past ``max_head_dim``, or no GPU outside interpret
+  mode; None when it can."""
   if call.head_dim > max_head_dim:
     return f"it supports head_dim <= {max_head_dim}, got {call.head_dim}"
+  if call.value_head_dim > max_head_dim:
+    return f"it supports value head_dim <= {max_head_dim}, got {call.value_head_dim}"
   if not call.interpret and not platform.on_gpu():
     return (f"it needs a GPU; on this platform ({platform.describe().split()[-1]}) pass "
             "interpret=True to run the kernels in Pallas interpret mode")
@@ -29,7 +32,8 @@ class TritonBackend(Backend):
     return triton_refusal(call)
 
   def default_config(self, call: KernelCall) -> BlockSizes:
-    return BlockSizes.default(call.head_dim, call.dtype)
+    # The tiles of the larger head_dim: Q/K tiles have H columns, the V tile and accumulator Hv.
+    return BlockSizes.default(max(call.head_dim, call.value_head_dim), call.dtype)
 
   def launch_config(self, call: KernelCall, config) -> BlockSizes:
     config = self.default_config(call) if config is None else config

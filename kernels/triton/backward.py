@@ -84,12 +84,13 @@ def _row_inputs(rows_ref, head, start, size):
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: float,
                  variant: Variant, names: tuple[str, ...], seq_q: int, seq_k: int, head_dim: int,
-                 group: int, block_q: int, block_k: int, f32: bool):
-  # q_ref, do_ref: [T, G, hp] (the G query heads of this KV head); k_ref, v_ref: [S, hp];
-  # rows_ref: [G, 2, Tp] f32 (r, u); delta_ref: [G, Tp] f32; then the variant operands named by `names` (per-head ones as
-  # [G] / [G, 4] slices); outputs dk_ref, dv_ref: [S, hp].
+                 value_head_dim: int, group: int, block_q: int, block_k: int, f32: bool):
+  # q_ref: [T, G, hp], do_ref: [T, G, hvp] (the G query heads of this KV head); k_ref: [S, hp],
+  # v_ref: [S, hvp]; rows_ref: [G, 2, Tp] f32 (r, u); delta_ref: [G, Tp] f32; then the variant
+  # operands named by `names` (per-head ones as [G] / [G, 4] slices); outputs dk_ref: [S, hp], dv_ref:
+  # [S, hvp]. hp, hvp: H and Hv padded (common.padded_head_dim).
   var_refs, (dk_ref, dv_ref) = rest[:len(names)], rest[len(names):]
-  hp = k_ref.shape[-1]
+  hp, hvp = k_ref.shape[-1], v_ref.shape[-1]
   j, b, hk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   table = uses_table(variant)
   vr = Refs(variant, names, var_refs, seq_k=seq_k) if table else None
@@ -101,13 +102,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale:
   # Keys past kv_len read as 0 (values held there never reach dK/dV or dQ).
   k_end = vr.key_end(seq_k) if table else kv_limit
   k = load_tile(k_ref, k_start, block_k, k_end, head_dim)  # K_j [block_k, hp], stays on chip
-  v = load_tile(v_ref, k_start, block_k, k_end, head_dim)  # V_j [block_k, hp]
+  v = load_tile(v_ref, k_start, block_k, k_end, value_head_dim)  # V_j [block_k, hvp]
 
   def body(i, carry, g, masked: bool):
-    dk, dv = carry  # [block_k, hp] f32 each
+    dk, dv = carry  # [block_k, hp], [block_k, hvp] f32
     start = i * block_q
     q = load_tile(q_ref, start, block_q, q_limit, head_dim, head=g)  # Q_i [block_q, hp]
-    do = load_tile(do_ref, start, block_q, q_limit, head_dim, head=g)  # dO_i [block_q, hp]
+    do = load_tile(do_ref, start, block_q, q_limit, value_head_dim, head=g)  # dO_i [block_q, hvp]
     r, u = _row_inputs(rows_ref, g, start, block_q)  # [block_q] each
     delta = plgpu.load(delta_ref.at[g, pl.ds(start, block_q)])  # D_i [block_q]
     s = dot(q, k, trans_b=True, f32=f32)  # S_ij [block_q, block_k]
@@ -149,21 +150,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale:
     carry = lax.fori_loop(i_start, i_full, masked, carry)
     return lax.fori_loop(i_full, nq, unmasked, carry)
 
-  carry = (jnp.zeros((block_k, hp), jnp.float32), jnp.zeros((block_k, hp), jnp.float32))
+  carry = (jnp.zeros((block_k, hp), jnp.float32), jnp.zeros((block_k, hvp), jnp.float32))
   if group == 1:
     dk, dv = over_queries(jnp.int32(0), carry)
   else:
     dk, dv = lax.fori_loop(0, group, over_queries, carry)  # GQA: sum over the query-head group
   store_tile(dk_ref, k_start, dk * scale, kv_limit, head_dim)
-  store_tile(dv_ref, k_start, dv, kv_limit, head_dim)
+  store_tile(dv_ref, k_start, dv, kv_limit, value_head_dim)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: float,
                variant: Variant, names: tuple[str, ...], seq_q: int, seq_k: int, head_dim: int,
-               block_q: int, block_k: int, f32: bool, slope_grad: bool = False):
-  # q_ref, do_ref, dq_ref: [T, hp]; k_ref, v_ref: [S, hp] (KV head h // G); rows_ref: [1, 2, Tp] (r,
-  # u); delta_ref: [1, Tp]; then the variant operands named by `names`; with slope_grad a second
-  # output, dslope_ref [block_q]: this block's rows' sums of dS * d s / d slope (ALiBi).
+               value_head_dim: int, block_q: int, block_k: int, f32: bool,
+               slope_grad: bool = False):
+  # q_ref, dq_ref: [T, hp]; do_ref: [T, hvp]; k_ref: [S, hp], v_ref: [S, hvp] (KV head h // G);
+  # rows_ref: [1, 2, Tp] (r, u); delta_ref: [1, Tp]; then the variant operands named by `names`; with
+  # slope_grad a second output, dslope_ref [block_q]: this block's rows' sums of dS * d s / d slope
+  # (ALiBi).
   var_refs, out_refs = rest[:len(names)], rest[len(names):]
   dq_ref = out_refs[0]
   hp = q_ref.shape[-1]
@@ -175,7 +178,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: f
   start = i * block_q
   q_limit = None if seq_q % block_q == 0 else seq_q
   q = load_tile(q_ref, start, block_q, q_limit, head_dim)  # Q_i [block_q, hp]
-  do = load_tile(do_ref, start, block_q, q_limit, head_dim)  # dO_i
+  do = load_tile(do_ref, start, block_q, q_limit, value_head_dim)  # dO_i [block_q, hvp]
   r, u = _row_inputs(rows_ref, jnp.int32(0), start, block_q)
   delta = plgpu.load(delta_ref.at[jnp.int32(0), pl.ds(start, block_q)])
   key_end = vr.key_end(seq_k) if table else seq_k
@@ -184,7 +187,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, *rest, scale: f
     dq, dslope = carry if slope_grad else (carry, None)
     k_start = j * block_k
     k = load_tile(k_ref, k_start, block_k, key_end if masked else None, head_dim)
-    v = load_tile(v_ref, k_start, block_k, key_end if masked else None, head_dim)
+    v = load_tile(v_ref, k_start, block_k, key_end if masked else None, value_head_dim)
     s = dot(q, k, trans_b=True, f32=f32)
     deriv = None
     if fold:
@@ -245,8 +248,8 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   """Gradients of attention w.r.t. q, k, v (and the ALiBi slopes' part from the scores).
 
   Args:
-    q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; stats: ``[B, N, 2, T]`` f32, the forward's
-      row statistics.
+    q: ``[B, T, N, H]``; out, do: ``[B, T, N, Hv]``; k: ``[B, S, K, H]``; v: ``[B, S, K, Hv]``;
+      stats: ``[B, N, 2, T]`` f32, the forward's row statistics.
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
     variant, arrays: the attention variant (:mod:`fa2_jax.kernels.masking`; None: dense or ``is_causal``).
@@ -262,7 +265,8 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   group = n // kh
-  hp = padded_head_dim(h)
+  hv = v.shape[-1]
+  hp, hvp = padded_head_dim(h), padded_head_dim(hv)
   f32 = q.dtype == jnp.float32
   tp = round_up(t, max(block_q_dkv, block_q_dq))
   # D_i = rowsum(dO_i ∘ O_i) (Alg. 2 line 4), in f32; (r, u) and delta padded to Tp with zeros so that
@@ -297,21 +301,21 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   in_specs = [
       pl.BlockSpec((None, t, group, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # q
       pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # k
-      pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # v
-      pl.BlockSpec((None, t, group, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # do
+      pl.BlockSpec((None, s, None, hvp), lambda j, bi, hk: (bi, 0, hk, 0)),  # v
+      pl.BlockSpec((None, t, group, hvp), lambda j, bi, hk: (bi, 0, hk, 0)),  # do
       pl.BlockSpec((None, group, 2, tp), lambda j, bi, hk: (bi, hk, 0, 0)),  # (r, u)
       pl.BlockSpec((None, group, tp), lambda j, bi, hk: (bi, hk, 0)),  # delta
       *dkv_specs,
   ]
   out_specs = [
       pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # dk
-      pl.BlockSpec((None, s, None, hp), lambda j, bi, hk: (bi, 0, hk, 0)),  # dv
+      pl.BlockSpec((None, s, None, hvp), lambda j, bi, hk: (bi, 0, hk, 0)),  # dv
   ]
   out_shape = [out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)]
   dk, dv = pl.pallas_call(
       functools.partial(_dkdv_kernel, scale=float(scale), variant=variant, names=dkv_names,
-                        seq_q=t, seq_k=s, head_dim=h, group=group, block_q=block_q_dkv,
-                        block_k=block_k_dkv, f32=f32),
+                        seq_q=t, seq_k=s, head_dim=h, value_head_dim=hv, group=group,
+                        block_q=block_q_dkv, block_k=block_k_dkv, f32=f32),
       grid=(nk, b, kh),
       in_specs=in_specs,
       out_specs=out_specs,
@@ -330,14 +334,14 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     dq_shape = [dq_shape, out_struct((b, n, tp), jnp.float32, q)]
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, scale=float(scale), variant=variant, names=dq_names, seq_q=t,
-                        seq_k=s, head_dim=h, block_q=block_q_dq, block_k=block_k_dq, f32=f32,
-                        slope_grad=slope_grad),
+                        seq_k=s, head_dim=h, value_head_dim=hv, block_q=block_q_dq,
+                        block_k=block_k_dq, f32=f32, slope_grad=slope_grad),
       grid=(pl.cdiv(t, block_q_dq), b, n),
       in_specs=[
           pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),  # q
           pl.BlockSpec((None, s, None, hp), lambda i, bi, hi: (bi, 0, div(hi, group), 0)),  # k
-          pl.BlockSpec((None, s, None, hp), lambda i, bi, hi: (bi, 0, div(hi, group), 0)),  # v
-          pl.BlockSpec((None, t, None, hp), lambda i, bi, hi: (bi, 0, hi, 0)),  # do
+          pl.BlockSpec((None, s, None, hvp), lambda i, bi, hi: (bi, 0, div(hi, group), 0)),  # v
+          pl.BlockSpec((None, t, None, hvp), lambda i, bi, hi: (bi, 0, hi, 0)),  # do
           pl.BlockSpec((None, 1, 2, tp), lambda i, bi, hi: (bi, hi, 0, 0)),  # (r, u)
           pl.BlockSpec((None, 1, tp), lambda i, bi, hi: (bi, hi, 0)),  # delta
           *dq_specs,

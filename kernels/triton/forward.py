@@ -51,12 +51,13 @@ def kv_block_ranges(i, *, block_q: int, block_k: int, seq_k: int, is_causal: boo
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: tuple[str, ...],
-                seq_q: int, seq_k: int, head_dim: int, block_q: int, block_k: int, f32: bool):
-  # q_ref, o_ref: [T, hp] (this batch, head); k_ref, v_ref: [S, hp] (its KV head); stats_ref: [2, T]
-  # f32, the row statistics (r, l) of kernels/softmax.py; between them the variant operands named by
-  # `names` (variant.inputs).
+                seq_q: int, seq_k: int, head_dim: int, value_head_dim: int, block_q: int,
+                block_k: int, f32: bool):
+  # q_ref: [T, hp] (this batch, head); k_ref: [S, hp] (its KV head); v_ref: [S, hvp]; o_ref: [T, hvp];
+  # stats_ref: [2, T] f32, the row statistics (r, l) of kernels/softmax.py; between them the variant
+  # operands named by `names` (variant.inputs). hp, hvp: H and Hv padded (common.padded_head_dim).
   var_refs, (o_ref, stats_ref) = rest[:len(names)], rest[len(names):]
-  hp = q_ref.shape[-1]
+  hvp = v_ref.shape[-1]
   i, b, h = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   table = uses_table(variant)
   vr = Refs(variant, names, var_refs, seq_k=seq_k) if table else None
@@ -72,11 +73,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
   key_end = vr.key_end(seq_k) if table else seq_k
 
   def body(j, carry, masked: bool):
-    # [block_q, hp] f32; [block_q] f32 each: m_i = r_i * c (base 2), l_i, r_i the raw logit of m_i
+    # [block_q, hvp] f32; [block_q] f32 each: m_i = r_i * c (base 2), l_i, r_i the raw logit of m_i
     acc, m_i, l_i, r_i = carry
     start = j * block_k
     k = load_tile(k_ref, start, block_k, key_end if masked else None, head_dim)  # [block_k, hp]
-    v = load_tile(v_ref, start, block_k, key_end if masked else None, head_dim)  # [block_k, hp]
+    v = load_tile(v_ref, start, block_k, key_end if masked else None,
+                  value_head_dim)  # [block_k, hvp]
     s = dot(q, k, trans_b=True, f32=f32)  # S_ij = Q_i K_j^T, [block_q, block_k] f32
     if variant.modifies_scores:
       s, _ = vr.scores(s, scale, b, h, row0, start)  # base-2 modified logits
@@ -108,7 +110,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
     acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v, f32=f32)  # unscaled (§3.1.1 tweak 1)
     return acc, m_new, l_new, r_new
 
-  carry = (jnp.zeros((block_q, hp), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
+  carry = (jnp.zeros((block_q, hvp), jnp.float32), jnp.full((block_q,), -jnp.inf, jnp.float32),
            jnp.zeros((block_q,), jnp.float32), jnp.full((block_q,), fill, jnp.float32))
   masked, unmasked = functools.partial(body, masked=True), functools.partial(body, masked=False)
   if table:
@@ -126,7 +128,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, name
 
   # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. A row with no allowed key returns zeros.
   out = acc / jnp.where(l_i == 0.0, 1.0, l_i)[:, None]
-  store_tile(o_ref, row0, out, q_limit, head_dim)
+  store_tile(o_ref, row0, out, q_limit, value_head_dim)
   # Line 13: the row statistics (r, l) instead of L_i = m_i + log(l_i): the lse and the backward's P
   # follow from them (kernels/softmax.py); l relative to the maximum's weight.
   if scale != 0:
@@ -142,19 +144,21 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
   """Run the forward kernel.
 
   Args:
-    q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` with ``N % K == 0``.
+    q: ``[B, T, N, H]``; k: ``[B, S, K, H]``, v: ``[B, S, K, Hv]`` with ``N % K == 0`` (``Hv``, the
+      value's head_dim, may differ from ``H``).
     variant, arrays: the attention variant (:mod:`fa2_jax.kernels.masking`; None: dense or ``is_causal``).
     table: its precomputed key-block range table (``BlockSizes.range_tiles()["fwd"]``), or None to
       compute it here.
 
   Returns:
-    ``out [B, T, N, H]`` (q's dtype) and the row statistics ``stats [B, N, 2, T]`` float32
+    ``out [B, T, N, Hv]`` (q's dtype) and the row statistics ``stats [B, N, 2, T]`` float32
     (``kernels/softmax.py``: the lse is ``lse_from_stats(stats, scale, modifies_scores)``).
   """
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   group = n // kh
-  hp = padded_head_dim(h)
+  hv = v.shape[-1]
+  hp, hvp = padded_head_dim(h), padded_head_dim(hv)
   nq = pl.cdiv(t, block_q)
   variant = variant or Variant(is_causal=bool(is_causal))
   ops, specs, names = [], [], ()
@@ -165,7 +169,7 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
     ops, specs, names = variant_inputs(variant, arrays, table, kv_heads_grid=False, group=group)
   kernel = functools.partial(
       _fwd_kernel, scale=float(scale), variant=variant, names=names, seq_q=t, seq_k=s, head_dim=h,
-      block_q=block_q, block_k=block_k, f32=q.dtype == jnp.float32)
+      value_head_dim=hv, block_q=block_q, block_k=block_k, f32=q.dtype == jnp.float32)
   grid = (nq, b, n)
   qmap = lambda i, bi, hi: (bi, 0, hi, 0)
   kvmap = lambda i, bi, hi: (bi, 0, div(hi, group), 0)
@@ -176,15 +180,15 @@ def forward(q, k, v, *, scale: float, is_causal: bool, block_q: int, block_k: in
       in_specs=[
           pl.BlockSpec((None, t, None, hp), qmap),
           pl.BlockSpec((None, s, None, hp), kvmap),
-          pl.BlockSpec((None, s, None, hp), kvmap),
+          pl.BlockSpec((None, s, None, hvp), kvmap),
           *specs,
       ],
       out_specs=[
-          pl.BlockSpec((None, t, None, hp), qmap),
+          pl.BlockSpec((None, t, None, hvp), qmap),
           pl.BlockSpec((None, None, 2, t), statsmap),
       ],
       out_shape=[
-          out_struct(q.shape, q.dtype, q),
+          out_struct((b, t, n, hv), q.dtype, q),
           out_struct((b, n, 2, t), jnp.float32, q),
       ],
       compiler_params=compiler_params(num_warps, num_stages),
