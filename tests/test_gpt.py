@@ -1,4 +1,5 @@
-"""The flax GPT example: learning, flash == xla, pmap == one device, bit-identical resume, and the
+"""The flax GPT example: learning, flash == xla, pmap == mesh == data x context mesh == two processes
+== one device, bit-identical resume, and the
 command line as a user meets it (usage errors instead of tracebacks, boolean flags, --help defaults,
 checkpoint messages, plain log lines without a terminal, the sample's prompt, the README).
 

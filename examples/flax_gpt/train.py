@@ -4,6 +4,7 @@
     python -m examples.flax_gpt.train --preset small --out out/small.json       # one GPU
     python -m examples.flax_gpt.train --preset long8k --data-parallel pmap      # all local GPUs
     python -m examples.flax_gpt.train --preset long8k --data-parallel mesh      # same, one jit step
+    python -m examples.flax_gpt.train --preset long8k --mesh data=2,context=4   # batch x sequence
 
 One ``jax.jit`` (or ``jax.pmap``) train step: AdamW with linear warm-up and cosine decay, global-
 norm gradient clipping. Progress (loss, tokens/s; model TFLOP/s on a GPU, MFU where the peak is
@@ -18,7 +19,7 @@ attended-pair count (``attended_flops_per_sequence``, ``attended_tflops_per_s``)
 This module holds the training loop (:func:`train`), the checks before a run, sampling and
 :func:`main`; the rest of the package: cli.py (the command line), steps.py (optimizer, train state,
 compiled steps), checkpoint.py (orbax checkpoints), metrics.py (FLOPs, MFU), parallel.py (the mesh
-mode), model.py, data.py, config.py.
+mode: data x context, several processes), model.py, data.py, config.py.
 """
 from __future__ import annotations
 
