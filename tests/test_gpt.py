@@ -1,7 +1,7 @@
-"""The flax GPT example: learning, flash == xla, pmap == mesh == data x context mesh == two processes
-== one device, bit-identical resume, and the
-command line as a user meets it (usage errors instead of tracebacks, boolean flags, --help defaults,
-checkpoint messages, plain log lines without a terminal, the sample's prompt, the README).
+"""The flax GPT example: learning, flash == xla, pmap, a mesh, a data x context mesh and two
+processes == one device, bit-identical resume, and the command line as a user meets it (usage errors
+instead of tracebacks, boolean flags, --help defaults, checkpoint messages, plain log lines without a
+terminal, the sample's prompt, the README).
 
 Tiny shapes on CPU; tests/conftest.py provides 4 CPU devices for the pmap test. Compiling is most of
 this file's time: the runs share one TrainConfig, so ``steps_lib.compiled_steps`` reuses one set of
