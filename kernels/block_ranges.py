@@ -166,11 +166,21 @@ def q_block_range(variant: Variant, k_start, k_cols: int, block_q: int, seq_q, *
 
 def _block_min_max(ids, block: int):
   """Per-block min and max of ``ids [B, L]`` -> ``[B, ceil(L / block)]`` each (the tail block's
-  missing entries repeat its last id, so they change nothing)."""
-  b, length = ids.shape
-  nb = -(-length // block)
-  padded = jnp.pad(ids, ((0, 0), (0, nb * block - length)), mode="edge").reshape(b, nb, block)
-  return padded.min(-1), padded.max(-1)
+  missing entries are the reduction's identity, so they change nothing).
+
+  A strided window reduction, not a reshape to ``[B, blocks, block]``: on ids sharded along L over
+  more devices than there are blocks (e.g. 2 blocks, 4 devices), the reshape would split that mesh
+  axis between the block axis and the rows of a block, and the range tables would reach the kernels'
+  partition callback sharded over part of a mesh axis, which no PartitionSpec names (an
+  IndivisibleError inside the compiler). The window reduction keeps whole mesh axes."""
+  length = ids.shape[1]
+  pad = ((0, 0), (0, -(-length // block) * block - length))
+  info = jnp.iinfo(ids.dtype)
+
+  def reduce(op, identity):
+    return lax.reduce_window(ids, np.array(identity, ids.dtype), op, (1, block), (1, block), pad)
+
+  return reduce(lax.min, info.max), reduce(lax.max, info.min)
 
 
 def _ranges_from_table(reach, full):

@@ -1,6 +1,7 @@
-"""The flax GPT example: learning, flash == xla, pmap == one device, bit-identical resume, and the
-command line as a user meets it (usage errors instead of tracebacks, boolean flags, --help defaults,
-checkpoint messages, plain log lines without a terminal, the sample's prompt, the README).
+"""The flax GPT example: learning, flash == xla, pmap, a mesh, a data x context mesh and two
+processes == one device, bit-identical resume, and the command line as a user meets it (usage errors
+instead of tracebacks, boolean flags, --help defaults, checkpoint messages, plain log lines without a
+terminal, the sample's prompt, the README).
 
 Tiny shapes on CPU; tests/conftest.py provides 4 CPU devices for the pmap test. Compiling is most of
 this file's time: the runs share one TrainConfig, so ``steps_lib.compiled_steps`` reuses one set of
@@ -163,8 +164,8 @@ def test_mesh_update_equals_single_device_update(text_file):
   batch rows (fa2_jax.sharding); the collectives are the all-reduces of the gradients and the loss."""
   flash = dataclasses.replace(MODEL, attention="flash", flash_interpret=not ON_GPU)
   model, tx, runner = steps_lib.compiled_steps(flash, TRAIN, "mesh", jax.local_device_count())
-  with pytest.raises(ValueError, match="--batch-size 6 must be divisible by the 4 local devices for "
-                     "--data-parallel mesh"):
+  with pytest.raises(ValueError, match=r"--batch-size 6 must be divisible by the 4 devices of the "
+                     r"mesh axis 'data' \(--mesh data=4,context=1\)"):
     steps_lib.Runner.create("mesh", model, tx, 6)
   state = runner.put_state(steps_lib.init_state(model, tx, TRAIN.seed))
   tokens = runner.shard(np.zeros((TRAIN.batch_size, flash.seq_len), np.int32))
@@ -178,6 +179,81 @@ def test_mesh_update_equals_single_device_update(text_file):
   # As for pmap: the all-reduce's summation order changes the parameters by float32 rounding only.
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
                multi.params, single.params)
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
+def test_context_mesh_step_equals_single_device_step(text_file):
+  """--mesh data=2,context=2: the batch split over 2 devices and the sequence over 2, the fa2_jax
+  kernels (interpret mode on CPU) run per device through parallel.context_attention (queries at
+  their q_offset against the keys gathered over 'context'). Three AdamW steps equal the one-device
+  steps, loss for loss and parameter for parameter (rotary positions and GQA: positions are the
+  tokens' global ones on every device); a packed batch (segment ids and restarting positions split
+  along the sequence) gives the one-device loss; the compiled step gathers along 'context'."""
+  flash = dataclasses.replace(MODEL, attention="flash", flash_interpret=not ON_GPU)
+  multi, s_multi = run(text_file, model=flash, mesh="data=2,context=2", stop_at=3)
+  single, s_single = run(text_file, model=flash, stop_at=3)
+  assert s_multi["data_parallel"] == "mesh" and s_multi["mesh"] == {"data": 2, "context": 2}
+  assert int(multi.step) == int(single.step) == 3
+  np.testing.assert_allclose(losses(s_multi), losses(s_single), rtol=1e-5)
+  # The all-reduce's summation order changes the parameters by float32 rounding only.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
+               multi.params, single.params)
+
+  axes = (("data", 2), ("context", 2))
+  model, tx, runner = steps_lib.compiled_steps(flash, TRAIN, "mesh", jax.local_device_count(), axes)
+  hlo = runner.eval_step.lower(multi.params, *map(runner.shard, (np.zeros((8, 32), np.int32),) * 2)
+                               ).compile().as_text()
+  assert re.search(r"\ball-gather(-start)?\(", hlo)  # the keys and values over 'context'
+  lengths = [5, 9, 3, 30, 7, 2, 40, 11, 6, 25, 4, 60]  # many short documents: boundaries vary
+  split = data_lib.Split(np.arange(sum(lengths), dtype=np.uint8) % 251,
+                         np.cumsum([0] + lengths[:-1]))
+  x, y = steps_lib.packed_batch(data_lib.get_packed_batch(split, 0, batch_size=8,
+                                                          seq_len=flash.seq_len, seed=3))
+  want = jax.jit(steps_lib.make_steps(model, tx, None)[1])(single.params, x, y)
+  got = runner.eval_step(runner.put_state(single).params, runner.shard(x), runner.shard(y))
+  np.testing.assert_allclose(runner.scalar(got), float(want), rtol=1e-5 if not ON_GPU else 2e-3)
+
+
+def _free_port() -> int:
+  import socket
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    return sock.getsockname()[1]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the processes run on CPU; the one-process run here would not")
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
+def test_two_processes_equal_one(text_file, tmp_path):
+  """Two processes on localhost (jax.distributed, CPU collectives through gloo), 2 CPU devices each,
+  run the command line's --mesh data=2,context=2 steps (the batch split across the processes, the
+  sequence within each); their losses equal those of one process on 4 devices (this one)."""
+  flash = dataclasses.replace(MODEL, attention="flash")
+  _, single = run(text_file, model=flash, mesh="data=2,context=2", stop_at=2)
+  port = _free_port()
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  env.update(JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  argv = [sys.executable, "-m", "examples.flax_gpt.train", *CLI_MODEL_TRAIN, "--attention",
+          "flash", "--mesh", "data=2,context=2", "--stop-at", "2", "--data", text_file,
+          "--sample-tokens", "0", "--no-progress", "--coordinator", f"localhost:{port}",
+          "--num-processes", "2"]
+  procs = [subprocess.Popen(argv + ["--process-id", str(i), "--out", str(tmp_path / f"{i}.json")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True) for i in range(2)]
+  outputs = []
+  try:
+    for p in procs:
+      outputs.append(p.communicate(timeout=300)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
+  assert "mesh data=2,context=2, 2 processes" in outputs[0]
+  assert not (tmp_path / "1.json").exists()  # process 0 prints and writes --out
+  summary = json.loads((tmp_path / "0.json").read_text())
+  assert summary["processes"] == 2 and summary["devices"]["count"] == 4
+  np.testing.assert_allclose(losses(summary), losses(single), rtol=1e-5)
+  np.testing.assert_allclose(summary["final_val_loss"], single["final_val_loss"], rtol=1e-5)
 
 
 def test_checkpoint_resume_is_bit_identical_and_says_so(text_file, baseline, tmp_path, capsys):
@@ -441,6 +517,26 @@ def cli_error(argv, capsys) -> str:
                                                  "flash, flash_triton or flash_mosaic): "
                                                  "jax.nn.dot_product_attention (--attention xla) "
                                                  "has no logits soft cap"),
+    (["--mesh", "model=2"], "argument --mesh: --mesh 'model=2': unknown axis 'model'; the axes are "
+                            "('data', 'context')"),
+    (["--mesh", "data=2;context=2"], "argument --mesh: --mesh 'data=2;context=2': expected "
+                                     "axis=size items separated by commas, e.g. data=2,context=2"),
+    (["--mesh", "data=3"], "--mesh data=3 covers 3 devices, but there are 4 (every process's); the "
+                           "axis sizes must multiply to 4"),
+    (["--mesh", "context=4", "--seq-len", "30"], "--seq-len 30 must be divisible by the 4 devices of "
+                                                 "the mesh axis 'context' (--mesh data=1,context=4)"),
+    (["--mesh", "data=4", "--batch-size", "6"], "--batch-size 6 must be divisible by the 4 devices "
+                                                "of the mesh axis 'data' (--mesh data=4,context=1)"),
+    (["--mesh", "data=2,context=2", "--data-parallel", "pmap"],
+     "--mesh runs one jit step on a device mesh; it cannot be combined with --data-parallel pmap "
+     "(leave --data-parallel out, or pass mesh)"),
+    (["--coordinator", "localhost:1234"], "a multi-process run needs --coordinator, --num-processes "
+                                          "and --process-id; missing: --num-processes (or "
+                                          "JAX_NUM_PROCESSES), --process-id (or JAX_PROCESS_ID)"),
+    (["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator must be HOST:PORT (process 0's address), got 'localhost'"),
+    (["--coordinator", "localhost:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id must be in [0, 2) for --num-processes 2, got 2"),
 ])
 def test_cli_rejects_bad_values_with_a_usage_error(argv, message, capsys):
   error = cli_error(argv, capsys)

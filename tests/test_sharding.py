@@ -226,6 +226,69 @@ def test_auto_segment_ids_sharded_along_the_sequence_warn():
   np.testing.assert_allclose(out, want, atol=2e-5)
 
 
+@needs4
+def test_auto_sequence_sharded_segment_ids_over_more_devices_than_blocks():
+  """q, k, v and segment ids sharded along the sequence over a 'context' axis of 4, with 2 key/query
+  blocks per range table (float32 tiles of 32 at T = 64): jit(grad) compiles (the block-range tables
+  used to reach the partition callback split over part of the axis: an IndivisibleError), gathers
+  the sequence with a warning, and matches the formula."""
+  mesh = _mesh((4,), ("context",), AxisType.Auto)
+  t = 64
+  ks = jax.random.split(jax.random.key(5), 3)
+  q = jax.random.normal(ks[0], (1, t, 2, H), jnp.float32)
+  k, v = (jax.random.normal(x, (1, t, 1, H), jnp.float32) for x in ks[1:])
+  seg = jnp.asarray(np.repeat(np.arange(4), t // 4)[None], jnp.int32)  # 4 documents of 16 tokens
+  seq = NamedSharding(mesh, P(None, "context"))
+
+  def loss(fn):
+    return lambda q, k, v, s: jnp.sum(jnp.tanh(fn(q, k, v, is_causal=True, q_segment_ids=s,
+                                                  kv_segment_ids=s)))
+
+  fn = jax.jit(jax.value_and_grad(loss(flash), argnums=(0, 1, 2)), in_shardings=(seq,) * 4)
+  with pytest.warns(UserWarning, match="sequence axis"):
+    compiled = fn.lower(q, k, v, seg).compile()
+  want = jax.value_and_grad(loss(fa2_jax.reference_attention), argnums=(0, 1, 2))(q, k, v, seg)
+  _check(compiled(*(jax.device_put(x, seq) for x in (q, k, v, seg))), want)
+
+
+def _add_table_sums(q, k, v, *tables):
+  """A stand-in for the kernels behind the partitioned call: q plus every table entry's sum."""
+  del k, v
+  return (q + sum(jnp.sum(t) for t in tables).astype(q.dtype),)
+
+
+@needs4
+@pytest.mark.parametrize("family", ["triton", "sm90"])
+def test_range_tables_of_sequence_sharded_segment_ids_reach_the_partitioner(family):
+  """The range tables of each family's tiles (sm90: 2 forward blocks of 128 rows at T = 256, the
+  Hopper report's shape; the kernels cannot run on CPU, so a stand-in consumes the tables), computed
+  from segment ids sharded along the sequence over 4 devices, pass through the partition callback:
+  no IndivisibleError, and the same tables as on one device."""
+  from fa2_jax.kernels.block_ranges import range_tables
+  from fa2_jax.kernels.masking import Variant, VariantArrays
+  mesh = _mesh((4,), ("context",), AxisType.Auto)
+  t, h = (256, 64) if family == "sm90" else (64, H)
+  tiles = (fa2_jax.MosaicConfig.default(h, jnp.bfloat16, is_causal=True).range_tiles(t)
+           if family == "sm90" else fa2_jax.BlockSizes.default(h, jnp.float32).clamp(t, t)
+           .range_tiles())
+  assert min(-(-t // rows) for _, rows, _ in tiles.values()) < 4  # fewer blocks than devices
+  variant = Variant(is_causal=True, has_segments=True)
+
+  def f(q, seg):
+    arrays = VariantArrays(q_segment_ids=seg, kv_segment_ids=seg)
+    tables = range_tables(variant, arrays, tiles, batch=1, heads=1, seq_q=t, seq_k=t)
+    layouts = tuple(attention._layout(f"table_{name}", x) for name, x in tables.items())
+    return sharding.partitioned(_add_table_sums, (q, q, q, *tables.values()),
+                                (sharding.Q, sharding.KV, sharding.KV, *layouts), (sharding.Q,))[0]
+
+  q = jnp.zeros((1, t, 1, h), jnp.float32)
+  seg = jnp.asarray(np.repeat(np.arange(4), t // 4)[None], jnp.int32)
+  seq = NamedSharding(mesh, P(None, "context"))
+  with pytest.warns(UserWarning, match="sequence axis"):
+    got = jax.jit(f, in_shardings=(seq, seq))(q, seg)
+  np.testing.assert_array_equal(got, jax.jit(f)(q, seg))
+
+
 # --- Explicit mesh axes: shard_map at trace time ----------------------------------------------------
 
 @needs4

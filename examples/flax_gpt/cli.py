@@ -12,6 +12,7 @@ import dataclasses
 import re
 from typing import Any
 
+from .parallel import DISTRIBUTED_ENV, parse_mesh
 from .config import ATTENTIONS, DTYPES, POSITIONS, PRESETS, GPTConfig, TrainConfig, get_preset
 
 # The parser's description: the first line of train.py's docstring.
@@ -178,7 +179,22 @@ def build_parser() -> argparse.ArgumentParser:
                       "Python standard library's sources)")
   g.add_argument("--data-parallel", choices=("none", "pmap", "mesh"), default="none",
                  help="pmap: split the global batch over every local device, average the gradients; "
-                 "mesh: the same with one jit step over a batch sharded on a device mesh")
+                 "mesh: the same with one jit step over a batch sharded on a device mesh (every "
+                 "device of every process on its 'data' axis; see --mesh)")
+  g.add_argument("--mesh", metavar="data=D,context=C", type=_mesh_spec,
+                 help="one jit step on a D x C mesh of every device (of every process): the batch "
+                      "split over D, the sequence over C (context parallelism: each device's "
+                      "queries attend the keys and values gathered over 'context'); the parameters "
+                      "replicated. Either axis may be left out (it takes the other devices); "
+                      "implies --data-parallel mesh (default: no mesh)")
+  procs = p.add_argument_group(
+      "processes (several processes, one per host or GPU, each with the same flags but its "
+      "--process-id; unset: one process, or the environment variables "
+      + ", ".join(DISTRIBUTED_ENV.values()) + ")")
+  procs.add_argument("--coordinator", metavar="HOST:PORT",
+                 help="process 0's address, where jax.distributed.initialize meets the others")
+  procs.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+  procs.add_argument("--process-id", type=int, metavar="I", help="this process, 0 .. N-1")
   g.add_argument("--ckpt-dir", metavar="DIR",
                  help="save orbax checkpoints here, every --ckpt-every steps and at the end "
                       "(default: none); a folder that holds checkpoints needs --resume")
@@ -206,6 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
             "are still printed); without it: a bar when stdout is a terminal, else a line every "
             "--log-every steps" + BARE_TRUE, default=False)
   return p
+
+
+def _mesh_spec(spec: str) -> str:
+  """``--mesh``'s value, checked for its form (the device count is checked before the run)."""
+  try:
+    parse_mesh(spec)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  return spec
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -16,18 +16,20 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 import fa2_jax
 import fa2_jax.flax as fa2_flax
 
 from .config import GPTConfig
+from .parallel import context_attention
 
 INIT_STD = 0.02  # GPT-2's initializer standard deviation for weights and embeddings
 # config.attention -> the ``implementation`` argument of fa2_jax.flash_attention (None: its default).
 FLASH_IMPLEMENTATIONS = {"flash": None, "flash_triton": "triton", "flash_mosaic": "mosaic"}
 
 
-def attention_core(config: GPTConfig) -> Callable[..., jax.Array]:
+def attention_core(config: GPTConfig, context_mesh: Mesh | None = None) -> Callable[..., jax.Array]:
   """The attention function ``f(q, k, v, is_causal=True, **variants)`` named by ``config.attention``.
 
   ``flash`` is fa2_jax with its default backend (the Mosaic kernels on Hopper, the Triton kernels on
@@ -35,12 +37,17 @@ def attention_core(config: GPTConfig) -> Callable[..., jax.Array]:
   ``flash_interpret``); ``flash_triton`` / ``flash_mosaic`` force one backend; ``xla`` and ``cudnn``
   are ``jax.nn.dot_product_attention``.
 
+  ``context_mesh``: a mesh whose ``context`` axis splits the sequence (``--mesh``): the fa2_jax
+  attention runs per device through :func:`.parallel.context_attention`; ``jax.nn``'s (which has no
+  ``q_offset``) is left to XLA's partitioning of the jit step.
+
   Raises:
     ValueError: ``cudnn`` without a GPU.
   """
   if config.attention.startswith("flash"):
-    return fa2_flax.make_attention_fn(implementation=FLASH_IMPLEMENTATIONS[config.attention],
+    core = fa2_flax.make_attention_fn(implementation=FLASH_IMPLEMENTATIONS[config.attention],
                                       interpret=True if config.flash_interpret else None)
+    return core if context_mesh is None else context_attention(core, context_mesh)
   if config.attention == "cudnn" and jax.default_backend() != "gpu":
     raise ValueError(f"--attention cudnn needs an NVIDIA GPU, but JAX's backend is "
                      f"{jax.default_backend()!r}; use --attention flash or xla")
@@ -78,9 +85,10 @@ def _residual_init(config: GPTConfig):
 
 
 class Block(nn.Module):
-  """One pre-LayerNorm transformer block."""
+  """One pre-LayerNorm transformer block (``context_mesh``: as :class:`GPT`'s)."""
 
   config: GPTConfig
+  context_mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, positions: jax.Array | None = None,
@@ -93,7 +101,7 @@ class Block(nn.Module):
         num_heads=c.n_head, num_kv_heads=c.kv_heads, head_dim=c.head_dim,
         rotary=c.position == "rotary", use_bias=True, dtype=c.dtype, param_dtype=jnp.float32,
         kernel_init=nn.initializers.normal(INIT_STD), out_kernel_init=_residual_init(c),
-        attention_fn=attention_core(c),
+        attention_fn=attention_core(c, self.context_mesh),
         local_window_size=None if c.window is None else (c.window, 0),
         logits_soft_cap=c.soft_cap, name="attn")
     h = _layer_norm(c, "ln_1", x)
@@ -110,11 +118,12 @@ class _ScanBlock(nn.Module):
   lengths are broadcast to every layer, the cache (one per layer, stacked) is scanned."""
 
   config: GPTConfig
+  context_mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, positions, segment_ids, cache=None, lengths=None):
     if cache is None:
-      return Block(self.config, name="block")(x, positions, segment_ids), None
+      return Block(self.config, self.context_mesh, name="block")(x, positions, segment_ids), None
     return Block(self.config, name="block")(x, positions, cache=cache, lengths=lengths)
 
 
@@ -131,9 +140,13 @@ class GPT(nn.Module):
   caches and the call returns ``(logits, new cache)``. ``lengths`` ``[B]`` (optional) counts each
   row's valid new tokens (left-aligned prompts of different lengths; the other rows' logits are
   meaningless). ``generate.py`` samples with it.
+
+  ``context_mesh`` (training on a ``--mesh`` with ``context`` > 1): the attention runs per device
+  on the sequence-split arrays (:func:`.parallel.context_attention`); the parameters are the same.
   """
 
   config: GPTConfig
+  context_mesh: Mesh | None = None
 
   @nn.compact
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -167,11 +180,11 @@ class GPT(nn.Module):
       body = nn.remat(_ScanBlock) if c.remat else _ScanBlock
       stack = nn.scan(body, variable_axes={"params": 0}, split_rngs={"params": True},
                       in_axes=(nn.broadcast, nn.broadcast), length=c.n_layer)
-      x, _ = stack(c, name="h")(x, positions, segment_ids)
+      x, _ = stack(c, self.context_mesh, name="h")(x, positions, segment_ids)
     else:
       block = nn.remat(Block) if c.remat else Block
       for i in range(c.n_layer):
-        x = block(c, name=f"h_{i}")(x, positions, segment_ids)
+        x = block(c, self.context_mesh, name=f"h_{i}")(x, positions, segment_ids)
     x = _layer_norm(c, "ln_f", x)
     if c.tie_embeddings:
       logits = wte.attend(x)

@@ -4,6 +4,7 @@
     python -m examples.flax_gpt.train --preset small --out out/small.json       # one GPU
     python -m examples.flax_gpt.train --preset long8k --data-parallel pmap      # all local GPUs
     python -m examples.flax_gpt.train --preset long8k --data-parallel mesh      # same, one jit step
+    python -m examples.flax_gpt.train --preset long8k --mesh data=2,context=4   # batch x sequence
 
 One ``jax.jit`` (or ``jax.pmap``) train step: AdamW with linear warm-up and cosine decay, global-
 norm gradient clipping. Progress (loss, tokens/s; model TFLOP/s on a GPU, MFU where the peak is
@@ -18,7 +19,7 @@ attended-pair count (``attended_flops_per_sequence``, ``attended_tflops_per_s``)
 This module holds the training loop (:func:`train`), the checks before a run, sampling and
 :func:`main`; the rest of the package: cli.py (the command line), steps.py (optimizer, train state,
 compiled steps), checkpoint.py (orbax checkpoints), metrics.py (FLOPs, MFU), parallel.py (the mesh
-mode), model.py, data.py, config.py.
+mode: data x context, several processes), model.py, data.py, config.py.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from .cli import (build_parser, cli_message, configs_from_args, data_size, descr
 from .config import BYTE_VOCAB, GPTConfig, TrainConfig
 from .metrics import Throughput, attended_flops_per_sequence, flops_per_sequence, peak_tflops
 from .model import FLASH_IMPLEMENTATIONS, GPT, attention_core, count_params
+from . import parallel
 from .steps import TrainState, compiled_steps, init_state, packed_batch
 
 VAL_SEED_OFFSET = 1_000_003  # validation batches use their own fixed seed stream
@@ -114,10 +116,13 @@ def sample_expectation(summary: dict) -> str | None:
 
 # --- attention backend and the checks before a run -----------------------------------------------
 
-def attention_dispatch(mc: GPTConfig, packing: bool = False) -> fa2_jax.Dispatch | None:
+def attention_dispatch(mc: GPTConfig, packing: bool = False,
+                       context: int = 1) -> fa2_jax.Dispatch | None:
   """What fa2_jax runs for the model's attention here (``fa2_jax.backend_for`` on its shapes and
   variants: the window, the soft cap and, with ``packing``, segment ids), or None for
-  ``xla``/``cudnn``, which are ``jax.nn.dot_product_attention``.
+  ``xla``/``cudnn``, which are ``jax.nn.dot_product_attention``. ``context`` > 1 (the mesh's
+  ``context`` axis): each device's call, its ``seq_len / context`` queries at a ``q_offset``
+  against the whole sequence's keys (``parallel.context_attention``).
 
   Raises:
     ValueError: the attention cannot run here (``flash_triton`` on CPU without ``flash_interpret``,
@@ -129,31 +134,56 @@ def attention_dispatch(mc: GPTConfig, packing: bool = False) -> fa2_jax.Dispatch
     return None
   # The model's query and key/value shapes, [batch, seq_len, heads, head_dim] (the batch does not
   # change the choice).
-  shape = lambda heads: jax.ShapeDtypeStruct((1, mc.seq_len, heads, mc.head_dim), jnp.dtype(mc.dtype))
-  segments = jax.ShapeDtypeStruct((1, mc.seq_len), jnp.int32) if packing else None
-  return fa2_jax.backend_for(shape(mc.n_head), shape(mc.kv_heads), is_causal=True,
-                             implementation=FLASH_IMPLEMENTATIONS[mc.attention],
+  sds = lambda *shape, dtype=jnp.int32: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+  t_local = mc.seq_len // context
+  return fa2_jax.backend_for(sds(1, t_local, mc.n_head, mc.head_dim, dtype=mc.dtype),
+                             sds(1, mc.seq_len, mc.kv_heads, mc.head_dim, dtype=mc.dtype),
+                             is_causal=True, implementation=FLASH_IMPLEMENTATIONS[mc.attention],
                              interpret=True if mc.flash_interpret else None,
                              local_window_size=None if mc.window is None else (mc.window, 0),
-                             logits_soft_cap=mc.soft_cap, q_segment_ids=segments,
-                             kv_segment_ids=segments)
+                             logits_soft_cap=mc.soft_cap,
+                             q_segment_ids=sds(1, t_local) if packing else None,
+                             kv_segment_ids=sds(1, mc.seq_len) if packing else None,
+                             q_offset=sds(1) if context > 1 else None)
 
 
-def describe_attention(mc: GPTConfig, packing: bool = False) -> str:
-  """One line: the ``--attention`` choice and the kernels it runs here, in command-line terms."""
-  dispatch = attention_dispatch(mc, packing)
+def describe_attention(mc: GPTConfig, packing: bool = False, context: int = 1) -> str:
+  """One line: the ``--attention`` choice and the kernels it runs here, in command-line terms
+  (``context``: as for :func:`attention_dispatch`)."""
+  dispatch = attention_dispatch(mc, packing, context)
   if dispatch is None:
-    return f"attention {mc.attention}: jax.nn.dot_product_attention(implementation={mc.attention!r})"
-  return f"attention {mc.attention}: fa2_jax {cli_message(str(dispatch))}"
+    line = f"attention {mc.attention}: jax.nn.dot_product_attention(implementation={mc.attention!r})"
+    return line + (f", the sequence split over {context} devices by XLA" if context > 1 else "")
+  line = f"attention {mc.attention}: fa2_jax {cli_message(str(dispatch))}"
+  if context > 1:
+    line += (f"; per device: {mc.seq_len // context} queries against the {mc.seq_len} keys "
+             "gathered over the mesh axis 'context'")
+  return line
+
+
+def run_mesh_axes(data_parallel: str, mesh: str | None) -> tuple[tuple[str, int], ...] | None:
+  """The ``(("data", D), ("context", C))`` sizes of a mesh run (``--mesh``, or ``--data-parallel
+  mesh``: every device on ``data``), over every process's devices; None for ``none``/``pmap``.
+
+  Raises:
+    ValueError: ``--mesh`` with ``--data-parallel pmap``, or a ``--mesh`` that does not fit.
+  """
+  if mesh is None:
+    return parallel.mesh_axes(None, jax.device_count()) if data_parallel == "mesh" else None
+  if data_parallel == "pmap":
+    raise ValueError("--mesh runs one jit step on a device mesh; it cannot be combined with "
+                     "--data-parallel pmap (leave --data-parallel out, or pass mesh)")
+  return parallel.mesh_axes(mesh, jax.device_count())
 
 
 def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_parallel: str,
               ckpt_dir: str | None, resume: bool, stop_at: int | None, sample_tokens: int,
-              temperature: float, peak: float | None) -> fa2_jax.Dispatch | None:
+              temperature: float, peak: float | None,
+              mesh: str | None = None) -> fa2_jax.Dispatch | None:
   """Checks the arguments of :func:`train` that the configs cannot check alone, before any work.
 
   Returns:
-    ``attention_dispatch(mc)``.
+    ``attention_dispatch(mc)`` (each device's call where ``--mesh`` splits the sequence).
 
   Raises:
     ValueError: naming the command-line flag, for a run that cannot work here.
@@ -175,9 +205,23 @@ def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_par
   if data_parallel not in ("none", "pmap", "mesh"):
     raise ValueError(f"--data-parallel must be 'none', 'pmap' or 'mesh', got {data_parallel!r}")
   n = jax.local_device_count()
-  if data_parallel in ("pmap", "mesh") and tc.batch_size % n:
+  if data_parallel == "pmap" and tc.batch_size % n:
     raise ValueError(f"--batch-size {tc.batch_size} must be divisible by the {n} local devices "
                      f"for --data-parallel {data_parallel}")
+  axes = run_mesh_axes(data_parallel, mesh)
+  context = 1
+  if axes is not None:
+    sizes, shown = dict(axes), parallel.describe_mesh(axes)
+    context = sizes[parallel.CONTEXT]
+    if tc.batch_size % sizes[parallel.DATA]:
+      raise ValueError(f"--batch-size {tc.batch_size} must be divisible by the "
+                       f"{sizes[parallel.DATA]} devices of the mesh axis 'data' (--mesh {shown})")
+    if mc.seq_len % context:
+      raise ValueError(f"--seq-len {mc.seq_len} must be divisible by the {context} devices of the "
+                       f"mesh axis 'context' (--mesh {shown})")
+  if ckpt_dir and jax.process_count() > 1:
+    raise ValueError(f"--ckpt-dir with {jax.process_count()} processes: this example saves "
+                     "checkpoints from one process only; run without --ckpt-dir")
   if data_path is not None and not os.path.exists(data_path):
     raise ValueError(f"--data {data_path}: no such file or folder")
   if resume and not ckpt_dir:
@@ -204,7 +248,7 @@ def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_par
   if peak is not None and not peak > 0:
     raise ValueError(f"--peak-tflops must be > 0, got {peak}")
   try:
-    return attention_dispatch(mc, tc.packing)
+    return attention_dispatch(mc, tc.packing, context)
   except ValueError as e:
     raise ValueError(cli_message(str(e))) from e
 
@@ -224,10 +268,12 @@ def progress_mode(progress: str | bool) -> str:
 
 
 def _summary(mc: GPTConfig, tc: TrainConfig, throughput: Throughput, *, n_params: int,
-             peak: float | None, devices, data_parallel: str, data_path: str | None) -> dict:
+             peak: float | None, devices, data_parallel: str, data_path: str | None,
+             mesh_axes=None) -> dict:
   """Throughput, MFU and the run's settings, for the JSON summary."""
   tok_s = tflops = attended_tflops = None
-  dispatch = attention_dispatch(mc, tc.packing)
+  context = dict(mesh_axes or ()).get(parallel.CONTEXT, 1)
+  dispatch = attention_dispatch(mc, tc.packing, context)
   if throughput.steps:
     tok_s = tc.batch_size * mc.seq_len * throughput.steps / throughput.seconds
     per_second = tc.batch_size * throughput.steps / throughput.seconds / 1e12  # sequences / 1e12
@@ -244,6 +290,8 @@ def _summary(mc: GPTConfig, tc: TrainConfig, throughput: Throughput, *, n_params
                             else f"fa2_jax/{dispatch.backend}"),
       "attention_kernels": None if dispatch is None else str(dispatch),
       "data_parallel": data_parallel,
+      "mesh": None if mesh_axes is None else dict(mesh_axes),
+      "processes": jax.process_count(),
       "devices": {"count": len(devices), "platform": devices[0].platform,
                   "kind": devices[0].device_kind},
       "versions": {"jax": jax.__version__, "flax": flax.__version__,
@@ -257,13 +305,14 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
           data_parallel: str = "none", ckpt_dir: str | None = None, resume: bool = False,
           stop_at: int | None = None, progress: str | bool = "auto", sample_tokens: int = 0,
           prompt: str | None = None, temperature: float = 0.8,
-          peak: float | None = None) -> tuple[TrainState, dict]:
+          peak: float | None = None, mesh: str | None = None) -> tuple[TrainState, dict]:
   """Trains ``tc.steps`` steps (or until ``stop_at``) and returns (host state, summary dict).
 
   Args:
     mc, tc: model and training configs.
     data_path: a text file or folder; None reads the Python standard library's sources.
-    data_parallel: "none" (one device), "pmap" or "mesh" (every local device; see parallel.py).
+    data_parallel: "none" (one device), "pmap" (every local device) or "mesh" (every device of
+      every process on the mesh axis "data"; see parallel.py).
     ckpt_dir: save checkpoints here (every tc.ckpt_every steps and at the end); a folder that
       already holds checkpoints needs ``resume``.
     resume: continue from the newest checkpoint in ckpt_dir (a fresh start, said so, when it has
@@ -277,6 +326,12 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
       non-blank line of the data, at most 80 bytes: data.opening_line).
     temperature: the sample's temperature (0: greedy).
     peak: dense peak TFLOP/s of all devices together for MFU (None: from the device kind).
+    mesh: ``"data=D,context=C"`` (``--mesh``; either axis may be left out): the batch split over
+      D devices and the sequence over C, every device of every process (parallel.py); implies
+      ``data_parallel="mesh"``.
+
+  Several processes (``jax.distributed`` initialized before): each runs this with the same
+  arguments; only process 0 prints.
 
   Raises:
     ValueError: from :func:`check_run`, before any work; data_lib.DataError: text too short.
@@ -286,12 +341,16 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
   mode = progress_mode(progress)
   check_run(mc, tc, data_path=data_path, data_parallel=data_parallel, ckpt_dir=ckpt_dir,
             resume=resume, stop_at=stop_at, sample_tokens=sample_tokens, temperature=temperature,
-            peak=peak)
+            peak=peak, mesh=mesh)
+  axes = run_mesh_axes(data_parallel, mesh)
+  if axes is not None:
+    data_parallel = "mesh"
+  lead = jax.process_index() == 0  # the process that prints
   t_start = time.perf_counter()
   train_data, val_data = data_lib.load_documents(data_path, tc.data_bytes, mc.seq_len)
   if prompt is None:
     prompt = DEFAULT_PROMPT if data_path is None else data_lib.opening_line(train_data.tokens)
-  model, tx, runner = compiled_steps(mc, tc, data_parallel, jax.local_device_count())
+  model, tx, runner = compiled_steps(mc, tc, data_parallel, jax.local_device_count(), axes)
   state = init_state(model, tx, tc.seed)
   n_params = count_params(state.params)
   manager = checkpoint_manager(ckpt_dir) if ckpt_dir else None
@@ -308,7 +367,8 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
   if start >= last:
     print(f"the checkpoint's step {start} is at or past the last step {last}: nothing to train",
           flush=True)
-  devices = jax.local_devices()[:runner.n_devices]
+  devices = (list(runner.mesh.devices.flat) if axes is not None
+             else jax.local_devices()[:runner.n_devices])
   peak = peak if peak is not None else peak_tflops(devices)
   # TFLOP/s on a GPU or with a known peak; MFU with a known peak (on CPU neither means much).
   show_flops = peak is not None or devices[0].platform != "cpu"
@@ -329,11 +389,14 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
 
   state = runner.put_state(state)
   history, throughput, loss, val_loss = [], Throughput(), None, None
+  if not lead:
+    mode = "off"
   if mode == "bar":
     bar = tqdm(total=last, initial=start, dynamic_ncols=True, unit="step", file=sys.stdout)
     say = bar.write  # prints above the bar
   else:
-    bar, say = None, lambda line: print(line, flush=True)
+    bar = None
+    say = (lambda line: print(line, flush=True)) if lead else (lambda line: None)
   t_window, steps_in_window = time.perf_counter(), 0
   for step in range(start, last):
     x, y = batch(train_data, step, tc.seed)
@@ -384,9 +447,9 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
   summary = {"final_train_loss": loss, "final_val_loss": val_loss, "start_step": start,
              "end_step": last}
   summary.update(_summary(mc, tc, throughput, n_params=n_params, peak=peak, devices=devices,
-                          data_parallel=data_parallel, data_path=data_path))
+                          data_parallel=data_parallel, data_path=data_path, mesh_axes=axes))
   summary["history"] = history
-  if sample_tokens:
+  if sample_tokens and lead:
     summary["prompt"] = prompt
     summary["sample"] = generate(model, state.params, prompt, sample_tokens,
                                  temperature=temperature, seed=tc.seed)
@@ -401,22 +464,35 @@ def main(argv=None) -> dict:
   args = parser.parse_args(argv)
   try:
     mc, tc = configs_from_args(args)
+    # Before anything touches a device (check_run counts them).
+    parallel.initialize_distributed(parallel.distributed_settings(
+        args.coordinator, args.num_processes, args.process_id))
   except (ValueError, TypeError) as e:
     parser.error(flag_names(str(e)))
   run_args = dict(data_path=args.data, data_parallel=args.data_parallel, ckpt_dir=args.ckpt_dir,
                   resume=args.resume, stop_at=args.stop_at, sample_tokens=args.sample_tokens,
-                  temperature=args.temperature, peak=args.peak_tflops)
+                  temperature=args.temperature, peak=args.peak_tflops, mesh=args.mesh)
   try:
     check_run(mc, tc, **run_args)
+    axes = run_mesh_axes(args.data_parallel, args.mesh)
   except ValueError as e:
     parser.error(str(e))
-  devices = jax.local_devices()
+  lead = jax.process_index() == 0  # the process that prints
+  devices = jax.devices() if axes is not None else jax.local_devices()
   data = args.data or "the Python standard library's sources"
-  print("\n".join(describe_configs(args.preset, mc, tc)))
-  print(f"  data: {data}, at most {data_size(tc.data_bytes)}; jax {jax.__version__} on "
-        f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()})"
-        + (f", data parallel: {args.data_parallel}" if args.data_parallel != "none" else ""))
-  print(describe_attention(mc, tc.packing), flush=True)
+  layout = ""
+  if axes is not None:
+    layout = f", mesh {parallel.describe_mesh(axes)}"
+  elif args.data_parallel != "none":
+    layout = f", data parallel: {args.data_parallel}"
+  if jax.process_count() > 1:
+    layout += f", {jax.process_count()} processes"
+  if lead:
+    print("\n".join(describe_configs(args.preset, mc, tc)))
+    print(f"  data: {data}, at most {data_size(tc.data_bytes)}; jax {jax.__version__} on "
+          f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}){layout}")
+    context = dict(axes or ()).get(parallel.CONTEXT, 1)
+    print(describe_attention(mc, tc.packing, context), flush=True)
   try:
     _, summary = train(mc, tc, progress="off" if args.no_progress else "auto", prompt=args.prompt,
                        **run_args)
@@ -425,6 +501,8 @@ def main(argv=None) -> dict:
   except CheckpointMismatch as e:
     parser.error(str(e))
   summary["preset"] = args.preset
+  if not lead:  # process 0 prints the summary and writes --out
+    return summary
   fmt = lambda v, f: "n/a" if v is None else format(v, f)
   speed = f"{fmt(summary['tokens_per_s'], ',.0f')} tokens/s"
   if summary["peak_tflops"] is not None or summary["devices"]["platform"] != "cpu":
