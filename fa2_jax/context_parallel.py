@@ -65,6 +65,7 @@ from jax import lax
 
 from . import attention
 from .kernels.vma import match_vma
+from .validation import _concrete
 
 STRATEGIES = ("ring", "all_to_all", "all_gather")
 LAYOUTS = ("zigzag", "contiguous")
@@ -273,30 +274,31 @@ def _block_kwargs(cfg: _Config, ops: dict, q_row0, k_row0, tq: int, tk: int, q_s
 
 def _live(cfg: _Config, ops: dict, q_row0, k_row0, tq: int, tk: int):
   """Whether any query of the block may attend any of its keys (a traced bool): the causal and
-  window bounds at the extreme ``q_offset``s, and the lengths."""
-  live = jnp.bool_(True)
+  window bounds at the extreme ``q_offset``s, and the lengths. None where nothing can rule a block
+  out (every block runs)."""
+  live = []
   if ops["q_len"] is not None:
-    live &= q_row0 < jnp.max(ops["q_len"])
+    live.append(q_row0 < jnp.max(ops["q_len"]))
   if ops["kv_len"] is not None:
-    live &= k_row0 < jnp.max(ops["kv_len"])
+    live.append(k_row0 < jnp.max(ops["kv_len"]))
   if cfg.positions:
     left, right = cfg.window
     q_first = jnp.min(ops["q_offset"]) + q_row0
     q_last = jnp.max(ops["q_offset"]) + q_row0 + (tq - 1)
     if right is not None:
-      live &= k_row0 <= q_last + right
+      live.append(k_row0 <= q_last + right)
     if left is not None:
-      live &= k_row0 + (tk - 1) >= q_first - left
-  return live
+      live.append(k_row0 + (tk - 1) >= q_first - left)
+  return functools.reduce(jnp.logical_and, live) if live else None
 
 
 def _dispatch(cfg: _Config, live, k_chunk, n_chunks: int, tk: int, run, skip):
-  """``run(shift)`` where ``live``, else ``skip()``: a ``lax.cond``, or with ``mask_fn``/
-  ``score_fn`` a ``lax.switch`` over the key piece's chunk, whose branches shift their indices by a
-  static ``chunk * tk``."""
+  """``run(shift)`` where ``live`` (None: always), else ``skip()``: a ``lax.cond``, or with
+  ``mask_fn``/``score_fn`` a ``lax.switch`` over the key piece's chunk, whose branches shift their
+  indices by a static ``chunk * tk``."""
   if cfg.mask_fn is None and cfg.score_fn is None:
-    return lax.cond(live, lambda: run(None), skip)
-  index = jnp.where(live, k_chunk, n_chunks)
+    return run(None) if live is None else lax.cond(live, lambda: run(None), skip)
+  index = k_chunk if live is None else jnp.where(live, k_chunk, n_chunks)
   return lax.switch(index, [functools.partial(run, c * tk) for c in range(n_chunks)] + [skip])
 
 
@@ -626,12 +628,12 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
                    if positions else None),
       "slopes": None if alibi_slopes is None else jnp.asarray(alibi_slopes),
   }
-  for name, x, limit in (("query_seq_lengths", ops["q_len"], t_loc * c),
-                         ("key_value_seq_lengths", ops["kv_len"], s_loc * c)):
-    if x is not None and not isinstance(x, jax.core.Tracer) and (
-        np.min(x) < 0 or np.max(x) > limit):
+  for name, raw, limit in (("query_seq_lengths", query_seq_lengths, t_loc * c),
+                           ("key_value_seq_lengths", key_value_seq_lengths, s_loc * c)):
+    x = np.asarray(raw) if isinstance(raw, (int, list, tuple)) else _concrete(raw)
+    if x is not None and x.size and (x.min() < 0 or x.max() > limit):
       raise ValueError(f"{name} are global lengths and must lie in [0, {limit}], got values in "
-                       f"[{np.min(x)}, {np.max(x)}]")
+                       f"[{x.min()}, {x.max()}]")
   kwargs = (("scale", scale), ("is_causal", is_causal), ("implementation", implementation),
             ("block_sizes", block_sizes), ("deterministic", deterministic),
             ("interpret", interpret), ("local_window_size", local_window_size),

@@ -72,11 +72,12 @@ def _value_and_grads(f, q, k, v, dout, dlse, slopes=None):
   def loss(*args):
     out, lse = f(*args)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    return jnp.sum(out * dout) + jnp.sum(lse * dlse), (out, lse)
+    return jnp.sum((out * dout).astype(jnp.float32)) + jnp.sum(lse * dlse), (out, lse)
 
   args = (q, k, v) if slopes is None else (q, k, v, slopes)
-  grads, (out, lse) = jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True)(*args)
-  return [np.asarray(x, np.float64) for x in (out, lse, *grads)]
+  grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True))
+  grads, (out, lse) = grad(*args)
+  return [np.asarray(x.astype(jnp.float32), np.float64) for x in (out, lse, *grads)]
 
 
 def _reference64(q, k, v, dout, dlse, slopes=None, segments=None, **kw):
@@ -135,6 +136,19 @@ def test_ring_alibi_and_functions():
   _check("ring", "zigzag", implementation="xla", is_causal=True, slopes=slopes,
          mask_fn=lambda b, h, p, j: (p - j) % 7 != 3,
          score_fn=lambda x, b, h, p, j: x + 0.01 * (p % 5 - 2 * (j % 3)).astype(x.dtype))
+
+
+def test_default_strategy_bfloat16():
+  """strategy=None (all_gather at this size) and the ring in bfloat16 (bfloat16 K/V and float32
+  dK/dV accumulators each in a ppermute of their own), not causal, contiguous."""
+  q, k, v, dout, dlse = _inputs(seed=2)
+  q, k, v, dout = (x.astype(jnp.bfloat16) for x in (q, k, v, dout))  # the lse stays float32
+  single = _value_and_grads(_single(implementation="xla"), q, k, v, dout, dlse)
+  for strategy in (None, "ring"):
+    got = _value_and_grads(_context_parallel(strategy, "contiguous", implementation="xla"),
+                           q, k, v, dout, dlse)
+    for a, b in zip(got, single):
+      np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)
 
 
 def test_all_to_all():
