@@ -5,7 +5,7 @@ Each of the ``C`` devices of mesh axis ``axis_name`` holds a chunk of the sequen
 whole sequence::
 
     C = 4
-    mesh = jax.make_mesh((C,), ("context",))
+    mesh = jax.make_mesh((C,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
     spec = jax.sharding.PartitionSpec(None, "context")        # [B, T, N, H] sharded along T
     q, k, v = (fa2_jax.to_context_layout(x, C) for x in (q, k, v))   # zigzag: causal load balance
     attend = functools.partial(fa2_jax.context_parallel_attention, axis_name="context",
@@ -64,6 +64,7 @@ import numpy as np
 from jax import lax
 
 from . import attention
+from .kernels.masking import Variant, closes_over_arrays
 from .kernels.vma import match_vma
 from .validation import _concrete
 
@@ -616,6 +617,12 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
     strategy, _ = context_parallel_strategy(
         (b, t_loc * c, n, query.shape[3]), (b, s_loc * c, kh, key.shape[3]), c, dtype=key.dtype,
         has_kv_segment_ids=kv_segment_ids is not None)
+  if strategy == "ring" and score_fn is not None and closes_over_arrays(
+      Variant(score_fn=score_fn)) is not None:
+    raise ValueError(
+        "strategy='ring' does not differentiate arrays that score_fn closes over (its custom_vjp "
+        "takes the function as static); use strategy='all_gather' or 'all_to_all', or a score_fn "
+        "that closes over Python scalars only")
   if isinstance(local_window_size, list):
     local_window_size = tuple(local_window_size)
   positions = bool(is_causal) or local_window_size is not None or alibi_slopes is not None or (

@@ -238,5 +238,10 @@ def test_errors():
     _trace(axis_name="sequence")
   with pytest.raises(ValueError, match="length 12 .* not divisible by 8"):
     fa2_jax.to_context_layout(jnp.zeros((1, 12)), C)
+  bias = jnp.ones((4,), jnp.float32)
+  with pytest.raises(ValueError, match="strategy='ring' does not differentiate arrays that score_fn"):
+    _trace(score_fn=lambda x, b, h, p, j: x + bias[p % 4])
+  with pytest.raises(ValueError, match=r"query_seq_lengths are global lengths and must lie in \[0, 32\]"):
+    _trace(query_seq_lengths=jnp.array([33]))
   with pytest.raises(TypeError, match="query_seq_lengths must be integer"):
     _trace(query_seq_lengths=jnp.array([3.0]))
