@@ -72,7 +72,7 @@ def _value_and_grads(f, q, k, v, dout, dlse, slopes=None):
   def loss(*args):
     out, lse = f(*args)
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    return jnp.sum((out * dout).astype(jnp.float32)) + jnp.sum(lse * dlse), (out, lse)
+    return jnp.sum((out * dout).astype(lse.dtype)) + jnp.sum(lse * dlse), (out, lse)
 
   args = (q, k, v) if slopes is None else (q, k, v, slopes)
   grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True))
@@ -170,6 +170,31 @@ def test_ring_triton_kernels(layout, kw):
   global out and lse (attention.attention_backward). check_vma=False: the interpret-mode kernels'
   internals are not varying-manual-axes aware."""
   _check("ring", layout, implementation="triton", interpret=True, check_vma=False, **kw)
+
+
+def test_attention_backward_blocks_sum_to_the_call():
+  """attention.attention_backward on key blocks, with the whole call's out and lse: dq sums to the
+  call's, each block's dk/dv is the call's slice (Triton, interpret mode; T = S = 24 padded to a
+  length multiple of 16, so rows and keys are padded inside)."""
+  from fa2_jax.attention import attention_backward
+  q, k, v, dout, dlse = (x[:, :24] for x in _inputs(seed=4))
+  kw = dict(implementation="triton", interpret=True, is_causal=True)
+  previous = fa2_jax.kernel_reuse.info()
+  fa2_jax.reuse_kernels_across_programs(True, length_multiple=16)
+  try:
+    f = lambda q, k, v: fa2_jax.flash_attention(q, k, v, return_residual=True, **kw)  # noqa: E731
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    dq, dk, dv = vjp((dout, dlse))
+    grads = [attention_backward(q, k[:, j:j + 12], v[:, j:j + 12], out, lse, dout, dlse,
+                                q_offset=-j, **kw) for j in (0, 12)]
+  finally:
+    fa2_jax.reuse_kernels_across_programs(previous["enabled"],
+                                          length_multiple=previous["length_multiple"])
+  np.testing.assert_allclose(grads[0][0] + grads[1][0], dq, atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(jnp.concatenate([g[1] for g in grads], 1), dk, atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(jnp.concatenate([g[2] for g in grads], 1), dv, atol=2e-5, rtol=1e-4)
+  with pytest.raises(ValueError, match="runs on the XLA formula"):
+    attention_backward(q, k, v, out, lse, dout, implementation="xla")
 
 
 # --- the compiled ring --------------------------------------------------------------------------
