@@ -11,6 +11,8 @@ if _util.find_spec(f"{__name__}.kernels") is None:  # a checkout imported withou
       "fa2_jax's kernels (the folder kernels/ of the source tree) are installed as fa2_jax.kernels: "
       "install the checkout first, e.g. `pip install -e .` from its root (scripts/setup.sh does)")
 from .attention import backend_for, flash_attention
+from .context_parallel import (context_parallel_attention, context_parallel_strategy,
+                               context_positions, from_context_layout, to_context_layout)
 from .dispatch import Dispatch
 from .kernels.decode.config import DecodeConfig
 from .kernels.sm90.config import MosaicConfig
@@ -21,5 +23,6 @@ from .reference import reference_attention
 
 __all__ = ["flash_attention", "backend_for", "Dispatch", "BlockSizes", "DecodeConfig", "MosaicConfig",
            "reference_attention", "reuse_kernels_across_programs", "KVCache", "PagedKVCache",
-           "prefill"]
+           "prefill", "context_parallel_attention", "context_parallel_strategy",
+           "to_context_layout", "from_context_layout", "context_positions"]
 __version__ = "0.1.0"

@@ -12,7 +12,7 @@ from jax.custom_derivatives import SymbolicZero
 from . import dispatch, kernel_reuse, sharding
 from .kernels import registry
 from .kernels.backend import KernelCall
-from .kernels.softmax import kernel_scale, lse_from_stats
+from .kernels.softmax import kernel_scale, lse_from_stats, stats_from_lse
 from .kernels.vma import match_vma
 from .kernels.block_ranges import index_reads, range_tables, warm_static_masks
 from .kernels.masking import Variant, VariantArrays, alibi_lse_shift, remove_alibi_shift
@@ -203,60 +203,28 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
     out, lse = attention_formula(call.query, call.key, call.value, call.variant, call.arrays,
                                  scale=call.scale)
   else:
-    q, k, v = call.query, call.key, call.value
-    variant, arrays = call.variant, call.arrays
-    if call.is_causal and q.shape[1] < k.shape[1] and not variant.has_q_offset:
-      # Top-left causal: keys j >= T are never attended. Drop them before the kernels, so values
-      # stored there (NaN, inf) cannot reach O or dQ through a masked 0 * NaN inside a matmul; their
-      # dK/dV are exact zeros (the slice's transpose pads them).
-      t = q.shape[1]
-      k, v = k[:, :t], v[:, :t]
-      if variant.has_segments:
-        arrays = arrays._replace(kv_segment_ids=arrays.kv_segment_ids[:, :t])
-      if variant.has_kv_lengths:
-        arrays = arrays._replace(kv_lengths=jnp.minimum(arrays.kv_lengths, t))
-    t_call = q.shape[1]
-    if (multiple := kernel_reuse.length_multiple()) is not None:
-      q, k, v, variant, arrays = _pad_lengths(q, k, v, variant, arrays, multiple)
-    fields = tuple(f for f in VariantArrays._fields if getattr(arrays, f) is not None)
-    extras = tuple(getattr(arrays, f) for f in fields)
-    family = registry.get(call.backend)
-    launched = launched_call(call.kernel_call)  # as the kernels see it (sliced, padded)
-    assert (launched.q_shape, launched.k_shape) == (tuple(q.shape), tuple(k.shape))
-    variant = None if variant == Variant(is_causal=call.is_causal) else variant
-    config = family.launch_config(launched, block_sizes)
-    tiles = family.range_tiles(launched, config)
-    tables = tuple(f"table_{name}" for name in tiles) if variant is not None else ()
-    whole = _unsplittable(variant, q.shape[0], q.shape[2])
-    static = _Static(kernel_scale(call.scale), call.is_causal, family.name, call.deterministic,
-                     bool(call.interpret), config, variant=variant, fields=fields + tables,
-                     whole=tuple(sorted(whole.items())))
+    launch = _launch(call, block_sizes)
+    q, k, v, extras, static = launch.q, launch.k, launch.v, launch.extras, launch.static
+    fields = static.fields[:len(extras)]
 
     def local(q, k, v, *extras):
       # On each device's blocks (under Explicit mesh axes) or on the whole call: the block ranges of
       # every kernel, once per call, shared by the forward and the backward.
-      if variant is not None:
-        local_arrays = VariantArrays(**dict(zip(fields, extras)))
-        extras += tuple(range_tables(variant, local_arrays, tiles, batch=q.shape[0],
-                                     heads=q.shape[2], seq_q=q.shape[1],
-                                     seq_k=k.shape[1]).values())
+      extras = launch.with_tables(q, k, extras)
       return _kernels(static)(*match_vma(q, k, v), tuple(extras), static)
 
     layouts = (sharding.Q, sharding.KV, sharding.V, *(_FIELD_LAYOUTS[f] for f in fields))
     names = (*sharding.QKV_NAMES, *fields)
-    if variant is not None:  # on the whole call: a shard_map cannot evaluate them while tracing
-      warm_static_masks(variant, tiles, batch=q.shape[0], heads=q.shape[2], seq_q=q.shape[1],
-                        seq_k=k.shape[1])
     try:
       # Per device where Explicit mesh axes shard B or the heads (fa2_jax.sharding).
       out, lse = sharding.local_call(local, (q, k, v, *extras), layouts, names=names,
-                                     whole=whole)
+                                     whole=dict(static.whole))
     except TypeError as e:
       if "forward-mode autodiff" in str(e) or "can't apply forward-mode" in str(e):
         raise TypeError(_FORWARD_MODE) from e
       raise
-    if out.shape[1] != t_call:  # padded to the length multiple
-      out, lse = out[:, :t_call], lse[:, :t_call]
+    if out.shape[1] != launch.t_call:  # padded to the length multiple
+      out, lse = out[:, :launch.t_call], lse[:, :launch.t_call]
   if call.squeeze:
     out, lse = out[0], lse[0]
   return (out, lse) if call.return_residual else out
@@ -278,6 +246,70 @@ def launched_call(kernel_call: KernelCall) -> KernelCall:
       variant = dataclasses.replace(variant, has_q_lengths=True, has_kv_lengths=True)
   return dataclasses.replace(kernel_call, q_shape=(b, t, n, h), k_shape=(b, s, kh, h),
                              variant=variant)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Launch:
+  """A call's operands as its kernels take them (sliced, padded: :func:`launched_call`) and its
+  static state."""
+
+  q: object
+  k: object
+  v: object
+  extras: tuple  # the VariantArrays operands, in the order of static.fields
+  static: _Static
+  tiles: dict  # Backend.range_tiles
+  t_call: int  # the call's T before padding
+  s_call: int  # the call's S before slicing and padding
+  s_kept: int  # the keys kept by the slice, before padding
+
+  def with_tables(self, q, k, extras) -> tuple:
+    """``extras`` and the block-range tables of every kernel, computed from them (on one device's
+    blocks or on the whole call)."""
+    variant = self.static.variant
+    if variant is None:
+      return tuple(extras)
+    arrays = VariantArrays(**dict(zip(self.static.fields, extras)))
+    return tuple(extras) + tuple(range_tables(variant, arrays, self.tiles, batch=q.shape[0],
+                                              heads=q.shape[2], seq_q=q.shape[1],
+                                              seq_k=k.shape[1]).values())
+
+
+def _launch(call, block_sizes) -> _Launch:
+  """The kernel launch of a validated call on a kernel family (``call.backend != "xla"``)."""
+  q, k, v = call.query, call.key, call.value
+  variant, arrays = call.variant, call.arrays
+  s_call = k.shape[1]
+  if call.is_causal and q.shape[1] < k.shape[1] and not variant.has_q_offset:
+    # Top-left causal: keys j >= T are never attended. Drop them before the kernels, so values
+    # stored there (NaN, inf) cannot reach O or dQ through a masked 0 * NaN inside a matmul; their
+    # dK/dV are exact zeros (the slice's transpose pads them).
+    t = q.shape[1]
+    k, v = k[:, :t], v[:, :t]
+    if variant.has_segments:
+      arrays = arrays._replace(kv_segment_ids=arrays.kv_segment_ids[:, :t])
+    if variant.has_kv_lengths:
+      arrays = arrays._replace(kv_lengths=jnp.minimum(arrays.kv_lengths, t))
+  t_call, s_kept = q.shape[1], k.shape[1]
+  if (multiple := kernel_reuse.length_multiple()) is not None:
+    q, k, v, variant, arrays = _pad_lengths(q, k, v, variant, arrays, multiple)
+  fields = tuple(f for f in VariantArrays._fields if getattr(arrays, f) is not None)
+  extras = tuple(getattr(arrays, f) for f in fields)
+  family = registry.get(call.backend)
+  launched = launched_call(call.kernel_call)  # as the kernels see it (sliced, padded)
+  assert (launched.q_shape, launched.k_shape) == (tuple(q.shape), tuple(k.shape))
+  variant = None if variant == Variant(is_causal=call.is_causal) else variant
+  config = family.launch_config(launched, block_sizes)
+  tiles = family.range_tiles(launched, config)
+  tables = tuple(f"table_{name}" for name in tiles) if variant is not None else ()
+  whole = _unsplittable(variant, q.shape[0], q.shape[2])
+  static = _Static(kernel_scale(call.scale), call.is_causal, family.name, call.deterministic,
+                   bool(call.interpret), config, variant=variant, fields=fields + tables,
+                   whole=tuple(sorted(whole.items())))
+  if variant is not None:  # on the whole call: a shard_map cannot evaluate them while tracing
+    warm_static_masks(variant, tiles, batch=q.shape[0], heads=q.shape[2], seq_q=q.shape[1],
+                      seq_k=k.shape[1])
+  return _Launch(q, k, v, extras, static, tiles, t_call, s_call, s_kept)
 
 
 def _pad_lengths(q, k, v, variant: Variant, arrays: VariantArrays, multiple: int):
@@ -491,3 +523,50 @@ def _flash_bwd(st: _Static, residuals, cotangents):
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 _flash_slopes.defvjp(_flash_fwd, _flash_bwd, symbolic_zeros=True)
+
+
+def attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=None, is_causal=False,
+                       implementation=None, block_sizes=None, deterministic=False, interpret=None,
+                       **variant_args):
+  """``(dq, dk, dv)`` of one block of keys of a softmax that spans more keys than this call's.
+
+  The FlashAttention-2 backward of ``query`` over ``key``/``value`` with the rows' statistics of the
+  whole softmax: ``out [B, T, N, H]`` and ``lse [B, T, N]`` (float32, natural log) are each row's
+  output and logsumexp over ALL its keys, ``dout`` and ``dlse`` (None: zero) their cotangents, so
+  ``P = exp(S - lse)`` and ``D = rowsum(dout * out)``; summed over the key blocks, ``dq`` and each
+  block's ``dk``/``dv`` are the whole softmax's gradients (the ring of
+  :mod:`fa2_jax.context_parallel`). ``lse`` is converted to the kernels' row statistics
+  (``kernels.softmax.stats_from_lse``, which states its rounding). Rank-4 arrays; the other
+  arguments as :func:`flash_attention`'s. Runs the kernel families only: a call that
+  :func:`flash_attention` would run on the XLA formula raises a ValueError. ``alibi_slopes`` are
+  applied, not differentiated. ``dq`` in ``query``'s dtype, ``dk``/``dv`` in ``key``'s.
+  """
+  call = prepare(query, key, value, scale, is_causal, implementation, False, block_sizes,
+                 deterministic, interpret, **variant_args)
+  if call.squeeze:
+    raise ValueError(f"attention_backward takes rank-4 arrays, got query {tuple(query.shape)}")
+  if call.backend == "xla":
+    raise ValueError("attention_backward runs the kernel families; this call runs on the XLA "
+                     "formula (differentiate flash_attention instead)")
+  launch = _launch(call, block_sizes)
+  st, q, k, v = launch.static, launch.q, launch.k, launch.v
+  pad = q.shape[1] - launch.t_call  # rows padded to the length multiple
+  rows = lambda x, fill: jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2),  # noqa: E731
+                                  constant_values=fill)
+  out, dout = rows(out.astype(q.dtype), 0), rows(dout.astype(q.dtype), 0)
+  lse = rows(lse.astype(jnp.float32), -jnp.inf)
+  dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else rows(dlse.astype(jnp.float32), 0)
+  extras = launch.with_tables(q, k, launch.extras)
+  if st.variant is not None and (shift := alibi_lse_shift(st.variant, st.arrays(extras),
+                                                          q.shape[1], k.shape[1])) is not None:
+    lse = jnp.where(lse == -jnp.inf, lse, lse + shift)  # the kernels' frame (_lse removes it)
+  modifies = st.variant is not None and st.variant.modifies_scores
+  stats = stats_from_lse(jnp.swapaxes(lse, 1, 2), st.scale, modifies)
+  dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, stats, dout,
+                                 jnp.swapaxes(dlse, 1, 2), extras, _layouts(st, extras),
+                                 partition=_partitionable(st), whole=dict(st.whole),
+                                 fold_vmap=_foldable(st))[:3]
+  dq = dq[:, :launch.t_call]
+  keys = ((0, 0), (0, launch.s_call - launch.s_kept), (0, 0), (0, 0))  # keys sliced off: zeros
+  dk, dv = (jnp.pad(x[:, :launch.s_kept], keys) for x in (dk, dv))
+  return dq, dk.astype(key.dtype), dv.astype(value.dtype)

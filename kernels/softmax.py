@@ -107,6 +107,21 @@ def lse_from_stats(stats, scale: float, modifies_scores: bool):
   return jnp.where(empty, -jnp.inf, m * LN2 + jnp.log(jnp.where(empty, 1.0, l)))
 
 
+def stats_from_lse(lse, scale: float, modifies_scores: bool):
+  """Row statistics ``[B, N, 2, T]`` float32 for rows whose lse ``[B, N, T]`` (natural log, the
+  kernels' frame) is given: the inverse of :func:`lse_from_stats`, ``r = lse / (c ln 2)`` and ``l = 1``
+  (``l = 0``, no key, where lse is ``-inf``). The backward of rows whose softmax spans more keys
+  than one call's (context parallelism: ``fa2_jax.attention.attention_backward``) recomputes
+  ``P = exp(s - lse)`` from them. Unlike the forward's stored ``(r, l)``, ``r`` is not a logit: the
+  backward's ``(s - r) * c`` loses ``|lse| * 2^-24`` of the exponent to the rounding of ``r``
+  (a relative error within 1e-4 in ``P`` while ``|lse| < 2^10``)."""
+  c = np.float32(exponent_scale(scale, modifies_scores))
+  empty = lse == -jnp.inf
+  r = jnp.where(empty, 0.0, lse.astype(jnp.float32) * np.float32(LOG2E) / c)
+  l = jnp.where(empty, 0.0, 1.0).astype(jnp.float32)
+  return jnp.stack([r, l], axis=2)
+
+
 def row_sum_at_max(r, m, l, c: float, dtype):
   """The row sum the forward stores: ``l`` rescaled so that the row maximum's weight counts as 1.
 

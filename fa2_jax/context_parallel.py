@@ -1,0 +1,671 @@
+"""Context parallelism: attention over a sequence sharded along one mesh axis, inside ``jax.shard_map``.
+
+Each of the ``C`` devices of mesh axis ``axis_name`` holds a chunk of the sequence: query
+``[B, T/C, N, H]``, key/value ``[B, S/C, K, H]``, and computes the attention of its queries over the
+whole sequence::
+
+    C = 4
+    mesh = jax.make_mesh((C,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec(None, "context")        # [B, T, N, H] sharded along T
+    q, k, v = (fa2_jax.to_context_layout(x, C) for x in (q, k, v))   # zigzag: causal load balance
+    attend = functools.partial(fa2_jax.context_parallel_attention, axis_name="context",
+                               is_causal=True)
+    out = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+    out = fa2_jax.from_context_layout(out, C)                 # == flash_attention(q, k, v, ...)
+
+API (stable; other modules and the examples build on it):
+
+* ``context_parallel_attention(query, key, value, *, axis_name, strategy=None, layout="zigzag",
+  **flash_attention's keywords)``: inside ``jax.shard_map``, on the local chunks; returns the local
+  ``out`` (and ``lse [B, T/C, N]`` with ``return_residual``), in the same layout as the query.
+* ``context_parallel_strategy(query_shape, key_shape, axis_size, ...) -> (name, reason)``: the
+  strategy ``strategy=None`` picks, for GLOBAL shapes.
+* ``to_context_layout(x, axis_size, *, seq_axis=1, layout)`` / ``from_context_layout``: the
+  permutation of a global array's sequence axis that places chunks on devices (exact round trip).
+* ``context_positions(local_len, axis_index, axis_size, *, layout)``: the global sequence index
+  of each local token (positions travel with the chunks).
+
+Layouts: the sequence is cut into ``C`` chunks (``"contiguous"``: device ``d`` holds chunk ``d``)
+or ``2C`` chunks (``"zigzag"``, the default: device ``d`` holds chunks ``d`` and ``2C-1-d``, so that
+under ``is_causal`` every device has the same number of allowed pairs). The arrays given to
+``shard_map`` must be in that order (``to_context_layout``); ``q_segment_ids``/``kv_segment_ids``
+are local chunks like the query/key, in the same layout; ``query_seq_lengths``,
+``key_value_seq_lengths`` (``[B]``), ``q_offset`` and ``alibi_slopes`` are global and replicated.
+Positions (``is_causal``, ``local_window_size``, ALiBi, ``mask_fn``/``score_fn``'s ``q_idx``/
+``kv_idx``) are absolute: global sequence indices, ``q_offset`` added for the queries.
+
+Strategies:
+
+* ``"ring"``: K/V blocks travel around the axis by ``lax.ppermute``, ``C`` steps; each step runs the
+  local kernels on (local queries, visiting K/V) with the positions shifted, and the partial outputs
+  are merged exactly by their lse. A ``jax.custom_vjp`` ring backward: the residuals are the local
+  q, k, v, out and lse only; K/V circulate again with float32 dK/dV accumulators, and each block
+  runs the kernels' backward with the GLOBAL out and lse (``attention.attention_backward``). Blocks
+  no query may attend (causal future, out of a window's reach, past the lengths) are skipped by a
+  ``lax.cond`` on the traced device and step indices; within a block the kernels skip masked tiles.
+  Calls on the XLA formula, and calls with ``alibi_slopes`` (to differentiate them), take the
+  per-block backward by recomputing the block's forward under ``jax.vjp`` instead.
+* ``"all_to_all"`` (Ulysses): ``lax.all_to_all`` trades the sequence for the heads, one
+  full-sequence ``flash_attention`` over ``N/C`` heads, and back. Needs ``N % C == 0`` and
+  ``K % C == 0``.
+* ``"all_gather"``: K/V (and ``kv_segment_ids``) are all-gathered; the local queries attend the
+  whole sequence. Memory: the full K/V on every device.
+
+Gradients of ``"all_to_all"``/``"all_gather"`` are autodiff's (the collectives' transposes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import attention
+from .kernels.masking import Variant, closes_over_arrays
+from .kernels.vma import match_vma
+from .validation import _concrete
+
+STRATEGIES = ("ring", "all_to_all", "all_gather")
+LAYOUTS = ("zigzag", "contiguous")
+
+# strategy=None gathers K/V while the gathered K and V take at most this many bytes per device:
+# small next to a GPU's memory (80 GB on an H100) and to one layer's activations, and one collective
+# and one kernel call per query piece beat C ring steps. Past it the memory per device must stay
+# S/C: all_to_all where the heads divide, the ring otherwise.
+GATHER_BYTES = 256 * 2**20
+
+
+# --- layout --------------------------------------------------------------------------------------
+
+def _check_layout(layout) -> int:
+  """The number of chunks per device of ``layout`` (ValueError for an unknown one)."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+  return 2 if layout == "zigzag" else 1
+
+
+def _chunk_order(axis_size: int, layout: str) -> list[int]:
+  """The global chunk index of each chunk in device order (device 0's chunks first)."""
+  if layout == "zigzag":
+    return [c for d in range(axis_size) for c in (d, 2 * axis_size - 1 - d)]
+  return list(range(axis_size))
+
+
+def _local_chunks(index, axis_size: int, layout: str) -> list:
+  """The global chunk indices held by device ``index`` (an int or a traced int32), in local order."""
+  if layout == "zigzag":
+    return [index, 2 * axis_size - 1 - index]
+  return [index]
+
+
+def _permute_chunks(x, order: list[int], seq_axis: int):
+  """``x`` with the ``len(order)`` equal chunks of ``seq_axis`` in the order ``order``."""
+  size = x.shape[seq_axis] // len(order)
+  if order == sorted(order):
+    return x
+  return jnp.concatenate([lax.slice_in_dim(x, i * size, (i + 1) * size, axis=seq_axis)
+                          for i in order], axis=seq_axis)
+
+
+def _check_global(x, axis_size, seq_axis, layout) -> tuple[int, int]:
+  pieces = _check_layout(layout)
+  if not isinstance(axis_size, (int, np.integer)) or axis_size < 1:
+    raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
+  if not -x.ndim <= seq_axis < x.ndim:
+    raise ValueError(f"seq_axis={seq_axis} is out of range for an array of rank {x.ndim}")
+  seq_axis %= x.ndim
+  n = pieces * int(axis_size)
+  if x.shape[seq_axis] % n:
+    raise ValueError(
+        f"layout={layout!r} cuts the sequence into {n} chunks ({pieces} per device, axis_size "
+        f"{axis_size}): its length {x.shape[seq_axis]} (axis {seq_axis}) is not divisible by {n}; pad "
+        f"it to a multiple of {n} (query_seq_lengths/key_value_seq_lengths mask the padding)"
+        + (" or use layout='contiguous'" if pieces == 2 else ""))
+  return seq_axis, n
+
+
+def to_context_layout(x, axis_size: int, *, seq_axis: int = 1, layout: str = "zigzag"):
+  """A global array's sequence axis reordered so that cutting it into ``axis_size`` equal contiguous
+  shards (``PartitionSpec`` on ``seq_axis``) gives device ``d`` its chunks of ``layout``: for
+  ``"zigzag"``, chunks ``d`` and ``2 * axis_size - 1 - d`` of ``2 * axis_size``; ``"contiguous"``
+  leaves ``x`` as it is. A pure permutation (``from_context_layout`` undoes it exactly)."""
+  seq_axis, _ = _check_global(x, axis_size, seq_axis, layout)
+  return _permute_chunks(x, _chunk_order(int(axis_size), layout), seq_axis)
+
+
+def from_context_layout(x, axis_size: int, *, seq_axis: int = 1, layout: str = "zigzag"):
+  """The inverse of :func:`to_context_layout`: the sequence axis back in its natural order."""
+  seq_axis, _ = _check_global(x, axis_size, seq_axis, layout)
+  order = _chunk_order(int(axis_size), layout)
+  return _permute_chunks(x, [int(i) for i in np.argsort(order)], seq_axis)
+
+
+def context_positions(local_len: int, axis_index, axis_size: int, *, layout: str = "zigzag"):
+  """``int32 [local_len]``: the global sequence index of each of the ``local_len`` tokens of device
+  ``axis_index`` (an int, or ``lax.axis_index(axis_name)`` inside ``shard_map``) under ``layout``.
+  Add ``q_offset`` for the queries' absolute positions."""
+  pieces = _check_layout(layout)
+  if local_len % pieces:
+    raise ValueError(f"layout={layout!r} holds {pieces} chunks per device: local_len={local_len} "
+                     f"must be divisible by {pieces}")
+  size = local_len // pieces
+  rows = jnp.arange(size, dtype=jnp.int32)
+  return jnp.concatenate([jnp.asarray(c, jnp.int32) * size + rows
+                          for c in _local_chunks(axis_index, axis_size, layout)])
+
+
+# --- strategy choice -----------------------------------------------------------------------------
+
+def context_parallel_strategy(query_shape, key_shape, axis_size: int, *, dtype=jnp.bfloat16,
+                              has_kv_segment_ids: bool = False) -> tuple[str, str]:
+  """``(strategy, reason)``: what ``strategy=None`` runs for GLOBAL shapes ``[B, T, N, H]`` /
+  ``[B, S, K, H]`` over an axis of ``axis_size`` devices (``dtype``: the keys').
+
+  The rule: gather K/V while the gathered K and V take at most :data:`GATHER_BYTES` per device
+  (``"all_gather"``); else ``"all_to_all"`` where ``N`` and ``K`` divide by ``axis_size``; else
+  ``"ring"``, whose memory per device stays ``S / axis_size``."""
+  b, s, kh, h = (int(d) for d in key_shape)
+  n = int(query_shape[2])
+  c = int(axis_size)
+  gathered = 2 * b * s * kh * h * jnp.dtype(dtype).itemsize + (4 * b * s if has_kv_segment_ids
+                                                                  else 0)
+  if c == 1 or gathered <= GATHER_BYTES:
+    return "all_gather", (f"the gathered K and V take {gathered / 2**20:.1f} MiB per device "
+                          f"(<= {GATHER_BYTES // 2**20} MiB): one all-gather and one kernel call "
+                          "per query piece")
+  if n % c == 0 and kh % c == 0:
+    return "all_to_all", (f"the gathered K/V would take {gathered / 2**20:.0f} MiB per device and "
+                          f"the heads (N={n}, K={kh}) divide by the axis size {c}: all-to-all trades "
+                          "the sequence for the heads around one full-sequence call")
+  return "ring", (f"the gathered K/V would take {gathered / 2**20:.0f} MiB per device and the heads "
+                  f"(N={n}, K={kh}) do not divide by the axis size {c}: K/V travel around the ring, "
+                  "memory per device stays S/C")
+
+
+# --- the call's settings -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Everything about a context-parallel call that is not an array (hashable: the ring's
+  custom_vjp takes it as a nondiff argument)."""
+
+  axis_name: object
+  axis_size: int
+  layout: str
+  kwargs: tuple  # flash_attention's static keywords, as (name, value) pairs
+  mask_fn: object
+  score_fn: object
+  positions: bool  # whether anything reads positions (then every block call gets a q_offset)
+  window: tuple  # (left, right) key bounds relative to the query position, None: unbounded
+  kernel_backward: bool  # the ring's blocks run the kernels' backward (else: recompute under vjp)
+
+  @property
+  def pieces(self) -> int:
+    return 2 if self.layout == "zigzag" else 1
+
+
+def _window(local_window_size, is_causal: bool) -> tuple:
+  """``(left, right)`` of the keys a query at position p may attend, ``p - left <= j <= p + right``
+  (None: unbounded), for skipping blocks; arguments flash_attention would refuse give
+  ``(None, None)`` (its error comes from the block calls)."""
+  left = right = None
+  w = local_window_size
+  if isinstance(w, (int, np.integer)) and not isinstance(w, bool):
+    left = right = int(w)
+  elif isinstance(w, (tuple, list)) and len(w) == 2 and all(
+      x is None or (isinstance(x, (int, np.integer)) and not isinstance(x, bool)) for x in w):
+    left, right = (None if x is None else int(x) for x in w)
+  if is_causal:
+    right = 0 if right is None else min(right, 0)
+  return left, right
+
+
+def _int_array(name, x, batch):
+  """An integer argument as an int32 array (``[batch]`` for a per-row one)."""
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise TypeError(f"{name} must be integer, got dtype {x.dtype}")
+  x = x.astype(jnp.int32)
+  return x if batch is None else jnp.broadcast_to(x, (batch,))
+
+
+def _axis_size(axis_name) -> int:
+  try:
+    return int(lax.axis_size(axis_name))
+  except NameError as e:
+    raise ValueError(
+        f"axis_name={axis_name!r} is not a mesh axis bound here: call context_parallel_attention "
+        "inside jax.shard_map over a mesh with that axis, on the local chunks") from e
+
+
+# --- one block: local queries against one piece of keys ------------------------------------------
+
+def _block_kwargs(cfg: _Config, ops: dict, q_row0, k_row0, tq: int, tk: int, q_seg, kv_seg,
+                  shift=None) -> dict:
+  """flash_attention's keywords for the queries of global rows ``[q_row0, q_row0 + tq)`` against
+  the keys ``[k_row0, k_row0 + tk)``. The kernels count key positions from 0: ``q_offset`` is the
+  query rows' absolute start minus ``k_row0``; ``mask_fn``/``score_fn`` get ``shift`` (the static
+  ``k_row0``) added back to both indices."""
+  kw = dict(cfg.kwargs)
+  if cfg.positions:
+    kw["q_offset"] = ops["q_offset"] + (q_row0 - k_row0)
+  if ops["q_len"] is not None:
+    kw["query_seq_lengths"] = jnp.clip(ops["q_len"] - q_row0, 0, tq)
+  if ops["kv_len"] is not None:
+    kw["key_value_seq_lengths"] = jnp.clip(ops["kv_len"] - k_row0, 0, tk)
+  if q_seg is not None or kv_seg is not None:
+    kw["q_segment_ids"], kw["kv_segment_ids"] = q_seg, kv_seg
+  if ops["slopes"] is not None:
+    kw["alibi_slopes"] = ops["slopes"]
+  mask_fn, score_fn = cfg.mask_fn, cfg.score_fn
+  if shift:  # a Python int: closures over scalars stay on the kernels
+    if mask_fn is not None:
+      kw["mask_fn"] = lambda b, h, qi, ki: mask_fn(b, h, qi + shift, ki + shift)
+    if score_fn is not None:
+      kw["score_fn"] = lambda x, b, h, qi, ki: score_fn(x, b, h, qi + shift, ki + shift)
+  else:
+    kw["mask_fn"], kw["score_fn"] = mask_fn, score_fn
+  return kw
+
+
+def _live(cfg: _Config, ops: dict, q_row0, k_row0, tq: int, tk: int):
+  """Whether any query of the block may attend any of its keys (a traced bool): the causal and
+  window bounds at the extreme ``q_offset``s, and the lengths. None where nothing can rule a block
+  out (every block runs)."""
+  live = []
+  if ops["q_len"] is not None:
+    live.append(q_row0 < jnp.max(ops["q_len"]))
+  if ops["kv_len"] is not None:
+    live.append(k_row0 < jnp.max(ops["kv_len"]))
+  if cfg.positions:
+    left, right = cfg.window
+    q_first = jnp.min(ops["q_offset"]) + q_row0
+    q_last = jnp.max(ops["q_offset"]) + q_row0 + (tq - 1)
+    if right is not None:
+      live.append(k_row0 <= q_last + right)
+    if left is not None:
+      live.append(k_row0 + (tk - 1) >= q_first - left)
+  return functools.reduce(jnp.logical_and, live) if live else None
+
+
+def _dispatch(cfg: _Config, live, k_chunk, n_chunks: int, tk: int, run, skip):
+  """``run(shift)`` where ``live`` (None: always), else ``skip()``: a ``lax.cond``, or with
+  ``mask_fn``/``score_fn`` a ``lax.switch`` over the key piece's chunk, whose branches shift their
+  indices by a static ``chunk * tk``."""
+  if cfg.mask_fn is None and cfg.score_fn is None:
+    return run(None) if live is None else lax.cond(live, lambda: run(None), skip)
+  index = k_chunk if live is None else jnp.where(live, k_chunk, n_chunks)
+  return lax.switch(index, [functools.partial(run, c * tk) for c in range(n_chunks)] + [skip])
+
+
+def _merge(acc, new):
+  """Two partial softmaxes of the same rows merged exactly: ``lse = logaddexp(lse_a, lse_b)``,
+  ``out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b``; a row without keys in either keeps
+  output 0 and lse ``-inf``. ``acc``: float32 ``(out [B, t, N, H], lse [B, t, N])``."""
+  (o_a, l_a), (o_b, l_b) = acc, new
+  m = jnp.maximum(l_a, l_b)
+  m = jnp.where(m == -jnp.inf, 0.0, m)  # no key in either: exp(-inf - 0) = 0
+  w_a, w_b = jnp.exp(l_a - m), jnp.exp(l_b - m)
+  total = w_a + w_b
+  seen = total > 0
+  total = jnp.where(seen, total, 1.0)
+  lse = jnp.where(seen, m + jnp.log(total), -jnp.inf)
+  out = (o_a * (w_a / total)[..., None] + o_b.astype(jnp.float32) * (w_b / total)[..., None])
+  return out, lse
+
+
+def _shift(x, cfg: _Config):
+  """``x`` from the previous device of the ring (device d receives device d-1's). One ppermute per
+  array: arrays of different dtypes never share one (jax-ml/jax#32148)."""
+  if x is None:
+    return None
+  c = cfg.axis_size
+  return lax.ppermute(x, cfg.axis_name, perm=[(i, (i + 1) % c) for i in range(c)])
+
+
+def _piece(x, i: int, pieces: int):
+  """Piece ``i`` of ``pieces`` along the sequence axis (1) of a local chunk."""
+  if x is None:
+    return None
+  size = x.shape[1] // pieces
+  return x[:, i * size:(i + 1) * size]
+
+
+def _cat(xs):
+  return xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)
+
+
+# --- the ring ------------------------------------------------------------------------------------
+
+def _ring_forward(cfg: _Config, q, k, v, ops):
+  c, pieces = cfg.axis_size, cfg.pieces
+  b, t_loc, n, _ = q.shape
+  tq, tk = t_loc // pieces, k.shape[1] // pieces
+  d = lax.axis_index(cfg.axis_name)
+  q_chunks = _local_chunks(d, c, cfg.layout)
+
+  def step_fn(step, carry):
+    acc, kv = carry
+    src = (d + (c - step)) % c  # the device whose K/V this one holds at this step
+    k_chunks = _local_chunks(src, c, cfg.layout)
+    acc = list(acc)
+    for p in range(pieces):
+      qp, q_seg = _piece(q, p, pieces), _piece(ops["q_seg"], p, pieces)
+      for r in range(pieces):
+        kp, vp, kv_seg = (_piece(x, r, pieces) for x in kv)
+        q_row0, k_row0 = q_chunks[p] * tq, k_chunks[r] * tk
+
+        def run(shift, qp=qp, kp=kp, vp=vp, q_seg=q_seg, kv_seg=kv_seg, q_row0=q_row0,
+                k_row0=k_row0):
+          kw = _block_kwargs(cfg, ops, q_row0, k_row0 if shift is None else shift, tq, tk, q_seg,
+                             kv_seg, shift)
+          out, lse = attention.flash_attention(qp, kp, vp, return_residual=True, **kw)
+          return tuple(match_vma(out, lse.astype(jnp.float32), qp)[:2])
+
+        def skip(qp=qp):
+          empty = (jnp.zeros(qp.shape, qp.dtype), jnp.full(qp.shape[:3], -jnp.inf, jnp.float32))
+          return tuple(match_vma(*empty, qp)[:2])
+
+        live = _live(cfg, ops, q_row0, k_row0, tq, tk)
+        acc[p] = _merge(acc[p], _dispatch(cfg, live, k_chunks[r], pieces * c, tk, run, skip))
+    # Every step sends its K/V on, the last one too (its transfer overlaps the step's kernels; a
+    # loop of C steps keeps one copy of the kernels in the program).
+    return tuple(acc), tuple(_shift(x, cfg) for x in kv)
+
+  acc = tuple(tuple(match_vma(jnp.zeros((b, tq, n, q.shape[3]), jnp.float32),
+                              jnp.full((b, tq, n), -jnp.inf, jnp.float32), q)[:2])
+              for _ in range(pieces))
+  acc, _ = lax.fori_loop(0, c, step_fn, (acc, (k, v, ops["kv_seg"])))
+  out = _cat([o for o, _ in acc]).astype(q.dtype)
+  return out, _cat([l for _, l in acc])
+
+
+def _block_grads(cfg: _Config, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw):
+  """``(dq, dk, dv, dslopes)`` of one block given the rows' global out and lse."""
+  if cfg.kernel_backward:
+    dq, dk, dv = attention.attention_backward(qp, kp, vp, out_p, lse_p, dout_p, dlse_p, **kw)
+    return dq, dk, dv, None
+  # Recompute the block's forward: out = sum_j w_j out_j with w_j = exp(lse_j - lse), so the block
+  # gets dout_j = w_j dout and dlse_j = w_j (dlse + rowsum(dout * (out_j - out))).
+  slopes = kw.pop("alibi_slopes", None)
+
+  def block(qp, kp, vp, slopes):
+    extra = {} if slopes is None else {"alibi_slopes": slopes}
+    return attention.flash_attention(qp, kp, vp, return_residual=True, **kw, **extra)
+
+  (out_j, lse_j), vjp = jax.vjp(block, qp, kp, vp, slopes)
+  lse_j = lse_j.astype(jnp.float32)
+  w = jnp.where(lse_p == -jnp.inf, 0.0, jnp.exp(lse_j - jnp.where(lse_p == -jnp.inf, 0.0, lse_p)))
+  dout32 = dout_p.astype(jnp.float32)
+  d_out_j = (w[..., None] * dout32).astype(out_j.dtype)
+  d_lse_j = w * (dlse_p + jnp.sum(dout32 * (out_j.astype(jnp.float32)
+                                            - out_p.astype(jnp.float32)), axis=-1))
+  dq, dk, dv, dslopes = vjp((d_out_j, d_lse_j))
+  return dq, dk, dv, dslopes
+
+
+def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse):
+  c, pieces = cfg.axis_size, cfg.pieces
+  tq, tk = q.shape[1] // pieces, k.shape[1] // pieces
+  d = lax.axis_index(cfg.axis_name)
+  q_chunks = _local_chunks(d, c, cfg.layout)
+  with_slopes = ops["slopes"] is not None
+
+  def step_fn(step, carry):
+    dq, dkv, dslopes, kv = carry
+    dq, dk, dv = list(dq), list(dkv[0]), list(dkv[1])
+    src = (d + (c - step)) % c
+    k_chunks = _local_chunks(src, c, cfg.layout)
+    for p in range(pieces):
+      qp, q_seg = _piece(q, p, pieces), _piece(ops["q_seg"], p, pieces)
+      out_p, lse_p = _piece(out, p, pieces), _piece(lse, p, pieces)
+      dout_p, dlse_p = _piece(dout, p, pieces), _piece(dlse, p, pieces)
+      for r in range(pieces):
+        kp, vp, kv_seg = (_piece(x, r, pieces) for x in kv)
+        q_row0, k_row0 = q_chunks[p] * tq, k_chunks[r] * tk
+
+        def run(shift, qp=qp, kp=kp, vp=vp, q_seg=q_seg, kv_seg=kv_seg, q_row0=q_row0,
+                k_row0=k_row0, out_p=out_p, lse_p=lse_p, dout_p=dout_p, dlse_p=dlse_p):
+          kw = _block_kwargs(cfg, ops, q_row0, k_row0 if shift is None else shift, tq, tk, q_seg,
+                             kv_seg, shift)
+          grads = _block_grads(cfg, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw)
+          grads = tuple(x.astype(jnp.float32) for x in grads if x is not None)
+          return match_vma(*grads, qp)[:len(grads)]
+
+        def skip(qp=qp, kp=kp):
+          zeros = [jnp.zeros(qp.shape, jnp.float32), jnp.zeros(kp.shape, jnp.float32),
+                   jnp.zeros(kp.shape, jnp.float32)]
+          if with_slopes:
+            zeros.append(jnp.zeros(ops["slopes"].shape, jnp.float32))
+          return match_vma(*zeros, qp)[:len(zeros)]
+
+        live = _live(cfg, ops, q_row0, k_row0, tq, tk)
+        grads = _dispatch(cfg, live, k_chunks[r], pieces * c, tk, run, skip)
+        dq[p], dk[r], dv[r] = dq[p] + grads[0], dk[r] + grads[1], dv[r] + grads[2]
+        if with_slopes:
+          dslopes = dslopes + grads[3]
+    # The float32 dK/dV accumulators travel with their K/V block: after C shifts they are home.
+    dkv = tuple(tuple(_shift(x, cfg) for x in acc) for acc in (dk, dv))
+    return tuple(dq), dkv, dslopes, tuple(_shift(x, cfg) for x in kv)
+
+  zeros = lambda x: match_vma(jnp.zeros(x.shape, jnp.float32), q)[0]  # noqa: E731
+  dq = tuple(zeros(_piece(q, p, pieces)) for p in range(pieces))
+  dkv = tuple(tuple(zeros(_piece(x, r, pieces)) for r in range(pieces)) for x in (k, v))
+  dslopes = zeros(ops["slopes"]) if with_slopes else None
+  dq, dkv, dslopes, _ = lax.fori_loop(0, c, step_fn, (dq, dkv, dslopes, (k, v, ops["kv_seg"])))
+  dk, dv = (_cat(acc) for acc in dkv)
+  return (_cat(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          dslopes.astype(ops["slopes"].dtype) if with_slopes else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring(cfg: _Config, q, k, v, ops):
+  return _ring_forward(cfg, q, k, v, ops)
+
+
+def _ring_fwd(cfg: _Config, q, k, v, ops):
+  out, lse = _ring_forward(cfg, q, k, v, ops)
+  return (out, lse), (q, k, v, ops, out, lse)
+
+
+def _ring_bwd(cfg: _Config, residuals, cotangents):
+  q, k, v, ops, out, lse = residuals
+  dout, dlse = cotangents
+  dq, dk, dv, dslopes = _ring_backward(cfg, q, k, v, ops, out, lse, dout,
+                                       dlse.astype(jnp.float32))
+  d_ops = {name: None for name in ops}
+  if ops["slopes"] is not None:
+    d_ops["slopes"] = dslopes
+  return dq, dk, dv, d_ops
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# --- all-gather and all-to-all -------------------------------------------------------------------
+
+def _natural(x, cfg: _Config):
+  """A gathered ``[B, seq, ...]`` array (device order) in the sequence's natural order."""
+  return from_context_layout(x, cfg.axis_size, layout=cfg.layout)
+
+
+def _all_gather(cfg: _Config, q, k, v, ops):
+  c, pieces = cfg.axis_size, cfg.pieces
+  tq = q.shape[1] // pieces
+  gather = lambda x: None if x is None else _natural(  # noqa: E731
+      lax.all_gather(x, cfg.axis_name, axis=1, tiled=True), cfg)
+  k_all, v_all, kv_seg = gather(k), gather(v), gather(ops["kv_seg"])
+  s = k_all.shape[1]
+  q_chunks = _local_chunks(lax.axis_index(cfg.axis_name), c, cfg.layout)
+  outs, lses = [], []
+  for p in range(pieces):
+    kw = _block_kwargs(cfg, ops, q_chunks[p] * tq, 0, tq, s, _piece(ops["q_seg"], p, pieces),
+                       kv_seg)
+    out, lse = attention.flash_attention(_piece(q, p, pieces), k_all, v_all, return_residual=True,
+                                         **kw)
+    outs.append(out)
+    lses.append(lse.astype(jnp.float32))
+  return _cat(outs), _cat(lses)
+
+
+def _all_to_all(cfg: _Config, q, k, v, ops):
+  c = cfg.axis_size
+  n, kh = q.shape[2], k.shape[2]
+  if n % c or kh % c:
+    raise ValueError(
+        f"strategy='all_to_all' splits the heads over the {c} devices of axis {cfg.axis_name!r}: the "
+        f"query heads N={n} and key/value heads K={kh} must both be divisible by {c}; use "
+        "strategy='ring' or 'all_gather' (or strategy=None)")
+  to_heads = lambda x: _natural(lax.all_to_all(  # noqa: E731  [B, T/C, N, H] -> [B, T, N/C, H]
+      x, cfg.axis_name, split_axis=2, concat_axis=1, tiled=True), cfg)
+  to_seq = lambda x: lax.all_to_all(  # noqa: E731  [B, T, N/C, ...] -> [B, T/C, N, ...]
+      to_context_layout(x, c, layout=cfg.layout), cfg.axis_name, split_axis=1, concat_axis=2,
+      tiled=True)
+  gather = lambda x: None if x is None else _natural(  # noqa: E731
+      lax.all_gather(x, cfg.axis_name, axis=1, tiled=True), cfg)
+  qh, kh_, vh = to_heads(q), to_heads(k), to_heads(v)
+  d = lax.axis_index(cfg.axis_name)
+  kw = dict(cfg.kwargs)
+  if cfg.positions:
+    kw["q_offset"] = ops["q_offset"]
+  if ops["q_len"] is not None:
+    kw["query_seq_lengths"] = ops["q_len"]
+  if ops["kv_len"] is not None:
+    kw["key_value_seq_lengths"] = ops["kv_len"]
+  if ops["q_seg"] is not None or ops["kv_seg"] is not None:
+    kw["q_segment_ids"], kw["kv_segment_ids"] = gather(ops["q_seg"]), gather(ops["kv_seg"])
+  heads = n // c
+  if ops["slopes"] is not None:  # this device's heads
+    kw["alibi_slopes"] = lax.dynamic_slice_in_dim(ops["slopes"], d * heads, heads, axis=-1)
+
+  def run(h0):
+    fns = {}
+    if cfg.mask_fn is not None:
+      fns["mask_fn"] = lambda b, h, qi, ki: cfg.mask_fn(b, h + h0, qi, ki)
+    if cfg.score_fn is not None:
+      fns["score_fn"] = lambda x, b, h, qi, ki: cfg.score_fn(x, b, h + h0, qi, ki)
+    out, lse = attention.flash_attention(qh, kh_, vh, return_residual=True, **kw, **fns)
+    return tuple(match_vma(out, lse.astype(jnp.float32), qh)[:2])
+
+  if cfg.mask_fn is None and cfg.score_fn is None:
+    out, lse = run(0)
+  else:  # the functions see the global head index: a static offset per device
+    out, lse = lax.switch(d, [functools.partial(run, i * heads) for i in range(c)])
+  return to_seq(out), to_seq(lse)
+
+
+# --- the public call -----------------------------------------------------------------------------
+
+def context_parallel_attention(query, key, value, *, axis_name, strategy=None, layout="zigzag",
+                               scale=None, is_causal=False, implementation=None,
+                               return_residual=False, block_sizes=None, deterministic=False,
+                               interpret=None, query_seq_lengths=None, key_value_seq_lengths=None,
+                               local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
+                               q_offset=None, logits_soft_cap=None, alibi_slopes=None,
+                               mask_fn=None, score_fn=None):
+  """:func:`fa2_jax.flash_attention` over a sequence sharded along mesh axis ``axis_name``, called
+  inside ``jax.shard_map`` on each device's chunks (module docstring: layout, strategies).
+
+  Args:
+    query: the local chunk ``[B, T/C, N, H]``; key, value: ``[B, S/C, K, H]``, all in ``layout``
+      (:func:`to_context_layout` of the global arrays), ``C`` the size of ``axis_name``.
+    axis_name: the mesh axis the sequence is sharded along (a name ``shard_map`` binds).
+    strategy: ``"ring"``, ``"all_to_all"``, ``"all_gather"``, or None:
+      :func:`context_parallel_strategy` picks (and says why).
+    layout: ``"zigzag"`` (device ``d`` holds chunks ``d`` and ``2C-1-d`` of ``2C``: balanced under
+      ``is_causal``) or ``"contiguous"`` (chunk ``d`` of ``C``).
+    q_segment_ids, kv_segment_ids: the local chunks ``[B, T/C]``, ``[B, S/C]``, in ``layout``.
+    query_seq_lengths, key_value_seq_lengths: GLOBAL lengths ``[B]`` (counted in the natural order).
+    q_offset: the absolute position of GLOBAL query row 0 (int, scalar or ``[B]``).
+    mask_fn, score_fn: see absolute positions (global sequence indices; ``q_offset`` added for
+      queries) and the global head index. With the kernels they must close over Python scalars
+      only (the ring and all_to_all pass them static index shifts, one ``lax.switch`` branch per
+      chunk or device).
+    The other keywords are :func:`fa2_jax.flash_attention`'s, with its meaning.
+
+  Returns:
+    The local ``out [B, T/C, N, H]`` in ``layout`` (and ``lse [B, T/C, N]`` with
+    ``return_residual``): ``from_context_layout`` of the gathered result is ``flash_attention``'s.
+
+  Raises ValueError for an unknown strategy or layout, local lengths that ``layout`` cannot cut
+  (zigzag: ``T/C`` and ``S/C`` even), an ``axis_name`` not bound by ``shard_map``, and a strategy
+  that cannot run the call (``all_to_all`` with heads not divisible by ``C``), naming the fix.
+  """
+  if strategy is not None and strategy not in STRATEGIES:
+    raise ValueError(f"strategy must be None or one of {STRATEGIES}, got {strategy!r}")
+  pieces = _check_layout(layout)
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if getattr(x, "ndim", None) != 4:
+      raise ValueError(f"context_parallel_attention takes rank-4 local chunks ([B, T/C, N, H], "
+                       f"[B, S/C, K, H]); {name} has shape {getattr(x, 'shape', None)}")
+  c = _axis_size(axis_name)
+  b, t_loc, n, _ = query.shape
+  s_loc, kh = key.shape[1], key.shape[2]
+  for what, length in (("query", t_loc), ("key/value", s_loc)):
+    if length % pieces:
+      raise ValueError(
+          f"layout='zigzag' cuts the sequence into 2*C = {2 * c} chunks (C = {c}, the size of axis "
+          f"{axis_name!r}): the {what} sequence length {length * c} (local {length}) is not "
+          f"divisible by {2 * c}; pad it to a multiple of {2 * c} (query_seq_lengths/"
+          "key_value_seq_lengths mask the padding) or use layout='contiguous'")
+  if strategy is None:
+    strategy, _ = context_parallel_strategy(
+        (b, t_loc * c, n, query.shape[3]), (b, s_loc * c, kh, key.shape[3]), c, dtype=key.dtype,
+        has_kv_segment_ids=kv_segment_ids is not None)
+  if strategy == "ring" and score_fn is not None and closes_over_arrays(
+      Variant(score_fn=score_fn)) is not None:
+    raise ValueError(
+        "strategy='ring' does not differentiate arrays that score_fn closes over (its custom_vjp "
+        "takes the function as static); use strategy='all_gather' or 'all_to_all', or a score_fn "
+        "that closes over Python scalars only")
+  if isinstance(local_window_size, list):
+    local_window_size = tuple(local_window_size)
+  positions = bool(is_causal) or local_window_size is not None or alibi_slopes is not None or (
+      mask_fn is not None or score_fn is not None)
+  ops = {
+      "q_len": _int_array("query_seq_lengths", query_seq_lengths, b),
+      "kv_len": _int_array("key_value_seq_lengths", key_value_seq_lengths, b),
+      "q_seg": q_segment_ids, "kv_seg": kv_segment_ids,
+      "q_offset": (_int_array("q_offset", 0 if q_offset is None else q_offset, b)
+                   if positions else None),
+      "slopes": None if alibi_slopes is None else jnp.asarray(alibi_slopes),
+  }
+  for name, raw, limit in (("query_seq_lengths", query_seq_lengths, t_loc * c),
+                           ("key_value_seq_lengths", key_value_seq_lengths, s_loc * c)):
+    x = np.asarray(raw) if isinstance(raw, (int, list, tuple)) else _concrete(raw)
+    if x is not None and x.size and (x.min() < 0 or x.max() > limit):
+      raise ValueError(f"{name} are global lengths and must lie in [0, {limit}], got values in "
+                       f"[{x.min()}, {x.max()}]")
+  kwargs = (("scale", scale), ("is_causal", is_causal), ("implementation", implementation),
+            ("block_sizes", block_sizes), ("deterministic", deterministic),
+            ("interpret", interpret), ("local_window_size", local_window_size),
+            ("logits_soft_cap", logits_soft_cap))
+  kernel_backward = False
+  if strategy == "ring" and alibi_slopes is None:
+    piece_q = jax.ShapeDtypeStruct((b, t_loc // pieces, n, query.shape[3]), query.dtype)
+    piece_k = jax.ShapeDtypeStruct((b, s_loc // pieces, kh, key.shape[3]), key.dtype)
+    seg = lambda x, t: None if x is None else jax.ShapeDtypeStruct((b, t // pieces), x.dtype)  # noqa: E731
+    struct = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    kernel_backward = attention.backend_for(
+        piece_q, piece_k, piece_k, **dict(kwargs), q_segment_ids=seg(q_segment_ids, t_loc),
+        kv_segment_ids=seg(kv_segment_ids, s_loc), mask_fn=mask_fn, score_fn=score_fn,
+        query_seq_lengths=struct(ops["q_len"]), key_value_seq_lengths=struct(ops["kv_len"]),
+        q_offset=struct(ops["q_offset"])).backend != "xla"
+  cfg = _Config(axis_name, c, layout, kwargs, mask_fn, score_fn, positions,
+                _window(local_window_size, bool(is_causal)), kernel_backward)
+  if strategy == "ring":
+    arrays = match_vma(query, key, value, *(x for x in ops.values() if x is not None))
+    query, key, value = arrays[:3]
+    ops = dict(zip([name for name, x in ops.items() if x is not None], arrays[3:]),
+               **{name: None for name, x in ops.items() if x is None})
+    out, lse = _ring(cfg, query, key, value, ops)
+  elif strategy == "all_gather":
+    out, lse = _all_gather(cfg, query, key, value, ops)
+  else:
+    out, lse = _all_to_all(cfg, query, key, value, ops)
+  return (out, lse) if return_residual else out

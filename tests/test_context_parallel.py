@@ -1,0 +1,272 @@
+"""Context parallelism (fa2_jax.context_parallel): each strategy inside jax.shard_map over the 4 CPU
+devices of conftest, forward, lse and gradients against the single-device call and the float64
+reference; the layouts; the ring's compiled collectives; errors.
+
+Broad variant coverage runs the XLA formula (fast to compile); the Triton kernels in interpret mode
+run two ring cases (their backward with the rows' global statistics)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import fa2_jax
+
+C = 4  # conftest's CPU devices
+B, T, N, K, H = 1, 32, 4, 2, 16
+SEQ = P(None, "context")
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh():
+  return jax.make_mesh((C,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _inputs(seed=0, n=N, kh=K, t=T):
+  ks = jax.random.split(jax.random.key(seed), 6)
+  q = jax.random.normal(ks[0], (B, t, n, H), jnp.float32)
+  k = jax.random.normal(ks[1], (B, t, kh, H), jnp.float32)
+  v = jax.random.normal(ks[2], (B, t, kh, H), jnp.float32)
+  dout = jax.random.normal(ks[3], (B, t, n, H), jnp.float32)
+  dlse = jax.random.normal(ks[4], (B, t, n), jnp.float32)
+  return q, k, v, dout, dlse
+
+
+def _context_parallel(strategy, layout, segments=None, check_vma=True, **kw):
+  """``f(q, k, v, slopes) -> (out, lse)`` on global arrays in natural order, through shard_map."""
+  lay = functools.partial(fa2_jax.to_context_layout, axis_size=C, layout=layout)
+  unlay = functools.partial(fa2_jax.from_context_layout, axis_size=C, layout=layout)
+
+  def local(q, k, v, q_seg, kv_seg, slopes):
+    extra = {} if q_seg is None else dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
+    if slopes is not None:
+      extra["alibi_slopes"] = slopes
+    return fa2_jax.context_parallel_attention(q, k, v, axis_name="context", strategy=strategy,
+                                              layout=layout, return_residual=True, **kw, **extra)
+
+  sm = jax.shard_map(local, mesh=_mesh(), in_specs=(SEQ,) * 5 + (P(),), out_specs=(SEQ, SEQ),
+                     check_vma=check_vma)
+
+  def f(q, k, v, slopes=None):
+    seg = (None, None) if segments is None else tuple(map(lay, segments))
+    out, lse = sm(lay(q), lay(k), lay(v), *seg, slopes)
+    return unlay(out), unlay(lse)
+
+  return f
+
+
+def _single(segments=None, fn=fa2_jax.flash_attention, **kw):
+  extra = {} if segments is None else dict(q_segment_ids=segments[0], kv_segment_ids=segments[1])
+
+  def f(q, k, v, slopes=None):
+    more = {} if slopes is None else {"alibi_slopes": slopes}
+    return fn(q, k, v, return_residual=True, **kw, **extra, **more)
+
+  return f
+
+
+def _value_and_grads(f, q, k, v, dout, dlse, slopes=None):
+  """(out, lse, dq, dk, dv[, dslopes]) of ``sum(out * dout) + sum(lse * dlse)`` (finite lse)."""
+  def loss(*args):
+    out, lse = f(*args)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.sum((out * dout).astype(lse.dtype)) + jnp.sum(lse * dlse), (out, lse)
+
+  args = (q, k, v) if slopes is None else (q, k, v, slopes)
+  grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True))
+  grads, (out, lse) = grad(*args)
+  return [np.asarray(x.astype(jnp.float32), np.float64) for x in (out, lse, *grads)]
+
+
+def _reference64(q, k, v, dout, dlse, slopes=None, segments=None, **kw):
+  with jax.enable_x64(True):
+    cast = lambda x: None if x is None else jnp.asarray(np.asarray(x, np.float64))  # noqa: E731
+    args = [cast(x) for x in (q, k, v, dout, dlse, slopes)]
+    f = _single(segments, fn=fa2_jax.reference_attention, **kw)
+    return _value_and_grads(f, *args)
+
+
+def _check(strategy, layout, *, seed=0, n=N, kh=K, slopes=None, segments=None, check_vma=True,
+           atol=2e-5, **kw):
+  q, k, v, dout, dlse = _inputs(seed, n, kh)
+  got = _value_and_grads(_context_parallel(strategy, layout, segments, check_vma, **kw),
+                         q, k, v, dout, dlse, slopes)
+  single = _value_and_grads(_single(segments, **kw), q, k, v, dout, dlse, slopes)
+  ref_kw = {a: b for a, b in kw.items() if a not in ("implementation", "interpret")}
+  ref = _reference64(q, k, v, dout, dlse, slopes, segments, **ref_kw)
+  names = ["out", "lse", "dq", "dk", "dv", "dslopes"]
+  for name, a, b, r in zip(names, got, single, ref):
+    assert np.all(np.isfinite(a) | (name == "lse")), name  # never NaN
+    np.testing.assert_allclose(a, b, atol=atol, rtol=1e-4, err_msg=f"{name} vs single device")
+    np.testing.assert_allclose(a, r, atol=atol, rtol=1e-4, err_msg=f"{name} vs float64")
+
+
+def _documents(lengths, t=T):
+  """Segment ids ``[B, t]`` of packed documents of the given lengths (then padding id -1)."""
+  ids = np.concatenate([np.full(n, i, np.int32) for i, n in enumerate(lengths)])
+  ids = np.concatenate([ids, np.full(t - ids.size, -1, np.int32)])[None]
+  return jnp.asarray(ids), jnp.asarray(ids)
+
+
+# --- the formula: every strategy, the variants --------------------------------------------------
+
+@pytest.mark.parametrize("strategy,layout", [("ring", "zigzag"), ("ring", "contiguous"),
+                                             ("all_gather", "zigzag")])
+def test_causal_ragged_documents(strategy, layout):
+  """Causal GQA over packed documents (segment ids that cross the chunks) with a query length and
+  a key length: rows past the length give 0 and lse -inf, never NaN."""
+  _check(strategy, layout, implementation="xla", is_causal=True,
+         segments=_documents([5, 14, 9]), query_seq_lengths=jnp.array([29]),
+         key_value_seq_lengths=jnp.array([27]))
+
+
+def test_ring_window_offset_soft_cap():
+  """A sliding window (left 5, right 3) past q_offset, with a soft cap, not causal: most ring blocks
+  are out of the window's reach and skipped."""
+  _check("ring", "zigzag", implementation="xla", local_window_size=(5, 3), q_offset=3,
+         logits_soft_cap=5.0)
+
+
+def test_ring_alibi_and_functions():
+  """ALiBi (its slopes differentiated: the recomputing block backward) and a mask_fn/score_fn that
+  read absolute positions (a lax.switch over the key chunk), causal, zigzag."""
+  slopes = jnp.array([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+  _check("ring", "zigzag", implementation="xla", is_causal=True, slopes=slopes,
+         mask_fn=lambda b, h, p, j: (p - j) % 7 != 3,
+         score_fn=lambda x, b, h, p, j: x + 0.01 * (p % 5 - 2 * (j % 3)).astype(x.dtype))
+
+
+def test_default_strategy_bfloat16():
+  """strategy=None (all_gather at this size) and the ring in bfloat16 (bfloat16 K/V and float32
+  dK/dV accumulators each in a ppermute of their own), not causal, contiguous."""
+  q, k, v, dout, dlse = _inputs(seed=2)
+  q, k, v, dout = (x.astype(jnp.bfloat16) for x in (q, k, v, dout))  # the lse stays float32
+  single = _value_and_grads(_single(implementation="xla"), q, k, v, dout, dlse)
+  for strategy in (None, "ring"):
+    got = _value_and_grads(_context_parallel(strategy, "contiguous", implementation="xla"),
+                           q, k, v, dout, dlse)
+    for a, b in zip(got, single):
+      np.testing.assert_allclose(a, b, atol=2e-2, rtol=2e-2)
+
+
+def test_all_to_all():
+  """Ulysses: heads split over the axis (N = 8, K = 4), causal zigzag, ALiBi, and a mask_fn that
+  reads the global head index."""
+  slopes = jnp.linspace(0.5, 0.05, 8, dtype=jnp.float32)
+  _check("all_to_all", "zigzag", n=8, kh=4, implementation="xla", is_causal=True, slopes=slopes,
+         mask_fn=lambda b, h, p, j: (h < 6) | (p - j < 4))
+
+
+# --- the Triton kernels (interpret mode): the ring's kernel backward ------------------------------
+
+@pytest.mark.parametrize("layout,kw", [
+    ("contiguous", dict(is_causal=True)),
+    ("zigzag", dict(is_causal=True, local_window_size=(9, None), segments=_documents([11, 17]))),
+])
+def test_ring_triton_kernels(layout, kw):
+  """The ring on the Triton kernels: each block's forward, and each block's backward with the rows'
+  global out and lse (attention.attention_backward). check_vma=False: the interpret-mode kernels'
+  internals are not varying-manual-axes aware."""
+  _check("ring", layout, implementation="triton", interpret=True, check_vma=False, **kw)
+
+
+def test_attention_backward_blocks_sum_to_the_call():
+  """attention.attention_backward on key blocks, with the whole call's out and lse: dq sums to the
+  call's, each block's dk/dv is the call's slice (Triton, interpret mode; T = S = 24 padded to a
+  length multiple of 16, so rows and keys are padded inside)."""
+  from fa2_jax.attention import attention_backward
+  q, k, v, dout, dlse = (x[:, :24] for x in _inputs(seed=4))
+  kw = dict(implementation="triton", interpret=True, is_causal=True)
+  previous = fa2_jax.kernel_reuse.info()
+  fa2_jax.reuse_kernels_across_programs(True, length_multiple=16)
+  try:
+    f = lambda q, k, v: fa2_jax.flash_attention(q, k, v, return_residual=True, **kw)  # noqa: E731
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    dq, dk, dv = vjp((dout, dlse))
+    grads = [attention_backward(q, k[:, j:j + 12], v[:, j:j + 12], out, lse, dout, dlse,
+                                q_offset=-j, **kw) for j in (0, 12)]
+  finally:
+    fa2_jax.reuse_kernels_across_programs(previous["enabled"],
+                                          length_multiple=previous["length_multiple"])
+  np.testing.assert_allclose(grads[0][0] + grads[1][0], dq, atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(jnp.concatenate([g[1] for g in grads], 1), dk, atol=2e-5, rtol=1e-4)
+  np.testing.assert_allclose(jnp.concatenate([g[2] for g in grads], 1), dv, atol=2e-5, rtol=1e-4)
+  with pytest.raises(ValueError, match="runs on the XLA formula"):
+    attention_backward(q, k, v, out, lse, dout, implementation="xla")
+
+
+# --- the compiled ring --------------------------------------------------------------------------
+
+def test_ring_compiles_to_collective_permutes():
+  """jit(grad) of the ring inside shard_map: K/V and dK/dV move by collective-permute; nothing
+  all-gathers q, k or v."""
+  q, k, v, _, _ = _inputs()
+
+  def local_loss(q, k, v):
+    return fa2_jax.context_parallel_attention(q, k, v, axis_name="context", strategy="ring",
+                                              implementation="xla", is_causal=True).sum()
+
+  grad = jax.jit(jax.shard_map(jax.grad(local_loss, argnums=(0, 1, 2)), mesh=_mesh(),
+                               in_specs=(SEQ,) * 3, out_specs=(SEQ,) * 3))
+  hlo = grad.lower(q, k, v).compile().as_text()
+  assert "collective-permute" in hlo
+  assert "all-gather" not in hlo
+
+
+# --- layout, strategy choice, errors --------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_layout_round_trip_and_positions(layout):
+  x = jnp.arange(2 * 16 * 3, dtype=jnp.int32).reshape(2, 16, 3)
+  y = fa2_jax.to_context_layout(x, C, layout=layout)
+  np.testing.assert_array_equal(fa2_jax.from_context_layout(y, C, layout=layout), x)
+  z = fa2_jax.to_context_layout(jnp.swapaxes(x, 0, 1), C, seq_axis=0, layout=layout)
+  np.testing.assert_array_equal(jnp.swapaxes(z, 0, 1), y)
+  # device d's shard holds the tokens context_positions names
+  shards = np.asarray(y[0, :, 0]).reshape(C, -1) // 3
+  for d in range(C):
+    np.testing.assert_array_equal(fa2_jax.context_positions(4, d, C, layout=layout), shards[d])
+  if layout == "zigzag":
+    np.testing.assert_array_equal(shards[0], [0, 1, 14, 15])
+
+
+def test_strategy_choice():
+  name, why = fa2_jax.context_parallel_strategy((1, 4096, 8, 64), (1, 4096, 8, 64), 4)
+  assert name == "all_gather" and "MiB" in why
+  long = (1, 1 << 20, 8, 128)
+  assert fa2_jax.context_parallel_strategy(long, long, 4)[0] == "all_to_all"
+  name, why = fa2_jax.context_parallel_strategy((1, 1 << 20, 6, 128), (1, 1 << 20, 6, 128), 4)
+  assert name == "ring" and "do not divide" in why
+
+
+def _trace(strategy="ring", layout="zigzag", n=N, kh=K, t=T, axis_name="context", **kw):
+  q, k, v, _, _ = _inputs(n=n, kh=kh, t=t)
+  f = functools.partial(fa2_jax.context_parallel_attention, axis_name=axis_name,
+                        strategy=strategy, layout=layout, implementation="xla", **kw)
+  return jax.eval_shape(jax.shard_map(f, mesh=_mesh(), in_specs=(SEQ,) * 3, out_specs=SEQ),
+                        q, k, v)
+
+
+def test_errors():
+  with pytest.raises(ValueError, match="strategy must be None or one of"):
+    _trace(strategy="ulysses")
+  with pytest.raises(ValueError, match="layout must be one of"):
+    _trace(layout="striped")
+  with pytest.raises(ValueError, match=r"N=4 and key/value heads K=2 must both be divisible by 4"):
+    _trace(strategy="all_to_all")
+  with pytest.raises(ValueError, match=r"sequence length 12 \(local 3\) is not divisible by 8.*"
+                                       "layout='contiguous'"):
+    _trace(t=12)
+  with pytest.raises(ValueError, match="axis_name='sequence' is not a mesh axis"):
+    _trace(axis_name="sequence")
+  with pytest.raises(ValueError, match="length 12 .* not divisible by 8"):
+    fa2_jax.to_context_layout(jnp.zeros((1, 12)), C)
+  bias = jnp.ones((4,), jnp.float32)
+  with pytest.raises(ValueError, match="strategy='ring' does not differentiate arrays that score_fn"):
+    _trace(score_fn=lambda x, b, h, p, j: x + bias[p % 4])
+  with pytest.raises(ValueError, match=r"query_seq_lengths are global lengths and must lie in \[0, 32\]"):
+    _trace(query_seq_lengths=jnp.array([33]))
+  with pytest.raises(TypeError, match="query_seq_lengths must be integer"):
+    _trace(query_seq_lengths=jnp.array([3.0]))
