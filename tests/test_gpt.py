@@ -183,27 +183,30 @@ def test_mesh_update_equals_single_device_update(text_file):
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
 def test_context_mesh_step_equals_single_device_step(text_file):
-  """--mesh data=2,context=2: the batch split over 2 devices and the sequence over 2, the fa2_jax
-  kernels (interpret mode on CPU) run per device through parallel.context_attention (queries at
-  their q_offset against the keys gathered over 'context'). Three AdamW steps equal the one-device
-  steps, loss for loss and parameter for parameter (rotary positions and GQA: positions are the
-  tokens' global ones on every device); a packed batch (segment ids and restarting positions split
-  along the sequence) gives the one-device loss; the compiled step gathers along 'context'."""
-  flash = dataclasses.replace(MODEL, attention="flash", flash_interpret=not ON_GPU)
+  """--mesh data=2,context=2 --context-strategy ring: the batch split over 2 devices and the
+  sequence over 2, the attention a ring over 'context' (fa2_jax.context_parallel_attention, the
+  kernels in interpret mode on CPU). Three AdamW steps equal the one-device steps, loss for loss and
+  parameter for parameter (rotary positions and GQA: positions are the tokens' global ones on every
+  device); a packed batch (segment ids and restarting positions split along the sequence) gives the
+  one-device loss; the compiled step passes keys and values around the ring."""
+  flash = dataclasses.replace(MODEL, attention="flash", flash_interpret=not ON_GPU,
+                              context_strategy="ring")
   multi, s_multi = run(text_file, model=flash, mesh="data=2,context=2", stop_at=3)
   single, s_single = run(text_file, model=flash, stop_at=3)
   assert s_multi["data_parallel"] == "mesh" and s_multi["mesh"] == {"data": 2, "context": 2}
   assert int(multi.step) == int(single.step) == 3
   np.testing.assert_allclose(losses(s_multi), losses(s_single), rtol=1e-5)
-  # The all-reduce's summation order changes the parameters by float32 rounding only.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
+  # The all-reduce's summation order and the ring's merge of partial softmaxes change the
+  # gradients by float32 rounding only; AdamW's normalised update can carry such a difference of a
+  # near-zero gradient into a parameter (2e-5 seen at lr 1e-2, 3 steps).
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=5e-5),
                multi.params, single.params)
 
   axes = (("data", 2), ("context", 2))
   model, tx, runner = steps_lib.compiled_steps(flash, TRAIN, "mesh", jax.local_device_count(), axes)
   hlo = runner.eval_step.lower(multi.params, *map(runner.shard, (np.zeros((8, 32), np.int32),) * 2)
                                ).compile().as_text()
-  assert re.search(r"\ball-gather(-start)?\(", hlo)  # the keys and values over 'context'
+  assert re.search(r"\bcollective-permute(-start)?\(", hlo)  # keys and values around the ring
   lengths = [5, 9, 3, 30, 7, 2, 40, 11, 6, 25, 4, 60]  # many short documents: boundaries vary
   split = data_lib.Split(np.arange(sum(lengths), dtype=np.uint8) % 251,
                          np.cumsum([0] + lengths[:-1]))

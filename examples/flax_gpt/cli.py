@@ -13,7 +13,8 @@ import re
 from typing import Any
 
 from .parallel import DISTRIBUTED_ENV, parse_mesh
-from .config import ATTENTIONS, DTYPES, POSITIONS, PRESETS, GPTConfig, TrainConfig, get_preset
+from .config import (ATTENTIONS, CONTEXT_STRATEGIES, DTYPES, POSITIONS, PRESETS, GPTConfig,
+                     TrainConfig, get_preset)
 
 # The parser's description: the first line of train.py's docstring.
 DESCRIPTION = "Train the example GPT on byte-level text with fa2_jax FlashAttention."
@@ -27,7 +28,8 @@ _OVERRIDES = {
     "attention": (GPTConfig, "attention"), "tie_embeddings": (GPTConfig, "tie_embeddings"),
     "remat": (GPTConfig, "remat"), "scan_layers": (GPTConfig, "scan_layers"),
     "interpret": (GPTConfig, "flash_interpret"), "window": (GPTConfig, "window"),
-    "soft_cap": (GPTConfig, "soft_cap"), "packing": (TrainConfig, "packing"),
+    "soft_cap": (GPTConfig, "soft_cap"), "context_strategy": (GPTConfig, "context_strategy"),
+    "packing": (TrainConfig, "packing"),
     "batch_size": (TrainConfig, "batch_size"), "steps": (TrainConfig, "steps"),
     "lr": (TrainConfig, "lr"), "warmup_steps": (TrainConfig, "warmup_steps"),
     "weight_decay": (TrainConfig, "weight_decay"), "grad_clip": (TrainConfig, "grad_clip"),
@@ -62,6 +64,10 @@ _FLAG_HELP = {
               "TFLOP/s and MFU still count the dense [T, T] attention",
     "soft_cap": "attention logits soft cap X: X * tanh(logits / X) (needs fa2_jax attention, "
                 "--attention flash*; unset: none)",
+    "context_strategy": "how the attention exchanges the sequence over --mesh's context axis "
+                        "(fa2_jax.context_parallel_attention): ring (keys and values passed "
+                        "around the devices), all_to_all (heads traded for the sequence) or "
+                        "all_gather (keys and values gathered); unset: fa2_jax's choice",
     "packing": "each file of the data is a document: the training windows carry per-token segment "
                "ids (no attention across documents), positions restarting at 0 at each document, "
                "and targets in the next document left out of the loss (a single --data file is "
@@ -149,6 +155,8 @@ def add_model_flags(g, bools=("tie_embeddings", "remat", "scan_layers")) -> None
     _add_bool(g, _flag(name), _preset_help(name, BARE_TRUE))
   g.add_argument("--window", type=int, metavar="N", help=_preset_help("window"))
   g.add_argument("--soft-cap", type=float, metavar="X", help=_preset_help("soft_cap"))
+  g.add_argument("--context-strategy", choices=CONTEXT_STRATEGIES,
+                 help=_preset_help("context_strategy"))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -183,8 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "device of every process on its 'data' axis; see --mesh)")
   g.add_argument("--mesh", metavar="data=D,context=C", type=_mesh_spec,
                  help="one jit step on a D x C mesh of every device (of every process): the batch "
-                      "split over D, the sequence over C (context parallelism: each device's "
-                      "queries attend the keys and values gathered over 'context'); the parameters "
+                      "split over D, the sequence over C (context parallelism, "
+                      "fa2_jax.context_parallel_attention: see --context-strategy); the parameters "
                       "replicated. Either axis may be left out (it takes the other devices); "
                       "implies --data-parallel mesh (default: no mesh)")
   procs = p.add_argument_group(

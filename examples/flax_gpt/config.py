@@ -7,6 +7,7 @@ import math
 ATTENTIONS = ("flash", "flash_triton", "flash_mosaic", "xla", "cudnn")
 POSITIONS = ("learned", "rotary")
 DTYPES = ("bfloat16", "float32")
+CONTEXT_STRATEGIES = ("ring", "all_to_all", "all_gather")
 
 # GPT-2's 50257-token vocabulary padded to a multiple of 64 (as nanoGPT does) so the embedding
 # matmuls tile evenly. The data are bytes (ids < 256); the GPU presets keep GPT-2's vocabulary so
@@ -39,6 +40,9 @@ class GPTConfig:
     window: sliding-window attention: each token attends itself and the ``window`` tokens before it
       (``local_window_size=(window, 0)`` with the causal mask); None: the whole context.
     soft_cap: attention logits soft cap, ``cap * tanh(s / cap)`` (``logits_soft_cap``); None: none.
+    context_strategy: how the attention exchanges the sequence over a mesh's ``context`` axis
+      (``--mesh``): "ring", "all_to_all" or "all_gather" (``fa2_jax.context_parallel_attention``'s
+      strategies); None: fa2_jax's choice (``fa2_jax.context_parallel_strategy``).
   """
 
   vocab_size: int = BYTE_VOCAB
@@ -57,6 +61,7 @@ class GPTConfig:
   scan_layers: bool = False
   window: int | None = None
   soft_cap: float | None = None
+  context_strategy: str | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "seq_len", "n_layer", "n_head", "n_embd", "mlp_ratio"):
@@ -78,6 +83,9 @@ class GPTConfig:
                        f"{self.n_embd} / {self.n_head} = {self.n_embd // self.n_head}")
     if self.attention not in ATTENTIONS:
       raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+    if self.context_strategy is not None and self.context_strategy not in CONTEXT_STRATEGIES:
+      raise ValueError(f"context_strategy must be one of {CONTEXT_STRATEGIES} or None (fa2_jax's "
+                       f"choice), got {self.context_strategy!r}")
     if self.dtype not in DTYPES:
       raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
     if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)

@@ -38,16 +38,18 @@ def attention_core(config: GPTConfig, context_mesh: Mesh | None = None) -> Calla
   are ``jax.nn.dot_product_attention``.
 
   ``context_mesh``: a mesh whose ``context`` axis splits the sequence (``--mesh``): the fa2_jax
-  attention runs per device through :func:`.parallel.context_attention`; ``jax.nn``'s (which has no
-  ``q_offset``) is left to XLA's partitioning of the jit step.
+  attention runs as context parallelism (:func:`.parallel.context_attention`,
+  ``config.context_strategy``); ``jax.nn``'s is left to XLA's partitioning of the jit step.
 
   Raises:
     ValueError: ``cudnn`` without a GPU.
   """
   if config.attention.startswith("flash"):
-    core = fa2_flax.make_attention_fn(implementation=FLASH_IMPLEMENTATIONS[config.attention],
-                                      interpret=True if config.flash_interpret else None)
-    return core if context_mesh is None else context_attention(core, context_mesh)
+    kernels = dict(implementation=FLASH_IMPLEMENTATIONS[config.attention],
+                   interpret=True if config.flash_interpret else None)
+    if context_mesh is not None:
+      return context_attention(context_mesh, config.context_strategy, **kernels)
+    return fa2_flax.make_attention_fn(**kernels)
   if config.attention == "cudnn" and jax.default_backend() != "gpu":
     raise ValueError(f"--attention cudnn needs an NVIDIA GPU, but JAX's backend is "
                      f"{jax.default_backend()!r}; use --attention flash or xla")

@@ -13,13 +13,12 @@ The model is written for the whole sequence (global view): positions (``arange(T
 batch's own) and segment ids are arrays of the batch, sharded like the tokens, so learned position
 embeddings and rotary angles are those of each token's global position on whatever device holds it.
 Only attention mixes the sequence: :func:`context_attention` runs it per device in a ``shard_map``
-over the mesh (the one place that knows the context layout). Each device keeps its queries, gathers
-the keys, values and key segment ids of the whole sequence over ``context`` (an all-gather, whose
-transpose in the backward pass reduce-scatters dK and dV), and calls the fa2_jax kernels with
-``q_offset`` = the global position of its first query, so the causal mask, a sliding window and the
-packed documents' segments are those of the whole sequence. A ring or all-to-all attention
-(``fa2_jax.context_parallel_attention``, with a load-balanced zigzag layout) replaces the body of
-that one function; see docs/design.md, "Context parallelism: scaling model".
+over the mesh (the one place that knows the context layout), through
+``fa2_jax.context_parallel_attention`` (``--context-strategy``: a ring of keys and values, an
+all-to-all of heads and sequence, or an all-gather of keys and values), so the causal mask, a
+sliding window and the packed documents' segments are those of the whole sequence. The batch keeps
+its natural token order (the contiguous layout: causal work is uneven across ``context``; the
+load-balanced zigzag layout would permute the tokens); see docs/design.md, "Context parallelism".
 
 Several processes (``--coordinator HOST:PORT --num-processes N --process-id I``, one per host or per
 GPU): :func:`initialize_distributed` calls ``jax.distributed.initialize`` before anything touches a
@@ -39,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import fa2_jax
 
 DATA, CONTEXT = "data", "context"  # the mesh axes: the batch over DATA, the sequence over CONTEXT
 MESH_AXES = (DATA, CONTEXT)
@@ -165,31 +166,29 @@ def initialize_distributed(settings: Distributed | None) -> None:
 
 # --- attention over the context axis --------------------------------------------------------------
 
-def context_attention(core: Callable[..., jax.Array], mesh: Mesh) -> Callable[..., jax.Array]:
-  """``core`` (an fa2_jax attention function taking ``q_offset``) on q, k, v ``[B, T, N|K, H]``
-  split along B over ``data`` and along T over ``context``: the seam of context parallelism.
+def context_attention(mesh: Mesh, strategy: str | None = None,
+                      **flash_kwargs) -> Callable[..., jax.Array]:
+  """fa2_jax attention ``f(q, k, v, is_causal=..., **variants)`` on q, k, v ``[B, T, N|K, H]``
+  split along B over ``data`` and along T over ``context``: context parallelism.
 
-  Per device (a ``shard_map``): its queries ``[B/D, T/C, N, H]`` attend the keys and values of the
-  whole sequence, all-gathered over ``context`` (``[B/D, T, K, H]``: K heads, so grouped-query
-  attention gathers N/K times less), with ``q_offset`` = the device's first global query position,
-  so that the causal mask, ``local_window_size`` and the segment ids (the queries' own, the keys'
-  gathered) hold as on one device. A ring or all-to-all exchange
-  (``fa2_jax.context_parallel_attention``) replaces this body and nothing else.
+  Per device (a ``shard_map``): ``fa2_jax.context_parallel_attention`` over the ``context`` axis,
+  with ``strategy`` (None: fa2_jax's choice) and the contiguous layout (device ``d`` holds the
+  ``d``-th slice of the sequence, as the batch's ``NamedSharding`` splits it), the key segment ids
+  travelling with the keys; the causal mask, ``local_window_size`` and the packed documents see
+  global positions. ``flash_kwargs``: further ``flash_attention`` keywords (``implementation``,
+  ``interpret``).
   """
   def attend(q, k, v, *, is_causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
              **variants):
     segments = [] if q_segment_ids is None else [q_segment_ids, kv_segment_ids]
 
     def local(q, k, v, *segments):
-      t_local = q.shape[1]
-      k, v = (jax.lax.all_gather(x, CONTEXT, axis=1, tiled=True) for x in (k, v))
       extra = {}
       if segments:
-        extra = dict(q_segment_ids=segments[0],
-                     kv_segment_ids=jax.lax.all_gather(segments[1], CONTEXT, axis=1, tiled=True))
-      first = jax.lax.axis_index(CONTEXT).astype(jnp.int32) * t_local
-      offset = jnp.broadcast_to(first, (q.shape[0],))  # [B/D]
-      return core(q, k, v, is_causal=is_causal, q_offset=offset, **extra, **variants)
+        extra = dict(q_segment_ids=segments[0], kv_segment_ids=segments[1])
+      return fa2_jax.context_parallel_attention(
+          q, k, v, axis_name=CONTEXT, strategy=strategy, layout="contiguous",
+          is_causal=is_causal, **extra, **variants, **flash_kwargs)
 
     spec = P(DATA, CONTEXT)  # q, k, v [B, T, heads, H] and the segment ids [B, T]
     # check_vma=False: the fa2_jax kernels in interpret mode are not typed for varying manual axes.

@@ -156,8 +156,13 @@ def describe_attention(mc: GPTConfig, packing: bool = False, context: int = 1) -
     return line + (f", the sequence split over {context} devices by XLA" if context > 1 else "")
   line = f"attention {mc.attention}: fa2_jax {cli_message(str(dispatch))}"
   if context > 1:
-    line += (f"; per device: {mc.seq_len // context} queries against the {mc.seq_len} keys "
-             "gathered over the mesh axis 'context'")
+    strategy, why = mc.context_strategy, "--context-strategy"
+    if strategy is None:
+      strategy, why = fa2_jax.context_parallel_strategy(
+          (1, mc.seq_len, mc.n_head, mc.head_dim), (1, mc.seq_len, mc.kv_heads, mc.head_dim),
+          context, dtype=mc.dtype, has_kv_segment_ids=packing)
+    line += (f"; context parallelism over {context} devices ({mc.seq_len // context} queries "
+             f"each): {strategy} ({why})")
   return line
 
 
