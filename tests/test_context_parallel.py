@@ -270,3 +270,57 @@ def test_errors():
     _trace(query_seq_lengths=jnp.array([33]))
   with pytest.raises(TypeError, match="query_seq_lengths must be integer"):
     _trace(query_seq_lengths=jnp.array([3.0]))
+
+
+_EIGHT_DEVICES = r"""
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+import functools
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+import fa2_jax
+
+C, B, T, N, K, H = 8, 1, 64, 4, 1, 16
+mesh = jax.make_mesh((C,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
+ks = jax.random.split(jax.random.key(0), 4)
+q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32)
+k = jax.random.normal(ks[1], (B, T, K, H), jnp.float32)
+v = jax.random.normal(ks[2], (B, T, K, H), jnp.float32)
+dout = jax.random.normal(ks[3], (B, T, N, H), jnp.float32)
+lay = functools.partial(fa2_jax.to_context_layout, axis_size=C)
+unlay = functools.partial(fa2_jax.from_context_layout, axis_size=C)
+kw = dict(is_causal=True, local_window_size=(20, 0), implementation="xla")
+local = functools.partial(fa2_jax.context_parallel_attention, axis_name="context", strategy="ring", **kw)
+sm = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"))
+
+def loss(f, q, k, v):
+  return jnp.sum(f(q, k, v) * dout)
+
+ring = lambda q, k, v: unlay(sm(lay(q), lay(k), lay(v)))
+ref = lambda q, k, v: fa2_jax.reference_attention(q, k, v, **{a: b for a, b in kw.items() if a != "implementation"})
+got = jax.jit(jax.value_and_grad(functools.partial(loss, ring), argnums=(0, 1, 2)))(q, k, v)
+q64, k64, v64, d64 = (np.asarray(x, np.float64) for x in (q, k, v, dout))
+jax.config.update("jax_enable_x64", True)
+dout = jnp.asarray(d64)
+want = jax.value_and_grad(functools.partial(loss, ref), argnums=(0, 1, 2))(*map(jnp.asarray, (q64, k64, v64)))
+for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+  np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w), rtol=2e-4, atol=2e-4)
+print("ok", len(jax.devices()))
+"""
+
+
+def test_ring_on_eight_devices():
+  """The zigzag ring over 8 devices (a subprocess: conftest's process has 4): causal MQA with a
+  window, value and gradients against the float64 reference."""
+  import os
+  import subprocess
+  import sys
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  env["JAX_PLATFORMS"] = "cpu"
+  done = subprocess.run([sys.executable, "-c", _EIGHT_DEVICES], env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0, done.stdout + done.stderr
+  assert done.stdout.split()[-2:] == ["ok", "8"]
