@@ -420,6 +420,31 @@ def test_inside_shard_map_nothing_is_added(fake_hopper, impl):
     assert "CustomSPMDPartitioning" not in text and "all_gather" not in text
 
 
+@needs4
+@pytest.mark.parametrize("name", ["q_offset", "key_value_seq_lengths", "segment_ids"])
+def test_mosaic_variant_operands_varying_inside_shard_map(fake_hopper, name):
+  """The Mosaic kernels' loop bounds read from variant operands that vary over a shard_map axis (a
+  per-device q_offset, lengths, segment ids: what context parallelism passes every block) trace
+  forward and backward under check_vma=True (the loops' counters typed alike on both sides)."""
+  mesh = _mesh((4,), ("data",), AxisType.Auto)
+  spec = P("data")
+
+  def local(q, k, v, offsets, segments):
+    extra = ({name: offsets} if name != "segment_ids"
+             else dict(q_segment_ids=segments, kv_segment_ids=segments))
+    f = lambda q, k, v: jnp.sum(fa2_jax.flash_attention(
+        q, k, v, is_causal=True, implementation="mosaic", **extra).astype(jnp.float32))
+    return jax.grad(f, argnums=(0, 1, 2))(q, k, v)
+
+  sm = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 5, out_specs=(spec,) * 3,
+                     check_vma=True)
+  q = jax.ShapeDtypeStruct((4, 256, 4, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((4, 256, 2, 128), jnp.bfloat16)
+  ints = (jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((4, 256), jnp.int32))
+  grads = jax.eval_shape(sm, q, k, k, *ints)
+  assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+
+
 def _mosaic_static(h=128, causal=False):
   return attention._Static(h ** -0.5, causal, "sm90", False, False,
                            fa2_jax.MosaicConfig.default(h, jnp.bfloat16, causal))

@@ -259,12 +259,22 @@ def statically_empty(lower, upper) -> bool:
   return isinstance(lower, int) and isinstance(upper, int) and lower >= upper
 
 
+def _fori(lower, upper, body, carry):
+  """``lax.fori_loop(lower, upper, body, carry)`` with the loop's counter counting from 0: a traced
+  ``lower`` read from an operand that varies over a ``shard_map`` axis would type the counter as
+  varying, which the kernel's body (traced with the check off) returns as invariant, and the loop's
+  carry types would differ (``check_vma=True``)."""
+  if isinstance(lower, int):
+    return lax.fori_loop(lower, upper, body, carry)
+  return lax.fori_loop(0, upper - lower, lambda j, c: body(lower + j, c), carry)
+
+
 def step_loop(lower, upper, body, carry):
   """``lax.fori_loop(lower, upper, body, carry)``, with no trace of ``body`` for a range that is
   :func:`statically_empty`."""
   if statically_empty(lower, upper):
     return carry
-  return lax.fori_loop(lower, upper, body, carry)
+  return _fori(lower, upper, body, carry)
 
 
 def acc_loop(lower, upper, body, accs):
@@ -275,7 +285,7 @@ def acc_loop(lower, upper, body, accs):
     return
   accs = [a for a in accs if a is not None]
   if not emulating():
-    lax.fori_loop(lower, upper, lambda i, c: (body(i), c)[1], jnp.int32(0))
+    _fori(lower, upper, lambda i, c: (body(i), c)[1], jnp.int32(0))
     return
 
   def carried(i, values):
@@ -284,7 +294,7 @@ def acc_loop(lower, upper, body, accs):
     body(i)
     return tuple(a.value for a in accs)
 
-  values = lax.fori_loop(lower, upper, carried, tuple(a.value for a in accs))
+  values = _fori(lower, upper, carried, tuple(a.value for a in accs))
   for a, v in zip(accs, values):
     a.value = v
 
