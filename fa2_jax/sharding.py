@@ -200,7 +200,8 @@ def plan(axis_sizes: Mapping[str, int], shapes: Sequence[Sequence[int]], specs: 
         f"GQA groups{group}, so K must be a multiple of the number of devices sharding the heads")
     heads = ()
   if context:
-    seq = f"the sequence (T, S) is sharded over {_show(context)} (by {context_of})"
+    seq = (f"{context_of} is sharded along its sequence axis {'T' if context_of == 'query' else 'S'}"
+           f" over {_show(context)}")
     t, s = extent("t"), extent("s")
     why = None
     if len(context) > 1:
