@@ -52,6 +52,13 @@ Strategies:
   whole sequence. Memory: the full K/V on every device.
 
 Gradients of ``"all_to_all"``/``"all_gather"`` are autodiff's (the collectives' transposes).
+
+Under ``jit``, :func:`fa2_jax.flash_attention` on q/k/v whose T and S one mesh axis shards runs this
+module on contiguous chunks (:mod:`fa2_jax.sharding`): Explicit axes through
+``context_parallel_attention`` in its ``shard_map`` (``sequence_sharded``, ``explicit_call``), Auto
+axes from the kernels' partition callbacks (``partitioned_forward``, ``partitioned_backward``: the
+strategies' forward as plain functions of an axis name, and the ring's or the all_gather strategy's
+backward from the rows' out and row statistics).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Sharded inputs under ``jax.jit``: every device runs the kernels on its own batch rows and heads.
+"""Sharded inputs under ``jax.jit``: every device runs the kernels on its own batch rows and heads,
+and a sequence-sharded call runs as context parallelism.
 
 Attention is independent across the batch axis B and across key/value-head groups (query head ``n``
 reads KV head ``n // G``, ``G = N / K``), so a call whose q/k/v are sharded along B and/or the heads
@@ -9,8 +10,16 @@ Explicit-axes mesh the kernels' refs refuse sharded slicing outright. Which mesh
 * B (dim 0 of every operand): any mesh axes whose devices divide B.
 * The heads (N of q, K of k/v, alike): mesh axes over ``d`` devices with ``K % d == 0``, so that each
   device holds whole GQA groups (its query heads and the KV heads they read).
-* T, S (the sequence axes), H and Hv (the query/key and value head_dims): none. Sharding T or S is context parallelism (ring or
-  all-to-all attention), which these kernels do not implement.
+* T and S (the sequence axes), alike: one mesh axis (not a tuple of axes) of ``C`` devices, none of
+  B's or the heads', dividing T and S. The call runs as context parallelism over it
+  (:mod:`fa2_jax.context_parallel`): device ``d`` holds the contiguous chunk ``d`` of the natural
+  order (``layout="contiguous"``), segment ids travel with their chunks, lengths and ``q_offset``
+  stay global; ``context_parallel_strategy`` picks the strategy (``backend_for`` names it under
+  Explicit axes). Only T (or only S) sharded: the replicated one is sliced to match (no
+  communication), so that case runs the same way. The causal load balance of the zigzag layout
+  needs the tokens permuted (``to_context_layout``): call ``context_parallel_attention`` inside a
+  ``shard_map`` for it.
+* H and Hv (the query/key and value head_dims): none.
 * Neither B nor the heads where the call's ``mask_fn``/``score_fn`` reads that index: the kernels pass
   the index of their grid, which on a device's share counts from 0 (``whole`` of :func:`plan`).
 
@@ -19,15 +28,23 @@ applied three ways:
 
 * Explicit axes (``jax.sharding.AxisType.Explicit``): shardings are part of the arrays' types at trace
   time. :func:`local_call` wraps the kernel call in a ``jax.shard_map`` with the plan's specs, so the
-  kernels trace on per-device shapes. A sharding the kernels cannot keep (T, S or H sharded, heads
-  not in whole GQA groups, operands sharded unlike each other) raises a ValueError naming it.
+  kernels trace on per-device shapes; a sequence-sharded call's ``shard_map`` runs
+  ``context_parallel_attention`` instead (``context_parallel.explicit_call``), whose gradients are
+  its own. A sharding the plan cannot keep (H sharded, heads not in whole GQA groups, the sequence
+  over several axes or axes not dividing it, operands sharded unlike each other) raises a
+  ValueError naming it.
 * Auto axes (``jit`` with ``in_shardings``, ``device_put`` with a ``NamedSharding``): shardings are
   chosen by the compiler after tracing. The forward and backward kernel calls are each wrapped in
   ``jax.experimental.custom_partitioning`` (:func:`partitioned`): a Shardy rule names each operand's
   axes, and at compile time the partition callback applies the plan to the shardings the compiler
-  proposes and runs the kernel on the local blocks. A sharding the plan cannot keep is gathered by
-  XLA before the kernel (correct, but every device then holds that axis whole) and a UserWarning
-  names it: an exception inside the compiler's callback would reach the user as an opaque error.
+  proposes and runs the kernel on the local blocks. Where the sequence is sharded the callbacks run
+  context parallelism (:class:`Context`) with collectives over that mesh axis name: the forward's
+  strategy, returning the kernels' ``(out, stats)`` with the whole softmax's row statistics, and
+  from them the ring's backward (the all_gather strategy's where the forward gathered). T and S
+  are therefore free factors of the Shardy rule. A sharding the plan cannot keep (also: a
+  sequence-sharded call with ALiBi slopes or on the decode kernels) is gathered by XLA before the
+  kernel (correct, but every device then holds that axis whole) and a UserWarning names it: an
+  exception inside the compiler's callback would reach the user as an opaque error.
 * Manual axes (inside ``shard_map`` or ``pmap``): the arrays are already per-device blocks; both
   mechanisms step aside (``custom_partitioning`` lowers its body directly there).
 
