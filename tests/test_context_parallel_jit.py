@@ -197,3 +197,31 @@ def test_explicit_refusals_and_backend_for():
     kd = jax.device_put(k, P(None, "data"))
     with pytest.raises(ValueError, match=match):
       jax.jit(fa2_jax.flash_attention)(qs, kd, kd)
+
+
+def test_mosaic_partition_functions_lower(monkeypatch, ring):
+  """The Auto axes' per-device functions on the sm90 kernels, short of a GPU: the ring's forward and
+  backward (attention_backward with the rows' statistics) lower for a Hopper GPU at the local shapes,
+  K/V moving by collective-permute (inside a shard_map, which binds the axis name as the partition
+  callback's lowering does)."""
+  from fa2_jax import attention
+  from fa2_jax.kernels import platform
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
+  st = attention._Static(128 ** -0.5, True, "sm90", False, False,
+                         fa2_jax.MosaicConfig.default(128, jnp.bfloat16, True))
+  mesh = _mesh((4,), ("context",), AxisType.Explicit)
+  seq, rows, stats = P(None, "context"), P(None, None, "context"), P(None, None, None, "context")
+  sds = lambda shape, spec, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(  # noqa: E731
+      shape, dtype, sharding=NamedSharding(mesh, spec))
+  q, kv = sds((1, 1024, 2, 128), seq), sds((1, 1024, 1, 128), seq)
+  for fn, args, in_specs, out_specs in [
+      (context_parallel.partitioned_forward, (q, kv, kv), (seq,) * 3, (seq, stats)),
+      (context_parallel.partitioned_backward,
+       (q, kv, kv, q, sds((1, 2, 2, 1024), stats, jnp.float32), q, sds((1, 2, 1024), rows,
+                                                                          jnp.float32)),
+       (seq,) * 4 + (stats, seq, rows), (seq,) * 3)]:
+    local = jax.shard_map(functools.partial(fn, st, "context"), mesh=mesh, in_specs=in_specs,
+                          out_specs=out_specs, check_vma=False)
+    text = jax.jit(local).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "collective_permute" in text and "all_gather" not in text
