@@ -192,7 +192,7 @@ def plan(axis_sizes: Mapping[str, int], shapes: Sequence[Sequence[int]], specs: 
         what = f"its {_WHAT[c]}" if c in "bts" else _WHAT[c]
         problems.append(f"{name} is sharded along {what} (dim {i}) over {_show(d[i])}, but "
                         + (f"{of} over {_show(want)}" if want else
-                           "query, key and value along their sequence axes over none"))
+                           "query, key and value are not sharded along their sequence axes"))
   b = extent("b")
   if batch and b is not None and b % size(batch):
     problems.append(f"the batch axis B={b} is sharded over {_show(batch)} ({size(batch)} devices), "
@@ -333,7 +333,7 @@ class Context:
   them); ``refusal``: why this call cannot, or None (a refused call's sequence is gathered, with a
   warning). ``fn`` is part of a static argument: hashable."""
 
-  fn: Callable | None
+  fn: Callable
   reads: int = 0
   refusal: str | None = None
 
