@@ -199,7 +199,11 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
                   q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
                   logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, mask_fn=mask_fn,
                   score_fn=score_fn)
-  if call.backend == "xla":
+  from . import context_parallel  # it imports this module
+  if (found := context_parallel.sequence_sharded(call)) is not None:
+    # Explicit mesh axes shard the sequence: context parallelism over that axis (fa2_jax.sharding).
+    out, lse = context_parallel.explicit_call(call, found, implementation, block_sizes)
+  elif call.backend == "xla":
     out, lse = attention_formula(call.query, call.key, call.value, call.variant, call.arrays,
                                  scale=call.scale)
   else:
@@ -367,8 +371,17 @@ def backend_for(query, key, value=None, bias=None, mask=None, *, is_causal=False
   call = prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
                   deterministic, interpret, bias, mask, **variant_args)
   kernel_call = None if call.kernel_call is None else launched_call(call.kernel_call)
-  return dispatch.describe(call.backend, kernel_call, implementation=implementation,
-                           config=block_sizes, formula_reason=call.formula_reason)
+  chosen = dispatch.describe(call.backend, kernel_call, implementation=implementation,
+                             config=block_sizes, formula_reason=call.formula_reason)
+  from . import context_parallel  # it imports this module
+  if (found := context_parallel.sequence_sharded(call)) is not None:
+    strategy, why = context_parallel.explicit_strategy(call, found)
+    axis = found[2].context[0]
+    chosen = dataclasses.replace(chosen, reason=(
+        f"the sequence is sharded over Explicit mesh axis {axis!r}: context parallelism, strategy "
+        f"{strategy!r} ({why}), contiguous chunks; the kernels as chosen for the whole call: "
+        f"{chosen.reason}"))
+  return chosen
 
 
 # --- custom_vjp core ------------------------------------------------------------------------------
@@ -435,10 +448,26 @@ def _lse(st: _Static, stats, extras, kv_extent: int):
   return lse if shift is None else remove_alibi_shift(lse, shift)
 
 
+def _context(st: _Static, backward: bool = False) -> sharding.Context:
+  """How the kernel call runs where Auto mesh axes shard its sequence (fa2_jax.sharding.Context):
+  context parallelism on each device's chunks (fa2_jax.context_parallel), reading q, k, v (the
+  backward: and out, stats, dout, dlse) and the variant arrays, not the whole call's range tables."""
+  from . import context_parallel  # it imports this module
+  refusal = None
+  if st.variant is not None and st.variant.has_alibi:
+    refusal = ("alibi_slopes are not split along the sequence under Auto mesh axes (under Explicit "
+               "axes, or with context_parallel_attention inside shard_map, they are)")
+  elif st.backend == "decode":
+    refusal = "a decoding call (a few query rows) runs on whole sequences"
+  fn = context_parallel.partitioned_backward if backward else context_parallel.partitioned_forward
+  reads = (7 if backward else 3) + sum(not f.startswith("table_") for f in st.fields)
+  return sharding.Context(functools.partial(fn, st), reads, refusal)
+
+
 def _flash_impl(q, k, v, extras, st: _Static):
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
                                 partition=_partitionable(st), whole=dict(st.whole),
-                                fold_vmap=_foldable(st))
+                                fold_vmap=_foldable(st), context=_context(st))
   return out, _lse(st, stats, extras, k.shape[1])
 
 
@@ -475,7 +504,7 @@ def _flash_fwd(q, k, v, extras, st: _Static):
   extras = tuple(getattr(x, "value", x) for x in extras)
   out, stats = sharding.forward(_forward, q, k, v, st, extras, _layouts(st, extras),
                                 partition=_partitionable(st), whole=dict(st.whole),
-                                fold_vmap=_foldable(st))
+                                fold_vmap=_foldable(st), context=_context(st))
   # slope_grad, static, as the residuals' structure: () or (None,)
   return (out, _lse(st, stats, extras, k.shape[1])), (q, k, v, extras, out, stats,
                                                       (None,) if slope_grad else ())
@@ -508,7 +537,8 @@ def _flash_bwd(st: _Static, residuals, cotangents):
   grads = sharding.backward(_backward, st, q, k, v, out, stats, dout.astype(q.dtype), dlse,
                             extras, _layouts(st, extras), partition=_partitionable(st),
                             whole=dict(st.whole), fold_vmap=_foldable(st),
-                            extra_outputs=(sharding.LSE,) if slope_grad else ())
+                            extra_outputs=(sharding.LSE,) if slope_grad else (),
+                            context=_context(st, backward=True))
   # The variant operands (lengths, segment ids, offsets: integers) get zero cotangents; the ALiBi
   # slopes, where perturbed, theirs: through the scores (the kernel's row sums) and through the
   # lse's shift back (masking.alibi_lse_shift).

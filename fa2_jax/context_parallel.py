@@ -52,19 +52,28 @@ Strategies:
   whole sequence. Memory: the full K/V on every device.
 
 Gradients of ``"all_to_all"``/``"all_gather"`` are autodiff's (the collectives' transposes).
+
+Under ``jit``, :func:`fa2_jax.flash_attention` on q/k/v whose T and S one mesh axis shards runs this
+module on contiguous chunks (:mod:`fa2_jax.sharding`): Explicit axes through
+``context_parallel_attention`` in its ``shard_map`` (``sequence_sharded``, ``explicit_call``), Auto
+axes from the kernels' partition callbacks (``partitioned_forward``, ``partitioned_backward``: the
+strategies' forward as plain functions of an axis name, and the ring's or the all_gather strategy's
+backward from the rows' out and row statistics).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import attention
-from .kernels.masking import Variant, closes_over_arrays
+from . import attention, sharding
+from .kernels.masking import Variant, VariantArrays, closes_over_arrays
+from .kernels.softmax import lse_from_stats, stats_from_lse
 from .kernels.vma import match_vma
 from .validation import _concrete
 
@@ -513,6 +522,34 @@ def _all_gather(cfg: _Config, q, k, v, ops):
   return _cat(outs), _cat(lses)
 
 
+def _all_gather_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse):
+  """The gradients of :func:`_all_gather` from the rows' out and lse: K/V gathered again, one
+  block gradient per query piece against the whole sequence, dK/dV summed back to their devices
+  (``psum_scatter``). ``(dq, dk, dv, dslopes)`` as :func:`_ring_backward` returns them."""
+  c, pieces = cfg.axis_size, cfg.pieces
+  tq = q.shape[1] // pieces
+  gather = lambda x: None if x is None else _natural(  # noqa: E731
+      lax.all_gather(x, cfg.axis_name, axis=1, tiled=True), cfg)
+  k_all, v_all, kv_seg = gather(k), gather(v), gather(ops["kv_seg"])
+  s = k_all.shape[1]
+  q_chunks = _local_chunks(lax.axis_index(cfg.axis_name), c, cfg.layout)
+  dq, dk, dv, dslopes = [], 0.0, 0.0, None
+  for p in range(pieces):
+    kw = _block_kwargs(cfg, ops, q_chunks[p] * tq, 0, tq, s, _piece(ops["q_seg"], p, pieces),
+                       kv_seg)
+    piece = lambda x: _piece(x, p, pieces)  # noqa: E731
+    grads = _block_grads(cfg, ops, piece(q), k_all, v_all, piece(out), piece(lse), piece(dout),
+                         piece(dlse), kw)
+    dq.append(grads[0])
+    dk, dv = dk + grads[1].astype(jnp.float32), dv + grads[2].astype(jnp.float32)
+    if grads[3] is not None:
+      dslopes = grads[3] if dslopes is None else dslopes + grads[3]
+  home = lambda x: lax.psum_scatter(  # noqa: E731  [B, S, ...] natural -> this device's chunk
+      to_context_layout(x, c, layout=cfg.layout), cfg.axis_name, scatter_dimension=1, tiled=True)
+  return (_cat(dq).astype(q.dtype), home(dk).astype(k.dtype), home(dv).astype(v.dtype),
+          None if dslopes is None else lax.psum(dslopes, cfg.axis_name))
+
+
 def _all_to_all(cfg: _Config, q, k, v, ops):
   c = cfg.axis_size
   n, kh = q.shape[2], k.shape[2]
@@ -669,3 +706,141 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
   else:
     out, lse = _all_to_all(cfg, query, key, value, ops)
   return (out, lse) if return_residual else out
+
+
+# --- flash_attention on sequence-sharded arrays under jit ----------------------------------------
+# flash_attention runs a call whose q/k/v are sharded along T and S over one mesh axis as context
+# parallelism over that axis, on contiguous chunks (the arrays are in their natural order): under
+# Explicit axes as context_parallel_attention inside a shard_map (sequence_sharded, explicit_call);
+# under Auto axes from the kernels' partition callbacks (partitioned_forward, partitioned_backward),
+# which run the strategies' forward and backward on each device's chunks.
+
+
+def _kernel_setup(st, axis_name, q, k, extras) -> tuple[_Config, dict]:
+  """The ring's settings and operands for a kernel call (``attention._Static`` ``st``, its extra
+  operands ``extras`` in the order of ``st.fields``) split along the sequence over ``axis_name``:
+  each block runs ``st``'s kernel family with its own tuned tiles."""
+  variant = st.variant
+  window = None if variant is None else variant.window
+  cap = None if variant is None else variant.soft_cap
+  mask_fn = None if variant is None else variant.mask_fn
+  score_fn = None if variant is None else variant.score_fn
+  positions = bool(st.is_causal) or window is not None or mask_fn is not None or (
+      score_fn is not None)
+  a = dict(zip(st.fields, extras))
+  q_offset = a.get("q_offset")
+  if positions and q_offset is None:
+    q_offset = jnp.zeros((q.shape[0],), jnp.int32)
+  ops = {"q_len": a.get("q_lengths"), "kv_len": a.get("kv_lengths"),
+         "q_seg": a.get("q_segment_ids"), "kv_seg": a.get("kv_segment_ids"),
+         "q_offset": q_offset if positions else None, "slopes": None}
+  kwargs = (("scale", st.scale), ("is_causal", st.is_causal), ("implementation", st.backend),
+            ("block_sizes", None), ("deterministic", st.deterministic),
+            ("interpret", st.interpret), ("local_window_size", window), ("logits_soft_cap", cap))
+  cfg = _Config(axis_name, _axis_size(axis_name), "contiguous", kwargs, mask_fn, score_fn,
+                positions, _window(window, bool(st.is_causal)), kernel_backward=True)
+  return cfg, ops
+
+
+def _kernel_strategy(cfg: _Config, q, k, ops) -> str:
+  """The strategy of :func:`context_parallel_strategy` for the local chunks ``q``, ``k``."""
+  c = cfg.axis_size
+  b, t, n, h = q.shape
+  return context_parallel_strategy((b, t * c, n, h), (b, k.shape[1] * c, *k.shape[2:]), c,
+                                   dtype=k.dtype, has_kv_segment_ids=ops["kv_seg"] is not None)[0]
+
+
+def partitioned_forward(st, axis_name, q, k, v, *extras):
+  """The forward of a kernel call whose sequence the compiler shards over ``axis_name`` (Auto mesh
+  axes; ``fa2_jax.sharding.Context``), on each device's chunks: ``(out, stats)`` as the kernels'
+  forward returns them, the row statistics those of the whole softmax
+  (``kernels.softmax.stats_from_lse``). The strategy is ``strategy=None``'s."""
+  cfg, ops = _kernel_setup(st, axis_name, q, k, extras)
+  run = {"ring": _ring_forward, "all_gather": _all_gather, "all_to_all": _all_to_all}
+  out, lse = run[_kernel_strategy(cfg, q, k, ops)](cfg, q, k, v, ops)
+  modifies = st.variant is not None and st.variant.modifies_scores
+  return out, stats_from_lse(jnp.swapaxes(lse, 1, 2), st.scale, modifies)
+
+
+def partitioned_backward(st, axis_name, q, k, v, out, stats, dout, dlse, *extras):
+  """The backward of :func:`partitioned_forward` on each device's chunks (``dlse [B, N, T/C]``):
+  ``(dq, dk, dv)``. K/V gathered again where the forward gathered them (all_gather), else the ring
+  (all_to_all's memory per device stays S/C so)."""
+  cfg, ops = _kernel_setup(st, axis_name, q, k, extras)
+  modifies = st.variant is not None and st.variant.modifies_scores
+  lse = jnp.swapaxes(lse_from_stats(stats, st.scale, modifies), 1, 2)  # [B, T/C, N]
+  dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)
+  run = _all_gather_backward if _kernel_strategy(cfg, q, k, ops) == "all_gather" else (
+      _ring_backward)
+  return run(cfg, q, k, v, ops, out, lse, dout, dlse)[:3]
+
+
+def _operands(call):
+  """``(arrays, layouts, names, fields, whole)`` of a validated call (``call.Call``): q, k, v and
+  its variant arrays, with their sharding layouts, and the axes a mask_fn/score_fn keeps whole."""
+  fields = tuple(f for f in VariantArrays._fields if getattr(call.arrays, f) is not None)
+  arrays = (call.query, call.key, call.value, *(getattr(call.arrays, f) for f in fields))
+  layouts = (sharding.Q, sharding.KV, sharding.V, *(attention._FIELD_LAYOUTS[f] for f in fields))
+  names = (*sharding.QKV_NAMES, *fields)
+  whole = attention._unsplittable(call.variant, call.query.shape[0], call.query.shape[2])
+  return arrays, layouts, names, fields, whole
+
+
+def sequence_sharded(call):
+  """``(mesh, specs, plan)`` where Explicit mesh axes shard the sequence (T or S) of a validated
+  call's query/key/value, or None.
+
+  Raises:
+    ValueError: a sharding the call cannot keep (the plan's problems: the sequence over several
+      mesh axes or over axes that do not divide T and S, T and S over different axes, ...).
+  """
+  arrays, layouts, names, _, whole = _operands(call)
+  found = sharding.explicit_plan(arrays, layouts, names, whole)
+  if found is None:
+    return None
+  mesh, specs, p = found
+  if not any(axes for spec, layout in zip(specs[:3], layouts)
+             for c, axes in zip(layout, sharding._entries(spec, len(layout))) if c in "ts"):
+    return None
+  if p.problems:
+    raise sharding.refusal(p.problems)
+  return mesh, specs, p
+
+
+def explicit_strategy(call, found) -> tuple[str, str]:
+  """``context_parallel_strategy`` of a call that ``sequence_sharded`` found, for each device's
+  share of the batch and heads."""
+  mesh, _, p = found
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
+  b, t, n, h = call.query.shape
+  _, s, kh, _ = call.key.shape
+  local = lambda shape: (shape[0] // size(p.batch), shape[1], shape[2] // size(p.heads), shape[3])  # noqa: E731
+  return context_parallel_strategy(
+      local((b, t, n, h)), local((b, s, kh, call.key.shape[3])), size(p.context),
+      dtype=call.key.dtype, has_kv_segment_ids=call.arrays.kv_segment_ids is not None)
+
+
+def explicit_call(call, found, implementation, block_sizes):
+  """``(out, lse)`` of a validated call that ``sequence_sharded`` found: context parallelism over the
+  sequence's mesh axis (contiguous chunks), with the batch and heads split as the plan says, inside
+  a ``shard_map``; ``implementation`` and ``block_sizes`` as the call gave them (each block's
+  ``flash_attention`` chooses by them)."""
+  mesh, specs, p = found
+  arrays, layouts, _, fields, _ = _operands(call)
+  strategy, _ = explicit_strategy(call, found)
+  variant = call.variant
+
+  def body(q, k, v, *extras):
+    a = dict(zip(fields, extras))
+    return context_parallel_attention(
+        q, k, v, axis_name=p.context[0], strategy=strategy, layout="contiguous", scale=call.scale,
+        is_causal=call.is_causal, implementation=implementation, return_residual=True,
+        block_sizes=block_sizes, deterministic=call.deterministic, interpret=call.interpret,
+        query_seq_lengths=a.get("q_lengths"), key_value_seq_lengths=a.get("kv_lengths"),
+        local_window_size=variant.window, q_segment_ids=a.get("q_segment_ids"),
+        kv_segment_ids=a.get("kv_segment_ids"), q_offset=a.get("q_offset"),
+        logits_soft_cap=variant.soft_cap, alibi_slopes=a.get("alibi_slopes"),
+        mask_fn=variant.mask_fn, score_fn=variant.score_fn)
+
+  return sharding.shard_map_call(body, mesh, p, arrays, specs, layouts,
+                                 (sharding.O, sharding.LSE_PUBLIC))

@@ -1,6 +1,7 @@
 """flash_attention on sharded arrays under jax.jit (fa2_jax.sharding): batch- and head-sharded calls run
-locally on each device, forward and backward, with Auto and Explicit mesh axes; sequence-sharded calls
-are refused (Explicit) or gathered with a warning (Auto).
+locally on each device, forward and backward, with Auto and Explicit mesh axes; what the kernels cannot
+split is refused (Explicit) or gathered with a warning (Auto). Sequence-sharded calls (context
+parallelism): tests/test_context_parallel_jit.py.
 
 The evidence of "locally" is the compiled HLO: no all-gather, all-to-all, collective-permute or
 reduce-scatter, and no all-reduce of anything but a scalar. Without the partitioning rule the same
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import re
+import warnings
 
 import jax
 import jax.extend
@@ -99,9 +101,12 @@ def test_plan_keeps_batch_and_heads():
 
 
 @pytest.mark.parametrize("q_spec, k_spec, kh, match", [
-    (P(None, "data"), P(), K, "query is sharded along its sequence axis T .* context parallelism"),
-    (P(), P(None, "model"), K, "key is sharded along its sequence axis S .*, value is sharded along "
-     "its sequence axis S .* context parallelism"),
+    (P(None, "data"), P(None, "all"), K, r"key is sharded along its sequence axis S \(dim 1\) over "
+     "mesh axis 'all', but query over mesh axis 'data'"),
+    (P(None, ("data", "model")), P(), K, "query is sharded along its sequence axis T over mesh axes "
+     r"\('data', 'model'\), but context parallelism runs over one mesh axis"),
+    (P(None, "model"), P(None, None, "model"), K, "query is sharded along its sequence axis T over "
+     "mesh axis 'model', but that axis also shards the batch axis B or the heads"),
     (P(None, None, None, "data"), P(), K, "query is sharded along head_dim H"),
     (P(None, None, "all"), P(), K, r"K=2 key/value heads do not split into 4 .* whole GQA groups"),
     (P(None, None, "model"), P(), 1, "K=1 key/value heads do not split into 2"),  # MQA
@@ -112,6 +117,25 @@ def test_plan_reports_what_it_cannot_keep(q_spec, k_spec, kh, match):
   p = _plan(q_spec, k_spec, kh=kh)
   assert re.search(match, "; ".join(p.problems)), p.problems
   assert not set(p.axes) & {"all"}  # a refused sharding is replicated, never kept
+
+
+def test_plan_shards_the_sequence():
+  """T of q and S of k/v over one mesh axis: context parallelism over it (``Plan.context``), with B
+  and the heads as before; a replicated sequence is sliced to match; what cannot be split is
+  reported and replicated."""
+  p = _plan(P(None, "data"), P(None, "data"))
+  assert (p.batch, p.heads, p.context, p.problems) == ((), (), ("data",), ())
+  assert p.spec(sharding.Q) == P(None, "data", None, None)
+  assert p.spec(sharding.STATS) == P(None, None, None, "data")
+  assert p.spec("bs") == P(None, "data")  # kv segment ids travel with their keys
+  assert _plan(P("data", "model"), P()) == sharding.Plan(("data",), (), (), ("model",))
+  assert _plan(P(), P(None, "model")).context == ("model",)  # q replicated: sliced to match
+  shapes = [(B, 18, N, H), (B, S, K, H), (B, S, K, H)]
+  p = sharding.plan(SIZES, shapes, [P(None, "all")] * 3)
+  assert p.context == () and "its 4 devices do not divide T=18 and S=24" in p.problems[0]
+  p = sharding.plan(SIZES, [(B, T, N, H), (B, S, K, H), (B, S, K, H)], [P(None, "data")] * 3,
+                    whole={"t": "a reason"})
+  assert p.context == () and p.problems[0].endswith("over mesh axis 'data', but a reason")
 
 
 def test_plan_covers_operands_by_layout():
@@ -126,9 +150,9 @@ def test_plan_covers_operands_by_layout():
   p = sharding.plan(SIZES, shapes, qkv + [P("model"), P()], layouts, names)
   assert p.problems == ("lengths is sharded along its batch axis B (dim 0) over mesh axis 'model', "
                         "but query over mesh axis 'data'",)
-  rule, kw = sharding._rule(None, layouts, (sharding.Q,), (), None, None, None)
+  rule, kw = sharding._rule(None, layouts, (sharding.Q,), (), None, None, None, None)
   assert rule == "b t n h, b s k h, b s k h, b, n -> b t n h"
-  assert kw == dict(need_replication_factors=("t", "h", "s"))
+  assert kw == dict(need_replication_factors=("h",))  # T and S may be sharded: context parallelism
 
 
 # --- Auto mesh axes: custom_partitioning ------------------------------------------------------------
@@ -186,8 +210,7 @@ def test_auto_forward_output_keeps_the_sharding():
 
 @needs4
 @pytest.mark.parametrize("q_spec, k_spec, match", [
-    (P(None, "data"), P(None, "data"), "query is sharded along its sequence axis T .* key is sharded "
-     "along its sequence axis S .* context parallelism"),
+    (P(None, None, None, "data"), P(), "query is sharded along head_dim H"),
     (P(None, None, "data"), P(), "whole GQA groups"),  # 4 devices over K = 2 KV heads
 ])
 def test_auto_unsupported_sharding_is_gathered_with_a_warning(q_spec, k_spec, match):
@@ -230,8 +253,9 @@ def test_auto_segment_ids_sharded_along_the_sequence_warn():
 def test_auto_sequence_sharded_segment_ids_over_more_devices_than_blocks():
   """q, k, v and segment ids sharded along the sequence over a 'context' axis of 4, with 2 key/query
   blocks per range table (float32 tiles of 32 at T = 64): jit(grad) compiles (the block-range tables
-  used to reach the partition callback split over part of the axis: an IndivisibleError), gathers
-  the sequence with a warning, and matches the formula."""
+  used to reach the partition callback split over part of the axis: an IndivisibleError), runs
+  context parallelism with the segment ids travelling with their chunks (no warning: nothing is
+  gathered but K/V by the all_gather strategy), and matches the formula."""
   mesh = _mesh((4,), ("context",), AxisType.Auto)
   t = 64
   ks = jax.random.split(jax.random.key(5), 3)
@@ -245,7 +269,8 @@ def test_auto_sequence_sharded_segment_ids_over_more_devices_than_blocks():
                                                   kv_segment_ids=s)))
 
   fn = jax.jit(jax.value_and_grad(loss(flash), argnums=(0, 1, 2)), in_shardings=(seq,) * 4)
-  with pytest.warns(UserWarning, match="sequence axis"):
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
     compiled = fn.lower(q, k, v, seg).compile()
   want = jax.value_and_grad(loss(fa2_jax.reference_attention), argnums=(0, 1, 2))(q, k, v, seg)
   _check(compiled(*(jax.device_put(x, seq) for x in (q, k, v, seg))), want)
@@ -351,9 +376,8 @@ def test_explicit_mesh_alibi_slopes_gradient_and_eager():
 
 @needs4
 @pytest.mark.parametrize("q_spec, k_spec, match", [
-    (P(), P(None, "data"), r"key is sharded along its sequence axis S \(dim 1\) over mesh axis "
-     r"'data'.* context parallelism \(a sequence-sharded attention\) is not supported"),
-    (P(None, "data"), P(None, "data"), "query is sharded along its sequence axis T"),
+    (P("data"), P(None, "data"), "key is sharded along its sequence axis S over mesh axis 'data', "
+     "but that axis also shards the batch axis B"),
     (P(None, None, None, "data"), P(), "head_dim H"),
     (P(None, None, "data"), P(), "whole GQA groups"),  # 4 devices over K = 2 KV heads
 ])
@@ -471,7 +495,8 @@ def test_mosaic_partition_callbacks_lower_local_blocks(fake_hopper, causal):
       (functools.partial(sharding._call_backward, attention._backward, st),
        (q, kv, kv, q, stats_sds, q, lse_sds), (Q, KV, KV, Q, STATS, Q, LSE), (Q, KV, KV),
        (io,) * 3)]:
-    _, local_fn, outs, ins = sharding._partition(fn, layouts, out_layouts, (), mesh, args, None)
+    _, local_fn, outs, ins = sharding._partition(fn, layouts, out_layouts, (), None, mesh, args,
+                                                 None)
     assert ins == tuple(a.sharding for a in args) and outs == want_outs
     local = [jax.ShapeDtypeStruct(s.shard_shape(a.shape), a.dtype) for a, s in zip(args, ins)]
     text = jax.jit(local_fn).trace(*local).lower(lowering_platforms=("cuda",)).as_text()
