@@ -61,6 +61,20 @@ def spy(monkeypatch):
   return calls
 
 
+@pytest.fixture
+def nan_fallbacks(monkeypatch):
+  """Call it to make the adapter's formula fallbacks return NaN: a decode step that then computes
+  right ran the kernels (the other branch of its run-time choice)."""
+  def nan_like(query, value):  # [batch..., T, N, Hv] in the compute dtype, as both formulas return
+    return jnp.full(query.shape[:-1] + value.shape[-1:], jnp.nan, query.dtype)
+
+  def poison():
+    monkeypatch.setattr(adapter, "_flax_formula", lambda q, k, v, **kw: nan_like(q, v))
+    monkeypatch.setattr(adapter, "_masked_variant_formula",
+                        lambda formula, q, k, v, *args: nan_like(q, v))
+  return poison
+
+
 def kernel_fn(**kw):
   return fa2_flax.make_attention_fn(interpret=INTERPRET, **kw)
 
@@ -332,9 +346,11 @@ def test_init_with_a_padding_mask_runs(spy):
 # --- autoregressive decoding (decode=True) --------------------------------------------------------
 
 @pytest.mark.parametrize("adapter_causal", [False, True])
-def test_linen_decode_matches_flax_step_by_step(adapter_causal):
+def test_linen_decode_matches_flax_step_by_step(adapter_causal, nan_fallbacks):
   """Init with the full-length input, then one token per step against the key/value cache, with a
-  key padding mask [B, 1, 1, T]; every step's output and gradients equal flax's own."""
+  key padding mask [B, 1, 1, T]; every step's output and gradients equal flax's own. The steps'
+  masks (the cache's AND the padding) allow a prefix of the keys: they run the kernels, with no
+  warning."""
   x = inputs()
   key_mask = valid_tokens((B,), T)[:, None, None, :]  # [B, 1, 1, T]: key padding, rank 4
   ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True)
@@ -360,13 +376,12 @@ def test_linen_decode_matches_flax_step_by_step(adapter_causal):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 2), has_aux=True))
 
   ref_step, our_step = make_step(ref), make_step(ours)
+  nan_fallbacks()  # (the init above ran flax's formula: 12 rows, a padded causal mask)
   params = variables["params"]
   ref_cache = our_cache = variables["cache"]
   for i in range(T):
     x_t = x[:, i:i + 1]
-    # The step is traced (and warns) once; later steps reuse the compiled step.
-    first = i == 0
-    with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING) if first else no_fallback():
+    with no_fallback():
       (_, (y, our_cache)), g = our_step(params, our_cache, x_t)
     (_, (y_ref, ref_cache)), g_ref = ref_step(params, ref_cache, x_t)
     assert_finite((y, g))
@@ -376,9 +391,9 @@ def test_linen_decode_matches_flax_step_by_step(adapter_causal):
 
 
 @pytest.mark.parametrize("adapter_causal", [False, True])
-def test_nnx_decode_matches_flax_step_by_step(adapter_causal):
+def test_nnx_decode_matches_flax_step_by_step(adapter_causal, nan_fallbacks):
   """nnx's cache (init_cache) with grouped-query heads, one token per step; outputs and gradients
-  of every step equal flax's own."""
+  of every step equal flax's own, through the kernels (the cache's mask is a prefix), unwarned."""
   x = inputs()
   make = lambda **kw: nnx.MultiHeadAttention(HEADS, D, num_kv_heads=KV_HEADS, decode=True,
                                              rngs=nnx.Rngs(0), **kw)
@@ -397,11 +412,10 @@ def test_nnx_decode_matches_flax_step_by_step(adapter_causal):
 
   ref.init_cache(x.shape)
   ours.init_cache(x.shape)
+  nan_fallbacks()
   for i in range(T):
     x_t = x[:, i:i + 1]
-    # The step is traced (and warns) once per module; later steps reuse the compiled step.
-    first = i == 0
-    with pytest.warns(FlashAttentionFallbackWarning, match=PAD_WARNING) if first else no_fallback():
+    with no_fallback():
       y, g = step(ours, x_t)
     y_ref, g_ref = step(ref, x_t)
     assert_finite((y, g))
@@ -794,20 +808,27 @@ def test_dense_mask_rows_stay_rows_under_q_offset():
 
 def test_lone_row_mask_with_extra_batch_dims_and_per_head_masks():
   """A decode step's cache mask on [b1, b2, 1, N, H] queries places each row at its own last
-  allowed key; a mask with a head axis and a positional variant asks for q_offset instead."""
+  allowed key, on the kernel path (a prefix mask) and on the formula's (a hole in one row); a mask
+  with a head axis and a positional variant asks for q_offset instead."""
   q, k, v = qkv(batch=(2, 2), t=6, kv_heads=HEADS)
   q = q[:, :, -1:]
   last = jnp.array([[3, 5], [0, 2]])
   mask = (jnp.arange(6)[None, None] <= last[..., None])[:, :, None, None, :]  # [b1, b2, 1, 1, S]
   fn = fa2_flax.make_attention_fn(implementation="xla", is_causal=True, local_window_size=(2, 0))
+  with no_fallback():
+    prefix_out = fn(q, k, v, mask=mask)
+  holed = mask.at[0, 1, :, :, 2].set(False)  # key 2 masked below row (0, 1)'s last key, 5
   with pytest.warns(FlashAttentionFallbackWarning, match="single query row"):
-    out = fn(q, k, v, mask=mask)
-  for b1 in range(2):
-    for b2 in range(2):
-      n = int(last[b1, b2]) + 1
-      want = fa2_jax.reference_attention(q[b1, b2][None], k[b1, b2][None, :n], v[b1, b2][None, :n],
-                                         is_causal=True, q_offset=n - 1, local_window_size=(2, 0))
-      np.testing.assert_allclose(out[b1, b2], want[0], **FORMULA_TOL)
+    holed_out = fn(q, k, v, mask=holed)
+  for out, m in ((prefix_out, mask), (holed_out, holed)):
+    for b1 in range(2):
+      for b2 in range(2):
+        n = int(last[b1, b2]) + 1
+        keep = m[b1, b2, 0, 0]
+        want = fa2_jax.reference_attention(
+            q[b1, b2][None], k[b1, b2][None, :n], v[b1, b2][None, :n], is_causal=True,
+            q_offset=n - 1, local_window_size=(2, 0), mask_fn=lambda b, h, i, j: keep[j])
+        np.testing.assert_allclose(out[b1, b2], want[0], **FORMULA_TOL)
   per_head = jnp.broadcast_to(mask[0, 0], (1, HEADS, 1, 6)).at[:, 1, :, 3:].set(False)
   with pytest.raises(ValueError, match=r"head axis.*local_window_size.*pass q_offset"):
     fn(q[0], k[0], v[0], mask=jnp.broadcast_to(per_head, (2, HEADS, 1, 6)))
@@ -817,10 +838,10 @@ def test_lone_row_mask_with_extra_batch_dims_and_per_head_masks():
 # what this checks; test_attention_fn_passes_every_variant_to_flash_attention passes it through
 @pytest.mark.parametrize("variant", ["window", pytest.param("soft_cap", marks=pytest.mark.slow),
                                      "alibi", "mask_fn"])
-def test_nnx_decode_with_static_variants_matches_the_full_sequence(variant):
+def test_nnx_decode_with_static_variants_matches_the_full_sequence(variant, nan_fallbacks):
   """A decode=True layer whose attention_fn has static variants: step i (the cache's mask, traced
-  under nnx.jit, runs the variant formula) equals row i of the full causal call, the row's
-  position taken from the cache mask's last allowed key."""
+  under nnx.jit, runs the kernels) equals row i of the full causal call, the row's position taken
+  from the cache mask's last allowed key."""
   static = {"window": dict(local_window_size=(2, 0)), "soft_cap": dict(logits_soft_cap=SOFT_CAP),
             "alibi": dict(alibi_slopes=jnp.linspace(0.25, 1.0, HEADS)),
             "mask_fn": dict(mask_fn=mask_fn_even_keys_or_diagonal)}[variant]
@@ -838,10 +859,9 @@ def test_nnx_decode_with_static_variants_matches_the_full_sequence(variant):
     return y, grads
 
   layer.init_cache(x.shape)
+  nan_fallbacks()
   for i in range(T):
-    # Traced (and warning) once, at the first step.
-    with pytest.warns(FlashAttentionFallbackWarning, match=VARIANT_FORMULA) if i == 0 else \
-        no_fallback():
+    with no_fallback():
       y, grads = step(layer, x[:, i:i + 1])
     assert_finite((y, nnx.state(grads[0], nnx.Param), grads[1]))
     np.testing.assert_allclose(y[:, 0], y_full[:, i], **TOL)
@@ -868,13 +888,75 @@ def test_linen_decode_with_a_window_matches_the_full_sequence():
   cache = variables["cache"]
   adapter._warned.clear()
   for i in range(T):
-    with pytest.warns(FlashAttentionFallbackWarning, match=VARIANT_FORMULA) if i == 0 else \
-        no_fallback():
+    with no_fallback():  # the padded cache's mask is a prefix too: the kernels
       y, cache = step(cache, x[:, i:i + 1])
     assert_finite(y)
     valid = np.asarray(rows[:, i])
     np.testing.assert_allclose(np.asarray(y[:, 0])[valid], np.asarray(y_full[:, i])[valid],
                                **FORMULA_TOL)
+
+
+def test_linen_decode_with_a_hole_in_the_mask_runs_the_formula_at_run_time(nan_fallbacks):
+  """A key mask with a hole (key 2 of sequence 1) makes that row's cache mask no prefix from the
+  step that allows a key past the hole (step 3) on: those steps run flax's formula, the earlier
+  ones the kernels, chosen at run time (no step warns); every step equals flax's own."""
+  t = 6
+  x = inputs(shape=(B, t, D))
+  key_mask = jnp.ones((B, 1, 1, t), jnp.bool_).at[1, :, :, 2].set(False)
+  ref = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True)
+  ours = nn.MultiHeadDotProductAttention(num_heads=HEADS, decode=True,
+                                         attention_fn=kernel_fn(is_causal=True))
+  variables = ref.init(jax.random.PRNGKey(1), x, mask=key_mask)  # the params and an empty cache
+
+  def decode(module):
+    @jax.jit
+    def step(cache, x_t):
+      y, updated = module.apply({"params": variables["params"], "cache": cache}, x_t,
+                                mask=key_mask, mutable=["cache"])
+      return y, updated["cache"]
+    cache, ys = variables["cache"], []
+    for i in range(t):
+      y, cache = step(cache, x[:, i:i + 1])
+      ys.append(y)
+    return np.asarray(jnp.concatenate(ys, axis=1))  # [B, t, D]
+
+  want = decode(ref)
+  with no_fallback():
+    np.testing.assert_allclose(decode(ours), want, **TOL)
+    nan_fallbacks()
+    poisoned = decode(ours)
+  assert np.all(np.isfinite(poisoned[:, :3])) and np.all(np.isnan(poisoned[:, 3:]))
+  np.testing.assert_allclose(poisoned[:, :3], want[:, :3], **TOL)
+
+
+def test_a_cache_mask_step_is_a_decoding_call(spy):
+  """The kernel branch of a one-row call with a traced cache mask gives the cache's lengths (the
+  last allowed key + 1) and the row's position (q_offset, causal): a decoding call, which
+  fa2_jax.dispatch sends to the decode kernels (kernels/decode) when the cache is long enough.
+  Under vmap (a batched cond: both branches run, a select keeps one) each element still gets its
+  own branch's values."""
+  b, s, h = 2, 256, 8
+  spec = jax.ShapeDtypeStruct
+  q, k = spec((b, 1, HEADS, h), jnp.float32), spec((b, s, KV_HEADS, h), jnp.float32)
+  fn = kernel_fn(is_causal=True)
+  jaxpr = str(jax.make_jaxpr(lambda q, k, m: fn(q, k, k, mask=m))(
+      q, k, spec((b, 1, 1, s), jnp.bool_)))
+  assert "cond[" in jaxpr and "pallas_call" in jaxpr
+  (call,) = spy  # the other branch is flax's formula
+  assert call["is_causal"] and call["key_value_seq_lengths"].shape == (b,)
+  assert call["q_offset"].shape == (b,)
+  lengths = spec((b,), jnp.int32)
+  assert fa2_jax.backend_for(q, k, is_causal=True, key_value_seq_lengths=lengths, q_offset=lengths,
+                             interpret=INTERPRET).backend == "decode"
+
+  q, k, v = qkv(batch=(2, 1), t=6, kv_heads=HEADS)  # [2 (mapped), 1, 6, N, 8]
+  mask = (jnp.arange(6)[None] <= jnp.array([[2], [4]]))[:, None, None, None, :]  # [2, 1, 1, 1, 6]
+  mask = mask.at[1, ..., 1].set(False)  # the second mapped element: a hole, the formula's
+  with no_fallback():
+    got = jax.vmap(jax.jit(lambda q, k, v, m: fn(q, k, v, mask=m)))(q[:, :, -1:], k, v, mask)
+  want = jax.vmap(lambda q, k, v, m: nn.dot_product_attention(q, k, v, mask=m))(q[:, :, -1:], k, v,
+                                                                                mask)
+  np.testing.assert_allclose(got, want, **TOL)
 
 
 def test_decode_without_the_factory_causal_flag_warns_that_rows_sit_at_position_0():

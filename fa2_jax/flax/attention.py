@@ -175,9 +175,11 @@ def _fallback_reason(dtype, bias, dropout_rate, deterministic, module, einsums,
 
 # What to pass instead of a decode step's cache mask.
 _NO_CACHE_MASK_ARGUMENT = ("flax's decode=True layers hand their key/value cache to attention_fn with "
-                           "a dense mask, which the kernel cannot take; called directly, "
-                           "fa2_jax.flax.attention_fn takes the cache's key_value_seq_lengths and "
-                           "q_offset instead and runs the kernel: dense masks run the XLA formula.")
+                           "a dense mask, which runs the kernel where it allows each row a prefix "
+                           "of the keys (the cache's mask, right padding) and has no head axis; "
+                           "called directly, fa2_jax.flax.attention_fn takes the cache's "
+                           "key_value_seq_lengths and q_offset instead and runs the kernel: other "
+                           "dense masks run the XLA formula.")
 
 
 def _mask_reason(mask, is_causal: bool, one_row: bool = False,
@@ -187,7 +189,7 @@ def _mask_reason(mask, is_causal: bool, one_row: bool = False,
   ``q_offset``."""
   if one_row:
     return ("a dense `mask` was passed for a single query row (as a decode=True layer's cache "
-            "mask is)", _NO_CACHE_MASK_ARGUMENT)
+            "mask is) that is not a prefix of the keys or has a head axis", _NO_CACHE_MASK_ARGUMENT)
   if shifted and _values_known(mask):
     return ("a dense `mask` that does not allow every pair was passed with q_offset (which moves "
             "the query positions, not the mask's rows)", _NO_MASK_ARGUMENT)
@@ -271,17 +273,36 @@ def _mask_as_mask_fn(allowed, user_mask_fn: Callable | None, q_offset) -> Callab
   return mask_fn
 
 
+def _lone_row_keys(allowed, s: int, kv_len):
+  """The keys a lone query row may attend, ``[B|1, S]`` bool: the mask's row, below ``kv_len`` when
+  given. ``allowed``: folded ``[B|1, 1, 1, S|1]`` (one head axis)."""
+  row = allowed[:, 0, 0, :]  # [B|1, S|1]: the lone query row
+  row = jnp.broadcast_to(row, row.shape[:-1] + (s,))
+  if kv_len is not None:
+    keys = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, S]
+    row = jnp.logical_and(row, keys < jnp.reshape(jnp.asarray(kv_len, jnp.int32), (-1, 1)))
+  return row
+
+
 def _last_allowed_key(allowed, batch: tuple, s: int, kv_len):
   """Per batch element (``[batch...]``), the last of ``s`` keys a lone query row may attend (its
   position in a decode cache): the mask's last allowed key, below ``kv_len`` when given; -1 where
   there is none. ``allowed``: folded ``[B|1, 1, 1, S|1]`` (one head axis)."""
-  row = allowed[:, 0, 0, :]  # [B|1, S|1]: the lone query row
-  row = jnp.broadcast_to(row, row.shape[:-1] + (s,))
+  row = _lone_row_keys(allowed, s, kv_len)  # [B|1, S]
   keys = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, S]
-  if kv_len is not None:
-    row = jnp.logical_and(row, keys < jnp.reshape(jnp.asarray(kv_len, jnp.int32), (-1, 1)))
   last = jnp.max(jnp.where(row, keys, -1), axis=-1)  # [B|1]
   return jnp.broadcast_to(last, (math.prod(batch),)).reshape(batch)
+
+
+def _is_cache_prefix(allowed, s: int, kv_len):
+  """Whether every batch element's lone query row attends exactly a non-empty prefix ``[0, last]``
+  of the ``s`` keys (a decode cache's mask, ``arange(S) <= cur_index``, AND any key padding of a
+  right-padded batch): a bool scalar. An empty row is no prefix (flax's formula gives the mean of
+  every value there, the kernels zeros). ``allowed``: folded ``[B|1, 1, 1, S|1]``."""
+  row = _lone_row_keys(allowed, s, kv_len)  # [B|1, S]
+  keys = jnp.arange(s, dtype=jnp.int32)[None, :]  # [1, S]
+  last = jnp.max(jnp.where(row, keys, -1), axis=-1, keepdims=True)  # [B|1, 1]
+  return jnp.logical_and(jnp.all(row == (keys <= last)), jnp.all(last >= 0))
 
 
 def _masked_variant_formula(formula, query, key, value, mask, causal: bool, variants: dict,
@@ -305,6 +326,46 @@ def _masked_variant_formula(formula, query, key, value, mask, causal: bool, vari
   variants = {**variants, "mask_fn": _mask_as_mask_fn(allowed, variants.get("mask_fn"),
                                                        variants.get("q_offset"))}
   return flash_any_batch(formula, query, key, value, causal, variants)
+
+
+def _cache_prefix_decode(kernel, fallback: Callable, query, key, value, mask, causal: bool,
+                         lone_row: bool, variants: dict):
+  """A one-query-row call with a dense ``mask`` (a decode=True layer's step): the kernels where the
+  mask is a decode cache's, else ``fallback()``, chosen at run time; None (decided while tracing)
+  for a call that is no such step, or whose known mask is not a cache's.
+
+  A mask without a head axis (folded ``[B|1, 1, 1, S|1]``) whose row allows exactly a non-empty
+  prefix ``[0, last]`` of the keys (flax's cache mask ``arange(S) <= cur_index``, AND key padding)
+  is ``key_value_seq_lengths = last + 1`` (``last`` below the call's own lengths); a lone decode row
+  (``lone_row``) sits at ``last`` (``q_offset``, causal), where :func:`_masked_variant_formula`
+  places it, which also makes the call decode-shaped for :mod:`fa2_jax.dispatch` (the decode family
+  on GPU). The mask's values are traced in a decode step: ``lax.cond`` takes the kernels when every
+  row is such a prefix and ``fallback`` otherwise (under ``vmap`` with a batched mask the cond is a
+  select that runs both branches: the same result, for both costs). Known values decide here.
+  """
+  if query.shape[-3] != 1:
+    return None
+  batch, s = query.shape[:-3], key.shape[-3]
+  kv_len = variants.get("key_value_seq_lengths")
+  if _folded_mask(mask, query).shape[1] != 1:  # (shapes only)
+    return None  # a head axis: each head would need its own lengths
+
+  def kernel_path():
+    # max(., 0): the branch the cond does not take (both run under vmap) stays a valid call on a row
+    # with no allowed key; when taken, every row's last is >= 0.
+    last = _last_allowed_key(_folded_mask(mask, query), batch, s, kv_len)  # [batch...]
+    last = jnp.maximum(last, 0)
+    call_variants = {**variants, "key_value_seq_lengths": last + 1}
+    is_causal = causal
+    if lone_row and not causal:
+      is_causal, call_variants = True, {**call_variants, "q_offset": last}
+    return flash_any_batch(kernel, query, key, value, is_causal, call_variants)
+
+  if _values_known(mask) and (kv_len is None or _values_known(kv_len)) and is_static_dim(s):
+    with jax.ensure_compile_time_eval():  # concrete values under jit too
+      prefix = bool(_is_cache_prefix(_folded_mask(mask, query), s, kv_len))
+    return kernel_path() if prefix else None
+  return lax.cond(_is_cache_prefix(_folded_mask(mask, query), s, kv_len), kernel_path, fallback)
 
 
 def _causal_mask(t: int, s: int):
@@ -405,6 +466,16 @@ def make_attention_fn(implementation: str | None = None,
   q_length]``), ``kv_segment_ids`` (``[batch..., kv_length]``) and ``alibi_slopes``
   (``[num_heads]`` or ``[batch..., num_heads]``).
 
+  A ``decode=True`` step (one query row, a dense mask without a head axis: flax's cache mask
+  ``arange(max_length) <= cur_index``, with any key padding) runs the kernels, with no warning:
+  where every row's mask allows exactly the keys ``[0, last]``, the call is the cache's
+  ``key_value_seq_lengths = last + 1`` (with ``is_causal``, the row at ``q_offset = last``), a
+  decoding call (on a GPU the decode kernels, for a long enough cache). The mask's values are traced, so
+  this is chosen at run time (``lax.cond``): another mask (a hole, left padding, an empty row) runs
+  the formula the call would otherwise fall back to, unwarned (a mask whose values are known while
+  tracing is judged then, and its fallback warns). With a bias, dropout, sown weights or custom
+  einsums the step falls back as any call does.
+
   Raises:
     ValueError: unknown ``implementation``, a bad ``local_window_size`` or ``logits_soft_cap``.
     TypeError: ``block_sizes`` not a BlockSizes/MosaicConfig (or one that does not match
@@ -503,10 +574,11 @@ class FlashAttentionFn:
         == 0`` (grouped-query attention when smaller).
       bias, mask: broadcastable to ``[batch..., num_heads, q_length, kv_length]``, as in flax (the
         mask attends where nonzero). A mask runs the kernel only when its values are known while
-        tracing and it equals no mask or (without ``q_offset``) the causal mask; otherwise, and
-        with any bias, the call runs flax's formula, or, with variants and a mask (no bias),
-        fa2_jax's XLA formula with the mask as a ``mask_fn`` (a lone query row then sits at the
-        last key the mask allows).
+        tracing and it equals no mask or (without ``q_offset``) the causal mask, or when the call
+        has one query row and the mask (no head axis) allows a prefix of the keys (a decode step:
+        chosen at run time, see :func:`make_attention_fn`); otherwise, and with any bias, the call
+        runs flax's formula, or, with variants and a mask (no bias), fa2_jax's XLA formula with
+        the mask as a ``mask_fn`` (a lone query row then sits at the last key the mask allows).
       broadcast_dropout, dropout_rng, dropout_rate, deterministic, module: as in flax; active
         dropout or a module to sow weights into fall back to flax's formula.
       dtype: compute dtype (default: the promoted input dtype), as in flax.
@@ -571,29 +643,8 @@ class FlashAttentionFn:
       query, key, value = nn.dtypes.promote_dtype(query, key, value, dtype=dtype)
     why = _fallback_reason(query.dtype, bias, dropout_rate, deterministic, module, einsums,
                            extra)
-    if why is None and mask is not None:
-      flag = _mask_as_flag(mask, causal, query.shape[-3], key.shape[-3],
-                           shifted="q_offset" in variants)
-      if flag is None:
-        reason = _mask_reason(mask, causal, one_row=query.shape[-3] == 1,
-                              shifted="q_offset" in variants)
-        # Only the mask stands in the kernel's way: with variants, fa2_jax's own formula computes
-        # the call, the mask as a mask_fn (flax's formula has no variants).
-        if variants:
-          out = _masked_variant_formula(self._formula, query, key, value, mask, causal, variants,
-                                        lone_row)
-          _warn_once(*reason, formula=_VARIANTS_FORMULA)
-          return out
-        why = reason
-      else:
-        mask, causal = None, flag
-    if why is not None:
-      if variants:
-        raise ValueError(
-            f"fa2_jax.flax.attention_fn: {why[0]}, which only flax's dot_product_attention formula "
-            f"can compute, and that formula has none of the variant arguments given "
-            f"({', '.join(sorted(variants))}). {why[1]}")
-      _warn_once(*why)
+
+    def flax_formula():
       return _flax_formula(
           query, key, value, linen_caller=linen_caller, is_causal=causal,
           promote_dtype=promote_dtype, force_fp32_for_softmax=force_fp32_for_softmax,
@@ -602,6 +653,36 @@ class FlashAttentionFn:
           broadcast_dropout=broadcast_dropout, dropout_rng=dropout_rng,
           dropout_rate=dropout_rate, deterministic=deterministic, dtype=dtype,
           precision=precision, module=module)
+
+    if why is None and mask is not None:
+      flag = _mask_as_flag(mask, causal, query.shape[-3], key.shape[-3],
+                           shifted="q_offset" in variants)
+      if flag is None:
+        # Only the mask stands in the kernel's way: with variants, fa2_jax's own formula computes
+        # the call, the mask as a mask_fn (flax's formula has no variants).
+        fallback = (functools.partial(_masked_variant_formula, self._formula, query, key, value,
+                                      mask, causal, variants, lone_row)
+                    if variants else flax_formula)
+        # A decode step's cache mask runs the kernels (the fallback only where, at run time, the
+        # mask is no cache's): nothing to warn about.
+        out = _cache_prefix_decode(self._kernel, fallback, query, key, value, mask, causal,
+                                   lone_row, variants)
+        if out is not None:
+          return out
+        reason = _mask_reason(mask, causal, one_row=query.shape[-3] == 1,
+                              shifted="q_offset" in variants)
+        out = fallback()
+        _warn_once(*reason, **({"formula": _VARIANTS_FORMULA} if variants else {}))
+        return out
+      mask, causal = None, flag
+    if why is not None:
+      if variants:
+        raise ValueError(
+            f"fa2_jax.flax.attention_fn: {why[0]}, which only flax's dot_product_attention formula "
+            f"can compute, and that formula has none of the variant arguments given "
+            f"({', '.join(sorted(variants))}). {why[1]}")
+      _warn_once(*why)
+      return flax_formula()
     if lone_row and not causal and _POSITIONAL.intersection(variants):
       # The newest position is the last (valid) key's: the window, ALiBi and mask_fn/score_fn see the
       # row there.
