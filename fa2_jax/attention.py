@@ -561,7 +561,7 @@ def attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=No
   """``(dq, dk, dv)`` of one block of keys of a softmax that spans more keys than this call's.
 
   The FlashAttention-2 backward of ``query`` over ``key``/``value`` with the rows' statistics of the
-  whole softmax: ``out [B, T, N, H]`` and ``lse [B, T, N]`` (float32, natural log) are each row's
+  whole softmax: ``out [B, T, N, Hv]`` and ``lse [B, T, N]`` (float32, natural log) are each row's
   output and logsumexp over ALL its keys, ``dout`` and ``dlse`` (None: zero) their cotangents, so
   ``P = exp(S - lse)`` and ``D = rowsum(dout * out)``; summed over the key blocks, ``dq`` and each
   block's ``dk``/``dv`` are the whole softmax's gradients (the ring of

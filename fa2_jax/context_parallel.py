@@ -70,6 +70,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from . import attention, sharding
 from .kernels.masking import Variant, VariantArrays, closes_over_arrays
@@ -169,9 +170,11 @@ def context_positions(local_len: int, axis_index, axis_size: int, *, layout: str
 # --- strategy choice -----------------------------------------------------------------------------
 
 def context_parallel_strategy(query_shape, key_shape, axis_size: int, *, dtype=jnp.bfloat16,
-                              has_kv_segment_ids: bool = False) -> tuple[str, str]:
+                              has_kv_segment_ids: bool = False,
+                              value_head_dim: int | None = None) -> tuple[str, str]:
   """``(strategy, reason)``: what ``strategy=None`` runs for GLOBAL shapes ``[B, T, N, H]`` /
-  ``[B, S, K, H]`` over an axis of ``axis_size`` devices (``dtype``: the keys').
+  ``[B, S, K, H]`` over an axis of ``axis_size`` devices (``dtype``: the keys'; ``value_head_dim``:
+  the values' head_dim where it is not ``H``).
 
   The rule: gather K/V while the gathered K and V take at most :data:`GATHER_BYTES` per device
   (``"all_gather"``); else ``"all_to_all"`` where ``N`` and ``K`` divide by ``axis_size``; else
@@ -179,8 +182,9 @@ def context_parallel_strategy(query_shape, key_shape, axis_size: int, *, dtype=j
   b, s, kh, h = (int(d) for d in key_shape)
   n = int(query_shape[2])
   c = int(axis_size)
-  gathered = 2 * b * s * kh * h * jnp.dtype(dtype).itemsize + (4 * b * s if has_kv_segment_ids
-                                                                  else 0)
+  hv = h if value_head_dim is None else int(value_head_dim)
+  gathered = b * s * kh * (h + hv) * jnp.dtype(dtype).itemsize + (4 * b * s if has_kv_segment_ids
+                                                                    else 0)
   if c == 1 or gathered <= GATHER_BYTES:
     return "all_gather", (f"the gathered K and V take {gathered / 2**20:.1f} MiB per device "
                           f"(<= {GATHER_BYTES // 2**20} MiB): one all-gather and one kernel call "
@@ -377,7 +381,8 @@ def _ring_forward(cfg: _Config, q, k, v, ops):
           return tuple(match_vma(out, lse.astype(jnp.float32), qp)[:2])
 
         def skip(qp=qp):
-          empty = (jnp.zeros(qp.shape, qp.dtype), jnp.full(qp.shape[:3], -jnp.inf, jnp.float32))
+          empty = (jnp.zeros((*qp.shape[:3], v.shape[3]), qp.dtype),
+                   jnp.full(qp.shape[:3], -jnp.inf, jnp.float32))
           return tuple(match_vma(*empty, qp)[:2])
 
         live = _live(cfg, ops, q_row0, k_row0, tq, tk)
@@ -386,7 +391,7 @@ def _ring_forward(cfg: _Config, q, k, v, ops):
     # loop of C steps keeps one copy of the kernels in the program).
     return tuple(acc), tuple(_shift(x, cfg) for x in kv)
 
-  acc = tuple(tuple(match_vma(jnp.zeros((b, tq, n, q.shape[3]), jnp.float32),
+  acc = tuple(tuple(match_vma(jnp.zeros((b, tq, n, v.shape[3]), jnp.float32),
                               jnp.full((b, tq, n), -jnp.inf, jnp.float32), q)[:2])
               for _ in range(pieces))
   acc, _ = lax.fori_loop(0, c, step_fn, (acc, (k, v, ops["kv_seg"])))
@@ -394,14 +399,19 @@ def _ring_forward(cfg: _Config, q, k, v, ops):
   return out, _cat([l for _, l in acc])
 
 
-def _block_grads(cfg: _Config, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw):
-  """``(dq, dk, dv, dslopes)`` of one block given the rows' global out and lse."""
+def _block_grads(cfg: _Config, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw,
+                 slope_grad: bool = True):
+  """``(dq, dk, dv, dslopes)`` of one block given the rows' global out and lse; ``slope_grad``:
+  whether the ALiBi slopes' gradient is wanted (else they are constants of the block, and kernels
+  that cannot differentiate them run it)."""
   if cfg.kernel_backward:
     dq, dk, dv = attention.attention_backward(qp, kp, vp, out_p, lse_p, dout_p, dlse_p, **kw)
     return dq, dk, dv, None
   # Recompute the block's forward: out = sum_j w_j out_j with w_j = exp(lse_j - lse), so the block
   # gets dout_j = w_j dout and dlse_j = w_j (dlse + rowsum(dout * (out_j - out))).
   slopes = kw.pop("alibi_slopes", None)
+  if not slope_grad and slopes is not None:
+    kw["alibi_slopes"], slopes = slopes, None
 
   def block(qp, kp, vp, slopes):
     extra = {} if slopes is None else {"alibi_slopes": slopes}
@@ -418,12 +428,12 @@ def _block_grads(cfg: _Config, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw
   return dq, dk, dv, dslopes
 
 
-def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse):
+def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse, slope_grad: bool = True):
   c, pieces = cfg.axis_size, cfg.pieces
   tq, tk = q.shape[1] // pieces, k.shape[1] // pieces
   d = lax.axis_index(cfg.axis_name)
   q_chunks = _local_chunks(d, c, cfg.layout)
-  with_slopes = ops["slopes"] is not None
+  with_slopes = ops["slopes"] is not None and slope_grad
 
   def step_fn(step, carry):
     dq, dkv, dslopes, kv = carry
@@ -442,13 +452,14 @@ def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse):
                 k_row0=k_row0, out_p=out_p, lse_p=lse_p, dout_p=dout_p, dlse_p=dlse_p):
           kw = _block_kwargs(cfg, ops, q_row0, k_row0 if shift is None else shift, tq, tk, q_seg,
                              kv_seg, shift)
-          grads = _block_grads(cfg, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw)
+          grads = _block_grads(cfg, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw,
+                               slope_grad=with_slopes)
           grads = tuple(x.astype(jnp.float32) for x in grads if x is not None)
           return match_vma(*grads, qp)[:len(grads)]
 
         def skip(qp=qp, kp=kp):
           zeros = [jnp.zeros(qp.shape, jnp.float32), jnp.zeros(kp.shape, jnp.float32),
-                   jnp.zeros(kp.shape, jnp.float32)]
+                   jnp.zeros((*kp.shape[:3], v.shape[3]), jnp.float32)]
           if with_slopes:
             zeros.append(jnp.zeros(ops["slopes"].shape, jnp.float32))
           return match_vma(*zeros, qp)[:len(zeros)]
@@ -472,28 +483,42 @@ def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse):
           dslopes.astype(ops["slopes"].dtype) if with_slopes else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _ring(cfg: _Config, q, k, v, ops):
+def _ring_impl(cfg: _Config, q, k, v, ops):
   return _ring_forward(cfg, q, k, v, ops)
 
 
+# Two custom_vjps of the ring, as attention._flash/_flash_slopes: _ring_slopes (symbolic_zeros,
+# under a jit of its own) for calls with ALiBi slopes, whose fwd learns whether their gradient is
+# wanted (CustomVJPPrimal.perturbed), so that fixed slopes run on kernels that cannot differentiate
+# them (sm90).
+_ring = jax.custom_vjp(_ring_impl, nondiff_argnums=(0,))
+_ring_slopes = jax.custom_vjp(_ring_impl, nondiff_argnums=(0,))
+_ring_slopes_jit = jax.jit(_ring_slopes, static_argnums=(0,))
+
+
 def _ring_fwd(cfg: _Config, q, k, v, ops):
+  slope_grad = ops["slopes"] is not None and getattr(ops["slopes"], "perturbed", True)
+  q, k, v = (getattr(x, "value", x) for x in (q, k, v))
+  ops = {name: getattr(x, "value", x) for name, x in ops.items()}
   out, lse = _ring_forward(cfg, q, k, v, ops)
-  return (out, lse), (q, k, v, ops, out, lse)
+  # slope_grad, static, as the residuals' structure: () or (None,)
+  return (out, lse), (q, k, v, ops, out, lse, (None,) if slope_grad else ())
 
 
 def _ring_bwd(cfg: _Config, residuals, cotangents):
-  q, k, v, ops, out, lse = residuals
-  dout, dlse = cotangents
+  q, k, v, ops, out, lse, slope_grad = residuals
+  dout, dlse = (jnp.zeros(c.shape, c.dtype) if isinstance(c, SymbolicZero) else c
+                for c in cotangents)
   dq, dk, dv, dslopes = _ring_backward(cfg, q, k, v, ops, out, lse, dout,
-                                       dlse.astype(jnp.float32))
+                                       dlse.astype(jnp.float32), slope_grad=bool(slope_grad))
   d_ops = {name: None for name in ops}
-  if ops["slopes"] is not None:
+  if dslopes is not None:
     d_ops["slopes"] = dslopes
   return dq, dk, dv, d_ops
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+_ring_slopes.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
 
 
 # --- all-gather and all-to-all -------------------------------------------------------------------
@@ -653,7 +678,7 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
   if strategy is None:
     strategy, _ = context_parallel_strategy(
         (b, t_loc * c, n, query.shape[3]), (b, s_loc * c, kh, key.shape[3]), c, dtype=key.dtype,
-        has_kv_segment_ids=kv_segment_ids is not None)
+        has_kv_segment_ids=kv_segment_ids is not None, value_head_dim=value.shape[3])
   if strategy == "ring" and score_fn is not None and closes_over_arrays(
       Variant(score_fn=score_fn)) is not None:
     raise ValueError(
@@ -686,10 +711,11 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
   if strategy == "ring" and alibi_slopes is None:
     piece_q = jax.ShapeDtypeStruct((b, t_loc // pieces, n, query.shape[3]), query.dtype)
     piece_k = jax.ShapeDtypeStruct((b, s_loc // pieces, kh, key.shape[3]), key.dtype)
+    piece_v = jax.ShapeDtypeStruct((b, s_loc // pieces, kh, value.shape[3]), value.dtype)
     seg = lambda x, t: None if x is None else jax.ShapeDtypeStruct((b, t // pieces), x.dtype)  # noqa: E731
     struct = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
     kernel_backward = attention.backend_for(
-        piece_q, piece_k, piece_k, **dict(kwargs), q_segment_ids=seg(q_segment_ids, t_loc),
+        piece_q, piece_k, piece_v, **dict(kwargs), q_segment_ids=seg(q_segment_ids, t_loc),
         kv_segment_ids=seg(kv_segment_ids, s_loc), mask_fn=mask_fn, score_fn=score_fn,
         query_seq_lengths=struct(ops["q_len"]), key_value_seq_lengths=struct(ops["kv_len"]),
         q_offset=struct(ops["q_offset"])).backend != "xla"
@@ -700,7 +726,8 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
     query, key, value = arrays[:3]
     ops = dict(zip([name for name, x in ops.items() if x is not None], arrays[3:]),
                **{name: None for name, x in ops.items() if x is None})
-    out, lse = _ring(cfg, query, key, value, ops)
+    ring = _ring if ops["slopes"] is None else _ring_slopes_jit
+    out, lse = ring(cfg, query, key, value, ops)
   elif strategy == "all_gather":
     out, lse = _all_gather(cfg, query, key, value, ops)
   else:
@@ -742,12 +769,13 @@ def _kernel_setup(st, axis_name, q, k, extras) -> tuple[_Config, dict]:
   return cfg, ops
 
 
-def _kernel_strategy(cfg: _Config, q, k, ops) -> str:
-  """The strategy of :func:`context_parallel_strategy` for the local chunks ``q``, ``k``."""
+def _kernel_strategy(cfg: _Config, q, k, v, ops) -> str:
+  """The strategy of :func:`context_parallel_strategy` for the local chunks ``q``, ``k``, ``v``."""
   c = cfg.axis_size
   b, t, n, h = q.shape
   return context_parallel_strategy((b, t * c, n, h), (b, k.shape[1] * c, *k.shape[2:]), c,
-                                   dtype=k.dtype, has_kv_segment_ids=ops["kv_seg"] is not None)[0]
+                                   dtype=k.dtype, has_kv_segment_ids=ops["kv_seg"] is not None,
+                                   value_head_dim=v.shape[3])[0]
 
 
 def partitioned_forward(st, axis_name, q, k, v, *extras):
@@ -757,7 +785,7 @@ def partitioned_forward(st, axis_name, q, k, v, *extras):
   (``kernels.softmax.stats_from_lse``). The strategy is ``strategy=None``'s."""
   cfg, ops = _kernel_setup(st, axis_name, q, k, extras)
   run = {"ring": _ring_forward, "all_gather": _all_gather, "all_to_all": _all_to_all}
-  out, lse = run[_kernel_strategy(cfg, q, k, ops)](cfg, q, k, v, ops)
+  out, lse = run[_kernel_strategy(cfg, q, k, v, ops)](cfg, q, k, v, ops)
   modifies = st.variant is not None and st.variant.modifies_scores
   return out, stats_from_lse(jnp.swapaxes(lse, 1, 2), st.scale, modifies)
 
@@ -770,7 +798,7 @@ def partitioned_backward(st, axis_name, q, k, v, out, stats, dout, dlse, *extras
   modifies = st.variant is not None and st.variant.modifies_scores
   lse = jnp.swapaxes(lse_from_stats(stats, st.scale, modifies), 1, 2)  # [B, T/C, N]
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)
-  run = _all_gather_backward if _kernel_strategy(cfg, q, k, ops) == "all_gather" else (
+  run = _all_gather_backward if _kernel_strategy(cfg, q, k, v, ops) == "all_gather" else (
       _ring_backward)
   return run(cfg, q, k, v, ops, out, lse, dout, dlse)[:3]
 
@@ -817,7 +845,8 @@ def explicit_strategy(call, found) -> tuple[str, str]:
   local = lambda shape: (shape[0] // size(p.batch), shape[1], shape[2] // size(p.heads), shape[3])  # noqa: E731
   return context_parallel_strategy(
       local((b, t, n, h)), local((b, s, kh, call.key.shape[3])), size(p.context),
-      dtype=call.key.dtype, has_kv_segment_ids=call.arrays.kv_segment_ids is not None)
+      dtype=call.key.dtype, has_kv_segment_ids=call.arrays.kv_segment_ids is not None,
+      value_head_dim=call.value.shape[3])
 
 
 def explicit_call(call, found, implementation, block_sizes):

@@ -24,12 +24,12 @@ def _mesh():
   return jax.make_mesh((C,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _inputs(seed=0, n=N, kh=K, t=T):
+def _inputs(seed=0, n=N, kh=K, t=T, hv=H):
   ks = jax.random.split(jax.random.key(seed), 6)
   q = jax.random.normal(ks[0], (B, t, n, H), jnp.float32)
   k = jax.random.normal(ks[1], (B, t, kh, H), jnp.float32)
-  v = jax.random.normal(ks[2], (B, t, kh, H), jnp.float32)
-  dout = jax.random.normal(ks[3], (B, t, n, H), jnp.float32)
+  v = jax.random.normal(ks[2], (B, t, kh, hv), jnp.float32)
+  dout = jax.random.normal(ks[3], (B, t, n, hv), jnp.float32)
   dlse = jax.random.normal(ks[4], (B, t, n), jnp.float32)
   return q, k, v, dout, dlse
 
@@ -88,9 +88,9 @@ def _reference64(q, k, v, dout, dlse, slopes=None, segments=None, **kw):
     return _value_and_grads(f, *args)
 
 
-def _check(strategy, layout, *, seed=0, n=N, kh=K, slopes=None, segments=None, check_vma=True,
-           atol=2e-5, **kw):
-  q, k, v, dout, dlse = _inputs(seed, n, kh)
+def _check(strategy, layout, *, seed=0, n=N, kh=K, hv=H, slopes=None, segments=None,
+           check_vma=True, atol=2e-5, **kw):
+  q, k, v, dout, dlse = _inputs(seed, n, kh, hv=hv)
   got = _value_and_grads(_context_parallel(strategy, layout, segments, check_vma, **kw),
                          q, k, v, dout, dlse, slopes)
   single = _value_and_grads(_single(segments, **kw), q, k, v, dout, dlse, slopes)
@@ -136,6 +136,41 @@ def test_ring_alibi_and_functions():
   _check("ring", "zigzag", implementation="xla", is_causal=True, slopes=slopes,
          mask_fn=lambda b, h, p, j: (p - j) % 7 != 3,
          score_fn=lambda x, b, h, p, j: x + 0.01 * (p % 5 - 2 * (j % 3)).astype(x.dtype))
+
+
+@pytest.mark.parametrize("kw", [dict(implementation="xla"),
+                                dict(implementation="triton", interpret=True)])
+def test_ring_value_head_dim_of_its_own(kw):
+  """A value head_dim unlike the query/key one (MLA): the ring's skipped blocks and accumulators
+  have the values' width (causal, so blocks are skipped)."""
+  _check("ring", "zigzag", hv=8, is_causal=True, check_vma="interpret" not in kw,
+         atol=1e-4 if "interpret" in kw else 2e-5, **kw)
+
+
+def test_ring_fixed_alibi_slopes_on_the_hopper_kernels(monkeypatch):
+  """ALiBi with fixed slopes (stop_gradient) on the sm90 kernels, which cannot differentiate them:
+  the ring's backward runs them (lowered for a faked Hopper); slopes whose gradient is asked raise
+  the kernels' TypeError naming stop_gradient."""
+  from fa2_jax.kernels import platform
+  monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
+  q = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+  slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
+
+  def loss(q, k, v, slopes, fixed):
+    local = lambda q, k, v, sl: fa2_jax.context_parallel_attention(
+        q, k, v, axis_name="context", strategy="ring", is_causal=True,
+        alibi_slopes=jax.lax.stop_gradient(sl) if fixed else sl)
+    sm = jax.shard_map(local, mesh=_mesh(), in_specs=(SEQ,) * 3 + (P(),), out_specs=SEQ)
+    return jnp.sum(sm(q, k, v, slopes).astype(jnp.float32))
+
+  grads = jax.eval_shape(jax.grad(functools.partial(loss, fixed=True), argnums=(0, 1, 2, 3)),
+                         q, k, k, slopes)
+  assert [g.shape for g in grads] == [q.shape, k.shape, k.shape, slopes.shape]
+  with pytest.raises(TypeError, match="stop_gradient"):
+    jax.eval_shape(jax.grad(functools.partial(loss, fixed=False), argnums=(0, 1, 2, 3)),
+                   q, k, k, slopes)
 
 
 def test_default_strategy_bfloat16():
