@@ -184,7 +184,7 @@ def test_mesh_update_equals_single_device_update(text_file):
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
 def test_context_mesh_step_equals_single_device_step(text_file):
   """--mesh data=2,context=2 --context-strategy ring: the batch split over 2 devices and the
-  sequence over 2, the attention a ring over 'context' (fa2_jax.context_parallel_attention, the
+  sequence over 2 in the zigzag layout, the attention a ring over 'context' (fa2_jax.context_parallel_attention, the
   kernels in interpret mode on CPU). Three AdamW steps equal the one-device steps, loss for loss and
   parameter for parameter (rotary positions and GQA: positions are the tokens' global ones on every
   device); a packed batch (segment ids and restarting positions split along the sequence) gives the
@@ -526,8 +526,10 @@ def cli_error(argv, capsys) -> str:
                                      "axis=size items separated by commas, e.g. data=2,context=2"),
     (["--mesh", "data=3"], "--mesh data=3 covers 3 devices, but there are 4 (every process's); the "
                            "axis sizes must multiply to 4"),
-    (["--mesh", "context=4", "--seq-len", "30"], "--seq-len 30 must be divisible by the 4 devices of "
-                                                 "the mesh axis 'context' (--mesh data=1,context=4)"),
+    (["--mesh", "context=4", "--seq-len", "36"], "--seq-len 36 must be divisible by 8: twice the 4 "
+                                                 "devices of the mesh axis 'context', whose layout "
+                                                 "gives each device two chunks of the sequence "
+                                                 "(--mesh data=1,context=4)"),
     (["--mesh", "data=4", "--batch-size", "6"], "--batch-size 6 must be divisible by the 4 devices "
                                                 "of the mesh axis 'data' (--mesh data=4,context=1)"),
     (["--mesh", "data=2,context=2", "--data-parallel", "pmap"],

@@ -22,7 +22,7 @@ import fa2_jax
 import fa2_jax.flax as fa2_flax
 
 from .config import GPTConfig
-from .parallel import context_attention
+from .parallel import CONTEXT, LAYOUT, context_attention
 
 INIT_STD = 0.02  # GPT-2's initializer standard deviation for weights and embeddings
 # config.attention -> the ``implementation`` argument of fa2_jax.flash_attention (None: its default).
@@ -143,8 +143,10 @@ class GPT(nn.Module):
   row's valid new tokens (left-aligned prompts of different lengths; the other rows' logits are
   meaningless). ``generate.py`` samples with it.
 
-  ``context_mesh`` (training on a ``--mesh`` with ``context`` > 1): the attention runs per device
-  on the sequence-split arrays (:func:`.parallel.context_attention`); the parameters are the same.
+  ``context_mesh`` (training on a ``--mesh`` with ``context`` > 1): the batch's tokens arrive in
+  the context layout (:data:`.parallel.LAYOUT`; default positions follow it) and the attention runs
+  per device on the sequence-split arrays (:func:`.parallel.context_attention`); the parameters are
+  the same.
   """
 
   config: GPTConfig
@@ -168,6 +170,12 @@ class GPT(nn.Module):
       if positions is None:  # each row continues at its cache's length (every layer's is the same)
         held = (cache.lengths[0] if c.scan_layers else cache[0].lengths)
         positions = held[:, None] + jnp.arange(tokens.shape[-1], dtype=jnp.int32)[None, :]
+    if positions is None and cache is None and self.context_mesh is not None:
+      # The batch arrives in the context layout (parallel.MeshRunner.shard): the positions too.
+      t = tokens.shape[-1]
+      order = fa2_jax.to_context_layout(jnp.arange(t, dtype=jnp.int32)[None],
+                                        self.context_mesh.shape[CONTEXT], layout=LAYOUT)
+      positions = jnp.broadcast_to(order, tokens.shape)
     wte = nn.Embed(c.vocab_size, c.n_embd, embedding_init=nn.initializers.normal(INIT_STD),
                    dtype=c.dtype, name="wte")
     x = wte(tokens)

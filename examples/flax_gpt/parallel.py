@@ -16,9 +16,10 @@ Only attention mixes the sequence: :func:`context_attention` runs it per device 
 over the mesh (the one place that knows the context layout), through
 ``fa2_jax.context_parallel_attention`` (``--context-strategy``: a ring of keys and values, an
 all-to-all of heads and sequence, or an all-gather of keys and values), so the causal mask, a
-sliding window and the packed documents' segments are those of the whole sequence. The batch keeps
-its natural token order (the contiguous layout: causal work is uneven across ``context``; the
-load-balanced zigzag layout would permute the tokens); see docs/design.md, "Context parallelism".
+sliding window and the packed documents' segments are those of the whole sequence. The batch's
+tokens are laid out in the zigzag order (:data:`LAYOUT`: device ``d`` holds chunks ``d`` and
+``2C-1-d`` of ``2C``, so every device does the same causal work), their positions with them; see
+docs/design.md, "Context parallelism".
 
 Several processes (``--coordinator HOST:PORT --num-processes N --process-id I``, one per host or per
 GPU): :func:`initialize_distributed` calls ``jax.distributed.initialize`` before anything touches a
@@ -45,6 +46,9 @@ DATA, CONTEXT = "data", "context"  # the mesh axes: the batch over DATA, the seq
 MESH_AXES = (DATA, CONTEXT)
 # [B, T] arrays of a batch: rows over DATA, the sequence over CONTEXT.
 ROWS = P(DATA, CONTEXT)
+# The tokens' order along the sequence on a context mesh (fa2_jax.to_context_layout): "zigzag", device d
+# holds chunks d and 2C-1-d of 2C, so that every device does the same causal attention work.
+LAYOUT = "zigzag"
 
 
 # --- the mesh flag --------------------------------------------------------------------------------
@@ -172,10 +176,9 @@ def context_attention(mesh: Mesh, strategy: str | None = None,
   split along B over ``data`` and along T over ``context``: context parallelism.
 
   Per device (a ``shard_map``): ``fa2_jax.context_parallel_attention`` over the ``context`` axis,
-  with ``strategy`` (None: fa2_jax's choice) and the contiguous layout (device ``d`` holds the
-  ``d``-th slice of the sequence, as the batch's ``NamedSharding`` splits it), the key segment ids
-  travelling with the keys; the causal mask, ``local_window_size`` and the packed documents see
-  global positions. ``flash_kwargs``: further ``flash_attention`` keywords (``implementation``,
+  with ``strategy`` (None: fa2_jax's choice) and the :data:`LAYOUT` the batch arrives in
+  (:meth:`MeshRunner.shard` lays every ``[B, T]`` array out so), the key segment ids travelling with
+  the keys; the causal mask, ``local_window_size`` and the packed documents see global positions. ``flash_kwargs``: further ``flash_attention`` keywords (``implementation``,
   ``interpret``).
   """
   def attend(q, k, v, *, is_causal: bool = False, q_segment_ids=None, kv_segment_ids=None,
@@ -187,7 +190,7 @@ def context_attention(mesh: Mesh, strategy: str | None = None,
       if segments:
         extra = dict(q_segment_ids=segments[0], kv_segment_ids=segments[1])
       return fa2_jax.context_parallel_attention(
-          q, k, v, axis_name=CONTEXT, strategy=strategy, layout="contiguous",
+          q, k, v, axis_name=CONTEXT, strategy=strategy, layout=LAYOUT,
           is_causal=is_causal, **extra, **variants, **flash_kwargs)
 
     spec = P(DATA, CONTEXT)  # q, k, v [B, T, heads, H] and the segment ids [B, T]
@@ -230,9 +233,10 @@ class MeshRunner:
       raise ValueError(f"--batch-size {batch_size} must be divisible by the {sizes[DATA]} devices "
                        f"of the mesh axis 'data' (--mesh {describe_mesh(axes)})")
     seq_len = model.config.seq_len
-    if seq_len % sizes[CONTEXT]:
-      raise ValueError(f"--seq-len {seq_len} must be divisible by the {sizes[CONTEXT]} devices of "
-                       f"the mesh axis 'context' (--mesh {describe_mesh(axes)})")
+    if sizes[CONTEXT] > 1 and seq_len % (2 * sizes[CONTEXT]):
+      raise ValueError(f"--seq-len {seq_len} must be divisible by {2 * sizes[CONTEXT]}: twice the "
+                       f"{sizes[CONTEXT]} devices of the mesh axis 'context', whose layout gives "
+                       f"each device two chunks of the sequence (--mesh {describe_mesh(axes)})")
     mesh = jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
                          axis_types=(AxisType.Auto,) * 2, devices=jax.devices())
     if sizes[CONTEXT] > 1:
@@ -257,8 +261,13 @@ class MeshRunner:
 
   def shard(self, x):
     """A global batch (``[B, T]`` arrays, or a dict of them) split over the mesh: B over ``data``,
-    T over ``context``."""
+    T over ``context``, in the :data:`LAYOUT` order along T (a permutation of the tokens: the loss
+    is a sum over them, and the model's positions travel with them)."""
     rows = NamedSharding(self.mesh, ROWS)
+    c = self.mesh.shape[CONTEXT]
+    if c > 1:
+      x = jax.tree.map(lambda a: np.asarray(fa2_jax.to_context_layout(np.asarray(a), c,
+                                                                      layout=LAYOUT)), x)
     return jax.tree.map(lambda a: _placed(a, rows), x)
 
   def scalar(self, v) -> float:

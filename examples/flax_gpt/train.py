@@ -221,9 +221,10 @@ def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_par
     if tc.batch_size % sizes[parallel.DATA]:
       raise ValueError(f"--batch-size {tc.batch_size} must be divisible by the "
                        f"{sizes[parallel.DATA]} devices of the mesh axis 'data' (--mesh {shown})")
-    if mc.seq_len % context:
-      raise ValueError(f"--seq-len {mc.seq_len} must be divisible by the {context} devices of the "
-                       f"mesh axis 'context' (--mesh {shown})")
+    if context > 1 and mc.seq_len % (2 * context):
+      raise ValueError(f"--seq-len {mc.seq_len} must be divisible by {2 * context}: twice the "
+                       f"{context} devices of the mesh axis 'context', whose layout gives each "
+                       f"device two chunks of the sequence (--mesh {shown})")
   if ckpt_dir and jax.process_count() > 1:
     raise ValueError(f"--ckpt-dir with {jax.process_count()} processes: this example saves "
                      "checkpoints from one process only; run without --ckpt-dir")
