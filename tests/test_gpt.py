@@ -184,8 +184,8 @@ def test_mesh_update_equals_single_device_update(text_file):
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
 def test_context_mesh_step_equals_single_device_step(text_file):
   """--mesh data=2,context=2 --context-strategy ring: the batch split over 2 devices and the
-  sequence over 2 in the zigzag layout, the attention a ring over 'context' (fa2_jax.context_parallel_attention, the
-  kernels in interpret mode on CPU). Three AdamW steps equal the one-device steps, loss for loss and
+  sequence over 2 in the zigzag layout, the attention a ring over 'context'
+  (fa2_jax.context_parallel_attention, the kernels in interpret mode on CPU). Three AdamW steps equal the one-device steps, loss for loss and
   parameter for parameter (rotary positions and GQA: positions are the tokens' global ones on every
   device); a packed batch (segment ids and restarting positions split along the sequence) gives the
   one-device loss; the compiled step passes keys and values around the ring."""
