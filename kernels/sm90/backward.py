@@ -159,7 +159,13 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
                           split_groups=False)
 
     def merge(g, like):
-      return g.reshape(b, s, kh, r, h).astype(jnp.float32).sum(axis=3).astype(like.dtype)
+      # Elementwise adds in a fixed order (no reduction, whose order a GPU may vary): bit-identical
+      # across runs, as deterministic=True promises.
+      parts = g.reshape(b, s, kh, r, h).astype(jnp.float32)
+      total = parts[:, :, :, 0]
+      for i in range(1, r):
+        total = total + parts[:, :, :, i]
+      return total.astype(like.dtype)
 
     return dq, merge(dk, k), merge(dv, v)
 
