@@ -58,7 +58,9 @@ module on contiguous chunks (:mod:`fa2_jax.sharding`): Explicit axes through
 ``context_parallel_attention`` in its ``shard_map`` (``sequence_sharded``, ``explicit_call``), Auto
 axes from the kernels' partition callbacks (``partitioned_forward``, ``partitioned_backward``: the
 strategies' forward as plain functions of an axis name, and the ring's or the all_gather strategy's
-backward from the rows' out and row statistics).
+backward from the rows' out and row statistics; with ALiBi the statistics in the kernels' frame,
+their row shift added, and where the slopes' gradient is asked the kernels' per-row slope sums,
+each block's from its kernels' sums with its own shift taken out: ``_block_slope_rows``).
 """
 from __future__ import annotations
 
