@@ -451,13 +451,12 @@ def _lse(st: _Static, stats, extras, kv_extent: int):
 def _context(st: _Static, backward: bool = False) -> sharding.Context:
   """How the kernel call runs where Auto mesh axes shard its sequence (fa2_jax.sharding.Context):
   context parallelism on each device's chunks (fa2_jax.context_parallel), reading q, k, v (the
-  backward: and out, stats, dout, dlse) and the variant arrays, not the whole call's range tables."""
+  backward: and out, stats, dout, dlse) and the variant arrays, not the whole call's range tables.
+  With ALiBi the forward's stats carry the kernels' row shift and a backward with ``st.slope_grad``
+  returns the kernels' per-row slope sums (``partitioned_forward``, ``partitioned_backward``)."""
   from . import context_parallel  # it imports this module
   refusal = None
-  if st.variant is not None and st.variant.has_alibi:
-    refusal = ("alibi_slopes are not split along the sequence under Auto mesh axes (under Explicit "
-               "axes, or with context_parallel_attention inside shard_map, they are)")
-  elif st.backend == "decode":
+  if st.backend == "decode":
     refusal = "a decoding call (a few query rows) runs on whole sequences"
   fn = context_parallel.partitioned_backward if backward else context_parallel.partitioned_forward
   reads = (7 if backward else 3) + sum(not f.startswith("table_") for f in st.fields)
@@ -571,6 +570,21 @@ def attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=No
   :func:`flash_attention` would run on the XLA formula raises a ValueError. ``alibi_slopes`` are
   applied, not differentiated. ``dq`` in ``query``'s dtype, ``dk``/``dv`` in ``key``'s.
   """
+  return _attention_backward(query, key, value, out, lse, dout, dlse, scale=scale,
+                             is_causal=is_causal, implementation=implementation,
+                             block_sizes=block_sizes, deterministic=deterministic,
+                             interpret=interpret, **variant_args)
+
+
+def _attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=None,
+                        is_causal=False, implementation=None, block_sizes=None, deterministic=False,
+                        interpret=None, slope_rows=False, **variant_args):
+  """:func:`attention_backward`; with ``slope_rows`` (a call with ``alibi_slopes`` on kernels that
+  differentiate them) it returns ``(dq, dk, dv, rows, near)``: ``rows [B, T, N]`` float32, per
+  query row the kernels' sum over this call's keys of ``dS * d s / d slope`` in their frame (the
+  distances from each row's nearest key of this call), and ``near [B, T, N]`` float32, each row's
+  distance to that key (``masking.alibi_row_shift``; None where the kernels shift nothing), so that
+  a row's gradient with respect to its slope over these keys is ``rows - near * rowsum(dS)``."""
   call = prepare(query, key, value, scale, is_causal, implementation, False, block_sizes,
                  deterministic, interpret, **variant_args)
   if call.squeeze:
@@ -587,16 +601,33 @@ def attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=No
   lse = rows(lse.astype(jnp.float32), -jnp.inf)
   dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else rows(dlse.astype(jnp.float32), 0)
   extras = launch.with_tables(q, k, launch.extras)
+  shift = None
   if st.variant is not None and (shift := alibi_lse_shift(st.variant, st.arrays(extras),
                                                           q.shape[1], k.shape[1])) is not None:
     lse = jnp.where(lse == -jnp.inf, lse, lse + shift)  # the kernels' frame (_lse removes it)
   modifies = st.variant is not None and st.variant.modifies_scores
   stats = stats_from_lse(jnp.swapaxes(lse, 1, 2), st.scale, modifies)
-  dq, dk, dv = sharding.backward(_backward, st, q, k, v, out, stats, dout,
-                                 jnp.swapaxes(dlse, 1, 2), extras, _layouts(st, extras),
-                                 partition=_partitionable(st), whole=dict(st.whole),
-                                 fold_vmap=_foldable(st))[:3]
+  slope_rows = bool(slope_rows)
+  if slope_rows:
+    if st.variant is None or not st.variant.has_alibi:
+      raise ValueError("slope_rows needs a call with alibi_slopes")
+    if not registry.get(st.backend).differentiates_slopes(st.config):
+      raise TypeError(_slopes_refused(st.backend))
+    st = dataclasses.replace(st, slope_grad=True)
+  grads = sharding.backward(_backward, st, q, k, v, out, stats, dout, jnp.swapaxes(dlse, 1, 2),
+                            extras, _layouts(st, extras), partition=_partitionable(st),
+                            whole=dict(st.whole), fold_vmap=_foldable(st),
+                            extra_outputs=(sharding.LSE,) if slope_rows else ())
+  dq, dk, dv = grads[:3]
   dq = dq[:, :launch.t_call]
   keys = ((0, 0), (0, launch.s_call - launch.s_kept), (0, 0), (0, 0))  # keys sliced off: zeros
   dk, dv = (jnp.pad(x[:, :launch.s_kept], keys) for x in (dk, dv))
-  return dq, dk.astype(key.dtype), dv.astype(value.dtype)
+  if not slope_rows:
+    return dq, dk.astype(key.dtype), dv.astype(value.dtype)
+  rows = jnp.swapaxes(grads[3], 1, 2)[:, :launch.t_call]  # [B, N, T] -> [B, T, N]
+  near = None
+  if shift is not None:  # the shift of unit slopes: the distances
+    arrays = st.arrays(extras)
+    unit = arrays._replace(alibi_slopes=jnp.ones_like(arrays.alibi_slopes))
+    near = alibi_lse_shift(st.variant, unit, q.shape[1], k.shape[1])[:, :launch.t_call]
+  return dq, dk.astype(key.dtype), dv.astype(value.dtype), rows, near

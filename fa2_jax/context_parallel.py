@@ -58,7 +58,9 @@ module on contiguous chunks (:mod:`fa2_jax.sharding`): Explicit axes through
 ``context_parallel_attention`` in its ``shard_map`` (``sequence_sharded``, ``explicit_call``), Auto
 axes from the kernels' partition callbacks (``partitioned_forward``, ``partitioned_backward``: the
 strategies' forward as plain functions of an axis name, and the ring's or the all_gather strategy's
-backward from the rows' out and row statistics).
+backward from the rows' out and row statistics; with ALiBi the statistics in the kernels' frame,
+their row shift added, and where the slopes' gradient is asked the kernels' per-row slope sums,
+each block's from its kernels' sums with its own shift taken out: ``_block_slope_rows``).
 """
 from __future__ import annotations
 
@@ -73,7 +75,8 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
 from . import attention, sharding
-from .kernels.masking import Variant, VariantArrays, closes_over_arrays
+from .kernels.masking import (Variant, VariantArrays, alibi_row_shift, closes_over_arrays,
+                              shifts_alibi)
 from .kernels.softmax import lse_from_stats, stats_from_lse
 from .kernels.vma import match_vma
 from .validation import _concrete
@@ -400,10 +403,14 @@ def _ring_forward(cfg: _Config, q, k, v, ops):
 
 
 def _block_grads(cfg: _Config, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw,
-                 slope_grad: bool = True):
+                 slope_grad: bool = True, slope_rows: bool = False, whole_row: bool = False):
   """``(dq, dk, dv, dslopes)`` of one block given the rows' global out and lse; ``slope_grad``:
   whether the ALiBi slopes' gradient is wanted (else they are constants of the block, and kernels
-  that cannot differentiate them run it)."""
+  that cannot differentiate them run it). ``slope_rows`` (kernels that differentiate the slopes):
+  the fourth is instead each query row's gradient with respect to its slope over the block's keys,
+  ``[B, t, N]`` float32, ``sum_j dS_ij * (-|p_i - j|)`` (:func:`_block_slope_rows`)."""
+  if slope_rows:
+    return _block_slope_rows(qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw, whole_row)
   if cfg.kernel_backward:
     dq, dk, dv = attention.attention_backward(qp, kp, vp, out_p, lse_p, dout_p, dlse_p, **kw)
     return dq, dk, dv, None
@@ -428,12 +435,42 @@ def _block_grads(cfg: _Config, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw
   return dq, dk, dv, dslopes
 
 
-def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse, slope_grad: bool = True):
+def _block_slope_rows(qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw, whole_row: bool):
+  """``(dq, dk, dv, rows)`` of one block from the kernels' backward with the slopes' per-row sums
+  (``attention._attention_backward``): ``rows [B, t, N]`` float32, each query row's
+  ``sum_j dS_ij * (-|p_i - j|)`` over the block's keys. The kernels measure distances from the row's
+  nearest key of the block (``masking.alibi_row_shift``, ``near``): their sums are ``rows + near *
+  rowsum(dS)``, ``rowsum(dS)_i = w_i (dout_i . (out_j,i - out_i) + dlse_i)`` with the block's
+  weight ``w = exp(lse_j - lse)`` (``sum_j P_ij = w``, ``sum_j P_ij dP_ij = w dout . out_j``,
+  ``D = dout . out - dlse``), which needs the block's forward; ``whole_row``: the block holds
+  every key of its rows, so ``rowsum(dS) = dlse`` (0 on a row without keys)."""
+  dq, dk, dv, rows, near = attention._attention_backward(qp, kp, vp, out_p, lse_p, dout_p, dlse_p,
+                                                         slope_rows=True, **kw)
+  if near is None:
+    return dq, dk, dv, rows
+  empty = lse_p == -jnp.inf
+  if whole_row:
+    ds_sum = jnp.where(empty, 0.0, dlse_p)
+  else:
+    out_j, lse_j = attention.flash_attention(qp, kp, vp, return_residual=True, **kw)
+    w = jnp.where(empty, 0.0, jnp.exp(lse_j.astype(jnp.float32) - jnp.where(empty, 0.0, lse_p)))
+    dot = jnp.sum(dout_p.astype(jnp.float32) * (out_j.astype(jnp.float32)
+                                                - out_p.astype(jnp.float32)), axis=-1)
+    ds_sum = w * (dot + dlse_p)
+  return dq, dk, dv, rows - near * ds_sum
+
+
+def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse, slope_grad: bool = True,
+                   slope_rows: bool = False):
+  """``(dq, dk, dv, dslopes)`` of the ring from the rows' global out and lse. ``slope_grad``: the
+  slopes' gradient, summed as the slopes' shape; ``slope_rows`` (kernels that differentiate them):
+  instead each query row's ``[B, T/C, N]`` (:func:`_block_grads`), summed over the blocks."""
   c, pieces = cfg.axis_size, cfg.pieces
   tq, tk = q.shape[1] // pieces, k.shape[1] // pieces
   d = lax.axis_index(cfg.axis_name)
   q_chunks = _local_chunks(d, c, cfg.layout)
-  with_slopes = ops["slopes"] is not None and slope_grad
+  slope_rows = ops["slopes"] is not None and slope_rows
+  with_slopes = ops["slopes"] is not None and slope_grad and not slope_rows
 
   def step_fn(step, carry):
     dq, dkv, dslopes, kv = carry
@@ -453,7 +490,7 @@ def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse, slope_grad:
           kw = _block_kwargs(cfg, ops, q_row0, k_row0 if shift is None else shift, tq, tk, q_seg,
                              kv_seg, shift)
           grads = _block_grads(cfg, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw,
-                               slope_grad=with_slopes)
+                               slope_grad=with_slopes, slope_rows=slope_rows)
           grads = tuple(x.astype(jnp.float32) for x in grads if x is not None)
           return match_vma(*grads, qp)[:len(grads)]
 
@@ -462,6 +499,8 @@ def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse, slope_grad:
                    jnp.zeros((*kp.shape[:3], v.shape[3]), jnp.float32)]
           if with_slopes:
             zeros.append(jnp.zeros(ops["slopes"].shape, jnp.float32))
+          if slope_rows:
+            zeros.append(jnp.zeros(qp.shape[:3], jnp.float32))
           return match_vma(*zeros, qp)[:len(zeros)]
 
         live = _live(cfg, ops, q_row0, k_row0, tq, tk)
@@ -469,6 +508,8 @@ def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse, slope_grad:
         dq[p], dk[r], dv[r] = dq[p] + grads[0], dk[r] + grads[1], dv[r] + grads[2]
         if with_slopes:
           dslopes = dslopes + grads[3]
+        elif slope_rows:
+          dslopes = tuple(x + grads[3] if i == p else x for i, x in enumerate(dslopes))
     # The float32 dK/dV accumulators travel with their K/V block: after C shifts they are home.
     dkv = tuple(tuple(_shift(x, cfg) for x in acc) for acc in (dk, dv))
     return tuple(dq), dkv, dslopes, tuple(_shift(x, cfg) for x in kv)
@@ -477,10 +518,15 @@ def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse, slope_grad:
   dq = tuple(zeros(_piece(q, p, pieces)) for p in range(pieces))
   dkv = tuple(tuple(zeros(_piece(x, r, pieces)) for r in range(pieces)) for x in (k, v))
   dslopes = zeros(ops["slopes"]) if with_slopes else None
+  if slope_rows:  # per query piece, [B, t, N]
+    dslopes = tuple(zeros(_piece(q, p, pieces)[..., 0]) for p in range(pieces))
   dq, dkv, dslopes, _ = lax.fori_loop(0, c, step_fn, (dq, dkv, dslopes, (k, v, ops["kv_seg"])))
   dk, dv = (_cat(acc) for acc in dkv)
-  return (_cat(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          dslopes.astype(ops["slopes"].dtype) if with_slopes else None)
+  if slope_rows:
+    dslopes = _cat(dslopes)
+  elif with_slopes:
+    dslopes = dslopes.astype(ops["slopes"].dtype)
+  return _cat(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dslopes
 
 
 def _ring_impl(cfg: _Config, q, k, v, ops):
@@ -547,10 +593,13 @@ def _all_gather(cfg: _Config, q, k, v, ops):
   return _cat(outs), _cat(lses)
 
 
-def _all_gather_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse):
+def _all_gather_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse,
+                         slope_grad: bool = True, slope_rows: bool = False):
   """The gradients of :func:`_all_gather` from the rows' out and lse: K/V gathered again, one
   block gradient per query piece against the whole sequence, dK/dV summed back to their devices
-  (``psum_scatter``). ``(dq, dk, dv, dslopes)`` as :func:`_ring_backward` returns them."""
+  (``psum_scatter``). ``(dq, dk, dv, dslopes)`` as :func:`_ring_backward` returns them (with
+  ``slope_rows``, this device's rows' ``[B, T/C, N]``)."""
+  slope_rows = ops["slopes"] is not None and slope_rows
   c, pieces = cfg.axis_size, cfg.pieces
   tq = q.shape[1] // pieces
   gather = lambda x: None if x is None else _natural(  # noqa: E731
@@ -564,15 +613,21 @@ def _all_gather_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse):
                        kv_seg)
     piece = lambda x: _piece(x, p, pieces)  # noqa: E731
     grads = _block_grads(cfg, ops, piece(q), k_all, v_all, piece(out), piece(lse), piece(dout),
-                         piece(dlse), kw)
+                         piece(dlse), kw, slope_grad=slope_grad, slope_rows=slope_rows,
+                         whole_row=True)
     dq.append(grads[0])
     dk, dv = dk + grads[1].astype(jnp.float32), dv + grads[2].astype(jnp.float32)
-    if grads[3] is not None:
+    if slope_rows:
+      dslopes = [grads[3]] if dslopes is None else [*dslopes, grads[3]]
+    elif grads[3] is not None:
       dslopes = grads[3] if dslopes is None else dslopes + grads[3]
   home = lambda x: lax.psum_scatter(  # noqa: E731  [B, S, ...] natural -> this device's chunk
       to_context_layout(x, c, layout=cfg.layout), cfg.axis_name, scatter_dimension=1, tiled=True)
-  return (_cat(dq).astype(q.dtype), home(dk).astype(k.dtype), home(dv).astype(v.dtype),
-          None if dslopes is None else lax.psum(dslopes, cfg.axis_name))
+  if slope_rows:
+    dslopes = _cat(dslopes)
+  elif dslopes is not None:
+    dslopes = lax.psum(dslopes, cfg.axis_name)
+  return _cat(dq).astype(q.dtype), home(dk).astype(k.dtype), home(dv).astype(v.dtype), dslopes
 
 
 def _all_to_all(cfg: _Config, q, k, v, ops):
@@ -752,15 +807,16 @@ def _kernel_setup(st, axis_name, q, k, extras) -> tuple[_Config, dict]:
   cap = None if variant is None else variant.soft_cap
   mask_fn = None if variant is None else variant.mask_fn
   score_fn = None if variant is None else variant.score_fn
-  positions = bool(st.is_causal) or window is not None or mask_fn is not None or (
-      score_fn is not None)
   a = dict(zip(st.fields, extras))
+  slopes = a.get("alibi_slopes")  # [B, N] float32
+  positions = bool(st.is_causal) or window is not None or mask_fn is not None or (
+      score_fn is not None) or slopes is not None
   q_offset = a.get("q_offset")
   if positions and q_offset is None:
     q_offset = jnp.zeros((q.shape[0],), jnp.int32)
   ops = {"q_len": a.get("q_lengths"), "kv_len": a.get("kv_lengths"),
          "q_seg": a.get("q_segment_ids"), "kv_seg": a.get("kv_segment_ids"),
-         "q_offset": q_offset if positions else None, "slopes": None}
+         "q_offset": q_offset if positions else None, "slopes": slopes}
   kwargs = (("scale", st.scale), ("is_causal", st.is_causal), ("implementation", st.backend),
             ("block_sizes", None), ("deterministic", st.deterministic),
             ("interpret", st.interpret), ("local_window_size", window), ("logits_soft_cap", cap))
@@ -778,29 +834,57 @@ def _kernel_strategy(cfg: _Config, q, k, v, ops) -> str:
                                    value_head_dim=v.shape[3])[0]
 
 
+def _kernel_row_distance(st, cfg: _Config, ops, q, k):
+  """``[B, T/C, 1]`` float32: the distance from each of this device's query rows to its nearest key
+  of the whole call (``masking.alibi_row_shift`` at the global positions, against the global S), or
+  None where the kernels shift nothing. Their lse (and row statistics) is the softmax's plus
+  ``slope`` times it."""
+  if st.variant is None or not shifts_alibi(st.variant):
+    return None
+  t = q.shape[1]
+  rows = lax.axis_index(cfg.axis_name) * t + jnp.arange(t, dtype=jnp.int32)  # global rows [T/C]
+  p = ops["q_offset"][:, None] + rows[None, :]  # [B, T/C] absolute positions
+  return alibi_row_shift(p, k.shape[1] * cfg.axis_size).astype(jnp.float32)[:, :, None]
+
+
 def partitioned_forward(st, axis_name, q, k, v, *extras):
   """The forward of a kernel call whose sequence the compiler shards over ``axis_name`` (Auto mesh
   axes; ``fa2_jax.sharding.Context``), on each device's chunks: ``(out, stats)`` as the kernels'
   forward returns them, the row statistics those of the whole softmax
-  (``kernels.softmax.stats_from_lse``). The strategy is ``strategy=None``'s."""
+  (``kernels.softmax.stats_from_lse``) in the kernels' frame (with ALiBi: the lse plus their row
+  shift ``slope * near``, :func:`_kernel_row_distance`, which ``attention._lse`` removes). The
+  strategy is ``strategy=None``'s."""
   cfg, ops = _kernel_setup(st, axis_name, q, k, extras)
   run = {"ring": _ring_forward, "all_gather": _all_gather, "all_to_all": _all_to_all}
   out, lse = run[_kernel_strategy(cfg, q, k, v, ops)](cfg, q, k, v, ops)
+  if (near := _kernel_row_distance(st, cfg, ops, q, k)) is not None:
+    lse = jnp.where(lse == -jnp.inf, lse, lse + ops["slopes"][:, None, :] * near)
   modifies = st.variant is not None and st.variant.modifies_scores
   return out, stats_from_lse(jnp.swapaxes(lse, 1, 2), st.scale, modifies)
 
 
 def partitioned_backward(st, axis_name, q, k, v, out, stats, dout, dlse, *extras):
   """The backward of :func:`partitioned_forward` on each device's chunks (``dlse [B, N, T/C]``):
-  ``(dq, dk, dv)``. K/V gathered again where the forward gathered them (all_gather), else the ring
-  (all_to_all's memory per device stays S/C so)."""
+  ``(dq, dk, dv)``, and with ``st.slope_grad`` the kernels' ``dslope_rows [B, N, T/C]`` (per
+  query row the sum of ``dS * d s / d slope`` over all its keys, distances in the kernels' frame:
+  the row's gradient plus ``near * dlse``, since ``rowsum(dS) = dlse``). K/V gathered again where
+  the forward gathered them (all_gather), else the ring (all_to_all's memory per device stays S/C
+  so)."""
   cfg, ops = _kernel_setup(st, axis_name, q, k, extras)
   modifies = st.variant is not None and st.variant.modifies_scores
   lse = jnp.swapaxes(lse_from_stats(stats, st.scale, modifies), 1, 2)  # [B, T/C, N]
+  near = _kernel_row_distance(st, cfg, ops, q, k)
+  if near is not None:  # the softmax's own
+    lse = jnp.where(lse == -jnp.inf, lse, lse - ops["slopes"][:, None, :] * near)
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)
   run = _all_gather_backward if _kernel_strategy(cfg, q, k, v, ops) == "all_gather" else (
       _ring_backward)
-  return run(cfg, q, k, v, ops, out, lse, dout, dlse)[:3]
+  if not st.slope_grad:  # the slopes (if any) are constants: the kernels' backward as is
+    return run(cfg, q, k, v, ops, out, lse, dout, dlse, slope_grad=False)[:3]
+  dq, dk, dv, rows = run(cfg, q, k, v, ops, out, lse, dout, dlse, slope_rows=True)
+  if near is not None:
+    rows = rows + near * jnp.where(lse == -jnp.inf, 0.0, dlse)
+  return dq, dk, dv, jnp.swapaxes(rows, 1, 2)
 
 
 def _operands(call):

@@ -41,10 +41,11 @@ applied three ways:
   context parallelism (:class:`Context`) with collectives over that mesh axis name: the forward's
   strategy, returning the kernels' ``(out, stats)`` with the whole softmax's row statistics, and
   from them the ring's backward (the all_gather strategy's where the forward gathered). T and S
-  are therefore free factors of the Shardy rule. A sharding the plan cannot keep (also: a
-  sequence-sharded call with ALiBi slopes or on the decode kernels) is gathered by XLA before the
-  kernel (correct, but every device then holds that axis whole) and a UserWarning names it: an
-  exception inside the compiler's callback would reach the user as an opaque error.
+  are therefore free factors of the Shardy rule (ALiBi slopes included: the stats carry the kernels'
+  row shift, and a backward asked for the slopes' gradient returns their per-row sums). A sharding
+  the plan cannot keep (also: a sequence-sharded call on the decode kernels) is gathered by XLA
+  before the kernel (correct, but every device then holds that axis whole) and a UserWarning names
+  it: an exception inside the compiler's callback would reach the user as an opaque error.
 * Manual axes (inside ``shard_map`` or ``pmap``): the arrays are already per-device blocks; both
   mechanisms step aside (``custom_partitioning`` lowers its body directly there).
 

@@ -164,19 +164,41 @@ def test_explicit_formula_and_alibi_slopes():
   _check(got, want)
 
 
-def test_auto_alibi_is_gathered_with_a_warning():
-  """ALiBi slopes on a sequence-sharded call under Auto axes are not split: XLA gathers the sequence
-  and a UserWarning says why; the result is right."""
+@pytest.mark.parametrize("strategy, slope_grad, kw", [
+    ("ring", False, dict(is_causal=True, q_offset=5)),
+    ("ring", True, dict(q_offset=-3, local_window_size=(None, 12))),
+    ("all_gather", True, dict(is_causal=True, q_offset=5))],
+    ids=["ring-fixed", "ring-differentiated", "all_gather-differentiated"])
+def test_auto_alibi_slopes_run_context_parallel(strategy, slope_grad, kw, monkeypatch):
+  """ALiBi slopes on a sequence-sharded call under Auto axes run context parallelism, no warning:
+  the forward's stats carry the kernels' row shift and the backward the slopes' per-row sums
+  (fixed: stop_gradient; differentiated: their gradient too). q_offset puts rows past the keys'
+  ends (and, non-causal, before them), where the shift is not 0. Equal to the formula; the ring
+  gathers nothing, the all_gather strategy K and V only."""
+  if strategy == "ring":
+    monkeypatch.setattr(context_parallel, "GATHER_BYTES", 0)
   mesh = _mesh((4,), ("context",), AxisType.Auto)
   q, k, v = _inputs(seed=4)
-  kw = dict(is_causal=True, alibi_slopes=jnp.linspace(0.1, 0.7, N))
-  s = NamedSharding(mesh, P(None, "context"))
-  fn = jax.jit(lambda q, k, v: flash(q, k, v, **kw), in_shardings=(s, s, s))
-  with pytest.warns(UserWarning, match="sequence axis T over mesh axis 'context', but alibi_slopes"):
-    compiled = fn.lower(q, k, v).compile()
-  assert _gathered(compiled.as_text())
-  np.testing.assert_allclose(compiled(q, k, v), fa2_jax.reference_attention(q, k, v, **kw),
-                             atol=2e-5)
+  slopes = jnp.linspace(0.1, 0.7, N)
+  fix = (lambda sl: sl) if slope_grad else jax.lax.stop_gradient
+
+  def grad_fn(fn):
+    loss = lambda q, k, v, sl: jnp.sum(jnp.tanh(fn(q, k, v, alibi_slopes=fix(sl), **kw)))  # noqa: E731
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+
+  args = [jax.device_put(x, NamedSharding(mesh, P(None, "context"))) for x in (q, k, v)]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    compiled = jax.jit(grad_fn(flash)).lower(*args, slopes).compile()
+  got = compiled(*args, slopes)
+  _check(got, grad_fn(fa2_jax.reference_attention)(q, k, v, slopes), atol=5e-5)
+  if not slope_grad:
+    assert not np.any(np.asarray(got[1][3]))
+  hlo = compiled.as_text()
+  if strategy == "ring":
+    assert "collective-permute" in {op for op, _ in _collectives(hlo)} and not _gathered(hlo)
+  else:
+    assert set(_gathered(hlo)) == {"f32[1,32,2,16]"}, _collectives(hlo)  # K/V [B, S, K, H]
 
 
 def test_explicit_refusals_and_backend_for():
