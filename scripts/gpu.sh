@@ -38,6 +38,12 @@
 #                                                md and plot are still written); --quick: the 4k and
 #                                                6000-token cells; the 16k ones: --cells '*-16k' --tag
 #                                                16k, then python -m benchmarks.models --merge A B
+#   bash scripts/gpu.sh context  [args]          the ring's per-block schedule on one GPU against one
+#                                                flash_attention call, 32k-128k, C = 2, 4, 8 (python -m
+#                                                benchmarks.context_schedule --budget-s GPU_TIMEOUT-60);
+#                                                --quick: 32k and 128k at C = 4 and 8 (one call); the full
+#                                                sweep in two: --cells '128k-*' --tag 128k, then --cells
+#                                                '32k-*,64k-*' --tag a, merged with --merge A B
 #   bash scripts/gpu.sh latency|memory|numerics|tune [args]   python -m benchmarks.<mode>
 #   bash scripts/gpu.sh all      [args]          python -m benchmarks.run_all --quick (attention, memory,
 #                                                latency, numerics under one time budget)
@@ -49,7 +55,7 @@
 # shared host's GPUs out of service); optional peer wheels carried in .peer/ (tokamax, flash_attn3_jax,
 # and a stub/ folder) are installed to .peer/site and put on PYTHONPATH, so the benchmarks add their rows.
 set -uo pipefail
-MODES="tests grid gpt variants decode models latency memory numerics tune all"
+MODES="tests grid gpt variants decode models context latency memory numerics tune all"
 mode="${1:-}"
 if [ -z "$mode" ] || [[ "$mode" == *[[:space:]]* ]] || [[ " $MODES " != *" $mode "* ]]; then
   echo "scripts/gpu.sh: mode must be one of: $MODES; got '$mode'" >&2
@@ -163,6 +169,9 @@ case "$mode" in
   models)  # under the call's limit, so that the md and plot are written (a later --budget-s wins):
     # a minute for rendering and the last cell's overrun, half the limit when it is short
     run models python3 -m benchmarks.models --out "$out" \
+      --budget-s $(( limit > 120 ? limit - 60 : (limit + 1) / 2 )) "$@" ;;
+  context)  # the budget as models' (its 128k cells take minutes each)
+    run context python3 -m benchmarks.context_schedule --out "$out" \
       --budget-s $(( limit > 120 ? limit - 60 : (limit + 1) / 2 )) "$@" ;;
   all)
     run all python3 -m benchmarks.run_all --quick --budget-s $((limit - 60)) --out "$out" "$@" ;;

@@ -291,7 +291,7 @@ def test_merge_later_measurement_wins_but_not_a_skip(tmp_path, monkeypatch):
 def test_merge_of_a_bad_file_is_a_usage_error(tmp_path, capsys):
   """--merge with a missing, non-JSON or non-result file (or results of two scripts): usage and one
   line naming the file, exit code 2, no traceback; in every script that has --merge."""
-  from benchmarks import latency, memory, models
+  from benchmarks import context_schedule, latency, memory, models
   good, listed, text = tmp_path / "a.json", tmp_path / "list.json", tmp_path / "text.json"
   good.write_text(json.dumps(_result([_cell("d128-8k-c", "fa2", 500.0, 400.0)])))
   listed.write_text("[1, 2]")
@@ -308,7 +308,7 @@ def test_merge_of_a_bad_file_is_a_usage_error(tmp_path, capsys):
       attention.main(["--merge", *map(str, paths), "--out", str(tmp_path / "m")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and msg in err and "usage: python -m benchmarks.attention" in err, err
-  for mod in (variants, latency, memory, numerics, tune, models):
+  for mod in (variants, latency, memory, numerics, tune, models, context_schedule):
     for paths, msg in cases[:1] + cases[2:3]:
       with pytest.raises(SystemExit) as e:
         mod.main(["--merge", *map(str, paths), "--out", str(tmp_path / "m")])
@@ -358,8 +358,8 @@ def test_cells_error_lists_the_ids_of_the_grid_that_runs():
 def test_smoke_summaries_say_they_are_no_measurement():
   """The console summary of a smoke-size result says its numbers (and ratios, gains, best settings)
   are no measurement; a GPU result's does not."""
-  from benchmarks import models
-  for summary in (attention.summary, tune.summary, models.summary):
+  from benchmarks import context_schedule, models
+  for summary in (attention.summary, tune.summary, models.summary, context_schedule.summary):
     for smoke in (False, True):
       first = summary({"config": {"smoke": smoke}, "cells": []}).splitlines()[0]
       assert first.endswith("(smoke size (CPU, Pallas interpret mode): not a measurement)") == smoke, (
@@ -1168,6 +1168,74 @@ def test_models_smoke_on_cpu(tmp_path, capsys):
   assert "| `window-cap-128` | window + cap | 4/2 × 32, window (15, 0), cap 50 | 1 × 128 |" in md
   assert (tmp_path / "models.png").read_bytes()[:8] == PNG_MAGIC
 
+
+
+# --- the ring's per-block schedule on one device ------------------------------------------------------------
+
+def test_context_schedule_cells_and_contexts():
+  """The sweep's cells (T = S 32k ... 128k, causal and not; --quick 32k and 128k), the ring sizes
+  (--contexts, each cutting T into 2C chunks) and the causal ring's live blocks per device."""
+  from benchmarks import context_schedule as cs
+  assert [c["id"] for c in cs.build_cells("full")] == ["32k-c", "32k-nc", "64k-c", "64k-nc", "128k-c",
+                                                       "128k-nc"]
+  assert [c["id"] for c in cs.build_cells("quick")] == ["32k-c", "32k-nc", "128k-c", "128k-nc"]
+  c = cs.build_cells("full")[0]
+  assert (c["heads"], c["kv_heads"], c["head_dim"], c["batch"]) == (32, 8, 128, 1)
+  assert c["flops_fwd"] == timing.attention_flops(1, 32, 32768, 32768, 128, True)
+  args = cs.build_parser().parse_args(["--quick"])
+  args.smoke = False
+  assert cs.contexts_of(args, c) == [4, 8]
+  args = cs.build_parser().parse_args(["--smoke", "--contexts", "3"])
+  with pytest.raises(SystemExit, match="--contexts 3: the zigzag layout cuts T = 64 into 2C"):
+    cs.contexts_of(args, cs.build_cells("smoke")[0])
+  # causal: device d's chunks d and 2C-1-d see d + 1 and 2C - d key chunks of its 4C blocks
+  assert [cs.live_blocks(x, True) for x in (2, 4, 8)] == [5, 9, 17]
+  assert cs.live_blocks(4, False) == 16
+
+
+def test_context_schedule_smoke_on_cpu(tmp_path, capsys):
+  """The CPU smoke size (Triton kernels in Pallas interpret mode), its causal cell: the one call and the
+  ring's schedule of C = 2 (blocks in the causal future skipped by lax.cond), timed forward and
+  forward+backward, the ring's out, dq, dk, dv equal to the one call's; the md's columns and the plot
+  are written. (The whole smoke size, non-causal and C = 4 too: the slow test below.)"""
+  from benchmarks import context_schedule as cs
+  data = cs.main(["--smoke", "--out", str(tmp_path), "--cells", "64-c", "--contexts", "2"])
+  js = _load(tmp_path / "context_schedule.json")
+  assert js["status"] == "done" and js["config"]["smoke"] and data["files"][0].endswith(".json")
+  assert (js["config"]["iters"], js["config"]["reps"]) == (2, 2)
+  assert capsys.readouterr().out.startswith("context_schedule: ms fwd+bwd (ratio to one call) (smoke size")
+  by = {(c["id"], c["row"]): c for c in js["cells"]}
+  assert set(by) == {("64-c", "one_call"), ("64-c", "ring_c2")}
+  for (_, row), c in by.items():
+    assert c["status"] == "ok" and c["ms"]["fwd"] > 0 and c["ms"]["fwd+bwd"] > 0, c
+    if row == "ring_c2":
+      assert set(c["err"]) == {"out", "dq", "dk", "dv"} and max(c["err"].values()) < cs.ERR_TOL, c
+      assert not c.get("warning") and c["vs_one_call"]["fwd+bwd"] > 0 and c["bar_ok"] in (True, False)
+      assert c["live_blocks_per_device"] == 5 and c["block"] == [16, 16]
+    else:
+      assert c["backend"].startswith("triton")
+  md = (tmp_path / "context_schedule.md").read_text()
+  assert "smoke size on the CPU" in md and "attention_backward per live block" in md
+  assert ("| cell | causal | one call: ms (TFLOP/s) | ring C=2: ÷ one call (bar ≤ 1.05) | ring C=2: ms |"
+          in md)
+  assert "| cell | C | out | dq | dk | dv |" in md and "| `64-c` | 2 |" in md
+  assert (tmp_path / "context_schedule.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.slow
+def test_context_schedule_whole_smoke_size_on_cpu(tmp_path):
+  """The whole smoke size: causal and not (every block run, no lax.cond), C = 2 and 4, every ring row's
+  output and gradients equal to the one call's."""
+  from benchmarks import context_schedule as cs
+  cs.main(["--smoke", "--out", str(tmp_path)])
+  cells = _load(tmp_path / "context_schedule.json")["cells"]
+  assert {(c["id"], c["row"]) for c in cells} == {
+      (i, r) for i in ("64-c", "64-nc") for r in ("one_call", "ring_c2", "ring_c4")}
+  for c in cells:
+    assert c["status"] == "ok" and not c.get("warning"), c
+    if c["row"] != "one_call":
+      assert max(c["err"].values()) < cs.ERR_TOL and c["live_blocks_per_device"] == cs.live_blocks(
+          c["contexts"], c["causal"]), c
 
 # --- on a GPU ----------------------------------------------------------------------------------------
 
