@@ -574,14 +574,20 @@ def _natural(x, cfg: _Config):
   return from_context_layout(x, cfg.axis_size, layout=cfg.layout)
 
 
-def _all_gather(cfg: _Config, q, k, v, ops):
-  c, pieces = cfg.axis_size, cfg.pieces
-  tq = q.shape[1] // pieces
+def _gathered(cfg: _Config, k, v, ops):
+  """K, V and the key segment ids of the whole sequence (all-gathered, in natural order), and the
+  global chunk indices of this device's query pieces."""
   gather = lambda x: None if x is None else _natural(  # noqa: E731
       lax.all_gather(x, cfg.axis_name, axis=1, tiled=True), cfg)
-  k_all, v_all, kv_seg = gather(k), gather(v), gather(ops["kv_seg"])
+  q_chunks = _local_chunks(lax.axis_index(cfg.axis_name), cfg.axis_size, cfg.layout)
+  return gather(k), gather(v), gather(ops["kv_seg"]), q_chunks
+
+
+def _all_gather(cfg: _Config, q, k, v, ops):
+  pieces = cfg.pieces
+  tq = q.shape[1] // pieces
+  k_all, v_all, kv_seg, q_chunks = _gathered(cfg, k, v, ops)
   s = k_all.shape[1]
-  q_chunks = _local_chunks(lax.axis_index(cfg.axis_name), c, cfg.layout)
   outs, lses = [], []
   for p in range(pieces):
     kw = _block_kwargs(cfg, ops, q_chunks[p] * tq, 0, tq, s, _piece(ops["q_seg"], p, pieces),
@@ -602,11 +608,8 @@ def _all_gather_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse,
   slope_rows = ops["slopes"] is not None and slope_rows
   c, pieces = cfg.axis_size, cfg.pieces
   tq = q.shape[1] // pieces
-  gather = lambda x: None if x is None else _natural(  # noqa: E731
-      lax.all_gather(x, cfg.axis_name, axis=1, tiled=True), cfg)
-  k_all, v_all, kv_seg = gather(k), gather(v), gather(ops["kv_seg"])
+  k_all, v_all, kv_seg, q_chunks = _gathered(cfg, k, v, ops)
   s = k_all.shape[1]
-  q_chunks = _local_chunks(lax.axis_index(cfg.axis_name), c, cfg.layout)
   dq, dk, dv, dslopes = [], 0.0, 0.0, None
   for p in range(pieces):
     kw = _block_kwargs(cfg, ops, q_chunks[p] * tq, 0, tq, s, _piece(ops["q_seg"], p, pieces),
