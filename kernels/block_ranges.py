@@ -224,13 +224,23 @@ def kv_block_ranges(variant: Variant, arrays: VariantArrays, *, batch: int, seq_
                        **_per_batch(variant, arrays))
   rng = tuple(jnp.broadcast_to(x, (batch, nq)) for x in rng)
   if variant.has_segments:
-    q_min, q_max = _block_min_max(_i32(arrays.q_segment_ids), block_q)  # [B, nq]
-    k_min, k_max = _block_min_max(_i32(arrays.kv_segment_ids), block_k)  # [B, nk]
-    reach = ((q_min[:, :, None] <= k_max[:, None, :]) & (k_min[:, None, :] <= q_max[:, :, None]))
-    full = ((q_min == q_max)[:, :, None] & (k_min == k_max)[:, None, :]
-            & (q_min[:, :, None] == k_min[:, None, :]))
-    rng = intersect_ranges(rng, _ranges_from_table(reach, full))
+    rng = intersect_ranges(rng, _segment_ranges(arrays.q_segment_ids, block_q,
+                                                arrays.kv_segment_ids, block_k))
   return jnp.stack(rng, -1)
+
+
+def _segment_ranges(row_ids, row_block: int, col_ids, col_block: int):
+  """The ranges of column blocks that a row block's segments reach, per (batch element, row
+  block): from per-block min/max segment ids (``[B, rows]`` and ``[B, cols]`` blocks), a column
+  block whose id interval does not meet the row block's is unreachable, and a pair is full only
+  when both hold one single, equal id. Rows are query blocks for the kernels that loop over keys,
+  key blocks for the dK/dV kernel."""
+  r_min, r_max = _block_min_max(_i32(row_ids), row_block)  # [B, n_rows]
+  c_min, c_max = _block_min_max(_i32(col_ids), col_block)  # [B, n_cols]
+  reach = (r_min[:, :, None] <= c_max[:, None, :]) & (c_min[:, None, :] <= r_max[:, :, None])
+  full = ((r_min == r_max)[:, :, None] & (c_min == c_max)[:, None, :]
+          & (r_min[:, :, None] == c_min[:, None, :]))
+  return _ranges_from_table(reach, full)
 
 
 def q_block_ranges(variant: Variant, arrays: VariantArrays, *, batch: int, seq_q: int, seq_k: int,
@@ -243,12 +253,8 @@ def q_block_ranges(variant: Variant, arrays: VariantArrays, *, batch: int, seq_q
                       **_per_batch(variant, arrays))
   rng = tuple(jnp.broadcast_to(x, (batch, nk)) for x in rng)
   if variant.has_segments:
-    q_min, q_max = _block_min_max(_i32(arrays.q_segment_ids), block_q)  # [B, nq]
-    k_min, k_max = _block_min_max(_i32(arrays.kv_segment_ids), block_k)  # [B, nk]
-    reach = ((k_min[:, :, None] <= q_max[:, None, :]) & (q_min[:, None, :] <= k_max[:, :, None]))
-    full = ((k_min == k_max)[:, :, None] & (q_min == q_max)[:, None, :]
-            & (k_min[:, :, None] == q_min[:, None, :]))
-    rng = intersect_ranges(rng, _ranges_from_table(reach, full))
+    rng = intersect_ranges(rng, _segment_ranges(arrays.kv_segment_ids, block_k,
+                                                arrays.q_segment_ids, block_q))
   return jnp.stack(rng, -1)
 
 
