@@ -278,6 +278,9 @@ def test_decode_config_validates_its_fields():
   assert DecodeConfig.default(64, jnp.float32).block_k == 32
   assert DecodeConfig.default(128, jnp.bfloat16, rows=4).waves == 2  # GQA 32/8, one new row
   assert DecodeConfig.default(128, jnp.bfloat16, rows=32).waves == 1  # MQA 32/1: one wave
+  for rows in (0, 2.0, True):
+    with pytest.raises(ValueError, match="rows must be a positive int"):
+      DecodeConfig.default(128, jnp.bfloat16, rows=rows)
   hash(DecodeLaunch(DecodeConfig(), 3, 4, "triton", fa2_jax.BlockSizes()))
 
 

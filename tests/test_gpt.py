@@ -499,6 +499,8 @@ def cli_error(argv, capsys) -> str:
     # (argparse quotes the choices or not, by Python version)
     (["--preset", "huge"], "argument --preset: invalid choice: 'huge' (choose from ..."),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["--context-strategy", "spiral"], "argument --context-strategy: invalid choice: 'spiral' "
+                                       "(choose from ..."),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--peak-tflops", "0"], "--peak-tflops must be > 0, got 0.0"),
     (["--resume"], "--resume needs --ckpt-dir, the folder of the checkpoints to resume from"),
@@ -549,6 +551,12 @@ def test_cli_rejects_bad_values_with_a_usage_error(argv, message, capsys):
     assert error.startswith(message[:-3]), error
   else:
     assert error == message
+
+
+def test_config_rejects_an_unknown_context_strategy():
+  with pytest.raises(ValueError, match=r"context_strategy must be one of \('ring', 'all_to_all', "
+                                       r"'all_gather'\) or None \(fa2_jax's choice\), got 'spiral'"):
+    GPTConfig(context_strategy="spiral")
 
 
 def test_cli_checks_the_checkpoint_folder_before_training(tmp_path, capsys):

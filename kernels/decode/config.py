@@ -79,6 +79,9 @@ class DecodeConfig:
       raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__} {head_dim!r}")
     if head_dim < 1:
       raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    if isinstance(rows, (bool, np.bool_)) or not isinstance(rows, (int, np.integer)) or rows < 1:
+      raise ValueError(f"rows must be a positive int (the query rows a program packs), got "
+                       f"{rows!r}")
     hp = max(16, 1 << math.ceil(math.log2(int(head_dim))))
     f32 = check_input_dtype(dtype) == jnp.float32
     wide = hp > 128 or f32
