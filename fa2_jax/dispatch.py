@@ -7,7 +7,7 @@ What runs where (``implementation=None``), in the order of :mod:`kernels.registr
   it implements (lengths, ``q_offset``, causal, window, soft cap, ALiBi); split-KV forward, the
   backward of the family below that would run the call (kernels/decode).
 * ``"sm90"``: NVIDIA Hopper (compute capability 9.x: H100, H200), for the calls its kernels support
-  (bfloat16/float16, head_dim 64/128/192/256).
+  (bfloat16/float16, head_dims that are multiples of 16 up to 256).
 * ``"triton"``: every other GPU (A100 = sm80, sm86, sm89, Blackwell sm100/sm120, ROCm) and Hopper calls
   the sm90 kernels refuse; on CPU with ``interpret=True`` (Pallas interpret mode).
 * ``"xla"``: the reference formula, for what no family runs (CPU, head_dim > 256, empty or symbolic
@@ -135,7 +135,7 @@ def describe(backend: str, call: KernelCall | None, *, implementation, config, f
     why = f"a {type(config).__name__} was passed"
   else:
     earlier = [b for b in registry.backends()[:registry.names().index(backend)]]
-    why = ("Hopper GPU and a supported call (bf16/fp16, head_dim 64/128/192/256)"
+    why = ("Hopper GPU and a supported call (bf16/fp16, head_dim a multiple of 16 up to 256)"
            if backend == "sm90" else "the first kernel family that runs this call")
     if earlier:
       why += " (" + "; ".join(f"{b.name}: {_refusal(b, call)}" for b in earlier) + ")"

@@ -100,12 +100,15 @@ def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
 
 @pytest.mark.parametrize("kw, want", [
     (dict(), "sm90"),
-    (dict(h=64, t=17, s=1), "sm90"),  # any length, any head_dim in 64/128/192/256
+    (dict(h=64, t=17, s=1), "sm90"),  # any length
     (dict(h=256), "sm90"),
     (dict(dtype=jnp.float16), "sm90"),
     (dict(dtype=jnp.float32), "triton"),  # wgmma backend: 16-bit inputs only
-    (dict(h=96), "triton"),  # not a multiple of the 64-element swizzled tile
-    (dict(h=32), "triton"),
+    (dict(h=96), "sm90"),  # any multiple of 16: the swizzle that tiles it (ops.smem_transforms)
+    (dict(h=80), "sm90"),
+    (dict(h=32), "sm90"),
+    (dict(h=72), "triton"),  # not a multiple of 16: no wgmma swizzle tiles its rows
+    (dict(h=40), "triton"),
 ])
 def test_default_dispatch_on_hopper(fake_gpu, kw, want):
   fake_gpu((9, 0))
@@ -121,8 +124,8 @@ def test_mosaic_refusal_names_the_reason(fake_gpu):
   q, k = _shapes(dtype=jnp.float32)
   with pytest.raises(ValueError, match="implementation='mosaic' cannot run this call: .*float32"):
     fa2_jax.backend_for(q, k, implementation="mosaic")
-  q, k = _shapes(h=96)
-  with pytest.raises(ValueError, match="implementation='sm90' cannot run this call: .*head_dim"):
+  q, k = _shapes(h=72)
+  with pytest.raises(ValueError, match="implementation=.sm90. cannot run this call: .*multiples of 16"):
     fa2_jax.backend_for(q, k, implementation="sm90")
 
 

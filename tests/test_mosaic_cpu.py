@@ -46,6 +46,12 @@ BF16 = jnp.bfloat16
     ((1, 1000, 8, 128), (1, 777, 2, 128), jnp.float16, 128, True),  # ragged, GQA, causal
     ((1, 1, 4, 192), (1, 3, 1, 192), jnp.bfloat16, 192, True),  # tiny, MQA
     ((3, 300, 2, 256), (3, 100, 2, 256), "bfloat16", 256, False),  # dtype given by name
+    # head_dims tiled by the narrower swizzles: 64 bytes (96, 160), 32 bytes (16, 80, 112)
+    ((1, 500, 8, 96), (1, 500, 2, 96), jnp.bfloat16, 96, True),
+    ((1, 500, 8, 80), (1, 300, 8, 80), jnp.bfloat16, 80, False),
+    ((2, 64, 4, 112), (2, 64, 1, 112), jnp.float16, 112, True),
+    ((1, 128, 2, 16), (1, 128, 2, 16), jnp.bfloat16, 16, False),
+    ((1, 128, 2, 160), (1, 128, 2, 160), jnp.bfloat16, 160, True),
 ])
 def test_supports_accepts(q_shape, k_shape, dtype, h, causal):
   assert supports(q_shape, k_shape, dtype, h, causal) is None
@@ -53,7 +59,9 @@ def test_supports_accepts(q_shape, k_shape, dtype, h, causal):
 
 @pytest.mark.parametrize("q_shape,k_shape,dtype,h,words", [
     ((2, 256, 4, 64), (2, 256, 4, 64), jnp.float32, 64, ("bfloat16", "float16", "float32")),
-    ((2, 256, 4, 32), (2, 256, 4, 32), jnp.bfloat16, 32, ("head_dim", "32")),
+    ((2, 256, 4, 72), (2, 256, 4, 72), jnp.bfloat16, 72, ("head_dim", "multiples of 16", "72")),
+    ((2, 256, 4, 8), (2, 256, 4, 8), jnp.bfloat16, 8, ("head_dim", "8")),
+    ((2, 256, 4, 272), (2, 256, 4, 272), jnp.bfloat16, 272, ("up to 256", "272")),
     ((2, 256, 6, 64), (2, 256, 4, 64), jnp.bfloat16, 64, ("N=6", "K=4", "multiple")),
     ((2, 256, 4, 64), (3, 256, 4, 64), jnp.bfloat16, 64, ("batch mismatch", "2", "3")),
     ((2, 256, 4, 128), (2, 256, 4, 128), jnp.bfloat16, 64, ("head_dim 64", "does not match")),
@@ -87,7 +95,7 @@ def test_backend_refuses_a_value_head_dim_other_than_head_dim(monkeypatch):
 
 # --- MosaicConfig -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("h", [64, 128, 192, 256])
+@pytest.mark.parametrize("h", range(16, 257, 16))
 def test_default_configs_fit(h):
   cfg = MosaicConfig.default(h)
   assert cfg.check(h) is None
@@ -602,6 +610,16 @@ LOWER_CASES = [  # b, t, s, n, kh, h, causal, dtype, cfg, kernels
     # fused dQ with 64-row dK/dV tiles at head_dim 64: no split, one partial per consumer
     (1, 256, 256, 2, 2, 64, False, BF16,
      MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, block_q_dkv=64), ("forward", "dkdv_dq")),
+    # head_dims of the narrower swizzles (ops.smem_transforms): 64 bytes at 96 (fused dQ, its f32
+    # staging 128-byte) and 160 (the role-split dK/dV kernel, the one-warpgroup dQ kernel), 32 bytes
+    # at 80 (fused dQ staged with a 64-byte f32 swizzle) and 112, and 16 (the head_dim-64 tiles)
+    (1, 1000, 777, 4, 2, 96, True, BF16, MosaicConfig.default(96).replace(dq_fused_min_t=0),
+     ("forward", "dkdv_dq")),
+    (1, 300, 520, 4, 1, 80, False, BF16, MosaicConfig.default(80).replace(dq_fused_min_t=0),
+     ("forward", "dkdv_dq")),
+    (1, 256, 200, 2, 2, 112, True, BF16, None, ("forward", "dkdv", "dq")),
+    (1, 256, 200, 2, 1, 160, True, BF16, None, ("forward", "dkdv_roles", "dq")),
+    (2, 256, 256, 2, 2, 16, False, BF16, None, ("forward", "dkdv", "dq")),
 ]
 
 
@@ -661,6 +679,9 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # fused dQ: causal, GQA 2:1, ragged T/S, lse cotangent (emulated: per-consumer slabs, summed)
     (1, 136, 200, 2, 1, 64, True, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=2),
      True),
+    # head_dim 80 (32-byte swizzle), fused dQ without a split (64-row dK/dV tiles, 80 columns):
+    # causal, ragged, GQA 2:1
+    (1, 136, 200, 2, 1, 80, True, MosaicConfig.default(80).replace(dq_fused_min_t=0), False),
     # head_dim 256, the role-split dK/dV and dQ kernels: causal, T < S, GQA 2:1, lse cotangent
     (1, 136, 200, 2, 1, 256, True, None, True),
     # non-causal, T > S, ragged (slow: the role-split kernels run non-causal in CI with a variant,

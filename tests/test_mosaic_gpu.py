@@ -350,6 +350,33 @@ def test_mosaic_dkdv_roles_matches_formula(h, causal, t, s, n, kh, dq_roles):
     _close(got[0], one[0], SAME)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [16, 48, 80, 96, 112, 160, 208])
+@pytest.mark.parametrize("causal, t, s, deterministic", [(True, 1000, 777, True),
+                                                         (False, 2048, 2048, False)])
+def test_mosaic_head_dims_of_the_narrower_swizzles(h, causal, t, s, deterministic):
+  """Every multiple of 16 runs on the Hopper kernels, tiled by the widest swizzle its rows fill
+  (ops.smem_transforms: 32 bytes at 16/48/80/112/208, 64 at 96/160): forward and gradients against
+  the float32 formula within twice the bf16 formula's own error; non-causal 2k is the fused-dQ
+  backward at head_dim <= 128."""
+  assert fa2_jax.backend_for(*_qkv(1, t, s, 8, 2, h), is_causal=causal).backend == "sm90"
+  q, k, v = _qkv(1, t, s, 8, 2, h, seed=h)
+  f = lambda impl, cast: lambda q, k, v: jnp.sum(jnp.tanh(fa2_jax.flash_attention(
+      cast(q), cast(k), cast(v), is_causal=causal, implementation=impl,
+      deterministic=deterministic).astype(jnp.float32)))
+  f32 = lambda x: x.astype(jnp.float32)
+  got = jax.jit(jax.value_and_grad(f("mosaic", lambda x: x), argnums=(0, 1, 2)))(q, k, v)
+  ref = jax.jit(jax.value_and_grad(f("xla", f32), argnums=(0, 1, 2)))(q, k, v)
+  xla = jax.jit(jax.value_and_grad(f("xla", lambda x: x), argnums=(0, 1, 2)))(q, k, v)
+  rel = lambda a, b: float(jnp.linalg.norm(f32(a) - f32(b)) / jnp.linalg.norm(f32(b)))
+  for name, a, b, c in zip(("dq", "dk", "dv"), got[1], ref[1], xla[1]):
+    assert rel(a, b) <= 2 * rel(c, b), (name, rel(a, b), rel(c, b))
+  out = fa2_jax.flash_attention(q, k, v, is_causal=causal, implementation="mosaic")
+  out_ref = fa2_jax.flash_attention(f32(q), f32(k), f32(v), is_causal=causal, implementation="xla")
+  out_xla = fa2_jax.flash_attention(q, k, v, is_causal=causal, implementation="xla")
+  assert rel(out, out_ref) <= 2 * rel(out_xla, out_ref)
+
+
 # --- block_sizes=MosaicConfig: the Mosaic kernels' tiles through the public API ---------------------
 
 def test_block_sizes_type_must_match_implementation():

@@ -12,6 +12,6 @@ Modules (import what you use; this package imports nothing eagerly, so ``import 
 * ``lengths``: ragged sequence lengths (TMA bounds or an HBM pad).
 * ``ops``: wgmma idioms, the producer warpgroup's TMA ring, and the CPU emulation used by the tests.
 
-bfloat16/float16, head_dim 64/128/192/256, GQA/MQA, causal (top-left) or not, any sequence lengths.
+bfloat16/float16, head_dims that are multiples of 16 up to 256, GQA/MQA, causal (top-left) or not, any sequence lengths.
 Needs an sm90 GPU at run time; everything imports (and lowers for sm90) on CPU.
 """

@@ -27,8 +27,8 @@ LN2 = math.log(2.0)
 SMEM_BYTES = 227 * 1024
 SMEM_RESERVE = 4 * 1024
 
-# wgmma's M is 64 rows per warpgroup; every tile side here is a multiple of 64 so that one swizzled
-# (8, 64)-tiled SMEM layout serves all operands (64 elements of a 16-bit dtype = the 128-byte swizzle).
+# wgmma's M is 64 rows per warpgroup; every tile side here is a multiple of 64, so the swizzle that
+# tiles the head_dim (ops.smem_transforms) tiles every other side of a kernel's SMEM tiles too.
 WG_ROWS = 64
 WG_THREADS = 128  # a warpgroup: 4 warps of 32 threads
 SM_REGISTERS = 65536  # 32-bit registers per SM on sm90
@@ -44,7 +44,10 @@ def register_pool(threads: int) -> int:
   return threads * min(LAUNCH_REGISTERS_MAX, SM_REGISTERS // threads // 8 * 8)
 _TILE_SIDES = (64, 128, 192, 256)
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_HEAD_DIMS = (64, 128, 192, 256)
+# head_dims: every multiple of 16 (the narrowest wgmma swizzle, 32 bytes, holds 16 elements of a
+# 16-bit dtype) up to 256 (a 64 x 256 f32 accumulator per consumer warpgroup is the register limit).
+HEAD_DIM_STEP = 16
+HEAD_DIM_MAX = 256
 RAGGED_MODES = ("tma", "pad")
 # How the backward recomputes P (MosaicConfig.backward_p; kernels/softmax.py, docs/design.md "Softmax form")
 BACKWARD_P_FORMS = ("auto", "per_head", "exact")
@@ -285,9 +288,8 @@ class MosaicConfig:
     """
     if isinstance(head_dim, (bool, np.bool_)) or not isinstance(head_dim, (int, np.integer)):
       raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__} {head_dim!r}")
-    if head_dim not in _HEAD_DIMS:
-      raise ValueError(f"head_dim must be one of {_HEAD_DIMS} (the Mosaic kernels' head_dims), got "
-                       f"{head_dim}")
+    if (why := head_dim_reason(int(head_dim))) is not None:
+      raise ValueError(f"head_dim: {why}")
     try:
       dt = None if dtype is None else jnp.dtype(dtype)
     except TypeError:
@@ -404,6 +406,16 @@ class MosaicConfig:
 
 # --- support check -----------------------------------------------------------------------------------
 
+def head_dim_reason(head_dim: int) -> str | None:
+  """None for a head_dim the kernels tile natively (a multiple of :data:`HEAD_DIM_STEP` up to
+  :data:`HEAD_DIM_MAX`), else why not."""
+  if head_dim % HEAD_DIM_STEP or not 0 < head_dim <= HEAD_DIM_MAX:
+    return (f"the Mosaic GPU backend supports head_dims that are multiples of {HEAD_DIM_STEP} up to "
+            f"{HEAD_DIM_MAX} (wgmma's narrowest swizzled SMEM tile holds {HEAD_DIM_STEP} elements), "
+            f"got {head_dim}")
+  return None
+
+
 def supports(q_shape, k_shape, dtype, head_dim: int, is_causal: bool) -> str | None:
   """None when ``forward``/``backward`` of this backend can run the call, else a one-line reason.
 
@@ -425,9 +437,8 @@ def supports(q_shape, k_shape, dtype, head_dim: int, is_causal: bool) -> str | N
   bk, s, kh, hk = k_shape
   if h != head_dim or hk != head_dim:
     return f"head_dim {head_dim} does not match q/k shapes {q_shape}, {k_shape}"
-  if head_dim not in _HEAD_DIMS:
-    return (f"the Mosaic GPU backend supports head_dim in {_HEAD_DIMS} (multiples of the 64-element "
-            f"swizzled tile), got {head_dim}")
+  if (why := head_dim_reason(head_dim)) is not None:
+    return why
   if bk != b:
     return f"batch mismatch: q {b}, k {bk}"
   if min(b, t, n, s, kh) < 1:

@@ -392,7 +392,7 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
                                    kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
             seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq,
             p_form=cfg.p_form(variant))
-  tf = smem_transforms()
+  tf = smem_transforms(h)
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
       v_smem=plgpu.SMEM((num_wgs, bk, h), v.dtype, transforms=tf),
@@ -412,7 +412,7 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
     rows_q, cols_q = dq_piece(bq, h, num_wgs)
     scratch["ds_smem"] = plgpu.SMEM((2, num_wgs, bk, bq), q.dtype, transforms=tf)
     scratch["dq_smem"] = plgpu.SMEM((num_wgs, rows_q, cols_q), jnp.float32,
-                                    transforms=smem_transforms_f32())
+                                    transforms=smem_transforms_f32(cols_q))
     # The consumers' meeting before the dS^T exchange (ops.consumers_sync)
     if st.dq_split is not None:
       scratch["ds_bar"] = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1)

@@ -238,7 +238,7 @@ def dkv_roles_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, s
               section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                      kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
               variant=variant, names=names, p_form=cfg.p_form(variant))
-  tf = smem_transforms()
+  tf = smem_transforms(h)
   scratch = dict(
       k_smem=plgpu.SMEM((bk, h), k.dtype, transforms=tf),
       v_smem=plgpu.SMEM((bk, h), v.dtype, transforms=tf),
@@ -246,7 +246,7 @@ def dkv_roles_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, s
       do_smem=plgpu.SMEM((stages, bq, h), do.dtype, transforms=tf),
       rows_smem=plgpu.SMEM((stages, 2, bq), jnp.float32),
       delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
-      pd_smem=plgpu.SMEM((bk, bq), jnp.float32, transforms=smem_transforms_f32()),
+      pd_smem=plgpu.SMEM((bk, bq), jnp.float32, transforms=smem_transforms_f32(bq)),
       k_bar=plgpu.Barrier(), v_bar=plgpu.Barrier(),
       q_bar=plgpu.Barrier(num_barriers=stages),
       do_bar=plgpu.Barrier(num_barriers=stages),

@@ -174,7 +174,7 @@ def dq_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_k, c
            section=causal_section(cfg, n_bh=b * n, group=n // kh,
                                   kv_bytes=2 * k.shape[1] * h * k.dtype.itemsize),
            seq_q=seq_q, variant=variant, names=names, p_form=cfg.p_form(variant))
-  tf = smem_transforms()
+  tf = smem_transforms(h)
   scratch = dict(
       q_smem=plgpu.SMEM((nwg, bq, h), q.dtype, transforms=tf),
       do_smem=plgpu.SMEM((nwg, bq, h), do.dtype, transforms=tf),

@@ -228,7 +228,7 @@ def dq_roles_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, se
                 section=causal_section(cfg, n_bh=b * n, group=n // kh,
                                        kv_bytes=2 * k.shape[1] * h * k.dtype.itemsize),
                 variant=variant, names=names, p_form=cfg.p_form(variant))
-  tf = smem_transforms()
+  tf = smem_transforms(h)
   scratch = dict(
       q_smem=plgpu.SMEM((2, bq, h // 2), q.dtype, transforms=tf),
       do_smem=plgpu.SMEM((2, bq, h // 2), do.dtype, transforms=tf),
@@ -236,7 +236,7 @@ def dq_roles_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, se
       delta_smem=plgpu.SMEM((bq,), jnp.float32),
       k_smem=plgpu.SMEM((stages, bk, h), k.dtype, transforms=tf),
       v_smem=plgpu.SMEM((stages, bk, h), v.dtype, transforms=tf),
-      pd_smem=plgpu.SMEM((bq, bk), jnp.float32, transforms=smem_transforms_f32()),
+      pd_smem=plgpu.SMEM((bq, bk), jnp.float32, transforms=smem_transforms_f32(bk)),
       ds_smem=plgpu.SMEM((bq, bk), q.dtype, transforms=tf),
       q_bar=plgpu.Barrier(num_barriers=2), do_bar=plgpu.Barrier(num_barriers=2),
       rows_bar=plgpu.Barrier(),

@@ -386,7 +386,7 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
             dealt=cfg.deals_greedily(is_causal=is_causal, known_work=known_work))
   if st.dealt:
     extras = (*extras, jnp.asarray(_causal_deal(st, variant_work)))
-  tf = smem_transforms()
+  tf = smem_transforms(h)
   nwg, stages = cfg.num_wgs, cfg.num_stages
   scratch = dict(
       qo_smem=plgpu.SMEM((nwg, cfg.block_q, h), q.dtype, transforms=tf),

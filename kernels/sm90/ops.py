@@ -42,7 +42,10 @@ from ..block_ranges import index_reads
 # custom calls of equal kernels carry one module and one kernel hash (docs/design.md, One jit per
 # kernel launch, measures the lowering time it saves).
 # The jit's static ``emulate`` flag keeps interpret-mode (emulated wgmma) traces apart.
-_SWIZZLE = 128  # bytes: 64 elements of a 16-bit dtype per swizzled row
+# wgmma's shared-memory swizzles, in bytes per swizzled row (Mosaic GPU has no unswizzled wgmma). A
+# tile uses the widest one that divides its rows' bytes: 128 (64 elements of a 16-bit dtype) for
+# head_dims that are multiples of 64, 64 for 96/160 (32 elements), 32 for 80/112 (16 elements).
+SWIZZLES = (128, 64, 32)
 _EMULATE = [False]
 
 
@@ -66,14 +69,30 @@ def emulating() -> bool:
   return _EMULATE[0]
 
 
-def smem_transforms():
-  """SMEM layout for every [rows, head_dim] 16-bit tile: (8, 64) tiles, 128-byte swizzle (wgmma's)."""
-  return (plgpu.TilingTransform((8, _SWIZZLE // 2)), plgpu.SwizzleTransform(_SWIZZLE))
+def swizzle_bytes(cols: int, itemsize: int = 2) -> int | None:
+  """The widest wgmma swizzle (bytes) whose swizzled rows tile ``cols`` elements of ``itemsize``
+  bytes exactly, or None when none does (a 16-bit row not a multiple of 16 elements)."""
+  return next((s for s in SWIZZLES if (cols * itemsize) % s == 0), None)
 
 
-def smem_transforms_f32():
-  """SMEM layout for f32 [rows, cols] tiles: (8, 32) tiles, 128-byte swizzle (32 f32 per row)."""
-  return (plgpu.TilingTransform((8, _SWIZZLE // 4)), plgpu.SwizzleTransform(_SWIZZLE))
+def smem_transforms(head_dim: int):
+  """SMEM layout for the 16-bit tiles of a kernel of this ``head_dim``: ``(8, swizzle / 2)`` tiles
+  with the widest swizzle of :func:`swizzle_bytes`. One swizzle serves every 16-bit tile of a kernel
+  ([rows, head_dim] and [rows, keys] alike, whose sides are multiples of 64): a wgmma's two SMEM
+  operands must share one."""
+  swizzle = swizzle_bytes(head_dim, 2)
+  if swizzle is None:
+    raise ValueError(f"head_dim {head_dim} is not a multiple of 16: no wgmma swizzle tiles it")
+  return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def smem_transforms_f32(cols: int):
+  """SMEM layout for f32 [rows, cols] tiles (staging for TMA only, never a wgmma operand):
+  ``(8, swizzle / 4)`` tiles with the widest swizzle that tiles ``cols``."""
+  swizzle = swizzle_bytes(cols, 4)
+  if swizzle is None:
+    raise ValueError(f"{cols} f32 columns are not a multiple of 8: no swizzle tiles them")
+  return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
 
 
 def compiler_params():
