@@ -127,6 +127,12 @@ def test_fuses_dq_default_rule():
   assert not c.replace(dq_fused_variants=False).fuses_dq(8192, deterministic=False, variant=True)
   assert MosaicConfig.default(64, is_causal=True).fuses_dq(8192, deterministic=False)
   assert not MosaicConfig.default(256).fuses_dq(8192, deterministic=False)  # role-split dK/dV
+  # fused only where the dQ tile splits between the consumers: by rows at <= 64 (128-row dK/dV
+  # tiles), by columns at 128; not at 80/96/112
+  for h in (16, 48, 64, 128):
+    assert MosaicConfig.default(h, is_causal=True).fuses_dq(8192, deterministic=False), h
+  for h in (80, 96, 112):
+    assert not MosaicConfig.default(h, is_causal=True).fuses_dq(8192, deterministic=False), h
   # a variant call builds the dQ kernel's range table only when its backward runs that kernel
   assert set(c.range_tiles(4096)) == {"fwd", "dkv"}
   assert set(c.range_tiles(4096, deterministic=True)) == set(c.range_tiles(2048)) == {
@@ -613,9 +619,9 @@ LOWER_CASES = [  # b, t, s, n, kh, h, causal, dtype, cfg, kernels
     # head_dims of the narrower swizzles (ops.smem_transforms): 64 bytes at 96 (fused dQ, its f32
     # staging 128-byte) and 160 (the role-split dK/dV kernel, the one-warpgroup dQ kernel), 32 bytes
     # at 80 (fused dQ staged with a 64-byte f32 swizzle) and 112, and 16 (the head_dim-64 tiles)
-    (1, 1000, 777, 4, 2, 96, True, BF16, MosaicConfig.default(96).replace(dq_fused_min_t=0),
+    (1, 1000, 777, 4, 2, 96, True, BF16, MosaicConfig.default(96).replace(dq_fused=True, dq_fused_min_t=0, dq_fused_variants=True),
      ("forward", "dkdv_dq")),
-    (1, 300, 520, 4, 1, 80, False, BF16, MosaicConfig.default(80).replace(dq_fused_min_t=0),
+    (1, 300, 520, 4, 1, 80, False, BF16, MosaicConfig.default(80).replace(dq_fused=True, dq_fused_min_t=0, dq_fused_variants=True),
      ("forward", "dkdv_dq")),
     (1, 256, 200, 2, 2, 112, True, BF16, None, ("forward", "dkdv", "dq")),
     (1, 256, 200, 2, 1, 160, True, BF16, None, ("forward", "dkdv_roles", "dq")),
@@ -681,7 +687,7 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
      True),
     # head_dim 80 (32-byte swizzle), fused dQ without a split (64-row dK/dV tiles, 80 columns):
     # causal, ragged, GQA 2:1
-    (1, 136, 200, 2, 1, 80, True, MosaicConfig.default(80).replace(dq_fused_min_t=0), False),
+    (1, 136, 200, 2, 1, 80, True, MosaicConfig.default(80).replace(dq_fused=True, dq_fused_min_t=0, dq_fused_variants=True), False),
     # head_dim 256, the role-split dK/dV and dQ kernels: causal, T < S, GQA 2:1, lse cotangent
     (1, 136, 200, 2, 1, 256, True, None, True),
     # non-causal, T > S, ragged (slow: the role-split kernels run non-causal in CI with a variant,
