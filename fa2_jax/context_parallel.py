@@ -38,11 +38,14 @@ Strategies:
 
 * ``"ring"``: K/V blocks travel around the axis by ``lax.ppermute``, ``C`` steps; each step runs the
   local kernels on (local queries, visiting K/V) with the positions shifted, and the partial outputs
-  are merged exactly by their lse. A ``jax.custom_vjp`` ring backward: the residuals are the local
-  q, k, v, out and lse only; K/V circulate again with float32 dK/dV accumulators, and each block
-  runs the kernels' backward with the GLOBAL out and lse (``attention.attention_backward``). Blocks
-  no query may attend (causal future, out of a window's reach, past the lengths) are skipped by a
-  ``lax.cond`` on the traced device and step indices; within a block the kernels skip masked tiles.
+  are merged exactly by their lse. Where nothing but causality reads positions (no window,
+  lengths, ``q_offset``, ALiBi, ``mask_fn``/``score_fn``; under ``is_causal`` T = S) a step is ONE
+  kernel call on whole chunks (:func:`_whole_chunks`), else one per (query piece, key piece) pair.
+  A ``jax.custom_vjp`` ring backward: the residuals are the local q, k, v, out and lse only; K/V
+  circulate again with float32 dK/dV accumulators, and each block runs the kernels' backward with
+  the GLOBAL out and lse (``attention.attention_backward``). Blocks no query may attend (causal
+  future, out of a window's reach, past the lengths) are skipped by a ``lax.cond`` on the traced
+  device and step indices; within a block the kernels skip masked tiles.
   Calls on the XLA formula, and calls with ``alibi_slopes`` (to differentiate them), take the
   per-block backward by recomputing the block's forward under ``jax.vjp`` instead.
 * ``"all_to_all"`` (Ulysses): ``lax.all_to_all`` trades the sequence for the heads, one
