@@ -457,13 +457,13 @@ def _forward_step(cfg: _Config, ops, q, kv, acc, d, src):
 
 
 def _whole_forward_step(cfg: _Config, ops, q, kv, acc, d, src):
-  """:func:`_forward_step` on whole chunks (``src != d``): ONE kernel call, not causal. Not
-  causal: every local query row attends every visiting key. Causal: device ``d`` holds chunks
-  ``d`` and ``2C-1-d`` (zigzag; contiguous: ``d``), device ``src`` chunks ``src`` and ``2C-1-src``,
-  and ``src < C <= 2C-1-d``; so ``src < d``: both query chunks attend key chunk ``src`` (piece 0)
-  whole and none of ``2C-1-src`` (later than both); ``src > d``: query chunk ``2C-1-d`` (piece 1)
-  attends both key chunks whole, chunk ``d`` none (contiguous: nothing). A ``lax.cond`` on the
-  traced indices, each branch merging into the query pieces it covers."""
+  """:func:`_forward_step` on whole chunks (``src != d``): ONE kernel call without causal masking.
+  Without ``is_causal`` every local query row attends every visiting key. With it: device ``d``
+  holds chunks ``d`` and ``2C-1-d`` (zigzag; contiguous: ``d``), device ``src`` chunks ``src`` and
+  ``2C-1-src``, and ``src < C <= 2C-1-d``; so ``src < d``: both query chunks attend key chunk
+  ``src`` (piece 0) whole and none of ``2C-1-src`` (later than both); ``src > d``: query chunk
+  ``2C-1-d`` (piece 1) attends both key chunks whole, chunk ``d`` none (contiguous: nothing). A
+  ``lax.cond`` on the traced indices, each branch merging into the query pieces it covers."""
   pieces = cfg.pieces
   k, v, kv_seg = kv
   q_seg = ops["q_seg"]
