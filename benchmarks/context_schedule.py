@@ -1,26 +1,28 @@
-"""The ring's per-block schedule on one device against one ``flash_attention`` call on the same sequence.
+"""The ring's per-step schedule on one device against one ``flash_attention`` call on the same sequence.
 
 Context parallelism's ring (fa2_jax/context_parallel.py, ``strategy="ring"``) replaces one call over the
-whole sequence by many smaller block calls whose partial softmaxes are merged by their lse. Summed over
-the C devices of the ring, the blocks do the work of the one call; what they cost beyond it (smaller
-kernels, the merges, the per-block control flow) is what the context-parallel scaling model needs from the
-kernel side. This script measures it on ONE device, without communication:
+whole sequence by C smaller calls per device, one per ring step, whose partial softmaxes are merged by
+their lse. Summed over the C devices of the ring, the calls do the work of the one call; what they cost
+beyond it (smaller kernels, the merges, the per-step control flow) is what the context-parallel scaling
+model needs from the kernel side. This script measures it on ONE device, without communication:
 
   one call    fa2_jax.flash_attention(q, k, v, is_causal=...) over the whole sequence
-  ring Cx     every block of the ring's C devices, in the zigzag layout (device d holds chunks d and
-              2C-1-d of 2C): for each device d (a fori_loop, d traced as lax.axis_index is in the ring),
-              C steps (a fori_loop; at step s the device holds the K/V of device (d - s) mod C), each
-              step its two query pieces against the two visiting key pieces: ``out_j, lse_j =
-              flash_attention(q_piece, k_piece, v_piece, return_residual=True, is_causal=...,
-              q_offset=<q start - k start>)``, a block fully in the causal future skipped by a lax.cond
-              on the traced indices (as the ring's), the pieces merged exactly in float32
-              (``out = Σ exp(lse_j - lse) out_j``, the ring's _merge) and cast to the input dtype.
-              Backward (a custom_vjp, the ring's kernel path): the same loops, each live block running
-              ``fa2_jax.attention.attention_backward(q_piece, k_piece, v_piece, out, lse, dout)`` with
-              its rows' GLOBAL out and lse, dQ per piece and dK/dV per key chunk accumulated in
-              float32 (in the ring they travel with their K/V).
-              The ring's lax.ppermute is replaced by a slice of the visiting K/V chunk out of the
-              zigzag-ordered K/V: no communication is measured.
+  ring Cx     every step of the ring's C devices, in the zigzag layout (device d holds chunks d and
+              2C-1-d of 2C), run by the ring's own step functions (context_parallel._forward_start,
+              _forward_step, _backward_start, _backward_step): for each device d (a fori_loop, d
+              traced as lax.axis_index is in the ring), C steps (at step s the device holds the K/V
+              of device src = (d - s) mod C), each ONE ``flash_attention(..., return_residual=True)``
+              call on whole chunks (step_calls): step 0 the local chunks against themselves (causal
+              when the cell is; its result starts the float32 accumulators), the later steps (a
+              fori_loop) not causal: causal, src < d every local query row against the visiting
+              first key chunk (chunk src), src > d the later query chunk (2C-1-d) against both
+              visiting key chunks, a lax.cond on the traced indices; each merged exactly in float32
+              into the query rows it covers (``out = Σ exp(lse_j - lse) out_j``) and cast to the
+              input dtype at the end. Backward (a custom_vjp, the ring's kernel path): the same
+              loops, each step's call running ``fa2_jax.attention.attention_backward`` with its rows'
+              GLOBAL out and lse, dQ and dK/dV accumulated in float32 (in the ring dK/dV travel with
+              their K/V). The ring's lax.ppermute is replaced by a slice of the visiting K/V chunks
+              out of the zigzag-ordered K/V: no communication is measured.
 
 Inputs: the one call gets q, k, v in their natural order; the ring rows the same arrays in the zigzag
 layout (fa2_jax.to_context_layout, outside the timed call) and return their output in it (the loss, an
@@ -94,138 +96,89 @@ def ring_name(contexts: int) -> str:
   return f"ring_c{contexts}"
 
 
-def live_blocks(contexts: int, causal: bool) -> int:
-  """Blocks one device of the zigzag ring runs (of 4C): all when not causal; causal, device d's pieces
-  (chunks d and 2C-1-d) attend the key chunks at or before their own: (d + 1) + (2C - d) = 2C + 1."""
-  return 2 * contexts + 1 if causal else 4 * contexts
+def step_calls(seq: int, contexts: int, causal: bool) -> dict:
+  """The kernel call of each of one device's C ring steps, ``[query rows, keys]`` (the ring's whole-chunk
+  step, context_parallel._forward_step): ``first``: step 0's, the local chunks (T/C x S/C; causal when the
+  cell is); ``later``: what each later step runs, not causal: causal, ``[T/C, S/2C]`` (the visiting
+  device is before this one: every local row, its first key chunk) or ``[T/2C, S/C]`` (after: the later
+  query chunk, every key); not causal ``[T/C, S/C]``."""
+  t = seq // contexts
+  return dict(first=[t, t], later=[[t, t // 2], [t // 2, t]] if causal else [[t, t]])
 
 
 # --- the schedule ------------------------------------------------------------------------------------
 
-def _merge(acc, new):
-  """Two partial softmaxes of the same rows merged exactly (context_parallel._merge): ``lse =
-  logaddexp(lse_a, lse_b)``, ``out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b``; a row without
-  keys in either keeps output 0 and lse -inf. float32 ``(out [B, t, N, H], lse [B, t, N])``."""
-  import jax.numpy as jnp
-  (o_a, l_a), (o_b, l_b) = acc, new
-  m = jnp.maximum(l_a, l_b)
-  m = jnp.where(m == -jnp.inf, 0.0, m)
-  w_a, w_b = jnp.exp(l_a - m), jnp.exp(l_b - m)
-  total = w_a + w_b
-  seen = total > 0
-  total = jnp.where(seen, total, 1.0)
-  lse = jnp.where(seen, m + jnp.log(total), -jnp.inf)
-  out = o_a * (w_a / total)[..., None] + o_b.astype(jnp.float32) * (w_b / total)[..., None]
-  return out, lse
-
-
 def ring_schedule(contexts: int, causal: bool, **kw):
   """``f(q, k, v) -> out``, all in the zigzag layout of ``contexts`` devices (``[B, T, N, H]``,
-  ``[B, S, K, H]``): every block of the ring's devices on this one device, merged by lse; its gradient
-  runs ``attention_backward`` per block (module docstring). ``kw``: flash_attention's other keywords
-  (``interpret`` on the CPU)."""
+  ``[B, S, K, H]``): the ring's steps of every device (context_parallel's own step functions) on this
+  one device; its gradient runs the ring's backward steps (module docstring). ``kw``: flash_attention's
+  other keywords (``interpret`` on the CPU)."""
   import jax
   import jax.numpy as jnp
   from jax import lax
-  import fa2_jax
-  from fa2_jax.attention import attention_backward
+  from fa2_jax import context_parallel as cp
 
-  c, pieces = contexts, 2
+  c = contexts
+  flags = dict(with_slopes=False, slope_rows=False)
 
-  def chunk(x, slot, size):  # slot ``slot`` of the layout's 2C equal chunks (a traced index)
-    return lax.dynamic_slice_in_dim(x, slot * size, size, axis=1)
+  def setup(q, k, v):
+    """The ring's settings for device chunks of these global arrays (no axis: the device index is
+    passed to each step)."""
+    local = lambda x: jax.ShapeDtypeStruct((x.shape[0], x.shape[1] // c, *x.shape[2:]), x.dtype)  # noqa: E731
+    cfg, ops = cp._setup(None, c, "zigzag", "ring", local(q), local(k), local(v), is_causal=causal, **kw)
+    assert cfg.whole_chunks, "the ring's step on whole chunks"
+    return cfg, ops, q.shape[1] // c, k.shape[1] // c
 
-  def blocks(d, step, tq, tk):
-    """The step's (p, r, q_row0, k_row0, live) of device ``d``: query piece p (chunk d or 2C-1-d)
-    against the visiting device's key piece r; ``live``: None (every block) or a traced bool."""
-    src = (d + (c - step)) % c  # the device whose K/V this one holds at this step
-    q_chunks, k_chunks = (d, 2 * c - 1 - d), (src, 2 * c - 1 - src)
-    for p in range(pieces):
-      for r in range(pieces):
-        q_row0, k_row0 = q_chunks[p] * tq, k_chunks[r] * tk
-        yield p, r, src, q_row0, k_row0, (k_row0 <= q_row0 + (tq - 1)) if causal else None
-
-  def block_kw(q_row0, k_row0, b):
-    kwargs = dict(kw, is_causal=causal)
-    if causal:  # the kernels count key positions from 0: the query rows' start minus the keys'
-      kwargs["q_offset"] = jnp.zeros((b,), jnp.int32) + (q_row0 - k_row0)
-    return kwargs
-
-  def cond(live, run, skip):
-    return run() if live is None else lax.cond(live, run, skip)
+  def chunk(x, d, size):  # device d's local chunk (its two zigzag chunks) of a zigzag-ordered array
+    return None if x is None else lax.dynamic_slice_in_dim(x, d * size, size, axis=1)
 
   def forward(q, k, v):
-    b, t, n, _ = q.shape
-    hv = v.shape[3]
-    tq, tk = t // (pieces * c), k.shape[1] // (pieces * c)
+    cfg, ops, tq, tk = setup(q, k, v)
+    kv_of = lambda src: (chunk(k, src, tk), chunk(v, src, tk), None)  # noqa: E731  (k, v, kv_seg)
 
     def device(d, bufs):
-      qs = [chunk(q, pieces * d + p, tq) for p in range(pieces)]
+      q_d = chunk(q, d, tq)
+      acc, first = cp._forward_start(cfg, ops, q_d, kv_of(d))
 
       def step_fn(step, acc):
-        acc = list(acc)
-        for p, r, src, q_row0, k_row0, live in blocks(d, step, tq, tk):
-          kp, vp = chunk(k, pieces * src + r, tk), chunk(v, pieces * src + r, tk)
+        src = (d + (c - step)) % c  # the device whose K/V device d holds at this step
+        return cp._forward_step(cfg, ops, q_d, kv_of(src), acc, d, src)
 
-          def run(qp=qs[p], kp=kp, vp=vp, q_row0=q_row0, k_row0=k_row0):
-            out, lse = fa2_jax.flash_attention(qp, kp, vp, return_residual=True,
-                                               **block_kw(q_row0, k_row0, b))
-            return out, lse.astype(jnp.float32)
-
-          def skip():
-            return jnp.zeros((b, tq, n, hv), q.dtype), jnp.full((b, tq, n), -jnp.inf, jnp.float32)
-
-          acc[p] = _merge(acc[p], cond(live, run, skip))
-        return tuple(acc)
-
-      acc = tuple((jnp.zeros((b, tq, n, hv), jnp.float32), jnp.full((b, tq, n), -jnp.inf, jnp.float32))
-                  for _ in range(pieces))
-      acc = lax.fori_loop(0, c, step_fn, acc)
+      acc = lax.fori_loop(first, c, step_fn, acc)
       out, lse = bufs
-      for p, (o, l) in enumerate(acc):
-        out = lax.dynamic_update_slice_in_dim(out, o.astype(q.dtype), (pieces * d + p) * tq, axis=1)
-        lse = lax.dynamic_update_slice_in_dim(lse, l, (pieces * d + p) * tq, axis=1)
+      out = lax.dynamic_update_slice_in_dim(out, cp._cat([o for o, _ in acc]).astype(q.dtype), d * tq, 1)
+      lse = lax.dynamic_update_slice_in_dim(lse, cp._cat([l for _, l in acc]), d * tq, 1)
       return out, lse
 
-    return lax.fori_loop(0, c, device, (jnp.zeros((b, t, n, hv), q.dtype),
+    b, t, n, _ = q.shape
+    return lax.fori_loop(0, c, device, (jnp.zeros((b, t, n, v.shape[3]), q.dtype),
                                         jnp.zeros((b, t, n), jnp.float32)))
 
   def backward(q, k, v, out, lse, dout):
-    b, t, _, _ = q.shape
-    tq, tk = t // (pieces * c), k.shape[1] // (pieces * c)
+    cfg, ops, tq, tk = setup(q, k, v)
+    kv_of = lambda src: (chunk(k, src, tk), chunk(v, src, tk), None)  # noqa: E731
+    pieces = lambda buf, src: tuple(cp._piece(chunk(buf, src, tk), i, cfg.pieces)  # noqa: E731
+                                    for i in range(cfg.pieces))
+    put = lambda buf, src, xs: lax.dynamic_update_slice_in_dim(buf, cp._cat(xs), src * tk, 1)  # noqa: E731
 
-    def device(d, carry):
-      dq_buf, dk_buf, dv_buf = carry
-      rows = [[chunk(x, pieces * d + p, tq) for x in (q, out, lse, dout)] for p in range(pieces)]
+    def device(d, bufs):
+      dq_buf, dk_buf, dv_buf = bufs
+      rows = tuple(chunk(x, d, tq) for x in (q, None, out, lse, dout, None))  # (q, q_seg, ..., dlse)
+      (dq, dk, dv, _), first = cp._backward_start(cfg, ops, rows, kv_of(d), **flags)
+      # the first step's dK/dV (zeros where it runs in the loop) go to device d's accumulators
+      dk_buf = put(dk_buf, d, [a + b for a, b in zip(pieces(dk_buf, d), dk)])
+      dv_buf = put(dv_buf, d, [a + b for a, b in zip(pieces(dv_buf, d), dv)])
 
       def step_fn(step, carry):
         dq, dk_buf, dv_buf = carry
-        dq = list(dq)
-        for p, r, src, q_row0, k_row0, live in blocks(d, step, tq, tk):
-          slot = pieces * src + r
-          kp, vp = chunk(k, slot, tk), chunk(v, slot, tk)
+        src = (d + (c - step)) % c
+        # device src's float32 dK/dV accumulators (in the ring they travel with its K/V)
+        grads = (dq, pieces(dk_buf, src), pieces(dv_buf, src), None)
+        dq, dk, dv, _ = cp._backward_step(cfg, ops, rows, kv_of(src), grads, d, src, **flags)
+        return dq, put(dk_buf, src, dk), put(dv_buf, src, dv)
 
-          def run(rows=rows[p], kp=kp, vp=vp, q_row0=q_row0, k_row0=k_row0):
-            qp, out_p, lse_p, dout_p = rows
-            grads = attention_backward(qp, kp, vp, out_p, lse_p, dout_p, None,
-                                       **block_kw(q_row0, k_row0, b))
-            return tuple(x.astype(jnp.float32) for x in grads)
-
-          def skip(kp=kp, vp=vp):
-            return (jnp.zeros(rows[0][0].shape, jnp.float32), jnp.zeros(kp.shape, jnp.float32),
-                    jnp.zeros(vp.shape, jnp.float32))
-
-          g_q, g_k, g_v = cond(live, run, skip)
-          dq[p] = dq[p] + g_q
-          dk_buf = lax.dynamic_update_slice_in_dim(dk_buf, chunk(dk_buf, slot, tk) + g_k, slot * tk, 1)
-          dv_buf = lax.dynamic_update_slice_in_dim(dv_buf, chunk(dv_buf, slot, tk) + g_v, slot * tk, 1)
-        return tuple(dq), dk_buf, dv_buf
-
-      dq = tuple(jnp.zeros(rows[p][0].shape, jnp.float32) for p in range(pieces))
-      dq, dk_buf, dv_buf = lax.fori_loop(0, c, step_fn, (dq, dk_buf, dv_buf))
-      for p in range(pieces):
-        dq_buf = lax.dynamic_update_slice_in_dim(dq_buf, dq[p].astype(q.dtype), (pieces * d + p) * tq, 1)
-      return dq_buf, dk_buf, dv_buf
+      dq, dk_buf, dv_buf = lax.fori_loop(first, c, step_fn, (dq, dk_buf, dv_buf))
+      return lax.dynamic_update_slice_in_dim(dq_buf, cp._cat(dq).astype(q.dtype), d * tq, 1), dk_buf, dv_buf
 
     dq, dk, dv = lax.fori_loop(0, c, device, (jnp.zeros(q.shape, q.dtype),
                                               jnp.zeros(k.shape, jnp.float32),
@@ -389,8 +342,8 @@ def run(args) -> dict:
       reps=args.reps, bar=BAR, err_tol=ERR_TOL,
       shape="GQA {heads}/{kv_heads}, head_dim {head_dim}, B=1".format(**SIZES[size]),
       layout="zigzag (device d holds chunks d and 2C-1-d of 2C)",
-      backward="custom_vjp: attention_backward per live block with the rows' global out and lse "
-               "(the ring's kernel path), dq/dk/dv accumulated in float32",
+      backward="custom_vjp: the ring's backward steps, attention_backward per step call with the "
+               "rows' global out and lse (the ring's kernel path), dq/dk/dv accumulated in float32",
       flops="the one call's: forward 4·B·N·T·S·H, halved when causal; forward+backward 3.5× that",
       method="benchmarks.timing: jit; 2 warm-up calls; median of reps x (iters back-to-back calls, then "
              "block_until_ready), the rows and passes of a cell interleaved (order rotated each "
@@ -402,8 +355,7 @@ def run(args) -> dict:
     for name, c in [(ONE_CALL, None)] + [(ring_name(x), x) for x in contexts]:
       rec = dict(cell, row=name, impl="fa2", contexts=c, dtype=DTYPE, status="ok")
       if c is not None:
-        rec.update(blocks_per_device=4 * c, live_blocks_per_device=live_blocks(c, cell["causal"]),
-                   block=[cell["seq"] // (2 * c)] * 2)
+        rec.update(calls_per_device=c, step_calls=step_calls(cell["seq"], c, cell["causal"]))
       if run.skip(rec):
         continue
       try:
@@ -496,16 +448,18 @@ def evaluate(cells) -> list[dict]:
 
 def render(data, base):
   cells, cfg = cells_of(data), data.get("config", {})
-  lines = h.header(data, "The ring's per-block schedule on one device against one flash_attention call")
+  lines = h.header(data, "The ring's per-step schedule on one device against one flash_attention call")
   lines += [
       f"- {cfg.get('shape', '')}, {cfg.get('dtype', DTYPE)}, self-attention T = S; layout "
       f"{cfg.get('layout', 'zigzag')}",
       "- one call: `flash_attention(q, k, v, is_causal=...)` over the whole sequence",
-      "- ring C=x: every block of the ring's C devices run one after another on this device, as the "
-      "ring runs them (a fori_loop over devices and one over the C steps, 4 blocks per step: "
-      "`flash_attention(q_piece, k_piece, v_piece, return_residual=True, q_offset=q start − k start)`, "
-      "a block in the causal future skipped by lax.cond, the pieces merged by lse in float32); K/V "
-      "sliced out of the zigzag-ordered arrays instead of the ring's ppermute: no communication",
+      "- ring C=x: the ring's steps of its C devices run one after another on this device by the "
+      "ring's own step code (a fori_loop over devices and one over the C steps): ONE "
+      "`flash_attention(..., return_residual=True)` call per step on whole chunks — step 0 the local "
+      "chunks (causal when the cell is), later steps not causal: causal, every local row against the "
+      "visiting first key chunk or the later query chunk against both (a lax.cond on the device "
+      "indices) — merged by lse into float32 accumulators; K/V sliced out of the zigzag-ordered "
+      "arrays instead of the ring's ppermute: no communication",
       f"- backward: {cfg.get('backward', '')}",
       f"- timing: {cfg.get('method', '')}; {cfg.get('reps')} × {cfg.get('iters')} calls",
       f"- FLOPs: {cfg.get('flops', '')} (TFLOP/s of every row over the one call's FLOPs)", ""]
@@ -515,15 +469,17 @@ def render(data, base):
     lines += ["## Bar: ring schedule ≤ " f"{BAR:.2f}× one call, forward+backward", "",
               f"- met in {len(got) - len(bad)} of {len(got)} (cell, C)" + (
                   f"; not met: {', '.join(bad)}" if bad else ""), ""]
-  blocks = {c["contexts"]: (c["live_blocks_per_device"], c["blocks_per_device"]) for c in cells
-            if c.get("contexts") and c.get("causal")}
+  calls = {(c["contexts"], c["causal"]): c["step_calls"] for c in cells if c.get("step_calls")}
   lines += ["## Forward+backward", "",
             "Ratio: the ring rows' time over the one call's (✓ at or below the bar); ✗: failed; ⚠: "
             "the ring's output or gradients off the one call's (check below).", "",
             table(cells, "fwd+bwd"), "", "## Forward", "", table(cells, "fwd"), ""]
-  if blocks:
-    lines += ["Causal: live blocks per device (of 4C; the rest skipped by lax.cond): " + "; ".join(
-        f"C={x}: {a} of {b}" for x, (a, b) in sorted(blocks.items())), ""]
+  if calls:
+    shape = lambda x: "×".join(map(str, x))  # noqa: E731
+    lines += ["Kernel calls per device: C, one per ring step, [query rows × keys]: " + "; ".join(
+        f"C={x} {'causal' if causal else 'not causal'}: step 0 {shape(c['first'])}, then "
+        + " or ".join(shape(s) for s in c["later"])
+        for (x, causal), c in sorted(calls.items(), key=lambda kv: (kv[0][0], not kv[0][1]))), ""]
   lines += ["## Check: ring against the one call", "",
             f"Relative L2 error of the ring's out, dq, dk, dv (natural order) against the one call's; "
             f"⚠ above {cfg.get('err_tol', ERR_TOL):g}.", "", check_table(cells), ""]
@@ -562,7 +518,7 @@ def plot(data, cells, base):
     ax.set_title("causal" if causal else "not causal", fontsize=10)
     ax.grid(alpha=0.3)
   h.legend_below(fig, axes, ncol=4)
-  return h.save(plt, fig, base, data, "Ring's per-block schedule on one device ÷ one flash_attention "
+  return h.save(plt, fig, base, data, "Ring's per-step schedule on one device ÷ one flash_attention "
                 "call (lower is better)")
 
 

@@ -38,11 +38,14 @@ Strategies:
 
 * ``"ring"``: K/V blocks travel around the axis by ``lax.ppermute``, ``C`` steps; each step runs the
   local kernels on (local queries, visiting K/V) with the positions shifted, and the partial outputs
-  are merged exactly by their lse. A ``jax.custom_vjp`` ring backward: the residuals are the local
-  q, k, v, out and lse only; K/V circulate again with float32 dK/dV accumulators, and each block
-  runs the kernels' backward with the GLOBAL out and lse (``attention.attention_backward``). Blocks
-  no query may attend (causal future, out of a window's reach, past the lengths) are skipped by a
-  ``lax.cond`` on the traced device and step indices; within a block the kernels skip masked tiles.
+  are merged exactly by their lse. Where nothing but causality reads positions (no window,
+  lengths, ``q_offset``, ALiBi, ``mask_fn``/``score_fn``; under ``is_causal`` T = S) a step is ONE
+  kernel call on whole chunks (:func:`_whole_chunks`), else one per (query piece, key piece) pair.
+  A ``jax.custom_vjp`` ring backward: the residuals are the local q, k, v, out and lse only; K/V
+  circulate again with float32 dK/dV accumulators, and each block runs the kernels' backward with
+  the GLOBAL out and lse (``attention.attention_backward``). Blocks no query may attend (causal
+  future, out of a window's reach, past the lengths) are skipped by a ``lax.cond`` on the traced
+  device and step indices; within a block the kernels skip masked tiles.
   Calls on the XLA formula, and calls with ``alibi_slopes`` (to differentiate them), take the
   per-block backward by recomputing the block's forward under ``jax.vjp`` instead.
 * ``"all_to_all"`` (Ulysses): ``lax.all_to_all`` trades the sequence for the heads, one
@@ -217,10 +220,29 @@ class _Config:
   positions: bool  # whether anything reads positions (then every block call gets a q_offset)
   window: tuple  # (left, right) key bounds relative to the query position, None: unbounded
   kernel_backward: bool  # the ring's blocks run the kernels' backward (else: recompute under vjp)
+  whole_chunks: bool  # each ring step is one kernel call on whole chunks (_whole_chunks)
 
   @property
   def pieces(self) -> int:
     return 2 if self.layout == "zigzag" else 1
+
+  @property
+  def is_causal(self) -> bool:
+    return bool(dict(self.kwargs)["is_causal"])
+
+
+def _whole_chunks(is_causal: bool, t_loc: int, s_loc: int, *, window, q_len, kv_len, q_offset,
+                  slopes, mask_fn, score_fn) -> bool:
+  """Whether each ring step can run as ONE kernel call on whole chunks instead of one per (query
+  piece, key piece) pair: nothing but causality reads positions (no window, lengths, ``q_offset``,
+  ALiBi, ``mask_fn``/``score_fn``; segment ids travel with their tokens and a soft cap reads
+  none), and under ``is_causal`` the local query and key lengths are equal, so that query chunk i
+  and key chunk i cover the same positions and causality between two chunks is decided by their
+  order alone: a chunk attends the earlier ones whole, the later ones not at all, and itself
+  causally (:func:`_forward_step`)."""
+  return (window is None and q_len is None and kv_len is None and q_offset is None
+          and slopes is None and mask_fn is None and score_fn is None
+          and (not is_causal or t_loc == s_loc))
 
 
 def _window(local_window_size, is_causal: bool) -> tuple:
@@ -357,47 +379,132 @@ def _cat(xs):
 
 
 # --- the ring ------------------------------------------------------------------------------------
+# C steps: at step s device d holds the K/V of device src = (d - s) mod C (kv = (k, v, kv_seg)).
+# A step is _forward_step / _backward_step of (d, src), after _forward_start / _backward_start;
+# the ring moves K/V on by ppermute between steps, benchmarks/context_schedule.py runs the same
+# steps of every device on one device with K/V sliced out of the global arrays.
+
+def _shift_all(xs, cfg: _Config):
+  return tuple(_shift(x, cfg) for x in xs)
+
+
+def _whole_kwargs(cfg: _Config, causal: bool, q_seg, kv_seg) -> dict:
+  """flash_attention's keywords for a whole-chunk call (:func:`_whole_chunks`): the call's own, with
+  ``is_causal`` as the pair of chunks needs it; no position reaches the kernels."""
+  kw = dict(cfg.kwargs, is_causal=causal)
+  if q_seg is not None or kv_seg is not None:
+    kw["q_segment_ids"], kw["kv_segment_ids"] = q_seg, kv_seg
+  return kw
+
+
+def _whole_call(cfg: _Config, q, k, v, q_seg, kv_seg, causal: bool):
+  """``(out, lse float32)`` of one whole-chunk kernel call."""
+  out, lse = attention.flash_attention(q, k, v, return_residual=True,
+                                       **_whole_kwargs(cfg, causal, q_seg, kv_seg))
+  return tuple(match_vma(out, lse.astype(jnp.float32), q)[:2])
+
+
+def _forward_start(cfg: _Config, ops, q, kv):
+  """``(acc, first)``: the forward's accumulators (per query piece, float32 ``(out [B, t, N, Hv],
+  lse [B, t, N])``) before step ``first``. Whole chunks: the first step (``src == d``) runs here,
+  ONE call on the local chunks whose result is the accumulators (nothing to merge), ``first = 1``;
+  causal with positions counted from 0 (zigzag: chunk 2C-1-d is later than chunk d and its rows
+  come after chunk d's in local order, so local causality is the global one). Otherwise empty
+  accumulators (output 0, lse ``-inf``), ``first = 0``."""
+  pieces = cfg.pieces
+  if cfg.whole_chunks:
+    out, lse = _whole_call(cfg, q, kv[0], kv[1], ops["q_seg"], kv[2], cfg.is_causal)
+    return tuple((_piece(out, p, pieces).astype(jnp.float32), _piece(lse, p, pieces))
+                 for p in range(pieces)), 1
+  b, t, n, _ = q.shape
+  empty = lambda: tuple(match_vma(  # noqa: E731
+      jnp.zeros((b, t // pieces, n, kv[1].shape[3]), jnp.float32),
+      jnp.full((b, t // pieces, n), -jnp.inf, jnp.float32), q)[:2])
+  return tuple(empty() for _ in range(pieces)), 0
+
+
+def _forward_step(cfg: _Config, ops, q, kv, acc, d, src):
+  """``acc`` (:func:`_forward_start`) with device ``d``'s queries ``q`` attending device ``src``'s
+  K/V ``kv`` merged in (``d``, ``src``: traced int32; with whole chunks, a step past the first)."""
+  if cfg.whole_chunks:
+    return _whole_forward_step(cfg, ops, q, kv, acc, d, src)
+  c, pieces = cfg.axis_size, cfg.pieces
+  tq, tk = q.shape[1] // pieces, kv[0].shape[1] // pieces
+  hv = kv[1].shape[3]
+  q_chunks, k_chunks = _local_chunks(d, c, cfg.layout), _local_chunks(src, c, cfg.layout)
+  acc = list(acc)
+  for p in range(pieces):
+    qp, q_seg = _piece(q, p, pieces), _piece(ops["q_seg"], p, pieces)
+    for r in range(pieces):
+      kp, vp, kv_seg = (_piece(x, r, pieces) for x in kv)
+      q_row0, k_row0 = q_chunks[p] * tq, k_chunks[r] * tk
+
+      def run(shift, qp=qp, kp=kp, vp=vp, q_seg=q_seg, kv_seg=kv_seg, q_row0=q_row0,
+              k_row0=k_row0):
+        kw = _block_kwargs(cfg, ops, q_row0, k_row0 if shift is None else shift, tq, tk, q_seg,
+                           kv_seg, shift)
+        out, lse = attention.flash_attention(qp, kp, vp, return_residual=True, **kw)
+        return tuple(match_vma(out, lse.astype(jnp.float32), qp)[:2])
+
+      def skip(qp=qp):
+        empty = (jnp.zeros((*qp.shape[:3], hv), qp.dtype),
+                 jnp.full(qp.shape[:3], -jnp.inf, jnp.float32))
+        return tuple(match_vma(*empty, qp)[:2])
+
+      live = _live(cfg, ops, q_row0, k_row0, tq, tk)
+      acc[p] = _merge(acc[p], _dispatch(cfg, live, k_chunks[r], pieces * c, tk, run, skip))
+  return tuple(acc)
+
+
+def _whole_forward_step(cfg: _Config, ops, q, kv, acc, d, src):
+  """:func:`_forward_step` on whole chunks (``src != d``): ONE kernel call without causal masking.
+  Without ``is_causal`` every local query row attends every visiting key. With it: device ``d``
+  holds chunks ``d`` and ``2C-1-d`` (zigzag; contiguous: ``d``), device ``src`` chunks ``src`` and
+  ``2C-1-src``, and ``src < C <= 2C-1-d``; so ``src < d``: both query chunks attend key chunk
+  ``src`` (piece 0) whole and none of ``2C-1-src`` (later than both); ``src > d``: query chunk
+  ``2C-1-d`` (piece 1) attends both key chunks whole, chunk ``d`` none (contiguous: nothing). A
+  ``lax.cond`` on the traced indices, each branch merging into the query pieces it covers."""
+  pieces = cfg.pieces
+  k, v, kv_seg = kv
+  q_seg = ops["q_seg"]
+
+  def merge(acc, new, first: int = 0):  # new: the rows of query pieces first...
+    n = pieces - first
+    return acc[:first] + tuple(_merge(a, (_piece(new[0], i, n), _piece(new[1], i, n)))
+                               for i, a in enumerate(acc[first:]))
+
+  if not cfg.is_causal:
+    return merge(acc, _whole_call(cfg, q, k, v, q_seg, kv_seg, False))
+
+  def earlier(acc):  # src < d: every query row, key piece 0
+    kp, vp, kv_seg_p = (_piece(x, 0, pieces) for x in kv)
+    return merge(acc, _whole_call(cfg, q, kp, vp, q_seg, kv_seg_p, False))
+
+  def later(acc):  # src > d: query piece 1 (zigzag), every key
+    if pieces == 1:
+      return acc
+    new = _whole_call(cfg, _piece(q, 1, pieces), k, v, _piece(q_seg, 1, pieces), kv_seg, False)
+    return merge(acc, new, first=1)
+
+  return lax.cond(src < d, earlier, later, acc)
+
 
 def _ring_forward(cfg: _Config, q, k, v, ops):
-  c, pieces = cfg.axis_size, cfg.pieces
-  b, t_loc, n, _ = q.shape
-  tq, tk = t_loc // pieces, k.shape[1] // pieces
+  c = cfg.axis_size
   d = lax.axis_index(cfg.axis_name)
-  q_chunks = _local_chunks(d, c, cfg.layout)
+  kv = (k, v, ops["kv_seg"])
+  acc, first = _forward_start(cfg, ops, q, kv)
+  if first:
+    kv = _shift_all(kv, cfg)
 
   def step_fn(step, carry):
     acc, kv = carry
     src = (d + (c - step)) % c  # the device whose K/V this one holds at this step
-    k_chunks = _local_chunks(src, c, cfg.layout)
-    acc = list(acc)
-    for p in range(pieces):
-      qp, q_seg = _piece(q, p, pieces), _piece(ops["q_seg"], p, pieces)
-      for r in range(pieces):
-        kp, vp, kv_seg = (_piece(x, r, pieces) for x in kv)
-        q_row0, k_row0 = q_chunks[p] * tq, k_chunks[r] * tk
-
-        def run(shift, qp=qp, kp=kp, vp=vp, q_seg=q_seg, kv_seg=kv_seg, q_row0=q_row0,
-                k_row0=k_row0):
-          kw = _block_kwargs(cfg, ops, q_row0, k_row0 if shift is None else shift, tq, tk, q_seg,
-                             kv_seg, shift)
-          out, lse = attention.flash_attention(qp, kp, vp, return_residual=True, **kw)
-          return tuple(match_vma(out, lse.astype(jnp.float32), qp)[:2])
-
-        def skip(qp=qp):
-          empty = (jnp.zeros((*qp.shape[:3], v.shape[3]), qp.dtype),
-                   jnp.full(qp.shape[:3], -jnp.inf, jnp.float32))
-          return tuple(match_vma(*empty, qp)[:2])
-
-        live = _live(cfg, ops, q_row0, k_row0, tq, tk)
-        acc[p] = _merge(acc[p], _dispatch(cfg, live, k_chunks[r], pieces * c, tk, run, skip))
     # Every step sends its K/V on, the last one too (its transfer overlaps the step's kernels; a
     # loop of C steps keeps one copy of the kernels in the program).
-    return tuple(acc), tuple(_shift(x, cfg) for x in kv)
+    return _forward_step(cfg, ops, q, kv, acc, d, src), _shift_all(kv, cfg)
 
-  acc = tuple(tuple(match_vma(jnp.zeros((b, tq, n, v.shape[3]), jnp.float32),
-                              jnp.full((b, tq, n), -jnp.inf, jnp.float32), q)[:2])
-              for _ in range(pieces))
-  acc, _ = lax.fori_loop(0, c, step_fn, (acc, (k, v, ops["kv_seg"])))
+  acc, _ = lax.fori_loop(first, c, step_fn, (acc, kv))
   out = _cat([o for o, _ in acc]).astype(q.dtype)
   return out, _cat([l for _, l in acc])
 
@@ -460,73 +567,147 @@ def _block_slope_rows(qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw, whole_row: b
   return dq, dk, dv, rows - near * ds_sum
 
 
+def _backward_start(cfg: _Config, ops, rows, kv, *, with_slopes: bool, slope_rows: bool):
+  """``(grads, first)``: the backward's float32 accumulators ``(dq, dk, dv, dslopes)`` (dq per query
+  piece, dk/dv per key piece; dslopes: the slopes' (``with_slopes``), per query piece
+  ``[B, t, N]`` (``slope_rows``), or None) before step ``first``; as :func:`_forward_start`, the
+  whole-chunk first step (one causal call on the local chunks) runs here. ``rows``: this device's
+  ``(q, q_seg, out, lse, dout, dlse)``; ``kv``: ``(k, v, kv_seg)``."""
+  pieces = cfg.pieces
+  split = lambda x: tuple(_piece(x, i, pieces) for i in range(pieces))  # noqa: E731
+  if cfg.whole_chunks:
+    dq, dk, dv = _whole_grads(cfg, ops, rows, kv, cfg.is_causal)
+    return (split(dq), split(dk), split(dv), None), 1
+  q = rows[0]
+  zeros = lambda x: match_vma(jnp.zeros(x.shape, jnp.float32), q)[0]  # noqa: E731
+  dq, dk, dv = (tuple(zeros(x) for x in split(y)) for y in (q, kv[0], kv[1]))
+  dslopes = zeros(ops["slopes"]) if with_slopes else None
+  if slope_rows:
+    dslopes = tuple(zeros(x[..., 0]) for x in split(q))
+  return (dq, dk, dv, dslopes), 0
+
+
+def _whole_grads(cfg: _Config, ops, rows, kv, causal: bool):
+  """float32 ``(dq, dk, dv)`` of one whole-chunk call of the rows ``rows`` against ``kv``."""
+  q, q_seg, out, lse, dout, dlse = rows
+  k, v, kv_seg = kv
+  grads = _block_grads(cfg, ops, q, k, v, out, lse, dout, dlse,
+                       _whole_kwargs(cfg, causal, q_seg, kv_seg))[:3]
+  return match_vma(*(x.astype(jnp.float32) for x in grads), q)[:3]
+
+
+def _backward_step(cfg: _Config, ops, rows, kv, grads, d, src, *, with_slopes: bool,
+                   slope_rows: bool):
+  """``grads`` (:func:`_backward_start`) plus those of device ``d``'s rows ``rows`` against device
+  ``src``'s K/V ``kv`` (dk/dv: of those K/V)."""
+  if cfg.whole_chunks:
+    return _whole_backward_step(cfg, ops, rows, kv, grads, d, src)
+  c, pieces = cfg.axis_size, cfg.pieces
+  q = rows[0]
+  tq, tk = q.shape[1] // pieces, kv[0].shape[1] // pieces
+  hv = kv[1].shape[3]
+  q_chunks, k_chunks = _local_chunks(d, c, cfg.layout), _local_chunks(src, c, cfg.layout)
+  dq, dk, dv, dslopes = grads
+  dq, dk, dv = list(dq), list(dk), list(dv)
+  for p in range(pieces):
+    qp, q_seg, out_p, lse_p, dout_p, dlse_p = (_piece(x, p, pieces) for x in rows)
+    for r in range(pieces):
+      kp, vp, kv_seg = (_piece(x, r, pieces) for x in kv)
+      q_row0, k_row0 = q_chunks[p] * tq, k_chunks[r] * tk
+
+      def run(shift, qp=qp, kp=kp, vp=vp, q_seg=q_seg, kv_seg=kv_seg, q_row0=q_row0,
+              k_row0=k_row0, out_p=out_p, lse_p=lse_p, dout_p=dout_p, dlse_p=dlse_p):
+        kw = _block_kwargs(cfg, ops, q_row0, k_row0 if shift is None else shift, tq, tk, q_seg,
+                           kv_seg, shift)
+        grads = _block_grads(cfg, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw,
+                             slope_grad=with_slopes, slope_rows=slope_rows)
+        grads = tuple(x.astype(jnp.float32) for x in grads if x is not None)
+        return match_vma(*grads, qp)[:len(grads)]
+
+      def skip(qp=qp, kp=kp):
+        zeros = [jnp.zeros(qp.shape, jnp.float32), jnp.zeros(kp.shape, jnp.float32),
+                 jnp.zeros((*kp.shape[:3], hv), jnp.float32)]
+        if with_slopes:
+          zeros.append(jnp.zeros(ops["slopes"].shape, jnp.float32))
+        if slope_rows:
+          zeros.append(jnp.zeros(qp.shape[:3], jnp.float32))
+        return match_vma(*zeros, qp)[:len(zeros)]
+
+      live = _live(cfg, ops, q_row0, k_row0, tq, tk)
+      g = _dispatch(cfg, live, k_chunks[r], pieces * c, tk, run, skip)
+      dq[p], dk[r], dv[r] = dq[p] + g[0], dk[r] + g[1], dv[r] + g[2]
+      if with_slopes:
+        dslopes = dslopes + g[3]
+      elif slope_rows:
+        dslopes = tuple(x + g[3] if i == p else x for i, x in enumerate(dslopes))
+  return tuple(dq), tuple(dk), tuple(dv), dslopes
+
+
+def _whole_backward_step(cfg: _Config, ops, rows, kv, grads, d, src):
+  """:func:`_backward_step` on whole chunks (``src != d``): the calls of
+  :func:`_whole_forward_step`, each branch adding to the query and key pieces it covers (causal,
+  ``src < d``: dq of every row, dk/dv of key piece 0; ``src > d``: dq of query piece 1, dk/dv of
+  every key)."""
+  pieces = cfg.pieces
+
+  def add(grads, new, q_first: int = 0, k_count: int = pieces):
+    """``grads`` plus ``new = (dq, dk, dv)`` of query pieces ``q_first...`` and key pieces
+    ``...k_count - 1``."""
+    dq, dk, dv, dslopes = grads
+    plus = lambda acc, g: tuple(a + _piece(g, i, len(acc)) for i, a in enumerate(acc))  # noqa: E731
+    return (dq[:q_first] + plus(dq[q_first:], new[0]),
+            plus(dk[:k_count], new[1]) + dk[k_count:],
+            plus(dv[:k_count], new[2]) + dv[k_count:], dslopes)
+
+  if not cfg.is_causal:
+    return add(grads, _whole_grads(cfg, ops, rows, kv, False))
+
+  def earlier(grads):  # src < d: every query row, key piece 0
+    return add(grads, _whole_grads(cfg, ops, rows, tuple(_piece(x, 0, pieces) for x in kv), False),
+               k_count=1)
+
+  def later(grads):  # src > d: query piece 1 (zigzag), every key
+    if pieces == 1:
+      return grads
+    new = _whole_grads(cfg, ops, tuple(_piece(x, 1, pieces) for x in rows), kv, False)
+    return add(grads, new, q_first=1)
+
+  return lax.cond(src < d, earlier, later, grads)
+
+
 def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse, slope_grad: bool = True,
                    slope_rows: bool = False):
   """``(dq, dk, dv, dslopes)`` of the ring from the rows' global out and lse. ``slope_grad``: the
   slopes' gradient, summed as the slopes' shape; ``slope_rows`` (kernels that differentiate them):
   instead each query row's ``[B, T/C, N]`` (:func:`_block_grads`), summed over the blocks."""
-  c, pieces = cfg.axis_size, cfg.pieces
-  tq, tk = q.shape[1] // pieces, k.shape[1] // pieces
+  c = cfg.axis_size
   d = lax.axis_index(cfg.axis_name)
-  q_chunks = _local_chunks(d, c, cfg.layout)
   slope_rows = ops["slopes"] is not None and slope_rows
   with_slopes = ops["slopes"] is not None and slope_grad and not slope_rows
+  flags = dict(with_slopes=with_slopes, slope_rows=slope_rows)
+  rows = (q, ops["q_seg"], out, lse, dout, dlse)
+  kv = (k, v, ops["kv_seg"])
+  grads, first = _backward_start(cfg, ops, rows, kv, **flags)
+
+  def shift(grads, kv):
+    # The float32 dK/dV accumulators travel with their K/V block: after C shifts they are home.
+    dq, dk, dv, dslopes = grads
+    return (dq, _shift_all(dk, cfg), _shift_all(dv, cfg), dslopes), _shift_all(kv, cfg)
+
+  if first:
+    grads, kv = shift(grads, kv)
 
   def step_fn(step, carry):
-    dq, dkv, dslopes, kv = carry
-    dq, dk, dv = list(dq), list(dkv[0]), list(dkv[1])
+    grads, kv = carry
     src = (d + (c - step)) % c
-    k_chunks = _local_chunks(src, c, cfg.layout)
-    for p in range(pieces):
-      qp, q_seg = _piece(q, p, pieces), _piece(ops["q_seg"], p, pieces)
-      out_p, lse_p = _piece(out, p, pieces), _piece(lse, p, pieces)
-      dout_p, dlse_p = _piece(dout, p, pieces), _piece(dlse, p, pieces)
-      for r in range(pieces):
-        kp, vp, kv_seg = (_piece(x, r, pieces) for x in kv)
-        q_row0, k_row0 = q_chunks[p] * tq, k_chunks[r] * tk
+    return shift(_backward_step(cfg, ops, rows, kv, grads, d, src, **flags), kv)
 
-        def run(shift, qp=qp, kp=kp, vp=vp, q_seg=q_seg, kv_seg=kv_seg, q_row0=q_row0,
-                k_row0=k_row0, out_p=out_p, lse_p=lse_p, dout_p=dout_p, dlse_p=dlse_p):
-          kw = _block_kwargs(cfg, ops, q_row0, k_row0 if shift is None else shift, tq, tk, q_seg,
-                             kv_seg, shift)
-          grads = _block_grads(cfg, ops, qp, kp, vp, out_p, lse_p, dout_p, dlse_p, kw,
-                               slope_grad=with_slopes, slope_rows=slope_rows)
-          grads = tuple(x.astype(jnp.float32) for x in grads if x is not None)
-          return match_vma(*grads, qp)[:len(grads)]
-
-        def skip(qp=qp, kp=kp):
-          zeros = [jnp.zeros(qp.shape, jnp.float32), jnp.zeros(kp.shape, jnp.float32),
-                   jnp.zeros((*kp.shape[:3], v.shape[3]), jnp.float32)]
-          if with_slopes:
-            zeros.append(jnp.zeros(ops["slopes"].shape, jnp.float32))
-          if slope_rows:
-            zeros.append(jnp.zeros(qp.shape[:3], jnp.float32))
-          return match_vma(*zeros, qp)[:len(zeros)]
-
-        live = _live(cfg, ops, q_row0, k_row0, tq, tk)
-        grads = _dispatch(cfg, live, k_chunks[r], pieces * c, tk, run, skip)
-        dq[p], dk[r], dv[r] = dq[p] + grads[0], dk[r] + grads[1], dv[r] + grads[2]
-        if with_slopes:
-          dslopes = dslopes + grads[3]
-        elif slope_rows:
-          dslopes = tuple(x + grads[3] if i == p else x for i, x in enumerate(dslopes))
-    # The float32 dK/dV accumulators travel with their K/V block: after C shifts they are home.
-    dkv = tuple(tuple(_shift(x, cfg) for x in acc) for acc in (dk, dv))
-    return tuple(dq), dkv, dslopes, tuple(_shift(x, cfg) for x in kv)
-
-  zeros = lambda x: match_vma(jnp.zeros(x.shape, jnp.float32), q)[0]  # noqa: E731
-  dq = tuple(zeros(_piece(q, p, pieces)) for p in range(pieces))
-  dkv = tuple(tuple(zeros(_piece(x, r, pieces)) for r in range(pieces)) for x in (k, v))
-  dslopes = zeros(ops["slopes"]) if with_slopes else None
-  if slope_rows:  # per query piece, [B, t, N]
-    dslopes = tuple(zeros(_piece(q, p, pieces)[..., 0]) for p in range(pieces))
-  dq, dkv, dslopes, _ = lax.fori_loop(0, c, step_fn, (dq, dkv, dslopes, (k, v, ops["kv_seg"])))
-  dk, dv = (_cat(acc) for acc in dkv)
+  (dq, dk, dv, dslopes), _ = lax.fori_loop(first, c, step_fn, (grads, kv))
   if slope_rows:
     dslopes = _cat(dslopes)
   elif with_slopes:
     dslopes = dslopes.astype(ops["slopes"].dtype)
-  return _cat(dq).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dslopes
+  return (_cat(dq).astype(q.dtype), _cat(dk).astype(k.dtype), _cat(dv).astype(v.dtype), dslopes)
 
 
 def _ring_impl(cfg: _Config, q, k, v, ops):
@@ -679,6 +860,69 @@ def _all_to_all(cfg: _Config, q, k, v, ops):
   return to_seq(out), to_seq(lse)
 
 
+def _setup(axis_name, axis_size: int, layout: str, strategy: str, query, key, value, *, scale=None,
+           is_causal=False, implementation=None, block_sizes=None, deterministic=False,
+           interpret=None, query_seq_lengths=None, key_value_seq_lengths=None,
+           local_window_size=None, q_segment_ids=None, kv_segment_ids=None, q_offset=None,
+           logits_soft_cap=None, alibi_slopes=None, mask_fn=None, score_fn=None):
+  """``(cfg, ops)``: the settings (:class:`_Config`) and operands of a call of
+  :func:`context_parallel_attention` running ``strategy`` on local chunks shaped as ``query``,
+  ``key``, ``value`` (arrays or ``jax.ShapeDtypeStruct``) over ``axis_size`` devices."""
+  c, pieces = axis_size, _check_layout(layout)
+  b, t_loc, n, _ = query.shape
+  s_loc, kh = key.shape[1], key.shape[2]
+  if isinstance(local_window_size, list):
+    local_window_size = tuple(local_window_size)
+  positions = bool(is_causal) or local_window_size is not None or alibi_slopes is not None or (
+      mask_fn is not None or score_fn is not None)
+  ops = {
+      "q_len": _int_array("query_seq_lengths", query_seq_lengths, b),
+      "kv_len": _int_array("key_value_seq_lengths", key_value_seq_lengths, b),
+      "q_seg": q_segment_ids, "kv_seg": kv_segment_ids,
+      "q_offset": (_int_array("q_offset", 0 if q_offset is None else q_offset, b)
+                   if positions else None),
+      "slopes": None if alibi_slopes is None else jnp.asarray(alibi_slopes),
+  }
+  for name, raw, limit in (("query_seq_lengths", query_seq_lengths, t_loc * c),
+                           ("key_value_seq_lengths", key_value_seq_lengths, s_loc * c)):
+    x = np.asarray(raw) if isinstance(raw, (int, list, tuple)) else _concrete(raw)
+    if x is not None and x.size and (x.min() < 0 or x.max() > limit):
+      raise ValueError(f"{name} are global lengths and must lie in [0, {limit}], got values in "
+                       f"[{x.min()}, {x.max()}]")
+  kwargs = (("scale", scale), ("is_causal", is_causal), ("implementation", implementation),
+            ("block_sizes", block_sizes), ("deterministic", deterministic),
+            ("interpret", interpret), ("local_window_size", local_window_size),
+            ("logits_soft_cap", logits_soft_cap))
+  whole = strategy == "ring" and _whole_chunks(
+      bool(is_causal), t_loc, s_loc, window=local_window_size, q_len=ops["q_len"],
+      kv_len=ops["kv_len"], q_offset=q_offset, slopes=alibi_slopes, mask_fn=mask_fn,
+      score_fn=score_fn)
+  kernel_backward = False
+  if strategy == "ring" and alibi_slopes is None:
+    # the ring's calls (query rows, keys, is_causal): the blocks' backward runs the kernels where
+    # every one of them does
+    if not whole:
+      calls = [(t_loc // pieces, s_loc // pieces, bool(is_causal))]
+    elif is_causal and pieces == 2:  # _forward_start, _whole_forward_step
+      calls = [(t_loc, s_loc, True), (t_loc, s_loc // 2, False), (t_loc // 2, s_loc, False)]
+    else:
+      calls = [(t_loc, s_loc, bool(is_causal))] + ([(t_loc, s_loc, False)] if is_causal else [])
+    seg = lambda x, t: None if x is None else jax.ShapeDtypeStruct((b, t), x.dtype)  # noqa: E731
+    struct = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+    kernel_backward = all(attention.backend_for(
+        jax.ShapeDtypeStruct((b, tq, n, query.shape[3]), query.dtype),
+        jax.ShapeDtypeStruct((b, tk, kh, key.shape[3]), key.dtype),
+        jax.ShapeDtypeStruct((b, tk, kh, value.shape[3]), value.dtype),
+        **dict(kwargs, is_causal=causal), q_segment_ids=seg(q_segment_ids, tq),
+        kv_segment_ids=seg(kv_segment_ids, tk), mask_fn=mask_fn, score_fn=score_fn,
+        query_seq_lengths=struct(ops["q_len"]), key_value_seq_lengths=struct(ops["kv_len"]),
+        q_offset=None if whole else struct(ops["q_offset"])).backend != "xla"
+        for tq, tk, causal in calls)
+  cfg = _Config(axis_name, c, layout, kwargs, mask_fn, score_fn, positions,
+                _window(local_window_size, bool(is_causal)), kernel_backward, whole)
+  return cfg, ops
+
+
 # --- the public call -----------------------------------------------------------------------------
 
 def context_parallel_attention(query, key, value, *, axis_name, strategy=None, layout="zigzag",
@@ -743,42 +987,14 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
         "strategy='ring' does not differentiate arrays that score_fn closes over (its custom_vjp "
         "takes the function as static); use strategy='all_gather' or 'all_to_all', or a score_fn "
         "that closes over Python scalars only")
-  if isinstance(local_window_size, list):
-    local_window_size = tuple(local_window_size)
-  positions = bool(is_causal) or local_window_size is not None or alibi_slopes is not None or (
-      mask_fn is not None or score_fn is not None)
-  ops = {
-      "q_len": _int_array("query_seq_lengths", query_seq_lengths, b),
-      "kv_len": _int_array("key_value_seq_lengths", key_value_seq_lengths, b),
-      "q_seg": q_segment_ids, "kv_seg": kv_segment_ids,
-      "q_offset": (_int_array("q_offset", 0 if q_offset is None else q_offset, b)
-                   if positions else None),
-      "slopes": None if alibi_slopes is None else jnp.asarray(alibi_slopes),
-  }
-  for name, raw, limit in (("query_seq_lengths", query_seq_lengths, t_loc * c),
-                           ("key_value_seq_lengths", key_value_seq_lengths, s_loc * c)):
-    x = np.asarray(raw) if isinstance(raw, (int, list, tuple)) else _concrete(raw)
-    if x is not None and x.size and (x.min() < 0 or x.max() > limit):
-      raise ValueError(f"{name} are global lengths and must lie in [0, {limit}], got values in "
-                       f"[{x.min()}, {x.max()}]")
-  kwargs = (("scale", scale), ("is_causal", is_causal), ("implementation", implementation),
-            ("block_sizes", block_sizes), ("deterministic", deterministic),
-            ("interpret", interpret), ("local_window_size", local_window_size),
-            ("logits_soft_cap", logits_soft_cap))
-  kernel_backward = False
-  if strategy == "ring" and alibi_slopes is None:
-    piece_q = jax.ShapeDtypeStruct((b, t_loc // pieces, n, query.shape[3]), query.dtype)
-    piece_k = jax.ShapeDtypeStruct((b, s_loc // pieces, kh, key.shape[3]), key.dtype)
-    piece_v = jax.ShapeDtypeStruct((b, s_loc // pieces, kh, value.shape[3]), value.dtype)
-    seg = lambda x, t: None if x is None else jax.ShapeDtypeStruct((b, t // pieces), x.dtype)  # noqa: E731
-    struct = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-    kernel_backward = attention.backend_for(
-        piece_q, piece_k, piece_v, **dict(kwargs), q_segment_ids=seg(q_segment_ids, t_loc),
-        kv_segment_ids=seg(kv_segment_ids, s_loc), mask_fn=mask_fn, score_fn=score_fn,
-        query_seq_lengths=struct(ops["q_len"]), key_value_seq_lengths=struct(ops["kv_len"]),
-        q_offset=struct(ops["q_offset"])).backend != "xla"
-  cfg = _Config(axis_name, c, layout, kwargs, mask_fn, score_fn, positions,
-                _window(local_window_size, bool(is_causal)), kernel_backward)
+  cfg, ops = _setup(
+      axis_name, c, layout, strategy, query, key, value, scale=scale, is_causal=is_causal,
+      implementation=implementation, block_sizes=block_sizes, deterministic=deterministic,
+      interpret=interpret, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, mask_fn=mask_fn,
+      score_fn=score_fn)
   if strategy == "ring":
     arrays = match_vma(query, key, value, *(x for x in ops.values() if x is not None))
     query, key, value = arrays[:3]
@@ -823,8 +1039,12 @@ def _kernel_setup(st, axis_name, q, k, extras) -> tuple[_Config, dict]:
   kwargs = (("scale", st.scale), ("is_causal", st.is_causal), ("implementation", st.backend),
             ("block_sizes", None), ("deterministic", st.deterministic),
             ("interpret", st.interpret), ("local_window_size", window), ("logits_soft_cap", cap))
+  whole = _whole_chunks(bool(st.is_causal), q.shape[1], k.shape[1], window=window,
+                        q_len=ops["q_len"], kv_len=ops["kv_len"], q_offset=a.get("q_offset"),
+                        slopes=slopes, mask_fn=mask_fn, score_fn=score_fn)
   cfg = _Config(axis_name, _axis_size(axis_name), "contiguous", kwargs, mask_fn, score_fn,
-                positions, _window(window, bool(st.is_causal)), kernel_backward=True)
+                positions, _window(window, bool(st.is_causal)), kernel_backward=True,
+                whole_chunks=whole)
   return cfg, ops
 
 

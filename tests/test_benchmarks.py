@@ -1170,11 +1170,11 @@ def test_models_smoke_on_cpu(tmp_path, capsys):
 
 
 
-# --- the ring's per-block schedule on one device ------------------------------------------------------------
+# --- the ring's per-step schedule on one device --------------------------------------------------------------
 
 def test_context_schedule_cells_and_contexts():
   """The sweep's cells (T = S 32k ... 128k, causal and not; --quick 32k and 128k), the ring sizes
-  (--contexts, each cutting T into 2C chunks) and the causal ring's live blocks per device."""
+  (--contexts, each cutting T into 2C chunks) and the kernel call of each ring step."""
   from benchmarks import context_schedule as cs
   assert [c["id"] for c in cs.build_cells("full")] == ["32k-c", "32k-nc", "64k-c", "64k-nc", "128k-c",
                                                        "128k-nc"]
@@ -1188,16 +1188,17 @@ def test_context_schedule_cells_and_contexts():
   args = cs.build_parser().parse_args(["--smoke", "--contexts", "3"])
   with pytest.raises(SystemExit, match="--contexts 3: the zigzag layout cuts T = 64 into 2C"):
     cs.contexts_of(args, cs.build_cells("smoke")[0])
-  # causal: device d's chunks d and 2C-1-d see d + 1 and 2C - d key chunks of its 4C blocks
-  assert [cs.live_blocks(x, True) for x in (2, 4, 8)] == [5, 9, 17]
-  assert cs.live_blocks(4, False) == 16
+  # one call per step: the local chunks first; causal, then every row x the first key chunk or the
+  # later query chunk x both (the same number of pairs)
+  assert cs.step_calls(64, 4, True) == dict(first=[16, 16], later=[[16, 8], [8, 16]])
+  assert cs.step_calls(64, 4, False) == dict(first=[16, 16], later=[[16, 16]])
 
 
 def test_context_schedule_smoke_on_cpu(tmp_path, capsys):
   """The CPU smoke size (Triton kernels in Pallas interpret mode), its causal cell: the one call and the
-  ring's schedule of C = 2 (blocks in the causal future skipped by lax.cond), timed forward and
-  forward+backward, the ring's out, dq, dk, dv equal to the one call's; the md's columns and the plot
-  are written. (The whole smoke size, non-causal and C = 4 too: the slow test below.)"""
+  ring's schedule of C = 2 (the ring's own steps, a lax.cond between the later steps' calls), timed
+  forward and forward+backward, the ring's out, dq, dk, dv equal to the one call's; the md's columns
+  and the plot are written. (The whole smoke size, non-causal and C = 4 too: the slow test below.)"""
   from benchmarks import context_schedule as cs
   data = cs.main(["--smoke", "--out", str(tmp_path), "--cells", "64-c", "--contexts", "2"])
   js = _load(tmp_path / "context_schedule.json")
@@ -1211,11 +1212,13 @@ def test_context_schedule_smoke_on_cpu(tmp_path, capsys):
     if row == "ring_c2":
       assert set(c["err"]) == {"out", "dq", "dk", "dv"} and max(c["err"].values()) < cs.ERR_TOL, c
       assert not c.get("warning") and c["vs_one_call"]["fwd+bwd"] > 0 and c["bar_ok"] in (True, False)
-      assert c["live_blocks_per_device"] == 5 and c["block"] == [16, 16]
+      assert c["calls_per_device"] == 2 and c["step_calls"] == dict(first=[32, 32],
+                                                                    later=[[32, 16], [16, 32]])
     else:
       assert c["backend"].startswith("triton")
   md = (tmp_path / "context_schedule.md").read_text()
-  assert "smoke size on the CPU" in md and "attention_backward per live block" in md
+  assert "smoke size on the CPU" in md and "attention_backward per step call" in md
+  assert "C=2 causal: step 0 32×32, then 32×16 or 16×32" in md
   assert ("| cell | causal | one call: ms (TFLOP/s) | ring C=2: ÷ one call (bar ≤ 1.05) | ring C=2: ms |"
           in md)
   assert "| cell | C | out | dq | dk | dv |" in md and "| `64-c` | 2 |" in md
@@ -1224,8 +1227,8 @@ def test_context_schedule_smoke_on_cpu(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_context_schedule_whole_smoke_size_on_cpu(tmp_path):
-  """The whole smoke size: causal and not (every block run, no lax.cond), C = 2 and 4, every ring row's
-  output and gradients equal to the one call's."""
+  """The whole smoke size: causal and not (one call of all local rows x all keys per step, no
+  lax.cond), C = 2 and 4, every ring row's output and gradients equal to the one call's."""
   from benchmarks import context_schedule as cs
   cs.main(["--smoke", "--out", str(tmp_path)])
   cells = _load(tmp_path / "context_schedule.json")["cells"]
@@ -1234,8 +1237,8 @@ def test_context_schedule_whole_smoke_size_on_cpu(tmp_path):
   for c in cells:
     assert c["status"] == "ok" and not c.get("warning"), c
     if c["row"] != "one_call":
-      assert max(c["err"].values()) < cs.ERR_TOL and c["live_blocks_per_device"] == cs.live_blocks(
-          c["contexts"], c["causal"]), c
+      assert max(c["err"].values()) < cs.ERR_TOL and c["step_calls"] == cs.step_calls(
+          64, c["contexts"], c["causal"]), c
 
 # --- on a GPU ----------------------------------------------------------------------------------------
 

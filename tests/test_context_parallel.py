@@ -24,11 +24,12 @@ def _mesh():
   return jax.make_mesh((C,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-def _inputs(seed=0, n=N, kh=K, t=T, hv=H):
+def _inputs(seed=0, n=N, kh=K, t=T, hv=H, s=None):
+  s = t if s is None else s
   ks = jax.random.split(jax.random.key(seed), 6)
   q = jax.random.normal(ks[0], (B, t, n, H), jnp.float32)
-  k = jax.random.normal(ks[1], (B, t, kh, H), jnp.float32)
-  v = jax.random.normal(ks[2], (B, t, kh, hv), jnp.float32)
+  k = jax.random.normal(ks[1], (B, s, kh, H), jnp.float32)
+  v = jax.random.normal(ks[2], (B, s, kh, hv), jnp.float32)
   dout = jax.random.normal(ks[3], (B, t, n, hv), jnp.float32)
   dlse = jax.random.normal(ks[4], (B, t, n), jnp.float32)
   return q, k, v, dout, dlse
@@ -88,9 +89,9 @@ def _reference64(q, k, v, dout, dlse, slopes=None, segments=None, **kw):
     return _value_and_grads(f, *args)
 
 
-def _check(strategy, layout, *, seed=0, n=N, kh=K, hv=H, slopes=None, segments=None,
+def _check(strategy, layout, *, seed=0, n=N, kh=K, hv=H, s=None, slopes=None, segments=None,
            check_vma=True, atol=2e-5, **kw):
-  q, k, v, dout, dlse = _inputs(seed, n, kh, hv=hv)
+  q, k, v, dout, dlse = _inputs(seed, n, kh, hv=hv, s=s)
   got = _value_and_grads(_context_parallel(strategy, layout, segments, check_vma, **kw),
                          q, k, v, dout, dlse, slopes)
   single = _value_and_grads(_single(segments, **kw), q, k, v, dout, dlse, slopes)
@@ -192,6 +193,102 @@ def test_all_to_all():
   slopes = jnp.linspace(0.5, 0.05, 8, dtype=jnp.float32)
   _check("all_to_all", "zigzag", n=8, kh=4, implementation="xla", is_causal=True, slopes=slopes,
          mask_fn=lambda b, h, p, j: (h < 6) | (p - j < 4))
+
+
+# --- the ring's step on whole chunks ----------------------------------------------------------------
+
+def _ring_calls(monkeypatch, layout, **kw):
+  """The kernel calls the ring traces (each fori_loop body and lax.cond branch once): ``(forward,
+  backward)``, each a list of ``(query rows, keys, is_causal, whether q_offset is passed)``, from
+  the block calls of the forward and the block gradients of the backward (formula; T = S = 32 over
+  the 4 devices of conftest)."""
+  from fa2_jax import attention, context_parallel
+  q, k, v, _, _ = _inputs()
+  local = functools.partial(fa2_jax.context_parallel_attention, axis_name="context",
+                            strategy="ring", layout=layout, implementation="xla", **kw)
+  sm = jax.shard_map(local, mesh=_mesh(), in_specs=(SEQ,) * 3, out_specs=SEQ)
+  record = lambda log, q, k, kw: log.append(  # noqa: E731
+      (q.shape[1], k.shape[1], bool(kw.get("is_causal")), kw.get("q_offset") is not None))
+  forward, backward = [], []
+
+  def flash(q, k, v, **kw):
+    record(forward, q, k, kw)
+    return flash_attention(q, k, v, **kw)
+
+  def block_grads(cfg, ops, q, k, *args, **kwargs):
+    record(backward, q, k, args[5])  # args: v, out, lse, dout, dlse, kw
+    return block_grads_of(cfg, ops, q, k, *args, **kwargs)
+
+  flash_attention, block_grads_of = attention.flash_attention, context_parallel._block_grads
+  monkeypatch.setattr(attention, "flash_attention", flash)
+  jax.eval_shape(sm, q, k, v)
+  monkeypatch.setattr(attention, "flash_attention", flash_attention)
+  monkeypatch.setattr(context_parallel, "_block_grads", block_grads)
+  jax.eval_shape(jax.grad(lambda q, k, v: jnp.sum(sm(q, k, v)), argnums=(0, 1, 2)), q, k, v)
+  return forward, backward
+
+
+@pytest.mark.parametrize("layout,kw,calls", [
+    # zigzag, causal: the local chunks (8 rows) causal; then every row x key piece 0 (4 keys) or
+    # query piece 1 (4 rows) x every key, not causal
+    ("zigzag", dict(is_causal=True), [(8, 8, True, False), (8, 4, False, False),
+                                      (4, 8, False, False)]),
+    ("zigzag", dict(is_causal=True, logits_soft_cap=5.0), [(8, 8, True, False),
+                                                           (8, 4, False, False),
+                                                           (4, 8, False, False)]),
+    ("zigzag", dict(), [(8, 8, False, False)] * 2),
+    ("contiguous", dict(is_causal=True), [(8, 8, True, False), (8, 8, False, False)]),
+    # positions read otherwise: one call per (query piece, key piece) pair, with a q_offset
+    ("zigzag", dict(is_causal=True, local_window_size=(5, 0)), [(4, 4, True, True)] * 4),
+    ("zigzag", dict(is_causal=True, q_offset=2), [(4, 4, True, True)] * 4),
+    ("zigzag", dict(query_seq_lengths=jnp.array([30])), [(4, 4, False, False)] * 4),
+    # (a mask_fn: one lax.switch branch per key chunk, each its own index shift)
+    ("contiguous", dict(mask_fn=lambda b, h, p, j: p != j), [(8, 8, False, True)] * C),
+])
+def test_ring_step_calls(monkeypatch, layout, kw, calls):
+  """Where nothing but causality reads positions, each ring step is ONE kernel call on whole
+  chunks, forward and backward (the first step's, then one call in each branch of the later
+  steps' lax.cond); a window, q_offset, lengths or a mask_fn keep the per-piece calls."""
+  forward, backward = _ring_calls(monkeypatch, layout, **kw)
+  assert forward == calls
+  assert backward == calls
+
+
+def test_ring_whole_chunks_rule():
+  """_whole_chunks through the call's settings: segment ids, a soft cap and non-causal T != S
+  keep whole chunks; ALiBi, a score_fn and causal T != S (chunk i of the queries and of the keys
+  cover other positions) do not."""
+  from fa2_jax import context_parallel
+
+  def whole(t=32, s=32, layout="zigzag", strategy="ring", **kw):
+    struct = lambda l, h: jax.ShapeDtypeStruct((B, l // C, h, H), jnp.float32)  # noqa: E731
+    cfg, _ = context_parallel._setup("context", C, layout, strategy, struct(t, N), struct(s, K),
+                                     struct(s, K), implementation="xla", **kw)
+    return cfg.whole_chunks
+
+  seg = jax.ShapeDtypeStruct((B, 8), jnp.int32)
+  assert whole(is_causal=True, q_segment_ids=seg, kv_segment_ids=seg, logits_soft_cap=3.0)
+  assert whole(s=64) and whole(s=64, layout="contiguous")
+  assert not whole(s=64, is_causal=True) and not whole(s=64, is_causal=True, layout="contiguous")
+  assert not whole(is_causal=True, alibi_slopes=jnp.ones((N,), jnp.float32))
+  assert not whole(score_fn=lambda x, b, h, p, j: x)
+  assert not whole(strategy="all_gather")
+
+
+@pytest.mark.parametrize("layout,kw", [
+    ("zigzag", dict(is_causal=True)),
+    ("zigzag", dict()),
+    ("contiguous", dict(is_causal=True)),
+    ("zigzag", dict(s=48)),  # not causal, S != T: whole chunks
+    ("contiguous", dict(is_causal=True, s=48)),  # causal, S != T: per piece
+])
+def test_ring_whole_chunks(layout, kw):
+  """The ring's whole-chunk steps: GQA over packed documents whose segments cross the chunks, with
+  a soft cap, against the single-device call and float64 (and a causal S != T on the per-piece
+  steps)."""
+  s = kw.get("s", T)
+  segments = _documents([5, 14, 9])[0], _documents([5, 14, 9] if s == T else [8, 21, 14], t=s)[1]
+  _check("ring", layout, implementation="xla", segments=segments, logits_soft_cap=5.0, **kw)
 
 
 # --- the Triton kernels (interpret mode): the ring's kernel backward ------------------------------
@@ -327,29 +424,32 @@ v = jax.random.normal(ks[2], (B, T, K, H), jnp.float32)
 dout = jax.random.normal(ks[3], (B, T, N, H), jnp.float32)
 lay = functools.partial(fa2_jax.to_context_layout, axis_size=C)
 unlay = functools.partial(fa2_jax.from_context_layout, axis_size=C)
-kw = dict(is_causal=True, local_window_size=(20, 0), implementation="xla")
-local = functools.partial(fa2_jax.context_parallel_attention, axis_name="context", strategy="ring", **kw)
-sm = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"))
+q64, k64, v64, d64 = (np.asarray(x, np.float64) for x in (q, k, v, dout))
 
-def loss(f, q, k, v):
+def loss(f, q, k, v, dout):
   return jnp.sum(f(q, k, v) * dout)
 
-ring = lambda q, k, v: unlay(sm(lay(q), lay(k), lay(v)))
-ref = lambda q, k, v: fa2_jax.reference_attention(q, k, v, **{a: b for a, b in kw.items() if a != "implementation"})
-got = jax.jit(jax.value_and_grad(functools.partial(loss, ring), argnums=(0, 1, 2)))(q, k, v)
-q64, k64, v64, d64 = (np.asarray(x, np.float64) for x in (q, k, v, dout))
-jax.config.update("jax_enable_x64", True)
-dout = jnp.asarray(d64)
-want = jax.value_and_grad(functools.partial(loss, ref), argnums=(0, 1, 2))(*map(jnp.asarray, (q64, k64, v64)))
-for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-  np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w), rtol=2e-4, atol=2e-4)
+# a window: the per-piece steps; plain causal: one call per step on whole chunks
+for kw in (dict(is_causal=True, local_window_size=(20, 0), implementation="xla"),
+           dict(is_causal=True, implementation="xla")):
+  local = functools.partial(fa2_jax.context_parallel_attention, axis_name="context", strategy="ring", **kw)
+  sm = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"))
+  ring = lambda q, k, v: unlay(sm(lay(q), lay(k), lay(v)))
+  ref = lambda q, k, v: fa2_jax.reference_attention(q, k, v, **{a: b for a, b in kw.items() if a != "implementation"})
+  got = jax.jit(jax.value_and_grad(functools.partial(loss, ring), argnums=(0, 1, 2)))(q, k, v, dout)
+  with jax.enable_x64(True):
+    want = jax.value_and_grad(functools.partial(loss, ref), argnums=(0, 1, 2))(
+        *map(jnp.asarray, (q64, k64, v64, d64)))
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w), rtol=2e-4, atol=2e-4)
 print("ok", len(jax.devices()))
 """
 
 
 def test_ring_on_eight_devices():
   """The zigzag ring over 8 devices (a subprocess: conftest's process has 4): causal MQA with a
-  window, value and gradients against the float64 reference."""
+  window (per-piece steps) and without (whole-chunk steps), value and gradients against the float64
+  reference."""
   import os
   import subprocess
   import sys
