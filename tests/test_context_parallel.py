@@ -459,3 +459,34 @@ def test_ring_on_eight_devices():
                         text=True, timeout=300)
   assert done.returncode == 0, done.stdout + done.stderr
   assert done.stdout.split()[-2:] == ["ok", "8"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_steps_compiled_on_one_gpu(causal):
+  """The ring's own step functions (benchmarks/context_schedule.py runs them for every device of a
+  C = 4 ring, one after another, K/V sliced instead of sent) on the compiled kernels at 8k GQA 8/2,
+  head_dim 128: every step's call is large enough for the default fused-dQ backward. Output and
+  gradients against the float32 formula within twice the error of the formula computed in bf16."""
+  from benchmarks.context_schedule import ring_schedule
+  from test_fuzz import xla_formula
+  t, c = 8192, 4
+  ks = jax.random.split(jax.random.key(5), 4)
+  q = jax.random.normal(ks[0], (1, t, 8, 128), jnp.bfloat16)
+  k, v = (jax.random.normal(x, (1, t, 2, 128), jnp.bfloat16) for x in ks[1:3])
+  w = jax.random.normal(ks[3], q.shape, jnp.float32)  # a random output cotangent
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  zig = lambda x: fa2_jax.to_context_layout(x, c)  # noqa: E731
+
+  def grads(f, w):
+    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f32(f(q, k, v)) * w),
+                                      argnums=(0, 1, 2)))
+
+  ring = grads(ring_schedule(c, causal), zig(w))(zig(q), zig(k), zig(v))
+  ring = [fa2_jax.from_context_layout(x, c) for x in ring[1]]
+  formula = lambda q, k, v: xla_formula(q, k, v, 128 ** -0.5, causal)[0]  # noqa: E731
+  budget = grads(formula, w)(q, k, v)[1]
+  ref = grads(formula, w)(f32(q), f32(k), f32(v))[1]
+  rel = lambda a, b: float(jnp.linalg.norm(f32(a) - f32(b)) / jnp.linalg.norm(f32(b)))  # noqa: E731
+  for name, a, b, r in zip(("dq", "dk", "dv"), ring, budget, ref):
+    assert rel(a, r) <= 2 * rel(b, r), (name, rel(a, r), rel(b, r))

@@ -430,17 +430,19 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
     return tuple(launch(out_type, operands))
   # The dQ accumulator is a ref the kernel closes over: Pallas passes its zero-filled initial value in
   # and aliases it to the output, which a TMA reduce-add needs (a kernel's own outputs start
-  # uninitialised). dK and dV are closed-over refs too, so every result leaves through the state.
+  # uninitialised). dK and dV are the kernel's own outputs, which it writes whole, stored into the
+  # state's refs (no zero-filled buffers aliased to them: two such buffers of equal shape and dtype
+  # are one value to XLA).
   acc_shape = (b, t_hbm, n, h) if not emulate else (n_k_tiles * num_wgs, b, t_hbm, n, h)
 
   @jax.custom_batching.custom_vmap
   def fused(*operands):
     def stateful(refs):
       acc_ref, dk_ref, dv_ref = refs
-      launch((), operands, dq_acc_ref=acc_ref, closed_outs=(dk_ref, dv_ref))
+      dk_ref[...], dv_ref[...] = launch(out_type, operands, dq_acc_ref=acc_ref)
 
     acc, dk, dv = pl.run_state(stateful)((jnp.zeros(acc_shape, jnp.float32),
-                                          jnp.zeros(k.shape, k.dtype), jnp.zeros(v.shape, v.dtype)))
+                                          jnp.empty(k.shape, k.dtype), jnp.empty(v.shape, v.dtype)))
     return dk, dv, (acc.sum(axis=0) if emulate else acc)
 
   @fused.def_vmap
