@@ -76,10 +76,12 @@ def test_supports_rejects(q_shape, k_shape, dtype, h, words):
       assert w in why, (w, why)
 
 
-def test_backend_refuses_a_value_head_dim_other_than_head_dim(monkeypatch):
+def test_backend_runs_a_value_head_dim_of_its_own_padded(monkeypatch):
   """What dispatch asks the family: a value head_dim Hv != H (multi-head latent attention,
-  DeepSeek-V2's 192 / 128) is refused with the reason, on Hopper too (the kernels tile Q/K and V/O
-  by one head_dim); the same call with Hv == H is not."""
+  DeepSeek-V2's 192 / 128) runs on Hopper with the narrower side zero-padded to the wider, whose
+  support, default config and shared-memory check apply; forward and gradients in emulated
+  interpret mode equal the float32 formula's (H 64 / Hv 32, and H 32 / Hv 64)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
   from fa2_jax.kernels import platform
   from fa2_jax.kernels.backend import KernelCall
   from fa2_jax.kernels.masking import Variant
@@ -87,10 +89,32 @@ def test_backend_refuses_a_value_head_dim_other_than_head_dim(monkeypatch):
   monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
   call = KernelCall((2, 1024, 8, 192), (2, 1024, 8, 192), jnp.dtype(BF16), True,
                     Variant(is_causal=True))
-  assert call.value_head_dim == 192 and SM90.supports(call) is None
   mla = dataclasses.replace(call, value_head_dim=128)
-  assert mla.v_shape == (2, 1024, 8, 128)
-  assert SM90.supports(mla).startswith("value head_dim != query head_dim (128 != 192)")
+  assert mla.v_shape == (2, 1024, 8, 128) and SM90.supports(mla) is None
+  assert SM90.default_config(mla) == MosaicConfig.default(192, BF16, True)
+  wide = dataclasses.replace(call, value_head_dim=300)
+  assert "up to 256" in SM90.supports(wide)
+
+  b, t, s, n, kh = 1, 136, 200, 2, 1
+  for h, hv in ((64, 32), (32, 64)):
+    ks = jax.random.split(jax.random.key(h), 4)
+    q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(BF16)
+    k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(BF16)
+    v = jax.random.normal(ks[2], (b, s, kh, hv), jnp.float32).astype(BF16)
+    do = jax.random.normal(ks[3], (b, t, n, hv), jnp.float32).astype(BF16)
+    scale = h ** -0.5
+    cfg = MosaicConfig.default(max(h, hv), BF16, True)
+    kw = dict(scale=scale, is_causal=True, config=cfg, variant=None, arrays=None, interpret=None)
+    with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+      out, stats = SM90.forward(q, k, v, table=None, **kw)
+      grads = SM90.backward(q, k, v, out, stats, do, dlse=None, deterministic=True, tables=None,
+                            **kw)
+    f = lambda q, k, v: fa2_jax.reference_attention(q, k, v, scale=scale, is_causal=True)  # noqa: E731
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want, vjp = jax.vjp(f, f32(q), f32(k), f32(v))
+    for name, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *vjp(f32(do)))):
+      assert x.shape == r.shape, (name, x.shape, r.shape)
+      assert _rel(x, r) < 1e-2, (name, h, hv, _rel(x, r))
 
 
 # --- MosaicConfig -------------------------------------------------------------------------------------

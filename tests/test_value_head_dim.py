@@ -5,7 +5,7 @@ unchanged, ``dq``/``dk`` with ``H`` and ``dv`` with ``Hv``; the default scale st
 Out, lse and gradients against the float64 formula (bounds as tests/test_attention.py: at most twice
 the formula's own error in the input dtype plus ``atol * (max |reference| + 1)``) on the Triton
 kernels (Pallas interpret mode on CPU), the XLA formula (one block and chunked) and the decode kernels;
-the argument checks; dispatch (the sm90 kernels refuse such a call, so ``implementation=None`` runs
+the argument checks; dispatch (the sm90 kernels run such a call zero-padded to the wider head_dim; ``implementation=None`` runs
 the Triton kernels); sharding, the paged and contiguous caches, and the Flax adapter.
 """
 from __future__ import annotations
@@ -282,28 +282,24 @@ def fake_hopper(monkeypatch):
   monkeypatch.setattr(platform, "gpu_compute_capability", lambda: (9, 0))
 
 
-def test_sm90_refuses_and_dispatch_runs_triton(fake_hopper):
-  """DeepSeek-V2's shapes (H 192, Hv 128): the sm90 kernels tile Q/K and V/O by one head_dim, so
-  they refuse the call with the reason; implementation=None picks the Triton kernels and says why;
-  the same call with Hv == H runs on sm90."""
+def test_sm90_runs_a_value_head_dim_of_its_own(fake_hopper):
+  """DeepSeek-V2's shapes (H 192, Hv 128): the sm90 kernels run them with V (and O, dO, dV)
+  zero-padded to 192 (kernels/sm90/backend.py), so implementation=None picks sm90; a wider value
+  (H 64, Hv 128) pads Q/K instead; a call the padded width cannot run (H 64, Hv 300) goes to
+  Triton with the reason."""
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
   q, k, v = sds(2, 1024, 8, 192), sds(2, 1024, 8, 192), sds(2, 1024, 8, 128)
-  d = fa2_jax.backend_for(q, k, v, is_causal=True)
-  assert d.backend == "triton", d
-  assert "sm90: value head_dim != query head_dim (128 != 192)" in d.reason, d
-  assert fa2_jax.backend_for(q, k, k, is_causal=True).backend == "sm90"
-  for impl in ("sm90", "mosaic"):
-    with pytest.raises(ValueError, match=rf"implementation='{impl}' cannot run this call: value "
-                       r"head_dim != query head_dim \(128 != 192\)"):
-      fa2_jax.flash_attention(jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype),
-                              jnp.zeros(v.shape, v.dtype), implementation=impl)
-  with pytest.raises(ValueError, match="block_sizes is a MosaicConfig.*value head_dim != query"):
-    fa2_jax.backend_for(q, k, v, block_sizes=fa2_jax.MosaicConfig.default(192, jnp.bfloat16))
-  # A decoding call: the decode forward, and the Triton backward (the sm90 one refuses Hv != H).
+  assert fa2_jax.backend_for(q, k, v, is_causal=True).backend == "sm90"
+  assert fa2_jax.backend_for(q, k, v, block_sizes=fa2_jax.MosaicConfig.default(192)).backend == "sm90"
+  q64 = sds(2, 1024, 8, 64)
+  assert fa2_jax.backend_for(q64, q64, v, is_causal=True).backend == "sm90"
+  d = fa2_jax.backend_for(q64, q64, sds(2, 1024, 8, 300), is_causal=True)
+  assert d.backend != "sm90" and "up to 256" in d.reason, d
+  # A decoding call: the decode forward, and the sm90 backward
   lens = jax.ShapeDtypeStruct((2,), jnp.int32)
   d = fa2_jax.backend_for(sds(2, 1, 8, 192), k, v, is_causal=True, key_value_seq_lengths=lens,
                           q_offset=lens)
-  assert d.backend == "decode" and "the backward is triton's" in d.reason, d
+  assert d.backend == "decode" and "the backward is sm90's" in d.reason, d
 
 
 # --- sharding and the Flax adapter ---------------------------------------------------------------
