@@ -76,12 +76,10 @@ def test_supports_rejects(q_shape, k_shape, dtype, h, words):
       assert w in why, (w, why)
 
 
-def test_backend_runs_a_value_head_dim_of_its_own_padded(monkeypatch):
+def test_backend_accepts_a_value_head_dim_of_its_own(monkeypatch):
   """What dispatch asks the family: a value head_dim Hv != H (multi-head latent attention,
-  DeepSeek-V2's 192 / 128) runs on Hopper with the narrower side zero-padded to the wider, whose
-  support, default config and shared-memory check apply; forward and gradients in emulated
-  interpret mode equal the float32 formula's (H 64 / Hv 32, and H 32 / Hv 64)."""
-  from jax.experimental.pallas import mosaic_gpu as plgpu
+  DeepSeek-V2's 192 / 128) runs on Hopper, V/O/dO/dV tiled by their own width; the defaults are the
+  wider width's, without the role-split dQ kernel; an Hv no swizzle tiles is refused."""
   from fa2_jax.kernels import platform
   from fa2_jax.kernels.backend import KernelCall
   from fa2_jax.kernels.masking import Variant
@@ -92,29 +90,44 @@ def test_backend_runs_a_value_head_dim_of_its_own_padded(monkeypatch):
   mla = dataclasses.replace(call, value_head_dim=128)
   assert mla.v_shape == (2, 1024, 8, 128) and SM90.supports(mla) is None
   assert SM90.default_config(mla) == MosaicConfig.default(192, BF16, True)
-  wide = dataclasses.replace(call, value_head_dim=300)
-  assert "up to 256" in SM90.supports(wide)
+  assert not MosaicConfig.default(256, value_head_dim=128).dq_roles
+  # the 128 tiles; dQ (64 columns) does not split between the consumers: not fused
+  assert MosaicConfig.default(64, value_head_dim=128) == MosaicConfig.default(96)
+  assert "value head_dim: " in SM90.supports(dataclasses.replace(call, value_head_dim=72))
+  assert "value head_dim" in MosaicConfig.default(256).check(256, 2, 128)  # dq_roles
 
+
+@pytest.mark.parametrize("h, hv, fused", [(64, 32, True), (32, 64, False), (192, 128, False)])
+def test_interpret_value_head_dim_of_its_own(h, hv, fused):
+  """Forward and gradients with V/O/dO/dV tiles of their own width (Q/K tiles of H's), in emulated
+  interpret mode against the float32 formula: the fused-dQ dK/dV kernel (64/32), the dK/dV and dQ
+  kernels with V wider than Q (32/64), the role-split dK/dV kernel with its own dK/dV staging tiles
+  and the one-warpgroup dQ kernel (192/128, DeepSeek-V2's)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
   b, t, s, n, kh = 1, 136, 200, 2, 1
-  for h, hv in ((64, 32), (32, 64)):
-    ks = jax.random.split(jax.random.key(h), 4)
-    q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(BF16)
-    k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(BF16)
-    v = jax.random.normal(ks[2], (b, s, kh, hv), jnp.float32).astype(BF16)
-    do = jax.random.normal(ks[3], (b, t, n, hv), jnp.float32).astype(BF16)
-    scale = h ** -0.5
-    cfg = MosaicConfig.default(max(h, hv), BF16, True)
-    kw = dict(scale=scale, is_causal=True, config=cfg, variant=None, arrays=None, interpret=None)
-    with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-      out, stats = SM90.forward(q, k, v, table=None, **kw)
-      grads = SM90.backward(q, k, v, out, stats, do, dlse=None, deterministic=True, tables=None,
-                            **kw)
-    f = lambda q, k, v: fa2_jax.reference_attention(q, k, v, scale=scale, is_causal=True)  # noqa: E731
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    want, vjp = jax.vjp(f, f32(q), f32(k), f32(v))
-    for name, x, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (want, *vjp(f32(do)))):
-      assert x.shape == r.shape, (name, x.shape, r.shape)
-      assert _rel(x, r) < 1e-2, (name, h, hv, _rel(x, r))
+  ks = jax.random.split(jax.random.key(h + hv), 4)
+  q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(BF16)
+  k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(BF16)
+  v = jax.random.normal(ks[2], (b, s, kh, hv), jnp.float32).astype(BF16)
+  do = jax.random.normal(ks[3], (b, t, n, hv), jnp.float32).astype(BF16)
+  scale = h ** -0.5
+  cfg = MosaicConfig.default(h, BF16, True, value_head_dim=hv)
+  if fused:
+    cfg = cfg.replace(dq_fused=True, dq_fused_min_t=0, dq_fused_variants=True)
+
+  def f(q, k, v, do):
+    out, stats = forward(q, k, v, scale=scale, is_causal=True, config=cfg)
+    return (out, *backward(q, k, v, out, stats, do, scale=scale, is_causal=True, config=cfg,
+                           deterministic=not fused))
+
+  with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    got = jax.block_until_ready(jax.jit(f)(q, k, v, do))
+  ref = lambda q, k, v: fa2_jax.reference_attention(q, k, v, scale=scale, is_causal=True)  # noqa: E731
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  want, vjp = jax.vjp(ref, f32(q), f32(k), f32(v))
+  for name, x, r in zip(("out", "dq", "dk", "dv"), got, (want, *vjp(f32(do)))):
+    assert x.shape == r.shape, (name, x.shape, r.shape)
+    assert _rel(x, r) < 1e-2, (name, _rel(x, r))
 
 
 # --- MosaicConfig -------------------------------------------------------------------------------------
@@ -671,6 +684,33 @@ def test_lowers_for_sm90(case):
   assert outs[0].shape == (b, t, n, h) and outs[0].dtype == dt
   assert outs[1].shape == (b, n, t) and outs[1].dtype == jnp.float32
   assert [o.shape for o in outs[2:]] == [(b, t, n, h), (b, s, kh, h), (b, s, kh, h)]
+
+
+@pytest.mark.parametrize("h, hv, causal, kernels", [
+    (192, 128, True, ("forward", "dkdv_roles", "dq")),  # DeepSeek-V2: both 128-byte swizzles
+    (128, 64, True, ("forward", "dkdv_dq")),  # fused dQ from 4k causal rows
+    (96, 64, False, ("forward", "dkdv", "dq")),  # Q/K tiles 64-byte swizzled, V/dO tiles 128
+    (64, 256, False, ("forward", "dkdv_roles", "dq"))])  # V wider: the 256 tiles
+def test_value_head_dim_of_its_own_lowers_for_sm90(h, hv, causal, kernels):
+  """V, O, dO and dV tiled by their own width (and swizzle), Q/K by H's: every kernel lowers for
+  sm90, with the outputs' shapes."""
+  b, t, n, kh = 1, 4096, 4, 2
+  sd = jax.ShapeDtypeStruct
+  cfg = MosaicConfig.default(h, BF16, causal, value_head_dim=hv)
+
+  def f(q, k, v, do):
+    out, stats = forward(q, k, v, scale=h ** -0.5, is_causal=causal, config=cfg)
+    return (out, *backward(q, k, v, out, stats, do, scale=h ** -0.5, is_causal=causal, config=cfg,
+                           deterministic=False))
+
+  lowered = jax.jit(f).trace(sd((b, t, n, h), BF16), sd((b, t, kh, h), BF16),
+                             sd((b, t, kh, hv), BF16), sd((b, t, n, hv), BF16)
+                             ).lower(lowering_platforms=("cuda",))
+  names = set(re.findall(r"fa2_mosaic_(forward|dkdv_dq|dkdv_roles|dkdv|dq_roles|dq)_mosaic_gpu",
+                         lowered.as_text()))
+  assert names == set(kernels)
+  assert [o.shape for o in lowered.out_info] == [(b, t, n, hv), (b, t, n, h), (b, t, kh, h),
+                                                 (b, t, kh, hv)]
 
 
 # --- numerics in GPU interpret mode (emulated wgmma) -------------------------------------------------

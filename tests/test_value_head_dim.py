@@ -5,8 +5,8 @@ unchanged, ``dq``/``dk`` with ``H`` and ``dv`` with ``Hv``; the default scale st
 Out, lse and gradients against the float64 formula (bounds as tests/test_attention.py: at most twice
 the formula's own error in the input dtype plus ``atol * (max |reference| + 1)``) on the Triton
 kernels (Pallas interpret mode on CPU), the XLA formula (one block and chunked) and the decode kernels;
-the argument checks; dispatch (the sm90 kernels run such a call zero-padded to the wider head_dim; ``implementation=None`` runs
-the Triton kernels); sharding, the paged and contiguous caches, and the Flax adapter.
+the argument checks; dispatch (``implementation=None`` runs the sm90 kernels on Hopper, which tile
+V/O by their own head_dim); sharding, the paged and contiguous caches, and the Flax adapter.
 """
 from __future__ import annotations
 
@@ -283,10 +283,9 @@ def fake_hopper(monkeypatch):
 
 
 def test_sm90_runs_a_value_head_dim_of_its_own(fake_hopper):
-  """DeepSeek-V2's shapes (H 192, Hv 128): the sm90 kernels run them with V (and O, dO, dV)
-  zero-padded to 192 (kernels/sm90/backend.py), so implementation=None picks sm90; a wider value
-  (H 64, Hv 128) pads Q/K instead; a call the padded width cannot run (H 64, Hv 300) goes to
-  Triton with the reason."""
+  """DeepSeek-V2's shapes (H 192, Hv 128): the sm90 kernels tile V, O, dO and dV by their own
+  width, so implementation=None picks sm90; a wider value (H 64, Hv 128) too; a value head_dim the
+  kernels cannot tile (Hv 300) goes to Triton with the reason."""
   sds = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
   q, k, v = sds(2, 1024, 8, 192), sds(2, 1024, 8, 192), sds(2, 1024, 8, 128)
   assert fa2_jax.backend_for(q, k, v, is_causal=True).backend == "sm90"
@@ -360,26 +359,36 @@ def test_flax_attention_fn_runs_the_kernel():
 
 # --- compiled (GPU) -----------------------------------------------------------------------------
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", [
+GPU_CASES = [
     Case(2, 1024, 1024, 8, 8, 192, 128, "bfloat16"),  # DeepSeek-V2's head dims
     Case(1, 1000, 777, 8, 2, 192, 128, "bfloat16", "window_segments_lengths"),
     Case(2, 513, 1024, 4, 1, 64, 256, "float16", "dense"),
     Case(1, 300, 300, 4, 2, 96, 40, "float32"),
     Case(3, 1, 4096, 16, 16, 192, 128, "bfloat16", "decoding"),  # the decode forward
     Case(2, 4, 2000, 8, 2, 64, 128, "float16", "decoding"),
-], ids=str)
-def test_compiled_matches_the_float64_formula_gpu(case):
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, impl", [(c, None) for c in GPU_CASES] + [
+    (c, "triton") for c in GPU_CASES if c.variant != "decoding"], ids=str)
+def test_compiled_matches_the_float64_formula_gpu(case, impl):
+  """On the default kernels (Hopper: the sm90 kernels for 16-bit inputs, V/O tiles of their own
+  width; other GPUs and float32: Triton; the decode forward for decoding calls) and on the Triton
+  kernels."""
+  from fa2_jax.kernels import platform
   q, k, v, do = _inputs(case, seed=6)
   kw = _variant_args(case)
   arrays = {n: x for n, x in kw.items() if isinstance(x, jax.Array)}
   static = {n: x for n, x in kw.items() if n not in arrays}
-  want = "decode" if case.variant == "decoding" else "triton"
-  assert fa2_jax.backend_for(q, k, v, **kw).backend == want
+  hopper = (platform.gpu_compute_capability() or (0,))[0] == 9
+  want = ("decode" if case.variant == "decoding" else impl if impl is not None
+          else "sm90" if hopper and case.dtype != "float32" else "triton")
+  assert fa2_jax.backend_for(q, k, v, implementation=impl, **kw).backend == want
 
   def run(q, k, v, do, arrays):
     fn = lambda a, b, c: fa2_jax.flash_attention(  # noqa: E731
-        a, b, c, return_residual=True, **static, **arrays)
+        a, b, c, return_residual=True, implementation=impl, **static, **arrays)
     return _out_lse_grads(fn, q, k, v, do)
 
   _check(jax.jit(run)(q, k, v, do, arrays), q, k, v, do, case.dtype, **kw)

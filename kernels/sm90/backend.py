@@ -11,21 +11,6 @@ from ..vma import cast_like
 from .config import MosaicConfig, supports
 
 
-def _width(call: KernelCall) -> int:
-  """The head_dim the kernels run: Q/K and V/O tiles share one, so a value head_dim of its own
-  (MLA: DeepSeek-V2's 192 / 128) runs zero-padded to the wider of the two (:func:`_padded`)."""
-  return max(call.head_dim, call.value_head_dim)
-
-
-def _padded(x, width: int):
-  """``x [..., H]`` with zero columns up to ``width`` (an HBM copy: the price of a value head_dim
-  other than the query's until the kernels tile V/O by their own). Zero V columns give zero output
-  columns, zero Q/K columns add nothing to the logits, zero dO columns nothing to dP."""
-  if x.shape[-1] == width:
-    return x
-  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
-
-
 class SM90Backend(Backend):
   name = "sm90"
   config_type = MosaicConfig
@@ -37,19 +22,19 @@ class SM90Backend(Backend):
     if cc is None or cc[0] != 9:
       return ("it needs an NVIDIA Hopper GPU (compute capability 9.x, wgmma); this is "
               f"{platform.describe()}")
-    width = _width(call)
-    why = supports(call.q_shape[:-1] + (width,), call.k_shape[:-1] + (width,), call.dtype, width,
-                   call.is_causal)
+    why = supports(call.q_shape, call.k_shape, call.dtype, call.head_dim, call.is_causal,
+                   value_head_dim=call.value_head_dim)
     if why is None and mask_fn_depends_on_head(call.variant, call.q_shape[2]):
       why = ("its mask_fn depends on the head (these kernels read one block range per batch "
              "element and tile, shared by the heads)")
     return why
 
   def default_config(self, call: KernelCall) -> MosaicConfig:
-    return MosaicConfig.default(_width(call), call.dtype, call.is_causal)
+    return MosaicConfig.default(call.head_dim, call.dtype, call.is_causal,
+                                value_head_dim=call.value_head_dim)
 
   def check_config(self, call: KernelCall, config: MosaicConfig) -> str | None:
-    return config.check(_width(call), jnp.dtype(call.dtype).itemsize)
+    return config.check(call.head_dim, jnp.dtype(call.dtype).itemsize, call.value_head_dim)
 
   def range_tiles(self, call: KernelCall, config: MosaicConfig) -> dict:
     return config.range_tiles(call.seq_q, deterministic=call.deterministic)
@@ -75,25 +60,19 @@ class SM90Backend(Backend):
   def forward(self, q, k, v, *, scale, is_causal, config, variant, arrays, table, interpret):
     del interpret  # compiled only (the CPU tests interpret it through ops.emulated_mma)
     from .forward import forward
-    h, hv = q.shape[-1], v.shape[-1]
-    width = max(h, hv)
-    q, k, v = (_padded(x, width) for x in (q, k, v))
     out, stats = forward(q, k, v, scale=scale, is_causal=is_causal, config=config, variant=variant,
                          arrays=arrays, table=table)
-    return cast_like(q, out[..., :hv], stats)
+    return cast_like(q, out, stats)
 
   def backward(self, q, k, v, out, stats, dout, *, dlse, scale, is_causal, deterministic, config,
                variant, arrays, tables, interpret, slope_grad=False):
     del interpret
     assert not slope_grad  # differentiates_slopes is False: fa2_jax refuses such a call first
     from .backward import backward
-    h, hv = q.shape[-1], v.shape[-1]
-    width = max(h, hv)
-    q, k, v, out, dout = (_padded(x, width) for x in (q, k, v, out, dout))
-    dq, dk, dv = backward(q, k, v, out, stats, dout, dlse=dlse, scale=scale, is_causal=is_causal,
-                          deterministic=deterministic, config=config, variant=variant,
-                          arrays=arrays, tables=tables)
-    return cast_like(q, dq[..., :h], dk[..., :h], dv[..., :hv])
+    grads = backward(q, k, v, out, stats, dout, dlse=dlse, scale=scale, is_causal=is_causal,
+                     deterministic=deterministic, config=config, variant=variant, arrays=arrays,
+                     tables=tables)
+    return cast_like(q, *grads)
 
 
 SM90 = SM90Backend()

@@ -125,8 +125,9 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   """Gradients of attention w.r.t. q, k, v on Hopper.
 
   Args:
-    q, out, do: ``[B, T, N, H]``; k, v: ``[B, S, K, H]``; stats: ``[B, N, 2, T]`` f32, the row
-      statistics of :func:`forward`.
+    q: ``[B, T, N, H]``; out, do: ``[B, T, N, Hv]``; k: ``[B, S, K, H]``; v: ``[B, S, K, Hv]`` (Hv:
+      the value head_dim, MLA's other than H); stats: ``[B, N, 2, T]`` f32, the row statistics of
+      :func:`forward`.
     dlse: optional cotangent of lse ``[B, N, T]``: since d lse_i / d S_ij = P_ij it enters as
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
     deterministic: True guarantees the separate dQ kernel (no atomics, bit-identical across runs).
@@ -137,13 +138,13 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v (dk/dv already summed over each GQA group).
   """
-  reason = supports(q.shape, k.shape, q.dtype, q.shape[-1], is_causal)
+  reason = supports(q.shape, k.shape, q.dtype, q.shape[-1], is_causal, value_head_dim=v.shape[-1])
   if reason is not None:
     raise ValueError(f"fa2_jax mosaic backward: {reason}")
   b, t, n, h = q.shape
-  s = k.shape[1]
-  cfg = config or MosaicConfig.default(h, q.dtype, is_causal)
-  if (why := cfg.check(h, q.dtype.itemsize)) is not None:
+  s, hv = k.shape[1], v.shape[-1]
+  cfg = config or MosaicConfig.default(h, q.dtype, is_causal, value_head_dim=hv)
+  if (why := cfg.check(h, q.dtype.itemsize, hv)) is not None:
     raise ValueError(why)
   scale, is_causal = float(scale), bool(is_causal)
   q_tile, k_tile = backward_tiles(cfg)
@@ -161,7 +162,7 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     def merge(g, like):
       # Elementwise adds in a fixed order (no reduction, whose order a GPU may vary): bit-identical
       # across runs, as deterministic=True promises.
-      parts = g.reshape(b, s, kh, r, h).astype(jnp.float32)
+      parts = g.reshape(b, s, kh, r, g.shape[-1]).astype(jnp.float32)
       total = parts[:, :, :, 0]
       for i in range(1, r):
         total = total + parts[:, :, :, i]

@@ -273,9 +273,12 @@ class MosaicConfig:
     return 232 if num_wgs == 2 else 240
 
   @classmethod
-  def default(cls, head_dim: int, dtype=jnp.bfloat16, is_causal: bool = False) -> "MosaicConfig":
+  def default(cls, head_dim: int, dtype=jnp.bfloat16, is_causal: bool = False, *,
+              value_head_dim: int | None = None) -> "MosaicConfig":
     """Per-head_dim defaults for H100/H200 (bf16/fp16); the sweeps behind them are in
-    docs/design.md#defaults-and-the-measurements-behind-them.
+    docs/design.md#defaults-and-the-measurements-behind-them. A ``value_head_dim`` of its own
+    (None: ``head_dim``; MLA) takes the settings of the wider of the two, without the role-split dQ
+    kernel.
 
     head_dim 64: 256-key forward tiles, 128-row dK/dV tiles, 128-key dQ tiles (the fastest in the
     sweep, docs/design.md#mosaic-tiles-head-dim-64). 128: 128-key tiles, 2-deep rings (no variant was
@@ -298,6 +301,14 @@ class MosaicConfig:
       raise TypeError(f"dtype must be bfloat16 or float16 (the Mosaic kernels' input dtypes), got "
                       f"{dt if dt is not None else repr(dtype)}")
     head_dim = int(head_dim)
+    if value_head_dim is not None:
+      if isinstance(value_head_dim, (bool, np.bool_)) or not isinstance(value_head_dim,
+                                                                          (int, np.integer)):
+        raise TypeError(f"value_head_dim must be None or an int, got "
+                        f"{type(value_head_dim).__name__} {value_head_dim!r}")
+      if (why := head_dim_reason(int(value_head_dim))) is not None:
+        raise ValueError(f"value_head_dim: {why}")
+      value_head_dim = int(value_head_dim)
     if not isinstance(is_causal, (bool, np.bool_)):
       raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__} {is_causal!r}")
     # Fused dQ (used only when the call allows a non-deterministic backward) from 2k query rows
@@ -311,13 +322,16 @@ class MosaicConfig:
     # cyclic deal loses at length: docs/design.md#persistent-forward).
     regs = dict(compute_registers=240, memory_registers=24, persistent=True,
                 persistent_deal="greedy")
-    if head_dim <= 64:
+    # A value head_dim of its own: the tiles of the wider of the two (SMEM and the dV accumulator's
+    # registers grow with it); the dQ settings follow head_dim (dQ's columns).
+    width = max(head_dim, value_head_dim or head_dim)
+    if width <= 64:
       # The fused dS^T/dQ staging needs the SMEM of a third dK/dV stage. Causal dK/dV keeps the
       # per-head launch order (lpt_heads_dkv=1), faster than any L2 section for this kernel only
       # (docs/design.md#causal-launch-order).
       return cls(block_k=256, num_stages=2 if is_causal else 3, block_q_dkv=128, num_stages_dkv=2,
                  block_k_dq=128, num_stages_dq=2, lpt_heads_dkv=1, **fused, **regs)
-    if head_dim <= 128:
+    if width <= 128:
       # Fused dQ only where its tile splits between the consumers (head_dim 128, by columns): at
       # 80/96/112 each consumer would reduce-add its own partial of the same rows, and the separate
       # dQ kernel measured 11-30% faster (docs/design.md#when-the-backward-fuses-dq).
@@ -325,7 +339,8 @@ class MosaicConfig:
         fused = dict(dq_fused=False)
       return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, **fused, **regs)
     return cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
-               num_stages_dq=2, dq_roles=head_dim % (2 * WG_ROWS) == 0)
+               num_stages_dq=2, dq_roles=head_dim % (2 * WG_ROWS) == 0 and value_head_dim in (
+                   None, head_dim))
 
   def forward_persistent(self, *, is_causal: bool, known_work: bool) -> bool:
     """Whether the forward runs persistent (one CTA per SM looping over the query tiles):
@@ -360,21 +375,25 @@ class MosaicConfig:
     return "per_head"
 
   # --- shared-memory budget (bytes), one function per kernel ---------------------------------------
-  def smem_forward(self, head_dim: int, itemsize: int = 2) -> int:
-    q_o = self.num_wgs * self.block_q * head_dim * itemsize  # Q tile, reused for O
-    kv = self.num_stages * 2 * self.block_k * head_dim * itemsize
-    return q_o + kv + self.num_wgs * 2 * self.block_q * 4  # + the row statistics (r, l)
+  # ``value_head_dim`` (None: ``head_dim``): V, O, dO and dV tiles are that wide (MLA).
+  def smem_forward(self, head_dim: int, itemsize: int = 2, value_head_dim: int | None = None) -> int:
+    hv = head_dim if value_head_dim is None else value_head_dim
+    q = self.num_wgs * self.block_q * head_dim * itemsize  # Q tile, reused for O where hv == H
+    o = 0 if hv == head_dim else self.num_wgs * self.block_q * hv * itemsize
+    kv = self.num_stages * self.block_k * (head_dim + hv) * itemsize
+    return q + o + kv + self.num_wgs * 2 * self.block_q * 4  # + the row statistics (r, l)
 
-  def smem_dkv(self, head_dim: int, itemsize: int = 2) -> int:
+  def smem_dkv(self, head_dim: int, itemsize: int = 2, value_head_dim: int | None = None) -> int:
+    hv = head_dim if value_head_dim is None else value_head_dim
     nwg = self.num_wgs_dkv
-    tile_k = self.block_k_dkv * head_dim * itemsize
-    tile_q = self.block_q_dkv * head_dim * itemsize
-    resident = nwg * tile_k * 2  # K and V (for dP)
+    tiles_k = self.block_k_dkv * (head_dim + hv) * itemsize  # K and V (for dP)
+    resident = nwg * tiles_k
     # Q, dO tiles; the row inputs (r, u) and delta: f32 [block_q] each
-    ring = self.num_stages_dkv * (2 * tile_q + self.block_q_dkv * 4 * 3)
+    ring = self.num_stages_dkv * (self.block_q_dkv * (head_dim + hv) * itemsize
+                                  + self.block_q_dkv * 4 * 3)
     fused = 0
     if self.dkv_roles:  # one consumer's keys (shared by both) and the P^T ∘ d tile, f32
-      resident = tile_k * 2
+      resident = tiles_k * (1 if hv == head_dim else 2)  # + dK/dV staging where K/V differ in width
       fused = self.block_k_dkv * self.block_q_dkv * 4
     elif self.dq_fused:
       # dS^T [keys, rows] per consumer in the input dtype, double-buffered, + each consumer's f32 dQ
@@ -383,29 +402,37 @@ class MosaicConfig:
       fused = 2 * nwg * self.block_k_dkv * self.block_q_dkv * itemsize + nwg * rows * cols * 4
     return resident + ring + fused
 
-  def smem_dq(self, head_dim: int, itemsize: int = 2) -> int:
+  def smem_dq(self, head_dim: int, itemsize: int = 2, value_head_dim: int | None = None) -> int:
+    hv = head_dim if value_head_dim is None else value_head_dim
     # Q, dO tiles; (r, u) and delta, f32 [block_q] each
     tiles = 1 if self.dq_roles else self.num_wgs_dq  # dq_roles: both consumers share one
-    resident = tiles * (2 * self.block_q_dq * head_dim * itemsize + 3 * self.block_q_dq * 4)
-    ring = self.num_stages_dq * 2 * self.block_k_dq * head_dim * itemsize
+    resident = tiles * (self.block_q_dq * (head_dim + hv) * itemsize + 3 * self.block_q_dq * 4)
+    ring = self.num_stages_dq * self.block_k_dq * (head_dim + hv) * itemsize
     # dq_roles: the P ∘ d tile (f32) and the dS tile
     exchange = self.block_q_dq * self.block_k_dq * (4 + itemsize) if self.dq_roles else 0
     return resident + ring + exchange
 
-  def check(self, head_dim: int, itemsize: int = 2) -> str | None:
-    """None if every kernel's tiles fit in shared memory for this head_dim, else a reason."""
+  def check(self, head_dim: int, itemsize: int = 2, value_head_dim: int | None = None) -> str | None:
+    """None if every kernel's tiles fit in shared memory for this head_dim (and value head_dim:
+    None, the same), else a reason."""
+    hv = head_dim if value_head_dim is None else value_head_dim
     if self.dq_roles and head_dim % (2 * WG_ROWS):
       return (f"MosaicConfig.dq_roles needs a head_dim that is a multiple of {2 * WG_ROWS} (each "
               f"warpgroup computes half of dQ's columns, whole {WG_ROWS}-element tiles), got "
               f"{head_dim}")
+    if self.dq_roles and hv != head_dim:
+      return (f"MosaicConfig.dq_roles needs the value head_dim equal to the head_dim (its warpgroups "
+              f"split Q and dO by the same columns), got {hv} != {head_dim}: use dq_roles=False")
     limit = SMEM_BYTES - SMEM_RESERVE
-    need = {"forward": self.smem_forward(head_dim, itemsize), "dQ": self.smem_dq(head_dim, itemsize),
-            "dK/dV": self.smem_dkv(head_dim, itemsize)}
+    need = {"forward": self.smem_forward(head_dim, itemsize, hv),
+            "dQ": self.smem_dq(head_dim, itemsize, hv),
+            "dK/dV": self.smem_dkv(head_dim, itemsize, hv)}
     for name, b in need.items():
       if b > limit:
         return (f"MosaicConfig {name} kernel needs {b // 1024} KiB of shared memory for "
-                f"head_dim={head_dim}, more than the {limit // 1024} KiB available: use fewer stages "
-                f"or smaller tiles")
+                f"head_dim={head_dim}" + (f", value head_dim {hv}" if hv != head_dim else "")
+                + f", more than the {limit // 1024} KiB available: use fewer stages or smaller "
+                "tiles")
     return None
 
 
@@ -421,11 +448,13 @@ def head_dim_reason(head_dim: int) -> str | None:
   return None
 
 
-def supports(q_shape, k_shape, dtype, head_dim: int, is_causal: bool) -> str | None:
+def supports(q_shape, k_shape, dtype, head_dim: int, is_causal: bool,
+             value_head_dim: int | None = None) -> str | None:
   """None when ``forward``/``backward`` of this backend can run the call, else a one-line reason.
 
-  Shapes are ``[B, T, N, H]`` / ``[B, S, K, H]``. Sequence lengths may be any positive length (ragged
-  tails are handled by TMA bounds or an HBM pad, see :func:`plan_lengths`).
+  Shapes are ``[B, T, N, H]`` / ``[B, S, K, H]``; ``value_head_dim`` (None: H) is V's and the
+  output's. Sequence lengths may be any positive length (ragged tails are handled by TMA bounds or
+  an HBM pad, see :func:`plan_lengths`).
   """
   if is_causal and (why := _causal_ptxas_bug()) is not None:
     return why
@@ -444,6 +473,9 @@ def supports(q_shape, k_shape, dtype, head_dim: int, is_causal: bool) -> str | N
     return f"head_dim {head_dim} does not match q/k shapes {q_shape}, {k_shape}"
   if (why := head_dim_reason(head_dim)) is not None:
     return why
+  hv = head_dim if value_head_dim is None else value_head_dim
+  if hv != head_dim and (why := head_dim_reason(hv)) is not None:
+    return f"value head_dim: {why}"
   if bk != b:
     return f"batch mismatch: q {b}, k {bk}"
   if min(b, t, n, s, kh) < 1:
@@ -452,8 +484,8 @@ def supports(q_shape, k_shape, dtype, head_dim: int, is_causal: bool) -> str | N
     return f"query heads N={n} must be a multiple of key/value heads K={kh}"
   if b > 65535 or n > 65535:
     return f"batch and head counts must be <= 65535 (CUDA grid y/z), got B={b}, N={n}"
-  cfg = MosaicConfig.default(head_dim, dt)
-  return cfg.check(head_dim, dt.itemsize)
+  cfg = MosaicConfig.default(head_dim, dt, value_head_dim=hv)
+  return cfg.check(head_dim, dt.itemsize, hv)
 
 
 def _causal_ptxas_bug() -> str | None:

@@ -65,6 +65,7 @@ class _Dkv:
   seq_q: int  # true T
   group: int
   head_dim: int
+  value_head_dim: int  # V's, dO's and dV's (MLA: other than head_dim)
   block_q: int  # rows of each streamed Q/dO tile
   block_k: int  # keys per consumer warpgroup (64)
   num_stages: int
@@ -102,7 +103,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
                 do_smem, rows_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, rows_bar, delta_bar,
                 free, ds_smem=None, dq_smem=None, ds_bar=None, dq_acc_ref=None, closed_outs=None,
                 st: _Dkv):
-  # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; rows_ref: [B, N, 2, T_rows] the rows'
+  # q_ref: [B, T, N, H], do_ref: [B, T, N, Hv]; k_ref: [B, S, K, H], v_ref: [B, S, K, Hv] (Hv: the value
+  # head_dim, MLA's other than H); rows_ref: [B, N, 2, T_rows] the rows'
   # (r, u) (kernels/softmax.py, backward_rows); delta_ref: [B, N, T_rows]; exact_ref: [B, N] int32,
   # the heads whose rows need the exact P (kernels/softmax.py, exact_heads)
   # outputs: dk_ref, dv_ref [B, S, K, H].
@@ -309,7 +311,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
 
     def finish(exact: bool):
       """The query loop and the epilogue, in the exact or the fast form of P (one per CTA)."""
-      dk, dv = accumulators(functools.partial(all_queries, exact=exact), (bk, hd), (bk, hd))
+      dk, dv = accumulators(functools.partial(all_queries, exact=exact), (bk, hd),
+                            (bk, st.value_head_dim))
       epilogue(dk, dv)
 
     def epilogue(dk, dv):
@@ -380,24 +383,27 @@ def stream_queries(q_ref, do_ref, rows_ref, delta_ref, q_smem, do_smem, rows_sme
 def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, cfg: MosaicConfig,
              emulate, fused_dq=False, seq_k=0, variant=None, names=()):
   b, t_hbm, n, h = q.shape
-  s_hbm, kh = k.shape[1], k.shape[2]
+  s_hbm, kh, hv = k.shape[1], k.shape[2], v.shape[3]
   bq, bk, stages, num_wgs = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv, cfg.num_wgs_dkv
   n_k_tiles = -(-s_hbm // (num_wgs * bk))
-  st = _Dkv(scale=scale, is_causal=is_causal, seq_q=seq_q, group=n // kh, head_dim=h, block_q=bq,
+  st = _Dkv(scale=scale, is_causal=is_causal, seq_q=seq_q, group=n // kh, head_dim=h,
+            value_head_dim=hv, block_q=bq,
             block_k=bk, num_stages=stages, num_wgs=num_wgs, dtype=q.dtype,
             registers=cfg.registers(num_wgs), memory_registers=cfg.memory_registers, emulate=emulate,
             fused_dq=fused_dq, dq_split=dq_split(bq, h, num_wgs) if fused_dq else None, n_heads=kh,
             n_bh=b * kh, n_k_tiles=n_k_tiles,
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
-                                   kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
+                                   kv_bytes=t_hbm * (h + hv) * q.dtype.itemsize * (n // kh)),
             seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq,
             p_form=cfg.p_form(variant))
-  tf = smem_transforms(h)
+  # Q/K tiles (and dS^T, which meets K in the fused dQ product) take H's swizzle, V/dO tiles Hv's: a
+  # wgmma's SMEM operands share one (dV: P^T from registers, dO; dP^T: V, dO; dK: dS^T, Q)
+  tf, tfv = smem_transforms(h), smem_transforms(hv)
   scratch = dict(
       k_smem=plgpu.SMEM((num_wgs, bk, h), k.dtype, transforms=tf),
-      v_smem=plgpu.SMEM((num_wgs, bk, h), v.dtype, transforms=tf),
+      v_smem=plgpu.SMEM((num_wgs, bk, hv), v.dtype, transforms=tfv),
       q_smem=plgpu.SMEM((stages, bq, h), q.dtype, transforms=tf),
-      do_smem=plgpu.SMEM((stages, bq, h), do.dtype, transforms=tf),
+      do_smem=plgpu.SMEM((stages, bq, hv), do.dtype, transforms=tfv),
       rows_smem=plgpu.SMEM((stages, 2, bq), jnp.float32),
       delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
       k_bar=plgpu.Barrier(num_barriers=num_wgs),

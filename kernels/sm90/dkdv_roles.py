@@ -49,6 +49,7 @@ class _Roles:
   seq_k: int  # true S
   group: int  # query heads per KV head
   head_dim: int
+  value_head_dim: int  # V's, dO's and dV's (MLA: other than head_dim)
   block_q: int  # rows of each streamed Q/dO tile
   block_k: int  # keys per CTA (64: one wgmma M)
   num_stages: int
@@ -66,11 +67,15 @@ class _Roles:
 
 def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
                   q_smem, do_smem, rows_smem, delta_smem, pd_smem, k_bar, v_bar, q_bar, do_bar,
-                  rows_bar, delta_bar, free, pd_full, pd_empty, st: _Roles):
-  # q_ref, do_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; rows_ref: [B, N, 2, T_rows] (r, u);
+                  rows_bar, delta_bar, free, pd_full, pd_empty, out_smem=None, st: _Roles):
+  # q_ref: [B, T, N, H], do_ref: [B, T, N, Hv]; k_ref: [B, S, K, H], v_ref: [B, S, K, Hv] (Hv: the
+  # value head_dim); rows_ref: [B, N, 2, T_rows] (r, u);
   # delta_ref: [B, N, T_rows]; exact_ref: [B, N] int32 (kernels/softmax.py: backward_rows,
-  # exact_heads); then the variant operands named by st.names; outputs dk_ref, dv_ref [B, S, K, H].
-  # k_smem, v_smem [block_k, H]; q_smem, do_smem [stages, block_q, H]; rows_smem [stages, 2, block_q];
+  # exact_heads); then the variant operands named by st.names; outputs dk_ref [B, S, K, H], dv_ref
+  # [B, S, K, Hv].
+  # k_smem [block_k, H], v_smem [block_k, Hv]; q_smem [stages, block_q, H], do_smem [stages, block_q,
+  # Hv]; out_smem (Hv != H only): the staging tiles of dK [block_k, H] and dV [block_k, Hv], where
+  # the dead K_j / V_j tiles are another width; rows_smem [stages, 2, block_q];
   # delta_smem [stages, block_q]; pd_smem [block_k, block_q] f32: P^T ∘ d of the current step.
   var_refs, (dk_ref, dv_ref) = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, stages, g_size = st.block_q, st.block_k, st.num_stages, st.group
@@ -171,9 +176,10 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
         query_loop(functools.partial(step, dv_acc=dv_acc, exact=exact), dv_acc)
         return wgmma_load(dv_acc)
 
-      dv = accumulators(body, (bk, st.head_dim))
+      dv = accumulators(body, (bk, st.value_head_dim))
       plgpu.barrier_wait(pd_empty)  # the last read: every arrival is waited once
-      store(dv, k_smem, dv_ref)  # K_j is dead (only this warpgroup reads it)
+      # K_j is dead (only this warpgroup reads it); its own tile where K_j is another width
+      store(dv, k_smem if out_smem is None else out_smem[1], dv_ref)
 
     # The form of P, per CTA (kernels/sm90/dkdv.py); only this warpgroup computes P.
     per_cta_choice(st.p_form, lambda: exact_ref[b, kvh * g_size] != 0, finish)
@@ -213,7 +219,8 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
       return wgmma_load(dk_acc)
 
     dk = accumulators(body, (bk, st.head_dim))
-    store(dk * st.scale, v_smem, dk_ref)  # V_j is dead (only this warpgroup reads it)
+    # V_j is dead (only this warpgroup reads it); its own tile where V_j is another width
+    store(dk * st.scale, v_smem if out_smem is None else out_smem[0], dk_ref)
 
   @pl.when(wg == 2)
   def _producer():
@@ -228,22 +235,24 @@ def dkv_roles_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, s
                    cfg: MosaicConfig, emulate=False, variant=None, names=()):
   """``(dk, dv)`` ``[B, S_hbm, K, H]`` of the role-split kernel; operands as ``dkdv.dkv_call``."""
   b, t_hbm, n, h = q.shape
-  s_hbm, kh = k.shape[1], k.shape[2]
+  s_hbm, kh, hv = k.shape[1], k.shape[2], v.shape[3]
   bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv
   n_k_tiles = -(-s_hbm // bk)
   st = _Roles(scale=scale, is_causal=is_causal, seq_q=seq_q, seq_k=seq_k, group=n // kh,
-              head_dim=h, block_q=bq, block_k=bk, num_stages=stages, dtype=q.dtype,
+              head_dim=h, value_head_dim=hv, block_q=bq, block_k=bk, num_stages=stages, dtype=q.dtype,
               registers=cfg.registers(2), memory_registers=cfg.memory_registers, n_heads=kh,
               n_bh=b * kh, n_k_tiles=n_k_tiles,
               section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
-                                     kv_bytes=2 * t_hbm * h * q.dtype.itemsize * (n // kh)),
+                                     kv_bytes=t_hbm * (h + hv) * q.dtype.itemsize * (n // kh)),
               variant=variant, names=names, p_form=cfg.p_form(variant))
-  tf = smem_transforms(h)
+  # Q/K tiles take H's swizzle, V/dO tiles Hv's (a wgmma's SMEM operands share one: dV from P^T in
+  # registers and dO; dP^T from V and dO; dK from dS^T in registers and Q)
+  tf, tfv = smem_transforms(h), smem_transforms(hv)
   scratch = dict(
       k_smem=plgpu.SMEM((bk, h), k.dtype, transforms=tf),
-      v_smem=plgpu.SMEM((bk, h), v.dtype, transforms=tf),
+      v_smem=plgpu.SMEM((bk, hv), v.dtype, transforms=tfv),
       q_smem=plgpu.SMEM((stages, bq, h), q.dtype, transforms=tf),
-      do_smem=plgpu.SMEM((stages, bq, h), do.dtype, transforms=tf),
+      do_smem=plgpu.SMEM((stages, bq, hv), do.dtype, transforms=tfv),
       rows_smem=plgpu.SMEM((stages, 2, bq), jnp.float32),
       delta_smem=plgpu.SMEM((stages, bq), jnp.float32),
       pd_smem=plgpu.SMEM((bk, bq), jnp.float32, transforms=smem_transforms_f32(bq)),
@@ -255,6 +264,9 @@ def dkv_roles_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, s
       free=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       pd_full=plgpu.Barrier(), pd_empty=plgpu.Barrier(),
   )
+  if hv != h:
+    scratch["out_smem"] = (plgpu.SMEM((bk, h), k.dtype, transforms=tf),
+                           plgpu.SMEM((bk, hv), v.dtype, transforms=tfv))
   out_type = (out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q))
   return tuple(ws_kernel(
       functools.partial(_roles_kernel, st=st), out_type=out_type, scratch=scratch,

@@ -59,7 +59,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
                v_bar, k_free, v_free, st: _Dq):
   # rows_ref: [B, N, 2, T_rows] f32, the rows' (r, u) (kernels/softmax.py, backward_rows); delta_ref:
   # [B, N, T_rows]; exact_ref: [B, N] int32, the heads whose rows need the exact P (kernels/softmax.py,
-  # exact_heads). Then the variant operands named by st.names, then dq_ref [B, T, N, H].
+  # exact_heads). Then the variant operands named by st.names, then dq_ref [B, T, N, H]. do_ref and
+  # v_ref are [.., Hv] (the value head_dim), q_ref and k_ref [.., H].
   var_refs, (dq_ref,) = refs[:len(st.names)], refs[len(st.names):]
   bq, bk, nwg, stages = st.block_q, st.block_k, st.num_wgs, st.num_stages
   variant = st.variant
@@ -164,7 +165,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *ref
 def dq_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_k, cfg: MosaicConfig, emulate,
              seq_q=0, variant=None, names=()):
   b, t_hbm, n, h = q.shape
-  kh = k.shape[2]
+  kh, hv = k.shape[2], v.shape[3]
   bq, bk, stages, nwg = cfg.block_q_dq, cfg.block_k_dq, cfg.num_stages_dq, cfg.num_wgs_dq
   n_q_tiles = -(-t_hbm // (nwg * bq))
   st = _Dq(scale=scale, is_causal=is_causal, seq_k=seq_k, group=n // kh, head_dim=h, block_q=bq,
@@ -172,16 +173,18 @@ def dq_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_k, c
            registers=cfg.registers(nwg), memory_registers=cfg.memory_registers,
            emulate=emulate, n_heads=n, n_bh=b * n,
            section=causal_section(cfg, n_bh=b * n, group=n // kh,
-                                  kv_bytes=2 * k.shape[1] * h * k.dtype.itemsize),
+                                  kv_bytes=k.shape[1] * (h + hv) * k.dtype.itemsize),
            seq_q=seq_q, variant=variant, names=names, p_form=cfg.p_form(variant))
-  tf = smem_transforms(h)
+  # Q/K tiles take H's swizzle, dO/V tiles Hv's (the value head_dim; S = Q K^T and dP = dO V^T each
+  # pair one)
+  tf, tfv = smem_transforms(h), smem_transforms(hv)
   scratch = dict(
       q_smem=plgpu.SMEM((nwg, bq, h), q.dtype, transforms=tf),
-      do_smem=plgpu.SMEM((nwg, bq, h), do.dtype, transforms=tf),
+      do_smem=plgpu.SMEM((nwg, bq, hv), do.dtype, transforms=tfv),
       rows_smem=plgpu.SMEM((nwg, 2, bq), jnp.float32),
       delta_smem=plgpu.SMEM((nwg, bq), jnp.float32),
       k_smem=plgpu.SMEM((stages, bk, h), k.dtype, transforms=tf),
-      v_smem=plgpu.SMEM((stages, bk, h), v.dtype, transforms=tf),
+      v_smem=plgpu.SMEM((stages, bk, hv), v.dtype, transforms=tfv),
       q_bar=plgpu.Barrier(num_barriers=nwg),
       do_bar=plgpu.Barrier(num_barriers=nwg),
       rows_bar=plgpu.Barrier(num_barriers=nwg),

@@ -65,6 +65,7 @@ class _Fwd:
   seq_k: int  # true S: keys >= seq_k are masked
   group: int  # N // K (GQA)
   head_dim: int
+  value_head_dim: int  # V's and O's (MLA: other than head_dim)
   block_q: int
   block_k: int
   num_stages: int
@@ -85,8 +86,9 @@ class _Fwd:
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem, q_bar, k_bar,
-                v_bar, k_free, v_free, sched=None, st: _Fwd):
-  # q_ref, o_ref: [B, T, N, H]; k_ref, v_ref: [B, S, K, H]; stats_ref: [B, N, 2, T_rows] f32, the row
+                v_bar, k_free, v_free, sched=None, o_smem=None, st: _Fwd):
+  # q_ref: [B, T, N, H], o_ref: [B, T, N, Hv]; k_ref: [B, S, K, H], v_ref: [B, S, K, Hv] (Hv: the value
+  # head_dim; where it is H, O is staged in Q's SMEM, else in o_smem); stats_ref: [B, N, 2, T_rows] f32, the row
   # statistics (r, l) of kernels/softmax.py; between them the variant operands named by st.names
   # (kernels/sm90/variant.py).
   var_refs, refs = refs[:len(st.names)], refs[len(st.names):]
@@ -156,7 +158,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
 
     m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc = plgpu.layout_cast(jnp.full((bq, st.head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.layout_cast(jnp.full((bq, st.value_head_dim), 0.0, jnp.float32),
+                            plgpu.Layout.WGMMA)
 
     if st.pingpong:
       pl.when(wg == 1)(schedule)
@@ -229,7 +232,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
       if not early_sum:
         l_i = l_i + p.sum(axis=1)
 
-      acc = mma((bq, st.head_dim), p16, v_smem.at[slot], init=acc)  # O_i += P~_ij V_j (line 10)
+      acc = mma((bq, st.value_head_dim), p16, v_smem.at[slot], init=acc)  # O_i += P~_ij V_j (line 10)
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l_i, r_i
 
@@ -245,7 +248,8 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
     # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. Causal or dense: every row sees key 0, so l_i >= 1;
     # a variant's row may see no key (l_i = 0): output 0.
     inv_l = 1.0 / (l_i if variant is None else jnp.where(l_i == 0.0, 1.0, l_i))
-    q_s[...] = (acc * bcast_rows(inv_l, acc.shape)).astype(st.dtype)  # Q_i is dead: reuse its SMEM
+    o_s = q_s if o_smem is None else o_smem.at[wg]  # Q_i is dead: reuse its SMEM where it fits
+    o_s[...] = (acc * bcast_rows(inv_l, acc.shape)).astype(st.dtype)
     # Line 13: the row statistics (r, l) instead of L_i = m_i + log(l_i): the lse and the backward's
     # P follow from them (kernels/softmax.py); l relative to the maximum's weight. Scale 0 works on
     # base-2 logits: r = m there, with weight 1.
@@ -256,7 +260,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
     stats_smem.at[wg, 0][...] = m_i if c == 0.0 or folded is not None else r_i
     stats_smem.at[wg, 1][...] = l_i
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_s, o_ref.at[b, pl.ds(row0, bq), h], commit_group=False)
+    plgpu.copy_smem_to_gmem(o_s, o_ref.at[b, pl.ds(row0, bq), h], commit_group=False)
     plgpu.copy_smem_to_gmem(stats_smem.at[wg], stats_ref.at[b, h, :, pl.ds(row0, bq)],
                             commit_group=False)
     plgpu.commit_smem_to_gmem_group()
@@ -292,25 +296,26 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
   """Attention forward on Hopper.
 
   Args:
-    q: ``[B, T, N, H]``; k, v: ``[B, S, K, H]`` (``N % K == 0``), bfloat16 or float16.
+    q: ``[B, T, N, H]``; k: ``[B, S, K, H]``, v: ``[B, S, K, Hv]`` (``N % K == 0``; the value head_dim
+      ``Hv`` a multiple of 16 up to 256, MLA's may differ from ``H``), bfloat16 or float16.
     scale: static Python float. is_causal: top-left causal mask.
     config: a :class:`MosaicConfig`, default ``MosaicConfig.default(H)``.
     variant, arrays: an attention variant (:mod:`fa2_jax.kernels.masking`; None: dense or ``is_causal``).
     table: its precomputed range table (``config.range_tiles()["fwd"]``), or None to compute it.
 
   Returns:
-    ``out [B, T, N, H]`` (q's dtype) and the row statistics ``stats [B, N, 2, T]`` float32
+    ``out [B, T, N, Hv]`` (q's dtype) and the row statistics ``stats [B, N, 2, T]`` float32
     (``kernels/softmax.py``: the lse is ``lse_from_stats(stats, scale, modifies_scores)``).
   """
-  reason = supports(q.shape, k.shape, q.dtype, q.shape[-1], is_causal)
+  reason = supports(q.shape, k.shape, q.dtype, q.shape[-1], is_causal, value_head_dim=v.shape[-1])
   if reason is not None:
     raise ValueError(f"fa2_jax mosaic forward: {reason}")
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
   b, t, n, h = q.shape
-  s = k.shape[1]
-  cfg = config or MosaicConfig.default(h, q.dtype, is_causal)
-  if (why := cfg.check(h, q.dtype.itemsize)) is not None:
+  s, hv = k.shape[1], v.shape[-1]
+  cfg = config or MosaicConfig.default(h, q.dtype, is_causal, value_head_dim=hv)
+  if (why := cfg.check(h, q.dtype.itemsize, hv)) is not None:
     raise ValueError(why)
   rows = cfg.num_wgs * cfg.block_q
   plan = plan_lengths(t, s, q_tile=rows, k_tile=cfg.block_k, mode=cfg.ragged)
@@ -363,9 +368,9 @@ def _causal_deal(st: _Fwd, variant_work=None):
               'names', 'variant_work'))
 def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t, plan_s, t_rows,
                   emulate, variant=None, names=(), variant_work=None):
-  """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,H], stats [B,N,2,T]."""
+  """Pads (per the plan), launches the kernel, slices back. Returns out [B,T,N,Hv], stats [B,N,2,T]."""
   b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
+  s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
   qp = pad_axis(q, 1, plan_t)
   kp = pad_axis(k, 1, plan_s)
   vp = pad_axis(v, 1, plan_s)
@@ -374,12 +379,12 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
   # each tile's key range known at trace time: dense, or variant_work (key tiles per query tile)
   known_work = variant is None or variant_work is not None
   st = _Fwd(scale=scale, is_causal=is_causal, seq_q=t, seq_k=s, group=n // kh, head_dim=h,
-            block_q=cfg.block_q, block_k=cfg.block_k, num_stages=cfg.num_stages,
+            value_head_dim=hv, block_q=cfg.block_q, block_k=cfg.block_k, num_stages=cfg.num_stages,
             num_wgs=cfg.num_wgs, pingpong=cfg.pingpong and cfg.num_wgs == 2,
             n_q_tiles=n_q_tiles, dtype=q.dtype, registers=cfg.registers(cfg.num_wgs),
             memory_registers=cfg.memory_registers, emulate=emulate, n_heads=n, n_bh=b * n,
             section=causal_section(cfg, n_bh=b * n, group=n // kh,
-                                   kv_bytes=2 * plan_s * h * q.dtype.itemsize),
+                                   kv_bytes=plan_s * (h + hv) * q.dtype.itemsize),
             variant=variant, names=names,
             n_ctas=(min(b * n * n_q_tiles, cfg.persistent_ctas or sm_count())
                     if cfg.forward_persistent(is_causal=is_causal, known_work=known_work) else 0),
@@ -391,7 +396,7 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
   scratch = dict(
       qo_smem=plgpu.SMEM((nwg, cfg.block_q, h), q.dtype, transforms=tf),
       k_smem=plgpu.SMEM((stages, cfg.block_k, h), k.dtype, transforms=tf),
-      v_smem=plgpu.SMEM((stages, cfg.block_k, h), v.dtype, transforms=tf),
+      v_smem=plgpu.SMEM((stages, cfg.block_k, hv), v.dtype, transforms=smem_transforms(hv)),
       stats_smem=plgpu.SMEM((nwg, 2, cfg.block_q), jnp.float32),
       q_bar=plgpu.Barrier(num_barriers=nwg),
       k_bar=plgpu.Barrier(num_barriers=stages),
@@ -401,9 +406,12 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
   )
   if st.pingpong:
     scratch["sched"] = plgpu.Barrier(num_arrivals=nwg)
+  if hv != h:  # O's staging tile: Q's is another width
+    scratch["o_smem"] = plgpu.SMEM((nwg, cfg.block_q, hv), q.dtype, transforms=smem_transforms(hv))
   out, stats = ws_kernel(
       functools.partial(_fwd_kernel, st=st),
-      out_type=(out_struct(qp.shape, q.dtype, q), out_struct((b, n, 2, t_rows), jnp.float32, q)),
+      out_type=(out_struct((*qp.shape[:3], hv), q.dtype, q),
+                out_struct((b, n, 2, t_rows), jnp.float32, q)),
       scratch=scratch, num_consumers=nwg, name="fa2_mosaic_forward",
       **(dict(grid=(st.n_ctas,), grid_names=("sm",)) if st.n_ctas else
          dict(grid=(b, n, n_q_tiles), grid_names=("b", "h", "q"))),
