@@ -3,7 +3,8 @@
 Modules (import what you use; this package imports nothing eagerly, so ``import fa2_jax`` stays light):
 
 * ``config``: :class:`MosaicConfig` (tiles, ring depths, warpgroups), its per-head_dim defaults, the
-  shared-memory budget and ``supports(q_shape, k_shape, dtype, head_dim, is_causal) -> None | reason``.
+  shared-memory budget and ``supports(q_shape, k_shape, dtype, head_dim, is_causal,
+  value_head_dim=None) -> None | reason``.
 * ``forward``: ``forward(q, k, v, scale=..., is_causal=..., config=None) -> (out, stats [B, N, 2, T])``
   (the rows' statistics, ``kernels/softmax.py``; the lse follows from them).
 * ``backward``: ``backward(q, k, v, out, stats, do, dlse=None, scale=..., is_causal=...,
@@ -12,6 +13,7 @@ Modules (import what you use; this package imports nothing eagerly, so ``import 
 * ``lengths``: ragged sequence lengths (TMA bounds or an HBM pad).
 * ``ops``: wgmma idioms, the producer warpgroup's TMA ring, and the CPU emulation used by the tests.
 
-bfloat16/float16, head_dims that are multiples of 16 up to 256, GQA/MQA, causal (top-left) or not, any sequence lengths.
+bfloat16/float16, head_dims that are multiples of 16 up to 256 (V's may differ from Q/K's: MLA), GQA/MQA,
+causal (top-left) or not, any sequence lengths.
 Needs an sm90 GPU at run time; everything imports (and lowers for sm90) on CPU.
 """
