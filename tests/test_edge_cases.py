@@ -214,6 +214,17 @@ def test_mosaic_config_default_rejects_what_the_kernels_cannot_run(args, exc, ma
     fa2_jax.MosaicConfig.default(*args)
 
 
+@pytest.mark.parametrize("value_head_dim, exc, match", [
+    (72, ValueError, "value_head_dim: .*multiples of 16 .*got 72"),
+    (512, ValueError, "value_head_dim: .*up to 256"), (True, TypeError, "value_head_dim must be None or an int"),
+    (128.0, TypeError, "value_head_dim must be None or an int, got float")])
+def test_mosaic_config_default_rejects_a_value_head_dim_the_kernels_cannot_tile(value_head_dim, exc,
+                                                                                match):
+  with pytest.raises(exc, match=match):
+    fa2_jax.MosaicConfig.default(192, value_head_dim=value_head_dim)
+  assert fa2_jax.MosaicConfig.default(192, value_head_dim=128) == fa2_jax.MosaicConfig.default(192)
+
+
 def test_config_defaults_take_numpy_ints_and_both_configs_replace():
   blocks = fa2_jax.BlockSizes.default(np.int64(64))
   assert blocks == fa2_jax.BlockSizes.default(64)
