@@ -182,6 +182,37 @@ def test_mesh_update_equals_single_device_update(text_file):
 
 
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
+def test_fsdp_update_equals_single_device_update(text_file):
+  """--mesh data=4 --fsdp: the parameters and AdamW's moments sharded over 'data' (each array along
+  its largest dimension the axis divides), gathered by XLA where the step uses them. Three steps
+  equal the one-device steps; the compiled step shards the state (no all-reduce of whole
+  gradients alone: their reduce-scatter and the parameters' all-gather); the host state comes back
+  whole. --fsdp without a mesh is refused, naming the flag."""
+  multi, s_multi = run(text_file, mesh="data=4", fsdp=True, stop_at=3)
+  single, s_single = run(text_file, stop_at=3)
+  assert s_multi["fsdp"] is True and s_single["fsdp"] is False
+  np.testing.assert_allclose(losses(s_multi), losses(s_single), rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
+               multi.params, single.params)
+  axes = (("data", 4), ("context", 1))
+  model, tx, runner = steps_lib.compiled_steps(MODEL, TRAIN, "mesh", jax.local_device_count(), axes,
+                                               True)
+  state = runner.put_state(steps_lib.init_state(model, tx, TRAIN.seed))
+  emb = state.params["wte"]["embedding"]  # [vocab 256, 64]: sharded along the vocabulary
+  assert emb.sharding.spec == jax.sharding.PartitionSpec("data") and not emb.is_fully_replicated
+  assert all(x.addressable_data(0).size * 4 == x.size for x in jax.tree.leaves(state.opt_state)
+             if x.ndim == 2)
+  tokens = runner.shard(np.zeros((TRAIN.batch_size, MODEL.seq_len), np.int32))
+  hlo = runner.train_step.lower(state, tokens, tokens).compile().as_text()
+  assert re.search(r"\ball-gather(-start)?\(", hlo) and re.search(
+      r"\b(reduce-scatter|all-reduce)(-start)?\(", hlo)
+  assert_trees_equal(runner.get_state(state), jax.device_get(steps_lib.init_state(model, tx,
+                                                                                 TRAIN.seed)))
+  with pytest.raises(ValueError, match="--fsdp shards .* needs --mesh or --data-parallel mesh"):
+    run(text_file, fsdp=True)
+
+
+@pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
 def test_context_mesh_step_equals_single_device_step(text_file):
   """--mesh data=2,context=2 --context-strategy ring: the batch split over 2 devices and the
   sequence over 2 in the zigzag layout, the attention a ring over 'context'
@@ -226,19 +257,21 @@ def _free_port() -> int:
 
 @pytest.mark.skipif(ON_GPU, reason="the processes run on CPU; the one-process run here would not")
 @pytest.mark.skipif(jax.device_count() < 4, reason="needs 4 devices (tests/conftest.py)")
-def test_two_processes_equal_one(text_file, tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_two_processes_equal_one(text_file, tmp_path, fsdp):
   """Two processes on localhost (jax.distributed, CPU collectives through gloo), 2 CPU devices each,
   run the command line's --mesh data=2,context=2 steps (the batch split across the processes, the
-  sequence within each); their losses equal those of one process on 4 devices (this one)."""
+  sequence within each; with --fsdp the state sharded across the processes too, gathered from both
+  at the end); their losses equal those of one process on 4 devices (this one)."""
   flash = dataclasses.replace(MODEL, attention="flash")
-  _, single = run(text_file, model=flash, mesh="data=2,context=2", stop_at=2)
+  _, single = run(text_file, model=flash, mesh="data=2,context=2", stop_at=2, fsdp=fsdp)
   port = _free_port()
   env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
   env.update(JAX_NUM_CPU_DEVICES="2", JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   argv = [sys.executable, "-m", "examples.flax_gpt.train", *CLI_MODEL_TRAIN, "--attention",
           "flash", "--mesh", "data=2,context=2", "--stop-at", "2", "--data", text_file,
           "--sample-tokens", "0", "--no-progress", "--coordinator", f"localhost:{port}",
-          "--num-processes", "2"]
+          "--num-processes", "2"] + (["--fsdp"] if fsdp else [])
   procs = [subprocess.Popen(argv + ["--process-id", str(i), "--out", str(tmp_path / f"{i}.json")],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True) for i in range(2)]
@@ -251,7 +284,9 @@ def test_two_processes_equal_one(text_file, tmp_path):
       if p.poll() is None:
         p.kill()
   assert [p.returncode for p in procs] == [0, 0], "\n".join(outputs)
-  assert "mesh data=2,context=2, 2 processes" in outputs[0]
+  assert ("mesh data=2,context=2" + (", state sharded over data (FSDP)" if fsdp else "")
+          + ", 2 processes") in outputs[0]
+  assert json.loads((tmp_path / "0.json").read_text())["fsdp"] is fsdp
   assert not (tmp_path / "1.json").exists()  # process 0 prints and writes --out
   summary = json.loads((tmp_path / "0.json").read_text())
   assert summary["processes"] == 2 and summary["devices"]["count"] == 4
@@ -534,6 +569,9 @@ def cli_error(argv, capsys) -> str:
                                                  "(--mesh data=1,context=4)"),
     (["--mesh", "data=4", "--batch-size", "6"], "--batch-size 6 must be divisible by the 4 devices "
                                                 "of the mesh axis 'data' (--mesh data=4,context=1)"),
+    (["--fsdp"], "--fsdp shards the parameters and optimizer state over the mesh axis 'data': it "
+                 "needs --mesh or --data-parallel mesh, got --data-parallel none"),
+    (["--fsdp", "maybe"], "argument --fsdp: expected true/false, got 'maybe'"),
     (["--mesh", "data=2,context=2", "--data-parallel", "pmap"],
      "--mesh runs one jit step on a device mesh; it cannot be combined with --data-parallel pmap "
      "(leave --data-parallel out, or pass mesh)"),

@@ -193,8 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help="one jit step on a D x C mesh of every device (of every process): the batch "
                       "split over D, the sequence over C (context parallelism, "
                       "fa2_jax.context_parallel_attention: see --context-strategy); the parameters "
-                      "replicated. Either axis may be left out (it takes the other devices); "
-                      "implies --data-parallel mesh (default: no mesh)")
+                      "replicated (see --fsdp). Either axis may be left out (it takes the other "
+                      "devices); implies --data-parallel mesh (default: no mesh)")
+  _add_bool(g, "--fsdp", "with --mesh or --data-parallel mesh: shard the parameters and the "
+            "optimizer state over the mesh axis 'data' (each array along its largest dimension "
+            "that the axis divides; XLA gathers them where they are used) instead of replicating "
+            "them (default: false)", default=False)
   procs = p.add_argument_group(
       "processes (several processes, one per host or GPU, each with the same flags but its "
       "--process-id; unset: one process, or the environment variables "

@@ -5,9 +5,12 @@ One ``jax.jit`` step over the global batch, as on one device, with shardings ins
 axis: every ``[B, T]`` array of a batch (tokens, targets, and with ``--packing`` the positions,
 segment ids and loss weights) is split along B over the mesh axis ``data`` and along T over
 ``context`` (a ``NamedSharding``); the parameters and the optimizer state are replicated on every
-device. XLA partitions the step: each device runs the model on its rows and its part of the
-sequence, and the gradient's mean becomes an all-reduce of the parameter gradients, so the update
-equals the single-device update on the same global batch.
+device, or with ``--fsdp`` sharded over ``data`` (:func:`state_specs`: each array along its largest
+dimension that the axis divides). XLA partitions the step: each device runs the model on its rows
+and its part of the sequence, and the gradient's mean becomes an all-reduce of the parameter
+gradients (with ``--fsdp``: the parameters all-gathered where they are used, the gradients
+reduce-scattered to their shards), so the update equals the single-device update on the same
+global batch.
 
 The model is written for the whole sequence (global view): positions (``arange(T)`` or the packed
 batch's own) and segment ids are arrays of the batch, sharded like the tokens, so learned position
@@ -203,6 +206,19 @@ def context_attention(mesh: Mesh, strategy: str | None = None,
 
 # --- the runner -----------------------------------------------------------------------------------
 
+def state_specs(state, data: int):
+  """The ``PartitionSpec`` of each array of ``state`` (parameters, optimizer state) for ``--fsdp``:
+  sharded over ``data`` along its largest dimension that ``data`` divides (the first of equal ones),
+  replicated where none does (scalars, small vectors)."""
+  def spec(x):
+    dims = [i for i, n in enumerate(x.shape) if n % data == 0 and n >= data]
+    if data == 1 or not dims:
+      return P()
+    axis = max(dims, key=lambda i: (x.shape[i], -i))
+    return P(*([None] * axis + [DATA]))
+  return jax.tree.map(spec, state)
+
+
 def _placed(x, sharding: NamedSharding) -> jax.Array:
   """The host array ``x`` (the same on every process) as a global array: each process places the
   blocks its own devices hold."""
@@ -221,13 +237,16 @@ class MeshRunner:
   eval_step: Callable
   n_devices: int
   mesh: Mesh
+  state_sharding: object  # a NamedSharding per array of the state (replicated, or --fsdp's)
 
   @classmethod
   def create(cls, model, tx, batch_size: int, make_steps: Callable,
-             axes: tuple[tuple[str, int], ...]) -> MeshRunner:
+             axes: tuple[tuple[str, int], ...], init_state: Callable | None = None,
+             fsdp: bool = False) -> MeshRunner:
     """``make_steps(model, tx, None)`` gives the single-device (train_step, eval_step); ``axes``:
     :func:`mesh_axes`. With ``context`` > 1 the model's fa2_jax attention runs through
-    :func:`context_attention` (``GPT.context_mesh``)."""
+    :func:`context_attention` (``GPT.context_mesh``). ``fsdp``: the state sharded over ``data``
+    (:func:`state_specs`), its structure from ``init_state(model, tx, seed)``, traced only."""
     sizes = dict(axes)
     if batch_size % sizes[DATA]:
       raise ValueError(f"--batch-size {batch_size} must be divisible by the {sizes[DATA]} devices "
@@ -239,25 +258,44 @@ class MeshRunner:
                        f"each device two chunks of the sequence (--mesh {describe_mesh(axes)})")
     mesh = jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES,
                          axis_types=(AxisType.Auto,) * 2, devices=jax.devices())
+    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, ROWS)
+    if fsdp:  # the state's structure from the one-device model (a one-row init, traced only)
+      if init_state is None:
+        raise ValueError("fsdp needs init_state, the state's structure")
+      specs = state_specs(jax.eval_shape(lambda: init_state(model, tx, 0)), sizes[DATA])
+      state_sharding = jax.tree.map(lambda p: NamedSharding(mesh, p), specs)
+      params_sharding = state_sharding.params
+    else:  # a sharding given for a pytree argument applies to each of its leaves
+      state_sharding = params_sharding = replicated
     if sizes[CONTEXT] > 1:
       model = model.clone(context_mesh=mesh)
-    replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, ROWS)
     train_step, eval_step = make_steps(model, tx, None)
-    # A sharding given for a pytree argument applies to each of its leaves.
-    train = jax.jit(train_step, in_shardings=(replicated, rows, rows),
-                    out_shardings=(replicated, replicated), donate_argnums=0)
-    evaluate = jax.jit(eval_step, in_shardings=(replicated, rows, rows), out_shardings=replicated)
-    return cls("mesh", train, evaluate, mesh.size, mesh)
+    train = jax.jit(train_step, in_shardings=(state_sharding, rows, rows),
+                    out_shardings=(state_sharding, replicated), donate_argnums=0)
+    evaluate = jax.jit(eval_step, in_shardings=(params_sharding, rows, rows),
+                       out_shardings=replicated)
+    return cls("mesh", train, evaluate, mesh.size, mesh, state_sharding)
 
   def put_state(self, state):
-    """Host/single-device state (the same on every process) -> replicated on the mesh, in fresh
-    buffers (the step donates its input; the caller keeps ``state``)."""
-    replicated = NamedSharding(self.mesh, P())
-    return jax.tree.map(lambda x: _placed(jax.device_get(x), replicated), state)
+    """Host/single-device state (the same on every process) -> on the mesh (replicated, or
+    sharded with ``--fsdp``), in fresh buffers (the step donates its input; the caller keeps
+    ``state``)."""
+    if isinstance(self.state_sharding, NamedSharding):
+      return jax.tree.map(lambda x: _placed(jax.device_get(x), self.state_sharding), state)
+    return jax.tree.map(lambda x, sh: _placed(jax.device_get(x), sh), state, self.state_sharding)
 
   def get_state(self, state):
-    """The (replicated) state as host numpy arrays, from this process's first device."""
-    return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state)
+    """The state as host numpy arrays: a replicated array from this process's first device, a
+    sharded one (``--fsdp``) gathered from every process."""
+    from jax.experimental import multihost_utils
+
+    def host(x):
+      if x.sharding.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+      if x.is_fully_addressable:
+        return np.asarray(x)
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree.map(host, state)
 
   def shard(self, x):
     """A global batch (``[B, T]`` arrays, or a dict of them) split over the mesh: B over ``data``,

@@ -123,16 +123,21 @@ class Runner:
 
   @classmethod
   def create(cls, mode: str, model: GPT, tx, batch_size: int,
-             mesh_axes: tuple[tuple[str, int], ...] | None = None) -> "Runner":
+             mesh_axes: tuple[tuple[str, int], ...] | None = None, fsdp: bool = False) -> "Runner":
     """``mesh_axes`` (mode ``mesh``): the ``(("data", D), ("context", C))`` sizes
-    (``parallel.mesh_axes``); None puts every device on ``data``."""
+    (``parallel.mesh_axes``); None puts every device on ``data``. ``fsdp`` (mode ``mesh``): the
+    parameters and optimizer state sharded over ``data`` (``parallel.state_specs``)."""
+    if fsdp and mode != "mesh":
+      raise ValueError(f"--fsdp shards the state over the mesh axis 'data': it needs --mesh or "
+                       f"--data-parallel mesh, got --data-parallel {mode}")
     if mode == "none":
       train_step, eval_step = make_steps(model, tx, None)
       return cls(mode, jax.jit(train_step, donate_argnums=0), jax.jit(eval_step), 1)
     if mode == "mesh":  # one jit step over a batch sharded on a device mesh (parallel.py)
       from .parallel import MeshRunner, mesh_axes as default_axes
       axes = mesh_axes if mesh_axes is not None else default_axes(None, jax.device_count())
-      return MeshRunner.create(model, tx, batch_size, make_steps, axes)
+      return MeshRunner.create(model, tx, batch_size, make_steps, axes, init_state=init_state,
+                               fsdp=fsdp)
     if mode != "pmap":
       raise ValueError(f"--data-parallel must be 'none', 'pmap' or 'mesh', got {mode!r}")
     n = jax.local_device_count()
@@ -172,13 +177,14 @@ class Runner:
 
 @functools.lru_cache(maxsize=4)
 def compiled_steps(mc: GPTConfig, tc: TrainConfig, data_parallel: str, n_devices: int,
-                   mesh_axes: tuple[tuple[str, int], ...] | None = None
+                   mesh_axes: tuple[tuple[str, int], ...] | None = None, fsdp: bool = False
                    ) -> tuple[GPT, optax.GradientTransformation, Runner]:
   """The model, optimizer and :class:`Runner` of a configuration, kept for later :func:`train` calls
   with equal configs (a resumed run in the same process, runs on other data, the tests): a new jit
   closure would compile again, and compiling is most of a short run's time. ``n_devices`` (the
-  local device count) keys the pmap layout; ``mesh_axes`` the mesh's (:meth:`Runner.create`). The
-  model returned is the single-device one (sampling, checkpoints: the same parameters)."""
+  local device count) keys the pmap layout; ``mesh_axes`` and ``fsdp`` the mesh's
+  (:meth:`Runner.create`). The model returned is the single-device one (sampling, checkpoints: the
+  same parameters)."""
   del n_devices  # only a cache key: Runner.create reads the device count itself
   model, tx = GPT(mc), make_optimizer(tc)
-  return model, tx, Runner.create(data_parallel, model, tx, tc.batch_size, mesh_axes)
+  return model, tx, Runner.create(data_parallel, model, tx, tc.batch_size, mesh_axes, fsdp)

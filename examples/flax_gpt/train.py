@@ -184,7 +184,7 @@ def run_mesh_axes(data_parallel: str, mesh: str | None) -> tuple[tuple[str, int]
 def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_parallel: str,
               ckpt_dir: str | None, resume: bool, stop_at: int | None, sample_tokens: int,
               temperature: float, peak: float | None,
-              mesh: str | None = None) -> fa2_jax.Dispatch | None:
+              mesh: str | None = None, fsdp: bool = False) -> fa2_jax.Dispatch | None:
   """Checks the arguments of :func:`train` that the configs cannot check alone, before any work.
 
   Returns:
@@ -214,6 +214,11 @@ def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_par
     raise ValueError(f"--batch-size {tc.batch_size} must be divisible by the {n} local devices "
                      f"for --data-parallel {data_parallel}")
   axes = run_mesh_axes(data_parallel, mesh)
+  if not isinstance(fsdp, bool):
+    raise TypeError(f"fsdp must be a bool, got {type(fsdp).__name__}")
+  if fsdp and axes is None:
+    raise ValueError("--fsdp shards the parameters and optimizer state over the mesh axis 'data': "
+                     f"it needs --mesh or --data-parallel mesh, got --data-parallel {data_parallel}")
   context = 1
   if axes is not None:
     sizes, shown = dict(axes), parallel.describe_mesh(axes)
@@ -275,7 +280,7 @@ def progress_mode(progress: str | bool) -> str:
 
 def _summary(mc: GPTConfig, tc: TrainConfig, throughput: Throughput, *, n_params: int,
              peak: float | None, devices, data_parallel: str, data_path: str | None,
-             mesh_axes=None) -> dict:
+             mesh_axes=None, fsdp: bool = False) -> dict:
   """Throughput, MFU and the run's settings, for the JSON summary."""
   tok_s = tflops = attended_tflops = None
   context = dict(mesh_axes or ()).get(parallel.CONTEXT, 1)
@@ -296,7 +301,7 @@ def _summary(mc: GPTConfig, tc: TrainConfig, throughput: Throughput, *, n_params
                             else f"fa2_jax/{dispatch.backend}"),
       "attention_kernels": None if dispatch is None else str(dispatch),
       "data_parallel": data_parallel,
-      "mesh": None if mesh_axes is None else dict(mesh_axes),
+      "mesh": None if mesh_axes is None else dict(mesh_axes), "fsdp": fsdp,
       "processes": jax.process_count(),
       "devices": {"count": len(devices), "platform": devices[0].platform,
                   "kind": devices[0].device_kind},
@@ -311,7 +316,8 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
           data_parallel: str = "none", ckpt_dir: str | None = None, resume: bool = False,
           stop_at: int | None = None, progress: str | bool = "auto", sample_tokens: int = 0,
           prompt: str | None = None, temperature: float = 0.8,
-          peak: float | None = None, mesh: str | None = None) -> tuple[TrainState, dict]:
+          peak: float | None = None, mesh: str | None = None,
+          fsdp: bool = False) -> tuple[TrainState, dict]:
   """Trains ``tc.steps`` steps (or until ``stop_at``) and returns (host state, summary dict).
 
   Args:
@@ -335,6 +341,8 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
     mesh: ``"data=D,context=C"`` (``--mesh``; either axis may be left out): the batch split over
       D devices and the sequence over C, every device of every process (parallel.py); implies
       ``data_parallel="mesh"``.
+    fsdp: (``--fsdp``) with a mesh, the parameters and optimizer state sharded over its axis
+      "data" instead of replicated (parallel.state_specs).
 
   Several processes (``jax.distributed`` initialized before): each runs this with the same
   arguments; only process 0 prints.
@@ -347,7 +355,7 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
   mode = progress_mode(progress)
   check_run(mc, tc, data_path=data_path, data_parallel=data_parallel, ckpt_dir=ckpt_dir,
             resume=resume, stop_at=stop_at, sample_tokens=sample_tokens, temperature=temperature,
-            peak=peak, mesh=mesh)
+            peak=peak, mesh=mesh, fsdp=fsdp)
   axes = run_mesh_axes(data_parallel, mesh)
   if axes is not None:
     data_parallel = "mesh"
@@ -356,7 +364,7 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
   train_data, val_data = data_lib.load_documents(data_path, tc.data_bytes, mc.seq_len)
   if prompt is None:
     prompt = DEFAULT_PROMPT if data_path is None else data_lib.opening_line(train_data.tokens)
-  model, tx, runner = compiled_steps(mc, tc, data_parallel, jax.local_device_count(), axes)
+  model, tx, runner = compiled_steps(mc, tc, data_parallel, jax.local_device_count(), axes, fsdp)
   state = init_state(model, tx, tc.seed)
   n_params = count_params(state.params)
   manager = checkpoint_manager(ckpt_dir) if ckpt_dir else None
@@ -453,7 +461,8 @@ def train(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None = None,
   summary = {"final_train_loss": loss, "final_val_loss": val_loss, "start_step": start,
              "end_step": last}
   summary.update(_summary(mc, tc, throughput, n_params=n_params, peak=peak, devices=devices,
-                          data_parallel=data_parallel, data_path=data_path, mesh_axes=axes))
+                          data_parallel=data_parallel, data_path=data_path, mesh_axes=axes,
+                          fsdp=fsdp))
   summary["history"] = history
   if sample_tokens and lead:
     summary["prompt"] = prompt
@@ -477,7 +486,8 @@ def main(argv=None) -> dict:
     parser.error(flag_names(str(e)))
   run_args = dict(data_path=args.data, data_parallel=args.data_parallel, ckpt_dir=args.ckpt_dir,
                   resume=args.resume, stop_at=args.stop_at, sample_tokens=args.sample_tokens,
-                  temperature=args.temperature, peak=args.peak_tflops, mesh=args.mesh)
+                  temperature=args.temperature, peak=args.peak_tflops, mesh=args.mesh,
+                  fsdp=bool(args.fsdp))
   try:
     check_run(mc, tc, **run_args)
     axes = run_mesh_axes(args.data_parallel, args.mesh)
@@ -488,7 +498,8 @@ def main(argv=None) -> dict:
   data = args.data or "the Python standard library's sources"
   layout = ""
   if axes is not None:
-    layout = f", mesh {parallel.describe_mesh(axes)}"
+    layout = f", mesh {parallel.describe_mesh(axes)}" + (", state sharded over data (FSDP)"
+                                                         if args.fsdp else "")
   elif args.data_parallel != "none":
     layout = f", data parallel: {args.data_parallel}"
   if jax.process_count() > 1:
