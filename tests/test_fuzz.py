@@ -802,7 +802,7 @@ def test_variant_combinations_match_reference(backend, case):
 
 # float64 reference of [B, N, T, S]: 2^24 elements (128 MiB per array) keeps the numpy side quick.
 GPU_WORK = 1 << 24
-GPU_HEAD_DIMS = (16, 32, 64, 64, 80, 128, 128, 192, 256)
+GPU_HEAD_DIMS = (16, 32, 48, 64, 64, 80, 96, 112, 128, 128, 160, 192, 256)
 
 
 def gpu_blocks(call: Call, backend: str) -> Call:
