@@ -656,7 +656,7 @@ def test_every_boolean_flag_is_a_switch_or_takes_a_value():
   parser = cli_lib.build_parser()
   bool_flags = {a.option_strings[0]: a.dest for a in parser._actions if a.type is cli_lib._bool}
   assert set(bool_flags) == {"--interpret", "--tie-embeddings", "--remat", "--scan-layers",
-                             "--packing", "--resume", "--no-progress"}
+                             "--packing", "--resume", "--no-progress", "--fsdp"}
   for flag, dest in bool_flags.items():
     assert getattr(parser.parse_args([flag]), dest) is True, flag
     assert getattr(parser.parse_args([flag, "--steps", "3"]), dest) is True, flag
