@@ -26,7 +26,6 @@ Writes attention.json / .md, attention.png (fwd+bwd) and attention_fwd.png (forw
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 
@@ -74,12 +73,9 @@ GRIDS["headline"] = lambda: GRIDS["paper"]() + GRIDS["extra"]()
 
 
 def build_parser():
-  p = argparse.ArgumentParser(prog="python -m benchmarks.attention", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = h.script_parser("attention", __doc__)
   p.add_argument("--grid", choices=[g for g in GRIDS if g != "smoke"], default="headline")
-  p.add_argument("--cells", type=h.parse_strs, default=None,
-                 help="only the cells whose id matches one of these patterns, e.g. 'd64-*,d256-*'")
-  p.add_argument("--list-cells", action="store_true", help="print the grid's cell ids and exit")
+  h.add_cell_args(p, "d64-*,d256-*", "print the grid's cell ids and exit")
   p.add_argument("--impls", type=h.impl_names, default=None,
                  help=f"comma list of {', '.join(impls.NAMES)} (default {','.join(DEFAULT_IMPLS)})")
   p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")

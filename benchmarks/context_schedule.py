@@ -50,7 +50,6 @@ Writes context_schedule.json / .md and context_schedule.png (ratio to the one ca
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 import zlib
@@ -215,10 +214,8 @@ def cell_key(c):
 
 
 def build_parser():
-  p = argparse.ArgumentParser(prog="python -m benchmarks.context_schedule", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--cells", type=h.parse_strs, default=None,
-                 help="only the cells whose id matches one of these patterns, e.g. '128k-*,*-c'")
+  p = h.script_parser("context_schedule", __doc__)
+  h.add_cell_args(p, "128k-*,*-c")
   p.add_argument("--contexts", type=h.parse_ints, default=None,
                  help="ring sizes C to measure, comma list (default: the size's, 2,4,8; --quick 4,8)")
   p.add_argument("--no-check", action="store_true",

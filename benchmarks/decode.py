@@ -385,11 +385,8 @@ def fa3_splits_arg(text: str):
 
 
 def build_parser():
-  p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--cells", type=h.parse_strs, default=None,
-                 help="only the cells whose id matches one of these patterns, e.g. '8x32k*,1x*'")
-  p.add_argument("--list-cells", action="store_true", help="print the cells and exit")
+  p = h.script_parser("decode", __doc__)
+  h.add_cell_args(p, "8x32k*,1x*", "print the cells and exit")
   p.add_argument("--impls", type=row_names, default=None,
                  help=f"comma list of {', '.join(ROWS)} (default all that run here)")
   p.add_argument("--fa3-splits", type=fa3_splits_arg, default=None,

@@ -471,6 +471,22 @@ def masks(text: str) -> list[bool]:
   return {"both": [False, True], "true": [True], "false": [False]}[text]
 
 
+def script_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
+  """The argument parser of ``python -m benchmarks.<module>``, its docstring ``doc`` as the help's
+  description (kept as written)."""
+  return argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_cell_args(p: argparse.ArgumentParser, example: str, listing: str | None = None) -> None:
+  """``--cells`` (patterns of cell ids, ``example`` shown in the help) and, with ``listing`` (its
+  help), ``--list-cells``."""
+  p.add_argument("--cells", type=parse_strs, default=None,
+                 help=f"only the cells whose id matches one of these patterns, e.g. '{example}'")
+  if listing is not None:
+    p.add_argument("--list-cells", action="store_true", help=listing)
+
+
 def add_common_args(p: argparse.ArgumentParser, *, counts: bool = False) -> None:
   """The flags of every script; ``counts``: also ``--iters`` / ``--reps`` of the timing helper."""
   g = p.add_argument_group("common")

@@ -11,7 +11,6 @@ L2 cache.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import time
 
@@ -27,8 +26,7 @@ PASSES = ("fwd", "fwd+bwd")
 
 
 def build_parser():
-  p = argparse.ArgumentParser(prog="python -m benchmarks.latency", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = h.script_parser("latency", __doc__)
   p.add_argument("--seqs", type=h.parse_ints, default=None)
   p.add_argument("--impls", type=h.impl_names, default=None,
                  help=f"comma list of {', '.join(impls.NAMES)} (default {','.join(DEFAULT_IMPLS)})")

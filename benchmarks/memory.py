@@ -40,8 +40,7 @@ RUN_FRACTION = 0.9  # run a case only if its compiled size is under this share o
 
 
 def build_parser():
-  p = argparse.ArgumentParser(prog="python -m benchmarks.memory", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = h.script_parser("memory", __doc__)
   p.add_argument("--seqs", type=h.parse_ints, default=None)
   p.add_argument("--impls", type=h.impl_names, default=None,
                  help=f"comma list of {', '.join(impls.NAMES)} (default {','.join(DEFAULT_IMPLS)})")

@@ -59,7 +59,6 @@ Writes models.json / .md and models.png (fwd+bwd TFLOP/s per model and implement
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import time
@@ -232,11 +231,8 @@ def cell_key(c):
 
 
 def build_parser():
-  p = argparse.ArgumentParser(prog="python -m benchmarks.models", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--cells", type=h.parse_strs, default=None,
-                 help="only the cells whose id matches one of these patterns, e.g. '*-16k,untuned-*'")
-  p.add_argument("--list-cells", action="store_true", help="print the cell ids and shapes, and exit")
+  p = h.script_parser("models", __doc__)
+  h.add_cell_args(p, "*-16k,untuned-*", "print the cell ids and shapes, and exit")
   p.add_argument("--impls", type=h.impl_names, default=None,
                  help=f"rows of these registry entries only: comma list of {', '.join(FAMILIES)} "
                       "(default all)")

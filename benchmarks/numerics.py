@@ -16,7 +16,6 @@ computed in float64 on the CPU by default, in chunks of query rows so that seq 3
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import time
@@ -35,8 +34,7 @@ MARKERS = {"bf16": "o", "fp16": "s", "fp32": "^"}  # the plot: colour per implem
 
 
 def build_parser():
-  p = argparse.ArgumentParser(prog="python -m benchmarks.numerics", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = h.script_parser("numerics", __doc__)
   p.add_argument("--seqs", type=h.parse_ints, default=None)
   p.add_argument("--dtypes", type=h.parse_strs, default=None, help="bf16,fp16,fp32")
   p.add_argument("--impls", type=h.parse_strs, default=None, help=", ".join(IMPLS))

@@ -18,7 +18,6 @@ The last thing printed is a summary of every stage (what a 12k-character log tai
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import shlex
@@ -44,8 +43,7 @@ SUMMARY_CHARS = {"attention": 4800, "memory": 1800, "latency": 2000, "numerics":
 
 
 def build_parser():
-  p = argparse.ArgumentParser(prog="python -m benchmarks.run_all", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = h.script_parser("run_all", __doc__)
   mode = p.add_mutually_exclusive_group()
   mode.add_argument("--quick", action="store_true", help="the subsets (default)")
   mode.add_argument("--full", action="store_true", help="every stage's full sweep (split with --only)")

@@ -18,7 +18,6 @@ The md ends with the best setting per (head_dim, causal, pass) over the cases.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import itertools
@@ -66,8 +65,7 @@ LPT_HEADS = (1, 2, 4, 8, 16)  # causal launch-order sections swept (0, the L2 de
 
 
 def build_parser():
-  p = argparse.ArgumentParser(prog="python -m benchmarks.tune", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = h.script_parser("tune", __doc__)
   p.add_argument("--backend", choices=["triton", "mosaic"], default="triton")
   p.add_argument("--head-dims", type=h.parse_ints, default=None)
   p.add_argument("--seqs", type=h.parse_ints, default=None)

@@ -42,7 +42,6 @@ draws each row in its implementation's colour, hatched where it does the same wo
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import time
@@ -354,11 +353,8 @@ def record(cell: Cell, row: Row) -> dict:
 
 
 def build_parser():
-  p = argparse.ArgumentParser(prog="python -m benchmarks.variants", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-  p.add_argument("--cells", type=h.parse_strs, default=None,
-                 help="only the cells whose id matches one of these patterns, e.g. 'window-*,packed-*'")
-  p.add_argument("--list-cells", action="store_true", help="print the cell ids and rows, and exit")
+  p = h.script_parser("variants", __doc__)
+  h.add_cell_args(p, "window-*,packed-*", "print the cell ids and rows, and exit")
   p.add_argument("--impls", type=h.impl_names, default=None,
                  help=f"rows of these registry entries only: comma list of {', '.join(FAMILIES)} "
                       "(default all)")
