@@ -101,13 +101,13 @@ class _Dkv:
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
                 q_smem,
                 do_smem, rows_smem, delta_smem, k_bar, v_bar, q_bar, do_bar, rows_bar, delta_bar,
-                free, ds_smem=None, dq_smem=None, ds_bar=None, dq_acc_ref=None, closed_outs=None,
+                free, ds_smem=None, dq_smem=None, ds_bar=None, dq_acc_ref=None,
                 st: _Dkv):
   # q_ref: [B, T, N, H], do_ref: [B, T, N, Hv]; k_ref: [B, S, K, H], v_ref: [B, S, K, Hv] (Hv: the value
   # head_dim, MLA's other than H); rows_ref: [B, N, 2, T_rows] the rows'
   # (r, u) (kernels/softmax.py, backward_rows); delta_ref: [B, N, T_rows]; exact_ref: [B, N] int32,
   # the heads whose rows need the exact P (kernels/softmax.py, exact_heads)
-  # outputs: dk_ref, dv_ref [B, S, K, H].
+  # outputs: dk_ref [B, S, K, H], dv_ref [B, S, K, Hv].
   # fused_dq: dq_acc_ref [B, T, N, H] f32, zero-initialised by the caller (a closed-over ref, so it is
   # aliased in and out of the kernel); emulation: [n_k_tiles * num_wgs, B, T, N, H], one slab per
   # consumer, summed by the caller (Pallas' GPU interpreter has no TMA reduce-add).
@@ -119,7 +119,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   bq, bk, nwg, stages, g_size = st.block_q, st.block_k, st.num_wgs, st.num_stages, st.group
   variant = st.variant
   c = st.scale * LOG2E
-  dk_ref, dv_ref = out_refs if closed_outs is None else closed_outs
+  dk_ref, dv_ref = out_refs
   # Causal: the first key tiles see the most queries, launch them first (LPT).
   b, kvh, kt = cta_tile("k", is_causal=st.is_causal, n_heads=st.n_heads, n_tiles=st.n_k_tiles,
                         n_bh=st.n_bh, section=st.section, longest_last=False)
