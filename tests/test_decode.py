@@ -17,7 +17,8 @@ import fa2_jax
 from conftest import on_gpu
 from fa2_jax.kernels import registry
 from fa2_jax.kernels.decode.config import (DecodeConfig, DecodeLaunch, MAX_SPLITS,
-                                           num_splits_heuristic)
+                                           grid_splits_by_length, num_splits_heuristic,
+                                           row_splits)
 
 INTERPRET = None if on_gpu() else True
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -262,6 +263,51 @@ def test_a_forced_split_count_shows_in_backend_for():
     assert d.forward == names, d
 
 
+def test_ragged_rows_take_their_own_split_counts():
+  """The default config on a ragged batch: each row's split count from its reachable keys at run
+  time (a long row many, an empty or short row one), the unused programs of the grid writing
+  nothing; out and lse against the float64 formula, with NaN stored past each row's length, and with
+  a window that leaves a long row few reachable keys."""
+  lens = jnp.array([1000, 0, 40, 700, 1024], jnp.int32)
+  q, k, v = _inputs(5, 1, 4, 2, 32, 1024, "float32", nan_past=lens)
+  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 1)
+  d = fa2_jax.backend_for(q, k, v, interpret=INTERPRET, **kw)
+  assert "up to" in d.forward[0] and d.forward[1] == "decode combine", d
+  assert "from the rows' reachable keys at run time" in d.reason, d
+  _check(q, k, v, **kw)
+  _check(q, k, v, local_window_size=(100, 0), **kw)
+  # the same rows as one fixed split count: the static grid
+  _check(q, k, v, DecodeConfig(num_splits=4), **kw)
+  # MQA's 32-row tiles keep one count for every row; so does a single row
+  q32 = jnp.zeros((5, 1, 32, 32), jnp.float32)
+  d = fa2_jax.backend_for(q32, k[:, :, :1], interpret=INTERPRET, **kw)
+  assert d.backend == "decode" and "up to" not in d.forward[0], d
+  d = fa2_jax.backend_for(q[:1], k[:1], interpret=INTERPRET, is_causal=True,
+                          key_value_seq_lengths=lens[:1], q_offset=lens[:1] - 1)
+  assert d.backend == "decode" and "up to" not in d.forward[0], d
+
+
+def test_row_split_counts():
+  # the grid: 3x the static count, at most what one row with every key of the batch would take
+  assert grid_splits_by_length(8, 512, 5, sms=132, waves=2) == 15
+  assert grid_splits_by_length(8, 512, 5, sms=132, waves=2, factor=4) == 20
+  assert grid_splits_by_length(8, 512, 12, sms=132, waves=2) == 33
+  assert grid_splits_by_length(8, 16, 5, sms=132, waves=2) == 8  # no split under 2 blocks
+  assert grid_splits_by_length(1, 4096, 50, sms=132, waves=2) == MAX_SPLITS
+  # full rows: the static count's chunks (8 rows x 8 heads x 512 blocks over 264 programs)
+  full = row_splits(jnp.full((8,), 512), kv_heads=8, grid_splits=33, target=264)
+  assert list(np.asarray(full)) == [5] * 8
+  # ragged: rows split in proportion to their blocks, an empty row once, none past the grid
+  counts = np.asarray(row_splits(jnp.array([445, 0, 71, 300, 5]), kv_heads=8, grid_splits=6,
+                                 target=264))
+  chunk = -(-(445 + 71 + 300 + 5) * 8 // 264)
+  assert list(counts) == [min(6, -(-445 // chunk)), 1, -(-71 // chunk), min(6, -(-300 // chunk)), 1]
+  assert counts[0] > counts[2] >= 1
+  # never a chunk under MIN_BLOCKS_PER_SPLIT blocks
+  assert list(np.asarray(row_splits(jnp.array([4, 3]), kv_heads=1, grid_splits=8,
+                                    target=264))) == [2, 2]
+
+
 # --- config and heuristic ------------------------------------------------------------------------
 
 def test_decode_config_validates_its_fields():
@@ -308,6 +354,9 @@ def test_split_heuristic_fills_the_gpu():
 
 LOWERING_CASES = [  # (b, t, n, kh, h, s, dtype, splits, variant keywords)
     (2, 1, 32, 8, 128, 4096, jnp.bfloat16, None, dict(is_causal=True, lengths=True)),
+    # three rows (not a power of two) splitting by their lengths, MQA, a window
+    (3, 1, 16, 1, 128, 8192, jnp.bfloat16, None, dict(is_causal=True, lengths=True,
+                                                      local_window_size=(1000, 0))),
     (4, 4, 8, 1, 64, 1000, jnp.float16, 1, dict(is_causal=True, lengths=True,
                                                  local_window_size=(256, 0),
                                                  logits_soft_cap=30.0)),

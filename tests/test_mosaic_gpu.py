@@ -25,7 +25,11 @@ mosaic = functools.partial(fa2_jax.flash_attention, implementation="mosaic")
 # (8 bits of mantissa: ulp = 2^-7 = 7.8e-3), far below what a wrong mask or head mapping changes.
 ATOL = 3e-2
 # Transformed vs plain call of the same kernel: only XLA's fusion of the small ops around it differs.
-SAME = 1e-2
+# Jitted twice the gradients are bitwise equal; eager against jitted they differ by up to 0.031 in
+# dK (values above 2) and 0.012 at |dQ| = 0.125, as much with the Triton kernels (H100,
+# docs/measurements.md#tests-and-ci-time): 2e-2, with 2e-2 relative, holds those and is a tenth of
+# what a wrong batching or sharding rule moves.
+SAME = 2e-2
 
 
 def _qkv(b=2, t=384, s=512, n=4, kh=2, h=128, seed=0, lead=(), dtype=jnp.bfloat16):

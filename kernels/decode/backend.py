@@ -16,7 +16,8 @@ from .. import platform
 from ..backend import Backend, KernelCall
 from ..sm90.backend import SM90
 from ..triton.backend import TRITON, triton_refusal
-from .config import DEFAULT_SMS, DecodeConfig, DecodeLaunch, num_splits_heuristic
+from .config import (DEFAULT_SMS, FULL_TILE_ROWS, DecodeConfig, DecodeLaunch,
+                     grid_splits_by_length, num_splits_heuristic)
 
 # Decode-shaped: at most MAX_NEW_ROWS new rows, at most MAX_ROWS packed rows (T * N / K) per program,
 # and keys at least MIN_KEYS and KEYS_PER_ROW times the rows.
@@ -51,6 +52,19 @@ def decode_shape_refusal(q_shape, k_shape) -> str | None:
     return (f"it runs decoding calls, keys S >= {MIN_KEYS} and S >= {KEYS_PER_ROW} T, got T={t}, "
             f"S={s}")
   return None
+
+
+def splits_by_length(call: KernelCall) -> bool:
+  """Whether the rows of a split call take their own split counts at run time
+  (:func:`kernels.decode.config.row_splits`): with several rows whose reachable keys come from
+  run-time lengths or offsets (then they may differ row to row), and tiles of fewer than
+  :data:`~kernels.decode.config.FULL_TILE_ROWS` packed rows (docs/measurements.md#decode-kernels:
+  8 x 32k ragged 177 us against 206 with one count for every row; MQA's one wave of 32-row tiles
+  was 5% slower with it)."""
+  v = call.variant
+  b, t, n, _ = call.q_shape
+  return (b > 1 and t * (n // call.k_shape[2]) < FULL_TILE_ROWS
+          and (v.has_kv_lengths or v.has_q_offset or v.has_q_lengths))
 
 
 class DecodeBackend(Backend):
@@ -94,12 +108,17 @@ class DecodeBackend(Backend):
     b, t, n, _ = call.q_shape
     kh = call.k_shape[2]
     n_blocks = -(-call.seq_k // config.block_k)
-    splits = config.num_splits or num_splits_heuristic(b * kh, n_blocks, sms=sm_count(),
+    sms = sm_count()
+    splits = config.num_splits or num_splits_heuristic(b * kh, n_blocks, sms=sms,
                                                        waves=config.waves)
+    target = None
+    if config.num_splits is None and splits > 1 and splits_by_length(call):
+      target = config.waves * sms
+      splits = grid_splits_by_length(kh, n_blocks, splits, sms=sms, waves=config.waves)
     return DecodeLaunch(config, min(splits, n_blocks), t * (n // kh), family.name,
                         family.launch_config(call, None),
                         delegate_forward=decode_shape_refusal(call.q_shape, call.k_shape)
-                        is not None)
+                        is not None, split_target=target)
 
   def _family(self, launch: DecodeLaunch) -> Backend:
     return SM90 if launch.backward == SM90.name else TRITON
@@ -114,8 +133,8 @@ class DecodeBackend(Backend):
     fwd_names, bwd, deterministic = family.kernel_names(call, config.backward_config)
     if config.delegate_forward:
       return fwd_names, bwd, deterministic
-    fwd = (f"decode split-KV forward ({config.num_splits} split"
-           f"{'s' if config.num_splits > 1 else ''})",)
+    fwd = (f"decode split-KV forward ({'up to ' if config.split_target else ''}"
+           f"{config.num_splits} split{'s' if config.num_splits > 1 else ''})",)
     if config.num_splits > 1:
       fwd += ("decode combine",)
     return fwd, bwd, deterministic
@@ -126,9 +145,12 @@ class DecodeBackend(Backend):
     if config.delegate_forward:
       return None
     t, n, kh = call.q_shape[1], call.q_shape[2], call.k_shape[2]
+    splits = f"{config.num_splits} split{'s' if config.num_splits > 1 else ''}"
+    if config.split_target:
+      splits = (f"up to {splits} per row, each row's count from the rows' reachable keys at run "
+                f"time for about {config.split_target} programs in all,")
     return (f"a decoding call (T={t} new rows x {n // kh} query heads per KV head = {config.rows} "
-            f"rows in one {config.rows_padded}-row tile, S={call.seq_k} keys in "
-            f"{config.num_splits} split{'s' if config.num_splits > 1 else ''} of "
+            f"rows in one {config.rows_padded}-row tile, S={call.seq_k} keys in {splits} of "
             f"{config.block_k}-key blocks); the backward is {config.backward}'s")
 
   def forward(self, q, k, v, *, scale, is_causal, config: DecodeLaunch, variant, arrays, table,
@@ -143,7 +165,8 @@ class DecodeBackend(Backend):
     return forward(q, k, v, scale=scale, variant=variant, arrays=arrays, block_k=config.block_k,
                    num_splits=config.num_splits, rows_padded=config.rows_padded,
                    num_warps=config.config.num_warps, num_stages=config.config.num_stages,
-                   interpret=interpret, block_table=block_table, seq_k=seq_k)
+                   interpret=interpret, block_table=block_table, seq_k=seq_k,
+                   split_target=config.split_target)
 
   def differentiates_slopes(self, config: DecodeLaunch) -> bool:
     return self._family(config).differentiates_slopes(config.backward_config)

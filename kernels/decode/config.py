@@ -23,6 +23,11 @@ MIN_BLOCKS_PER_SPLIT = 2
 # Packed query rows from which a decode program's tile does enough work per key block that one wave
 # of programs beats two (DecodeConfig.default).
 FULL_TILE_ROWS = 32
+# Splits by the rows' lengths (row_splits): the grid holds at most this many times the static count
+# per row, room for a row with this many times the mean row's reachable keys to split as finely as
+# the rest (a longer one takes longer chunks); the unused programs cost their launch (3 against 2
+# and 4: docs/measurements.md#decode-kernels).
+LENGTH_SPLITS_FACTOR = 3
 # SMs of an H100 SXM: the heuristic's count where the device does not say (on CPU, interpret mode).
 DEFAULT_SMS = 132
 
@@ -113,6 +118,39 @@ def num_splits_heuristic(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS
   return max(1, -(-n_blocks // per))
 
 
+def grid_splits_by_length(kv_heads: int, n_blocks: int, static_splits: int, *,
+                          sms: int = DEFAULT_SMS, waves: int = 2, max_splits: int = MAX_SPLITS,
+                          min_blocks: int = MIN_BLOCKS_PER_SPLIT,
+                          factor: int | None = None) -> int:
+  """The grid's splits per (batch element, KV head) when each row takes its own split count at run
+  time (:func:`row_splits`): ``factor`` (None: :data:`LENGTH_SPLITS_FACTOR`) times the static count
+  ``static_splits``, but no more than
+  one row holding all the batch's work would take (``waves * sms`` programs over the ``kv_heads``
+  heads) or ``max_splits``, and no splits shorter than ``min_blocks`` of ``n_blocks`` (the
+  capacity's key blocks). Programs past their row's count load and write nothing."""
+  kv_heads, n_blocks, sms = max(1, int(kv_heads)), max(1, int(n_blocks)), max(1, int(sms))
+  factor = LENGTH_SPLITS_FACTOR if factor is None else factor
+  return max(1, min(max_splits, n_blocks // max(1, min_blocks), -(-waves * sms // kv_heads),
+                    factor * max(1, int(static_splits))))
+
+
+def row_splits(work, *, kv_heads: int, grid_splits: int, target: int,
+               min_blocks: int = MIN_BLOCKS_PER_SPLIT, total=None):
+  """int32: each row's split count, from its reachable key blocks ``work`` (int32, at run time;
+  ``[B]``, or one row's with ``total`` the sum over the batch's rows): the batch's ``kv_heads *
+  total`` blocks in chunks sized so that about ``target`` programs share them (no chunk under
+  ``min_blocks`` blocks), a row taking as many chunks as its blocks fill, at least 1 (an empty row's
+  one split writes its zero output and statistics) and at most ``grid_splits``. Long rows split
+  finely and short rows not at all, so no program of a ragged batch runs much past the others (the
+  static count splits every row alike; FlashAttention-3's ``num_splits_dynamic`` does as this
+  does). The decode kernel computes it in each program (jnp arithmetic: the same in and out of a
+  kernel)."""
+  work = jnp.asarray(work, jnp.int32)
+  total = jnp.sum(work) if total is None else total
+  chunk = jnp.maximum(jnp.int32(max(1, min_blocks)), (total * kv_heads + target - 1) // target)
+  return jnp.clip((work + chunk - 1) // chunk, 1, grid_splits).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeLaunch:
   """A :class:`DecodeConfig` resolved against one call: what the kernels launch with (hashable: it
@@ -127,6 +165,9 @@ class DecodeLaunch:
     backward_config: that family's launch config for the call.
     delegate_forward: True when the launched call is not decode-shaped (e.g. padded to a length
       multiple by ``reuse_kernels_across_programs``): the training family's forward runs it.
+    split_target: None: every row runs ``num_splits`` splits. Else the rows take their own counts
+      at run time (:func:`row_splits`, about this many programs in all), ``num_splits`` being the
+      grid's (:func:`grid_splits_by_length`).
   """
 
   config: DecodeConfig
@@ -135,6 +176,7 @@ class DecodeLaunch:
   backward: str
   backward_config: object
   delegate_forward: bool = False
+  split_target: int | None = None
 
   @property
   def block_k(self) -> int:

@@ -41,6 +41,7 @@ from ..softmax import exponent_scale, huge_row_scale, row_sum_at_max
 from ..triton.common import LOG2E, cdiv, compiler_params, dot, load_tile, padded_head_dim
 from ..triton.variant import add_scalar_inputs, zero_unattended
 from ..vma import out_struct
+from .config import row_splits
 
 
 def _idiv(x, m: int):
@@ -67,12 +68,15 @@ def _packed_rows(kh, *, seq_q: int, group: int, heads: int, rows_padded: int):
 
 def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: tuple[str, ...],
             seq_q: int, seq_k: int, heads: int, group: int, head_dim: int, value_head_dim: int,
-            block_k: int, rows_padded: int, splits: int, page_size: int | None, f32: bool):
+            block_k: int, rows_padded: int, splits: int, page_size: int | None, f32: bool,
+            batch: int, split_target: int | None):
   # q_ref: [T * N, hp] (this batch element's rows, row t * N + head); k_ref: [S, hp] (this KV head)
   # or, paged, [pages, page_size, hp]; v_ref the same with hvp; then the variant operands named by
   # `names`; o_ref: [T * N, hvp] of this split; stats_ref: [N * 2 * T] of this split (the [N, 2, T]
-  # statistics). hp, hvp: H and Hv padded (triton.common.padded_head_dim).
-  var_refs, (o_ref, stats_ref) = rest[:len(names)], rest[len(names):]
+  # statistics); counts_ref (split_target set): this row's split count, a scalar. hp, hvp: H and Hv
+  # padded (triton.common.padded_head_dim).
+  var_refs, out_refs = rest[:len(names)], rest[len(names):]
+  o_ref, stats_ref = out_refs[:2]
   refs = dict(zip(names, var_refs))
   hp, hvp = q_ref.shape[-1], v_ref.shape[-1]
   b, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -88,9 +92,7 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
 
   q_cols, q_col_ok = columns(head_dim, hp)
   o_cols, o_col_ok = columns(value_head_dim, hvp)  # V's, the output's
-  row_mask = lambda ok: real[:, None] if ok is None else real[:, None] & ok  # noqa: E731
-  # Row gathers index every axis with an array (the form Pallas interpret mode takes too).
-  q = plgpu.load(q_ref.at[qrow, q_cols], mask=row_mask(q_col_ok), other=0.0)  # [rp, hp]
+  row_mask = lambda rows, ok: rows[:, None] if ok is None else rows[:, None] & ok  # noqa: E731
 
   off = refs["q_offset"][()] if "q_offset" in refs else jnp.int32(0)
   q_len = refs["q_len"][()] if "q_len" in refs else None
@@ -104,8 +106,35 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
   # The rows' key blocks: [lo, hi) reachable, [full_lo, full_hi) with every pair allowed.
   lo, full_lo, full_hi, hi = kv_block_range(variant, jnp.int32(0), seq_q, block_k, seq_k,
                                             seq_q=seq_q, q_offset=off, q_len=q_len, kv_len=kv_len)
-  share = cdiv(hi - lo, splits)
-  c0 = lo + split * share
+  # This row's split count: the grid's, or its own from its reachable keys and every row's (row_splits,
+  # over the [B] arrays gathered whole: B need not be a power of two); a program past it has an empty
+  # share and loads and writes nothing. Each row's first program records the count for the combine.
+  n_split = splits
+  if split_target is not None:
+    every = jnp.arange(1 << max(0, (batch - 1).bit_length()), dtype=jnp.int32)
+    ok = every < batch
+
+    def each_row(name):
+      ref = refs.get("every_" + name)
+      return None if ref is None else plgpu.load(ref.at[jnp.where(ok, every, 0)], mask=ok, other=0)
+
+    lo_b, _, _, hi_b = kv_block_range(variant, jnp.int32(0), seq_q, block_k, seq_k, seq_q=seq_q,
+                                      q_offset=each_row("q_offset"), q_len=each_row("q_len"),
+                                      kv_len=each_row("kv_len"))
+    total = jnp.sum(jnp.where(ok, jnp.broadcast_to(hi_b - lo_b, every.shape), 0))
+    n_split = row_splits(hi - lo, kv_heads=heads // group, grid_splits=splits,
+                         target=split_target, total=total)
+
+    @pl.when(split == 0)
+    def _():
+      out_refs[2][...] = n_split
+  live = split < n_split
+  # Row gathers index every axis with an array (the form Pallas interpret mode takes too); a program
+  # past its row's splits reads no q either.
+  q = plgpu.load(q_ref.at[qrow, q_cols], mask=row_mask(real & live, q_col_ok),
+                 other=0.0)  # [rp, hp]
+  share = cdiv(hi - lo, n_split)
+  c0 = jnp.minimum(lo + split * share, hi)
   c1 = jnp.minimum(c0 + share, hi)
 
   if page_size is None:
@@ -173,16 +202,18 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
   acc, m_i, l_i, r_i = lax.fori_loop(jnp.maximum(full_hi, c0), c1, masked, carry)
 
   out = acc / jnp.where(l_i == 0.0, 1.0, l_i)[:, None]
-  plgpu.store(o_ref.at[qrow, o_cols], out.astype(o_ref.dtype), mask=row_mask(o_col_ok))
+  written = real & live
+  plgpu.store(o_ref.at[qrow, o_cols], out.astype(o_ref.dtype), mask=row_mask(written, o_col_ok))
   if scale != 0:
     l_i = row_sum_at_max(r_i, m_i, l_i, c, v_ref.dtype)
-  plgpu.store(stats_ref.at[at], r_i, mask=real)
-  plgpu.store(stats_ref.at[at + seq_q], l_i, mask=real)
+  plgpu.store(stats_ref.at[at], r_i, mask=written)
+  plgpu.store(stats_ref.at[at + seq_q], l_i, mask=written)
 
 
 def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | None,
             block_k: int, num_splits: int, rows_padded: int, num_warps: int, num_stages: int,
-            interpret: bool, block_table=None, seq_k: int | None = None):
+            interpret: bool, block_table=None, seq_k: int | None = None,
+            split_target: int | None = None):
   """Run the decode forward (and :func:`combine` when it splits the keys).
 
   Args:
@@ -193,6 +224,9 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
     block_k, num_splits, rows_padded, num_warps, num_stages: the launch (:class:`DecodeLaunch`).
     block_table: int32 ``[B, max_pages]`` for a paged cache, else None; ``seq_k`` then the keys per
       row the call spans (``max_pages * page_size``).
+    split_target: None: every row runs ``num_splits`` splits; else each row its own count, at most
+      ``num_splits``, from the rows' reachable key blocks (:func:`kernels.decode.config.row_splits`
+      for about ``split_target`` programs), computed in the kernel's programs.
 
   Returns:
     ``out [B, T, N, Hv]`` (q's dtype) and ``stats [B, N, 2, T]`` float32, as
@@ -211,6 +245,12 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
     raise ValueError(f"rows_padded {rows_padded} cannot hold {t} x {group} rows")
   ops, specs, names = [], [], []
   add_scalar_inputs(ops, specs, names, variant, arrays, lambda bi, hi, ci: (bi,))
+  by_length = split_target is not None and num_splits > 1
+  if by_length:  # every row's [B] arrays too, whole: each program sums the rows' reachable keys
+    for i, name in enumerate(list(names)):
+      ops.append(ops[i])
+      specs.append(pl.BlockSpec((b,), lambda bi, hi, ci: (0,)))
+      names.append("every_" + name)
   if variant.has_alibi:
     ops.append(arrays.alibi_slopes.astype(jnp.float32))  # [B, N]
     specs.append(pl.BlockSpec((None, n), lambda bi, hi, ci: (bi, 0)))
@@ -228,36 +268,46 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
   kernel = functools.partial(
       _kernel, scale=float(scale), variant=variant, names=tuple(names), seq_q=t, seq_k=s,
       heads=n, group=group, head_dim=h, value_head_dim=hv, block_k=block_k,
-      rows_padded=rows_padded, splits=num_splits, page_size=page_size, f32=q.dtype == jnp.float32)
-  o, stats = pl.pallas_call(
+      rows_padded=rows_padded, splits=num_splits, page_size=page_size, f32=q.dtype == jnp.float32,
+      batch=b, split_target=split_target if by_length else None)
+  counts_spec = [pl.BlockSpec((None, None), lambda bi, hi, ci: (bi, hi))] if by_length else []
+  counts_shape = [out_struct((b, kh), jnp.int32, q)] if by_length else []
+  outs = pl.pallas_call(
       kernel,
       grid=(b, kh, num_splits),
       in_specs=[pl.BlockSpec((None, t * n, hp), lambda bi, hi, ci: (bi, 0, 0)), kv_spec(hp),
                 kv_spec(hvp), *specs],
       out_specs=[pl.BlockSpec((None, None, t * n, hvp), lambda bi, hi, ci: (bi, ci, 0, 0)),
-                 pl.BlockSpec((None, None, n * 2 * t), lambda bi, hi, ci: (bi, ci, 0))],
+                 pl.BlockSpec((None, None, n * 2 * t), lambda bi, hi, ci: (bi, ci, 0)),
+                 *counts_spec],
       out_shape=[out_struct((b, num_splits, t * n, hv), out_dtype, q),
-                 out_struct((b, num_splits, n * 2 * t), jnp.float32, q)],
+                 out_struct((b, num_splits, n * 2 * t), jnp.float32, q), *counts_shape],
       compiler_params=compiler_params(num_warps, num_stages),
       interpret=interpret,
       name="fa2_decode_forward",
   )(q.reshape(b, t * n, h), k, v, *ops)
+  o, stats, counts = outs if by_length else (*outs, None)
   if final:
     o, stats = o[:, 0], stats[:, 0]
   else:
     o, stats = combine(o, stats, scale=scale, modifies_scores=variant.modifies_scores,
                        dtype=q.dtype, seq_q=t, kv_heads=kh, rows_padded=rows_padded,
-                       interpret=interpret)
+                       interpret=interpret, row_splits=counts)
   return o.reshape(b, t, n, hv), stats.reshape(b, n, 2, t)
 
 
-def _combine_kernel(o_ref, stats_ref, out_ref, final_ref, *, c: float, seq_q: int, group: int,
-                    heads: int, head_dim: int, rows_padded: int, splits: int, cols: int):
-  # o_ref: [splits, T * N, hp] f32, each split's output over its own row sum; stats_ref: [splits,
-  # N * 2 * T]; out_ref: [T * N, hp] (q's dtype); final_ref: [N * 2 * T]. One program per (b, KV
-  # head, chunk of `cols` output columns), merging its tile's rows over the splits in one pass, as
-  # the online softmax merges blocks (every chunk's program reads the rows' statistics; the first
-  # writes the merged ones).
+def _combine_kernel(*refs, c: float, seq_q: int, group: int, heads: int, head_dim: int,
+                    rows_padded: int, splits: int, cols: int, unroll: int, by_row: bool):
+  # [counts_ref: the row's split count for this KV head (by_row), a scalar;] o_ref: [splits, T * N, hp] f32, each
+  # split's output over its own row sum; stats_ref: [splits, N * 2 * T]; out_ref: [T * N, hp] (q's
+  # dtype); final_ref: [N * 2 * T]. Splits past the row's count were not written and are not read.
+  # One program per (b, KV
+  # head, chunk of `cols` output columns), merging its tile's rows over the splits as the online
+  # softmax merges blocks, `unroll` splits per loop step: their loads are issued together, ahead of
+  # the merge arithmetic that depends on them (every chunk's program reads the rows' statistics;
+  # the first writes the merged ones).
+  counts_ref, (o_ref, stats_ref, out_ref, final_ref) = (refs[0] if by_row else None), refs[-4:]
+  n_split = counts_ref[()] if by_row else splits
   first = pl.program_id(2) == 0
   _, _, real, row, at = _packed_rows(pl.program_id(1), seq_q=seq_q, group=group, heads=heads,
                                      rows_padded=rows_padded)
@@ -265,25 +315,39 @@ def _combine_kernel(o_ref, stats_ref, out_ref, final_ref, *, c: float, seq_q: in
   mask = real[:, None] & (col < head_dim)
   fill = jnp.inf if c < 0 else -jnp.inf
 
-  def merge(split, carry):
+  def load(split):
+    """Split ``split``'s ``(r, l, o)`` of this tile; a split past the row's last (the unrolled
+    loop's tail) reads nothing and has ``l = 0``, as an empty share has."""
+    here = split < n_split
+    ok = real & here
+    r = plgpu.load(stats_ref.at[split, at], mask=ok, other=0.0)
+    l = plgpu.load(stats_ref.at[split, at + seq_q], mask=ok, other=0.0)
+    o = plgpu.load(o_ref.at[split, row[:, None], col], mask=mask & here, other=0.0)
+    return r, l, o
+
+  def merge(part, carry):
     acc, big, total, r_top = carry
-    r = plgpu.load(stats_ref.at[split, at], mask=real, other=0.0)
-    l = plgpu.load(stats_ref.at[split, at + seq_q], mask=real, other=0.0)
+    r, l, o = part
     seen = l > 0.0
     m = jnp.where(seen, r * c, -jnp.inf)
     big_new = jnp.maximum(big, m)
     base = jnp.where(big_new == -jnp.inf, 0.0, big_new)
     alpha = jnp.exp2(big - base)  # 0 while nothing was seen (big = -inf)
     w = jnp.where(seen, l * jnp.exp2(m - base), 0.0)  # the split's weight, relative to 2^base
-    o = plgpu.load(o_ref.at[split, row[:, None], col], mask=mask, other=0.0)
     acc = acc * alpha[:, None] + w[:, None] * o
     r_top = jnp.where(m > big, r, r_top)  # the raw logit of the largest m (the first on ties)
     return acc, big_new, total * alpha + w, r_top
 
+  def step(i, carry):
+    parts = [load(i * unroll + u) for u in range(unroll)]
+    for part in parts:
+      carry = merge(part, carry)
+    return carry
+
   carry = (jnp.zeros((rows_padded, cols), jnp.float32),
            jnp.full((rows_padded,), -jnp.inf, jnp.float32),
            jnp.zeros((rows_padded,), jnp.float32), jnp.full((rows_padded,), fill, jnp.float32))
-  acc, _, total, r_top = lax.fori_loop(0, splits, merge, carry)
+  acc, _, total, r_top = lax.fori_loop(0, cdiv(n_split, unroll), step, carry)
   out = acc / jnp.where(total == 0.0, 1.0, total)[:, None]
   plgpu.store(out_ref.at[row[:, None], col], out.astype(out_ref.dtype), mask=mask)
   plgpu.store(final_ref.at[at], r_top, mask=real & first)
@@ -294,16 +358,20 @@ def _combine_kernel(o_ref, stats_ref, out_ref, final_ref, *, c: float, seq_q: in
 # loads, so its time is the splits' count times a load's latency unless more programs share the
 # rows (MQA: 32 rows x 32 splits in one program per (batch, KV head) before).
 COMBINE_COLS = 32
+# Splits whose partials a combine program loads per loop step, before merging them one by one.
+COMBINE_UNROLL = 4
 
 
 def combine(o, stats, *, scale: float, modifies_scores: bool, dtype, seq_q: int, kv_heads: int,
-            rows_padded: int, interpret: bool, num_warps: int = 4):
+            rows_padded: int, interpret: bool, num_warps: int = 4, unroll: int | None = None,
+            row_splits=None):
   """Merge the splits' partials exactly (a Pallas kernel, grid ``(B, K, H / COMBINE_COLS)``).
 
   ``o [B, splits, T * N, Hv]`` float32, each split's output divided by its own row sum; ``stats [B,
   splits, N * 2 * T]`` its ``(r, l)`` (the ``[N, 2, T]`` statistics flattened). Split ``c`` weighs
   ``l_c 2^(m_c - M)`` (``m_c = r_c * c``, ``M`` the largest): its share of the row's total weight,
-  relative to the row maximum's. Returns ``(out [B, T * N, Hv] dtype, stats [B, N * 2 * T])``: the
+  relative to the row maximum's. ``row_splits``: None, or int32 ``[B, K]`` the splits each row ran
+  (the rest were not written). Returns ``(out [B, T * N, Hv] dtype, stats [B, N * 2 * T])``: the
   maximum's ``r`` and the total ``l`` relative to it (a row no split reached keeps ``l = 0``).
   """
   b, splits, rows, h = o.shape
@@ -313,16 +381,20 @@ def combine(o, stats, *, scale: float, modifies_scores: bool, dtype, seq_q: int,
   cols = min(hp, COMBINE_COLS)
   kernel = functools.partial(_combine_kernel, c=float(exponent_scale(scale, modifies_scores)),
                              seq_q=seq_q, group=heads // kv_heads, heads=heads, head_dim=h,
-                             rows_padded=rows_padded, splits=splits, cols=cols)
+                             rows_padded=rows_padded, splits=splits, cols=cols,
+                             unroll=min(splits, COMBINE_UNROLL if unroll is None else unroll),
+                             by_row=row_splits is not None)
+  counts = [] if row_splits is None else [row_splits.astype(jnp.int32)]
   return pl.pallas_call(
       kernel,
       grid=(b, kv_heads, hp // cols),
-      in_specs=[pl.BlockSpec((None, splits, rows, hp), lambda bi, hi, ci: (bi, 0, 0, 0)),
-                pl.BlockSpec((None, splits, n_2t), lambda bi, hi, ci: (bi, 0, 0))],
+      in_specs=[pl.BlockSpec((None, None), lambda bi, hi, ci: (bi, hi))] * len(counts) + [
+          pl.BlockSpec((None, splits, rows, hp), lambda bi, hi, ci: (bi, 0, 0, 0)),
+          pl.BlockSpec((None, splits, n_2t), lambda bi, hi, ci: (bi, 0, 0))],
       out_specs=[pl.BlockSpec((None, rows, hp), lambda bi, hi, ci: (bi, 0, 0)),
                  pl.BlockSpec((None, n_2t), lambda bi, hi, ci: (bi, 0))],
       out_shape=[out_struct((b, rows, h), dtype, o), out_struct((b, n_2t), jnp.float32, o)],
       compiler_params=compiler_params(num_warps, 1),
       interpret=interpret,
       name="fa2_decode_combine",
-  )(o, stats)
+  )(*counts, o, stats)
