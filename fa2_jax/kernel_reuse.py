@@ -3,6 +3,10 @@
 ``reuse_kernels_across_programs`` is the public switch. Its two halves live in two layers: the Mosaic
 kernels' exported lowerings (``kernels/sm90/lowering_cache.py``), and the padding of T and S to a
 length multiple, which ``flash_attention`` does before choosing the kernels (both backends).
+
+On by default, with a per-user cache folder (:func:`default_cache_dir`: ``$FA2_JAX_CACHE_DIR``, else
+``$XDG_CACHE_HOME/fa2_jax/kernels`` or ``~/.cache/fa2_jax/kernels``), as Triton keeps its compiled
+kernels; ``FA2_JAX_CACHE_DIR=off`` turns the default off.
 """
 from __future__ import annotations
 
@@ -14,15 +18,42 @@ from .kernels.sm90 import lowering_cache
 lowering_cache.add_package_folder(os.path.dirname(os.path.abspath(__file__)))
 
 _STATE = {"length_multiple": None}  # read at every traced call
+# FA2_JAX_CACHE_DIR values that turn the default off
+_OFF = ("off", "0", "none", "false", "no", "")
+_DEFAULT = object()  # reuse_kernels_across_programs(cache_dir=...) not given: default_cache_dir()
+
+
+def default_cache_dir() -> str | None:
+  """The per-user folder of kernel lowerings: ``$FA2_JAX_CACHE_DIR`` when it names one, else
+  ``$XDG_CACHE_HOME/fa2_jax/kernels`` (``~/.cache`` without XDG_CACHE_HOME); None where
+  ``FA2_JAX_CACHE_DIR`` is ``off`` (or ``0``, ``none``, ``false``, ``no``, empty) or where
+  ``jax.export``'s serialization cannot run (no ``flatbuffers`` package): then kernels are reused
+  within the process only."""
+  value = os.environ.get("FA2_JAX_CACHE_DIR")
+  if value is not None and value.strip().lower() in _OFF:
+    return None
+  if importlib.util.find_spec("flatbuffers") is None:
+    return None
+  if value:
+    return os.path.expanduser(value)
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+  return os.path.join(os.path.expanduser(base), "fa2_jax", "kernels")
+
+
+def _default_enabled() -> bool:
+  value = os.environ.get("FA2_JAX_CACHE_DIR")
+  return value is None or value.strip().lower() not in _OFF
 
 
 def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int | None = None,
-                                  cache_dir: str | os.PathLike | None = None) -> bool:
+                                  cache_dir=_DEFAULT) -> bool:
   """Lower each Mosaic kernel (per settings and shapes) once per process and embed that lowering in
   every jitted program that launches it, so a second program with the same attention shapes (an
   evaluation step beside the training step, ``jit(f)`` beside ``jit(grad(f))``) neither lowers nor
-  compiles those kernels again. Off by default. It applies to what is traced after the call: a
-  jitted function traced before keeps its lowering (``jax.clear_caches()`` drops it).
+  compiles those kernels again; with a cache folder, later processes read the lowerings too. On by
+  default with :func:`default_cache_dir` (``FA2_JAX_CACHE_DIR=off`` in the environment: off by
+  default). It applies to what is traced after the call: a jitted function traced before keeps its
+  lowering (``jax.clear_caches()`` drops it). ``reuse_kernels_across_programs(False)`` turns it off.
 
   ``length_multiple``: with ``enabled``, the kernels of ``fa2_jax.flash_attention`` (Mosaic and
   Triton) see T and S padded up to a multiple of it, the true lengths passed as
@@ -39,15 +70,18 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
   compilation cache on too (``jax.config.update("jax_compilation_cache_dir", ...)``), which then finds
   the compiled kernel, a shape that an earlier process ran costs the call's tracing and the reading
   of its kernels. Kernels of a ``mask_fn`` or ``score_fn`` are not written (a function's code has
-  no name that is stable across processes). None (default): this process only; each call sets it
-  anew, so a call without ``cache_dir`` stops using the folder. A folder that cannot be written
-  gives a warning and the kernels stay in the process. Nothing is ever removed from the folder.
+  no name that is stable across processes). Not given: :func:`default_cache_dir`; None: this
+  process only; each call sets it anew. A folder that cannot be written gives a warning and the
+  kernels stay in the process. Nothing is ever removed from the folder (delete it to reclaim the
+  space: each version of fa2_jax and JAX writes files of its own).
 
   Returns the previous ``enabled`` (to restore the settings, read :func:`length_multiple` and
   ``info()["cache_dir"]`` first).
   """
   if not isinstance(enabled, bool):
     raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+  if cache_dir is _DEFAULT:
+    cache_dir = default_cache_dir() if enabled else None
   if length_multiple is not None and (not isinstance(length_multiple, int)
                                       or isinstance(length_multiple, bool) or length_multiple < 1):
     raise ValueError(f"length_multiple must be None or an int >= 1, got {length_multiple!r}")
@@ -65,12 +99,18 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
     raise ValueError("length_multiple needs enabled=True (the padded lengths reuse the kernels)")
   if enabled and cache_dir is not None:
     if importlib.util.find_spec("flatbuffers") is None:  # jax.export's serialization needs it
-      raise ImportError("cache_dir needs the flatbuffers package for jax.export's serialization: "
-                        "install fa2_jax's kernel-cache extra, or flatbuffers itself")
+      raise ImportError("cache_dir needs the flatbuffers package for jax.export's serialization "
+                        "(a dependency of fa2_jax): pip install flatbuffers")
   previous = lowering_cache.set_enabled(enabled)
   _STATE["length_multiple"] = length_multiple
   lowering_cache.set_cache_dir(cache_dir if enabled else None)
   return previous
+
+
+if _default_enabled():  # the default: on, with the per-user folder (module docstring)
+  lowering_cache.set_enabled(True)
+  if (folder := default_cache_dir()) is not None:
+    lowering_cache.set_cache_dir(folder)
 
 
 def length_multiple() -> int | None:

@@ -4,9 +4,15 @@ One suite: on a CPU-only machine the kernels run in Pallas interpret mode on sma
 same tests run compiled, and the tests marked ``gpu`` add bigger shapes (``pytest -m gpu``).
 """
 import os
+import tempfile
 
-import jax
-import pytest
+# fa2_jax reuses kernel lowerings across programs and processes by default, in a per-user folder: the
+# suite keeps the default on, in a folder of its own (not the user's cache), unless the environment
+# names one (FA2_JAX_CACHE_DIR=off runs it with the default off).
+os.environ.setdefault("FA2_JAX_CACHE_DIR", tempfile.mkdtemp(prefix="fa2_jax_test_kernels_"))
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # Must happen before the first use of jax's backends.
 jax.config.update("jax_num_cpu_devices", 4)

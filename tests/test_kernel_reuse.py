@@ -41,15 +41,18 @@ def _kernel_hashes(fn, *avals):
 def reuse():
   """Returns a function that turns the switch on (with its keywords) and empties the cache; the
   previous state is restored afterwards."""
-  previous = (lowering_cache.info()["enabled"], kernel_reuse.length_multiple())
+  info = lowering_cache.info()
+  previous = (info["enabled"], kernel_reuse.length_multiple(), info["cache_dir"])
 
   def on(**kwargs):
+    kwargs.setdefault("cache_dir", None)  # this process only, unless the test names a folder
     fa2_jax.reuse_kernels_across_programs(True, **kwargs)
     lowering_cache.clear()
     return lowering_cache
 
   yield on
-  fa2_jax.reuse_kernels_across_programs(previous[0], length_multiple=previous[1])
+  fa2_jax.reuse_kernels_across_programs(previous[0], length_multiple=previous[1],
+                                        cache_dir=previous[2] if previous[0] else None)
   lowering_cache.clear()
 
 
@@ -379,7 +382,7 @@ def test_cache_dir_without_flatbuffers_names_the_package(monkeypatch, tmp_path):
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "flatbuffers" else real(name, *a))
   before = kernel_reuse.info()
-  with pytest.raises(ImportError, match="kernel-cache extra"):
+  with pytest.raises(ImportError, match="pip install flatbuffers"):
     fa2_jax.reuse_kernels_across_programs(True, cache_dir=tmp_path)
   assert kernel_reuse.info() == before
 
@@ -408,7 +411,25 @@ def test_switch_arguments_are_checked(tmp_path, monkeypatch):
   assert kernel_reuse.info() == before  # a rejected call changes nothing
 
 
-def test_the_switch_is_off_in_a_fresh_process():
-  code = ("import fa2_jax; from fa2_jax import kernel_reuse as r; "
-          "i = r.info(); assert not i['enabled'] and i['length_multiple'] is None, i")
-  subprocess.run([sys.executable, "-c", code], check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+@pytest.mark.parametrize("setting", ["default", "xdg", "named", "off"])
+def test_a_fresh_process_reuses_kernels_in_the_per_user_folder(setting, tmp_path):
+  """On by default, with the folder of FA2_JAX_CACHE_DIR, else $XDG_CACHE_HOME/fa2_jax/kernels, else
+  ~/.cache/fa2_jax/kernels; FA2_JAX_CACHE_DIR=off: off."""
+  env = {k: v for k, v in os.environ.items() if k not in ("FA2_JAX_CACHE_DIR", "XDG_CACHE_HOME")}
+  env.update(JAX_PLATFORMS="cpu", HOME=str(tmp_path))
+  expected = str(tmp_path / ".cache" / "fa2_jax" / "kernels")
+  if setting == "xdg":
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    expected = str(tmp_path / "xdg" / "fa2_jax" / "kernels")
+  elif setting == "named":
+    env["FA2_JAX_CACHE_DIR"] = "~/kernels"
+    expected = str(tmp_path / "kernels")
+  elif setting == "off":
+    env["FA2_JAX_CACHE_DIR"] = "off"
+    expected = None
+  code = ("import fa2_jax; from fa2_jax import kernel_reuse as r; i = r.info(); "
+          "print(i['enabled'], i['cache_dir'], i['length_multiple'], r.default_cache_dir())")
+  got = subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True,
+                       text=True).stdout.split()
+  assert got == [str(expected is not None), str(expected), "None", str(expected)]
+  assert not (tmp_path / ".cache").exists()  # made when a kernel is first written

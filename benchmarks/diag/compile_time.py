@@ -19,11 +19,13 @@ loss, each timed the same way: what a program costs whose attention shapes an ea
 ``--lower-for-sm90``: no compile and no run; each program is traced and lowered for sm90 on any
 machine (a CPU too: the dispatcher is told it runs on an H200), the shapes as given: the half of a
 new shape's cost that does not need a GPU.
-``--reuse-kernels`` turns on ``fa2_jax.reuse_kernels_across_programs()`` first, ``--length-multiple M``
-with its ``length_multiple=M`` (lengths padded to multiples of M: shapes in one multiple share kernels);
-with ``--cache-dir`` too, its ``cache_dir=DIR/fa2_jax_kernels`` (the kernels' lowerings kept across
-processes: a second process with the same DIR does not lower a kernel an earlier one ran, and finds
-it compiled in JAX's cache there).
+Without ``--reuse-kernels`` the diagnostic turns fa2_jax's kernel reuse off (on by default, with a
+per-user folder): every process is cold. ``--reuse-kernels`` turns on
+``fa2_jax.reuse_kernels_across_programs()`` in this process only, ``--length-multiple M`` with its
+``length_multiple=M`` (lengths padded to multiples of M: shapes in one multiple share kernels); with
+``--cache-dir`` too, its ``cache_dir=DIR/fa2_jax_kernels`` (the kernels' lowerings kept across
+processes, as the default's per-user folder keeps them: a second process with the same DIR does not
+lower a kernel an earlier one ran, and finds it compiled in JAX's cache there).
 """
 from __future__ import annotations
 
@@ -48,7 +50,8 @@ def main(argv=None):
   ap.add_argument("--other-programs", action="store_true",
                   help="with --shapes: two more programs per shape (see above)")
   ap.add_argument("--reuse-kernels", action="store_true",
-                  help="fa2_jax.reuse_kernels_across_programs() on")
+                  help="fa2_jax.reuse_kernels_across_programs() on (without it: off, a cold "
+                       "process)")
   ap.add_argument("--length-multiple", type=h.positive_int, default=None,
                   help="with --reuse-kernels: its length_multiple")
   ap.add_argument("--lower-for-sm90", action="store_true",
@@ -65,13 +68,15 @@ def main(argv=None):
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  import fa2_jax
   if args.reuse_kernels:
     import os
 
-    import fa2_jax
     fa2_jax.reuse_kernels_across_programs(
         True, length_multiple=args.length_multiple,
         cache_dir=os.path.join(args.cache_dir, "fa2_jax_kernels") if args.cache_dir else None)
+  else:  # a cold process: fa2_jax's default reuse (and its per-user folder) off
+    fa2_jax.reuse_kernels_across_programs(False)
   info = h.device_info()
   shapes = args.shapes or [args.shape]
   if args.lower_for_sm90:

@@ -1,5 +1,6 @@
-"""Reuse of lowered Mosaic kernels across jitted programs (opt-in:
-``fa2_jax.reuse_kernels_across_programs()``, ``fa2_jax/kernel_reuse.py``, which also pads lengths).
+"""Reuse of lowered Mosaic kernels across jitted programs (``fa2_jax.reuse_kernels_across_programs``,
+``fa2_jax/kernel_reuse.py``, which turns it on by default with a per-user cache folder and also pads
+lengths; this module alone starts off).
 
 Every program that holds a Mosaic kernel lowers it again: JAX runs the Pallas Mosaic GPU lowering
 (layout inference, dialect lowering, serialization) once per kernel per ``jax.jit`` program, even for
