@@ -3,13 +3,18 @@
 One suite: on a CPU-only machine the kernels run in Pallas interpret mode on small shapes; on a GPU the
 same tests run compiled, and the tests marked ``gpu`` add bigger shapes (``pytest -m gpu``).
 """
+import atexit
 import os
+import shutil
 import tempfile
 
 # fa2_jax reuses kernel lowerings across programs and processes by default, in a per-user folder: the
-# suite keeps the default on, in a folder of its own (not the user's cache), unless the environment
-# names one (FA2_JAX_CACHE_DIR=off runs it with the default off).
-os.environ.setdefault("FA2_JAX_CACHE_DIR", tempfile.mkdtemp(prefix="fa2_jax_test_kernels_"))
+# suite keeps the default on, in a folder of its own (not the user's cache; removed when the session
+# that made it ends, pytest-xdist's workers sharing it), unless the environment names one
+# (FA2_JAX_CACHE_DIR=off runs it with the default off).
+if "FA2_JAX_CACHE_DIR" not in os.environ:
+  os.environ["FA2_JAX_CACHE_DIR"] = tempfile.mkdtemp(prefix="fa2_jax_test_kernels_")
+  atexit.register(shutil.rmtree, os.environ["FA2_JAX_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
