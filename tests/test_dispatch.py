@@ -69,24 +69,24 @@ def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
   d = fa2_jax.backend_for(q, k, is_causal=True)
   assert d.backend == "sm90" and d.forward == ("sm90 forward",)
   assert d.backward == ("sm90 dK/dV", "sm90 dQ") and d.deterministic  # causal 1k: separate dQ
-  long_c = fa2_jax.backend_for(*_shapes(t=8192), is_causal=True)  # causal from 8k rows: fused
+  long_c = fa2_jax.backend_for(*_shapes(t=4096), is_causal=True)  # causal from 4k rows: fused
   assert long_c.backward == ("sm90 dK/dV + fused dQ",) and not long_c.deterministic
   nc = fa2_jax.backend_for(*_shapes(t=2048), is_causal=False)  # non-causal from 2k rows: fused
   assert nc.backward == ("sm90 dK/dV + fused dQ",) and not nc.deterministic
   few = fa2_jax.backend_for(*_shapes(t=128), is_causal=False)  # few query rows: separate dQ
   assert few.backward == ("sm90 dK/dV", "sm90 dQ") and few.deterministic
   window = dict(is_causal=True, local_window_size=(512, 0))  # a variant: the same length rule
-  win = fa2_jax.backend_for(*_shapes(t=8192), **window)
+  win = fa2_jax.backend_for(*_shapes(t=4096), **window)
   assert win.backward == ("sm90 dK/dV + fused dQ",) and not win.deterministic
-  win_det = fa2_jax.backend_for(*_shapes(t=8192), deterministic=True, **window)
+  win_det = fa2_jax.backend_for(*_shapes(t=4096), deterministic=True, **window)
   assert win_det.backward == ("sm90 dK/dV", "sm90 dQ") and win_det.deterministic
-  assert fa2_jax.backend_for(*_shapes(t=4096), **window).backward == ("sm90 dK/dV", "sm90 dQ")
+  assert fa2_jax.backend_for(*_shapes(t=2048), **window).backward == ("sm90 dK/dV", "sm90 dQ")
   off = fa2_jax.MosaicConfig.default(128, is_causal=True).replace(dq_fused_variants=False)
-  assert fa2_jax.backend_for(*_shapes(t=8192), block_sizes=off, **window).backward == (
+  assert fa2_jax.backend_for(*_shapes(t=4096), block_sizes=off, **window).backward == (
       "sm90 dK/dV", "sm90 dQ")
-  assert fa2_jax.backend_for(*_shapes(t=8192), block_sizes=off, is_causal=True).backward == (
+  assert fa2_jax.backend_for(*_shapes(t=4096), block_sizes=off, is_causal=True).backward == (
       "sm90 dK/dV + fused dQ",)  # dq_fused_variants leaves plain causal calls alone
-  det = fa2_jax.backend_for(*_shapes(t=8192), is_causal=True, deterministic=True)
+  det = fa2_jax.backend_for(*_shapes(t=4096), is_causal=True, deterministic=True)
   assert det.backward == ("sm90 dK/dV", "sm90 dQ") and det.deterministic
   big = fa2_jax.backend_for(*_shapes(h=256))
   assert big.backward == ("sm90 dK/dV (split by role)", "sm90 dQ (split by role)")

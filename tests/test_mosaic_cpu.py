@@ -152,17 +152,15 @@ def test_smem_budget_matches_docstring():
 
 
 def test_fuses_dq_default_rule():
-  # The fused dQ needs deterministic=False, dK/dV not split by role and enough query rows (2k
-  # non-causal; causal 8k at head_dim 128, 4k at 64).
+  # The fused dQ needs deterministic=False, dK/dV not split by role and enough query rows (2k / 4k
+  # causal).
   nc, c = MosaicConfig.default(128), MosaicConfig.default(128, is_causal=True)
   assert nc.fuses_dq(2048, deterministic=False) and not nc.fuses_dq(1024, deterministic=False)
-  assert c.fuses_dq(8192, deterministic=False) and not c.fuses_dq(6000, deterministic=False)
+  assert c.fuses_dq(4096, deterministic=False) and not c.fuses_dq(2048, deterministic=False)
   assert not c.fuses_dq(8192, deterministic=True)
-  c64 = MosaicConfig.default(64, is_causal=True)
-  assert c64.fuses_dq(4096, deterministic=False) and not c64.fuses_dq(2048, deterministic=False)
   # attention variants follow the same length rule (dq_fused_variants is on in the defaults)
-  assert c.fuses_dq(8192, deterministic=False, variant=True)
-  assert not c.fuses_dq(4096, deterministic=False, variant=True)
+  assert c.fuses_dq(4096, deterministic=False, variant=True)
+  assert not c.fuses_dq(2048, deterministic=False, variant=True)
   assert not c.replace(dq_fused_variants=False).fuses_dq(8192, deterministic=False, variant=True)
   assert MosaicConfig.default(64, is_causal=True).fuses_dq(8192, deterministic=False)
   assert not MosaicConfig.default(256).fuses_dq(8192, deterministic=False)  # role-split dK/dV
@@ -173,8 +171,8 @@ def test_fuses_dq_default_rule():
   for h in (80, 96, 112):
     assert not MosaicConfig.default(h, is_causal=True).fuses_dq(8192, deterministic=False), h
   # a variant call builds the dQ kernel's range table only when its backward runs that kernel
-  assert set(c.range_tiles(8192)) == {"fwd", "dkv"}
-  assert set(c.range_tiles(8192, deterministic=True)) == set(c.range_tiles(4096)) == {
+  assert set(c.range_tiles(4096)) == {"fwd", "dkv"}
+  assert set(c.range_tiles(4096, deterministic=True)) == set(c.range_tiles(2048)) == {
       "fwd", "dkv", "dq"} == set(c.range_tiles())
   assert set(MosaicConfig.default(256).range_tiles(8192)) == {"fwd", "dkv", "dq"}
   assert c.registers(2) == nc.registers(2) == 240 and c.memory_registers == nc.memory_registers == 24

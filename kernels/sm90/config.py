@@ -312,7 +312,7 @@ class MosaicConfig:
     if not isinstance(is_causal, (bool, np.bool_)):
       raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__} {is_causal!r}")
     # Fused dQ (used only when the call allows a non-deterministic backward) from 2k query rows
-    # non-causal and 4k causal (8k at head_dim 128, below): with fewer query tiles the key tiles' reduce-adds pile onto few dQ rows
+    # non-causal and 4k causal: with fewer query tiles the key tiles' reduce-adds pile onto few dQ rows
     # and the separate dQ kernel is faster; calls with an attention variant follow the same rule
     # (docs/design.md#when-the-backward-fuses-dq). The consumers get 240 registers and the producer
     # 24 (docs/design.md#register-split).
@@ -337,10 +337,6 @@ class MosaicConfig:
       # dQ kernel measured 11-30% faster (docs/design.md#when-the-backward-fuses-dq).
       if dq_split(WG_ROWS, head_dim, 2) is None:
         fused = dict(dq_fused=False)
-      elif is_causal:
-        # Causal GQA at 4k rows ran 1-8% faster with the separate dQ, 6000 rows even, 8k and 16k
-        # 0-7% slower (H100, docs/measurements.md#when-the-backward-fuses-dq): fused from 8k rows.
-        fused["dq_fused_min_t"] = 8192
       return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, **fused, **regs)
     return cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
                num_stages_dq=2, dq_roles=head_dim % (2 * WG_ROWS) == 0 and value_head_dim in (
