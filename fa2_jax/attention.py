@@ -11,7 +11,7 @@ from jax.custom_derivatives import SymbolicZero
 
 from . import dispatch, kernel_reuse, sharding
 from .kernels import registry
-from .kernels.backend import KernelCall
+from .kernels.backend import KernelCall, accumulate_dq
 from .kernels.softmax import kernel_scale, lse_from_stats, stats_from_lse
 from .kernels.vma import match_vma
 from .kernels.block_ranges import index_reads, range_tables, warm_static_masks
@@ -66,7 +66,14 @@ _FIELD_LAYOUTS = {"q_lengths": "b", "kv_lengths": "b", "q_segment_ids": "bt",
 _TABLE_BLOCK_AXIS = {"fwd": "c", "dkv": "e", "dq": "g"}
 
 
+# The extra operand of a backward that adds its dQ / scale to a float32 accumulator
+# (_attention_backward's dq_accumulator: the ring's running dQ), laid out as q.
+DQ_ACCUMULATOR = "dq_accumulator"
+
+
 def _layout(field: str, extra) -> str:
+  if field == DQ_ACCUMULATOR:
+    return "btnh"
   if field in _FIELD_LAYOUTS:
     return _FIELD_LAYOUTS[field]
   return "b" + ("n" if extra.shape[1] > 1 else "a") + _TABLE_BLOCK_AXIS[field[len("table_"):]] + "d"
@@ -511,12 +518,18 @@ def _flash_fwd(q, k, v, extras, st: _Static):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _backward(st: _Static, q, k, v, out, stats, dout, dlse, *extras):
+  backend = registry.get(st.backend)
+  kw = dict(dlse=dlse, scale=st.scale, is_causal=st.is_causal, deterministic=st.deterministic,
+            config=st.config, variant=st.variant, arrays=st.arrays(extras),
+            tables=st.tables(extras), interpret=st.interpret, slope_grad=st.slope_grad)
+  acc = extras[st.fields.index(DQ_ACCUMULATOR)] if DQ_ACCUMULATOR in st.fields else None
   with jax.enable_x64(False):
-    return registry.get(st.backend).backward(
-        q, k, v, out, stats, dout, dlse=dlse, scale=st.scale, is_causal=st.is_causal,
-        deterministic=st.deterministic, config=st.config, variant=st.variant,
-        arrays=st.arrays(extras), tables=st.tables(extras), interpret=st.interpret,
-        slope_grad=st.slope_grad)
+    if acc is not None and backend.accumulates_dq():
+      return backend.backward(q, k, v, out, stats, dout, dq_accumulator=acc, **kw)
+    grads = backend.backward(q, k, v, out, stats, dout, **kw)
+    if acc is None:
+      return grads
+    return (accumulate_dq(acc, grads[0], st.scale), *grads[1:])
 
 
 @_backward.defjvp
@@ -578,13 +591,17 @@ def attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=No
 
 def _attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=None,
                         is_causal=False, implementation=None, block_sizes=None, deterministic=False,
-                        interpret=None, slope_rows=False, **variant_args):
+                        interpret=None, slope_rows=False, dq_accumulator=None, **variant_args):
   """:func:`attention_backward`; with ``slope_rows`` (a call with ``alibi_slopes`` on kernels that
   differentiate them) it returns ``(dq, dk, dv, rows, near)``: ``rows [B, T, N]`` float32, per
   query row the kernels' sum over this call's keys of ``dS * d s / d slope`` in their frame (the
   distances from each row's nearest key of this call), and ``near [B, T, N]`` float32, each row's
   distance to that key (``masking.alibi_row_shift``; None where the kernels shift nothing), so that
-  a row's gradient with respect to its slope over these keys is ``rows - near * rowsum(dS)``."""
+  a row's gradient with respect to its slope over these keys is ``rows - near * rowsum(dS)``.
+  ``dq_accumulator`` (float32, ``query``'s shape): returned in place of ``dq`` with this call's
+  ``dq / scale`` added (``scale`` the call's, resolved), a ring's running dQ over its steps; the
+  fused dQ kernel adds into it directly (``Backend.accumulates_dq``), so a step costs no
+  zero-filled accumulator, no rounding pass and no add."""
   call = prepare(query, key, value, scale, is_causal, implementation, False, block_sizes,
                  deterministic, interpret, **variant_args)
   if call.squeeze:
@@ -601,6 +618,12 @@ def _attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=N
   lse = rows(lse.astype(jnp.float32), -jnp.inf)
   dlse = jnp.zeros(lse.shape, jnp.float32) if dlse is None else rows(dlse.astype(jnp.float32), 0)
   extras = launch.with_tables(q, k, launch.extras)
+  if dq_accumulator is not None:
+    if slope_rows or tuple(dq_accumulator.shape) != tuple(query.shape):
+      raise ValueError(f"dq_accumulator must have query's shape {tuple(query.shape)} (and no "
+                       f"slope_rows), got {tuple(dq_accumulator.shape)}")
+    extras = (*extras, rows(dq_accumulator.astype(jnp.float32), 0))
+    st = dataclasses.replace(st, fields=(*st.fields, DQ_ACCUMULATOR))
   shift = None
   if st.variant is not None and (shift := alibi_lse_shift(st.variant, st.arrays(extras),
                                                           q.shape[1], k.shape[1])) is not None:

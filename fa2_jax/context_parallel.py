@@ -80,6 +80,7 @@ from jax.custom_derivatives import SymbolicZero
 from . import attention, sharding
 from .kernels.masking import (Variant, VariantArrays, alibi_row_shift, closes_over_arrays,
                               shifts_alibi)
+from .kernels.backend import accumulate_dq
 from .kernels.softmax import lse_from_stats, stats_from_lse
 from .kernels.vma import match_vma
 from .validation import _concrete
@@ -575,9 +576,11 @@ def _backward_start(cfg: _Config, ops, rows, kv, *, with_slopes: bool, slope_row
   ``(q, q_seg, out, lse, dout, dlse)``; ``kv``: ``(k, v, kv_seg)``."""
   pieces = cfg.pieces
   split = lambda x: tuple(_piece(x, i, pieces) for i in range(pieces))  # noqa: E731
-  if cfg.whole_chunks:
-    dq, dk, dv = _whole_grads(cfg, ops, rows, kv, cfg.is_causal)
-    return (split(dq), split(dk), split(dv), None), 1
+  if cfg.whole_chunks:  # dq: one float32 accumulator of dQ / scale (_whole_grads)
+    q = rows[0]
+    acc = match_vma(jnp.zeros(q.shape, jnp.float32), q)[0]
+    dq, dk, dv = _whole_grads(cfg, ops, rows, kv, cfg.is_causal, acc)
+    return (dq, split(dk), split(dv), None), 1
   q = rows[0]
   zeros = lambda x: match_vma(jnp.zeros(x.shape, jnp.float32), q)[0]  # noqa: E731
   dq, dk, dv = (tuple(zeros(x) for x in split(y)) for y in (q, kv[0], kv[1]))
@@ -587,13 +590,27 @@ def _backward_start(cfg: _Config, ops, rows, kv, *, with_slopes: bool, slope_row
   return (dq, dk, dv, dslopes), 0
 
 
-def _whole_grads(cfg: _Config, ops, rows, kv, causal: bool):
-  """float32 ``(dq, dk, dv)`` of one whole-chunk call of the rows ``rows`` against ``kv``."""
+def _whole_grads(cfg: _Config, ops, rows, kv, causal: bool, dq_acc):
+  """float32 ``(dq_acc, dk, dv)`` of one whole-chunk call of the rows ``rows`` against ``kv``:
+  ``dq_acc`` (float32, the rows' shape) with the call's dQ / scale added — by the fused dQ kernel
+  itself where it runs (``attention._attention_backward``'s ``dq_accumulator``: no zero-filled
+  accumulator, rounding pass or add per step) — and the keys' dK, dV."""
   q, q_seg, out, lse, dout, dlse = rows
   k, v, kv_seg = kv
-  grads = _block_grads(cfg, ops, q, k, v, out, lse, dout, dlse,
-                       _whole_kwargs(cfg, causal, q_seg, kv_seg))[:3]
+  kw = _whole_kwargs(cfg, causal, q_seg, kv_seg)
+  if cfg.kernel_backward:
+    grads = attention._attention_backward(q, k, v, out, lse, dout, dlse, dq_accumulator=dq_acc,
+                                          **kw)
+  else:
+    grads = _block_grads(cfg, ops, q, k, v, out, lse, dout, dlse, kw)[:3]
+    grads = (accumulate_dq(dq_acc, grads[0], _scale(cfg, q)), *grads[1:])
   return match_vma(*(x.astype(jnp.float32) for x in grads), q)[:3]
+
+
+def _scale(cfg: _Config, q) -> float:
+  """The call's softmax scale, as flash_attention resolves it (None: 1 / sqrt(H))."""
+  scale = dict(cfg.kwargs).get("scale")
+  return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
 def _backward_step(cfg: _Config, ops, rows, kv, grads, d, src, *, with_slopes: bool,
@@ -650,27 +667,29 @@ def _whole_backward_step(cfg: _Config, ops, rows, kv, grads, d, src):
   every key)."""
   pieces = cfg.pieces
 
-  def add(grads, new, q_first: int = 0, k_count: int = pieces):
-    """``grads`` plus ``new = (dq, dk, dv)`` of query pieces ``q_first...`` and key pieces
-    ``...k_count - 1``."""
-    dq, dk, dv, dslopes = grads
+  def add(grads, new, k_count: int = pieces):
+    """``grads`` with dq the new accumulator ``new[0]`` and ``new = (dq, dk, dv)``'s dK/dV added to
+    key pieces ``...k_count - 1``."""
+    _, dk, dv, dslopes = grads
     plus = lambda acc, g: tuple(a + _piece(g, i, len(acc)) for i, a in enumerate(acc))  # noqa: E731
-    return (dq[:q_first] + plus(dq[q_first:], new[0]),
-            plus(dk[:k_count], new[1]) + dk[k_count:],
+    return (new[0], plus(dk[:k_count], new[1]) + dk[k_count:],
             plus(dv[:k_count], new[2]) + dv[k_count:], dslopes)
 
   if not cfg.is_causal:
-    return add(grads, _whole_grads(cfg, ops, rows, kv, False))
+    return add(grads, _whole_grads(cfg, ops, rows, kv, False, grads[0]))
 
   def earlier(grads):  # src < d: every query row, key piece 0
-    return add(grads, _whole_grads(cfg, ops, rows, tuple(_piece(x, 0, pieces) for x in kv), False),
-               k_count=1)
+    return add(grads, _whole_grads(cfg, ops, rows, tuple(_piece(x, 0, pieces) for x in kv), False,
+                                   grads[0]), k_count=1)
 
   def later(grads):  # src > d: query piece 1 (zigzag), every key
     if pieces == 1:
       return grads
-    new = _whole_grads(cfg, ops, tuple(_piece(x, 1, pieces) for x in rows), kv, False)
-    return add(grads, new, q_first=1)
+    dq = grads[0]
+    half = dq.shape[1] // 2
+    new = _whole_grads(cfg, ops, tuple(_piece(x, 1, pieces) for x in rows), kv, False,
+                       dq[:, half:])
+    return add(grads, (dq.at[:, half:].set(new[0]), *new[1:]))
 
   return lax.cond(src < d, earlier, later, grads)
 
@@ -707,7 +726,8 @@ def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse, slope_grad:
     dslopes = _cat(dslopes)
   elif with_slopes:
     dslopes = dslopes.astype(ops["slopes"].dtype)
-  return (_cat(dq).astype(q.dtype), _cat(dk).astype(k.dtype), _cat(dv).astype(v.dtype), dslopes)
+  dq = dq * _scale(cfg, q) if cfg.whole_chunks else _cat(dq)  # whole chunks: dQ / scale summed
+  return (dq.astype(q.dtype), _cat(dk).astype(k.dtype), _cat(dv).astype(v.dtype), dslopes)
 
 
 def _ring_impl(cfg: _Config, q, k, v, ops):

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax.numpy as jnp
+
 from .masking import Variant
 
 # The attention variants (Variant.features) a kernel family can implement; a family lists those it
@@ -114,6 +116,12 @@ class Backend:
   def partitionable(self) -> bool:
     return True
 
+  def accumulates_dq(self) -> bool:
+    """Whether :meth:`backward` takes ``dq_accumulator`` (float32 ``[B, T, N, H]``, a running sum of
+    dQ / scale) and returns it with this call's dQ / scale added in place of dQ (the ring's steps;
+    otherwise the caller adds)."""
+    return False
+
   def differentiates_slopes(self, config) -> bool:
     """Whether :meth:`backward` returns the ALiBi slopes' gradient when asked (``slope_grad``)."""
     del config
@@ -143,3 +151,14 @@ class Backend:
 
   def __repr__(self) -> str:
     return f"<fa2_jax backend {self.name!r}>"
+
+
+def accumulate_dq(dq_accumulator, dq, scale: float):
+  """``dq`` itself (no accumulator), or ``dq_accumulator + dq / scale`` in float32, the form of
+  :meth:`Backend.backward`'s ``dq_accumulator`` (a call with ``scale = 0`` adds nothing: its dQ is
+  0)."""
+  if dq_accumulator is None:
+    return dq
+  if scale == 0:
+    return dq_accumulator
+  return dq_accumulator + dq.astype(jnp.float32) * (1.0 / scale)

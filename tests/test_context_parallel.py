@@ -254,6 +254,27 @@ def test_ring_step_calls(monkeypatch, layout, kw, calls):
   assert backward == calls
 
 
+def test_backward_adds_its_dq_to_an_accumulator():
+  """attention._attention_backward(dq_accumulator=...) (the ring's whole-chunk steps) returns the
+  accumulator plus this call's dQ / scale in float32, dK/dV as without it (a family that does not
+  add in its kernels, here Triton in interpret mode: added after); a wrong shape is refused."""
+  from fa2_jax import attention
+  q, k, v = (x.astype(jnp.bfloat16) for x in _inputs()[:3])
+  kw = dict(is_causal=True, scale=0.3, implementation="triton", interpret=True)
+  out, lse = fa2_jax.flash_attention(q, k, v, return_residual=True, **kw)
+  do = jnp.cos(out.astype(jnp.float32)).astype(out.dtype)
+  acc = jnp.full(q.shape, 2.0, jnp.float32)
+  dq, dk, dv = attention._attention_backward(q, k, v, out, lse, do, **kw)
+  got, dk2, dv2 = attention._attention_backward(q, k, v, out, lse, do, dq_accumulator=acc, **kw)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(got), 2.0 + np.asarray(dq, np.float32) / 0.3, rtol=1e-6,
+                             atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(dk2), np.asarray(dk))
+  np.testing.assert_array_equal(np.asarray(dv2), np.asarray(dv))
+  with pytest.raises(ValueError, match="dq_accumulator must have query's shape"):
+    attention._attention_backward(q, k, v, out, lse, do, dq_accumulator=acc[:, :4], **kw)
+
+
 def test_ring_whole_chunks_rule():
   """_whole_chunks through the call's settings: segment ids, a soft cap and non-causal T != S
   keep whole chunks; ALiBi, a score_fn and causal T != S (chunk i of the queries and of the keys

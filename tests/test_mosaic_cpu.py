@@ -868,6 +868,64 @@ def test_fused_dq_under_vmap_interpret():
                                  atol=2e-2, rtol=0, err_msg=name)
 
 
+@pytest.mark.parametrize("fused, segments", [(True, False), (True, True), (False, False)])
+def test_dq_accumulator_continues_a_running_dq_interpret(fused, segments):
+  """A backward given a dQ accumulator (float32, a running sum of dQ / scale: the ring's steps)
+  returns it with its own dQ / scale added: the fused dQ's reduce-adds start from it (plain and with
+  segment ids, the variant kernels), the separate dQ's result is added to it; equal to the
+  accumulator plus the call's dQ / scale, dK and dV unchanged."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from fa2_jax.validation import check_variant
+  cfg = MosaicConfig.default(64).replace(dq_fused_min_t=0 if fused else 10 ** 6)
+  assert cfg.fuses_dq(136, deterministic=False) == fused
+  h, scale = 64, 1.0 / 8.0
+  ks = jax.random.split(jax.random.key(5), 5)
+  q = jax.random.normal(ks[0], (1, 136, 2, h), jnp.float32).astype(BF16)
+  do = jax.random.normal(ks[1], (1, 136, 2, h), jnp.float32).astype(BF16)
+  k = jax.random.normal(ks[2], (1, 72, 1, h), jnp.float32).astype(BF16)
+  v = jax.random.normal(ks[3], (1, 72, 1, h), jnp.float32).astype(BF16)
+  acc = jax.random.normal(ks[4], q.shape, jnp.float32)
+  variant = arrays = None
+  if segments:
+    variant, arrays = check_variant(q, k, q_segment_ids=(jnp.arange(136)[None] >= 60).astype(
+        jnp.int32), kv_segment_ids=(jnp.arange(72)[None] >= 30).astype(jnp.int32))
+
+  def run(q, k, v, do, acc):
+    out, stats = forward(q, k, v, scale=scale, is_causal=False, config=cfg, variant=variant,
+                         arrays=arrays)
+    kw = dict(scale=scale, is_causal=False, config=cfg, deterministic=False, variant=variant,
+              arrays=arrays)
+    return (backward(q, k, v, out, stats, do, **kw),
+            backward(q, k, v, out, stats, do, dq_accumulator=acc, **kw))
+
+  with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    (dq, dk, dv), (acc_out, dk2, dv2) = jax.jit(run)(q, k, v, do, acc)
+  assert acc_out.dtype == jnp.float32 and acc_out.shape == q.shape
+  want = np.asarray(acc) + np.asarray(dq, np.float32) / scale
+  # dq was rounded to bf16 (2^-8 relative); the accumulator's sum was not
+  np.testing.assert_allclose(np.asarray(acc_out), want, atol=2e-2 / scale, rtol=0)
+  assert np.abs(np.asarray(acc_out) - np.asarray(acc)).max() > 1.0  # the call added its dQ
+  np.testing.assert_array_equal(np.asarray(dk2, np.float32), np.asarray(dk, np.float32))
+  np.testing.assert_array_equal(np.asarray(dv2, np.float32), np.asarray(dv, np.float32))
+
+
+def test_dq_accumulator_is_aliased_in_place_for_sm90():
+  """The fused dQ kernel given an accumulator lowers for sm90 with it aliased to its output (the
+  reduce-adds continue it in place: no zero-filled buffer)."""
+  cfg = MosaicConfig.default(128)
+  sd = jax.ShapeDtypeStruct
+
+  def f(q, k, v, do, acc):
+    out, stats = forward(q, k, v, scale=0.1, is_causal=False, config=cfg)
+    return backward(q, k, v, out, stats, do, scale=0.1, is_causal=False, config=cfg,
+                    deterministic=False, dq_accumulator=acc)
+
+  q, kv = sd((1, 2048, 4, 128), BF16), sd((1, 2048, 2, 128), BF16)
+  text = jax.jit(f).trace(q, kv, kv, q, sd(q.shape, jnp.float32)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "fa2_mosaic_dkdv_dq" in text and "output_operand_aliases" in text
+
+
 def test_equal_kernels_lower_once_per_program():
   """Four layers of fwd+bwd in one program: the Mosaic custom calls share 3 kernels (forward, dK/dV,
   dQ), not 12 — each distinct kernel is lowered and hashed once (its compile can then be shared)."""

@@ -65,14 +65,17 @@ class SM90Backend(Backend):
     return cast_like(q, out, stats)
 
   def backward(self, q, k, v, out, stats, dout, *, dlse, scale, is_causal, deterministic, config,
-               variant, arrays, tables, interpret, slope_grad=False):
+               variant, arrays, tables, interpret, slope_grad=False, dq_accumulator=None):
     del interpret
     assert not slope_grad  # differentiates_slopes is False: fa2_jax refuses such a call first
     from .backward import backward
     grads = backward(q, k, v, out, stats, dout, dlse=dlse, scale=scale, is_causal=is_causal,
                      deterministic=deterministic, config=config, variant=variant, arrays=arrays,
-                     tables=tables)
+                     tables=tables, dq_accumulator=dq_accumulator)
     return cast_like(q, *grads)
+
+  def accumulates_dq(self) -> bool:
+    return True
 
 
 SM90 = SM90Backend()

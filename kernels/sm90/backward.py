@@ -54,6 +54,7 @@ import math
 
 import jax.numpy as jnp
 
+from ..backend import accumulate_dq
 from ..block_ranges import kv_range_table, q_range_table
 from ..softmax import backward_rows, exact_heads, exponent_scale
 from .config import WG_ROWS, MosaicConfig, supports
@@ -121,7 +122,7 @@ def group_split(batch: int, kv_heads: int, group: int, key_ctas: int, sms: int) 
 
 def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool,
              deterministic: bool = True, config: MosaicConfig | None = None, variant=None,
-             arrays=None, tables=None, split_groups: bool = True):
+             arrays=None, tables=None, split_groups: bool = True, dq_accumulator=None):
   """Gradients of attention w.r.t. q, k, v on Hopper.
 
   Args:
@@ -132,6 +133,10 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
       ``dS = P ∘ (dP − (D − dlse))``, i.e. it is subtracted from delta.
     deterministic: True guarantees the separate dQ kernel (no atomics, bit-identical across runs).
       False allows the fused dQ where ``config.fuses_dq`` says so (TMA reduce-adds).
+    dq_accumulator: None, or float32 ``[B, T, N, H]``, a running sum of dQ / scale (the kernels'
+      unscaled ``sum dS K``, a ring's over its steps): returned in place of dQ with this call's
+      dQ / scale added, by the fused dQ's reduce-adds themselves where it runs (no zero-filled
+      accumulator, no scaling and rounding pass), else by an add.
     split_groups: split large GQA groups over several dK/dV CTAs where the grid is small
       (:func:`group_split`).
 
@@ -157,7 +162,7 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     dq, dk, dv = backward(q, jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2), out, stats, do,
                           dlse=dlse, scale=scale, is_causal=is_causal, deterministic=deterministic,
                           config=cfg, variant=variant, arrays=arrays, tables=tables,
-                          split_groups=False)
+                          split_groups=False, dq_accumulator=dq_accumulator)
 
     def merge(g, like):
       # Elementwise adds in a fixed order (no reduction, whose order a GPU may vary): bit-identical
@@ -187,10 +192,13 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   common = dict(scale=scale, is_causal=is_causal, seq_q=t, cfg=cfg, emulate=emulating())
   if variant is not None:
     return _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, plan=plan,
-                             tables=tables or {}, deterministic=deterministic, **common)
+                             tables=tables or {}, deterministic=deterministic,
+                             dq_accumulator=dq_accumulator, **common)
   if cfg.fuses_dq(t, deterministic=deterministic):
-    dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, *per_row, fused_dq=True, seq_k=s, **common)
-    dq = (dq_acc[:, :t] * scale).astype(q.dtype)
+    init = _accumulator_operand(dq_accumulator, plan.t_hbm)
+    dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, *per_row, *init, fused_dq=True, seq_k=s,
+                              accumulate=bool(init), **common)
+    dq = dq_acc[:, :t] if init else (dq_acc[:, :t] * scale).astype(q.dtype)
     if plan.pad_s:
       dk, dv = dk[:, :s], dv[:, :s]
     return dq, dk, dv
@@ -209,11 +217,19 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     dq = dq[:, :t]
   if plan.pad_s:
     dk, dv = dk[:, :s], dv[:, :s]
-  return dq, dk, dv
+  return accumulate_dq(dq_accumulator, dq, scale), dk, dv
+
+
+def _accumulator_operand(dq_accumulator, t_hbm: int) -> tuple:
+  """``()``, or the accumulator's rows padded to the kernels' ``t_hbm`` as the fused kernel's last
+  operand."""
+  if dq_accumulator is None:
+    return ()
+  return (pad_axis(dq_accumulator.astype(jnp.float32), 1, t_hbm),)
 
 
 def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables, scale,
-                      is_causal, seq_q, cfg, emulate, deterministic):
+                      is_causal, seq_q, cfg, emulate, deterministic, dq_accumulator=None):
   """The backward kernels of an attention variant, each reading the range table of its own tiles:
   dK/dV with the fused dQ where ``cfg.fuses_dq`` allows it (``dq_fused_variants``), else the separate
   dK/dV and dQ kernels."""
@@ -232,7 +248,7 @@ def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables
 
   common = dict(scale=scale, is_causal=is_causal, cfg=cfg, emulate=emulate, variant=variant)
 
-  def dkv(fused_dq=False):
+  def dkv(fused_dq=False, init=()):
     cols = cfg.dkv_keys()  # keys per CTA
     table = tables.get("dkv")
     if table is None:
@@ -242,12 +258,14 @@ def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables
       return dkv_roles_call(qp, kp, vp, dop, *per_row, *ops, scale=scale, is_causal=is_causal,
                             seq_q=seq_q, seq_k=s, cfg=cfg, emulate=emulate, variant=variant,
                             names=names)
-    return dkv_call(qp, kp, vp, dop, *per_row, *ops, seq_q=seq_q, seq_k=s, names=names,
-                    fused_dq=fused_dq, **common)
+    return dkv_call(qp, kp, vp, dop, *per_row, *ops, *init, seq_q=seq_q, seq_k=s, names=names,
+                    fused_dq=fused_dq, accumulate=bool(init), **common)
 
   if cfg.fuses_dq(t, deterministic=deterministic, variant=True):
-    dk, dv, dq_acc = dkv(fused_dq=True)
-    return (dq_acc[:, :t] * scale).astype(qp.dtype), dk[:, :s], dv[:, :s]
+    init = _accumulator_operand(dq_accumulator, t_hbm)
+    dk, dv, dq_acc = dkv(fused_dq=True, init=init)
+    dq = dq_acc[:, :t] if init else (dq_acc[:, :t] * scale).astype(qp.dtype)
+    return dq, dk[:, :s], dv[:, :s]
   dk, dv = dkv()
   rows = cfg.dq_rows()  # query rows per dQ CTA
   table = tables.get("dq")
@@ -258,7 +276,7 @@ def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables
     dq = dq_roles_call(qp, kp, vp, dop, *per_row, *ops, seq_k=s, seq_q=seq_q, names=names, **common)
   else:
     dq = dq_call(qp, kp, vp, dop, *per_row, *ops, seq_k=s, seq_q=seq_q, names=names, **common)
-  return dq[:, :t], dk[:, :s], dv[:, :s]
+  return accumulate_dq(dq_accumulator, dq[:, :t], scale), dk[:, :s], dv[:, :s]
 
 
 __all__ = ["backward", "backward_tiles", "group_split", "WG_ROWS"]

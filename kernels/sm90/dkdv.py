@@ -379,9 +379,15 @@ def stream_queries(q_ref, do_ref, rows_ref, delta_ref, q_smem, do_smem, rows_sme
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py); one per process
 # with the lowering cache on (lowering_cache.py).
 @kernel_call(('scale', 'is_causal', 'seq_q', 'cfg', 'emulate', 'fused_dq', 'seq_k', 'variant',
-              'names'))
+              'names', 'accumulate'))
 def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, cfg: MosaicConfig,
-             emulate, fused_dq=False, seq_k=0, variant=None, names=()):
+             emulate, fused_dq=False, seq_k=0, variant=None, names=(), accumulate=False):
+  # accumulate (with fused_dq): the last operand is the dQ accumulator's initial value, float32
+  # [B, t_hbm, N, H] (the caller's running sum of dS K, unscaled), which the reduce-adds continue in
+  # place of a zero-filled one.
+  if accumulate:
+    assert fused_dq, "accumulate needs the fused dQ"
+    *extras, dq_init = extras
   b, t_hbm, n, h = q.shape
   s_hbm, kh, hv = k.shape[1], k.shape[2], v.shape[3]
   bq, bk, stages, num_wgs = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv, cfg.num_wgs_dkv
@@ -443,20 +449,27 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
 
   @jax.custom_batching.custom_vmap
   def fused(*operands):
+    *kernel_operands, init = operands if accumulate else (*operands, None)
+
     def stateful(refs):
       acc_ref, dk_ref, dv_ref = refs
-      dk_ref[...], dv_ref[...] = launch(out_type, operands, dq_acc_ref=acc_ref)
+      dk_ref[...], dv_ref[...] = launch(out_type, kernel_operands, dq_acc_ref=acc_ref)
 
-    acc, dk, dv = pl.run_state(stateful)((jnp.zeros(acc_shape, jnp.float32),
-                                          jnp.empty(k.shape, k.dtype), jnp.empty(v.shape, v.dtype)))
-    return dk, dv, (acc.sum(axis=0) if emulate else acc)
+    # The emulation's per-CTA partials start at zero and are summed (then the initial value added).
+    start = init if init is not None and not emulate else jnp.zeros(acc_shape, jnp.float32)
+    acc, dk, dv = pl.run_state(stateful)((start, jnp.empty(k.shape, k.dtype),
+                                          jnp.empty(v.shape, v.dtype)))
+    if emulate:
+      acc = acc.sum(axis=0) if init is None else init + acc.sum(axis=0)
+    return dk, dv, acc
 
   @fused.def_vmap
   def _vmap(axis_size, in_batched, *args):
     # run_state has no batching rule: every operand has B first (the variant operands too), so the
     # vmapped axis folds into B (ops.batch_rule)
     call = functools.partial(dkv_call, scale=scale, is_causal=is_causal, seq_q=seq_q, cfg=cfg,
-                             emulate=emulate, fused_dq=True, seq_k=seq_k, variant=variant, names=names)
+                             emulate=emulate, fused_dq=True, seq_k=seq_k, variant=variant, names=names,
+                             accumulate=accumulate)
     return batch_rule(call, axis_size, in_batched, args, variant)
 
-  return fused(*operands)
+  return fused(*operands, *([dq_init] if accumulate else []))
