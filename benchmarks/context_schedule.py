@@ -177,7 +177,8 @@ def ring_schedule(contexts: int, causal: bool, **kw):
         return dq, put(dk_buf, src, dk), put(dv_buf, src, dv)
 
       dq, dk_buf, dv_buf = lax.fori_loop(first, c, step_fn, (dq, dk_buf, dv_buf))
-      return lax.dynamic_update_slice_in_dim(dq_buf, cp._cat(dq).astype(q.dtype), d * tq, 1), dk_buf, dv_buf
+      return (lax.dynamic_update_slice_in_dim(dq_buf, cp._final_dq(cfg, dq, rows[0]), d * tq, 1),
+              dk_buf, dv_buf)
 
     dq, dk, dv = lax.fori_loop(0, c, device, (jnp.zeros(q.shape, q.dtype),
                                               jnp.zeros(k.shape, jnp.float32),

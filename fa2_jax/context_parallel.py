@@ -726,8 +726,13 @@ def _ring_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse, slope_grad:
     dslopes = _cat(dslopes)
   elif with_slopes:
     dslopes = dslopes.astype(ops["slopes"].dtype)
-  dq = dq * _scale(cfg, q) if cfg.whole_chunks else _cat(dq)  # whole chunks: dQ / scale summed
-  return (dq.astype(q.dtype), _cat(dk).astype(k.dtype), _cat(dv).astype(v.dtype), dslopes)
+  return (_final_dq(cfg, dq, q), _cat(dk).astype(k.dtype), _cat(dv).astype(v.dtype), dslopes)
+
+
+def _final_dq(cfg: _Config, dq, q):
+  """The ring's dQ in ``q``'s dtype from its accumulator: whole chunks, one float32 array of
+  dQ / scale (:func:`_whole_grads`); else float32 pieces of dQ."""
+  return (dq * _scale(cfg, q) if cfg.whole_chunks else _cat(dq)).astype(q.dtype)
 
 
 def _ring_impl(cfg: _Config, q, k, v, ops):
