@@ -4,7 +4,6 @@ path."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ import jax.numpy as jnp
 from . import dispatch
 from .kernels import registry
 from .kernels.backend import KernelCall
-from .validation import (check_bool, check_no_dense, check_options, check_scale,
+from .validation import (check_bool, check_no_dense, check_options, check_scale, resolve_scale,
                          check_soft_cap_scale, check_variant, is_static_dim, validate_qkv)
 
 
@@ -43,7 +42,7 @@ def prepare(query, key, value, scale, is_causal, implementation, return_residual
   if jnp.dtype(query.dtype) == jnp.float64:
     raise TypeError("query/key/value dtype must be bfloat16, float16 or float32, got float64 "
                     "(fa2_jax.reference_attention computes in float64)")
-  scale = check_scale(scale)
+  check_scale(scale)  # before the other checks: its errors first
   is_causal = check_bool("is_causal", is_causal)
   return_residual = check_bool("return_residual", return_residual)
   deterministic = check_bool("deterministic", deterministic)
@@ -57,7 +56,7 @@ def prepare(query, key, value, scale, is_causal, implementation, return_residual
                          if isinstance(x, jax.ShapeDtypeStruct) else x[None]
                          for x in (query, key, value))
   h = query.shape[-1]
-  scale = 1.0 / math.sqrt(h) if scale is None else scale
+  scale = resolve_scale(scale, h)
   check_soft_cap_scale(scale, variant.soft_cap)
   symbolic = [d for d in (*query.shape, *key.shape, value.shape[-1]) if not is_static_dim(d)]
   kernel_call, formula_reason = None, None

@@ -83,7 +83,7 @@ from .kernels.masking import (Variant, VariantArrays, alibi_row_shift, closes_ov
 from .kernels.backend import accumulate_dq
 from .kernels.softmax import lse_from_stats, stats_from_lse
 from .kernels.vma import match_vma
-from .validation import _concrete
+from .validation import _concrete, resolve_scale
 
 STRATEGIES = ("ring", "all_to_all", "all_gather")
 LAYOUTS = ("zigzag", "contiguous")
@@ -609,8 +609,7 @@ def _whole_grads(cfg: _Config, ops, rows, kv, causal: bool, dq_acc):
 
 def _scale(cfg: _Config, q) -> float:
   """The call's softmax scale, as flash_attention resolves it (None: 1 / sqrt(H))."""
-  scale = dict(cfg.kwargs).get("scale")
-  return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+  return resolve_scale(dict(cfg.kwargs).get("scale"), q.shape[-1])
 
 
 def _backward_step(cfg: _Config, ops, rows, kv, grads, d, src, *, with_slopes: bool,

@@ -29,9 +29,9 @@ def default_cache_dir() -> str | None:
   ``FA2_JAX_CACHE_DIR`` is ``off`` (or ``0``, ``none``, ``false``, ``no``, empty) or where
   ``jax.export``'s serialization cannot run (no ``flatbuffers`` package): then kernels are reused
   within the process only."""
-  value = os.environ.get("FA2_JAX_CACHE_DIR")
-  if value is not None and value.strip().lower() in _OFF:
+  if not _default_enabled():
     return None
+  value = os.environ.get("FA2_JAX_CACHE_DIR")
   if importlib.util.find_spec("flatbuffers") is None:
     return None
   if value:

@@ -83,6 +83,13 @@ def check_scale(scale):
   return scale
 
 
+def resolve_scale(scale, head_dim: int) -> float:
+  """The softmax scale a call runs with: ``scale`` checked (:func:`check_scale`), None giving
+  ``1 / sqrt(head_dim)``."""
+  scale = check_scale(scale)
+  return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
 def validate_qkv(query, key, value) -> None:
   """Shape, rank and dtype checks of the three arrays (shared with :func:`fa2_jax.reference_attention`)."""
   for name, x in (("query", query), ("key", key), ("value", value)):

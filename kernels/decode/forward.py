@@ -106,9 +106,10 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
   # The rows' key blocks: [lo, hi) reachable, [full_lo, full_hi) with every pair allowed.
   lo, full_lo, full_hi, hi = kv_block_range(variant, jnp.int32(0), seq_q, block_k, seq_k,
                                             seq_q=seq_q, q_offset=off, q_len=q_len, kv_len=kv_len)
-  # This row's split count: the grid's, or its own from its reachable keys and every row's (row_splits,
-  # over the [B] arrays gathered whole: B need not be a power of two); a program past it has an empty
-  # share and loads and writes nothing. Each row's first program records the count for the combine.
+  # This row's split count: the grid's, or its own from its reachable keys and every row's
+  # (row_splits, over the [B] arrays gathered whole: B need not be a power of two); a program past
+  # it has an empty share and loads and writes nothing. Each row's first program records the count
+  # for the combine.
   n_split = splits
   if split_target is not None:
     every = jnp.arange(1 << max(0, (batch - 1).bit_length()), dtype=jnp.int32)
@@ -298,14 +299,13 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
 
 def _combine_kernel(*refs, c: float, seq_q: int, group: int, heads: int, head_dim: int,
                     rows_padded: int, splits: int, cols: int, unroll: int, by_row: bool):
-  # [counts_ref: the row's split count for this KV head (by_row), a scalar;] o_ref: [splits, T * N, hp] f32, each
+  # [counts_ref: the row's split count (by_row), a scalar;] o_ref: [splits, T * N, hp] f32, each
   # split's output over its own row sum; stats_ref: [splits, N * 2 * T]; out_ref: [T * N, hp] (q's
   # dtype); final_ref: [N * 2 * T]. Splits past the row's count were not written and are not read.
-  # One program per (b, KV
-  # head, chunk of `cols` output columns), merging its tile's rows over the splits as the online
-  # softmax merges blocks, `unroll` splits per loop step: their loads are issued together, ahead of
-  # the merge arithmetic that depends on them (every chunk's program reads the rows' statistics;
-  # the first writes the merged ones).
+  # One program per (b, KV head, chunk of `cols` output columns), merging its tile's rows over the
+  # splits as the online softmax merges blocks, `unroll` splits per loop step: their loads are
+  # issued together, ahead of the merge arithmetic that depends on them (every chunk's program
+  # reads the rows' statistics; the first writes the merged ones).
   counts_ref, (o_ref, stats_ref, out_ref, final_ref) = (refs[0] if by_row else None), refs[-4:]
   n_split = counts_ref[()] if by_row else splits
   first = pl.program_id(2) == 0
