@@ -320,7 +320,7 @@ def test_decode_config_validates_its_fields():
   with pytest.raises(ValueError, match="waves"):
     DecodeConfig(waves=0)
   assert DecodeConfig.default(128, jnp.bfloat16).block_k == 64
-  assert DecodeConfig.default(256, jnp.bfloat16).block_k == 32
+  assert DecodeConfig.default(256, jnp.bfloat16) == DecodeConfig.default(128, jnp.bfloat16)
   assert DecodeConfig.default(64, jnp.float32).block_k == 32
   assert DecodeConfig.default(128, jnp.bfloat16, rows=4).waves == 2  # GQA 32/8, one new row
   assert DecodeConfig.default(128, jnp.bfloat16, rows=32).waves == 1  # MQA 32/1: one wave

@@ -72,10 +72,11 @@ class DecodeConfig:
 
   @classmethod
   def default(cls, head_dim: int, dtype=jnp.bfloat16, rows: int = 1) -> "DecodeConfig":
-    """The default per (head_dim, dtype): 64 keys per step for 16-bit inputs up to head_dim 128 (a
-    [64, 128] K and V tile, 16 KiB each) with three stages (docs/measurements.md#decode-kernels:
-    on an H100 three stages read 64 x 8k at 721 us against 787 with two, 32 x 16k ragged at 461
-    against 507, the rest equal), 32 at head_dim 256 and for float32, two stages. ``rows``: the
+    """The default per (head_dim, dtype): 64 keys per step for 16-bit inputs with three stages
+    (docs/measurements.md#decode-kernels: on an H100 three stages read 64 x 8k at 721 us against
+    787 with two, 32 x 16k ragged at 461 against 507, the rest equal; at head_dim 256, [64, 256]
+    K and V tiles of 32 KiB each, 8 x 32k at 751 us against 901 with 32 keys and two stages), 32
+    keys and two stages for float32. ``rows``: the
     query rows a program packs (``T * N / K``); from :data:`FULL_TILE_ROWS` up (MQA) one wave of
     programs: its splits each do 8x a 4-row tile's work per key, and fewer, longer splits read
     faster (docs/measurements.md#decode-kernels: 8 x 32k MQA 32/1 75 us against 81 with two waves,
@@ -87,10 +88,8 @@ class DecodeConfig:
     if isinstance(rows, (bool, np.bool_)) or not isinstance(rows, (int, np.integer)) or rows < 1:
       raise ValueError(f"rows must be a positive int (the query rows a program packs), got "
                        f"{rows!r}")
-    hp = max(16, 1 << math.ceil(math.log2(int(head_dim))))
     f32 = check_input_dtype(dtype) == jnp.float32
-    wide = hp > 128 or f32
-    return cls(block_k=32 if wide else 64, num_warps=4, num_stages=2 if wide else 3,
+    return cls(block_k=32 if f32 else 64, num_warps=4, num_stages=2 if f32 else 3,
                waves=1 if rows >= FULL_TILE_ROWS else 2)
 
 
