@@ -71,6 +71,10 @@ def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
   assert d.backward == ("sm90 dK/dV", "sm90 dQ") and d.deterministic  # causal 1k: separate dQ
   long_c = fa2_jax.backend_for(*_shapes(t=4096), is_causal=True)  # causal from 4k rows: fused
   assert long_c.backward == ("sm90 dK/dV + fused dQ",) and not long_c.deterministic
+  # causal GQA whose dK/dV CTAs each hold a whole group (2 x 32/8 fills the grid): fused from 8k
+  gqa = lambda t: _shapes(t=t, s=t, n=32, kh=8)  # noqa: E731
+  assert fa2_jax.backend_for(*gqa(4096), is_causal=True).backward == ("sm90 dK/dV", "sm90 dQ")
+  assert fa2_jax.backend_for(*gqa(8192), is_causal=True).backward == ("sm90 dK/dV + fused dQ",)
   nc = fa2_jax.backend_for(*_shapes(t=2048), is_causal=False)  # non-causal from 2k rows: fused
   assert nc.backward == ("sm90 dK/dV + fused dQ",) and not nc.deterministic
   few = fa2_jax.backend_for(*_shapes(t=128), is_causal=False)  # few query rows: separate dQ

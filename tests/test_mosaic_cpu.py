@@ -170,6 +170,12 @@ def test_fuses_dq_default_rule():
     assert MosaicConfig.default(h, is_causal=True).fuses_dq(8192, deterministic=False), h
   for h in (80, 96, 112):
     assert not MosaicConfig.default(h, is_causal=True).fuses_dq(8192, deterministic=False), h
+  # causal head_dim 128 with a whole GQA group per dK/dV CTA: fused from 8k rows only
+  assert not c.fuses_dq(4096, deterministic=False, grouped=True)
+  assert c.fuses_dq(8192, deterministic=False, grouped=True)
+  assert nc.fuses_dq(2048, deterministic=False, grouped=True)  # not causal: unchanged
+  assert MosaicConfig.default(64, is_causal=True).fuses_dq(4096, deterministic=False, grouped=True)
+  assert set(c.range_tiles(4096, grouped=True)) == {"fwd", "dkv", "dq"}
   # a variant call builds the dQ kernel's range table only when its backward runs that kernel
   assert set(c.range_tiles(4096)) == {"fwd", "dkv"}
   assert set(c.range_tiles(4096, deterministic=True)) == set(c.range_tiles(2048)) == {
@@ -179,6 +185,18 @@ def test_fuses_dq_default_rule():
   for h in (64, 128):
     for causal in (False, True):
       assert MosaicConfig.default(h, is_causal=causal).check(h) is None
+
+
+def test_unsplit_group_decides_the_grouped_rule():
+  # Which calls' dK/dV CTAs each loop over a whole GQA group (132 SMs where the device does not say).
+  from fa2_jax.kernels.sm90.backward import dkv_split, unsplit_group
+  c = MosaicConfig.default(128, is_causal=True)
+  assert unsplit_group(c, (4, 4096, 32, 128), (4, 4096, 8, 128))  # Llama-3 8B: a full grid
+  assert not unsplit_group(c, (4, 4096, 32, 128), (4, 4096, 32, 128))  # MHA: no group
+  assert dkv_split(c, (4, 4096, 48, 128), (4, 4096, 1, 128)) == 8  # StarCoder: split
+  assert not unsplit_group(c, (4, 4096, 48, 128), (4, 4096, 1, 128))
+  assert dkv_split(c, (1, 4096, 32, 128), (1, 4096, 8, 128)) == 2  # a small grid splits GQA too
+  assert not unsplit_group(c, (1, 4096, 32, 128), (1, 4096, 8, 128))
 
 
 def test_fused_dq_split_and_smem():

@@ -37,11 +37,15 @@ class SM90Backend(Backend):
     return config.check(call.head_dim, jnp.dtype(call.dtype).itemsize, call.value_head_dim)
 
   def range_tiles(self, call: KernelCall, config: MosaicConfig) -> dict:
-    return config.range_tiles(call.seq_q, deterministic=call.deterministic)
+    from .backward import unsplit_group
+    return config.range_tiles(call.seq_q, deterministic=call.deterministic,
+                              grouped=unsplit_group(config, call.q_shape, call.k_shape))
 
   def kernel_names(self, call: KernelCall, config: MosaicConfig) -> tuple:
     # An attention variant fuses dQ only with MosaicConfig.dq_fused_variants (on in the defaults).
-    fused = config.fuses_dq(call.seq_q, deterministic=call.deterministic, variant=not call.plain)
+    from .backward import unsplit_group
+    fused = config.fuses_dq(call.seq_q, deterministic=call.deterministic, variant=not call.plain,
+                            grouped=unsplit_group(config, call.q_shape, call.k_shape))
     dq = "sm90 dQ (split by role)" if config.dq_roles else "sm90 dQ"
     if fused:
       bwd = ("sm90 dK/dV + fused dQ",)
