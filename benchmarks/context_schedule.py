@@ -34,6 +34,12 @@ Cells (``--cells``): ``<T>-c`` (causal) and ``<T>-nc`` (not), T = S in 32k, 64k,
 ``--quick``: 32k and 128k with C = 4 and 8, 3 repetitions. ``--smoke`` (automatic without a GPU): T = 64,
 GQA 4/2 at head_dim 32, C = 2 and 4, the Triton kernels in Pallas interpret mode.
 
+``--kernels-alone``: also time each distinct kernel call of the ring's steps (step_calls) by itself, a
+plain ``flash_attention`` call on fresh inputs of its shape, and report their sum over the C devices'
+steps (C × step 0's call + C(C-1) later calls, evenly between a causal cell's two later shapes) over
+the one call's time: the part of the ring's cost that its smaller kernel calls alone account for;
+the rest is the merges, the backward's per-step prologue and the control flow.
+
 Check (every cell, every ring row): the ring's output and gradients (the last timed call's, put back in
 the natural order) against the one call's: relative L2 error of out, dq, dk, dv; ⚠ above ERR_TOL.
 
@@ -93,6 +99,17 @@ def build_cells(size: str = "full") -> list[dict]:
 
 def ring_name(contexts: int) -> str:
   return f"ring_c{contexts}"
+
+
+def call_counts(seq: int, contexts: int, causal: bool) -> list[tuple]:
+  """``[(label, [query rows, keys], causal, calls)]``: each distinct kernel call of the ring's steps
+  (:func:`step_calls`) and how many of them the C devices run in all: step 0's once per device,
+  the C - 1 later steps' evenly between a causal cell's two later shapes (zigzag: C(C-1)/2 each)."""
+  calls = step_calls(seq, contexts, causal)
+  later = calls["later"]
+  return [("first", calls["first"], causal, contexts)] + [
+      (f"later{i}", shape, False, contexts * (contexts - 1) / len(later))
+      for i, shape in enumerate(later)]
 
 
 def step_calls(seq: int, contexts: int, causal: bool) -> dict:
@@ -219,6 +236,9 @@ def build_parser():
   h.add_cell_args(p, "128k-*,*-c")
   p.add_argument("--contexts", type=h.parse_ints, default=None,
                  help="ring sizes C to measure, comma list (default: the size's, 2,4,8; --quick 4,8)")
+  p.add_argument("--kernels-alone", action="store_true",
+                 help="also time the ring steps' kernel calls alone and report their sum (module "
+                      "docstring)")
   p.add_argument("--no-check", action="store_true",
                  help="skip comparing the ring's output and gradients with the one call's")
   h.add_common_args(p, counts=True)
@@ -280,17 +300,22 @@ def check_row(rec: dict, outs: dict, base: dict, contexts: int) -> None:
         f"{k} rel. L2 {e:.2e}" for k, e in off.items()) + f" (> {ERR_TOL:g})"
 
 
-def measure_cell(run, cell: dict, rows: dict, args, t0: float) -> None:
+def measure_cell(run, cell: dict, rows: dict, args, t0: float, parts: dict | None = None) -> None:
   """Time the cell's rows, both passes, interleaved (time_interleaved); ratios to the one call; check
-  the ring rows; record each. ``rows = {name: (record, f, args, contexts)}``."""
+  the ring rows; record each. ``rows = {name: (record, f, args, contexts)}``; ``parts = {(contexts,
+  label): (f, args, calls)}``: the ring steps' kernel calls alone (``--kernels-alone``), timed with
+  them and summed into each ring row's ``kernels_alone_ms``."""
   entries = {}
   for name, (rec, f, call_args, _) in rows.items():
     for p in PASSES:
       entries[(name, p)] = ({"fwd": forward_fn, "fwd+bwd": fwd_bwd_fn}[p](f), call_args)
+  for key, (f, call_args, _) in (parts or {}).items():
+    for p in PASSES:
+      entries[("part", key, p)] = ({"fwd": forward_fn, "fwd+bwd": fwd_bwd_fn}[p](f), call_args)
   started = set()
 
   def before(key):
-    if key[0] not in started:
+    if key[0] in rows and key[0] not in started:
       started.add(key[0])
       run.begin(rows[key[0]][0], rows[key[0]][0]["row"])
 
@@ -312,8 +337,19 @@ def measure_cell(run, cell: dict, rows: dict, args, t0: float) -> None:
       rec["tflops"][p] = PASS_FLOP_MULT[p] * cell["flops_fwd"] / st["median_s"] / 1e12
   base = rows.get(ONE_CALL)
   for name, (rec, _, _, contexts) in rows.items():
+    mine = {key: calls for key, (_, _, calls) in (parts or {}).items() if key[0] == contexts}
+    if mine:
+      rec["kernels_alone_ms"] = {}
+      for p in PASSES:
+        got = [timed[("part", key, p)] for key in mine]
+        if not any(isinstance(g, Exception) for g in got):
+          rec["kernels_alone_ms"][p] = sum(
+              calls * g[0]["median_s"] * 1e3 for calls, g in zip(mine.values(), got))
     if base is not None and name != ONE_CALL:
       rec["vs_one_call"] = {p: h.ratio(rec["ms"].get(p), base[0]["ms"].get(p)) for p in PASSES}
+      if mine:
+        rec["kernels_alone_vs_one_call"] = {
+            p: h.ratio(rec["kernels_alone_ms"].get(p), base[0]["ms"].get(p)) for p in PASSES}
       r = rec["vs_one_call"].get("fwd+bwd")
       rec["bar_ok"] = None if r is None else r <= BAR
       if not args.no_check:
@@ -349,7 +385,7 @@ def run(args) -> dict:
              "inputs"), cell_key, sum(1 + len(cs) for _, cs in todo))
   for cell, contexts in todo:
     run.bar.set_postfix_str(cell["id"])
-    t0, inputs, rows = time.time(), None, {}
+    t0, inputs, rows, parts = time.time(), None, {}, {}
     for name, c in [(ONE_CALL, None)] + [(ring_name(x), x) for x in contexts]:
       rec = dict(cell, row=name, impl="fa2", contexts=c, dtype=DTYPE, status="ok")
       if c is not None:
@@ -366,11 +402,15 @@ def run(args) -> dict:
         else:
           layout = tuple(fa2_jax.to_context_layout(x, c) for x in inputs)
           rows[name] = (rec, ring_schedule(c, cell["causal"], **kw), layout, c)
+          if args.kernels_alone:
+            for label, (tq, tk), causal, calls in call_counts(cell["seq"], c, cell["causal"]):
+              shaped = [x[:, :n] for x, n in zip(inputs, (tq, tk, tk))]
+              parts[(c, label)] = (one_call(causal, **kw), tuple(shaped), calls)
       except Exception as e:  # noqa: BLE001
         run.add(dict(rec, status="error", error=h.err_str(e)))
     if rows:
-      measure_cell(run, cell, rows, args, t0)
-    del inputs, rows
+      measure_cell(run, cell, rows, args, t0, parts)
+    del inputs, rows, parts
     jax.clear_caches()  # this cell's programs are not used again
   return run.finish(render, summary)
 
@@ -415,14 +455,20 @@ def table(cells, pass_: str) -> str:
   firsts = {c["id"]: c for c in reversed(cells)}
   sizes = ring_sizes(cells)
   bar = pass_ == "fwd+bwd"
+  alone = [x for x in sizes if any(
+      ((c.get("kernels_alone_vs_one_call") or {}).get(pass_) is not None and c["contexts"] == x)
+      for c in cells)]
   head = ["cell", "causal", "one call: ms (TFLOP/s)"] + [
       f"ring C={x}: ÷ one call" + (f" (bar ≤ {BAR:.2f})" if bar else "") for x in sizes] + [
+      f"C={x} kernels alone: ÷ one call" for x in alone] + [
       f"ring C={x}: ms" for x in sizes]
   rows = []
   for i in cell_ids(cells):
     c = firsts[i]
     rows.append([f"`{i}`", "yes" if c["causal"] else "no", _time_text(by.get((i, ONE_CALL)), pass_)]
                 + [_ratio_text(by.get((i, ring_name(x))), pass_, bar) for x in sizes]
+                + [h.fmt_num(((by.get((i, ring_name(x))) or {}).get("kernels_alone_vs_one_call")
+                              or {}).get(pass_), ".3f") for x in alone]
                 + [h.fmt_ms(((by.get((i, ring_name(x))) or {}).get("ms") or {}).get(pass_)) for x in sizes])
   return h.md_table(head, rows)
 
@@ -470,7 +516,9 @@ def render(data, base):
   calls = {(c["contexts"], c["causal"]): c["step_calls"] for c in cells if c.get("step_calls")}
   lines += ["## Forward+backward", "",
             "Ratio: the ring rows' time over the one call's (✓ at or below the bar); ✗: failed; ⚠: "
-            "the ring's output or gradients off the one call's (check below).", "",
+            "the ring's output or gradients off the one call's (check below). Kernels alone "
+            "(`--kernels-alone`): the ring steps' kernel calls timed one by one and summed over the C "
+            "devices, over the one call's time.", "",
             table(cells, "fwd+bwd"), "", "## Forward", "", table(cells, "fwd"), ""]
   if calls:
     shape = lambda x: "×".join(map(str, x))  # noqa: E731
@@ -529,8 +577,11 @@ def summary(data) -> str:
     for c in sorted((c for c in cells if c["id"] == i), key=lambda c: c.get("contexts") or 0):
       ms = (c.get("ms") or {}).get("fwd+bwd")
       r = (c.get("vs_one_call") or {}).get("fwd+bwd")
+      alone = (c.get("kernels_alone_vs_one_call") or {}).get("fwd+bwd")
       row.append(f"{c['row']} " + (str(c.get("status")) if ms is None else h.fmt_ms(ms))
-                 + (f" ({r:.3f})" if r is not None else "") + (" ⚠" if c.get("warning") else ""))
+                 + (f" ({r:.3f})" if r is not None else "")
+                 + (f" [kernels alone {alone:.3f}]" if alone is not None else "")
+                 + (" ⚠" if c.get("warning") else ""))
     lines.append(f"  {i:<8} " + "  ".join(row))
   got = evaluate(cells)
   if got:

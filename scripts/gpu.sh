@@ -43,7 +43,9 @@
 #                                                benchmarks.context_schedule --budget-s GPU_TIMEOUT-60);
 #                                                --quick: 32k and 128k at C = 4 and 8 (one call); the full
 #                                                sweep in two: --cells '128k-*' --tag 128k, then --cells
-#                                                '32k-*,64k-*' --tag a, merged with --merge A B
+#                                                '32k-*,64k-*' --tag a, merged with --merge A B;
+#                                                --kernels-alone adds the steps' kernel calls timed
+#                                                one by one (what the smaller calls alone cost)
 #   bash scripts/gpu.sh latency|memory|numerics|tune [args]   python -m benchmarks.<mode>
 #   bash scripts/gpu.sh all      [args]          python -m benchmarks.run_all --quick (attention, memory,
 #                                                latency, numerics under one time budget)

@@ -1192,6 +1192,11 @@ def test_context_schedule_cells_and_contexts():
   # later query chunk x both (the same number of pairs)
   assert cs.step_calls(64, 4, True) == dict(first=[16, 16], later=[[16, 8], [8, 16]])
   assert cs.step_calls(64, 4, False) == dict(first=[16, 16], later=[[16, 16]])
+  # --kernels-alone: each distinct call and how many the C devices run (C + C(C-1) in all)
+  assert cs.call_counts(64, 4, True) == [("first", [16, 16], True, 4), ("later0", [16, 8], False, 6),
+                                         ("later1", [8, 16], False, 6)]
+  assert cs.call_counts(64, 4, False) == [("first", [16, 16], False, 4),
+                                          ("later0", [16, 16], False, 12)]
 
 
 def test_context_schedule_smoke_on_cpu(tmp_path, capsys):
@@ -1223,6 +1228,16 @@ def test_context_schedule_smoke_on_cpu(tmp_path, capsys):
           in md)
   assert "| cell | C | out | dq | dk | dv |" in md and "| `64-c` | 2 |" in md
   assert (tmp_path / "context_schedule.png").read_bytes()[:8] == PNG_MAGIC
+  # a --kernels-alone record renders its column and summary (the timing itself: the slow test)
+  for c in js["cells"]:
+    if c["row"] == "ring_c2":
+      c["kernels_alone_ms"] = {"fwd": 1.0, "fwd+bwd": 2.0}
+      c["kernels_alone_vs_one_call"] = {"fwd": 1.25, "fwd+bwd": 1.125}
+  cs.render(js, str(tmp_path / "alone"))
+  md = (tmp_path / "alone.md").read_text()
+  assert "| ring C=2: ÷ one call (bar ≤ 1.05) | C=2 kernels alone: ÷ one call | ring C=2: ms |" in md
+  assert "| 1.125 |" in md and "| 1.250 |" in md
+  assert "[kernels alone 1.125]" in cs.summary(js)
 
 
 @pytest.mark.slow
@@ -1230,7 +1245,7 @@ def test_context_schedule_whole_smoke_size_on_cpu(tmp_path):
   """The whole smoke size: causal and not (one call of all local rows x all keys per step, no
   lax.cond), C = 2 and 4, every ring row's output and gradients equal to the one call's."""
   from benchmarks import context_schedule as cs
-  cs.main(["--smoke", "--out", str(tmp_path)])
+  cs.main(["--smoke", "--out", str(tmp_path), "--kernels-alone"])
   cells = _load(tmp_path / "context_schedule.json")["cells"]
   assert {(c["id"], c["row"]) for c in cells} == {
       (i, r) for i in ("64-c", "64-nc") for r in ("one_call", "ring_c2", "ring_c4")}
@@ -1239,6 +1254,8 @@ def test_context_schedule_whole_smoke_size_on_cpu(tmp_path):
     if c["row"] != "one_call":
       assert max(c["err"].values()) < cs.ERR_TOL and c["step_calls"] == cs.step_calls(
           64, c["contexts"], c["causal"]), c
+      assert set(c["kernels_alone_ms"]) == {"fwd", "fwd+bwd"}, c
+      assert min(c["kernels_alone_vs_one_call"].values()) > 0, c
 
 # --- on a GPU ----------------------------------------------------------------------------------------
 
