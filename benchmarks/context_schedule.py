@@ -35,10 +35,11 @@ Cells (``--cells``): ``<T>-c`` (causal) and ``<T>-nc`` (not), T = S in 32k, 64k,
 GQA 4/2 at head_dim 32, C = 2 and 4, the Triton kernels in Pallas interpret mode.
 
 ``--kernels-alone``: also time each distinct kernel call of the ring's steps (step_calls) by itself, a
-plain ``flash_attention`` call on fresh inputs of its shape, and report their sum over the C devices'
-steps (C × step 0's call + C(C-1) later calls, evenly between a causal cell's two later shapes) over
-the one call's time: the part of the ring's cost that its smaller kernel calls alone account for;
-the rest is the merges, the backward's per-step prologue and the control flow.
+plain ``flash_attention`` call on leading slices of the cell's inputs of its shape, and report their
+sum over the C devices' steps (C × step 0's call + C(C-1) later calls, evenly between a causal cell's
+two later shapes) over the one call's time: the part of the ring's cost that its smaller kernel calls
+(each with its own backward prologue) account for; the rest is the merges, the float32 accumulation
+across steps and the control flow.
 
 Check (every cell, every ring row): the ring's output and gradients (the last timed call's, put back in
 the natural order) against the one call's: relative L2 error of out, dq, dk, dv; ⚠ above ERR_TOL.
@@ -108,7 +109,7 @@ def call_counts(seq: int, contexts: int, causal: bool) -> list[tuple]:
   calls = step_calls(seq, contexts, causal)
   later = calls["later"]
   return [("first", calls["first"], causal, contexts)] + [
-      (f"later{i}", shape, False, contexts * (contexts - 1) / len(later))
+      (f"later{i}", shape, False, contexts * (contexts - 1) // len(later))
       for i, shape in enumerate(later)]
 
 

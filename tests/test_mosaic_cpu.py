@@ -170,12 +170,9 @@ def test_fuses_dq_default_rule():
     assert MosaicConfig.default(h, is_causal=True).fuses_dq(8192, deterministic=False), h
   for h in (80, 96, 112):
     assert not MosaicConfig.default(h, is_causal=True).fuses_dq(8192, deterministic=False), h
-  # causal head_dim 128 with a whole GQA group per dK/dV CTA: fused from 8k rows only
-  assert not c.fuses_dq(4096, deterministic=False, grouped=True)
-  assert c.fuses_dq(8192, deterministic=False, grouped=True)
-  assert nc.fuses_dq(2048, deterministic=False, grouped=True)  # not causal: unchanged
-  assert MosaicConfig.default(64, is_causal=True).fuses_dq(4096, deterministic=False, grouped=True)
-  assert set(c.range_tiles(4096, grouped=True)) == {"fwd", "dkv", "dq"}
+  # causal head_dim 128 doubles the threshold where a dK/dV CTA holds a whole GQA group
+  assert c.dq_fused_grouped_factor == 2
+  assert nc.dq_fused_grouped_factor == MosaicConfig.default(64, is_causal=True).dq_fused_grouped_factor == 1
   # a variant call builds the dQ kernel's range table only when its backward runs that kernel
   assert set(c.range_tiles(4096)) == {"fwd", "dkv"}
   assert set(c.range_tiles(4096, deterministic=True)) == set(c.range_tiles(2048)) == {
@@ -187,16 +184,25 @@ def test_fuses_dq_default_rule():
       assert MosaicConfig.default(h, is_causal=causal).check(h) is None
 
 
-def test_unsplit_group_decides_the_grouped_rule():
-  # Which calls' dK/dV CTAs each loop over a whole GQA group (132 SMs where the device does not say).
-  from fa2_jax.kernels.sm90.backward import dkv_split, unsplit_group
+def test_group_rule_decides_once_per_call():
+  # Which calls' dK/dV CTAs each loop over a whole GQA group (132 SMs where the device does not say),
+  # and the fused-dQ threshold that follows, decided on the launched call.
+  from fa2_jax.kernels.sm90.backward import dkv_split, unsplit_group, with_group_rule
   c = MosaicConfig.default(128, is_causal=True)
-  assert unsplit_group(c, (4, 4096, 32, 128), (4, 4096, 8, 128))  # Llama-3 8B: a full grid
-  assert not unsplit_group(c, (4, 4096, 32, 128), (4, 4096, 32, 128))  # MHA: no group
-  assert dkv_split(c, (4, 4096, 48, 128), (4, 4096, 1, 128)) == 8  # StarCoder: split
-  assert not unsplit_group(c, (4, 4096, 48, 128), (4, 4096, 1, 128))
-  assert dkv_split(c, (1, 4096, 32, 128), (1, 4096, 8, 128)) == 2  # a small grid splits GQA too
-  assert not unsplit_group(c, (1, 4096, 32, 128), (1, 4096, 8, 128))
+  llama, mha = ((4, 4096, 32, 128), (4, 4096, 8, 128)), ((4, 4096, 32, 128), (4, 4096, 32, 128))
+  starcoder, small = ((4, 4096, 48, 128), (4, 4096, 1, 128)), ((1, 4096, 32, 128), (1, 4096, 8, 128))
+  assert unsplit_group(c, *llama) and not unsplit_group(c, *mha)  # a full grid; no group
+  assert dkv_split(c, *starcoder) == 8 and not unsplit_group(c, *starcoder)  # MQA: split
+  assert dkv_split(c, *small) == 2 and not unsplit_group(c, *small)  # a small grid splits GQA too
+  grouped = with_group_rule(c, *llama)
+  assert (grouped.dq_fused_min_t, grouped.dq_fused_grouped_factor) == (8192, 1)
+  assert not grouped.fuses_dq(4096, deterministic=False) and grouped.fuses_dq(8192, deterministic=False)
+  assert set(grouped.range_tiles(4096)) == {"fwd", "dkv", "dq"}
+  for shapes in (mha, starcoder, small):
+    assert with_group_rule(c, *shapes) == c.replace(dq_fused_grouped_factor=1), shapes
+  # decided once: the backward of a shard (B=1 of the B=4 call) keeps the launched decision
+  assert with_group_rule(grouped, *small) == grouped
+  assert with_group_rule(c.replace(dq_fused_min_t=0), *llama).fuses_dq(128, deterministic=False)
 
 
 def test_fused_dq_split_and_smem():
@@ -239,6 +245,8 @@ def test_fused_dq_split_and_smem():
     (dict(dq_fused_variants=1), TypeError, "dq_fused_variants"),
     (dict(dq_fused_min_t=-1), ValueError, "dq_fused_min_t"),
     (dict(dq_fused_min_t=2048.0), TypeError, "dq_fused_min_t"),
+    (dict(dq_fused_grouped_factor=0), ValueError, "dq_fused_grouped_factor"),
+    (dict(dq_fused_grouped_factor=1.5), TypeError, "dq_fused_grouped_factor"),
     (dict(dkv_roles=1), TypeError, "dkv_roles"),
     (dict(dq_roles="no"), TypeError, "dq_roles"),
     (dict(block_k=128.0), TypeError, "block_k"),

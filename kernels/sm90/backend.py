@@ -33,19 +33,21 @@ class SM90Backend(Backend):
     return MosaicConfig.default(call.head_dim, call.dtype, call.is_causal,
                                 value_head_dim=call.value_head_dim)
 
+  def launch_config(self, call: KernelCall, config) -> MosaicConfig:
+    # The fused-dQ threshold decided for this call's GQA grid, once (backward.with_group_rule).
+    from .backward import with_group_rule
+    config = self.default_config(call) if config is None else config
+    return with_group_rule(config, call.q_shape, call.k_shape)
+
   def check_config(self, call: KernelCall, config: MosaicConfig) -> str | None:
     return config.check(call.head_dim, jnp.dtype(call.dtype).itemsize, call.value_head_dim)
 
   def range_tiles(self, call: KernelCall, config: MosaicConfig) -> dict:
-    from .backward import unsplit_group
-    return config.range_tiles(call.seq_q, deterministic=call.deterministic,
-                              grouped=unsplit_group(config, call.q_shape, call.k_shape))
+    return config.range_tiles(call.seq_q, deterministic=call.deterministic)
 
   def kernel_names(self, call: KernelCall, config: MosaicConfig) -> tuple:
     # An attention variant fuses dQ only with MosaicConfig.dq_fused_variants (on in the defaults).
-    from .backward import unsplit_group
-    fused = config.fuses_dq(call.seq_q, deterministic=call.deterministic, variant=not call.plain,
-                            grouped=unsplit_group(config, call.q_shape, call.k_shape))
+    fused = config.fuses_dq(call.seq_q, deterministic=call.deterministic, variant=not call.plain)
     dq = "sm90 dQ (split by role)" if config.dq_roles else "sm90 dQ"
     if fused:
       bwd = ("sm90 dK/dV + fused dQ",)

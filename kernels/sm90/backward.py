@@ -131,14 +131,26 @@ def dkv_split(cfg: MosaicConfig, q_shape, k_shape) -> int:
 
 def unsplit_group(cfg: MosaicConfig, q_shape, k_shape) -> bool:
   """Whether each dK/dV CTA of the call loops over a whole GQA group of 2+ query heads, its KV head
-  shared with no other CTA (``MosaicConfig.fuses_dq``'s ``grouped``)."""
+  shared with no other CTA."""
   return q_shape[2] // k_shape[2] > 1 and dkv_split(cfg, q_shape, k_shape) == 1
+
+
+def with_group_rule(cfg: MosaicConfig, q_shape, k_shape) -> MosaicConfig:
+  """``cfg`` for this call with its fused-dQ threshold decided: ``dq_fused_min_t`` times
+  ``dq_fused_grouped_factor`` where each dK/dV CTA holds a whole GQA group (:func:`unsplit_group`),
+  and the factor 1 after. Applied once to the launched call (``SM90Backend.launch_config``), so its
+  backward, its range tables and ``backend_for`` agree where the backward later sees other shapes (a
+  ``vmap`` folded into the batch, a shard of the batch or heads)."""
+  if cfg.dq_fused_grouped_factor == 1:
+    return cfg
+  grouped = unsplit_group(cfg, q_shape, k_shape)
+  return cfg.replace(dq_fused_grouped_factor=1, dq_fused_min_t=cfg.dq_fused_min_t * (
+      cfg.dq_fused_grouped_factor if grouped else 1))
 
 
 def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool,
              deterministic: bool = True, config: MosaicConfig | None = None, variant=None,
-             arrays=None, tables=None, split_groups: bool = True, dq_accumulator=None,
-             grouped: bool | None = None):
+             arrays=None, tables=None, split_groups: bool = True, dq_accumulator=None):
   """Gradients of attention w.r.t. q, k, v on Hopper.
 
   Args:
@@ -155,8 +167,6 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
       accumulator, no scaling and rounding pass), else by an add.
     split_groups: split large GQA groups over several dK/dV CTAs where the grid is small
       (:func:`group_split`).
-    grouped: ``config.fuses_dq``'s ``grouped`` (None: :func:`unsplit_group` of the shapes; a split
-      group's CTAs pass False).
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v (dk/dv already summed over each GQA group).
@@ -169,20 +179,19 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   cfg = config or MosaicConfig.default(h, q.dtype, is_causal, value_head_dim=hv)
   if (why := cfg.check(h, q.dtype.itemsize, hv)) is not None:
     raise ValueError(why)
+  cfg = with_group_rule(cfg, q.shape, k.shape)  # a launched config has it already
   scale, is_causal = float(scale), bool(is_causal)
   q_tile, k_tile = backward_tiles(cfg)
   plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
   kh = k.shape[2]
   r = dkv_split(cfg, q.shape, k.shape)
-  if grouped is None:
-    grouped = n // kh > 1 and r == 1
   if split_groups and r > 1:
     # Query head n reads KV head n // G; with r copies per KV head it reads copy n // (G / r), whose
     # partial dK/dV sums its run of G / r heads. The copies' sum (f32, then rounded once) is dK/dV.
     dq, dk, dv = backward(q, jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2), out, stats, do,
                           dlse=dlse, scale=scale, is_causal=is_causal, deterministic=deterministic,
                           config=cfg, variant=variant, arrays=arrays, tables=tables,
-                          split_groups=False, dq_accumulator=dq_accumulator, grouped=False)
+                          split_groups=False, dq_accumulator=dq_accumulator)
 
     def merge(g, like):
       # Elementwise adds in a fixed order (no reduction, whose order a GPU may vary): bit-identical
@@ -213,8 +222,8 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   if variant is not None:
     return _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, plan=plan,
                              tables=tables or {}, deterministic=deterministic,
-                             dq_accumulator=dq_accumulator, grouped=grouped, **common)
-  if cfg.fuses_dq(t, deterministic=deterministic, grouped=grouped):
+                             dq_accumulator=dq_accumulator, **common)
+  if cfg.fuses_dq(t, deterministic=deterministic):
     init = _accumulator_operand(dq_accumulator, plan.t_hbm)
     dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, *per_row, *init, fused_dq=True, seq_k=s,
                               accumulate=bool(init), **common)
@@ -249,8 +258,7 @@ def _accumulator_operand(dq_accumulator, t_hbm: int) -> tuple:
 
 
 def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables, scale,
-                      is_causal, seq_q, cfg, emulate, deterministic, dq_accumulator=None,
-                      grouped=False):
+                      is_causal, seq_q, cfg, emulate, deterministic, dq_accumulator=None):
   """The backward kernels of an attention variant, each reading the range table of its own tiles:
   dK/dV with the fused dQ where ``cfg.fuses_dq`` allows it (``dq_fused_variants``), else the separate
   dK/dV and dQ kernels."""
@@ -282,7 +290,7 @@ def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables
     return dkv_call(qp, kp, vp, dop, *per_row, *ops, *init, seq_q=seq_q, seq_k=s, names=names,
                     fused_dq=fused_dq, accumulate=bool(init), **common)
 
-  if cfg.fuses_dq(t, deterministic=deterministic, variant=True, grouped=grouped):
+  if cfg.fuses_dq(t, deterministic=deterministic, variant=True):
     init = _accumulator_operand(dq_accumulator, t_hbm)
     dk, dv, dq_acc = dkv(fused_dq=True, init=init)
     dq = dq_acc[:, :t] if init else (dq_acc[:, :t] * scale).astype(qp.dtype)

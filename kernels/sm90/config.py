@@ -103,8 +103,9 @@ class MosaicConfig:
   ``dq_roles``: the same for the separate dQ kernel, whose CTA then owns ``block_q_dq`` query rows
   (``S``, ``P`` | ``dP``, ``dS``; each warpgroup half of dQ's columns; ``kernels/sm90/dq_roles.py``).
   ``dq_fused`` (on by default for head_dim 64/128, used only when the call allows a non-deterministic
-  backward, dK/dV are not split by role and T >= ``dq_fused_min_t``, or ``dq_fused_min_t_grouped``
-  where each dK/dV CTA loops over a GQA group it does not share, see :meth:`fuses_dq`): the
+  backward, dK/dV are not split by role and T >= ``dq_fused_min_t``, see :meth:`fuses_dq`;
+  ``dq_fused_grouped_factor`` times that where each dK/dV CTA loops over a whole GQA group,
+  decided per call by ``kernels.sm90.backward.with_group_rule``): the
   dK/dV kernel also computes ``dS_ij K_j``
   and adds it to an f32 dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ
   kernel and its second computation of S and dP; it stages dS^T (bf16, double-buffered) and the dQ piece (f32) in SMEM. With
@@ -159,7 +160,9 @@ class MosaicConfig:
   ragged: str = "tma"
   dq_fused: bool = False
   dq_fused_min_t: int = 0  # fused dQ only for calls with at least this many query rows (see fuses_dq)
-  dq_fused_min_t_grouped: int = 0  # the same where a dK/dV CTA loops over a whole GQA group (fuses_dq)
+  # dq_fused_min_t times this where each dK/dV CTA loops over a whole GQA group: applied to a call
+  # by kernels.sm90.backward.with_group_rule, which returns its config with the factor 1
+  dq_fused_grouped_factor: int = 1
   dq_fused_variants: bool = False  # fused dQ also with an attention variant (on in .default())
   lpt_heads: int = 0
   lpt_heads_dkv: int = 0
@@ -214,10 +217,12 @@ class MosaicConfig:
                                    not 24 <= self.compute_registers <= 256):
       raise ValueError(f"MosaicConfig.compute_registers must be 0 or a multiple of 8 in [24, 256], "
                        f"got {self.compute_registers}")
-    for name in ("dq_fused_min_t", "dq_fused_min_t_grouped"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"MosaicConfig.{name} must be >= 0 (query rows), got "
-                         f"{getattr(self, name)}")
+    if self.dq_fused_min_t < 0:
+      raise ValueError(f"MosaicConfig.dq_fused_min_t must be >= 0 (query rows), got "
+                       f"{self.dq_fused_min_t}")
+    if self.dq_fused_grouped_factor < 1:
+      raise ValueError(f"MosaicConfig.dq_fused_grouped_factor must be >= 1, got "
+                       f"{self.dq_fused_grouped_factor}")
     for name in ("lpt_heads", "lpt_heads_dkv"):
       if getattr(self, name) < 0:
         raise ValueError(f"MosaicConfig.{name} must be >= 0 (0: from the L2 budget), got "
@@ -242,16 +247,13 @@ class MosaicConfig:
 
   replace = dataclasses.replace
 
-  def range_tiles(self, seq_q: int | None = None, *, deterministic: bool = False,
-                  grouped: bool = False) -> dict:
+  def range_tiles(self, seq_q: int | None = None, *, deterministic: bool = False) -> dict:
     """The block-range tables the kernels read for an attention variant
     (:func:`fa2_jax.kernels.block_ranges.range_tables`), one per CTA tiling: name -> (kind, rows, keys).
-    Given ``seq_q``, a backward that fuses dQ (:meth:`fuses_dq`, ``grouped`` as there) reads no dQ
-    table."""
+    Given ``seq_q``, a backward that fuses dQ (:meth:`fuses_dq`) reads no dQ table."""
     tiles = {"fwd": ("kv", self.num_wgs * self.block_q, self.block_k),
              "dkv": ("q", self.block_q_dkv, self.dkv_keys())}
-    if seq_q is not None and self.fuses_dq(seq_q, deterministic=deterministic, variant=True,
-                                           grouped=grouped):
+    if seq_q is not None and self.fuses_dq(seq_q, deterministic=deterministic, variant=True):
       return tiles
     tiles["dq"] = ("kv", self.dq_rows(), self.block_k_dq)
     return tiles
@@ -346,7 +348,7 @@ class MosaicConfig:
       elif is_causal:
         # Causal GQA whose dK/dV CTAs each loop over a whole group fuses dQ from 8k rows; MHA and
         # split groups (MQA) from 4k (docs/design.md#when-the-backward-fuses-dq).
-        fused = dict(fused, dq_fused_min_t_grouped=8192)
+        fused = dict(fused, dq_fused_grouped_factor=2)
       return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, **fused, **regs)
     return cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
                num_stages_dq=2, dq_roles=head_dim % (2 * WG_ROWS) == 0 and value_head_dim in (
@@ -367,15 +369,11 @@ class MosaicConfig:
     return (self.forward_persistent(is_causal=is_causal, known_work=known_work) and is_causal
             and known_work and self.persistent_deal == "greedy")
 
-  def fuses_dq(self, seq_q: int, *, deterministic: bool, variant: bool = False,
-               grouped: bool = False) -> bool:
+  def fuses_dq(self, seq_q: int, *, deterministic: bool, variant: bool = False) -> bool:
     """Whether a backward of ``seq_q`` query rows (``variant``: with an attention variant beyond
-    causal; ``grouped``: each dK/dV CTA loops over the 2+ query heads of a GQA group whose KV head
-    no other CTA shares, :func:`kernels.sm90.backward.unsplit_group`) runs dQ inside the dK/dV
-    kernel."""
-    min_t = max(self.dq_fused_min_t, self.dq_fused_min_t_grouped if grouped else 0)
+    causal) runs dQ inside the dK/dV kernel."""
     return (self.dq_fused and not deterministic and not self.dkv_roles
-            and seq_q >= min_t and (self.dq_fused_variants or not variant))
+            and seq_q >= self.dq_fused_min_t and (self.dq_fused_variants or not variant))
 
   def p_form(self, variant=None) -> str:
     """How a call's backward recomputes P (:attr:`backward_p` resolved for an attention ``variant``,
