@@ -184,7 +184,7 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   q_tile, k_tile = backward_tiles(cfg)
   plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
   kh = k.shape[2]
-  r = dkv_split(cfg, q.shape, k.shape)
+  r = group_split(b, kh, n // kh, -(-plan.s_hbm // cfg.dkv_keys()), sm_count())  # = dkv_split
   if split_groups and r > 1:
     # Query head n reads KV head n // G; with r copies per KV head it reads copy n // (G / r), whose
     # partial dK/dV sums its run of G / r heads. The copies' sum (f32, then rounded once) is dK/dV.
