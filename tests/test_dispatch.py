@@ -69,26 +69,27 @@ def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
   d = fa2_jax.backend_for(q, k, is_causal=True)
   assert d.backend == "sm90" and d.forward == ("sm90 forward",)
   assert d.backward == ("sm90 dK/dV", "sm90 dQ") and d.deterministic  # causal 1k: separate dQ
-  long_c = fa2_jax.backend_for(*_shapes(t=4096), is_causal=True)  # causal from 4k rows: fused
+  long_c = fa2_jax.backend_for(*_shapes(t=6144), is_causal=True)  # causal from 6k rows: fused
   assert long_c.backward == ("sm90 dK/dV + fused dQ",) and not long_c.deterministic
-  # causal GQA whose dK/dV CTAs each hold a whole group (2 x 32/8 fills the grid): fused from 8k
-  gqa = lambda t: _shapes(t=t, s=t, n=32, kh=8)  # noqa: E731
-  assert fa2_jax.backend_for(*gqa(4096), is_causal=True).backward == ("sm90 dK/dV", "sm90 dQ")
-  assert fa2_jax.backend_for(*gqa(8192), is_causal=True).backward == ("sm90 dK/dV + fused dQ",)
+  # MHA, GQA and MQA alike: separate at 4k, fused from 6k
+  for n, kh in ((16, 16), (32, 8), (48, 1)):
+    shapes = lambda t: _shapes(t=t, s=t, n=n, kh=kh)  # noqa: E731
+    assert fa2_jax.backend_for(*shapes(4096), is_causal=True).backward == ("sm90 dK/dV", "sm90 dQ")
+    assert fa2_jax.backend_for(*shapes(6144), is_causal=True).backward == ("sm90 dK/dV + fused dQ",)
   nc = fa2_jax.backend_for(*_shapes(t=2048), is_causal=False)  # non-causal from 2k rows: fused
   assert nc.backward == ("sm90 dK/dV + fused dQ",) and not nc.deterministic
   few = fa2_jax.backend_for(*_shapes(t=128), is_causal=False)  # few query rows: separate dQ
   assert few.backward == ("sm90 dK/dV", "sm90 dQ") and few.deterministic
   window = dict(is_causal=True, local_window_size=(512, 0))  # a variant: the same length rule
-  win = fa2_jax.backend_for(*_shapes(t=4096), **window)
+  win = fa2_jax.backend_for(*_shapes(t=6144), **window)
   assert win.backward == ("sm90 dK/dV + fused dQ",) and not win.deterministic
-  win_det = fa2_jax.backend_for(*_shapes(t=4096), deterministic=True, **window)
+  win_det = fa2_jax.backend_for(*_shapes(t=6144), deterministic=True, **window)
   assert win_det.backward == ("sm90 dK/dV", "sm90 dQ") and win_det.deterministic
-  assert fa2_jax.backend_for(*_shapes(t=2048), **window).backward == ("sm90 dK/dV", "sm90 dQ")
+  assert fa2_jax.backend_for(*_shapes(t=4096), **window).backward == ("sm90 dK/dV", "sm90 dQ")
   off = fa2_jax.MosaicConfig.default(128, is_causal=True).replace(dq_fused_variants=False)
-  assert fa2_jax.backend_for(*_shapes(t=4096), block_sizes=off, **window).backward == (
+  assert fa2_jax.backend_for(*_shapes(t=6144), block_sizes=off, **window).backward == (
       "sm90 dK/dV", "sm90 dQ")
-  assert fa2_jax.backend_for(*_shapes(t=4096), block_sizes=off, is_causal=True).backward == (
+  assert fa2_jax.backend_for(*_shapes(t=6144), block_sizes=off, is_causal=True).backward == (
       "sm90 dK/dV + fused dQ",)  # dq_fused_variants leaves plain causal calls alone
   det = fa2_jax.backend_for(*_shapes(t=4096), is_causal=True, deterministic=True)
   assert det.backward == ("sm90 dK/dV", "sm90 dQ") and det.deterministic

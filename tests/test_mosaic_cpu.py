@@ -152,15 +152,15 @@ def test_smem_budget_matches_docstring():
 
 
 def test_fuses_dq_default_rule():
-  # The fused dQ needs deterministic=False, dK/dV not split by role and enough query rows (2k / 4k
-  # causal).
+  # The fused dQ needs deterministic=False, dK/dV not split by role and enough query rows (2k / 6k
+  # causal at head_dim 128).
   nc, c = MosaicConfig.default(128), MosaicConfig.default(128, is_causal=True)
   assert nc.fuses_dq(2048, deterministic=False) and not nc.fuses_dq(1024, deterministic=False)
-  assert c.fuses_dq(4096, deterministic=False) and not c.fuses_dq(2048, deterministic=False)
+  assert c.fuses_dq(6144, deterministic=False) and not c.fuses_dq(4096, deterministic=False)
   assert not c.fuses_dq(8192, deterministic=True)
   # attention variants follow the same length rule (dq_fused_variants is on in the defaults)
-  assert c.fuses_dq(4096, deterministic=False, variant=True)
-  assert not c.fuses_dq(2048, deterministic=False, variant=True)
+  assert c.fuses_dq(6144, deterministic=False, variant=True)
+  assert not c.fuses_dq(4096, deterministic=False, variant=True)
   assert not c.replace(dq_fused_variants=False).fuses_dq(8192, deterministic=False, variant=True)
   assert MosaicConfig.default(64, is_causal=True).fuses_dq(8192, deterministic=False)
   assert not MosaicConfig.default(256).fuses_dq(8192, deterministic=False)  # role-split dK/dV
@@ -170,39 +170,19 @@ def test_fuses_dq_default_rule():
     assert MosaicConfig.default(h, is_causal=True).fuses_dq(8192, deterministic=False), h
   for h in (80, 96, 112):
     assert not MosaicConfig.default(h, is_causal=True).fuses_dq(8192, deterministic=False), h
-  # causal head_dim 128 doubles the threshold where a dK/dV CTA holds a whole GQA group
-  assert c.dq_fused_grouped_factor == 2
-  assert nc.dq_fused_grouped_factor == MosaicConfig.default(64, is_causal=True).dq_fused_grouped_factor == 1
+  # causal head_dim 128 fuses from 6144 rows, non-causal from 2048, head_dim 64 causal from 4096
+  assert (c.dq_fused_min_t, nc.dq_fused_min_t) == (6144, 2048)
+  assert MosaicConfig.default(64, is_causal=True).dq_fused_min_t == 4096
+  assert not c.fuses_dq(4096, deterministic=False) and c.fuses_dq(6144, deterministic=False)
   # a variant call builds the dQ kernel's range table only when its backward runs that kernel
-  assert set(c.range_tiles(4096)) == {"fwd", "dkv"}
-  assert set(c.range_tiles(4096, deterministic=True)) == set(c.range_tiles(2048)) == {
+  assert set(c.range_tiles(6144)) == {"fwd", "dkv"}
+  assert set(c.range_tiles(6144, deterministic=True)) == set(c.range_tiles(4096)) == {
       "fwd", "dkv", "dq"} == set(c.range_tiles())
   assert set(MosaicConfig.default(256).range_tiles(8192)) == {"fwd", "dkv", "dq"}
   assert c.registers(2) == nc.registers(2) == 240 and c.memory_registers == nc.memory_registers == 24
   for h in (64, 128):
     for causal in (False, True):
       assert MosaicConfig.default(h, is_causal=causal).check(h) is None
-
-
-def test_group_rule_decides_once_per_call():
-  # Which calls' dK/dV CTAs each loop over a whole GQA group (132 SMs where the device does not say),
-  # and the fused-dQ threshold that follows, decided on the launched call.
-  from fa2_jax.kernels.sm90.backward import dkv_split, unsplit_group, with_group_rule
-  c = MosaicConfig.default(128, is_causal=True)
-  llama, mha = ((4, 4096, 32, 128), (4, 4096, 8, 128)), ((4, 4096, 32, 128), (4, 4096, 32, 128))
-  starcoder, small = ((4, 4096, 48, 128), (4, 4096, 1, 128)), ((1, 4096, 32, 128), (1, 4096, 8, 128))
-  assert unsplit_group(c, *llama) and not unsplit_group(c, *mha)  # a full grid; no group
-  assert dkv_split(c, *starcoder) == 8 and not unsplit_group(c, *starcoder)  # MQA: split
-  assert dkv_split(c, *small) == 2 and not unsplit_group(c, *small)  # a small grid splits GQA too
-  grouped = with_group_rule(c, *llama)
-  assert (grouped.dq_fused_min_t, grouped.dq_fused_grouped_factor) == (8192, 1)
-  assert not grouped.fuses_dq(4096, deterministic=False) and grouped.fuses_dq(8192, deterministic=False)
-  assert set(grouped.range_tiles(4096)) == {"fwd", "dkv", "dq"}
-  for shapes in (mha, starcoder, small):
-    assert with_group_rule(c, *shapes) == c.replace(dq_fused_grouped_factor=1), shapes
-  # decided once: the backward of a shard (B=1 of the B=4 call) keeps the launched decision
-  assert with_group_rule(grouped, *small) == grouped
-  assert with_group_rule(c.replace(dq_fused_min_t=0), *llama).fuses_dq(128, deterministic=False)
 
 
 def test_fused_dq_split_and_smem():
@@ -245,8 +225,6 @@ def test_fused_dq_split_and_smem():
     (dict(dq_fused_variants=1), TypeError, "dq_fused_variants"),
     (dict(dq_fused_min_t=-1), ValueError, "dq_fused_min_t"),
     (dict(dq_fused_min_t=2048.0), TypeError, "dq_fused_min_t"),
-    (dict(dq_fused_grouped_factor=0), ValueError, "dq_fused_grouped_factor"),
-    (dict(dq_fused_grouped_factor=1.5), TypeError, "dq_fused_grouped_factor"),
     (dict(dkv_roles=1), TypeError, "dkv_roles"),
     (dict(dq_roles="no"), TypeError, "dq_roles"),
     (dict(block_k=128.0), TypeError, "block_k"),
@@ -714,13 +692,13 @@ def test_lowers_for_sm90(case):
 
 @pytest.mark.parametrize("h, hv, causal, kernels", [
     (192, 128, True, ("forward", "dkdv_roles", "dq")),  # DeepSeek-V2: both 128-byte swizzles
-    (128, 64, True, ("forward", "dkdv_dq")),  # fused dQ from 4k causal rows
+    (128, 64, True, ("forward", "dkdv_dq")),  # fused dQ from 6k causal rows
     (96, 64, False, ("forward", "dkdv", "dq")),  # Q/K tiles 64-byte swizzled, V/dO tiles 128
     (64, 256, False, ("forward", "dkdv_roles", "dq"))])  # V wider: the 256 tiles
 def test_value_head_dim_of_its_own_lowers_for_sm90(h, hv, causal, kernels):
   """V, O, dO and dV tiled by their own width (and swizzle), Q/K by H's: every kernel lowers for
   sm90, with the outputs' shapes."""
-  b, t, n, kh = 1, 4096, 4, 2
+  b, t, n, kh = 1, 6144, 4, 2
   sd = jax.ShapeDtypeStruct
   cfg = MosaicConfig.default(h, BF16, causal, value_head_dim=hv)
 

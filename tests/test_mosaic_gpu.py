@@ -426,7 +426,9 @@ def test_mosaic_config_reaches_the_kernels(fake_hopper, deterministic, kernels):
 @pytest.mark.parametrize("h, t, causal, deterministic, kernels", [
     (128, 2048, False, False, {"forward", "dkdv_dq"}),  # the default: fused dQ from 2k rows non-causal
     (64, 2048, False, False, {"forward", "dkdv_dq"}),
-    (128, 4096, True, False, {"forward", "dkdv_dq"}),  # and from 4k rows causal
+    (128, 6144, True, False, {"forward", "dkdv_dq"}),  # and from 6k rows causal (head_dim 128)
+    (128, 4096, True, False, {"forward", "dkdv", "dq"}),
+    (64, 4096, True, False, {"forward", "dkdv_dq"}),  # head_dim 64: from 4k rows causal
     (128, 2048, True, False, {"forward", "dkdv", "dq"}),  # fewer rows: the separate dQ kernel
     (128, 256, False, False, {"forward", "dkdv", "dq"}),
     (128, 4096, False, True, {"forward", "dkdv", "dq"}),  # deterministic: the separate dQ kernel

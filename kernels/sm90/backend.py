@@ -33,12 +33,6 @@ class SM90Backend(Backend):
     return MosaicConfig.default(call.head_dim, call.dtype, call.is_causal,
                                 value_head_dim=call.value_head_dim)
 
-  def launch_config(self, call: KernelCall, config) -> MosaicConfig:
-    # The fused-dQ threshold decided for this call's GQA grid, once (backward.with_group_rule).
-    from .backward import with_group_rule
-    config = self.default_config(call) if config is None else config
-    return with_group_rule(config, call.q_shape, call.k_shape)
-
   def check_config(self, call: KernelCall, config: MosaicConfig) -> str | None:
     return config.check(call.head_dim, jnp.dtype(call.dtype).itemsize, call.value_head_dim)
 

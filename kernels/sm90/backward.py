@@ -120,34 +120,6 @@ def group_split(batch: int, kv_heads: int, group: int, key_ctas: int, sms: int) 
   return r
 
 
-def dkv_split(cfg: MosaicConfig, q_shape, k_shape) -> int:
-  """:func:`group_split` of a call ``q [B, T, N, H]`` against ``k [B, S, K, H]`` on this GPU."""
-  b, t, n, _ = q_shape
-  s, kh = k_shape[1], k_shape[2]
-  q_tile, k_tile = backward_tiles(cfg)
-  plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
-  return group_split(b, kh, n // kh, -(-plan.s_hbm // cfg.dkv_keys()), sm_count())
-
-
-def unsplit_group(cfg: MosaicConfig, q_shape, k_shape) -> bool:
-  """Whether each dK/dV CTA of the call loops over a whole GQA group of 2+ query heads, its KV head
-  shared with no other CTA."""
-  return q_shape[2] // k_shape[2] > 1 and dkv_split(cfg, q_shape, k_shape) == 1
-
-
-def with_group_rule(cfg: MosaicConfig, q_shape, k_shape) -> MosaicConfig:
-  """``cfg`` for this call with its fused-dQ threshold decided: ``dq_fused_min_t`` times
-  ``dq_fused_grouped_factor`` where each dK/dV CTA holds a whole GQA group (:func:`unsplit_group`),
-  and the factor 1 after. Applied once to the launched call (``SM90Backend.launch_config``), so its
-  backward, its range tables and ``backend_for`` agree where the backward later sees other shapes (a
-  ``vmap`` folded into the batch, a shard of the batch or heads)."""
-  if cfg.dq_fused_grouped_factor == 1:
-    return cfg
-  grouped = unsplit_group(cfg, q_shape, k_shape)
-  return cfg.replace(dq_fused_grouped_factor=1, dq_fused_min_t=cfg.dq_fused_min_t * (
-      cfg.dq_fused_grouped_factor if grouped else 1))
-
-
 def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool,
              deterministic: bool = True, config: MosaicConfig | None = None, variant=None,
              arrays=None, tables=None, split_groups: bool = True, dq_accumulator=None):
@@ -179,12 +151,11 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   cfg = config or MosaicConfig.default(h, q.dtype, is_causal, value_head_dim=hv)
   if (why := cfg.check(h, q.dtype.itemsize, hv)) is not None:
     raise ValueError(why)
-  cfg = with_group_rule(cfg, q.shape, k.shape)  # a launched config has it already
   scale, is_causal = float(scale), bool(is_causal)
   q_tile, k_tile = backward_tiles(cfg)
   plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
   kh = k.shape[2]
-  r = group_split(b, kh, n // kh, -(-plan.s_hbm // cfg.dkv_keys()), sm_count())  # = dkv_split
+  r = group_split(b, kh, n // kh, -(-plan.s_hbm // cfg.dkv_keys()), sm_count())
   if split_groups and r > 1:
     # Query head n reads KV head n // G; with r copies per KV head it reads copy n // (G / r), whose
     # partial dK/dV sums its run of G / r heads. The copies' sum (f32, then rounded once) is dK/dV.

@@ -103,9 +103,7 @@ class MosaicConfig:
   ``dq_roles``: the same for the separate dQ kernel, whose CTA then owns ``block_q_dq`` query rows
   (``S``, ``P`` | ``dP``, ``dS``; each warpgroup half of dQ's columns; ``kernels/sm90/dq_roles.py``).
   ``dq_fused`` (on by default for head_dim 64/128, used only when the call allows a non-deterministic
-  backward, dK/dV are not split by role and T >= ``dq_fused_min_t``, see :meth:`fuses_dq`;
-  ``dq_fused_grouped_factor`` times that where each dK/dV CTA loops over a whole GQA group,
-  decided per call by ``kernels.sm90.backward.with_group_rule``): the
+  backward, dK/dV are not split by role and T >= ``dq_fused_min_t``, see :meth:`fuses_dq`): the
   dK/dV kernel also computes ``dS_ij K_j``
   and adds it to an f32 dQ accumulator in HBM by TMA reduce-add (FA2 Alg. 2 line 15), replacing the dQ
   kernel and its second computation of S and dP; it stages dS^T (bf16, double-buffered) and the dQ piece (f32) in SMEM. With
@@ -160,9 +158,6 @@ class MosaicConfig:
   ragged: str = "tma"
   dq_fused: bool = False
   dq_fused_min_t: int = 0  # fused dQ only for calls with at least this many query rows (see fuses_dq)
-  # dq_fused_min_t times this where each dK/dV CTA loops over a whole GQA group: applied to a call
-  # by kernels.sm90.backward.with_group_rule, which returns its config with the factor 1
-  dq_fused_grouped_factor: int = 1
   dq_fused_variants: bool = False  # fused dQ also with an attention variant (on in .default())
   lpt_heads: int = 0
   lpt_heads_dkv: int = 0
@@ -220,9 +215,6 @@ class MosaicConfig:
     if self.dq_fused_min_t < 0:
       raise ValueError(f"MosaicConfig.dq_fused_min_t must be >= 0 (query rows), got "
                        f"{self.dq_fused_min_t}")
-    if self.dq_fused_grouped_factor < 1:
-      raise ValueError(f"MosaicConfig.dq_fused_grouped_factor must be >= 1, got "
-                       f"{self.dq_fused_grouped_factor}")
     for name in ("lpt_heads", "lpt_heads_dkv"):
       if getattr(self, name) < 0:
         raise ValueError(f"MosaicConfig.{name} must be >= 0 (0: from the L2 budget), got "
@@ -346,9 +338,9 @@ class MosaicConfig:
       if dq_split(WG_ROWS, head_dim, 2) is None:
         fused = dict(dq_fused=False)
       elif is_causal:
-        # Causal GQA whose dK/dV CTAs each loop over a whole group fuses dQ from 8k rows; MHA and
-        # split groups (MQA) from 4k (docs/design.md#when-the-backward-fuses-dq).
-        fused = dict(fused, dq_fused_grouped_factor=2)
+        # Causal calls fuse dQ from 6144 rows: at 4k the separate dQ kernel was 1-7% faster for MHA,
+        # GQA and MQA alike, at 6144 and 8k the fused one (docs/design.md#when-the-backward-fuses-dq).
+        fused = dict(fused, dq_fused_min_t=6144)
       return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, **fused, **regs)
     return cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
                num_stages_dq=2, dq_roles=head_dim % (2 * WG_ROWS) == 0 and value_head_dim in (
