@@ -60,7 +60,7 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
   ``query_seq_lengths`` / ``key_value_seq_lengths`` (the padding is never attended and gets no
   gradient): calls whose lengths round up to the same multiples share kernels, so a new length
   costs no kernel lowering or compile. Results equal the unpadded call's up to rounding (the padded
-  call may run other kernels: the fused dQ from a padded 4096 causal rows, say); the padding costs a
+  call may run other kernels: the fused dQ from a padded 6144 causal rows, say); the padding costs a
   copy of the inputs and the masked variant of the kernels (measured in
   ``benchmarks/results/h200/compile_reuse_kernels.md``). None (default): no padding.
 
