@@ -117,7 +117,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
       :class:`fa2_jax.BlockSizes` (Triton).
     deterministic: guarantee a backward without atomics, bit-identical across runs. With False (the
       default) the sm90 kernels fuse dQ into the dK/dV kernel for head_dim 64/128 calls from 2k
-      query rows non-causal and 4k causal (TMA reduce-adds, whose order varies;
+      query rows non-causal and 4k causal (5k at head_dim 128; TMA reduce-adds, whose order varies;
       ``MosaicConfig.fuses_dq``); every other call is deterministic anyway.
     interpret: True runs the Pallas kernels in interpret mode on any platform (CPU tests).
     query_seq_lengths: integer ``[B]`` (rank-3 call: a scalar or ``[1]``), values in ``[0, T]``:

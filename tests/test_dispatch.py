@@ -69,9 +69,9 @@ def test_hopper_gets_the_mosaic_kernels(fake_gpu, cc):
   d = fa2_jax.backend_for(q, k, is_causal=True)
   assert d.backend == "sm90" and d.forward == ("sm90 forward",)
   assert d.backward == ("sm90 dK/dV", "sm90 dQ") and d.deterministic  # causal 1k: separate dQ
-  long_c = fa2_jax.backend_for(*_shapes(t=6144), is_causal=True)  # causal from 6k rows: fused
+  long_c = fa2_jax.backend_for(*_shapes(t=6144), is_causal=True)  # causal from 5k rows: fused
   assert long_c.backward == ("sm90 dK/dV + fused dQ",) and not long_c.deterministic
-  # MHA, GQA and MQA alike: separate at 4k, fused from 6k
+  # MHA, GQA and MQA alike: separate at 4k, fused from 5k
   for n, kh in ((16, 16), (32, 8), (48, 1)):
     shapes = lambda t: _shapes(t=t, s=t, n=n, kh=kh)  # noqa: E731
     assert fa2_jax.backend_for(*shapes(4096), is_causal=True).backward == ("sm90 dK/dV", "sm90 dQ")

@@ -152,7 +152,7 @@ def test_smem_budget_matches_docstring():
 
 
 def test_fuses_dq_default_rule():
-  # The fused dQ needs deterministic=False, dK/dV not split by role and enough query rows (2k / 6k
+  # The fused dQ needs deterministic=False, dK/dV not split by role and enough query rows (2k / 5k
   # causal at head_dim 128).
   nc, c = MosaicConfig.default(128), MosaicConfig.default(128, is_causal=True)
   assert nc.fuses_dq(2048, deterministic=False) and not nc.fuses_dq(1024, deterministic=False)
@@ -170,10 +170,10 @@ def test_fuses_dq_default_rule():
     assert MosaicConfig.default(h, is_causal=True).fuses_dq(8192, deterministic=False), h
   for h in (80, 96, 112):
     assert not MosaicConfig.default(h, is_causal=True).fuses_dq(8192, deterministic=False), h
-  # causal head_dim 128 fuses from 6144 rows, non-causal from 2048, head_dim 64 causal from 4096
-  assert (c.dq_fused_min_t, nc.dq_fused_min_t) == (6144, 2048)
+  # causal head_dim 128 fuses from 5120 rows, non-causal from 2048, head_dim 64 causal from 4096
+  assert (c.dq_fused_min_t, nc.dq_fused_min_t) == (5120, 2048)
   assert MosaicConfig.default(64, is_causal=True).dq_fused_min_t == 4096
-  assert not c.fuses_dq(4096, deterministic=False) and c.fuses_dq(6144, deterministic=False)
+  assert c.fuses_dq(5120, deterministic=False) and not c.fuses_dq(5119, deterministic=False)
   # a variant call builds the dQ kernel's range table only when its backward runs that kernel
   assert set(c.range_tiles(6144)) == {"fwd", "dkv"}
   assert set(c.range_tiles(6144, deterministic=True)) == set(c.range_tiles(4096)) == {
@@ -692,7 +692,7 @@ def test_lowers_for_sm90(case):
 
 @pytest.mark.parametrize("h, hv, causal, kernels", [
     (192, 128, True, ("forward", "dkdv_roles", "dq")),  # DeepSeek-V2: both 128-byte swizzles
-    (128, 64, True, ("forward", "dkdv_dq")),  # fused dQ from 6k causal rows
+    (128, 64, True, ("forward", "dkdv_dq")),  # fused dQ from 5k causal rows
     (96, 64, False, ("forward", "dkdv", "dq")),  # Q/K tiles 64-byte swizzled, V/dO tiles 128
     (64, 256, False, ("forward", "dkdv_roles", "dq"))])  # V wider: the 256 tiles
 def test_value_head_dim_of_its_own_lowers_for_sm90(h, hv, causal, kernels):

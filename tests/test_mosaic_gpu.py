@@ -426,7 +426,7 @@ def test_mosaic_config_reaches_the_kernels(fake_hopper, deterministic, kernels):
 @pytest.mark.parametrize("h, t, causal, deterministic, kernels", [
     (128, 2048, False, False, {"forward", "dkdv_dq"}),  # the default: fused dQ from 2k rows non-causal
     (64, 2048, False, False, {"forward", "dkdv_dq"}),
-    (128, 6144, True, False, {"forward", "dkdv_dq"}),  # and from 6k rows causal (head_dim 128)
+    (128, 6144, True, False, {"forward", "dkdv_dq"}),  # and from 5k rows causal (head_dim 128)
     (128, 4096, True, False, {"forward", "dkdv", "dq"}),
     (64, 4096, True, False, {"forward", "dkdv_dq"}),  # head_dim 64: from 4k rows causal
     (128, 2048, True, False, {"forward", "dkdv", "dq"}),  # fewer rows: the separate dQ kernel
@@ -463,10 +463,10 @@ def test_vmap_of_grad_lowers_with_fused_dq(fake_hopper, kv_axes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal, t", [(True, 4096), (False, 2048), (True, 1000)])
+@pytest.mark.parametrize("causal, t", [(True, 5120), (False, 2048), (True, 1000)])
 def test_kernel_reuse_across_programs_compiled(causal, t):
   """``reuse_kernels_across_programs``: the exported kernels, called from two programs and under
-  vmap, give the results of the kernels lowered in place (fused dQ at 4k causal and 2k non-causal,
+  vmap, give the results of the kernels lowered in place (fused dQ at 5k causal and 2k non-causal,
   the separate dQ kernel at 1000 rows), and the second program finds them compiled."""
   from fa2_jax.kernels.sm90 import lowering_cache
   if not platform.is_hopper():
