@@ -312,8 +312,8 @@ class MosaicConfig:
     if not isinstance(is_causal, (bool, np.bool_)):
       raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__} {is_causal!r}")
     # Fused dQ (used only when the call allows a non-deterministic backward) from 2k query rows
-    # non-causal and 4k causal (5k at head_dim 128, below): with fewer query tiles the key tiles' reduce-adds pile onto few dQ rows
-    # and the separate dQ kernel is faster; calls with an attention variant follow the same rule
+    # non-causal and 4k causal (5k at head_dim 128, below): with fewer query tiles the key tiles'
+    # reduce-adds pile onto few dQ rows and the separate dQ kernel is faster; calls with an attention variant follow the same rule
     # (docs/design.md#when-the-backward-fuses-dq). The consumers get 240 registers and the producer
     # 24 (docs/design.md#register-split).
     fused = dict(dq_fused=True, dq_fused_min_t=4096 if is_causal else 2048, dq_fused_variants=True)
@@ -338,8 +338,8 @@ class MosaicConfig:
       if dq_split(WG_ROWS, head_dim, 2) is None:
         fused = dict(dq_fused=False)
       elif is_causal:
-        # Causal calls fuse dQ from 5120 rows: at 4k the separate dQ kernel was 1-7% faster for MHA,
-        # GQA and MQA alike, from 6000 rows the fused one (docs/design.md#when-the-backward-fuses-dq).
+        # Causal calls fuse dQ from 5120 rows: below, the separate dQ kernel was faster for MHA, GQA
+        # and MQA alike (docs/design.md#when-the-backward-fuses-dq).
         fused = dict(fused, dq_fused_min_t=5120)
       return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, **fused, **regs)
     return cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
