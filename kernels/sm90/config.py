@@ -313,9 +313,9 @@ class MosaicConfig:
       raise TypeError(f"is_causal must be a Python bool, got {type(is_causal).__name__} {is_causal!r}")
     # Fused dQ (used only when the call allows a non-deterministic backward) from 2k query rows
     # non-causal and 4k causal (5k at head_dim 128, below): with fewer query tiles the key tiles'
-    # reduce-adds pile onto few dQ rows and the separate dQ kernel is faster; calls with an attention variant follow the same rule
-    # (docs/design.md#when-the-backward-fuses-dq). The consumers get 240 registers and the producer
-    # 24 (docs/design.md#register-split).
+    # reduce-adds pile onto few dQ rows and the separate dQ kernel is faster; calls with an attention
+    # variant follow the same rule (docs/design.md#when-the-backward-fuses-dq). The consumers get 240
+    # registers and the producer 24 (docs/design.md#register-split).
     fused = dict(dq_fused=True, dq_fused_min_t=4096 if is_causal else 2048, dq_fused_variants=True)
     # The forward runs persistent at head_dim <= 128 (as fast or faster at every length measured;
     # head_dim 256 does not gain); causal calls, whose tiles differ in work, deal them greedily (a
