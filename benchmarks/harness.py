@@ -255,15 +255,20 @@ def is_smoke(data) -> bool:
   return bool((data.get("config") or {}).get("smoke"))
 
 
-def _measured(c) -> bool:
-  return isinstance(c, dict) and c.get("status") not in ("skipped", "unavailable") and bool(
-      c.get("tflops") or c.get("latency") or c.get("compiled") or c.get("errors") or c.get("ms")
-      or c.get("us"))
+def _skipped(c) -> bool:
+  """Whether a cell record says nothing about its cell: skipped (time budget), unavailable, or "ok"
+  without numbers. Any other status says something (``same``: the same program as another row;
+  ``unsupported``: the implementation refuses the call; an error, crash or OOM)."""
+  if not isinstance(c, dict) or c.get("status") in ("skipped", "unavailable"):
+    return True
+  return c.get("status") == "ok" and not (c.get("tflops") or c.get("latency") or c.get("compiled")
+                                          or c.get("errors") or c.get("ms") or c.get("us"))
 
 
 def merge_json(paths, key) -> dict:
   """One result from several files of the same script: the cells of all (``key(cell)`` identifies a
-  cell; where two files hold it the later file's wins unless it only skipped it; each cell records
+  cell; where two files hold it the later file's wins unless it says nothing (:func:`_skipped`)
+  where the earlier one did; each cell records
   its ``source`` file), notes once each, the meta of the last file (the others' in ``merged_meta``)."""
   if not paths:
     raise ValueError("merge_json needs at least one file")
@@ -282,7 +287,7 @@ def merge_json(paths, key) -> dict:
   for path, d in zip(paths, datas):
     for c in d["cells"]:
       c, k = dict(c, source=str(path)), key(c)
-      if not (k in merged and _measured(merged[k]) and not _measured(c)):
+      if not (k in merged and not _skipped(merged[k]) and _skipped(c)):
         merged.pop(k, None)
         merged[k] = c
   return dict(datas[-1], cells=list(merged.values()), merged_from=[str(p) for p in paths],
