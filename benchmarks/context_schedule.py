@@ -514,7 +514,7 @@ def render(data, base):
     lines += ["## Bar: ring schedule ≤ " f"{BAR:.2f}× one call, forward+backward", "",
               f"- met in {len(got) - len(bad)} of {len(got)} (cell, C)" + (
                   f"; not met: {', '.join(bad)}" if bad else ""), ""]
-  calls = {(c["contexts"], c["causal"]): c["step_calls"] for c in cells if c.get("step_calls")}
+  calls = {(c["id"], c["contexts"]): c["step_calls"] for c in cells if c.get("step_calls")}
   lines += ["## Forward+backward", "",
             "Ratio: the ring rows' time over the one call's (✓ at or below the bar); ✗: failed; ⚠: "
             "the ring's output or gradients off the one call's (check below). Kernels alone "
@@ -523,10 +523,10 @@ def render(data, base):
             table(cells, "fwd+bwd"), "", "## Forward", "", table(cells, "fwd"), ""]
   if calls:
     shape = lambda x: "×".join(map(str, x))  # noqa: E731
+    order = {cid: i for i, cid in enumerate(dict.fromkeys(c["id"] for c in cells))}
     lines += ["Kernel calls per device: C, one per ring step, [query rows × keys]: " + "; ".join(
-        f"C={x} {'causal' if causal else 'not causal'}: step 0 {shape(c['first'])}, then "
-        + " or ".join(shape(s) for s in c["later"])
-        for (x, causal), c in sorted(calls.items(), key=lambda kv: (kv[0][0], not kv[0][1]))), ""]
+        f"`{cid}` C={x}: step 0 {shape(c['first'])}, then " + " or ".join(shape(s) for s in c["later"])
+        for (cid, x), c in sorted(calls.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))), ""]
   lines += ["## Check: ring against the one call", "",
             f"Relative L2 error of the ring's out, dq, dk, dv (natural order) against the one call's; "
             f"⚠ above {cfg.get('err_tol', ERR_TOL):g}.", "", check_table(cells), ""]

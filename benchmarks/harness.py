@@ -255,20 +255,32 @@ def is_smoke(data) -> bool:
   return bool((data.get("config") or {}).get("smoke"))
 
 
-def _skipped(c) -> bool:
-  """Whether a cell record says nothing about its cell: skipped (time budget), unavailable, or "ok"
-  without numbers. Any other status says something (``same``: the same program as another row;
-  ``unsupported``: the implementation refuses the call; an error, crash or OOM)."""
-  if not isinstance(c, dict) or c.get("status") in ("skipped", "unavailable"):
-    return True
-  return c.get("status") == "ok" and not (c.get("tflops") or c.get("latency") or c.get("compiled")
-                                          or c.get("errors") or c.get("ms") or c.get("us"))
+def _has_numbers(c) -> bool:
+  return bool(c.get("tflops") or c.get("latency") or c.get("compiled") or c.get("errors")
+              or c.get("ms") or c.get("us"))
+
+
+def _keeps(old, new) -> bool:
+  """Whether a merge keeps the earlier record ``old`` of a cell over the later ``new``: when ``new``
+  says nothing (skipped for the time budget, unavailable, "ok" without numbers) and ``old`` does, or
+  when ``new`` is a failure without numbers (an error, a crash, an OOM) and ``old`` has numbers (a
+  partial rerun that crashed does not wipe a measurement). A later ``same`` (the same program as
+  another row) or ``unsupported`` record always wins: it describes the current code."""
+  def silent(c):
+    return (not isinstance(c, dict) or c.get("status") in ("skipped", "unavailable")
+            or (c.get("status") == "ok" and not _has_numbers(c)))
+
+  if silent(new):
+    return not silent(old)
+  if new.get("status") in ("same", "unsupported") or _has_numbers(new):
+    return False
+  return isinstance(old, dict) and _has_numbers(old)
 
 
 def merge_json(paths, key) -> dict:
   """One result from several files of the same script: the cells of all (``key(cell)`` identifies a
-  cell; where two files hold it the later file's wins unless it says nothing (:func:`_skipped`)
-  where the earlier one did; each cell records
+  cell; where two files hold it the later file's wins, unless :func:`_keeps` says otherwise; each
+  cell records
   its ``source`` file), notes once each, the meta of the last file (the others' in ``merged_meta``)."""
   if not paths:
     raise ValueError("merge_json needs at least one file")
@@ -287,7 +299,7 @@ def merge_json(paths, key) -> dict:
   for path, d in zip(paths, datas):
     for c in d["cells"]:
       c, k = dict(c, source=str(path)), key(c)
-      if not (k in merged and not _skipped(merged[k]) and _skipped(c)):
+      if not (k in merged and _keeps(merged[k], c)):
         merged.pop(k, None)
         merged[k] = c
   return dict(datas[-1], cells=list(merged.values()), merged_from=[str(p) for p in paths],

@@ -271,13 +271,20 @@ def test_merge_later_measurement_wins_but_not_a_skip(tmp_path, monkeypatch):
   # a row that ran the same program as another, then a skip of it: the record of "same" stays
   a.append(dict(_cell("d128-1k-c", "fa2_det", None, None, status="same"), same_as="fa2"))
   b.append(_cell("d128-1k-c", "fa2_det", None, None, status="skipped"))
+  # a measurement, then a crash of a partial rerun: the measurement stays; an error after a skip wins
+  a.append(_cell("d128-16k-c", "fa2", 540.0, 480.0))
+  b.append(dict(_cell("d128-16k-c", "fa2", None, None, status="crashed"), error="killed"))
+  a.append(_cell("d128-512-c", "fa2", None, None, status="skipped"))
+  b.append(dict(_cell("d128-512-c", "fa2", None, None, status="error"), error="boom"))
   p1, p2 = tmp_path / "a.json", tmp_path / "b.json"
   p1.write_text(json.dumps(_result(a, ["same note", "first note"])))
   p2.write_text(json.dumps(_result(b, ["same note"])))
   merged = harness.merge_json([p1, p2], attention.cell_key)
   by = {c["id"]: c for c in merged["cells"]}
-  assert len(merged["cells"]) == 4
+  assert len(merged["cells"]) == 6
   assert by["d128-1k-c"]["status"] == "same" and by["d128-1k-c"]["source"] == str(p1)
+  assert by["d128-16k-c"]["tflops"]["fwd"] == 540.0 and by["d128-16k-c"]["source"] == str(p1)
+  assert by["d128-512-c"]["status"] == "error" and by["d128-512-c"]["source"] == str(p2)
   assert by["d128-8k-c"]["tflops"]["fwd"] == 510.0 and by["d128-8k-c"]["source"] == str(p2)
   assert by["d128-2k-c"]["tflops"]["fwd"] == 300.0 and by["d128-2k-c"]["source"] == str(p1)
   assert merged["notes"] == ["same note", "first note"] and merged["merged_from"] == [str(p1), str(p2)]
@@ -289,7 +296,7 @@ def test_merge_later_measurement_wins_but_not_a_skip(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="not a benchmark result"):
     harness.merge_json([other], attention.cell_key)
   data = attention.main(["--merge", str(p1), str(p2), "--out", str(tmp_path / "m")])
-  assert len(data["cells"]) == 4 and (tmp_path / "m" / "attention_merged.md").exists()
+  assert len(data["cells"]) == 6 and (tmp_path / "m" / "attention_merged.md").exists()
 
 
 def test_merge_of_a_bad_file_is_a_usage_error(tmp_path, capsys):
