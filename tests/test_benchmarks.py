@@ -1234,7 +1234,7 @@ def test_context_schedule_smoke_on_cpu(tmp_path, capsys):
       assert c["backend"].startswith("triton")
   md = (tmp_path / "context_schedule.md").read_text()
   assert "smoke size on the CPU" in md and "attention_backward per step call" in md
-  assert "C=2 causal: step 0 32×32, then 32×16 or 16×32" in md
+  assert "`64-c` C=2: step 0 32×32, then 32×16 or 16×32" in md
   assert ("| cell | causal | one call: ms (TFLOP/s) | ring C=2: ÷ one call (bar ≤ 1.05) | ring C=2: ms |"
           in md)
   assert "| cell | C | out | dq | dk | dv |" in md and "| `64-c` | 2 |" in md
