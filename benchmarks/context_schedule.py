@@ -34,7 +34,8 @@ Cells (``--cells``): ``<T>-c`` (causal) and ``<T>-nc`` (not), T = S in 32k, 64k,
 ``--quick``: 32k and 128k with C = 4 and 8, 3 repetitions. ``--smoke`` (automatic without a GPU): T = 64,
 GQA 4/2 at head_dim 32, C = 2 and 4, the Triton kernels in Pallas interpret mode.
 
-``--kernels-alone``: also time each distinct kernel call of the ring's steps (step_calls) by itself, a
+``--kernels-alone``: also time each distinct kernel call of the ring's steps (step_calls) by itself
+(PART_ITERS back-to-back calls per repetition on a GPU, after the cell's rows), a
 plain ``flash_attention`` call on leading slices of the cell's inputs of its shape, and report their
 sum over the C devices' steps (C × step 0's call + C(C-1) later calls, evenly between a causal cell's
 two later shapes) over the one call's time: the part of the ring's cost that its smaller kernel calls
@@ -68,6 +69,10 @@ from .timing import PASS_FLOP_MULT, attention_flops, err_str, forward_fn, fwd_bw
 STEM = "context_schedule"
 DTYPE = "bf16"
 ITERS = 2  # back-to-back calls per repetition (module docstring: every call takes >= 10 ms)
+# --kernels-alone: back-to-back calls per repetition of each step call timed alone (a 32k cell's step
+# calls take 0.3-3 ms, where ITERS calls and a sync would add the dispatch to every call: the anchors'
+# 10 calls)
+PART_ITERS = 10
 REPS = 5  # repetitions, median taken (timing.REPS)
 REPS_QUICK = 3
 BAR = 1.05  # ring schedule time ÷ one call's time, forward+backward: at most this
@@ -306,13 +311,13 @@ def measure_cell(run, cell: dict, rows: dict, args, t0: float, parts: dict | Non
   the ring rows; record each. ``rows = {name: (record, f, args, contexts)}``; ``parts = {(contexts,
   label): (f, args, calls)}``: the ring steps' kernel calls alone (``--kernels-alone``), timed with
   them and summed into each ring row's ``kernels_alone_ms``."""
-  entries = {}
+  entries, part_entries = {}, {}
   for name, (rec, f, call_args, _) in rows.items():
     for p in PASSES:
       entries[(name, p)] = ({"fwd": forward_fn, "fwd+bwd": fwd_bwd_fn}[p](f), call_args)
   for key, (f, call_args, _) in (parts or {}).items():
     for p in PASSES:
-      entries[("part", key, p)] = ({"fwd": forward_fn, "fwd+bwd": fwd_bwd_fn}[p](f), call_args)
+      part_entries[("part", key, p)] = ({"fwd": forward_fn, "fwd+bwd": fwd_bwd_fn}[p](f), call_args)
   started = set()
 
   def before(key):
@@ -324,6 +329,12 @@ def measure_cell(run, cell: dict, rows: dict, args, t0: float, parts: dict | Non
     timed = time_interleaved(entries, iters=args.iters, reps=args.reps, before=before)
   except Exception as e:  # noqa: BLE001
     timed = {key: e for key in entries}
+  if part_entries:  # the short step calls alone: more calls per repetition (PART_ITERS)
+    try:
+      part_iters = args.iters if args.smoke else max(args.iters, PART_ITERS)
+      timed.update(time_interleaved(part_entries, iters=part_iters, reps=args.reps))
+    except Exception as e:  # noqa: BLE001
+      timed.update({key: e for key in part_entries})
   outs = {}
   for name, (rec, _, _, _) in rows.items():
     rec.update(timing={}, ms={}, tflops={})
