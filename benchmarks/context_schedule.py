@@ -534,10 +534,9 @@ def render(data, base):
             table(cells, "fwd+bwd"), "", "## Forward", "", table(cells, "fwd"), ""]
   if calls:
     shape = lambda x: "×".join(map(str, x))  # noqa: E731
-    order = {cid: i for i, cid in enumerate(dict.fromkeys(c["id"] for c in cells))}
     lines += ["Kernel calls per device: C, one per ring step, [query rows × keys]: " + "; ".join(
         f"`{cid}` C={x}: step 0 {shape(c['first'])}, then " + " or ".join(shape(s) for s in c["later"])
-        for (cid, x), c in sorted(calls.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))), ""]
+        for (cid, x), c in calls.items()), ""]  # the cells' order
   lines += ["## Check: ring against the one call", "",
             f"Relative L2 error of the ring's out, dq, dk, dv (natural order) against the one call's; "
             f"⚠ above {cfg.get('err_tol', ERR_TOL):g}.", "", check_table(cells), ""]
