@@ -551,6 +551,9 @@ def _flash_bwd(st: _Static, residuals, cotangents):
                             whole=dict(st.whole), fold_vmap=_foldable(st),
                             extra_outputs=(sharding.LSE,) if slope_grad else (),
                             context=_context(st, backward=True))
+  # The step's kernels are traced (the forward's before this): its compile then finds them compiled
+  # by the background threads that started at their exports, in parallel, not one after another.
+  kernel_reuse.wait_for_compiles()
   # The variant operands (lengths, segment ids, offsets: integers) get zero cotangents; the ALiBi
   # slopes, where perturbed, theirs: through the scores (the kernel's row sums) and through the
   # lse's shift back (masking.alibi_lse_shift).
@@ -641,6 +644,7 @@ def _attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=N
                             extras, _layouts(st, extras), partition=_partitionable(st),
                             whole=dict(st.whole), fold_vmap=_foldable(st),
                             extra_outputs=(sharding.LSE,) if slope_rows else ())
+  kernel_reuse.wait_for_compiles()  # as in _flash_bwd
   dq, dk, dv = grads[:3]
   dq = dq[:, :launch.t_call]
   keys = ((0, 0), (0, launch.s_call - launch.s_kept), (0, 0), (0, 0))  # keys sliced off: zeros

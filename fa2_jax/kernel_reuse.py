@@ -118,6 +118,12 @@ def length_multiple() -> int | None:
   return _STATE["length_multiple"]
 
 
+def wait_for_compiles() -> int:
+  """Waits for the kernels compiling in the background (each new export of a GPU process starts
+  its compile at once, ``kernels/sm90/lowering_cache.py``); how many there were."""
+  return lowering_cache.wait_for_compiles()
+
+
 def info() -> dict:
   """``{"enabled", "length_multiple", "hits", "misses", "size", "cache_dir", "reads", "writes"}``:
   the switch, calls served by an exported kernel, exports made or read, kernels held; the cache

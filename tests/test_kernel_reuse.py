@@ -91,6 +91,75 @@ def test_a_second_program_embeds_the_first_ones_kernels(reuse):
   assert not _kernel_hashes(evaluate, longer, longer, longer, longer) & first
 
 
+@pytest.fixture
+def background(monkeypatch):
+  """A GPU process's background compiles, observed on the CPU: ``_on_gpu`` says yes and each
+  compile records the export it was given instead of compiling it; returns that list."""
+  compiled = []
+  monkeypatch.setattr(lowering_cache, "_on_gpu", lambda: True)
+  monkeypatch.setattr(lowering_cache, "_compile", lambda exp, avals: compiled.append(exp))
+  previous = lowering_cache.set_background_compiles(True)
+  yield compiled
+  lowering_cache.wait_for_compiles()
+  lowering_cache.set_background_compiles(previous)
+
+
+def test_new_exports_compile_in_the_background(reuse, background):
+  """On a GPU every new export starts its compile in a thread at once (the program's compile then
+  finds the kernels compiled, in parallel instead of one after another); a program that reuses the
+  exports starts none; with the background compiles off a new shape starts none."""
+  cache = reuse()
+  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
+  cfg = MosaicConfig.default(128, BF16, True).replace(dq_fused=True, dq_fused_min_t=0)
+  train = _train(128 ** -0.5, True, cfg)
+  _kernel_hashes(train, sd, sd, sd, sd)
+  assert lowering_cache.wait_for_compiles() == 2 and lowering_cache.wait_for_compiles() == 0
+  assert len(background) == 2 and {id(e) for e in background} == {
+      id(e) for e in lowering_cache._EXPORTED.values()}
+  _kernel_hashes(lambda *a: [x + 1 for x in train(*a)], sd, sd, sd, sd)
+  assert lowering_cache.wait_for_compiles() == 0 and cache.info()["compiles"] == 2
+  lowering_cache.set_background_compiles(False)
+  longer = jax.ShapeDtypeStruct((1, 768, 2, 128), BF16)
+  _kernel_hashes(train, longer, longer, longer, longer)
+  assert cache.info()["misses"] == 4 and len(background) == 2
+
+
+def test_the_backward_rule_waits_for_the_background_compiles(reuse, background, fake_hopper):
+  """``jit(grad(flash_attention))``: the backward rule, traced after every kernel of the step, waits
+  for their compiles, so that the step's compile finds all of them compiled."""
+  reuse()
+  waited = []
+  original = lowering_cache.wait_for_compiles
+  lowering_cache_wait = lambda: waited.append(original()) or waited[-1]  # noqa: E731
+  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
+  loss = lambda q, k, v: fa2_jax.flash_attention(q, k, v, is_causal=True).astype(jnp.float32).sum()  # noqa: E731
+  try:
+    lowering_cache.wait_for_compiles = lowering_cache_wait
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(sd, sd, sd).lower(lowering_platforms=("cuda",))
+  finally:
+    lowering_cache.wait_for_compiles = original
+  assert waited == [len(background)] and len(background) >= 2
+  assert not lowering_cache._PENDING
+
+
+def test_kernels_read_from_the_folder_compile_only_without_jax_cache(reuse, background, tmp_path,
+                                                                     monkeypatch):
+  """A kernel read from the cache folder ran in an earlier process: with JAX's compilation cache on
+  the program finds it compiled there, so no background compile starts; without, one does."""
+  cache = reuse(cache_dir=tmp_path)
+  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
+  fwd = lambda q, k, v: forward(q, k, v, scale=0.1, is_causal=True,  # noqa: E731
+                                config=MosaicConfig.default(128, BF16, True))[0]
+  _kernel_hashes(fwd, sd, sd, sd)
+  assert cache.info()["writes"] == 1 and len(background) == 1
+  for jax_cache, started in ((False, 2), (True, 2)):
+    lowering_cache.clear()
+    monkeypatch.setattr(lowering_cache, "_jax_cache_on", lambda on=jax_cache: on)
+    _kernel_hashes(lambda q, k, v: fwd(q, k, v) + 1, sd, sd, sd)
+    assert cache.info()["reads"] == 1 and len(background) == started
+  lowering_cache.wait_for_compiles()
+
+
 def test_vmap_folds_into_the_batch(reuse):
   """Under ``vmap`` the reused kernel runs with the mapped axis folded into the batch: the kernel of
   ``vmap`` over 2 x [1, T, N, H] is the one of a direct [2, T, N, H] call."""

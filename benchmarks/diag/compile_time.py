@@ -16,6 +16,9 @@ DIR (every entry kept, however fast its compile): a second process with the same
 shape seen by an earlier process costs. ``--other-programs``: after each shape's ``jit(grad)``, two
 more programs with that shape, the forward alone (an evaluation step) and ``jit(grad)`` of another
 loss, each timed the same way: what a program costs whose attention shapes an earlier program ran.
+``--sequential-compiles`` (with ``--reuse-kernels``): the exported kernels are not compiled in
+background threads (on by default: each program's compile then finds them compiled), so the
+program's compile compiles them one after another, as without ``--reuse-kernels``.
 ``--lower-for-sm90``: no compile and no run; each program is traced and lowered for sm90 on any
 machine (a CPU too: the dispatcher is told it runs on an H200), the shapes as given: the half of a
 new shape's cost that does not need a GPU.
@@ -54,6 +57,9 @@ def main(argv=None):
                        "process)")
   ap.add_argument("--length-multiple", type=h.positive_int, default=None,
                   help="with --reuse-kernels: its length_multiple")
+  ap.add_argument("--sequential-compiles", action="store_true",
+                  help="with --reuse-kernels: no background compiles of new kernels (each "
+                       "program's compile then compiles its Mosaic kernels one after another)")
   ap.add_argument("--lower-for-sm90", action="store_true",
                   help="lower only, for sm90, on any machine (see above)")
   ap.add_argument("--out", default=None, help="output folder (default out/<gpu>/)")
@@ -62,6 +68,9 @@ def main(argv=None):
     ap.error("--other-programs needs --shapes")
   if args.length_multiple is not None and not args.reuse_kernels:
     ap.error("--length-multiple needs --reuse-kernels")
+  if args.sequential_compiles and not args.reuse_kernels:
+    ap.error("--sequential-compiles needs --reuse-kernels (the background compiles are the "
+             "exported kernels')")
   import jax
   import jax.numpy as jnp
   if args.cache_dir:
@@ -75,6 +84,9 @@ def main(argv=None):
     fa2_jax.reuse_kernels_across_programs(
         True, length_multiple=args.length_multiple,
         cache_dir=os.path.join(args.cache_dir, "fa2_jax_kernels") if args.cache_dir else None)
+    if args.sequential_compiles:
+      from fa2_jax.kernels.sm90 import lowering_cache
+      lowering_cache.set_background_compiles(False)
   else:  # a cold process: fa2_jax's default reuse (and its per-user folder) off
     fa2_jax.reuse_kernels_across_programs(False)
   info = h.device_info()
@@ -106,6 +118,7 @@ def main(argv=None):
   h.write_json(out / (stem + ("_lowered_sm90" if args.lower_for_sm90 else "") + ".json"),
                {"meta": dict(info, cache_dir=bool(args.cache_dir), causal=not args.non_causal,
                              reuse_kernels=args.reuse_kernels, length_multiple=args.length_multiple,
+                             background_compiles=args.reuse_kernels and not args.sequential_compiles,
                              lower_for_sm90=args.lower_for_sm90, kernel_reuse=reuse),
                 "rows": rows})
 

@@ -46,7 +46,7 @@ import jax
 from jax._src import config as jax_config  # export_ignore_forward_compatibility: no public context form
 
 _STATE = {"enabled": False, "hits": 0, "misses": 0, "cache_dir": None, "reads": 0, "writes": 0,
-          "warned": set(), "umask": 0o022}
+          "warned": set(), "umask": 0o022, "background": True, "compiles": 0}
 _SOURCES: list = []  # the package sources' hash, computed once (_sources_hash)
 # The folders whose Python sources name a cache file (_sources_hash) and whose frames a warning skips
 # (_internal_prefixes): the kernels' own, and those the caller adds (add_package_folder: the public
@@ -56,6 +56,14 @@ _PACKAGE_FOLDERS: list = [_KERNELS_FOLDER]
 _ENVIRONMENT: list = []  # versions and GPU, read once (_environment)
 _EXPORTED: dict = {}
 _LOCK = threading.Lock()
+# Background compiles of new exports (start_compile): their futures until wait_for_compiles, and the
+# pool that runs them (made on first use). XLA compiles the Mosaic kernels of one program one after
+# another at its compile; compiled first in threads, each on its own, they are found in jaxlib's
+# process-wide kernel cache (keyed by the module's hash, the same in every program that embeds the
+# export) when the program compiles.
+_PENDING: list = []
+_POOL: list = []
+COMPILE_THREADS = 4  # at most three kernels per attention call (forward, dK/dV, dQ), and a spare
 
 
 def add_package_folder(folder: str) -> None:
@@ -93,13 +101,13 @@ def set_cache_dir(path: str | None) -> str | None:
 
 
 def info() -> dict:
-  """``{"enabled", "hits", "misses", "size", "cache_dir", "reads", "writes"}``: calls served by an
-  exported kernel, exports made or read, kernels held; the cache folder, exports read from it and
-  written to it."""
+  """``{"enabled", "hits", "misses", "size", "cache_dir", "reads", "writes", "compiles"}``: calls
+  served by an exported kernel, exports made or read, kernels held; the cache folder, exports read
+  from it and written to it; compiles started in the background (:func:`start_compile`)."""
   with _LOCK:
     return {"enabled": _STATE["enabled"], "hits": _STATE["hits"], "misses": _STATE["misses"],
             "size": len(_EXPORTED), "cache_dir": _STATE["cache_dir"], "reads": _STATE["reads"],
-            "writes": _STATE["writes"]}
+            "writes": _STATE["writes"], "compiles": _STATE["compiles"]}
 
 
 def clear() -> None:
@@ -107,7 +115,7 @@ def clear() -> None:
   stay)."""
   with _LOCK:
     _EXPORTED.clear()
-    _STATE["hits"] = _STATE["misses"] = _STATE["reads"] = _STATE["writes"] = 0
+    _STATE["hits"] = _STATE["misses"] = _STATE["reads"] = _STATE["writes"] = _STATE["compiles"] = 0
 
 
 def _static_dims(x) -> bool:
@@ -282,7 +290,8 @@ def _exported(fn, jitted, static: dict, operands):
   name = None if folder is None else _file_name(key, static)
   path = None if name is None else os.path.join(folder, name)
   exp = None if path is None else _read(path, avals)
-  if exp is not None:
+  read = exp is not None
+  if read:
     with _LOCK:
       _STATE["reads"] += 1
   else:
@@ -291,7 +300,69 @@ def _exported(fn, jitted, static: dict, operands):
       with _LOCK:
         _STATE["writes"] += 1
   with _LOCK:
-    return _EXPORTED.setdefault(key, exp)
+    kept = _EXPORTED.setdefault(key, exp)
+  # A kernel read from the folder ran in an earlier process: with JAX's compilation cache on, the
+  # program's compile finds it compiled there, and a compile of its own would only add its time.
+  if kept is exp and not (read and _jax_cache_on()):
+    start_compile(exp)
+  return kept
+
+
+def _jax_cache_on() -> bool:
+  return bool(jax.config.jax_compilation_cache_dir)
+
+
+def _on_gpu() -> bool:
+  try:
+    return jax.default_backend() == "gpu"
+  except RuntimeError:  # no backend can start
+    return False
+
+
+def start_compile(exp) -> None:
+  """Compiles ``exp`` (a kernel's export) for this process's GPU in a background thread, as a
+  program of its own, so that the kernels of a training step compile at once, and while the rest
+  of the step is traced, instead of one after another in its compile (:func:`wait_for_compiles`).
+  Nothing happens off a GPU, for an export over several devices, or with the background compiles
+  turned off (:func:`set_background_compiles`). A failed compile is ignored here: the program's own
+  compile meets the error again and reports it."""
+  if not _STATE["background"] or exp.nr_devices != 1 or "cuda" not in exp.platforms or not _on_gpu():
+    return
+  import concurrent.futures  # imported on use: only a GPU process compiles in the background
+  with _LOCK:
+    if not _POOL:
+      _POOL.append(concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
+                                                         thread_name_prefix="fa2_jax_compile"))
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.in_avals]
+    _PENDING.append(_POOL[0].submit(_compile, exp, avals))
+    _STATE["compiles"] += 1
+
+
+def _compile(exp, avals) -> None:
+  try:
+    jax.jit(exp.call).lower(*avals).compile()
+  except Exception:  # noqa: BLE001 - the program's compile reports it (start_compile)
+    pass
+
+
+def wait_for_compiles() -> int:
+  """Waits for the background compiles started so far (:func:`start_compile`); returns how many.
+  Called where a training step's last kernels have been traced (the backward rule), so that its
+  compile finds every kernel compiled instead of compiling one a thread is still working on."""
+  with _LOCK:
+    pending = list(_PENDING)
+    _PENDING.clear()
+  for future in pending:
+    future.result()
+  return len(pending)
+
+
+def set_background_compiles(enabled: bool) -> bool:
+  """Turns the background compiles of new exports on (default) or off; returns the previous
+  setting."""
+  previous = _STATE["background"]
+  _STATE["background"] = bool(enabled)
+  return previous
 
 
 def _cached(fn, jitted, static: dict, operands):
