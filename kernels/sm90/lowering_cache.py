@@ -31,6 +31,12 @@ ran costs the tracing of the call and the reading of its kernels. Settings that 
 function (``mask_fn``, ``score_fn``) have no name that is stable across processes: they are exported
 per process only.
 
+On a GPU each new export also starts its compile at once in a background thread, as a program of
+its own (:func:`start_compile`): XLA compiles a program's Mosaic kernels one after another, and these
+threads compile them at the same time, and while the rest of the step is traced; the program's compile
+then finds them in jaxlib's process-wide kernel cache. The backward rule waits for them
+(:func:`wait_for_compiles`; docs/measurements.md, "Background compiles").
+
 Not used in GPU interpret mode (``emulate``), nor for operands with symbolic dimensions.
 """
 from __future__ import annotations
