@@ -33,9 +33,10 @@ per process only.
 
 On a GPU each new export also starts its compile at once in a background thread, as a program of
 its own (:func:`start_compile`): XLA compiles a program's Mosaic kernels one after another, and these
-threads compile them at the same time, and while the rest of the step is traced; the program's compile
-then finds them in jaxlib's process-wide kernel cache. The backward rule waits for them
-(:func:`wait_for_compiles`; docs/measurements.md, "Background compiles").
+threads compile them at the same time (the forward's while the backward is traced); the program's
+compile then finds them in jaxlib's process-wide kernel cache. The backward rule waits for them
+(:func:`wait_for_compiles`; docs/measurements.md, "Background compiles"). Not with JAX's persistent
+compilation cache on, which keeps a program only if its compile takes a second or more.
 
 Not used in GPU interpret mode (``emulate``), nor for operands with symbolic dimensions.
 """
@@ -52,7 +53,7 @@ import jax
 from jax._src import config as jax_config  # export_ignore_forward_compatibility: no public context form
 
 _STATE = {"enabled": False, "hits": 0, "misses": 0, "cache_dir": None, "reads": 0, "writes": 0,
-          "warned": set(), "umask": 0o022, "background": True, "compiles": 0}
+          "warned": set(), "umask": 0o022, "background": True, "compiles": 0, "compile_errors": 0}
 _SOURCES: list = []  # the package sources' hash, computed once (_sources_hash)
 # The folders whose Python sources name a cache file (_sources_hash) and whose frames a warning skips
 # (_internal_prefixes): the kernels' own, and those the caller adds (add_package_folder: the public
@@ -67,9 +68,19 @@ _LOCK = threading.Lock()
 # another at its compile; compiled first in threads, each on its own, they are found in jaxlib's
 # process-wide kernel cache (keyed by the module's hash, the same in every program that embeds the
 # export) when the program compiles.
-_PENDING: list = []
+_PENDING = threading.local()  # .futures: the compiles this thread started (wait_for_compiles)
 _POOL: list = []
-COMPILE_THREADS = 4  # at most three kernels per attention call (forward, dK/dV, dQ), and a spare
+# at most three kernels per attention call (forward, dK/dV, dQ) and a spare, fewer on a smaller host
+COMPILE_THREADS = min(4, os.cpu_count() or 1)
+
+
+def _forget_pool() -> None:  # a forked child has the pool's object but none of its threads
+  _POOL.clear()
+  _PENDING.__dict__.clear()
+
+
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=_forget_pool)
 
 
 def add_package_folder(folder: str) -> None:
@@ -107,13 +118,15 @@ def set_cache_dir(path: str | None) -> str | None:
 
 
 def info() -> dict:
-  """``{"enabled", "hits", "misses", "size", "cache_dir", "reads", "writes", "compiles"}``: calls
-  served by an exported kernel, exports made or read, kernels held; the cache folder, exports read
-  from it and written to it; compiles started in the background (:func:`start_compile`)."""
+  """``{"enabled", "hits", "misses", "size", "cache_dir", "reads", "writes", "compiles",
+  "compile_errors"}``: calls served by an exported kernel, exports made or read, kernels held; the
+  cache folder, exports read from it and written to it; compiles started in the background
+  (:func:`start_compile`) and those that failed."""
   with _LOCK:
     return {"enabled": _STATE["enabled"], "hits": _STATE["hits"], "misses": _STATE["misses"],
             "size": len(_EXPORTED), "cache_dir": _STATE["cache_dir"], "reads": _STATE["reads"],
-            "writes": _STATE["writes"], "compiles": _STATE["compiles"]}
+            "writes": _STATE["writes"], "compiles": _STATE["compiles"],
+            "compile_errors": _STATE["compile_errors"]}
 
 
 def clear() -> None:
@@ -121,7 +134,8 @@ def clear() -> None:
   stay)."""
   with _LOCK:
     _EXPORTED.clear()
-    _STATE["hits"] = _STATE["misses"] = _STATE["reads"] = _STATE["writes"] = _STATE["compiles"] = 0
+    _STATE["hits"] = _STATE["misses"] = _STATE["reads"] = _STATE["writes"] = 0
+    _STATE["compiles"] = _STATE["compile_errors"] = 0
 
 
 def _static_dims(x) -> bool:
@@ -307,15 +321,14 @@ def _exported(fn, jitted, static: dict, operands):
         _STATE["writes"] += 1
   with _LOCK:
     kept = _EXPORTED.setdefault(key, exp)
-  # A kernel read from the folder ran in an earlier process: with JAX's compilation cache on, the
-  # program's compile finds it compiled there, and a compile of its own would only add its time.
-  if kept is exp and not (read and _jax_cache_on()):
+  if kept is exp:
     start_compile(exp)
   return kept
 
 
 def _jax_cache_on() -> bool:
-  return bool(jax.config.jax_compilation_cache_dir)
+  """Whether JAX's persistent compilation cache is on (a folder set and the cache enabled)."""
+  return bool(jax.config.jax_compilation_cache_dir) and bool(jax.config.jax_enable_compilation_cache)
 
 
 def _on_gpu() -> bool:
@@ -329,10 +342,15 @@ def start_compile(exp) -> None:
   """Compiles ``exp`` (a kernel's export) for this process's GPU in a background thread, as a
   program of its own, so that the kernels of a training step compile at once, and while the rest
   of the step is traced, instead of one after another in its compile (:func:`wait_for_compiles`).
-  Nothing happens off a GPU, for an export over several devices, or with the background compiles
-  turned off (:func:`set_background_compiles`). A failed compile is ignored here: the program's own
-  compile meets the error again and reports it."""
-  if not _STATE["background"] or exp.nr_devices != 1 or "cuda" not in exp.platforms or not _on_gpu():
+  Nothing happens off a GPU, for an export over several devices, with JAX's persistent compilation
+  cache on (a program compiled in well under its 1 s threshold would not be kept there, and a later
+  process would compile its kernels again, one after another), or with the background compiles
+  turned off (:func:`set_background_compiles`). A failed compile is counted (``info()
+  ["compile_errors"]``) and otherwise ignored here: the program's own compile meets the error again
+  and reports it. Two compiles of one kernel (a program compiled before its background compile ends)
+  are safe: jaxlib keeps the first result."""
+  if (not _STATE["background"] or exp.nr_devices != 1 or "cuda" not in exp.platforms
+      or _jax_cache_on() or not _on_gpu()):
     return
   import concurrent.futures  # imported on use: only a GPU process compiles in the background
   with _LOCK:
@@ -340,24 +358,28 @@ def start_compile(exp) -> None:
       _POOL.append(concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
                                                          thread_name_prefix="fa2_jax_compile"))
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.in_avals]
-    _PENDING.append(_POOL[0].submit(_compile, exp, avals))
+    future = _POOL[0].submit(_compile, exp, avals)
     _STATE["compiles"] += 1
+  if not hasattr(_PENDING, "futures"):
+    _PENDING.futures = []
+  _PENDING.futures.append(future)
 
 
 def _compile(exp, avals) -> None:
   try:
     jax.jit(exp.call).lower(*avals).compile()
   except Exception:  # noqa: BLE001 - the program's compile reports it (start_compile)
-    pass
+    with _LOCK:
+      _STATE["compile_errors"] += 1
 
 
 def wait_for_compiles() -> int:
-  """Waits for the background compiles started so far (:func:`start_compile`); returns how many.
-  Called where a training step's last kernels have been traced (the backward rule), so that its
-  compile finds every kernel compiled instead of compiling one a thread is still working on."""
-  with _LOCK:
-    pending = list(_PENDING)
-    _PENDING.clear()
+  """Waits for the background compiles this thread started so far (:func:`start_compile`); returns
+  how many. Called where a training step's last kernels have been traced (the backward rule), so
+  that its compile finds every kernel compiled instead of compiling one a thread is still working
+  on."""
+  pending = getattr(_PENDING, "futures", [])
+  _PENDING.futures = []
   for future in pending:
     future.result()
   return len(pending)
