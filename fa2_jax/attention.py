@@ -644,7 +644,6 @@ def _attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=N
                             extras, _layouts(st, extras), partition=_partitionable(st),
                             whole=dict(st.whole), fold_vmap=_foldable(st),
                             extra_outputs=(sharding.LSE,) if slope_rows else ())
-  kernel_reuse.wait_for_compiles()  # as in _flash_bwd
   dq, dk, dv = grads[:3]
   dq = dq[:, :launch.t_call]
   keys = ((0, 0), (0, launch.s_call - launch.s_kept), (0, 0), (0, 0))  # keys sliced off: zeros

@@ -77,7 +77,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from . import attention, sharding
+from . import attention, kernel_reuse, sharding
 from .kernels.masking import (Variant, VariantArrays, alibi_row_shift, closes_over_arrays,
                               shifts_alibi)
 from .kernels.backend import accumulate_dq
@@ -762,6 +762,7 @@ def _ring_bwd(cfg: _Config, residuals, cotangents):
                 for c in cotangents)
   dq, dk, dv, dslopes = _ring_backward(cfg, q, k, v, ops, out, lse, dout,
                                        dlse.astype(jnp.float32), slope_grad=bool(slope_grad))
+  kernel_reuse.wait_for_compiles()  # the step's kernels compiled before its compile (as _flash_bwd)
   d_ops = {name: None for name in ops}
   if dslopes is not None:
     d_ops["slopes"] = dslopes
