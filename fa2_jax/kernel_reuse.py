@@ -125,7 +125,8 @@ def wait_for_compiles() -> int:
 
 
 def info() -> dict:
-  """``{"enabled", "length_multiple", "hits", "misses", "size", "cache_dir", "reads", "writes"}``:
-  the switch, calls served by an exported kernel, exports made or read, kernels held; the cache
-  folder, exports read from it and written to it."""
+  """``{"enabled", "length_multiple", "hits", "misses", "size", "cache_dir", "reads", "writes",
+  "compiles", "compile_errors"}``: the switch, calls served by an exported kernel, exports made or
+  read, kernels held; the cache folder, exports read from it and written to it; the exports compiled
+  in background threads on a GPU, and those of them that failed."""
   return dict(lowering_cache.info(), length_multiple=length_multiple())

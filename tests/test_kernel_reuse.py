@@ -124,20 +124,19 @@ def test_new_exports_compile_in_the_background(reuse, background):
   assert cache.info()["misses"] == 4 and len(background) == 2
 
 
-def test_the_backward_rule_waits_for_the_background_compiles(reuse, background, fake_hopper):
+def test_the_backward_rule_waits_for_the_background_compiles(reuse, background, fake_hopper,
+                                                            monkeypatch):
   """``jit(grad(flash_attention))``: the backward rule, traced after every kernel of the step, waits
   for their compiles, so that the step's compile finds all of them compiled."""
   reuse()
   waited = []
   original = lowering_cache.wait_for_compiles
-  lowering_cache_wait = lambda: waited.append(original()) or waited[-1]  # noqa: E731
+  monkeypatch.setattr(lowering_cache, "wait_for_compiles",
+                      lambda: waited.append(original()) or waited[-1])
   sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
   loss = lambda q, k, v: fa2_jax.flash_attention(q, k, v, is_causal=True).astype(jnp.float32).sum()  # noqa: E731
-  try:
-    lowering_cache.wait_for_compiles = lowering_cache_wait
-    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(sd, sd, sd).lower(lowering_platforms=("cuda",))
-  finally:
-    lowering_cache.wait_for_compiles = original
+  jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(sd, sd, sd).lower(lowering_platforms=("cuda",))
+  monkeypatch.setattr(lowering_cache, "wait_for_compiles", original)
   assert waited == [len(background)] and len(background) >= 2
   assert not getattr(lowering_cache._PENDING, "futures", [])
 

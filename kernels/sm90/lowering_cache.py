@@ -310,8 +310,7 @@ def _exported(fn, jitted, static: dict, operands):
   name = None if folder is None else _file_name(key, static)
   path = None if name is None else os.path.join(folder, name)
   exp = None if path is None else _read(path, avals)
-  read = exp is not None
-  if read:
+  if exp is not None:
     with _LOCK:
       _STATE["reads"] += 1
   else:
@@ -332,8 +331,10 @@ def _jax_cache_on() -> bool:
 
 
 def _on_gpu() -> bool:
+  """Whether this process can compile for an NVIDIA GPU. Not ``kernels.platform.on_gpu``: the tests
+  and ``--lower-for-sm90`` make the dispatcher believe it runs on a GPU, where nothing can compile."""
   try:
-    return jax.default_backend() == "gpu"
+    return jax.default_backend() in ("gpu", "cuda")
   except RuntimeError:  # no backend can start
     return False
 
