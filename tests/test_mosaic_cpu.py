@@ -524,18 +524,21 @@ def test_lpt_tile_traced_matches_python():
 
 
 def test_group_split():
-  """The dK/dV kernel splits a GQA group over CTAs until the grid has 2 CTAs per SM and each loops
-  over at most 8 heads, by powers of two that divide the group; a grid that fills the GPU with short
-  loops, or an odd group, is left alone."""
+  """The dK/dV kernel splits a GQA group over CTAs (by the smallest divisor of the group) until the
+  grid has 2 CTAs per SM and each loops over at most 4 heads; a grid that fills the GPU with short
+  loops is left alone."""
   assert group_split(1, 1, 32, 64, 132) == 8  # MQA 32/1 at 8k: 64 key CTAs -> 512
-  assert group_split(4, 1, 48, 32, 132) == 8  # StarCoder 48/1 at 4k x 4: 128 -> 1024, 6 heads each
+  assert group_split(4, 1, 48, 32, 132) == 12  # StarCoder 48/1 at 4k x 4: 128 -> 1536, 4 heads each
   assert group_split(4, 1, 8, 64, 132) == 2  # Gemma 2B 8/1 (head_dim 256, 64-key CTAs) at 4k x 4
-  assert group_split(64, 1, 32, 32, 132) == 4  # a full grid, but 32 heads per CTA -> 8
-  assert group_split(4, 8, 8, 32, 132) == 1  # Llama-3 70B 64/8
-  assert group_split(1, 8, 4, 64, 132) == 1  # GQA 32/8 at 8k: 512 CTAs already
-  assert group_split(1, 4, 7, 8, 132) == 1  # Qwen2 28/4: odd group
+  assert group_split(64, 1, 32, 32, 132) == 8  # a full grid, but 32 heads per CTA -> 4
+  assert group_split(4, 8, 8, 32, 132) == 2  # Llama-3 70B 64/8 at 4k x 4: a full grid, 8 heads -> 4
+  assert group_split(1, 8, 8, 128, 132) == 2  # ... and at 16k
+  assert group_split(1, 8, 4, 64, 132) == 1  # GQA 32/8 at 8k: 512 CTAs of 4 heads already
+  assert group_split(1, 4, 7, 128, 132) == 7  # Qwen2 28/4 at 16k: 7 is prime, one head per CTA
+  assert group_split(4, 8, 5, 32, 132) == 5  # GQA 40/8
   assert group_split(1, 1, 2, 1, 132) == 2  # capped at the group
-  assert group_split(1, 1, 12, 1, 132) == 4  # the largest power of two dividing 12
+  assert group_split(1, 1, 12, 1, 132) == 12  # no divisor fills the grid: one head per CTA
+  assert group_split(1, 1, 1, 1, 132) == 1  # MHA
 
 
 def test_section_heads():
@@ -750,8 +753,9 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # non-causal, ragged lengths padded in HBM, lse cotangent, one consumer warpgroup (no pingpong)
     (1, 100, 77, 2, 2, 128, False,
      MosaicConfig.default(128).replace(ragged="pad", num_wgs=1, pingpong=False), True),
-    # fused dQ: causal, GQA 2:1, ragged T/S, lse cotangent (emulated: per-consumer slabs, summed)
-    (1, 136, 200, 2, 1, 64, True, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=2),
+    # fused dQ: causal, GQA 3:1 (the group split over 3 CTAs, group_split), ragged T/S, lse
+    # cotangent (emulated: per-consumer slabs, summed)
+    (1, 136, 200, 3, 1, 64, True, MosaicConfig.default(64).replace(dq_fused=True, dq_fused_min_t=0, num_stages_dkv=2),
      True),
     # head_dim 80 (32-byte swizzle), fused dQ without a split (64-row dK/dV tiles, 80 columns):
     # causal, ragged, GQA 2:1

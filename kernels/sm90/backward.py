@@ -103,21 +103,22 @@ def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool =
 # last tiles see the fewest query rows), so two CTAs per SM let the scheduler even them out ...
 SPLIT_CTAS_PER_SM = 2
 # ... and until a CTA loops over at most this many query heads: a long loop per CTA leaves the causal
-# tail uneven even on a full grid (StarCoder 48/1 at 4 x 4k on an H100: 4 CTAs per group, 12 heads
-# each, 389 TFLOP/s fwd+bwd; 8 CTAs, 6 heads each, 476; docs/measurements.md#dkdv-group-split).
-SPLIT_HEADS_PER_CTA = 8
+# tail uneven even on a full grid (H100, fwd+bwd: Llama-3 70B 64/8 at 1 x 16k 528 TFLOP/s with 8
+# heads per CTA, 558 with 4; Qwen2 28/4 554 with 7, 565 with 1; GQA 32/8, 4 heads, loses 1-2% to a
+# split; docs/measurements.md#dkdv-group-split).
+SPLIT_HEADS_PER_CTA = 4
 
 
 def group_split(batch: int, kv_heads: int, group: int, key_ctas: int, sms: int) -> int:
-  """CTAs per GQA group of the dK/dV kernel: the smallest power of two ``r`` dividing ``group``
-  with ``batch * kv_heads * r * key_ctas >= SPLIT_CTAS_PER_SM * sms`` and ``group / r <=
-  SPLIT_HEADS_PER_CTA`` (or the largest power of two dividing ``group``, where none reaches both).
-  1 for a grid that fills the GPU with short loops already (GQA 32/8)."""
-  r = 1
-  while ((batch * kv_heads * r * key_ctas < SPLIT_CTAS_PER_SM * sms
-          or group // r > SPLIT_HEADS_PER_CTA) and group % (2 * r) == 0):
-    r *= 2
-  return r
+  """CTAs per GQA group of the dK/dV kernel: the smallest divisor ``r`` of ``group`` with ``batch *
+  kv_heads * r * key_ctas >= SPLIT_CTAS_PER_SM * sms`` and ``group / r <= SPLIT_HEADS_PER_CTA``
+  (``group`` itself where no divisor reaches both: one head per CTA). 1 for a grid that fills the
+  GPU with short loops already (GQA 32/8)."""
+  for r in range(1, group + 1):
+    if (group % r == 0 and batch * kv_heads * r * key_ctas >= SPLIT_CTAS_PER_SM * sms
+        and group // r <= SPLIT_HEADS_PER_CTA):
+      return r
+  return group
 
 
 def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool,
