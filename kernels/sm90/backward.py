@@ -103,9 +103,8 @@ def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool =
 # last tiles see the fewest query rows), so two CTAs per SM let the scheduler even them out ...
 SPLIT_CTAS_PER_SM = 2
 # ... and until a CTA loops over at most this many query heads: a long loop per CTA leaves the causal
-# tail uneven even on a full grid (H100, fwd+bwd: Llama-3 70B 64/8 at 1 x 16k 528 TFLOP/s with 8
-# heads per CTA, 558 with 4; Qwen2 28/4 554 with 7, 565 with 1; GQA 32/8, 4 heads, loses 1-2% to a
-# split; docs/measurements.md#dkdv-group-split).
+# tail uneven even on a full grid, while at 4 heads the split's K/V copies and f32 sums cost more than
+# they even out (docs/measurements.md#dkdv-group-split).
 SPLIT_HEADS_PER_CTA = 4
 
 
