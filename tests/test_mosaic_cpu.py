@@ -525,7 +525,7 @@ def test_lpt_tile_traced_matches_python():
 
 def test_group_split():
   """The dK/dV kernel splits a GQA group over CTAs (by the smallest divisor of the group) until the
-  grid has 2 CTAs per SM and each loops over at most 4 heads; a grid that fills the GPU with short
+  grid has 2 CTAs per SM and each loops over at most 5 heads; a grid that fills the GPU with short
   loops is left alone."""
   assert group_split(1, 1, 32, 64, 132) == 8  # MQA 32/1 at 8k: 64 key CTAs -> 512
   assert group_split(4, 1, 48, 32, 132) == 12  # StarCoder 48/1 at 4k x 4: 128 -> 1536, 4 heads each
@@ -535,9 +535,10 @@ def test_group_split():
   assert group_split(1, 8, 8, 128, 132) == 2  # ... and at 16k
   assert group_split(1, 8, 4, 64, 132) == 1  # GQA 32/8 at 8k: 512 CTAs of 4 heads already
   assert group_split(1, 4, 7, 128, 132) == 7  # Qwen2 28/4 at 16k: 7 is prime, one head per CTA
-  assert group_split(4, 8, 5, 32, 132) == 5  # GQA 40/8
+  assert group_split(4, 8, 5, 32, 132) == 1  # GQA 40/8: 5 heads per CTA stay together
   assert group_split(1, 1, 2, 1, 132) == 2  # capped at the group
   assert group_split(1, 1, 12, 1, 132) == 12  # no divisor fills the grid: one head per CTA
+  assert group_split(4, 8, 6, 32, 132) == 2  # a group of 6: 3 heads per CTA
   assert group_split(1, 1, 1, 1, 132) == 1  # MHA
 
 

@@ -102,10 +102,10 @@ def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool =
 # The dK/dV grid is split until it has this many CTAs per SM: causal key tiles differ in work (the
 # last tiles see the fewest query rows), so two CTAs per SM let the scheduler even them out ...
 SPLIT_CTAS_PER_SM = 2
-# ... and until a CTA loops over at most this many query heads: a long loop per CTA leaves the causal
-# tail uneven even on a full grid, while at 4 heads the split's K/V copies and f32 sums cost more than
-# they even out (docs/measurements.md#dkdv-group-split).
-SPLIT_HEADS_PER_CTA = 4
+# ... and until a CTA loops over at most this many query heads: a long loop per CTA (7 or 8 heads)
+# leaves the causal tail uneven even on a full grid, while at 4 or 5 heads the split's K/V copies and
+# f32 sums cost more than they even out (docs/measurements.md#dkdv-group-split).
+SPLIT_HEADS_PER_CTA = 5
 
 
 def group_split(batch: int, kv_heads: int, group: int, key_ctas: int, sms: int) -> int:
