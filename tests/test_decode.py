@@ -109,10 +109,11 @@ def test_one_row_gqa_ragged_lengths_several_splits():
 
 def test_combine_in_row_chunks_matches_whole_tiles(monkeypatch):
   """The combine merging a 16-row tile (T_new = 4 x 4 query heads of one KV head) in programs of 8
-  rows (``COMBINE_ROWS``) gives the whole-tile programs' result bit for bit, and the formula's."""
+  rows (``COMBINE_ROWS``) gives the whole-tile programs' result bit for bit, and the formula's;
+  head_dim 64: two 32-column chunks per row chunk."""
   from fa2_jax.kernels.decode import forward as decode_forward
   lens = jnp.array([300, 0, 137], jnp.int32)
-  q, k, v = _inputs(3, 4, 4, 1, 32, 300, "float32", nan_past=lens, seed=5)
+  q, k, v = _inputs(3, 4, 4, 1, 64, 300, "float32", nan_past=lens, seed=5)
   kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 4)
   cfg = DecodeConfig(block_k=32, num_splits=3)
   whole = _check(q, k, v, cfg, **kw)

@@ -542,6 +542,30 @@ def test_group_split():
   assert group_split(1, 1, 1, 1, 132) == 1  # MHA
 
 
+@pytest.mark.parametrize("r", [2, 3])
+def test_group_split_below_the_group_interpret(monkeypatch, r):
+  """A GQA group of 6 split over r CTAs of 6 / r heads each (r neither 1 nor G, 3 not a power of
+  two): the K/V copies' partial dK/dV summed per KV head, against the float64 formula."""
+  from fa2_jax.kernels.sm90 import backward as sm90_backward
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  monkeypatch.setattr(sm90_backward, "group_split", lambda *a: r)
+  b, t, s, n, kh, h = 1, 72, 136, 6, 1, 64
+  scale = 1.0 / math.sqrt(h)
+  ks = jax.random.split(jax.random.key(r), 4)
+  q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(BF16)
+  k = jax.random.normal(ks[1], (b, s, kh, h), jnp.float32).astype(BF16)
+  v = jax.random.normal(ks[2], (b, s, kh, h), jnp.float32).astype(BF16)
+  do = jax.random.normal(ks[3], (b, t, n, h), jnp.float32).astype(BF16)
+  cfg = MosaicConfig.default(64, is_causal=True).replace(persistent=False)
+  with emulated_mma(), plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    got = jax.block_until_ready(jax.jit(_fwd_bwd(scale, True, cfg, with_dlse=False))(
+        q, k, v, do, None))
+  ref = _reference(q, k, v, do, None, scale, True)
+  for name, x, want in list(zip(("out", "lse", "dq", "dk", "dv"), got, ref))[2:]:
+    assert x.shape == want.shape, name
+    assert _rel(x, want) < 1e-2, (name, _rel(x, want))
+
+
 def test_section_heads():
   mib = 1024 * 1024
   assert section_heads(4 * mib, 32, budget=32 * mib) == 8  # 8k x 128 bf16 K+V per head

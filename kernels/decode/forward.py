@@ -52,8 +52,8 @@ def _idiv(x, m: int):
 
 def _packed_rows(kh, *, seq_q: int, group: int, heads: int, rows_padded: int, first=0):
   """The rows of KV head ``kh``'s tile: ``(t, head, real, row, stat)`` per tile row ``r = t * G +
-  g`` (int32 ``[rows_padded]``, rows ``first, first + 1, ...`` of the tile): its new-token index, query head, whether it is a row at all (the
-  padding up to ``rows_padded`` is not), its row of the ``[T * N, H]`` view of q and out and its
+  g`` (int32 ``[rows_padded]``, rows ``first, first + 1, ...`` of the tile): its new-token index,
+  query head, whether it is a row at all (the padding up to ``rows_padded`` is not), its row of the ``[T * N, H]`` view of q and out and its
   index ``(head, 0, t)`` in the ``[N * 2 * T]`` view of the statistics. A padding row's indices
   point past the end (masked: never read or written; in interpret mode an out-of-range gather is
   clamped and an out-of-range scatter dropped)."""
@@ -387,9 +387,9 @@ def combine(o, stats, *, scale: float, modifies_scores: bool, dtype, seq_q: int,
   n_2t = stats.shape[-1]
   hp = padded_head_dim(h)
   cols = min(hp, COMBINE_COLS)
+  if COMBINE_ROWS is not None and (COMBINE_ROWS < 1 or COMBINE_ROWS & (COMBINE_ROWS - 1)):
+    raise ValueError(f"COMBINE_ROWS {COMBINE_ROWS} must be None or a power of two")
   tile_rows = rows_padded if COMBINE_ROWS is None else min(rows_padded, COMBINE_ROWS)
-  if tile_rows & (tile_rows - 1) or rows_padded % tile_rows:
-    raise ValueError(f"COMBINE_ROWS {COMBINE_ROWS} must be a power of two")
   col_chunks = hp // cols
   kernel = functools.partial(_combine_kernel, c=float(exponent_scale(scale, modifies_scores)),
                              seq_q=seq_q, group=heads // kv_heads, heads=heads, head_dim=h,

@@ -158,7 +158,8 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   r = group_split(b, kh, n // kh, -(-plan.s_hbm // cfg.dkv_keys()), sm_count())
   if split_groups and r > 1:
     # Query head n reads KV head n // G; with r copies per KV head it reads copy n // (G / r), whose
-    # partial dK/dV sums its run of G / r heads. The copies' sum (f32, then rounded once) is dK/dV.
+    # partial dK/dV sums its run of G / r heads, each partial rounded to K's dtype; their sum (in f32,
+    # then rounded) is dK/dV. The copies cost r times the K/V memory.
     dq, dk, dv = backward(q, jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2), out, stats, do,
                           dlse=dlse, scale=scale, is_causal=is_causal, deterministic=deterministic,
                           config=cfg, variant=variant, arrays=arrays, tables=tables,
