@@ -53,10 +53,10 @@ def _idiv(x, m: int):
 def _packed_rows(kh, *, seq_q: int, group: int, heads: int, rows_padded: int, first=0):
   """The rows of KV head ``kh``'s tile: ``(t, head, real, row, stat)`` per tile row ``r = t * G +
   g`` (int32 ``[rows_padded]``, rows ``first, first + 1, ...`` of the tile): its new-token index,
-  query head, whether it is a row at all (the padding up to ``rows_padded`` is not), its row of the ``[T * N, H]`` view of q and out and its
-  index ``(head, 0, t)`` in the ``[N * 2 * T]`` view of the statistics. A padding row's indices
-  point past the end (masked: never read or written; in interpret mode an out-of-range gather is
-  clamped and an out-of-range scatter dropped)."""
+  query head, whether it is a row at all (the padding up to ``rows_padded`` is not), its row of the
+  ``[T * N, H]`` view of q and out and its index ``(head, 0, t)`` in the ``[N * 2 * T]`` view of the
+  statistics. A padding row's indices point past the end (masked: never read or written; in
+  interpret mode an out-of-range gather is clamped and an out-of-range scatter dropped)."""
   r = first + jnp.arange(rows_padded, dtype=jnp.int32)
   t = _idiv(r, group)
   head = kh * group + (r - t * group)
@@ -305,9 +305,9 @@ def _combine_kernel(*refs, c: float, seq_q: int, group: int, heads: int, head_di
   # dtype); final_ref: [N * 2 * T]. Splits past the row's count were not written and are not read.
   # One program per (b, KV head, chunk of `rows` of the tile's rows x chunk of `cols` output columns;
   # axis 2 runs over the column chunks of each row chunk), merging its rows over the splits as the
-  # online softmax merges blocks, `unroll` splits per loop step: their loads are
-  # issued together, ahead of the merge arithmetic that depends on them (every chunk's program
-  # reads the rows' statistics; the first writes the merged ones).
+  # online softmax merges blocks, `unroll` splits per loop step: their loads are issued together,
+  # ahead of the merge arithmetic that depends on them (every chunk's program reads its rows'
+  # statistics; the first column chunk's writes the merged ones).
   counts_ref, (o_ref, stats_ref, out_ref, final_ref) = (refs[0] if by_row else None), refs[-4:]
   n_split = counts_ref[()] if by_row else splits
   row_chunk = lax.div(pl.program_id(2), jnp.int32(col_chunks))
@@ -316,7 +316,6 @@ def _combine_kernel(*refs, c: float, seq_q: int, group: int, heads: int, head_di
   _, _, real, row, at = _packed_rows(pl.program_id(1), seq_q=seq_q, group=group, heads=heads,
                                      rows_padded=rows, first=row_chunk * rows)
   col = col_chunk * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
-
   mask = real[:, None] & (col < head_dim)
   fill = jnp.inf if c < 0 else -jnp.inf
 
