@@ -15,7 +15,8 @@ from .kernels.backend import KernelCall, accumulate_dq
 from .kernels.softmax import kernel_scale, lse_from_stats, stats_from_lse
 from .kernels.vma import match_vma
 from .kernels.block_ranges import index_reads, range_tables, warm_static_masks
-from .kernels.masking import Variant, VariantArrays, alibi_lse_shift, remove_alibi_shift
+from .kernels.masking import (Variant, VariantArrays, alibi_lse_shift, clip_ranges,
+                              remove_alibi_shift)
 from .call import prepare
 from .paged import backend_for_paged, flash_attention_paged
 from .reference import attention_formula
@@ -52,6 +53,14 @@ class _Static:
   def arrays(self, extras) -> VariantArrays:
     """The :class:`VariantArrays` of the extra operands (in the order of ``fields``)."""
     return VariantArrays(**{f: x for f, x in zip(self.fields, extras) if f in _FIELD_LAYOUTS})
+
+  def clipped_arrays(self, extras, seq_q: int, seq_k: int) -> VariantArrays:
+    """:meth:`arrays`, the lengths and ``q_offset`` clipped where the kernels took them as given
+    (``Backend.clips_ranges``)."""
+    arrays = self.arrays(extras)
+    if registry.get(self.backend).clips_ranges(self.config):
+      arrays = clip_ranges(arrays, seq_q, seq_k)
+    return arrays
 
   def tables(self, extras) -> dict:
     """The range tables among the extra operands, by kernel name (``"fwd"``, ``"dkv"``, ...)."""
@@ -209,10 +218,11 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
   from . import context_parallel  # it imports this module
   if (found := context_parallel.sequence_sharded(call)) is not None:
     # Explicit mesh axes shard the sequence: context parallelism over that axis (fa2_jax.sharding).
+    call = dataclasses.replace(call, arrays=call.clipped_arrays())
     out, lse = context_parallel.explicit_call(call, found, implementation, block_sizes)
   elif call.backend == "xla":
-    out, lse = attention_formula(call.query, call.key, call.value, call.variant, call.arrays,
-                                 scale=call.scale)
+    out, lse = attention_formula(call.query, call.key, call.value, call.variant,
+                                 call.clipped_arrays(), scale=call.scale)
   else:
     launch = _launch(call, block_sizes)
     q, k, v, extras, static = launch.q, launch.k, launch.v, launch.extras, launch.static
@@ -280,7 +290,8 @@ class _Launch:
     variant = self.static.variant
     if variant is None:
       return tuple(extras)
-    arrays = VariantArrays(**dict(zip(self.static.fields, extras)))
+    arrays = clip_ranges(VariantArrays(**dict(zip(self.static.fields, extras))), q.shape[1],
+                         k.shape[1])
     return tuple(extras) + tuple(range_tables(variant, arrays, self.tiles, batch=q.shape[0],
                                               heads=q.shape[2], seq_q=q.shape[1],
                                               seq_k=k.shape[1]).values())
@@ -289,7 +300,12 @@ class _Launch:
 def _launch(call, block_sizes) -> _Launch:
   """The kernel launch of a validated call on a kernel family (``call.backend != "xla"``)."""
   q, k, v = call.query, call.key, call.value
-  variant, arrays = call.variant, call.arrays
+  family = registry.get(call.backend)
+  launched = launched_call(call.kernel_call)  # as the kernels see it (sliced, padded)
+  config = family.launch_config(launched, block_sizes)
+  # Lengths and offsets clipped by XLA ops, unless the kernel clips them itself.
+  variant = call.variant
+  arrays = call.arrays if family.clips_ranges(config) else call.clipped_arrays()
   s_call = k.shape[1]
   if call.is_causal and q.shape[1] < k.shape[1] and not variant.has_q_offset:
     # Top-left causal: keys j >= T are never attended. Drop them before the kernels, so values
@@ -306,11 +322,8 @@ def _launch(call, block_sizes) -> _Launch:
     q, k, v, variant, arrays = _pad_lengths(q, k, v, variant, arrays, multiple)
   fields = tuple(f for f in VariantArrays._fields if getattr(arrays, f) is not None)
   extras = tuple(getattr(arrays, f) for f in fields)
-  family = registry.get(call.backend)
-  launched = launched_call(call.kernel_call)  # as the kernels see it (sliced, padded)
   assert (launched.q_shape, launched.k_shape) == (tuple(q.shape), tuple(k.shape))
   variant = None if variant == Variant(is_causal=call.is_causal) else variant
-  config = family.launch_config(launched, block_sizes)
   tiles = family.range_tiles(launched, config)
   tables = tuple(f"table_{name}" for name in tiles) if variant is not None else ()
   whole = _unsplittable(variant, q.shape[0], q.shape[2])
@@ -450,8 +463,8 @@ def _lse(st: _Static, stats, extras, kv_extent: int):
   S)."""
   modifies = st.variant is not None and st.variant.modifies_scores
   lse = jnp.swapaxes(lse_from_stats(stats, st.scale, modifies), 1, 2)
-  shift = None if st.variant is None else alibi_lse_shift(st.variant, st.arrays(extras),
-                                                          lse.shape[1], kv_extent)
+  shift = None if st.variant is None else alibi_lse_shift(
+      st.variant, st.clipped_arrays(extras, lse.shape[1], kv_extent), lse.shape[1], kv_extent)
   return lse if shift is None else remove_alibi_shift(lse, shift)
 
 
@@ -628,8 +641,9 @@ def _attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=N
     extras = (*extras, rows(dq_accumulator.astype(jnp.float32), 0))
     st = dataclasses.replace(st, fields=(*st.fields, DQ_ACCUMULATOR))
   shift = None
-  if st.variant is not None and (shift := alibi_lse_shift(st.variant, st.arrays(extras),
-                                                          q.shape[1], k.shape[1])) is not None:
+  if st.variant is not None and (shift := alibi_lse_shift(
+      st.variant, st.clipped_arrays(extras, q.shape[1], k.shape[1]), q.shape[1],
+      k.shape[1])) is not None:
     lse = jnp.where(lse == -jnp.inf, lse, lse + shift)  # the kernels' frame (_lse removes it)
   modifies = st.variant is not None and st.variant.modifies_scores
   stats = stats_from_lse(jnp.swapaxes(lse, 1, 2), st.scale, modifies)
@@ -653,7 +667,7 @@ def _attention_backward(query, key, value, out, lse, dout, dlse=None, *, scale=N
   rows = jnp.swapaxes(grads[3], 1, 2)[:, :launch.t_call]  # [B, N, T] -> [B, T, N]
   near = None
   if shift is not None:  # the shift of unit slopes: the distances
-    arrays = st.arrays(extras)
+    arrays = st.clipped_arrays(extras, q.shape[1], k.shape[1])
     unit = arrays._replace(alibi_slopes=jnp.ones_like(arrays.alibi_slopes))
     near = alibi_lse_shift(st.variant, unit, q.shape[1], k.shape[1])[:, :launch.t_call]
   return dq, dk.astype(key.dtype), dv.astype(value.dtype), rows, near

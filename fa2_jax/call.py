@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from . import dispatch
 from .kernels import registry
 from .kernels.backend import KernelCall
+from .kernels.masking import clip_ranges
 from .validation import (check_bool, check_no_dense, check_options, check_scale, resolve_scale,
                          check_soft_cap_scale, check_variant, is_static_dim, validate_qkv)
 
@@ -30,9 +31,15 @@ class Call:
   interpret: bool | None
   backend: str  # a kernel family's name, or "xla"
   variant: object = None  # masking.Variant
-  arrays: object = None  # masking.VariantArrays, rank 4
+  # masking.VariantArrays, rank 4; int32 lengths and q_offset as given (clipped_arrays clips them)
+  arrays: object = None
   kernel_call: KernelCall | None = None  # None: empty or symbolic shapes (the formula runs them)
   formula_reason: str | None = None  # why the formula runs a kernel_call-less call
+
+  def clipped_arrays(self):
+    """``arrays`` with the lengths and ``q_offset`` clipped to their ranges (masking.clip_ranges),
+    as every consumer but a kernel that clips them itself takes them."""
+    return clip_ranges(self.arrays, self.query.shape[1], self.key.shape[1])
 
 
 def prepare(query, key, value, scale, is_causal, implementation, return_residual, block_sizes,
@@ -49,7 +56,7 @@ def prepare(query, key, value, scale, is_causal, implementation, return_residual
   if interpret is not None:
     interpret = check_bool("interpret", interpret)
   check_options(implementation, block_sizes)
-  variant, arrays = check_variant(query, key, is_causal=is_causal, **variant_args)
+  variant, arrays = check_variant(query, key, is_causal=is_causal, clip_int32=False, **variant_args)
   squeeze = query.ndim == 3
   if squeeze:  # arrays or jax.ShapeDtypeStruct (backend_for)
     query, key, value = (jax.ShapeDtypeStruct((1, *x.shape), x.dtype)

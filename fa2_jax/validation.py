@@ -186,12 +186,13 @@ def _concrete(x):
   return None
 
 
-def _int_array(name, x, clip=None):
+def _int_array(name, x, clip=None, clip_int32=True):
   """``x`` as an int32 array (Python ints accepted); TypeError naming ``name`` otherwise.
 
   ``clip=(lo, hi)``: values are clipped to ``[lo, hi]`` in their own dtype before the cast, so that a
   traced value outside int32 (an int64 under x64) or near its ends cannot wrap (the value checks
-  only see concrete arrays)."""
+  only see concrete arrays); with ``clip_int32=False`` an int32 array is left as given (no cast can
+  wrap it: :func:`kernels.masking.clip_ranges` clips it later, or the kernel itself)."""
   if isinstance(x, (bool, np.bool_)):
     raise TypeError(f"{name} must be an integer array, got a bool")
   if isinstance(x, (int, np.integer)):
@@ -205,7 +206,7 @@ def _int_array(name, x, clip=None):
   if isinstance(x, jax.ShapeDtypeStruct):
     return jax.ShapeDtypeStruct(x.shape, jnp.int32)
   x = jnp.asarray(x)
-  if clip is not None:
+  if clip is not None and (clip_int32 or x.dtype != jnp.int32):
     info = jnp.iinfo(x.dtype)
     lo, hi = max(clip[0], int(info.min)), min(clip[1], int(info.max))
     x = jnp.clip(x, jnp.asarray(lo, x.dtype), jnp.asarray(hi, x.dtype))
@@ -216,7 +217,7 @@ def _shape_str(shape) -> str:
   return "[" + ", ".join(map(str, shape)) + "]"
 
 
-def _check_lengths(name, x, b, limit, rank3: bool):
+def _check_lengths(name, x, b, limit, rank3: bool, clip_int32: bool = True):
   """Lengths: integer ``[B]`` (rank-3 call: scalar or ``[1]``), values in ``[0, limit]`` when known.
   A list or tuple counts as the array it makes (as in ``jax.nn.dot_product_attention``); a numeric
   dtype that is not an integer one (float, bool, complex) is a ValueError, as there."""
@@ -238,7 +239,7 @@ def _check_lengths(name, x, b, limit, rank3: bool):
     raise ValueError(f"{name} must have an integer dtype (jax.nn.dot_product_attention: int32), got "
                      f"{x.dtype}")
   raw = x
-  x = _int_array(name, x, clip=(0, limit) if is_static_dim(limit) else None)
+  x = _int_array(name, x, clip=(0, limit) if is_static_dim(limit) else None, clip_int32=clip_int32)
   want = [(b,)] + ([()] if rank3 else [])
   if tuple(x.shape) not in want:
     raise ValueError(f"{name} must have shape {_shape_str((b,))}" + (" or be a scalar" if rank3 else "")
@@ -350,7 +351,7 @@ def check_soft_cap(cap):
   return cap
 
 
-def _check_q_offset(q_offset, b, rank3: bool):
+def _check_q_offset(q_offset, b, rank3: bool, clip_int32: bool = True):
   """``q_offset`` -> int32 ``[B]``, or None for a static 0."""
   if q_offset is None:
     return None
@@ -359,9 +360,8 @@ def _check_q_offset(q_offset, b, rank3: bool):
       raise ValueError(f"q_offset must satisfy |q_offset| < 2**30, got {q_offset}")
     return None if int(q_offset) == 0 else jnp.full((b,), int(q_offset), jnp.int32)
   raw = q_offset
-  # A traced offset is clipped to the range a concrete one must lie in (positions q_offset + i and the
-  # rule's j - p stay inside int32; see masking.INT32_SAFE).
-  x = _int_array("q_offset", q_offset, clip=(1 - masking.INT32_SAFE, masking.INT32_SAFE - 1))
+  # A traced offset acts as clipped to masking.OFFSET_RANGE (here, masking.clip_ranges or the kernel).
+  x = _int_array("q_offset", q_offset, clip=masking.OFFSET_RANGE, clip_int32=clip_int32)
   del rank3  # a scalar (e.g. a traced decoding position) serves every batch element
   if tuple(x.shape) not in [(b,), ()]:
     raise ValueError(f"q_offset must be an int, an integer scalar or an integer array of shape "
@@ -411,12 +411,16 @@ def _trace_user_fn(name, fn, make_args, check_out):
 
 def check_variant(query, key, *, is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                   local_window_size=None, q_segment_ids=None, kv_segment_ids=None, q_offset=None,
-                  logits_soft_cap=None, alibi_slopes=None, mask_fn=None, score_fn=None):
+                  logits_soft_cap=None, alibi_slopes=None, mask_fn=None, score_fn=None,
+                  clip_int32=True):
   """Validate and normalise the variant arguments of a call whose ``query``/``key`` passed
   :func:`validate_qkv` (rank 3 or 4) -> ``(masking.Variant, masking.VariantArrays)`` (arrays at rank 4).
 
   Value checks (lengths in range, offsets and slopes bounded) run only on concrete arrays; traced
-  values cannot be checked (lengths behave as if clipped to ``[0, T]`` / ``[0, S]``)."""
+  values cannot be checked (lengths behave as if clipped to ``[0, T]`` / ``[0, S]``, offsets to
+  ``masking.OFFSET_RANGE``). ``clip_int32=False``: int32 lengths and offsets are returned as given,
+  for ``masking.clip_ranges`` or a kernel that clips them itself (other dtypes are clipped before
+  their cast, which could wrap them)."""
   rank3 = query.ndim == 3
   q4 = (1, *query.shape) if rank3 else tuple(query.shape)
   k4 = (1, *key.shape) if rank3 else tuple(key.shape)
@@ -425,9 +429,9 @@ def check_variant(query, key, *, is_causal=False, query_seq_lengths=None, key_va
   is_causal = bool(is_causal)
   q_len = kv_len = q_seg = kv_seg = offset = slopes = None
   if query_seq_lengths is not None:
-    q_len = _check_lengths("query_seq_lengths", query_seq_lengths, b, t, rank3)
+    q_len = _check_lengths("query_seq_lengths", query_seq_lengths, b, t, rank3, clip_int32)
   if key_value_seq_lengths is not None:
-    kv_len = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, b, s, rank3)
+    kv_len = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, b, s, rank3, clip_int32)
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids and kv_segment_ids must be given together (both or neither)")
   if q_segment_ids is not None:
@@ -442,7 +446,7 @@ def check_variant(query, key, *, is_causal=False, query_seq_lengths=None, key_va
   for name, fn in (("mask_fn", mask_fn), ("score_fn", score_fn)):
     if fn is not None and not callable(fn):
       raise TypeError(f"{name} must be a callable or None, got {type(fn).__name__}")
-  offset = _check_q_offset(q_offset, b, rank3)
+  offset = _check_q_offset(q_offset, b, rank3, clip_int32)
   positional = (is_causal or window is not None or slopes is not None or mask_fn is not None
                 or score_fn is not None)
   if not positional:

@@ -116,6 +116,14 @@ class Backend:
   def partitionable(self) -> bool:
     return True
 
+  def clips_ranges(self, config) -> bool:
+    """Whether :meth:`forward` takes lengths and ``q_offset`` as given (int32, possibly out of
+    range) and clips them itself, so that no XLA op runs before its kernel
+    (:func:`kernels.masking.clip_ranges` otherwise clips them first). :meth:`backward` always
+    takes them clipped."""
+    del config
+    return False
+
   def accumulates_dq(self) -> bool:
     """Whether :meth:`backward` takes ``dq_accumulator`` (float32 ``[B, T, N, H]``, a running sum of
     dQ / scale) and returns it with this call's dQ / scale added in place of dQ (the ring's steps;

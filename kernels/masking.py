@@ -409,6 +409,27 @@ class VariantArrays(NamedTuple):
   alibi_slopes: jax.Array | None = None
 
 
+# The range a traced q_offset acts as clipped to, that of a concrete one (INT32_SAFE: positions
+# q_offset + i and the rule's j - p stay inside int32).
+OFFSET_RANGE = (1 - INT32_SAFE, INT32_SAFE - 1)
+
+
+def clip_ranges(arrays: VariantArrays, seq_q: int, seq_k: int) -> VariantArrays:
+  """``arrays`` with the lengths clipped to ``[0, seq_q]`` / ``[0, seq_k]`` and ``q_offset`` to
+  :data:`OFFSET_RANGE`: what traced out-of-range values act as. The public API's validation leaves
+  int32 ones as given; this clips them (XLA ops) before every kernel but one that clips its scalars
+  itself (the decode kernel: a decoding step then runs no XLA op before it)."""
+  def clip(x, lo, hi):
+    if x is None or isinstance(x, jax.ShapeDtypeStruct):
+      return x
+    if not isinstance(hi, int):  # a symbolic length (jax.export): the formula, unclipped above
+      return jnp.maximum(x, jnp.int32(lo))
+    return jnp.clip(x, jnp.int32(lo), jnp.int32(hi))
+  return arrays._replace(q_lengths=clip(arrays.q_lengths, 0, seq_q),
+                         kv_lengths=clip(arrays.kv_lengths, 0, seq_k),
+                         q_offset=clip(arrays.q_offset, *OFFSET_RANGE))
+
+
 # --- the elementwise rule -------------------------------------------------------------------------
 
 def allowed_pairs(variant: Variant, b, h, q_idx, kv_idx, *, q_len=None, kv_len=None, q_seg=None,

@@ -203,6 +203,48 @@ def test_grad_through_a_decoding_call_matches_the_formula():
   np.testing.assert_array_equal(np.asarray(mine[0])[1], 0.0)  # the empty row: no gradient
 
 
+def test_traced_out_of_range_values_act_as_clipped():
+  """The decode kernel takes int32 lengths and offsets as given (no XLA op before it) and clips them
+  itself: traced values past their ranges (lengths < 0 or > S, offsets at the ends of int32) give
+  what the clipped ones give, out, lse (ALiBi: its shift read from the offsets) and gradients; the
+  clipped call matches the formula (the backward takes the clipped values)."""
+  edge = (1 << 30) - 1
+  q, k, v = _inputs(3, 2, 4, 2, 16, 256, "float32", seed=5)
+  slopes = jnp.array([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+  cfg = DecodeConfig(block_k=32, num_splits=2)
+  kw = dict(is_causal=True, alibi_slopes=slopes, block_sizes=cfg, interpret=INTERPRET,
+            return_residual=True)
+  # Row 0: every key, ALiBi distances from an offset at int32's end (row 1 would wrap); row 1: an
+  # offset before every key (wrapped, j - p would pass int32); row 2: a negative length (empty).
+  far = (jnp.array([300, 2 ** 31 - 1, -7], jnp.int32), jnp.array([2 ** 31 - 1, -2 ** 31, 90],
+                                                                   jnp.int32))
+  near = (jnp.array([256, 256, 0], jnp.int32), jnp.array([edge, -edge, 90], jnp.int32))
+  d = fa2_jax.backend_for(q, k, key_value_seq_lengths=near[0], q_offset=near[1],
+                          **{n: x for n, x in kw.items() if n != "return_residual"})
+  assert d.backend == "decode", d
+
+  def run(lens, off):
+    def loss(a, b, c):
+      out, lse = fa2_jax.flash_attention(a, b, c, key_value_seq_lengths=lens, q_offset=off, **kw)
+      return jnp.sum(out * jnp.cos(out)) + jnp.sum(jnp.where(jnp.isneginf(lse), 0.0, jnp.sin(lse)))
+    out = fa2_jax.flash_attention(q, k, v, key_value_seq_lengths=lens, q_offset=off, **kw)
+    return (*out, *jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+
+  run = jax.jit(run)
+  got, want = run(*far), run(*near)
+  for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+  with jax.enable_x64(True):
+    args = [jnp.asarray(np.asarray(x), jnp.float64) for x in (q, k, v)]
+    ref_out, ref_lse = fa2_jax.reference_attention(
+        *args, key_value_seq_lengths=near[0], q_offset=near[1], is_causal=True,
+        alibi_slopes=slopes, return_residual=True)
+  fin = np.isfinite(np.asarray(ref_lse))
+  np.testing.assert_array_equal(np.isneginf(np.asarray(want[1])), np.isneginf(np.asarray(ref_lse)))
+  np.testing.assert_allclose(np.asarray(want[1])[fin], np.asarray(ref_lse)[fin], atol=1e-4)
+  np.testing.assert_allclose(np.asarray(want[0]), np.asarray(ref_out), atol=1e-4)
+
+
 def test_a_call_padded_past_decoding_shape_runs_the_training_forward():
   """reuse_kernels_across_programs(length_multiple=...) pads T for the kernels: the launched call is
   no longer decode-shaped, and the training family's forward runs it (same results)."""

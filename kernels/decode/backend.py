@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from .. import platform
 from ..backend import Backend, KernelCall
+from ..masking import clip_ranges
 from ..sm90.backend import SM90
 from ..triton.backend import TRITON, triton_refusal
 from .config import (DEFAULT_SMS, FULL_TILE_ROWS, DecodeConfig, DecodeLaunch,
@@ -120,6 +121,10 @@ class DecodeBackend(Backend):
                         delegate_forward=decode_shape_refusal(call.q_shape, call.k_shape)
                         is not None, split_target=target)
 
+  def clips_ranges(self, config: DecodeLaunch) -> bool:
+    # The decode kernel clips its scalars (kernels/decode/forward.py); a delegated forward does not.
+    return not config.delegate_forward
+
   def _family(self, launch: DecodeLaunch) -> Backend:
     return SM90 if launch.backward == SM90.name else TRITON
 
@@ -173,6 +178,8 @@ class DecodeBackend(Backend):
 
   def backward(self, q, k, v, out, stats, dout, *, dlse, scale, is_causal, deterministic,
                config: DecodeLaunch, variant, arrays, tables, interpret, slope_grad=False):
+    if arrays is not None and self.clips_ranges(config):  # the forward took them as given
+      arrays = clip_ranges(arrays, q.shape[1], k.shape[1])
     return self._family(config).backward(
         q, k, v, out, stats, dout, dlse=dlse, scale=scale, is_causal=is_causal,
         deterministic=deterministic, config=config.backward_config, variant=variant,

@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..block_ranges import kv_block_range
-from ..masking import Variant, VariantArrays, allowed_pairs, kernel_scores
+from ..masking import OFFSET_RANGE, Variant, VariantArrays, allowed_pairs, kernel_scores
 from ..softmax import exponent_scale, huge_row_scale, row_sum_at_max
 from ..triton.common import LOG2E, cdiv, compiler_params, dot, load_tile, padded_head_dim
 from ..triton.variant import add_scalar_inputs, zero_unattended
@@ -94,14 +94,17 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
   o_cols, o_col_ok = columns(value_head_dim, hvp)  # V's, the output's
   row_mask = lambda rows, ok: rows[:, None] if ok is None else rows[:, None] & ok  # noqa: E731
 
-  off = refs["q_offset"][()] if "q_offset" in refs else jnp.int32(0)
-  q_len = refs["q_len"][()] if "q_len" in refs else None
-  kv_len = refs["kv_len"][()] if "kv_len" in refs else None
+  # The scalars as given (int32): clipped here to the ranges they act as (masking.clip_ranges).
+  bounds = {"q_offset": OFFSET_RANGE, "q_len": (0, seq_q), "kv_len": (0, seq_k)}
+  scalar = lambda name, x: jnp.clip(x, *bounds[name])  # noqa: E731
+  off = scalar("q_offset", refs["q_offset"][()]) if "q_offset" in refs else jnp.int32(0)
+  q_len = scalar("q_len", refs["q_len"][()]) if "q_len" in refs else None
+  kv_len = scalar("kv_len", refs["kv_len"][()]) if "kv_len" in refs else None
   pos = off + t_of  # [rp] absolute positions of the rows
   slope = None
   if "slopes" in refs:
     slope = plgpu.load(refs["slopes"].at[jnp.where(real, head, 0)])[:, None]  # [rp, 1]
-  key_end = seq_k if kv_len is None else jnp.clip(kv_len, 0, seq_k)
+  key_end = seq_k if kv_len is None else kv_len
 
   # The rows' key blocks: [lo, hi) reachable, [full_lo, full_hi) with every pair allowed.
   lo, full_lo, full_hi, hi = kv_block_range(variant, jnp.int32(0), seq_q, block_k, seq_k,
@@ -117,7 +120,8 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
 
     def each_row(name):
       ref = refs.get("every_" + name)
-      return None if ref is None else plgpu.load(ref.at[jnp.where(ok, every, 0)], mask=ok, other=0)
+      return None if ref is None else scalar(name, plgpu.load(ref.at[jnp.where(ok, every, 0)],
+                                                              mask=ok, other=0))
 
     lo_b, _, _, hi_b = kv_block_range(variant, jnp.int32(0), seq_q, block_k, seq_k, seq_q=seq_q,
                                       q_offset=each_row("q_offset"), q_len=each_row("q_len"),
