@@ -107,25 +107,13 @@ def test_one_row_gqa_ragged_lengths_several_splits():
   assert np.all(np.isneginf(lse[1])) and np.all(np.isfinite(lse[[0, 2]]))
 
 
-def test_combine_in_row_chunks_matches_whole_tiles(monkeypatch):
-  """The combine merging a 16-row tile (T_new = 4 x 4 query heads of one KV head) in programs of 8
-  rows (``COMBINE_ROWS``) gives the whole-tile programs' result bit for bit, and the formula's;
-  head_dim 64: two 32-column chunks per row chunk."""
-  from fa2_jax.kernels.decode import forward as decode_forward
+def test_combine_of_a_sixteen_row_tile_at_head_dim_64():
+  """The combine merging a 16-row tile (T_new = 4 x 4 query heads of one KV head) at head_dim 64,
+  two 32-column chunks per row, with an empty row: the formula's result."""
   lens = jnp.array([300, 0, 137], jnp.int32)
   q, k, v = _inputs(3, 4, 4, 1, 64, 300, "float32", nan_past=lens, seed=5)
-  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 4)
-  cfg = DecodeConfig(block_k=32, num_splits=3)
-  whole = _check(q, k, v, cfg, **kw)
-  monkeypatch.setattr(decode_forward, "COMBINE_ROWS", 8)
-  jax.clear_caches()
-  chunked = _check(q, k, v, cfg, **kw)
-  for a, b in zip(whole, chunked):
-    np.testing.assert_array_equal(a, b)
-  monkeypatch.setattr(decode_forward, "COMBINE_ROWS", 6)
-  jax.clear_caches()
-  with pytest.raises(ValueError, match="COMBINE_ROWS"):
-    _jit_call(q, k, v, config=cfg, **kw)
+  _check(q, k, v, DecodeConfig(block_k=32, num_splits=3), is_causal=True,
+         key_value_seq_lengths=lens, q_offset=lens - 4)
 
 
 def test_four_rows_mqa_window_soft_cap_query_lengths_bf16_one_split():

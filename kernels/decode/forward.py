@@ -50,14 +50,14 @@ def _idiv(x, m: int):
   return lax.div(x, jnp.full(x.shape, m, x.dtype)) if m > 1 else x
 
 
-def _packed_rows(kh, *, seq_q: int, group: int, heads: int, rows_padded: int, first=0):
+def _packed_rows(kh, *, seq_q: int, group: int, heads: int, rows_padded: int):
   """The rows of KV head ``kh``'s tile: ``(t, head, real, row, stat)`` per tile row ``r = t * G +
-  g`` (int32 ``[rows_padded]``, rows ``first, first + 1, ...`` of the tile): its new-token index,
-  query head, whether it is a row at all (the padding up to ``rows_padded`` is not), its row of the
-  ``[T * N, H]`` view of q and out and its index ``(head, 0, t)`` in the ``[N * 2 * T]`` view of the
-  statistics. A padding row's indices point past the end (masked: never read or written; in
-  interpret mode an out-of-range gather is clamped and an out-of-range scatter dropped)."""
-  r = first + jnp.arange(rows_padded, dtype=jnp.int32)
+  g`` (int32 ``[rows_padded]``): its new-token index, query head, whether it is a row at all (the
+  padding up to ``rows_padded`` is not), its row of the ``[T * N, H]`` view of q and out and its
+  index ``(head, 0, t)`` in the ``[N * 2 * T]`` view of the statistics. A padding row's indices
+  point past the end (masked: never read or written; in interpret mode an out-of-range gather is
+  clamped and an out-of-range scatter dropped)."""
+  r = jnp.arange(rows_padded, dtype=jnp.int32)
   t = _idiv(r, group)
   head = kh * group + (r - t * group)
   real = r < seq_q * group
@@ -302,24 +302,20 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
 
 
 def _combine_kernel(*refs, c: float, seq_q: int, group: int, heads: int, head_dim: int,
-                    splits: int, cols: int, col_chunks: int, rows: int, unroll: int,
-                    by_row: bool):
+                    rows_padded: int, splits: int, cols: int, unroll: int, by_row: bool):
   # [counts_ref: the row's split count (by_row), a scalar;] o_ref: [splits, T * N, hp] f32, each
   # split's output over its own row sum; stats_ref: [splits, N * 2 * T]; out_ref: [T * N, hp] (q's
   # dtype); final_ref: [N * 2 * T]. Splits past the row's count were not written and are not read.
-  # One program per (b, KV head, chunk of `rows` of the tile's rows x chunk of `cols` output columns;
-  # axis 2 runs over the column chunks of each row chunk), merging its rows over the splits as the
-  # online softmax merges blocks, `unroll` splits per loop step: their loads are issued together,
-  # ahead of the merge arithmetic that depends on them (every chunk's program reads its rows'
-  # statistics; the first column chunk's writes the merged ones).
+  # One program per (b, KV head, chunk of `cols` output columns), merging its tile's rows over the
+  # splits as the online softmax merges blocks, `unroll` splits per loop step: their loads are
+  # issued together, ahead of the merge arithmetic that depends on them (every chunk's program
+  # reads the rows' statistics; the first writes the merged ones).
   counts_ref, (o_ref, stats_ref, out_ref, final_ref) = (refs[0] if by_row else None), refs[-4:]
   n_split = counts_ref[()] if by_row else splits
-  row_chunk = lax.div(pl.program_id(2), jnp.int32(col_chunks))
-  col_chunk = pl.program_id(2) - row_chunk * col_chunks
-  first = col_chunk == 0
+  first = pl.program_id(2) == 0
   _, _, real, row, at = _packed_rows(pl.program_id(1), seq_q=seq_q, group=group, heads=heads,
-                                     rows_padded=rows, first=row_chunk * rows)
-  col = col_chunk * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
+                                     rows_padded=rows_padded)
+  col = pl.program_id(2) * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
   mask = real[:, None] & (col < head_dim)
   fill = jnp.inf if c < 0 else -jnp.inf
 
@@ -352,8 +348,9 @@ def _combine_kernel(*refs, c: float, seq_q: int, group: int, heads: int, head_di
       carry = merge(part, carry)
     return carry
 
-  carry = (jnp.zeros((rows, cols), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-           jnp.zeros((rows,), jnp.float32), jnp.full((rows,), fill, jnp.float32))
+  carry = (jnp.zeros((rows_padded, cols), jnp.float32),
+           jnp.full((rows_padded,), -jnp.inf, jnp.float32),
+           jnp.zeros((rows_padded,), jnp.float32), jnp.full((rows_padded,), fill, jnp.float32))
   acc, _, total, r_top = lax.fori_loop(0, cdiv(n_split, unroll), step, carry)
   out = acc / jnp.where(total == 0.0, 1.0, total)[:, None]
   plgpu.store(out_ref.at[row[:, None], col], out.astype(out_ref.dtype), mask=mask)
@@ -367,16 +364,12 @@ def _combine_kernel(*refs, c: float, seq_q: int, group: int, heads: int, head_di
 COMBINE_COLS = 32
 # Splits whose partials a combine program loads per loop step, before merging them one by one.
 COMBINE_UNROLL = 4
-# Packed rows per combine program (a power of two; None: the tile's rows_padded), so that a tile of
-# many rows (MQA: 32) is merged by more programs side by side.
-COMBINE_ROWS = None
 
 
 def combine(o, stats, *, scale: float, modifies_scores: bool, dtype, seq_q: int, kv_heads: int,
             rows_padded: int, interpret: bool, num_warps: int = 4, unroll: int | None = None,
             row_splits=None):
-  """Merge the splits' partials exactly (a Pallas kernel, grid ``(B, K, rows_padded / COMBINE_ROWS
-  x H / COMBINE_COLS)``).
+  """Merge the splits' partials exactly (a Pallas kernel, grid ``(B, K, H / COMBINE_COLS)``).
 
   ``o [B, splits, T * N, Hv]`` float32, each split's output divided by its own row sum; ``stats [B,
   splits, N * 2 * T]`` its ``(r, l)`` (the ``[N, 2, T]`` statistics flattened). Split ``c`` weighs
@@ -390,19 +383,15 @@ def combine(o, stats, *, scale: float, modifies_scores: bool, dtype, seq_q: int,
   n_2t = stats.shape[-1]
   hp = padded_head_dim(h)
   cols = min(hp, COMBINE_COLS)
-  if COMBINE_ROWS is not None and (COMBINE_ROWS < 1 or COMBINE_ROWS & (COMBINE_ROWS - 1)):
-    raise ValueError(f"COMBINE_ROWS {COMBINE_ROWS} must be None or a power of two")
-  tile_rows = rows_padded if COMBINE_ROWS is None else min(rows_padded, COMBINE_ROWS)
-  col_chunks = hp // cols
   kernel = functools.partial(_combine_kernel, c=float(exponent_scale(scale, modifies_scores)),
                              seq_q=seq_q, group=heads // kv_heads, heads=heads, head_dim=h,
-                             splits=splits, cols=cols, col_chunks=col_chunks, rows=tile_rows,
+                             rows_padded=rows_padded, splits=splits, cols=cols,
                              unroll=min(splits, COMBINE_UNROLL if unroll is None else unroll),
                              by_row=row_splits is not None)
   counts = [] if row_splits is None else [row_splits.astype(jnp.int32)]
   return pl.pallas_call(
       kernel,
-      grid=(b, kv_heads, rows_padded // tile_rows * col_chunks),
+      grid=(b, kv_heads, hp // cols),
       in_specs=[pl.BlockSpec((None, None), lambda bi, hi, ci: (bi, hi))] * len(counts) + [
           pl.BlockSpec((None, splits, rows, hp), lambda bi, hi, ci: (bi, 0, 0, 0)),
           pl.BlockSpec((None, splits, n_2t), lambda bi, hi, ci: (bi, 0, 0))],
