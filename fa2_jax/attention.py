@@ -290,8 +290,7 @@ class _Launch:
     variant = self.static.variant
     if variant is None:
       return tuple(extras)
-    arrays = clip_ranges(VariantArrays(**dict(zip(self.static.fields, extras))), q.shape[1],
-                         k.shape[1])
+    arrays = self.static.clipped_arrays(extras, q.shape[1], k.shape[1])
     return tuple(extras) + tuple(range_tables(variant, arrays, self.tiles, batch=q.shape[0],
                                               heads=q.shape[2], seq_q=q.shape[1],
                                               seq_k=k.shape[1]).values())
@@ -533,7 +532,8 @@ def _flash_fwd(q, k, v, extras, st: _Static):
 def _backward(st: _Static, q, k, v, out, stats, dout, dlse, *extras):
   backend = registry.get(st.backend)
   kw = dict(dlse=dlse, scale=st.scale, is_causal=st.is_causal, deterministic=st.deterministic,
-            config=st.config, variant=st.variant, arrays=st.arrays(extras),
+            config=st.config, variant=st.variant,
+            arrays=st.clipped_arrays(extras, q.shape[1], k.shape[1]),
             tables=st.tables(extras), interpret=st.interpret, slope_grad=st.slope_grad)
   acc = extras[st.fields.index(DQ_ACCUMULATOR)] if DQ_ACCUMULATOR in st.fields else None
   with jax.enable_x64(False):

@@ -162,7 +162,7 @@ def _decode_forward(query, key, value, block_table, arrays, static):
         arrays=call.arrays, table=None, interpret=bool(call.interpret),
         block_table=block_table.astype(jnp.int32), seq_k=s)
   lse = jnp.swapaxes(lse_from_stats(stats, scale, variant.modifies_scores), 1, 2)
-  shift = alibi_lse_shift(variant, call.arrays, lse.shape[1], s)
+  shift = alibi_lse_shift(variant, call.clipped_arrays(), lse.shape[1], s)
   return out, (lse if shift is None else remove_alibi_shift(lse, shift))
 
 

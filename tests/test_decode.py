@@ -509,6 +509,28 @@ def test_paged_cache_matches_the_gathered_formula(case):
     assert err <= bound, f"{name}: error {err:.3g} > {bound:.3g}"
 
 
+def test_traced_out_of_range_values_act_as_clipped_paged_per_row_splits():
+  """A paged cache with per-row split counts (``num_splits`` from the heuristic: the rows' counts
+  from every row's clipped lengths, in the kernel) and query lengths: traced lengths past their
+  ranges give what the clipped ones give."""
+  edge = (1 << 30) - 1
+  q, kp, vp, table = _paged(3, 2, 4, 2, 16, 16, 20, 64, "float32", seed=6)
+  cfg = DecodeConfig(block_k=32)
+  kw = dict(is_causal=True, block_table=table, block_sizes=cfg, interpret=INTERPRET,
+            return_residual=True)
+  far = (jnp.array([400, 2 ** 31 - 1, -3], jnp.int32), jnp.array([9, 2, -1], jnp.int32),
+         jnp.array([2 ** 31 - 1, 150, 40], jnp.int32))
+  near = (jnp.array([320, 320, 0], jnp.int32), jnp.array([2, 2, 0], jnp.int32),
+          jnp.array([edge, 150, 40], jnp.int32))
+  d = fa2_jax.backend_for(q, kp, vp, key_value_seq_lengths=near[0], query_seq_lengths=near[1],
+                          q_offset=near[2], **{n: x for n, x in kw.items() if n != "return_residual"})
+  assert d.backend == "decode" and "per row" in d.reason and "through the table" in d.reason, d
+  run = jax.jit(lambda kv, ql, off: fa2_jax.flash_attention(
+      q, kp, vp, key_value_seq_lengths=kv, query_seq_lengths=ql, q_offset=off, **kw))
+  for name, g, w in zip(("out", "lse"), run(*far), run(*near)):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+
+
 def test_grad_through_a_paged_decoding_call():
   """Gradients to the query and the pages (shared pages get both rows' share) equal the gathered
   formula's."""

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 
 from .. import platform
 from ..backend import Backend, KernelCall
-from ..masking import clip_ranges
 from ..sm90.backend import SM90
 from ..triton.backend import TRITON, triton_refusal
 from .config import (DEFAULT_SMS, FULL_TILE_ROWS, DecodeConfig, DecodeLaunch,
@@ -178,8 +177,6 @@ class DecodeBackend(Backend):
 
   def backward(self, q, k, v, out, stats, dout, *, dlse, scale, is_causal, deterministic,
                config: DecodeLaunch, variant, arrays, tables, interpret, slope_grad=False):
-    if arrays is not None and self.clips_ranges(config):  # the forward took them as given
-      arrays = clip_ranges(arrays, q.shape[1], k.shape[1])
     return self._family(config).backward(
         q, k, v, out, stats, dout, dlse=dlse, scale=scale, is_causal=is_causal,
         deterministic=deterministic, config=config.backward_config, variant=variant,

@@ -16,7 +16,7 @@ Each program writes its share's output, already divided by its row sum, and its 
 ``l`` the row sum relative to that logit's weight). With one split these are the result, written
 straight into ``out [B, T, N, Hv]`` (q's dtype; ``Hv`` the value's head_dim, ``H`` or another) and
 ``stats [B, N, 2, T]``; with several, float32 partials ``[B, splits, T, N, Hv]`` /
-``[B, splits, N, 2, T]`` that :func:`combine` (a second small kernel, grid ``(B, K)``) merges exactly
+``[B, splits, N, 2, T]`` that :func:`combine` (a second small kernel, grid ``(B, K, H / 32)``) merges exactly
 by their log-sum-exp into the same two outputs. Between and around the kernels only reshapes (free)
 run.
 
