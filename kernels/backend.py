@@ -118,7 +118,7 @@ class Backend:
 
   def clips_ranges(self, config) -> bool:
     """Whether :meth:`forward` takes lengths and ``q_offset`` as given (int32, possibly out of
-    range) and clips them itself, so that no XLA op runs before its kernel
+    range) and clips them itself, so that no XLA clip op runs before its kernel
     (:func:`kernels.masking.clip_ranges` otherwise clips them first). :meth:`backward` always
     takes them clipped."""
     del config

@@ -418,7 +418,7 @@ def clip_ranges(arrays: VariantArrays, seq_q: int, seq_k: int) -> VariantArrays:
   """``arrays`` with the lengths clipped to ``[0, seq_q]`` / ``[0, seq_k]`` and ``q_offset`` to
   :data:`OFFSET_RANGE`: what traced out-of-range values act as. The public API's validation leaves
   int32 ones as given; this clips them (XLA ops) before every kernel but one that clips its scalars
-  itself (the decode kernel: a decoding step then runs no XLA op before it)."""
+  itself (the decode kernel: a decoding step then runs no clip op before it)."""
   def clip(x, lo, hi):
     if x is None or isinstance(x, jax.ShapeDtypeStruct):
       return x
