@@ -26,8 +26,8 @@ import pytest
 
 import fa2_jax
 from fa2_jax.kernels.sm90.backward import backward, backward_tiles, group_split
-from fa2_jax.kernels.sm90.config import (SMEM_BYTES, SMEM_RESERVE, MosaicConfig, register_pool,
-                                          supports)
+from fa2_jax.kernels.sm90.config import (SMEM_BYTES, SMEM_RESERVE, MosaicConfig, o_rows_in_q,
+                                          register_pool, supports)
 from fa2_jax.kernels.sm90.forward import forward
 from fa2_jax.kernels.sm90.lengths import pad_axis, plan_lengths
 from fa2_jax.kernels.sm90.schedule import (causal_section, kv_block_ranges, launch_tile, lpt_tile,
@@ -149,6 +149,28 @@ def test_smem_budget_matches_docstring():
   assert MosaicConfig.default(64).smem_forward(64) == 3 * 2 * 32 * 1024 + 16 * 1024 + 2 * 2 * 64 * 4
   assert (MosaicConfig.default(64, is_causal=True).smem_forward(64)
           == 2 * 2 * 32 * 1024 + 16 * 1024 + 2 * 2 * 64 * 4)
+
+
+@pytest.mark.parametrize("h, hv, rows", [(128, 128, 64), (192, 128, 96), (64, 32, 128), (96, 64, 96),
+                                         (112, 96, None), (64, 128, None), (80, 48, None)])
+def test_o_staged_in_q_smem(h, hv, rows):
+  """O's staging tile lives in the bytes of the warpgroup's own Q tile wherever it fits as whole
+  8-row tiles of a [rows, Hv] view; elsewhere it has SMEM of its own, which the budget counts."""
+  assert o_rows_in_q(64, h, hv) == rows
+  cfg = MosaicConfig(block_k=64)
+  own_o = 0 if rows else 2 * 64 * hv * 2
+  assert cfg.smem_forward(h, 2, hv) == 2 * 64 * h * 2 + own_o + 2 * 64 * (h + hv) * 2 + 2 * 2 * 64 * 4
+  if rows:
+    assert rows * hv == 64 * h and rows % 8 == 0  # each warpgroup's O view starts at its Q tile
+
+
+def test_mla_forward_fits_128_key_tiles():
+  """DeepSeek-V2's 192/128 heads: with O in Q's bytes, a 2-deep ring of 128-key K/V tiles fits
+  (48 KiB Q + 96 KiB K + 64 KiB V); 192/192 does not."""
+  cfg = MosaicConfig.default(192, BF16, True, value_head_dim=128).replace(block_k=128)
+  assert cfg.smem_forward(192, 2, 128) == (48 + 96 + 64) * 1024 + 2 * 2 * 64 * 4
+  assert "forward kernel needs" in MosaicConfig.default(192, BF16, True).replace(
+      block_k=128).check(192)
 
 
 def test_fuses_dq_default_rule():

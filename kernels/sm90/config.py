@@ -35,6 +35,20 @@ SM_REGISTERS = 65536  # 32-bit registers per SM on sm90
 LAUNCH_REGISTERS_MAX = 248  # registers per thread a launch can give (255, in the allocation's steps of 8)
 
 
+def o_rows_in_q(block_q: int, head_dim: int, value_head_dim: int) -> int | None:
+  """Rows of the forward's O staging view inside Q's SMEM: a warpgroup's ``[block_q, head_dim]`` Q
+  tile (dead once its last ``S`` product is read) holds its ``[block_q, value_head_dim]`` O tile as
+  the first ``block_q`` rows of a ``[rows, value_head_dim]`` view of the same bytes (a
+  ``plgpu.RefUnion`` of ``[wgs, block_q, head_dim]`` and ``[wgs, rows, value_head_dim]``, so each
+  warpgroup's O starts where its Q does). ``block_q`` where the widths agree; None where O is wider
+  or the view's rows would not be whole 8-row tiles (O then gets SMEM of its own)."""
+  if value_head_dim == head_dim:
+    return block_q
+  if value_head_dim > head_dim or (block_q * head_dim) % (8 * value_head_dim):
+    return None
+  return block_q * head_dim // value_head_dim
+
+
 def register_pool(threads: int) -> int:
   """The registers a CTA of ``threads`` threads holds for its life: ``setmaxnreg`` moves registers
   between its warpgroups within this pool (a warpgroup asking for more waits until another gives
@@ -382,8 +396,8 @@ class MosaicConfig:
   # ``value_head_dim`` (None: ``head_dim``): V, O, dO and dV tiles are that wide (MLA).
   def smem_forward(self, head_dim: int, itemsize: int = 2, value_head_dim: int | None = None) -> int:
     hv = head_dim if value_head_dim is None else value_head_dim
-    q = self.num_wgs * self.block_q * head_dim * itemsize  # Q tile, reused for O where hv == H
-    o = 0 if hv == head_dim else self.num_wgs * self.block_q * hv * itemsize
+    q = self.num_wgs * self.block_q * head_dim * itemsize  # Q tile, reused for O where O fits in it
+    o = 0 if o_rows_in_q(self.block_q, head_dim, hv) else self.num_wgs * self.block_q * hv * itemsize
     kv = self.num_stages * self.block_k * (head_dim + hv) * itemsize
     return q + o + kv + self.num_wgs * 2 * self.block_q * 4  # + the row statistics (r, l)
 

@@ -44,7 +44,7 @@ from ..block_ranges import kv_range_table, static_kv_work
 from ..masking import Variant, allowed, soft_cap_tanh
 from ..softmax import folded_soft_cap, huge_row_scale, row_sum_at_max
 from ..vma import out_struct
-from .config import LOG2E, MosaicConfig, supports
+from .config import LOG2E, MosaicConfig, o_rows_in_q, supports
 from .lengths import pad_axis, plan_lengths
 from .schedule import causal_section, cta_tile, greedy_deal, kv_block_ranges, launch_tile
 from .lowering_cache import kernel_call
@@ -83,14 +83,19 @@ class _Fwd:
   dealt: bool = False  # persistent: the tiles of each CTA from a deal table (schedule.greedy_deal)
   variant: Variant | None = None  # an attention variant beyond is_causal (kernels/sm90/variant.py)
   names: tuple[str, ...] = ()  # its operands, after v
+  o_rows: int = 0  # rows of O's view in Q's SMEM (config.o_rows_in_q); 0: O's own SMEM
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem, q_bar, k_bar,
                 v_bar, k_free, v_free, sched=None, o_smem=None, st: _Fwd):
   # q_ref: [B, T, N, H], o_ref: [B, T, N, Hv]; k_ref: [B, S, K, H], v_ref: [B, S, K, Hv] (Hv: the value
-  # head_dim; where it is H, O is staged in Q's SMEM, else in o_smem); stats_ref: [B, N, 2, T_rows] f32, the row
-  # statistics (r, l) of kernels/softmax.py; between them the variant operands named by st.names
-  # (kernels/sm90/variant.py).
+  # head_dim); stats_ref: [B, N, 2, T_rows] f32, the row statistics (r, l) of kernels/softmax.py;
+  # between them the variant operands named by st.names (kernels/sm90/variant.py).
+  # qo_smem: Q's tiles [nwg, bq, H], also O's staging where Hv == H; where O is narrower, a RefUnion of
+  # them and an O view [nwg, st.o_rows, Hv] over the same bytes (config.o_rows_in_q); else O has
+  # o_smem [nwg, bq, Hv] of its own.
+  if st.o_rows not in (0, st.block_q):
+    qo_smem, o_smem = qo_smem
   var_refs, refs = refs[:len(st.names)], refs[len(st.names):]
   # deal_ref [n_ctas, 1 + max tiles] int32: a CTA's tile count, then its launch positions
   deal_ref, (o_ref, stats_ref) = (refs[0], refs[1:]) if st.dealt else (None, refs)
@@ -248,7 +253,13 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
     # Alg. 1 line 12: O_i = diag(l_i)^-1 acc, once. Causal or dense: every row sees key 0, so l_i >= 1;
     # a variant's row may see no key (l_i = 0): output 0.
     inv_l = 1.0 / (l_i if variant is None else jnp.where(l_i == 0.0, 1.0, l_i))
-    o_s = q_s if o_smem is None else o_smem.at[wg]  # Q_i is dead: reuse its SMEM where it fits
+    # Q_i is dead: its SMEM stages O where it fits
+    if st.o_rows == bq:
+      o_s = q_s
+    elif st.o_rows:
+      o_s = o_smem.at[wg, pl.ds(0, bq)]
+    else:
+      o_s = o_smem.at[wg]
     o_s[...] = (acc * bcast_rows(inv_l, acc.shape)).astype(st.dtype)
     # Line 13: the row statistics (r, l) instead of L_i = m_i + log(l_i): the lse and the backward's
     # P follow from them (kernels/softmax.py); l relative to the maximum's weight. Scale 0 works on
@@ -388,13 +399,18 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
             variant=variant, names=names,
             n_ctas=(min(b * n * n_q_tiles, cfg.persistent_ctas or sm_count())
                     if cfg.forward_persistent(is_causal=is_causal, known_work=known_work) else 0),
-            dealt=cfg.deals_greedily(is_causal=is_causal, known_work=known_work))
+            dealt=cfg.deals_greedily(is_causal=is_causal, known_work=known_work),
+            o_rows=o_rows_in_q(cfg.block_q, h, hv) or 0)
   if st.dealt:
     extras = (*extras, jnp.asarray(_causal_deal(st, variant_work)))
   tf = smem_transforms(h)
   nwg, stages = cfg.num_wgs, cfg.num_stages
+  qo_smem = plgpu.SMEM((nwg, cfg.block_q, h), q.dtype, transforms=tf)
+  if st.o_rows not in (0, cfg.block_q):  # O's narrower tiles viewed in Q's bytes
+    qo_smem = plgpu.RefUnion(qo_smem, plgpu.SMEM((nwg, st.o_rows, hv), q.dtype,
+                                                 transforms=smem_transforms(hv)))
   scratch = dict(
-      qo_smem=plgpu.SMEM((nwg, cfg.block_q, h), q.dtype, transforms=tf),
+      qo_smem=qo_smem,
       k_smem=plgpu.SMEM((stages, cfg.block_k, h), k.dtype, transforms=tf),
       v_smem=plgpu.SMEM((stages, cfg.block_k, hv), v.dtype, transforms=smem_transforms(hv)),
       stats_smem=plgpu.SMEM((nwg, 2, cfg.block_q), jnp.float32),
@@ -406,7 +422,7 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
   )
   if st.pingpong:
     scratch["sched"] = plgpu.Barrier(num_arrivals=nwg)
-  if hv != h:  # O's staging tile: Q's is another width
+  if not st.o_rows:  # O's staging tiles: they do not fit in Q's
     scratch["o_smem"] = plgpu.SMEM((nwg, cfg.block_q, hv), q.dtype, transforms=smem_transforms(hv))
   out, stats = ws_kernel(
       functools.partial(_fwd_kernel, st=st),
