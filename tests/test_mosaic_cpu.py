@@ -79,7 +79,8 @@ def test_supports_rejects(q_shape, k_shape, dtype, h, words):
 def test_backend_accepts_a_value_head_dim_of_its_own(monkeypatch):
   """What dispatch asks the family: a value head_dim Hv != H (multi-head latent attention,
   DeepSeek-V2's 192 / 128) runs on Hopper, V/O/dO/dV tiled by their own width; the defaults are the
-  wider width's, without the role-split dQ kernel; an Hv no swizzle tiles is refused."""
+  wider width's (forward key tiles as SMEM allows), without the role-split dQ kernel; an Hv no
+  swizzle tiles is refused."""
   from fa2_jax.kernels import platform
   from fa2_jax.kernels.backend import KernelCall
   from fa2_jax.kernels.masking import Variant
@@ -89,7 +90,9 @@ def test_backend_accepts_a_value_head_dim_of_its_own(monkeypatch):
                     Variant(is_causal=True))
   mla = dataclasses.replace(call, value_head_dim=128)
   assert mla.v_shape == (2, 1024, 8, 128) and SM90.supports(mla) is None
-  assert SM90.default_config(mla) == MosaicConfig.default(192, BF16, True)
+  # the wider width's settings, but the forward's 128-key tiles that O staged in Q's bytes lets fit
+  assert SM90.default_config(mla) == MosaicConfig.default(192, BF16, True).replace(
+      block_k=128, persistent=True, persistent_deal="greedy")
   assert not MosaicConfig.default(256, value_head_dim=128).dq_roles
   # the 128 tiles; dQ (64 columns) does not split between the consumers: not fused
   assert MosaicConfig.default(64, value_head_dim=128) == MosaicConfig.default(96)

@@ -297,9 +297,9 @@ class MosaicConfig:
     head_dim 64: 256-key forward tiles, 128-row dK/dV tiles, 128-key dQ tiles (the fastest in the
     sweep, docs/design.md#mosaic-tiles-head-dim-64). 128: 128-key tiles, 2-deep rings (no variant was
     faster, docs/design.md#mosaic-tiles-head-dim-128); both run the forward persistent, causal calls
-    dealing their tiles greedily (docs/design.md#persistent-forward). 192/256: 64-key tiles; the
-    backward runs the
-    role-split dK/dV kernel (``dkv_roles``: faster than the dV and dK passes) and, at 256, the
+    dealing their tiles greedily (docs/design.md#persistent-forward). Wider: 128-key forward tiles
+    run so where their ring fits (H + Hv <= 352: 144-176 and 192/128), else 64-key tiles; the
+    backward runs the role-split dK/dV kernel (``dkv_roles``: faster than the dV and dK passes) and, at 256, the
     role-split dQ kernel (``dq_roles``; at 192 the dQ kernel with one consumer warpgroup), to fit SMEM
     and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
     """
@@ -356,9 +356,15 @@ class MosaicConfig:
         # and MQA alike (docs/design.md#when-the-backward-fuses-dq).
         fused = dict(fused, dq_fused_min_t=5120)
       return cls(block_k=128, num_stages=2, num_stages_dkv=2, num_stages_dq=2, **fused, **regs)
-    return cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
+    wide = cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
                num_stages_dq=2, dq_roles=head_dim % (2 * WG_ROWS) == 0 and value_head_dim in (
                    None, head_dim))
+    # 128-key forward tiles, run persistent, where their 2-deep ring fits beside Q (H + Hv <= 352:
+    # 144-176, DeepSeek-V2's 192/128 with O in Q's bytes; docs/design.md#mosaic-tiles-head-dim-192-and-256).
+    k128 = dataclasses.replace(wide, block_k=128, persistent=True, persistent_deal="greedy")
+    if k128.smem_forward(head_dim, 2, value_head_dim) <= SMEM_BYTES - SMEM_RESERVE:
+      return k128
+    return wide
 
   def forward_persistent(self, *, is_causal: bool, known_work: bool) -> bool:
     """Whether the forward runs persistent (one CTA per SM looping over the query tiles):
