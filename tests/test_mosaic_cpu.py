@@ -167,6 +167,44 @@ def test_o_staged_in_q_smem(h, hv, rows):
     assert rows * hv == 64 * h and rows % 8 == 0  # each warpgroup's O view starts at its Q tile
 
 
+@pytest.mark.parametrize("h, hv", [(192, 128), (176, 128), (96, 64), (144, 96)])
+def test_o_view_starts_at_its_warpgroups_q_tile(h, hv):
+  """The forward's union of Q's tiles and O's narrower view (forward.qo_scratch): both start at the
+  union's first byte, so warpgroup w's O rows [w*rows, w*rows + 64) lie in w's Q tile and never in
+  the other's (the kernel writes O while the other warpgroup still reads its Q). Pins Pallas'
+  placement, which RefUnion's docstring leaves open."""
+  from jax._src.pallas.mosaic_gpu import core as mgpu_core
+  from fa2_jax.kernels.sm90.forward import qo_scratch
+  rows = o_rows_in_q(64, h, hv)
+  union = qo_scratch(2, 64, h, hv, BF16)
+  assert isinstance(union, mgpu_core.RefUnion)
+  q_view, o_view = mgpu_core.flatten_ref_union(union.get_ref_aval())
+  (q_at,), (o_at,) = ([t for t in r.transforms if isinstance(t, mgpu_core.ExtractAliasedRef)]
+                      for r in (q_view, o_view))
+  # (shapes in the tiled layout: compare the elements)
+  assert (q_at.offset, math.prod(q_at.shape), o_at.offset, math.prod(o_at.shape)) == (
+      0, 2 * 64 * h, 0, 2 * rows * hv)
+  assert union.get_ref_aval().shape == (2 * 64 * h * 2,)  # O adds no bytes
+  assert isinstance(qo_scratch(2, 64, 128, 128, BF16), type(union.refs[0]))  # same width: Q only
+
+
+@pytest.mark.parametrize("h", range(144, 257, 16))
+@pytest.mark.parametrize("hv", [None, 64, 128, 176, 256])
+def test_wide_forward_key_tiles_default(h, hv):
+  """Above 128: 128-key forward tiles, persistent, exactly where V is no wider than Q and their
+  ring fits beside Q; 64-key tiles, one CTA per tile, elsewhere. (Some wide pairs fit no tiles, e.g.
+  192/256: the family refuses them, ``supports``.)"""
+  cfg = MosaicConfig.default(h, BF16, True, value_head_dim=hv)
+  k128 = MosaicConfig.default(h, BF16, True).replace(block_k=128)
+  fits = k128.smem_forward(h, 2, hv) <= SMEM_BYTES - SMEM_RESERVE
+  want = (hv or h) <= h and fits
+  assert (cfg.block_k, cfg.persistent) == ((128, True) if want else (64, False))
+  if want:
+    assert cfg.check(h, 2, hv) is None
+  if hv is None:
+    assert want == (h <= 176)
+
+
 def test_mla_forward_fits_128_key_tiles():
   """DeepSeek-V2's 192/128 heads: with O in Q's bytes, a 2-deep ring of 128-key K/V tiles fits
   (48 KiB Q + 96 KiB K + 64 KiB V); 192/192 does not."""

@@ -298,7 +298,7 @@ class MosaicConfig:
     sweep, docs/design.md#mosaic-tiles-head-dim-64). 128: 128-key tiles, 2-deep rings (no variant was
     faster, docs/design.md#mosaic-tiles-head-dim-128); both run the forward persistent, causal calls
     dealing their tiles greedily (docs/design.md#persistent-forward). Wider: 128-key forward tiles
-    run so where their ring fits (H + Hv <= 352: 144-176 and 192/128), else 64-key tiles; the
+    run so where V is no wider than Q and their ring fits (144-176, 192/128), else 64-key tiles; the
     backward runs the role-split dK/dV kernel (``dkv_roles``: faster than the dV and dK passes) and, at 256, the
     role-split dQ kernel (``dq_roles``; at 192 the dQ kernel with one consumer warpgroup), to fit SMEM
     and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
@@ -331,8 +331,8 @@ class MosaicConfig:
     # variant follow the same rule (docs/design.md#when-the-backward-fuses-dq). The consumers get 240
     # registers and the producer 24 (docs/design.md#register-split).
     fused = dict(dq_fused=True, dq_fused_min_t=4096 if is_causal else 2048, dq_fused_variants=True)
-    # The forward runs persistent at head_dim <= 128 (as fast or faster at every length measured;
-    # head_dim 256 does not gain); causal calls, whose tiles differ in work, deal them greedily (a
+    # The forward runs persistent at head_dim <= 128 and with the wider heads' 128-key tiles (as fast
+    # or faster at every length measured; head_dim 256 does not gain); causal calls, whose tiles differ in work, deal them greedily (a
     # cyclic deal loses at length: docs/design.md#persistent-forward).
     regs = dict(compute_registers=240, memory_registers=24, persistent=True,
                 persistent_deal="greedy")
@@ -359,10 +359,12 @@ class MosaicConfig:
     wide = cls(block_k=64, num_stages=2, dkv_roles=True, num_stages_dkv=2, num_wgs_dq=1,
                num_stages_dq=2, dq_roles=head_dim % (2 * WG_ROWS) == 0 and value_head_dim in (
                    None, head_dim))
-    # 128-key forward tiles, run persistent, where their 2-deep ring fits beside Q (H + Hv <= 352:
-    # 144-176, DeepSeek-V2's 192/128 with O in Q's bytes; docs/design.md#mosaic-tiles-head-dim-192-and-256).
+    # 128-key forward tiles, run persistent, where V is no wider than Q and their 2-deep ring fits
+    # beside Q (144-176; DeepSeek-V2's 192/128, O in Q's bytes; measured there only, wider V keeps
+    # the 64-key tiles: docs/design.md#mosaic-tiles-head-dim-192-and-256).
     k128 = dataclasses.replace(wide, block_k=128, persistent=True, persistent_deal="greedy")
-    if k128.smem_forward(head_dim, 2, value_head_dim) <= SMEM_BYTES - SMEM_RESERVE:
+    if (value_head_dim or head_dim) <= head_dim and (
+        k128.smem_forward(head_dim, 2, value_head_dim) <= SMEM_BYTES - SMEM_RESERVE):
       return k128
     return wide
 

@@ -354,6 +354,18 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
                        variant_work=None if work is None else tuple(work.tolist()))
 
 
+def qo_scratch(nwg: int, block_q: int, h: int, hv: int, dtype):
+  """Q's SMEM tiles ``[nwg, block_q, H]``; where O is narrower and fits (config.o_rows_in_q), a
+  ``RefUnion`` of them and O's view ``[nwg, rows, Hv]``. The kernel relies on both groups of the union
+  starting at its first byte (warpgroup w's O then lies in w's Q tile): Pallas places each group
+  from offset 0 (``flatten_ref_union``; tests/test_mosaic_cpu.py checks it)."""
+  q_tiles = plgpu.SMEM((nwg, block_q, h), dtype, transforms=smem_transforms(h))
+  rows = o_rows_in_q(block_q, h, hv)
+  if rows in (None, block_q):
+    return q_tiles
+  return plgpu.RefUnion(q_tiles, plgpu.SMEM((nwg, rows, hv), dtype, transforms=smem_transforms(hv)))
+
+
 def _causal_deal(st: _Fwd, variant_work=None):
   """The greedy deal (``schedule.greedy_deal``) of a causal call's query tiles, in launch order,
   each weighing the key tiles it visits: a dense call's from ``schedule.kv_block_ranges``, a
@@ -405,12 +417,8 @@ def _forward_call(q, k, v, *extras, scale, is_causal, cfg: MosaicConfig, plan_t,
     extras = (*extras, jnp.asarray(_causal_deal(st, variant_work)))
   tf = smem_transforms(h)
   nwg, stages = cfg.num_wgs, cfg.num_stages
-  qo_smem = plgpu.SMEM((nwg, cfg.block_q, h), q.dtype, transforms=tf)
-  if st.o_rows not in (0, cfg.block_q):  # O's narrower tiles viewed in Q's bytes
-    qo_smem = plgpu.RefUnion(qo_smem, plgpu.SMEM((nwg, st.o_rows, hv), q.dtype,
-                                                 transforms=smem_transforms(hv)))
   scratch = dict(
-      qo_smem=qo_smem,
+      qo_smem=qo_scratch(nwg, cfg.block_q, h, hv, q.dtype),
       k_smem=plgpu.SMEM((stages, cfg.block_k, h), k.dtype, transforms=tf),
       v_smem=plgpu.SMEM((stages, cfg.block_k, hv), v.dtype, transforms=smem_transforms(hv)),
       stats_smem=plgpu.SMEM((nwg, 2, cfg.block_q), jnp.float32),
