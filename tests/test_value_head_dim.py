@@ -363,6 +363,9 @@ GPU_CASES = [
     Case(2, 1024, 1024, 8, 8, 192, 128, "bfloat16"),  # DeepSeek-V2's head dims
     Case(1, 1000, 777, 8, 2, 192, 128, "bfloat16", "window_segments_lengths"),
     Case(2, 513, 1024, 4, 1, 64, 256, "float16", "dense"),
+    # O staged in Q's bytes with a swizzle of its own (Q 32-byte, O 64-byte; 128-key forward tiles)
+    Case(2, 700, 900, 4, 2, 144, 96, "bfloat16"),
+    Case(1, 1000, 1000, 4, 4, 176, 128, "bfloat16", "dense"),  # O view of 88 rows
     Case(1, 300, 300, 4, 2, 96, 40, "float32"),
     Case(3, 1, 4096, 16, 16, 192, 128, "bfloat16", "decoding"),  # the decode forward
     Case(2, 4, 2000, 8, 2, 64, 128, "float16", "decoding"),
