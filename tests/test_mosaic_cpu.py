@@ -854,6 +854,9 @@ INTERPRET_CASES = [  # b, t, s, n, kh, h, causal, cfg, with_dlse
     # test_interpret_variants_dkdv_roles); head_dim 192: the one-warpgroup dQ kernel
     pytest.param((1, 200, 136, 1, 1, 256, False, None, False), marks=pytest.mark.slow),
     (1, 100, 77, 1, 1, 192, False, None, False),
+    # head_dim 160's defaults: 128-key forward tiles, persistent, causal tiles dealt greedily (64-byte
+    # swizzle), the role-split dK/dV kernel; T < S ragged, GQA 2:1
+    (1, 136, 300, 2, 1, 160, True, None, False),
     # fused dQ at head_dim 128: the two consumers split each dQ tile by columns (dq_split "cols")
     (1, 200, 136, 2, 1, 128, True, MosaicConfig.default(128).replace(dq_fused=True, dq_fused_min_t=0), False),
     # fused dQ, 64-row tiles at head_dim 64: no split (each consumer adds its own keys' partial)
