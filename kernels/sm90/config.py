@@ -299,9 +299,9 @@ class MosaicConfig:
     faster, docs/design.md#mosaic-tiles-head-dim-128); both run the forward persistent, causal calls
     dealing their tiles greedily (docs/design.md#persistent-forward). Wider: 128-key forward tiles
     run so where V is no wider than Q and their ring fits (144-176, 192/128), else 64-key tiles; the
-    backward runs the role-split dK/dV kernel (``dkv_roles``: faster than the dV and dK passes) and, at 256, the
-    role-split dQ kernel (``dq_roles``; at 192 the dQ kernel with one consumer warpgroup), to fit SMEM
-    and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
+    backward runs the role-split dK/dV kernel (``dkv_roles``: faster than the dV and dK passes) and,
+    at 256, the role-split dQ kernel (``dq_roles``; at 192 the dQ kernel with one consumer
+    warpgroup), to fit SMEM and registers (docs/design.md#mosaic-tiles-head-dim-192-and-256).
     """
     if isinstance(head_dim, (bool, np.bool_)) or not isinstance(head_dim, (int, np.integer)):
       raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__} {head_dim!r}")
@@ -332,8 +332,9 @@ class MosaicConfig:
     # registers and the producer 24 (docs/design.md#register-split).
     fused = dict(dq_fused=True, dq_fused_min_t=4096 if is_causal else 2048, dq_fused_variants=True)
     # The forward runs persistent at head_dim <= 128 and with the wider heads' 128-key tiles (as fast
-    # or faster at every length measured; head_dim 256 does not gain); causal calls, whose tiles differ in work, deal them greedily (a
-    # cyclic deal loses at length: docs/design.md#persistent-forward).
+    # or faster at every length measured; head_dim 256 does not gain); causal calls, whose tiles
+    # differ in work, deal them greedily (a cyclic deal loses at length:
+    # docs/design.md#persistent-forward).
     regs = dict(compute_registers=240, memory_registers=24, persistent=True,
                 persistent_deal="greedy")
     # A value head_dim of its own: the tiles of the wider of the two (SMEM and the dV accumulator's
@@ -405,7 +406,8 @@ class MosaicConfig:
   def smem_forward(self, head_dim: int, itemsize: int = 2, value_head_dim: int | None = None) -> int:
     hv = head_dim if value_head_dim is None else value_head_dim
     q = self.num_wgs * self.block_q * head_dim * itemsize  # Q tile, reused for O where O fits in it
-    o = 0 if o_rows_in_q(self.block_q, head_dim, hv) else self.num_wgs * self.block_q * hv * itemsize
+    o = 0 if o_rows_in_q(self.block_q, head_dim, hv) else (
+        self.num_wgs * self.block_q * hv * itemsize)
     kv = self.num_stages * self.block_k * (head_dim + hv) * itemsize
     return q + o + kv + self.num_wgs * 2 * self.block_q * 4  # + the row statistics (r, l)
 

@@ -91,9 +91,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, qo_smem, k_smem, v_smem, stats_smem,
   # q_ref: [B, T, N, H], o_ref: [B, T, N, Hv]; k_ref: [B, S, K, H], v_ref: [B, S, K, Hv] (Hv: the value
   # head_dim); stats_ref: [B, N, 2, T_rows] f32, the row statistics (r, l) of kernels/softmax.py;
   # between them the variant operands named by st.names (kernels/sm90/variant.py).
-  # qo_smem: Q's tiles [nwg, bq, H], also O's staging where Hv == H; where O is narrower, a RefUnion of
-  # them and an O view [nwg, st.o_rows, Hv] over the same bytes (config.o_rows_in_q); else O has
-  # o_smem [nwg, bq, Hv] of its own.
+  # qo_smem: Q's tiles [nwg, bq, H], also O's staging where Hv == H; where O is narrower, a RefUnion
+  # of them and an O view [nwg, st.o_rows, Hv] over the same bytes (config.o_rows_in_q); else O
+  # has o_smem [nwg, bq, Hv] of its own.
   if st.o_rows not in (0, st.block_q):
     qo_smem, o_smem = qo_smem
   var_refs, refs = refs[:len(st.names)], refs[len(st.names):]
@@ -356,9 +356,9 @@ def forward(q, k, v, *, scale: float, is_causal: bool, config: MosaicConfig | No
 
 def qo_scratch(nwg: int, block_q: int, h: int, hv: int, dtype):
   """Q's SMEM tiles ``[nwg, block_q, H]``; where O is narrower and fits (config.o_rows_in_q), a
-  ``RefUnion`` of them and O's view ``[nwg, rows, Hv]``. The kernel relies on both groups of the union
-  starting at its first byte (warpgroup w's O then lies in w's Q tile): Pallas places each group
-  from offset 0 (``flatten_ref_union``; tests/test_mosaic_cpu.py checks it)."""
+  ``RefUnion`` of them and O's view ``[nwg, rows, Hv]``. The kernel relies on both groups of the
+  union starting at its first byte (warpgroup w's O then lies in w's Q tile): Pallas places each
+  group from offset 0 (``flatten_ref_union``; tests/test_mosaic_cpu.py checks it)."""
   q_tiles = plgpu.SMEM((nwg, block_q, h), dtype, transforms=smem_transforms(h))
   rows = o_rows_in_q(block_q, h, hv)
   if rows in (None, block_q):
