@@ -6,10 +6,26 @@
 """
 import importlib.util as _util
 
-if _util.find_spec(f"{__name__}.kernels") is None:  # a checkout imported without installing it
+if _util.find_spec(f"{__name__}.kernels") is None:  # a source folder imported, not the package
+
+  def _installed() -> bool:
+    from importlib import metadata
+    try:
+      metadata.distribution("fa2_jax")
+    except metadata.PackageNotFoundError:
+      return False
+    return True
+
+  _folder = __path__[0]
+  if _installed():  # e.g. `pip install .`, then Python started inside the clone
+    raise ImportError(
+        f"fa2_jax was imported from the source folder {_folder}, which shadows the installed "
+        "package (Python looks in the current directory first) and has no kernels: run from "
+        "outside the clone, or install it with `pip install -e .`, which imports from its root too")
   raise ImportError(
-      "fa2_jax's kernels (the folder kernels/ of the source tree) are installed as fa2_jax.kernels: "
-      "install the checkout first, e.g. `pip install -e .` from its root (scripts/setup.sh does)")
+      f"fa2_jax was imported from the source folder {_folder}, which has no kernels (the folder "
+      "kernels/ of the source tree becomes fa2_jax.kernels when installed): install the checkout "
+      "first, e.g. `pip install -e .` from its root (scripts/setup.sh does)")
 from .attention import backend_for, flash_attention
 from .context_parallel import (context_parallel_attention, context_parallel_strategy,
                                context_positions, from_context_layout, to_context_layout)

@@ -47,11 +47,22 @@ def unsupported_features(backend: Backend, variant) -> tuple[str, ...]:
   return missing
 
 
+def _missing_text(missing, subject: str) -> str:
+  """``missing`` (:func:`unsupported_features`: feature names, or sentences on a function the
+  kernels cannot take) as one clause of ``subject``: the sentences where there are any, else the
+  names."""
+  reasons = [f for f in missing if " " in f]
+  if reasons:
+    return f"{subject} cannot take {'; '.join(reasons)}"
+  verb = "does" if subject == "it" else "do"
+  return f"{subject} {verb} not implement {', '.join(missing)} yet"
+
+
 def _refusal(backend: Backend, call: KernelCall) -> str | None:
   """Why ``backend`` cannot run ``call``, or None."""
   missing = unsupported_features(backend, call.variant)
   if missing:
-    return f"it does not implement {', '.join(missing)} yet"
+    return _missing_text(missing, "it")
   return backend.supports(call)
 
 
@@ -118,8 +129,7 @@ def describe(backend: str, call: KernelCall | None, *, implementation, config, f
       missing = [b for b in registry.backends() if unsupported_features(b, call.variant)]
       if len(missing) == len(registry.backends()):
         feats = dict.fromkeys(f for b in missing for f in unsupported_features(b, call.variant))
-        why = (f"the kernels do not implement {', '.join(feats)} yet; the XLA formula runs every "
-               "attention variant")
+        why = f"{_missing_text(tuple(feats), 'the kernels')}; the XLA formula runs every attention variant"
       elif not platform.on_gpu() and not call.interpret:
         why = (f"no GPU on this platform ({jax.default_backend()}); pass interpret=True to run the "
                "Triton kernels in Pallas interpret mode")

@@ -230,6 +230,12 @@ def test_flax_layer_cache_argument():
     layer.apply(params, x[:, :1], cache=cache, q_offset=3)
   with pytest.raises(TypeError, match="cache must be a fa2_jax.KVCache"):
     layer.apply(params, x[:, :1], cache=(cache,))
+  with pytest.raises(ValueError, match=r"cache does not fit .* kv_heads 4 \(this call: 2\)"):
+    layer.apply(params, x[:, :1], cache=KVCache.create(B, 8, 4, 8))
+  with pytest.raises(ValueError, match=r"cache does not fit .* batch 1 \(this call: 2\)"):
+    layer.apply(params, x[:, :1], cache=KVCache.create(1, 8, 2, 8))
+  with pytest.raises(TypeError, match="cache holds bfloat16 keys and values, this layer"):
+    layer.apply(params, x[:, :1], cache=KVCache.create(B, 8, 2, 8, jnp.bfloat16))
   nnx_layer = fa2_flax.NnxCausalSelfAttention(16, 4, 8, num_kv_heads=2, rotary=True,
                                               rngs=nnx.Rngs(0))
   want = nnx_layer(x)
@@ -388,3 +394,13 @@ def test_generate_command_errors_are_one_line(checkpoint, tmp_path, capsys):
   assert "invalid int value: 'many'" in one_error_line(["--ckpt-dir", ckpt, "--tokens", "many"],
                                                       capsys)
   assert "required: --ckpt-dir" in one_error_line([], capsys)
+  if jax.default_backend() == "cpu":  # attentions that cannot run here: one line, before the model
+    assert "--attention cudnn needs an NVIDIA GPU" in one_error_line(
+        ["--ckpt-dir", ckpt, *CLI_MODEL, "--attention", "cudnn"], capsys)
+    assert "--attention flash_mosaic cannot run this call" in one_error_line(
+        ["--ckpt-dir", ckpt, *CLI_MODEL, "--attention", "flash_mosaic"], capsys)
+    assert "no Pallas interpret mode" in one_error_line(
+        ["--ckpt-dir", ckpt, *CLI_MODEL, "--attention", "flash_mosaic", "--interpret", "true"],
+        capsys)
+  assert "--interpret true runs the fa2_jax kernels, which --attention xla" in one_error_line(
+      ["--ckpt-dir", ckpt, *CLI_MODEL, "--attention", "xla", "--interpret", "true"], capsys)

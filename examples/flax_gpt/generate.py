@@ -37,7 +37,7 @@ import fa2_jax
 from . import data as data_lib
 from .cli import _OVERRIDES, add_model_flags, cli_message, describe_configs, flag_names
 from .config import PRESETS, GPTConfig, get_preset
-from .model import FLASH_IMPLEMENTATIONS, GPT, count_params, init_cache
+from .model import FLASH_IMPLEMENTATIONS, GPT, attention_core, count_params, init_cache
 
 PROG = "python -m examples.flax_gpt.generate"
 DEFAULT_PROMPT = "def fibonacci(n):\n"  # train.py's sample prompt for the default data
@@ -358,7 +358,9 @@ def describe_decode_attention(mc: GPTConfig, batch: int) -> str:
                                  interpret=True if mc.flash_interpret else None,
                                  local_window_size=None if mc.window is None else (mc.window, 0),
                                  logits_soft_cap=mc.soft_cap)
-  return f"decode attention: fa2_jax {cli_message(str(dispatch))}"
+  kernels = ", ".join(dispatch.forward) or "the XLA formula"  # the cache path is forward-only
+  return (f"decode attention: fa2_jax "
+          f"{cli_message(f'{dispatch.backend} ({kernels}): {dispatch.reason}')}")
 
 
 def _fail(message: str) -> None:
@@ -389,15 +391,19 @@ def main(argv=None) -> dict:
     _fail(str(e).replace("temperature", "--temperature"))
   if mc.attention == "flash_triton" and not mc.flash_interpret and jax.default_backend() != "gpu":
     _fail("--attention flash_triton needs a GPU here; pass --interpret true or --attention flash")
+  if mc.flash_interpret and not mc.attention.startswith("flash"):
+    _fail(f"--interpret true runs the fa2_jax kernels, which --attention {mc.attention} does not "
+          "use; pass --attention flash or flash_triton")
+  try:  # before the checkpoint: the model's init runs its attention
+    attention_core(mc)  # raises for an attention that cannot run here (cudnn without a GPU, ...)
+    attention_line = describe_decode_attention(mc, len(prompts))
+  except ValueError as e:
+    _fail(cli_message(str(e)))
   model = GPT(mc)
   try:
     params, step = load_params(args.ckpt_dir, model)
   except CheckpointError as e:
     _fail(str(e))
-  try:
-    attention_line = describe_decode_attention(mc, len(prompts))
-  except ValueError as e:
-    _fail(cli_message(str(e)))
   devices = jax.local_devices()
   print(f"checkpoint of step {step} in {os.path.abspath(args.ckpt_dir)}: "
         f"{count_params(params):,} parameters")

@@ -166,6 +166,18 @@ def _cached_attend(module, q, k, v, positions, mask, cache, query_seq_lengths, *
   if q.ndim != 4:
     raise ValueError(f"with cache, x must be [batch, T, features], got a query of shape "
                      f"{tuple(q.shape)} [.., T, heads, head_dim]")
+  # the layer's own sizes against the cache's (append would name its k_new/v_new instead)
+  layer = dict(batch=q.shape[0], kv_heads=k.shape[2], head_dim=k.shape[3], value_head_dim=v.shape[3])
+  held = dict(batch=cache.batch, kv_heads=cache.kv_heads, head_dim=cache.head_dim,
+              value_head_dim=cache.value_head_dim)
+  wrong = [f"{name} {held[name]} (this call: {layer[name]})" for name in layer
+           if layer[name] != held[name]]
+  if wrong:
+    raise ValueError(f"cache does not fit this layer and input: it holds {', '.join(wrong)}; "
+                     "create it with the layer's kv heads and head dims and the input's batch")
+  if cache.dtype != k.dtype:
+    raise TypeError(f"cache holds {cache.dtype} keys and values, this layer computes them in "
+                    f"{k.dtype}: create the cache with dtype={k.dtype} (or set the layer's dtype)")
   if positions is None:  # the new rows continue each batch row's sequence
     positions = cache.lengths[:, None] + jnp.arange(q.shape[1], dtype=jnp.int32)[None, :]
   if module.rotary:

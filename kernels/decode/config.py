@@ -36,6 +36,10 @@ DEFAULT_SMS = 132
 class DecodeConfig:
   """Tiles and launch parameters of the decode (split-KV) forward kernel.
 
+  ``DecodeConfig()`` is these fields' values for every call; what a call gets without
+  ``block_sizes`` is :meth:`default` for its head_dim, dtype and packed rows (start from it:
+  ``DecodeConfig.default(128).replace(num_splits=8)``).
+
   Attributes:
     block_k: keys per loop step (a power of two in [16, 256]).
     num_splits: programs per (batch element, KV head) that share its key range; None: the
