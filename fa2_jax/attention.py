@@ -565,7 +565,7 @@ def _flash_bwd(st: _Static, residuals, cotangents):
                             extra_outputs=(sharding.LSE,) if slope_grad else (),
                             context=_context(st, backward=True))
   # The step's kernels are traced (the forward's before this): its compile then finds them compiled
-  # by the background threads that started at their exports, in parallel, not one after another.
+  # by the background threads that started at their exports, while the rest was traced.
   kernel_reuse.wait_for_compiles()
   # The variant operands (lengths, segment ids, offsets: integers) get zero cotangents; the ALiBi
   # slopes, where perturbed, theirs: through the scores (the kernel's row sums) and through the

@@ -32,9 +32,11 @@ function (``mask_fn``, ``score_fn``) have no name that is stable across processe
 per process only.
 
 On a GPU each new export also starts its compile at once in a background thread, as a program of
-its own (:func:`start_compile`): XLA compiles a program's Mosaic kernels one after another, and these
-threads compile them at the same time (the forward's while the backward is traced); the program's
-compile then finds them in jaxlib's process-wide kernel cache. The backward rule waits for them
+its own (:func:`start_compile`): XLA would compile a program's Mosaic kernels one after another at
+its compile, after the whole step is traced; these threads compile each one while the rest of the
+step is traced and lowered (the forward's while the backward is). They still compile one kernel at
+a time (jaxlib holds its kernel cache's lock while compiling), and the program's compile then finds
+them in that process-wide cache. The backward rule waits for them
 (:func:`wait_for_compiles`; docs/measurements.md, "Background compiles"). Not with JAX's persistent
 compilation cache on, which keeps a program only if its compile takes a second or more.
 
