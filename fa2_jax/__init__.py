@@ -8,16 +8,20 @@ import importlib.util as _util
 
 if _util.find_spec(f"{__name__}.kernels") is None:  # a source folder imported, not the package
 
-  def _installed() -> bool:
-    from importlib import metadata
-    try:
-      metadata.distribution("fa2_jax")
-    except metadata.PackageNotFoundError:
-      return False
-    return True
+  def _installed_elsewhere(folder: str) -> bool:
+    """Whether a folder on the path other than this source tree's root holds an installed fa2_jax
+    (one with its kernels)."""
+    import os
+    import sys
+    root = os.path.realpath(os.path.dirname(folder))
+    for entry in sys.path:
+      where = os.path.realpath(entry or os.getcwd())
+      if where != root and os.path.isdir(os.path.join(where, "fa2_jax", "kernels")):
+        return True
+    return False
 
   _folder = __path__[0]
-  if _installed():  # e.g. `pip install .`, then Python started inside the clone
+  if _installed_elsewhere(_folder):  # e.g. `pip install .`, then Python started inside the clone
     raise ImportError(
         f"fa2_jax was imported from the source folder {_folder}, which shadows the installed "
         "package (Python looks in the current directory first) and has no kernels: run from "

@@ -38,6 +38,8 @@ def unsupported_features(backend: Backend, variant) -> tuple[str, ...]:
   if variant is None:
     return ()
   missing = tuple(f for f in variant.features if f not in backend.features)
+  if "mask_fn" in missing or "score_fn" in missing:  # what the functions hold is moot then
+    return missing
   if (fn := closes_over_arrays(variant)) is not None:
     missing += (f"a {fn} whose trace holds an array constant (an array it closes over or builds, "
                 "e.g. jnp.asarray of a list) or a traced value (a kernel needs it as an operand; "
@@ -48,14 +50,14 @@ def unsupported_features(backend: Backend, variant) -> tuple[str, ...]:
 
 
 def _missing_text(missing, subject: str) -> str:
-  """``missing`` (:func:`unsupported_features`: feature names, or sentences on a function the
-  kernels cannot take) as one clause of ``subject``: the sentences where there are any, else the
-  names."""
+  """``missing`` (:func:`unsupported_features`: feature names, and sentences on a function the
+  kernels cannot take) as one clause of ``subject``."""
+  names = [f for f in missing if " " not in f]
   reasons = [f for f in missing if " " in f]
-  if reasons:
-    return f"{subject} cannot take {'; '.join(reasons)}"
   verb = "does" if subject == "it" else "do"
-  return f"{subject} {verb} not implement {', '.join(missing)} yet"
+  parts = [f"{verb} not implement {', '.join(names)} yet"] if names else []
+  parts += [f"cannot take {'; '.join(reasons)}"] if reasons else []
+  return f"{subject} {' and '.join(parts)}"
 
 
 def _refusal(backend: Backend, call: KernelCall) -> str | None:
@@ -129,7 +131,10 @@ def describe(backend: str, call: KernelCall | None, *, implementation, config, f
       missing = [b for b in registry.backends() if unsupported_features(b, call.variant)]
       if len(missing) == len(registry.backends()):
         feats = dict.fromkeys(f for b in missing for f in unsupported_features(b, call.variant))
-        why = f"{_missing_text(tuple(feats), 'the kernels')}; the XLA formula runs every attention variant"
+        # a function some family cannot take says more than another family's missing features
+        reasons = tuple(f for f in feats if " " in f)
+        why = (f"{_missing_text(reasons or tuple(feats), 'the kernels')}; the XLA formula runs every "
+               "attention variant")
       elif not platform.on_gpu() and not call.interpret:
         why = (f"no GPU on this platform ({jax.default_backend()}); pass interpret=True to run the "
                "Triton kernels in Pallas interpret mode")

@@ -399,6 +399,8 @@ def test_generate_command_errors_are_one_line(checkpoint, tmp_path, capsys):
         ["--ckpt-dir", ckpt, *CLI_MODEL, "--attention", "cudnn"], capsys)
     assert "--attention flash_mosaic cannot run this call" in one_error_line(
         ["--ckpt-dir", ckpt, *CLI_MODEL, "--attention", "flash_mosaic"], capsys)
+    assert "--attention cudnn needs an NVIDIA GPU" in one_error_line(  # before the checkpoint
+        ["--ckpt-dir", str(missing), *CLI_MODEL, "--attention", "cudnn"], capsys)
     assert "no Pallas interpret mode" in one_error_line(
         ["--ckpt-dir", ckpt, *CLI_MODEL, "--attention", "flash_mosaic", "--interpret", "true"],
         capsys)

@@ -8,21 +8,16 @@ import subprocess
 import sys
 import zipfile
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory):
-  folder = tmp_path_factory.mktemp("wheel")
+def test_wheel_contains_kernels_and_installs(tmp_path):
+  """One wheel build (two at once would share the tree's build/ folder): it carries every module,
+  and installed, it imports from elsewhere; from the clone, whose source folder then comes first on
+  the path, the error names the shadowing and the two ways out."""
   subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                  "-w", str(folder), str(ROOT)], check=True, capture_output=True)
-  (path,) = folder.glob("fa2_jax-*.whl")
-  return path
-
-
-def test_wheel_contains_kernels(wheel):
+                  "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+  (wheel,) = tmp_path.glob("fa2_jax-*.whl")
   names = set(zipfile.ZipFile(wheel).namelist())
   kernel_files = {f"fa2_jax/{p.relative_to(ROOT).as_posix()}" for p in (ROOT / "kernels").rglob("*.py")}
   public = {f"fa2_jax/{p.relative_to(ROOT / 'fa2_jax').as_posix()}"
@@ -32,6 +27,22 @@ def test_wheel_contains_kernels(wheel):
     assert module in names, (module, sorted(names))
   assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), sorted(names)
   assert not any(n.startswith("kernels/") for n in names)  # never a top-level `kernels` package
+  site = tmp_path / "site"
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                  "--target", str(site), str(wheel)], check=True, capture_output=True)
+  import jax
+  jax_site = str(pathlib.Path(jax.__file__).parents[1])
+  env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{site}:{jax_site}"}
+  run = lambda cwd: subprocess.run(  # noqa: E731
+      [sys.executable, "-S", "-c", "import sys; sys.path.insert(0, ''); import fa2_jax; "
+       "print(fa2_jax.__file__)"], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
+  r = run(ROOT)
+  assert r.returncode != 0
+  last = r.stderr.strip().splitlines()[-1]
+  assert "shadows the installed package" in last and "run from outside the clone" in last, last
+  r = run(tmp_path)
+  assert r.returncode == 0, r.stderr
+  assert r.stdout.strip().startswith(str(site)), r.stdout
 
 
 def test_kernels_import_under_package_name():
@@ -57,29 +68,7 @@ def test_a_checkout_that_was_not_installed_names_the_install_step():
   assert r.returncode != 0
   last = r.stderr.strip().splitlines()[-1]
   assert last.startswith("ImportError: fa2_jax was imported from the source folder"), r.stderr
-  assert "pip install -e" in last, r.stderr
-
-
-def test_an_installed_wheel_shadowed_by_the_clone_says_so(wheel, tmp_path):
-  """`pip install .`, then Python started in the clone: the source folder comes first on the path
-  and has no kernels; the error names the shadowing and the two ways out. From elsewhere the
-  installed wheel imports."""
-  site = tmp_path / "site"
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
-                  "--target", str(site), str(wheel)], check=True, capture_output=True)
-  import jax
-  jax_site = str(pathlib.Path(jax.__file__).parents[1])
-  env = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": f"{site}:{jax_site}"}
-  run = lambda cwd: subprocess.run(  # noqa: E731
-      [sys.executable, "-S", "-c", "import sys; sys.path.insert(0, ''); import fa2_jax; "
-       "print(fa2_jax.__file__)"], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
-  r = run(ROOT)
-  assert r.returncode != 0
-  last = r.stderr.strip().splitlines()[-1]
-  assert "shadows the installed package" in last and "run from outside the clone" in last, last
-  r = run(tmp_path)
-  assert r.returncode == 0, r.stderr
-  assert r.stdout.strip().startswith(str(site)), r.stdout
+  assert "install the checkout first" in last and "pip install -e" in last, r.stderr
 
 
 def test_import_is_light():

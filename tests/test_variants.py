@@ -1298,6 +1298,9 @@ def test_mask_fn_closing_over_an_array_runs_the_formula():
   assert d.backend == "xla" and "array constant" in d.reason, d
   with pytest.raises(ValueError, match="it cannot take a mask_fn whose trace holds an array constant"):
     fa2_jax.flash_attention(q, k, v, mask_fn=fn, implementation="triton", interpret=True)
+  # a family without mask_fn at all says that, not what the function holds
+  with pytest.raises(ValueError, match="it does not implement mask_fn yet; use"):
+    fa2_jax.backend_for(q, k, mask_fn=fn, implementation="decode")
   out = fa2_jax.flash_attention(q, k, v, mask_fn=fn, interpret=True)
   want = fa2_jax.flash_attention(q, k, v, mask_fn=lambda b, h, i, j: j % 3 != 0, interpret=True)
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5)
