@@ -400,6 +400,13 @@ def backend_for(query, key, value=None, bias=None, mask=None, *, is_causal=False
         f"the sequence is sharded over Explicit mesh axis {axis!r}: context parallelism, strategy "
         f"{strategy!r} ({why}), contiguous chunks; the kernels as chosen for the whole call: "
         f"{chosen.reason}"))
+  elif call.backend != "xla":  # the kernels' Explicit-sharding rules, as flash_attention applies them
+    q = call.query
+    whole = {"t": "this call runs on whole sequences",
+             **_unsplittable(call.variant, q.shape[0], q.shape[2])}
+    found = sharding.explicit_plan((q, call.key, call.value), whole=whole)
+    if found is not None and found[2].problems:
+      raise sharding.refusal(found[2].problems)
   return chosen
 
 

@@ -127,10 +127,21 @@ def _permute_chunks(x, order: list[int], seq_axis: int):
                           for i in order], axis=seq_axis)
 
 
+def _axis_size_arg(axis_size) -> int:
+  """``axis_size`` as an int >= 1 (TypeError / ValueError naming it otherwise)."""
+  if not isinstance(axis_size, (int, np.integer)) or isinstance(axis_size, (bool, np.bool_)):
+    raise TypeError(f"axis_size must be a positive int, got {type(axis_size).__name__} "
+                    f"{axis_size!r}")
+  if axis_size < 1:
+    raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
+  return int(axis_size)
+
+
 def _check_global(x, axis_size, seq_axis, layout) -> tuple[int, int]:
   pieces = _check_layout(layout)
-  if not isinstance(axis_size, (int, np.integer)) or axis_size < 1:
-    raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
+  if not hasattr(x, "shape") or not hasattr(x, "ndim"):
+    raise TypeError(f"x must be an array, got {type(x).__name__}")
+  axis_size = _axis_size_arg(axis_size)
   if not -x.ndim <= seq_axis < x.ndim:
     raise ValueError(f"seq_axis={seq_axis} is out of range for an array of rank {x.ndim}")
   seq_axis %= x.ndim
@@ -165,6 +176,9 @@ def context_positions(local_len: int, axis_index, axis_size: int, *, layout: str
   ``axis_index`` (an int, or ``lax.axis_index(axis_name)`` inside ``shard_map``) under ``layout``.
   Add ``q_offset`` for the queries' absolute positions."""
   pieces = _check_layout(layout)
+  axis_size = _axis_size_arg(axis_size)
+  if isinstance(axis_index, (int, np.integer)) and not 0 <= axis_index < axis_size:
+    raise ValueError(f"axis_index must lie in [0, axis_size={axis_size}), got {axis_index}")
   if local_len % pieces:
     raise ValueError(f"layout={layout!r} holds {pieces} chunks per device: local_len={local_len} "
                      f"must be divisible by {pieces}")
@@ -186,13 +200,19 @@ def context_parallel_strategy(query_shape, key_shape, axis_size: int, *, dtype=j
   The rule: gather K/V while the gathered K and V take at most :data:`GATHER_BYTES` per device
   (``"all_gather"``); else ``"all_to_all"`` where ``N`` and ``K`` divide by ``axis_size``; else
   ``"ring"``, whose memory per device stays ``S / axis_size``."""
+  for name, shape in (("query_shape", query_shape), ("key_shape", key_shape)):
+    if len(tuple(shape)) != 4:
+      raise ValueError(f"{name} must be the global [B, {'T, N' if name == 'query_shape' else 'S, K'}"
+                       f", H] (4 sizes), got {tuple(shape)}")
   b, s, kh, h = (int(d) for d in key_shape)
   n = int(query_shape[2])
-  c = int(axis_size)
+  c = _axis_size_arg(axis_size)
+  if c == 1:
+    return "all_gather", "one device on the axis: nothing to exchange, one kernel call"
   hv = h if value_head_dim is None else int(value_head_dim)
   gathered = b * s * kh * (h + hv) * jnp.dtype(dtype).itemsize + (4 * b * s if has_kv_segment_ids
                                                                     else 0)
-  if c == 1 or gathered <= GATHER_BYTES:
+  if gathered <= GATHER_BYTES:
     return "all_gather", (f"the gathered K and V take {gathered / 2**20:.1f} MiB per device "
                           f"(<= {GATHER_BYTES // 2**20} MiB): one all-gather and one kernel call "
                           "per query piece")

@@ -52,7 +52,7 @@ FORWARD_ONLY_MESSAGE = (
 
 # flash_attention arguments the cache sets itself: a caller passing them would contradict it.
 _SET_BY_CACHE = ("is_causal", "q_offset", "key_value_seq_lengths", "q_segment_ids",
-                 "kv_segment_ids")
+                 "kv_segment_ids", "block_table")
 # Whether fa2_jax.flash_attention takes a page table itself (FlashAttention's name, block_table):
 # PagedKVCache.attend then passes the pages as they are, else it gathers them into rows first (the
 # fallback, kept for an attention_fn that has no block_table).
@@ -119,6 +119,8 @@ def _lengths(name: str, x, batch: int, limit: int, limit_name: str):
   """Integer ``[batch]`` as int32; its values (when concrete) in ``[0, limit]``."""
   if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
     x = np.full((batch,), int(x), np.int32)
+  if isinstance(x, (list, tuple)):  # as flash_attention's lengths take them
+    x = np.asarray(x)
   x = _array(name, x)
   if np.dtype(x.dtype).kind not in "iu":
     raise TypeError(f"{name} must be an integer array [batch], got dtype {x.dtype}")
@@ -146,7 +148,30 @@ def _check_kwargs(kwargs: dict) -> None:
   for name in _SET_BY_CACHE:
     if name in kwargs:
       raise TypeError(f"{name} is set by the cache (causal attention of the newest rows against "
-                      "the cache's lengths), so it cannot be passed to attend/prefill")
+                      "the cache's lengths and pages), so it cannot be passed to attend/prefill")
+
+
+def _check_pages(page_table, num_pages: int) -> None:
+  """ValueError for a concrete page table (a traced one is not checked) with a page outside
+  ``[0, num_pages)``."""
+  values = _concrete(page_table)
+  if values is not None and values.size and (values.min() < 0 or values.max() >= num_pages):
+    raise ValueError(f"page_table's pages must lie in [0, {num_pages}), got values in "
+                     f"[{values.min()}, {values.max()}]")
+
+
+def _check_shared_writes(pages, written) -> None:
+  """ValueError where an append would write one page from two rows (``pages`` ``[B, T_new]``, the
+  page of each new row; ``written`` the same shape, whether it is written), when both are known."""
+  pages, written = _concrete(pages), _concrete(written)
+  if pages is None or written is None:
+    return
+  owner: dict = {}
+  for b in range(pages.shape[0]):
+    for page in set(pages[b][written[b]].tolist()):
+      if owner.setdefault(page, b) != b:
+        raise ValueError(f"page_table has rows {owner[page]} and {b} write page {page}: rows may "
+                         "share pages they only read (a common prefix), not pages they append to")
 
 
 def _append_lengths(cache_lengths, lengths, t_new: int, capacity: int):
@@ -226,7 +251,16 @@ class _Cache:
     else:
       newest = query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch, t,
                                             "T_new, q's rows")
+    if np.dtype(cache_lengths.dtype).kind not in "iu" or cache_lengths.shape != (batch,):
+      raise TypeError(f"the cache's lengths must be an integer array [batch], got "
+                      f"{cache_lengths.dtype}{list(cache_lengths.shape)}")
     held, rows = _concrete(cache_lengths), _concrete(newest)
+    if held is not None and held.size and (held.min() < 0 or held.max() > capacity):
+      row = int(np.argmax((held < 0) | (held > capacity)))
+      raise ValueError(
+          f"the cache's lengths must lie in [0, {capacity}] (its capacity), but batch row {row} "
+          f"holds {int(held[row])}: an append under jit went past the capacity (its rows were "
+          "dropped); create a larger cache")
     if held is not None and rows is not None and (rows > held).any():
       row = int(np.argmax(rows > held))
       raise ValueError(
@@ -365,6 +399,9 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, *, lengths=None, capacity:
     ValueError / TypeError: bad shapes, dtypes, lengths or capacity, naming the argument.
   """
   _check_kwargs(kwargs)
+  if "query_seq_lengths" in kwargs:
+    raise TypeError("query_seq_lengths is set by prefill's lengths (the prompts' valid rows, for "
+                    "the queries and the cache alike): pass lengths")
   for name, x in (("q", q), ("k", k), ("v", v)):
     _array(name, x)
     if x.ndim != 4:
@@ -459,10 +496,7 @@ class PagedKVCache(_Cache):
     if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
       raise ValueError(f"page_table must have shape [batch={batch}, pages_per_row >= 1], got "
                        f"{list(page_table.shape)}")
-    values = _concrete(page_table)
-    if values is not None and (values.min() < 0 or values.max() >= num_pages):
-      raise ValueError(f"page_table's pages must lie in [0, {num_pages}), got values in "
-                       f"[{values.min()}, {values.max()}]")
+    _check_pages(page_table, num_pages)
     shape = (num_pages, page_size, kv_heads, head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros((*shape[:3], hv), dtype),
                jnp.asarray(page_table, jnp.int32), jnp.zeros((batch,), jnp.int32))
@@ -488,12 +522,21 @@ class PagedKVCache(_Cache):
     return self.page_table.shape[1] * self.page_size
 
   def append(self, k_new: jax.Array, v_new: jax.Array, *, lengths=None) -> "PagedKVCache":
-    """As :meth:`KVCache.append`: each row's new positions go to the slots of its pages."""
+    """As :meth:`KVCache.append`: each row's new positions go to the slots of its pages. A concrete
+    page table (one not traced) is checked as :meth:`create` checks it, and two rows writing one page
+    raise; under ``jit``, rows past the capacity and pages outside ``[0, num_pages)`` (a negative
+    "no page yet") are dropped, never written to another page."""
+    num_pages = self.k_pages.shape[0]
+    _check_pages(self.page_table, num_pages)
     positions, added = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B]
     index = jnp.minimum(positions // self.page_size, self.page_table.shape[1] - 1)
     pages = jnp.take_along_axis(self.page_table, index, axis=1)
-    # positions past the capacity go to page num_pages, out of bounds: dropped
-    pages = jnp.where(positions < self.capacity, pages, self.k_pages.shape[0])
+    written = jnp.arange(positions.shape[1])[None, :] < added[:, None]
+    _check_shared_writes(pages, written & (positions < self.capacity))
+    # positions past the capacity, and pages out of range, go to page num_pages, out of bounds:
+    # dropped (a negative index would wrap to another row's page)
+    pages = jnp.where((positions < self.capacity) & (pages >= 0) & (pages < num_pages), pages,
+                      num_pages)
     slots = positions % self.page_size
     k = self.k_pages.at[pages, slots].set(k_new, mode="drop")
     v = self.v_pages.at[pages, slots].set(v_new, mode="drop")

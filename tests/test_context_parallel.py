@@ -392,6 +392,21 @@ def test_strategy_choice():
   assert fa2_jax.context_parallel_strategy(long, long, 4)[0] == "all_to_all"
   name, why = fa2_jax.context_parallel_strategy((1, 1 << 20, 6, 128), (1, 1 << 20, 6, 128), 4)
   assert name == "ring" and "do not divide" in why
+  name, why = fa2_jax.context_parallel_strategy(long, long, 1)
+  assert name == "all_gather" and "one device" in why
+
+
+def test_layout_helpers_and_strategy_refuse_bad_arguments():
+  with pytest.raises(ValueError, match=r"query_shape must be the global \[B, T, N, H\]"):
+    fa2_jax.context_parallel_strategy((64, 8, 128), (64, 2, 128), 4)
+  with pytest.raises(ValueError, match="axis_size must be a positive int, got 0"):
+    fa2_jax.context_parallel_strategy((1, 64, 8, 128), (1, 64, 2, 128), 0)
+  with pytest.raises(TypeError, match="x must be an array, got list"):
+    fa2_jax.to_context_layout([[1, 2, 3, 4]], 2)
+  with pytest.raises(TypeError, match="axis_size must be a positive int, got bool"):
+    fa2_jax.to_context_layout(jnp.ones((1, 4)), True)
+  with pytest.raises(ValueError, match=r"axis_index must lie in \[0, axis_size=4\), got 7"):
+    fa2_jax.context_positions(16, 7, 4)
 
 
 def _trace(strategy="ring", layout="zigzag", n=N, kh=K, t=T, axis_name="context", **kw):

@@ -197,6 +197,21 @@ ERRORS = {
     "paged overflow": (lambda: PagedKVCache.create(B, 4, 2, K, H).append(jnp.zeros((B, 5, K, H)),
                                                                          jnp.zeros((B, 5, K, H))),
                        ValueError, "T_new = 5 rows, more than the cache's capacity 4"),
+    "paged negative page at append": (
+        lambda: dataclasses.replace(PagedKVCache.create(B, 4, 2, K, H),
+                                    page_table=jnp.array([[0, 1], [2, -1]])).append(
+            jnp.zeros((B, 1, K, H)), jnp.zeros((B, 1, K, H))),
+        ValueError, r"page_table's pages must lie in \[0, 4\), got values in \[-1, 2\]"),
+    "paged two rows write a page": (
+        lambda: dataclasses.replace(PagedKVCache.create(B, 4, 2, K, H),
+                                    page_table=jnp.array([[0, 1], [0, 2]])).append(
+            jnp.zeros((B, 1, K, H)), jnp.zeros((B, 1, K, H))),
+        ValueError, "rows 0 and 1 write page 0"),
+    "block_table given": (lambda: _cache().append(jnp.zeros((B, 1, K, H)), jnp.zeros((B, 1, K, H)))
+                          .attend(jnp.zeros((B, 1, N, H)), block_table=jnp.zeros((B, 1), jnp.int32)),
+                          TypeError, "block_table is set by the cache"),
+    "prefill query_seq_lengths": (lambda: prefill(*qkv(), query_seq_lengths=jnp.array([2, 4])),
+                                  TypeError, "query_seq_lengths is set by prefill's lengths"),
 }
 
 
@@ -207,6 +222,25 @@ def test_bad_arguments_raise_naming_them(case):
     fn()
 
 
+def test_shared_prefix_pages_and_traced_bad_pages():
+  """Rows may share the pages they only read (a common prefix) and append to their own; under jit a
+  negative page ("no page yet") drops the row's write instead of wrapping to another row's page."""
+  k0 = jax.random.normal(jax.random.key(1), (B, 3, K, H))
+  cache = PagedKVCache.create(B, 6, 2, K, H, page_table=np.array([[0, 1, 2], [3, 4, 5]]))
+  cache = cache.append(k0, k0)
+  shared = dataclasses.replace(cache, page_table=jnp.array([[0, 1, 2], [0, 4, 5]]),
+                               lengths=jnp.array([2, 2]))  # row 1 reads row 0's first page
+  shared = shared.append(k0[:, :1], k0[:, :1])  # each writes its own second page
+  np.testing.assert_array_equal(shared.k_pages[1, 0], k0[0, 0])
+  np.testing.assert_array_equal(shared.k_pages[4, 0], k0[1, 0])
+  bad = dataclasses.replace(cache, page_table=jnp.array([[0, 1, 2], [3, -3, 5]]))
+  after = jax.jit(lambda c, x: c.append(x, x))(bad, jnp.full((B, 1, K, H), 7.0))
+  # row 1's position 3 falls on its page -3: dropped; page 3 (index -3 of 6) is row 1's own
+  # first page and page 1 row 0's second: neither changed
+  np.testing.assert_array_equal(after.k_pages[3], bad.k_pages[3])
+  np.testing.assert_array_equal(after.k_pages[1, 1], 7.0)  # row 0's position 3: its page 1, slot 1
+
+
 def test_traced_overflow_drops_rows_instead_of_overwriting():
   """Under jit the lengths are not known: rows past the capacity are dropped, never written over
   earlier rows (a clamped dynamic_update_slice would)."""
@@ -214,6 +248,10 @@ def test_traced_overflow_drops_rows_instead_of_overwriting():
   cache = jax.jit(lambda c, x: c.append(x, x))(cache, jnp.full((1, 2, 1, 2), 7.0))
   np.testing.assert_array_equal(cache.k[0, :, 0, 0], [1, 1, 1, 7])
   assert int(cache.lengths[0]) == 5
+  with pytest.raises(ValueError, match=r"the cache's lengths must lie in \[0, 4\].*holds 5"):
+    cache.attend(jnp.ones((1, 1, 1, 2)))
+  with pytest.raises(TypeError, match="the cache's lengths must be an integer array"):
+    KVCache(cache.k, cache.v, jnp.array([1.0])).attend(jnp.ones((1, 1, 1, 2)))
 
 
 def test_flax_layer_cache_argument():

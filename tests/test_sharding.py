@@ -388,6 +388,8 @@ def test_explicit_mesh_unsupported_sharding_raises(q_spec, k_spec, match):
     args = jax.device_put(q, q_spec), jax.device_put(k, k_spec), jax.device_put(v, k_spec)
     with pytest.raises(ValueError, match=match):
       jax.jit(lambda a, b, c: flash(a, b, c))(*args)
+    with pytest.raises(ValueError, match=match):  # backend_for raises what flash_attention would
+      fa2_jax.backend_for(*args, implementation="triton", interpret=INTERPRET)
 
 
 @needs4
