@@ -221,6 +221,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
     call = dataclasses.replace(call, arrays=call.clipped_arrays())
     out, lse = context_parallel.explicit_call(call, found, implementation, block_sizes)
   elif call.backend == "xla":
+    _check_explicit(call, formula=True)  # what JAX's sharding rules would refuse less readably
     out, lse = attention_formula(call.query, call.key, call.value, call.variant,
                                  call.clipped_arrays(), scale=call.scale)
   else:
@@ -400,14 +401,23 @@ def backend_for(query, key, value=None, bias=None, mask=None, *, is_causal=False
         f"the sequence is sharded over Explicit mesh axis {axis!r}: context parallelism, strategy "
         f"{strategy!r} ({why}), contiguous chunks; the kernels as chosen for the whole call: "
         f"{chosen.reason}"))
-  elif call.backend != "xla":  # the kernels' Explicit-sharding rules, as flash_attention applies them
-    q = call.query
-    whole = {"t": "this call runs on whole sequences",
-             **_unsplittable(call.variant, q.shape[0], q.shape[2])}
-    found = sharding.explicit_plan((q, call.key, call.value), whole=whole)
-    if found is not None and found[2].problems:
-      raise sharding.refusal(found[2].problems)
+  else:  # the Explicit-sharding rules flash_attention applies
+    _check_explicit(call, formula=call.backend == "xla")
   return chosen
+
+
+def _check_explicit(call, formula: bool) -> None:
+  """The ValueError of Explicit mesh axes that shard q, k, v in a way the call cannot keep (a call
+  whose sequence is not sharded): the kernels' rules (:func:`sharding.local_call`), which the
+  formula shares, but for the batch or heads a ``mask_fn``/``score_fn`` reads (the formula
+  evaluates those globally)."""
+  q = call.query
+  whole = {"t": "this call runs on whole sequences"}
+  if not formula:
+    whole.update(_unsplittable(call.variant, q.shape[0], q.shape[2]))
+  found = sharding.explicit_plan((q, call.key, call.value), whole=whole)
+  if found is not None and found[2].problems:
+    raise sharding.refusal(found[2].problems)
 
 
 # --- custom_vjp core ------------------------------------------------------------------------------

@@ -390,6 +390,8 @@ def test_explicit_mesh_unsupported_sharding_raises(q_spec, k_spec, match):
       jax.jit(lambda a, b, c: flash(a, b, c))(*args)
     with pytest.raises(ValueError, match=match):  # backend_for raises what flash_attention would
       fa2_jax.backend_for(*args, implementation="triton", interpret=INTERPRET)
+    with pytest.raises(ValueError, match=match):  # the formula too, not JAX's sharding errors
+      jax.jit(lambda a, b, c: fa2_jax.flash_attention(a, b, c, implementation="xla"))(*args)
 
 
 @needs4
