@@ -13,7 +13,7 @@ from . import dispatch, kernel_reuse, sharding
 from .kernels import registry
 from .kernels.backend import KernelCall, accumulate_dq
 from .kernels.softmax import kernel_scale, lse_from_stats, stats_from_lse
-from .kernels.vma import match_vma
+from .kernels.vma import match_vma, varying_axes
 from .kernels.block_ranges import index_reads, range_tables, warm_static_masks
 from .kernels.masking import (Variant, VariantArrays, alibi_lse_shift, clip_ranges,
                               remove_alibi_shift)
@@ -225,6 +225,7 @@ def flash_attention(query, key, value, bias=None, mask=None, *, scale=None, is_c
     out, lse = attention_formula(call.query, call.key, call.value, call.variant,
                                  call.clipped_arrays(), scale=call.scale)
   else:
+    _check_interpret_vma(call)
     launch = _launch(call, block_sizes)
     q, k, v, extras, static = launch.q, launch.k, launch.v, launch.extras, launch.static
     fields = static.fields[:len(extras)]
@@ -404,6 +405,21 @@ def backend_for(query, key, value=None, bias=None, mask=None, *, is_causal=False
   else:  # the Explicit-sharding rules flash_attention applies
     _check_explicit(call, formula=call.backend == "xla")
   return chosen
+
+
+def _check_interpret_vma(call) -> None:
+  """The ValueError of kernels in Pallas interpret mode on inputs that vary over manual mesh axes
+  (inside ``jax.shard_map`` with its ``check_vma=True`` default), which the interpreter is not typed
+  for (JAX would fail inside it, asking for an issue to be filed)."""
+  if not call.interpret or call.backend == "xla":
+    return
+  axes = sorted(set().union(*(varying_axes(x) for x in (call.query, call.key, call.value))))
+  if axes:
+    raise ValueError(
+        f"interpret=True runs the kernels in Pallas interpret mode, which is not typed for values "
+        f"that vary over manual mesh axes ({', '.join(map(repr, axes))}: inside jax.shard_map with "
+        "check_vma=True, its default): pass check_vma=False to jax.shard_map (the compiled kernels "
+        "need no such flag), or leave interpret out to run the XLA formula on CPU")
 
 
 def _check_explicit(call, formula: bool) -> None:

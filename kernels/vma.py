@@ -12,26 +12,28 @@ from __future__ import annotations
 import jax
 
 
-def _varying(x) -> frozenset:
+def varying_axes(x) -> frozenset:
+  """The manual mesh axes ``x`` varies over (empty outside ``shard_map`` or with its check off)."""
   mat = getattr(jax.typeof(x), "manual_axis_type", None)
   return frozenset(mat.varying) if mat is not None else frozenset()
 
 
+
 def _vary_over(x, axes: frozenset):
   """``x`` cast to vary over ``axes`` too (a no-op where it already does)."""
-  missing = tuple(sorted(axes - _varying(x)))
+  missing = tuple(sorted(axes - varying_axes(x)))
   return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def match_vma(*xs):
   """The arrays, each cast to vary over the union of the manual axes any of them varies over."""
-  union = frozenset().union(*(_varying(x) for x in xs))
+  union = frozenset().union(*(varying_axes(x) for x in xs))
   return tuple(_vary_over(x, union) for x in xs)
 
 
 def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
   """``ShapeDtypeStruct(shape, dtype)`` varying over the same manual mesh axes as ``like``."""
-  if not _varying(like):
+  if not varying_axes(like):
     return jax.ShapeDtypeStruct(shape, dtype)
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
 
@@ -39,5 +41,5 @@ def out_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
 def cast_like(like, *xs):
   """Each array cast to vary over the manual axes of ``like`` too (Mosaic GPU's ``plgpu.kernel``
   traces its call with the check off, so its outputs come back typed as invariant)."""
-  target = _varying(like)
+  target = varying_axes(like)
   return tuple(_vary_over(x, target) for x in xs)

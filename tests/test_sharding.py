@@ -449,6 +449,23 @@ def test_inside_shard_map_nothing_is_added(fake_hopper, impl):
 
 
 @needs4
+def test_interpret_inside_shard_map_with_check_vma_says_how():
+  """Pallas interpret mode is not typed for varying manual axes: a clear error naming
+  check_vma=False, not the interpreter's failure inside JAX; with it the call runs."""
+  mesh = _mesh((4,), ("data",), AxisType.Explicit)
+  spec = P("data")
+  q, k, v = _qkv(seed=7)
+  local = lambda a, b, c: fa2_jax.flash_attention(a, b, c, interpret=True)  # noqa: E731
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(x, spec) for x in (q, k, v)]
+    with pytest.raises(ValueError, match="pass check_vma=False to jax.shard_map"):
+      jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec))(*args)
+    out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=spec,
+                                check_vma=False))(*args)
+  np.testing.assert_allclose(out, fa2_jax.reference_attention(q, k, v), atol=2e-5)
+
+
+@needs4
 @pytest.mark.parametrize("name", ["q_offset", "key_value_seq_lengths", "segment_ids"])
 def test_mosaic_variant_operands_varying_inside_shard_map(fake_hopper, name):
   """The Mosaic kernels' loop bounds read from variant operands that vary over a shard_map axis (a
