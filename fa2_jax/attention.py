@@ -419,19 +419,22 @@ def _check_interpret_vma(call) -> None:
         f"interpret=True runs the kernels in Pallas interpret mode, which is not typed for values "
         f"that vary over manual mesh axes ({', '.join(map(repr, axes))}: inside jax.shard_map with "
         "check_vma=True, its default): pass check_vma=False to jax.shard_map (the compiled kernels "
-        "need no such flag), or leave interpret out to run the XLA formula on CPU")
+        "need no such flag), or run the XLA formula (implementation='xla', or interpret left "
+        "out on CPU)")
 
 
 def _check_explicit(call, formula: bool) -> None:
   """The ValueError of Explicit mesh axes that shard q, k, v in a way the call cannot keep (a call
-  whose sequence is not sharded): the kernels' rules (:func:`sharding.local_call`), which the
-  formula shares, but for the batch or heads a ``mask_fn``/``score_fn`` reads (the formula
-  evaluates those globally)."""
+  whose sequence is not sharded): the kernels' rules (:func:`sharding.local_call`); the formula
+  shares those on the batch and the heads (GQA groups split over devices fail inside JAX), but not
+  the head dims, which it contracts across devices, nor the batch or heads a ``mask_fn``/``score_fn``
+  reads (it evaluates those globally)."""
   q = call.query
   whole = {"t": "this call runs on whole sequences"}
   if not formula:
     whole.update(_unsplittable(call.variant, q.shape[0], q.shape[2]))
-  found = sharding.explicit_plan((q, call.key, call.value), whole=whole)
+  found = sharding.explicit_plan((q, call.key, call.value), whole=whole,
+                                 whole_head_dims=not formula)
   if found is not None and found[2].problems:
     raise sharding.refusal(found[2].problems)
 

@@ -120,7 +120,7 @@ def _lengths(name: str, x, batch: int, limit: int, limit_name: str):
   if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
     x = np.full((batch,), int(x), np.int32)
   if isinstance(x, (list, tuple)):  # as flash_attention's lengths take them
-    x = np.asarray(x)
+    x = jnp.asarray(x)
   x = _array(name, x)
   if np.dtype(x.dtype).kind not in "iu":
     raise TypeError(f"{name} must be an integer array [batch], got dtype {x.dtype}")
@@ -148,7 +148,8 @@ def _check_kwargs(kwargs: dict) -> None:
   for name in _SET_BY_CACHE:
     if name in kwargs:
       raise TypeError(f"{name} is set by the cache (causal attention of the newest rows against "
-                      "the cache's lengths and pages), so it cannot be passed to attend/prefill")
+                      "the cache's lengths; a paged cache's page table), so it cannot be passed "
+                      "to attend/prefill")
 
 
 def _check_pages(page_table, num_pages: int) -> None:
@@ -160,18 +161,24 @@ def _check_pages(page_table, num_pages: int) -> None:
                      f"[{values.min()}, {values.max()}]")
 
 
-def _check_shared_writes(pages, written) -> None:
-  """ValueError where an append would write one page from two rows (``pages`` ``[B, T_new]``, the
-  page of each new row; ``written`` the same shape, whether it is written), when both are known."""
+def _check_written_pages(pages, written, num_pages: int) -> None:
+  """ValueError where an append, when its pages and rows are known, would write a page outside
+  ``[0, num_pages)`` or one page from two rows (``pages`` ``[B, T_new]``: the page of each new
+  row; ``written``: whether the row is written). Entries no row writes may hold anything (a
+  negative "no page yet")."""
   pages, written = _concrete(pages), _concrete(written)
   if pages is None or written is None:
     return
   owner: dict = {}
   for b in range(pages.shape[0]):
-    for page in set(pages[b][written[b]].tolist()):
+    for page in sorted(set(pages[b][written[b]].tolist())):
+      if not 0 <= page < num_pages:
+        raise ValueError(f"page_table gives batch row {b} page {page} for rows it appends: pages "
+                         f"must lie in [0, {num_pages})")
       if owner.setdefault(page, b) != b:
-        raise ValueError(f"page_table has rows {owner[page]} and {b} write page {page}: rows may "
-                         "share pages they only read (a common prefix), not pages they append to")
+        raise ValueError(f"page_table makes batch rows {owner[page]} and {b} both append to page "
+                         f"{page}: rows may share pages they only read (a common prefix); give "
+                         "each row its own pages for the positions it appends")
 
 
 def _append_lengths(cache_lengths, lengths, t_new: int, capacity: int):
@@ -236,6 +243,12 @@ class _Cache:
     _check_kwargs(kwargs)
     _array("q", q)
     cache_lengths, dtype, capacity = self.lengths, self.dtype, self.capacity
+    if np.dtype(cache_lengths.dtype).kind not in "iu":
+      raise TypeError(f"the cache's lengths must be an integer array [batch], got dtype "
+                      f"{cache_lengths.dtype}")
+    if cache_lengths.ndim != 1:
+      raise ValueError(f"the cache's lengths must have shape [batch], got "
+                       f"{list(cache_lengths.shape)}")
     batch, kv_heads, head_dim = cache_lengths.shape[0], self.kv_heads, self.head_dim
     if (q.ndim != 4 or q.shape[0] != batch or q.shape[3] != head_dim or q.shape[2] % kv_heads):
       raise ValueError(f"q must have shape [batch={batch}, T_new, num_heads, head_dim={head_dim}] "
@@ -251,16 +264,15 @@ class _Cache:
     else:
       newest = query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch, t,
                                             "T_new, q's rows")
-    if np.dtype(cache_lengths.dtype).kind not in "iu" or cache_lengths.shape != (batch,):
-      raise TypeError(f"the cache's lengths must be an integer array [batch], got "
-                      f"{cache_lengths.dtype}{list(cache_lengths.shape)}")
     held, rows = _concrete(cache_lengths), _concrete(newest)
-    if held is not None and held.size and (held.min() < 0 or held.max() > capacity):
-      row = int(np.argmax((held < 0) | (held > capacity)))
+    if held is not None and held.size and held.min() < 0:
+      raise ValueError(f"the cache's lengths must lie in [0, {capacity}], but batch row "
+                       f"{int(np.argmin(held))} holds {int(held.min())}")
+    if held is not None and held.size and held.max() > capacity:
       raise ValueError(
-          f"the cache's lengths must lie in [0, {capacity}] (its capacity), but batch row {row} "
-          f"holds {int(held[row])}: an append under jit went past the capacity (its rows were "
-          "dropped); create a larger cache")
+          f"the cache's lengths must lie in [0, {capacity}] (its capacity), but batch row "
+          f"{int(np.argmax(held))} holds {int(held.max())}: an append under jit went past the "
+          "capacity (its rows were dropped); create a larger cache")
     if held is not None and rows is not None and (rows > held).any():
       row = int(np.argmax(rows > held))
       raise ValueError(
@@ -522,21 +534,22 @@ class PagedKVCache(_Cache):
     return self.page_table.shape[1] * self.page_size
 
   def append(self, k_new: jax.Array, v_new: jax.Array, *, lengths=None) -> "PagedKVCache":
-    """As :meth:`KVCache.append`: each row's new positions go to the slots of its pages. A concrete
-    page table (one not traced) is checked as :meth:`create` checks it, and two rows writing one page
-    raise; under ``jit``, rows past the capacity and pages outside ``[0, num_pages)`` (a negative
-    "no page yet") are dropped, never written to another page."""
+    """As :meth:`KVCache.append`: each row's new positions go to the slots of its pages. Where the
+    pages and lengths are known (not traced), a page outside ``[0, num_pages)`` or one page written
+    by two rows raises; entries no row writes may hold anything (a negative "no page yet"). Under
+    ``jit`` such writes, the rows past each row's ``lengths`` and those past the capacity are
+    dropped, never written to another page."""
     num_pages = self.k_pages.shape[0]
-    _check_pages(self.page_table, num_pages)
     positions, added = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B]
     index = jnp.minimum(positions // self.page_size, self.page_table.shape[1] - 1)
     pages = jnp.take_along_axis(self.page_table, index, axis=1)
-    written = jnp.arange(positions.shape[1])[None, :] < added[:, None]
-    _check_shared_writes(pages, written & (positions < self.capacity))
-    # positions past the capacity, and pages out of range, go to page num_pages, out of bounds:
-    # dropped (a negative index would wrap to another row's page)
-    pages = jnp.where((positions < self.capacity) & (pages >= 0) & (pages < num_pages), pages,
-                      num_pages)
+    # the rows each batch row appends: not its padding past lengths, nor past the capacity
+    written = ((jnp.arange(positions.shape[1])[None, :] < added[:, None])
+               & (positions < self.capacity))
+    _check_written_pages(pages, written, num_pages)
+    # every other row, and pages out of range, go to page num_pages, out of bounds: dropped (a
+    # negative index would wrap to another row's page)
+    pages = jnp.where(written & (pages >= 0) & (pages < num_pages), pages, num_pages)
     slots = positions % self.page_size
     k = self.k_pages.at[pages, slots].set(k_new, mode="drop")
     v = self.v_pages.at[pages, slots].set(v_new, mode="drop")

@@ -152,7 +152,7 @@ class Plan:
 
 def plan(axis_sizes: Mapping[str, int], shapes: Sequence[Sequence[int]], specs: Sequence,
          layouts: Sequence[str] = (Q, KV, V), names: Sequence[str] = QKV_NAMES,
-         whole: Mapping[str, str] | None = None) -> Plan:
+         whole: Mapping[str, str] | None = None, whole_head_dims: bool = True) -> Plan:
   """The local split of a call whose operands (shapes, layouts, names for the messages) are sharded
   by ``specs`` over a mesh with ``axis_sizes``; the first three operands are q, k, v.
 
@@ -162,13 +162,15 @@ def plan(axis_sizes: Mapping[str, int], shapes: Sequence[Sequence[int]], specs: 
   shards is sliced locally. Whatever cannot be split is reported in ``problems`` and replicated.
   ``whole``: ``"b"`` (B), ``"n"`` (the heads) and/or ``"t"`` (the sequence) that this call cannot
   split, each with the reason (e.g. a ``mask_fn`` that reads the batch index).
+  ``whole_head_dims=False``: H and Hv may be sharded (the XLA formula contracts them across
+  devices; a kernel tile needs them whole).
   """
   whole = whole or {}
   dims = [_entries(spec, len(layout)) for spec, layout in zip(specs, layouts)]
   problems = [f"{name} is sharded along {_WHAT[c]} (dim {i}) over {_show(d[i])}: each kernel tile "
               f"needs whole rows of {_WHAT[c].split()[-1]}"
               for name, layout, d in zip(names, layouts, dims)
-              for i, c in enumerate(layout) if c in "hv" and d[i]]
+              for i, c in enumerate(layout) if c in "hv" and d[i] and whole_head_dims]
 
   def size(axes: AxisNames) -> int:
     return math.prod(axis_sizes[a] for a in axes)
@@ -257,7 +259,8 @@ def _explicit_spec(x) -> tuple[object, P] | None:
 
 
 def explicit_plan(arrays: Sequence, layouts: Sequence[str] = (Q, KV, V),
-                  names: Sequence[str] = QKV_NAMES, whole: Mapping[str, str] | None = None):
+                  names: Sequence[str] = QKV_NAMES, whole: Mapping[str, str] | None = None,
+                  whole_head_dims: bool = True):
   """``(mesh, specs, plan)`` of operands that Explicit mesh axes shard (their specs over those axes
   and the :func:`plan` of them), or None when none does. ``arrays`` start with q, k, v (arrays, or
   ``jax.ShapeDtypeStruct`` with a sharding); ``whole``: as for :func:`plan`."""
@@ -267,7 +270,7 @@ def explicit_plan(arrays: Sequence, layouts: Sequence[str] = (Q, KV, V),
   mesh = next(f[0] for f in found if f)
   specs = [f[1] if f else P() for f in found]
   return mesh, specs, plan(dict(mesh.shape), [x.shape for x in arrays], specs, layouts, names,
-                           whole)
+                           whole, whole_head_dims)
 
 
 def refusal(problems: Sequence[str]) -> ValueError:

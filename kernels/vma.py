@@ -18,7 +18,6 @@ def varying_axes(x) -> frozenset:
   return frozenset(mat.varying) if mat is not None else frozenset()
 
 
-
 def _vary_over(x, axes: frozenset):
   """``x`` cast to vary over ``axes`` too (a no-op where it already does)."""
   missing = tuple(sorted(axes - varying_axes(x)))

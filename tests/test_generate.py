@@ -197,16 +197,17 @@ ERRORS = {
     "paged overflow": (lambda: PagedKVCache.create(B, 4, 2, K, H).append(jnp.zeros((B, 5, K, H)),
                                                                          jnp.zeros((B, 5, K, H))),
                        ValueError, "T_new = 5 rows, more than the cache's capacity 4"),
-    "paged negative page at append": (
+    "paged negative page at append": (  # row 1's third row falls on its page -1
         lambda: dataclasses.replace(PagedKVCache.create(B, 4, 2, K, H),
                                     page_table=jnp.array([[0, 1], [2, -1]])).append(
-            jnp.zeros((B, 1, K, H)), jnp.zeros((B, 1, K, H))),
-        ValueError, r"page_table's pages must lie in \[0, 4\), got values in \[-1, 2\]"),
+            jnp.zeros((B, 3, K, H)), jnp.zeros((B, 3, K, H))),
+        ValueError, r"page_table gives batch row 1 page -1 for rows it appends: pages must lie in "
+                    r"\[0, 4\)"),
     "paged two rows write a page": (
         lambda: dataclasses.replace(PagedKVCache.create(B, 4, 2, K, H),
                                     page_table=jnp.array([[0, 1], [0, 2]])).append(
             jnp.zeros((B, 1, K, H)), jnp.zeros((B, 1, K, H))),
-        ValueError, "rows 0 and 1 write page 0"),
+        ValueError, "page_table makes batch rows 0 and 1 both append to page 0"),
     "block_table given": (lambda: _cache().append(jnp.zeros((B, 1, K, H)), jnp.zeros((B, 1, K, H)))
                           .attend(jnp.zeros((B, 1, N, H)), block_table=jnp.zeros((B, 1), jnp.int32)),
                           TypeError, "block_table is set by the cache"),
@@ -239,6 +240,18 @@ def test_shared_prefix_pages_and_traced_bad_pages():
   # first page and page 1 row 0's second: neither changed
   np.testing.assert_array_equal(after.k_pages[3], bad.k_pages[3])
   np.testing.assert_array_equal(after.k_pages[1, 1], 7.0)  # row 0's position 3: its page 1, slot 1
+  # an unused "no page yet" entry is fine where no row writes it (eager too)
+  unused = dataclasses.replace(cache, page_table=jnp.array([[0, 1, 2], [3, 4, -1]]))
+  unused.append(k0[:, :1], k0[:, :1])
+  # a row's padding past its lengths is never written, even where its table names another's page
+  pad = PagedKVCache.create(B, 4, 2, K, H, page_table=np.array([[0, 1], [2, 3]]))
+  pad = pad.append(k0[:, :2], k0[:, :2], lengths=jnp.array([1, 2]))
+  pad = dataclasses.replace(pad, page_table=jnp.array([[0, 1], [2, 0]]))
+  after = pad.append(jnp.full((B, 2, K, H), 9.0), jnp.full((B, 2, K, H), 9.0),
+                     lengths=jnp.array([2, 0]))
+  np.testing.assert_array_equal(after.k_pages[0, 0], k0[0, 0])  # row 0's first row kept
+  np.testing.assert_array_equal(after.k_pages[0, 1], 9.0)  # its append, not row 1's padding
+  assert after.lengths.tolist() == [3, 2]
 
 
 def test_traced_overflow_drops_rows_instead_of_overwriting():
