@@ -66,10 +66,12 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
 
   ``cache_dir``: with ``enabled``, a folder where each kernel's lowering is also written (a file per
   kernel, settings and shapes, named by their hash with the JAX version and this package's sources)
-  and read back by later processes, which then do not lower that kernel. With JAX's persistent
-  compilation cache on too (``jax.config.update("jax_compilation_cache_dir", ...)``), which then finds
-  the compiled kernel, a shape that an earlier process ran costs the call's tracing and the reading
-  of its kernels. Kernels of a ``mask_fn`` or ``score_fn`` are not written (a function's code has
+  and read back by later processes, which then do not lower that kernel; on a GPU its compiled form
+  is written beside it (named also by the GPU runtime's version) and loaded by later processes,
+  which then do not compile it either: a shape that an earlier process ran costs the call's tracing,
+  the reading of its kernels and XLA's compile of the program around them. A compiled file is
+  loaded only when it is owned by the user and writable by nobody else (loading runs its code).
+  Kernels of a ``mask_fn`` or ``score_fn`` are not written (a function's code has
   no name that is stable across processes). Not given: :func:`default_cache_dir`; None: this
   process only; each call sets it anew. A folder that cannot be written gives a warning and the
   kernels stay in the process. Nothing is ever removed from the folder (delete it to reclaim the
@@ -126,7 +128,8 @@ def wait_for_compiles() -> int:
 
 def info() -> dict:
   """``{"enabled", "length_multiple", "hits", "misses", "size", "cache_dir", "reads", "writes",
-  "compiles", "compile_errors"}``: the switch, calls served by an exported kernel, exports made or
-  read, kernels held; the cache folder, exports read from it and written to it; the exports compiled
-  in background threads on a GPU, and those of them that failed."""
+  "compiles", "compile_errors", "compiled_reads", "compiled_writes"}``: the switch, calls served by
+  an exported kernel, exports made or read, kernels held; the cache folder, exports read from it and
+  written to it; the exports compiled in background threads on a GPU, and those of them that failed;
+  compiled kernels loaded from the folder and written to it."""
   return dict(lowering_cache.info(), length_multiple=length_multiple())

@@ -91,13 +91,23 @@ def test_a_second_program_embeds_the_first_ones_kernels(reuse):
   assert not _kernel_hashes(evaluate, longer, longer, longer, longer) & first
 
 
+class _Recorded(list):
+  paths: list
+
+  def __init__(self):
+    super().__init__()
+    self.paths = []
+
+
 @pytest.fixture
 def background(monkeypatch):
   """A GPU process's background compiles, observed on the CPU: ``_on_gpu`` says yes and each
-  compile records the export it was given instead of compiling it; returns that list."""
-  compiled = []
+  compile records the export it was given instead of compiling it; returns that list (and the
+  compiled-kernel paths they were given, ``.paths``)."""
+  compiled = _Recorded()
   monkeypatch.setattr(lowering_cache, "_on_gpu", lambda: True)
-  monkeypatch.setattr(lowering_cache, "_compile", lambda exp, avals: compiled.append(exp))
+  monkeypatch.setattr(lowering_cache, "_compile", lambda exp, avals, path: (
+      compiled.append(exp), compiled.paths.append(path)))
   previous = lowering_cache.set_background_compiles(True)
   yield compiled
   lowering_cache.wait_for_compiles()
@@ -177,6 +187,73 @@ def test_a_failed_background_compile_is_counted(reuse, monkeypatch):
   finally:
     lowering_cache.set_background_compiles(previous)
   assert cache.info()["compiles"] == 1 and cache.info()["compile_errors"] == 1
+
+
+def test_a_compiled_kernel_file_loads_in_place_of_a_compile(reuse, tmp_path):
+  """The background compile writes the program's executable (here a CPU program: this machine's
+  client) never group- or other-writable, and loading it back counts as a compiled read."""
+  cache = reuse()
+  sd = jax.ShapeDtypeStruct((8,), jnp.float32)
+  exp = jax.export.export(jax.jit(lambda x: x * 2 + 1))(sd)
+  path = str(tmp_path / "kernel.xla_compiled")
+  lowering_cache._compile(exp, [sd], path)
+  assert cache.info()["compiled_writes"] == 1 and cache.info()["compile_errors"] == 0
+  assert not os.stat(path).st_mode & 0o022
+  assert lowering_cache._load_compiled(path) and cache.info()["compiled_reads"] == 1
+
+
+def test_a_compiled_kernel_file_is_loaded_only_when_trusted_and_intact(reuse, tmp_path):
+  """Loading an executable runs its code: a file others can write, a damaged one, one copied under
+  another name, and one whose payload is not an executable are not loaded (compiled again)."""
+  cache = reuse()
+  sd = jax.ShapeDtypeStruct((8,), jnp.float32)
+  exp = jax.export.export(jax.jit(lambda x: x * 2 + 1))(sd)
+  path = tmp_path / "kernel.xla_compiled"
+  lowering_cache._compile(exp, [sd], str(path))
+  data = path.read_bytes()
+  assert lowering_cache._load_compiled(str(path))
+  os.chmod(path, 0o664)
+  assert not lowering_cache._load_compiled(str(path))
+  os.chmod(path, 0o644)
+  damaged = bytearray(data)
+  damaged[-10] ^= 0x01
+  path.write_bytes(bytes(damaged))
+  assert not lowering_cache._load_compiled(str(path))
+  other = tmp_path / "other.xla_compiled"
+  other.write_bytes(data)
+  os.chmod(other, 0o644)
+  assert not lowering_cache._load_compiled(str(other))
+  junk = b"not an executable"
+  path.write_bytes(lowering_cache._header(str(path), junk, lowering_cache._COMPILED_MAGIC) + junk)
+  assert not lowering_cache._load_compiled(str(path))
+  assert not lowering_cache._load_compiled(str(tmp_path / "missing.xla_compiled"))
+  assert cache.info()["compiled_reads"] == 1
+
+
+def test_a_kernel_with_a_compiled_file_is_not_compiled_again(reuse, background, monkeypatch,
+                                                            tmp_path):
+  """With a cache folder on a GPU each new export compiles in the background with the path of its
+  compiled file beside the export; a later process (the in-memory exports dropped) that loads those
+  files starts no compile, and one whose load fails compiles again."""
+  cache = reuse(cache_dir=tmp_path)
+  sd = jax.ShapeDtypeStruct((1, 512, 2, 128), BF16)
+  # a fresh function each time: jit's trace cache would keep the first lowering
+  fwd = lambda: lambda q, k, v: forward(q, k, v, scale=0.1, is_causal=True,  # noqa: E731
+                                        config=MosaicConfig.default(128, BF16, True))[0]
+  _kernel_hashes(fwd(), sd, sd, sd)
+  assert lowering_cache.wait_for_compiles() == 1 and cache.info()["compiled_reads"] == 0
+  (path,) = background.paths
+  assert path.endswith(".xla_compiled") and os.path.dirname(path) == str(tmp_path)
+  loads = []
+  monkeypatch.setattr(lowering_cache, "_load_compiled", lambda p: loads.append(p) or True)
+  lowering_cache.clear()
+  _kernel_hashes(fwd(), sd, sd, sd)
+  assert cache.info()["reads"] == 1 and loads == [path]
+  assert lowering_cache.wait_for_compiles() == 0 and len(background) == 1
+  monkeypatch.setattr(lowering_cache, "_load_compiled", lambda p: False)
+  lowering_cache.clear()
+  _kernel_hashes(fwd(), sd, sd, sd)
+  assert lowering_cache.wait_for_compiles() == 1 and background.paths == [path, path]
 
 
 def test_vmap_folds_into_the_batch(reuse):

@@ -2,7 +2,8 @@
 
     python -m benchmarks.diag.compile_time [--impls fa2,fa2_triton] [--layers 1,2,4] [--shape B,T,N,H]
     python -m benchmarks.diag.compile_time --impls fa2 --shapes "2,8192,16,128;4,4096,16,128"
-        [--cache-dir DIR] [--non-causal] [--other-programs] [--reuse-kernels [--length-multiple M]]
+        [--cache-dir DIR] [--non-causal] [--other-programs] [--reuse-kernels [--length-multiple M]
+        [--kernels-dir DIR]]
 
 Prints lower / compile seconds of ``jit(grad)`` of L chained causal attention calls (``--non-causal``:
 non-causal ones; default shape B=4, T=8192, N=8, H=128, bf16: the GPT long8k preset's), the first
@@ -28,7 +29,10 @@ per-user folder): every process is cold. ``--reuse-kernels`` turns on
 ``length_multiple=M`` (lengths padded to multiples of M: shapes in one multiple share kernels); with
 ``--cache-dir`` too, its ``cache_dir=DIR/fa2_jax_kernels`` (the kernels' lowerings kept across
 processes, as the default's per-user folder keeps them: a second process with the same DIR does not
-lower a kernel an earlier one ran, and finds it compiled in JAX's cache there).
+lower a kernel an earlier one ran, and finds it compiled in JAX's cache there). ``--kernels-dir DIR``
+(with ``--reuse-kernels``, without ``--cache-dir``): fa2_jax's kernel folder alone, as the default
+per-user folder is used, JAX's cache off: a second process with the same DIR neither lowers nor
+compiles a kernel an earlier one ran (it loads the compiled kernels written there).
 """
 from __future__ import annotations
 
@@ -57,6 +61,8 @@ def main(argv=None):
                        "process)")
   ap.add_argument("--length-multiple", type=h.positive_int, default=None,
                   help="with --reuse-kernels: its length_multiple")
+  ap.add_argument("--kernels-dir", default=None,
+                  help="with --reuse-kernels: fa2_jax's kernel folder, JAX's cache off (see above)")
   ap.add_argument("--sequential-compiles", action="store_true",
                   help="with --reuse-kernels: no background compiles of new kernels (each "
                        "program's compile then compiles its Mosaic kernels one after another)")
@@ -68,6 +74,9 @@ def main(argv=None):
     ap.error("--other-programs needs --shapes")
   if args.length_multiple is not None and not args.reuse_kernels:
     ap.error("--length-multiple needs --reuse-kernels")
+  if args.kernels_dir and (not args.reuse_kernels or args.cache_dir):
+    ap.error("--kernels-dir needs --reuse-kernels and no --cache-dir (--cache-dir puts the kernel "
+             "folder in DIR/fa2_jax_kernels)")
   if args.sequential_compiles and not args.reuse_kernels:
     ap.error("--sequential-compiles needs --reuse-kernels (the background compiles are the "
              "exported kernels')")
@@ -83,7 +92,8 @@ def main(argv=None):
 
     fa2_jax.reuse_kernels_across_programs(
         True, length_multiple=args.length_multiple,
-        cache_dir=os.path.join(args.cache_dir, "fa2_jax_kernels") if args.cache_dir else None)
+        cache_dir=(os.path.join(args.cache_dir, "fa2_jax_kernels") if args.cache_dir
+                   else args.kernels_dir))
     if args.sequential_compiles:
       from fa2_jax.kernels.sm90 import lowering_cache
       lowering_cache.set_background_compiles(False)
@@ -116,7 +126,8 @@ def main(argv=None):
   out = h.resolve_out(argparse.Namespace(out=args.out), info)
   stem = "compile_time_shapes" if args.shapes else "compile_time"
   h.write_json(out / (stem + ("_lowered_sm90" if args.lower_for_sm90 else "") + ".json"),
-               {"meta": dict(info, cache_dir=bool(args.cache_dir), causal=not args.non_causal,
+               {"meta": dict(info, cache_dir=bool(args.cache_dir),
+                             kernels_dir=bool(args.kernels_dir), causal=not args.non_causal,
                              reuse_kernels=args.reuse_kernels, length_multiple=args.length_multiple,
                              background_compiles=args.reuse_kernels and not args.sequential_compiles,
                              lower_for_sm90=args.lower_for_sm90, kernel_reuse=reuse),

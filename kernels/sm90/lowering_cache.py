@@ -25,9 +25,9 @@ With a cache folder (``reuse_kernels_across_programs(cache_dir=...)``) each expo
 there (``jax.export``'s serialized form), named by a hash of its key, the JAX, jaxlib and CUDA plugin
 versions, the GPU's kind and SM count and the package's sources, and a later process reads it
 instead of lowering the kernel. Nothing is ever removed from the folder (each version of the code
-adds its own files; a process killed while writing can leave a ``.tmp`` file). Together with JAX's
-persistent compilation cache, which then finds the compiled kernel, a shape that an earlier process
-ran costs the tracing of the call and the reading of its kernels. Settings that hold a user's
+adds its own files; a process killed while writing can leave a ``.tmp`` file). With the compiled
+kernels written there too (below), a shape that an earlier process ran costs the tracing of the call,
+the reading of its kernels and the XLA compile of the program around them. Settings that hold a user's
 function (``mask_fn``, ``score_fn``) have no name that is stable across processes: they are exported
 per process only.
 
@@ -39,6 +39,15 @@ a time (jaxlib holds its kernel cache's lock while compiling), and the program's
 them in that process-wide cache. The backward rule waits for them
 (:func:`wait_for_compiles`; docs/measurements.md, "Background compiles"). Not with JAX's persistent
 compilation cache on, which keeps a program only if its compile takes a second or more.
+
+The background compile also writes the compiled kernel to the cache folder (the per-kernel program's
+XLA executable, serialized by the GPU client, in a file beside the export named also by the GPU
+runtime's version), and a later process that reads the export loads that file instead of compiling:
+loading an executable registers its Mosaic kernels in jaxlib's process-wide kernel cache, so the
+step's compile finds them (docs/measurements.md, "Compiled kernels on disk"). Loading an executable
+runs the code it holds, so a compiled file is loaded only when it is owned by the user running the
+process and writable by nobody else (it is written without group or other write permission, whatever
+the umask); any other, damaged, or unloadable file is compiled again and written anew.
 
 Not used in GPU interpret mode (``emulate``), nor for operands with symbolic dimensions.
 """
@@ -53,9 +62,11 @@ import warnings
 
 import jax
 from jax._src import config as jax_config  # export_ignore_forward_compatibility: no public context form
+from jax._src.lib import xla_client  # DeviceList, for a client's deserialize_executable: no public form
 
 _STATE = {"enabled": False, "hits": 0, "misses": 0, "cache_dir": None, "reads": 0, "writes": 0,
-          "warned": set(), "umask": 0o022, "background": True, "compiles": 0, "compile_errors": 0}
+          "warned": set(), "umask": 0o022, "background": True, "compiles": 0, "compile_errors": 0,
+          "compiled_reads": 0, "compiled_writes": 0}
 _SOURCES: list = []  # the package sources' hash, computed once (_sources_hash)
 # The folders whose Python sources name a cache file (_sources_hash) and whose frames a warning skips
 # (_internal_prefixes): the kernels' own, and those the caller adds (add_package_folder: the public
@@ -64,6 +75,7 @@ _KERNELS_FOLDER = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PACKAGE_FOLDERS: list = [_KERNELS_FOLDER]
 _ENVIRONMENT: list = []  # versions and GPU, read once (_environment)
 _EXPORTED: dict = {}
+_LOADED: list = []  # the executables loaded from compiled files: their kernels stay registered
 _LOCK = threading.Lock()
 # Background compiles of new exports (start_compile): their futures until wait_for_compiles, and the
 # pool that runs them (made on first use). XLA compiles the Mosaic kernels of one program one after
@@ -121,23 +133,26 @@ def set_cache_dir(path: str | None) -> str | None:
 
 def info() -> dict:
   """``{"enabled", "hits", "misses", "size", "cache_dir", "reads", "writes", "compiles",
-  "compile_errors"}``: calls served by an exported kernel, exports made or read, kernels held; the
-  cache folder, exports read from it and written to it; compiles started in the background
-  (:func:`start_compile`) and those that failed."""
+  "compile_errors", "compiled_reads", "compiled_writes"}``: calls served by an exported kernel,
+  exports made or read, kernels held; the cache folder, exports read from it and written to it;
+  compiles started in the background (:func:`start_compile`) and those that failed; compiled kernels
+  loaded from the folder and written to it."""
   with _LOCK:
     return {"enabled": _STATE["enabled"], "hits": _STATE["hits"], "misses": _STATE["misses"],
             "size": len(_EXPORTED), "cache_dir": _STATE["cache_dir"], "reads": _STATE["reads"],
             "writes": _STATE["writes"], "compiles": _STATE["compiles"],
-            "compile_errors": _STATE["compile_errors"]}
+            "compile_errors": _STATE["compile_errors"], "compiled_reads": _STATE["compiled_reads"],
+            "compiled_writes": _STATE["compiled_writes"]}
 
 
 def clear() -> None:
   """Drops every exported kernel held in memory and resets the counts (the cache folder's files
-  stay)."""
+  stay; kernels already compiled stay in jaxlib's cache for the process)."""
   with _LOCK:
     _EXPORTED.clear()
     _STATE["hits"] = _STATE["misses"] = _STATE["reads"] = _STATE["writes"] = 0
     _STATE["compiles"] = _STATE["compile_errors"] = 0
+    _STATE["compiled_reads"] = _STATE["compiled_writes"] = 0
 
 
 def _static_dims(x) -> bool:
@@ -238,9 +253,28 @@ def _file_name(key, static: dict) -> str | None:
 _MAGIC = b"fa2_jax-export-2\n"
 
 
-def _header(path: str, payload: bytes) -> bytes:
-  return (_MAGIC + hashlib.sha256(os.path.basename(path).encode()).digest()
+# A compiled-kernel file: the same layout under its own magic, the payload being the GPU client's
+# serialized executable of the per-kernel program.
+_COMPILED_MAGIC = b"fa2_jax-compiled-1\n"
+
+
+def _header(path: str, payload: bytes, magic: bytes = _MAGIC) -> bytes:
+  return (magic + hashlib.sha256(os.path.basename(path).encode()).digest()
           + hashlib.sha256(payload).digest())
+
+
+def _payload(path: str, magic: bytes = _MAGIC) -> bytes | None:
+  """The payload of the cache file ``path``, or None where there is none, it was written under
+  another name or it is damaged (its header)."""
+  try:
+    with open(path, "rb") as f:
+      data = f.read()
+  except OSError:
+    return None
+  head = len(magic) + 64
+  if len(data) < head or data[:head] != _header(path, data[head:], magic):
+    return None
+  return data[head:]
 
 
 def _read(path: str, avals):
@@ -248,16 +282,11 @@ def _read(path: str, avals):
   file copied under another key's name), it is damaged (digest), it does not deserialize, or it
   was made for other operands than ``avals``: then the kernel is lowered again and the file written
   anew."""
-  try:
-    with open(path, "rb") as f:
-      data = f.read()
-  except OSError:
-    return None
-  head = len(_MAGIC) + 64
-  if len(data) < head or data[:head] != _header(path, data[head:]):
+  payload = _payload(path)
+  if payload is None:
     return None
   try:
-    exp = jax.export.deserialize(bytearray(data[head:]))
+    exp = jax.export.deserialize(bytearray(payload))
   except Exception:  # noqa: BLE001  a damaged file is a miss, not an error of the user's program
     return None
   if tuple(exp.in_avals) != tuple(jax.core.ShapedArray(a.shape, a.dtype) for a in avals):
@@ -266,19 +295,23 @@ def _read(path: str, avals):
 
 
 def _write(path: str, exp) -> bool:
+  """Writes ``exp`` to ``path`` (:func:`_write_file`)."""
+  return _write_file(path, bytes(exp.serialize()))
+
+
+def _write_file(path: str, payload: bytes, magic: bytes = _MAGIC, mode: int = 0o666) -> bool:
   """Writes atomically (a reader sees the whole file or none; another process may write it too),
-  readable by whoever the umask lets read new files, as the folder is meant to be shared. A folder
-  that cannot be written costs a warning, once per folder and process, not the user's program:
-  False."""
+  with the permissions ``mode`` less the umask: an export readable by whoever the umask lets read
+  new files, as the folder is meant to be shared. A folder that cannot be written costs a warning,
+  once per folder and process, not the user's program: False."""
   folder = os.path.dirname(path)
   tmp = None
   try:
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    payload = bytes(exp.serialize())
     with os.fdopen(fd, "wb") as f:
-      f.write(_header(path, payload) + payload)
-    os.chmod(tmp, 0o666 & ~_STATE["umask"])
+      f.write(_header(path, payload, magic) + payload)
+    os.chmod(tmp, mode & ~_STATE["umask"])
     os.replace(tmp, path)
     return True
   except OSError as e:
@@ -323,8 +356,56 @@ def _exported(fn, jitted, static: dict, operands):
   with _LOCK:
     kept = _EXPORTED.setdefault(key, exp)
   if kept is exp:
-    start_compile(exp)
+    compiled = None if path is None else _compiled_path(path, exp)
+    if compiled is None or not _load_compiled(compiled):
+      start_compile(exp, compiled)
   return kept
+
+
+def _compiled_path(path: str, exp) -> str | None:
+  """The compiled-kernel file of the export file ``path``: beside it, named by its name and the GPU
+  runtime's version (the CUDA driver's, which loads the kernel) and the GPU's compute capability;
+  None where the export cannot be compiled here (not on a GPU, over several devices)."""
+  if exp.nr_devices != 1 or "cuda" not in exp.platforms or not _on_gpu():
+    return None
+  device = jax.devices()[0]
+  text = repr((os.path.basename(path), device.client.platform_version,
+               getattr(device, "compute_capability", None)))
+  return os.path.join(os.path.dirname(path),
+                      hashlib.sha256(text.encode()).hexdigest() + ".xla_compiled")
+
+
+def _trusted(path: str) -> bool:
+  """Whether the file ``path`` is owned by this process's user and writable by nobody else: loading
+  an executable runs the code it holds (module docstring)."""
+  try:
+    st = os.stat(path)
+  except OSError:
+    return False
+  owner = os.getuid() if hasattr(os, "getuid") else st.st_uid
+  return st.st_uid == owner and not st.st_mode & 0o022
+
+
+def _load_compiled(path: str) -> bool:
+  """Loads the compiled kernel in ``path`` onto this process's GPU (which registers it in jaxlib's
+  kernel cache, where the program's compile finds it): False where there is no such file, it is not
+  :func:`_trusted`, it is damaged, or the GPU client cannot load it (the kernel is then compiled and
+  the file written anew)."""
+  if not _trusted(path):
+    return False
+  payload = _payload(path, _COMPILED_MAGIC)
+  if payload is None:
+    return False
+  device = jax.devices()[0]
+  try:
+    loaded = device.client.deserialize_executable(
+        payload, executable_devices=xla_client.DeviceList((device,)))
+  except Exception:  # noqa: BLE001  a file this runtime cannot load is a miss, not an error
+    return False
+  with _LOCK:
+    _LOADED.append(loaded)
+    _STATE["compiled_reads"] += 1
+  return True
 
 
 def _jax_cache_on() -> bool:
@@ -341,7 +422,7 @@ def _on_gpu() -> bool:
     return False
 
 
-def start_compile(exp) -> None:
+def start_compile(exp, compiled_path: str | None = None) -> None:
   """Compiles ``exp`` (a kernel's export) for this process's GPU in a background thread, as a
   program of its own, so that the kernels of a training step compile at once, and while the rest
   of the step is traced, instead of one after another in its compile (:func:`wait_for_compiles`).
@@ -351,7 +432,8 @@ def start_compile(exp) -> None:
   turned off (:func:`set_background_compiles`). A failed compile is counted (``info()
   ["compile_errors"]``) and otherwise ignored here: the program's own compile meets the error again
   and reports it. Two compiles of one kernel (a program compiled before its background compile ends)
-  are safe: jaxlib keeps the first result."""
+  are safe: jaxlib keeps the first result. ``compiled_path``: where to write the compiled kernel
+  (:func:`_compiled_path`), or None."""
   if (not _STATE["background"] or exp.nr_devices != 1 or "cuda" not in exp.platforms
       or _jax_cache_on() or not _on_gpu()):
     return
@@ -361,19 +443,31 @@ def start_compile(exp) -> None:
       _POOL.append(concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS,
                                                          thread_name_prefix="fa2_jax_compile"))
     avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exp.in_avals]
-    future = _POOL[0].submit(_compile, exp, avals)
+    future = _POOL[0].submit(_compile, exp, avals, compiled_path)
     _STATE["compiles"] += 1
   if not hasattr(_PENDING, "futures"):
     _PENDING.futures = []
   _PENDING.futures.append(future)
 
 
-def _compile(exp, avals) -> None:
+def _compile(exp, avals, compiled_path: str | None) -> None:
   try:
-    jax.jit(exp.call).lower(*avals).compile()
+    compiled = jax.jit(exp.call).lower(*avals).compile()
   except Exception:  # noqa: BLE001 - the program's compile reports it (start_compile)
     with _LOCK:
       _STATE["compile_errors"] += 1
+    return
+  if compiled_path is None:
+    return
+  try:
+    executable = compiled.runtime_executable()
+    payload = bytes(executable.client.serialize_executable(executable))
+  except Exception:  # noqa: BLE001 - a client that cannot serialize: later processes compile again
+    return
+  # never group- or other-writable, whatever the umask (_trusted)
+  if _write_file(compiled_path, payload, _COMPILED_MAGIC, mode=0o644):
+    with _LOCK:
+      _STATE["compiled_writes"] += 1
 
 
 def wait_for_compiles() -> int:
