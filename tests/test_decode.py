@@ -420,9 +420,10 @@ LOWERING_CASES = [  # (b, t, n, kh, h, s, dtype, splits, variant keywords)
 
 @pytest.mark.parametrize("case", LOWERING_CASES, ids=lambda c: "-".join(map(str, c[:6])))
 def test_lowers_for_hopper(case, monkeypatch):
-  """The decode forward (and the delegated backward) lower to Triton IR for an H200 (jax.export for
-  "cuda" on any machine, as tests/test_lowering.py): the row gathers, the in-kernel block range and
-  the split shares pass the Pallas Triton lowering."""
+  """The decode forward (and the delegated backward) lower to Triton IR with an H200's Triton limits
+  (jax.export for "cuda" on any machine, as tests/test_lowering.py): the row gathers, the in-kernel
+  block range and the split shares pass the Pallas Triton lowering. The compute capability reads as
+  unknown, as on a CPU, so that on a Hopper GPU too the delegated backward is the Triton kernels'."""
   from jax import export
   gpu_info = pytest.importorskip("jax._src.pallas.triton.gpu_info")
   registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
@@ -430,6 +431,7 @@ def test_lowers_for_hopper(case, monkeypatch):
   monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
                       lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
   monkeypatch.setattr(platform, "on_gpu", lambda: True)
+  monkeypatch.setattr(platform, "gpu_compute_capability", lambda: None)
   b, t, n, kh, h, s, dtype, splits, kw = case
   kw = dict(kw)
   q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
