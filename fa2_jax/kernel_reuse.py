@@ -67,11 +67,13 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
   ``cache_dir``: with ``enabled``, a folder where each kernel's lowering is also written (a file per
   kernel, settings and shapes, named by their hash with the JAX version and this package's sources)
   and read back by later processes, which then do not lower that kernel; on a GPU its compiled form
-  is written beside it (named also by the GPU runtime's version) and loaded by later processes,
-  which then do not compile it either: a shape that an earlier process ran costs the call's tracing,
-  the reading of its kernels and XLA's compile of the program around them. A compiled file is
-  loaded only when it is owned by the user and writable by nobody else (loading runs its code).
-  Kernels of a ``mask_fn`` or ``score_fn`` are not written (a function's code has
+  is written beside it by the background compile and loaded by later processes, which then do not
+  compile it either (not with JAX's persistent compilation cache on, which then keeps the whole
+  program): a shape that an earlier process ran costs the call's tracing, the reading of its kernels
+  and XLA's compile of the program around them. Reading a file runs the code it holds: only files
+  owned by the user and writable by nobody else are read (each user's files are named apart, so a
+  folder can be shared; a file of another user is a miss). Kernels of a ``mask_fn`` or
+  ``score_fn`` are not written (a function's code has
   no name that is stable across processes). Not given: :func:`default_cache_dir`; None: this
   process only; each call sets it anew. A folder that cannot be written gives a warning and the
   kernels stay in the process. Nothing is ever removed from the folder (delete it to reclaim the

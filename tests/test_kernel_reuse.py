@@ -202,9 +202,11 @@ def test_a_compiled_kernel_file_loads_in_place_of_a_compile(reuse, tmp_path):
   assert lowering_cache._load_compiled(path) and cache.info()["compiled_reads"] == 1
 
 
-def test_a_compiled_kernel_file_is_loaded_only_when_trusted_and_intact(reuse, tmp_path):
-  """Loading an executable runs its code: a file others can write, a damaged one, one copied under
-  another name, and one whose payload is not an executable are not loaded (compiled again)."""
+def test_a_compiled_kernel_file_is_loaded_only_when_trusted_and_intact(reuse, tmp_path,
+                                                                       monkeypatch):
+  """Loading an executable runs its code: a file others can write, another user's, a symbolic link,
+  a damaged file, one copied under another name, and one whose payload is not an executable are not
+  loaded (compiled again)."""
   cache = reuse()
   sd = jax.ShapeDtypeStruct((8,), jnp.float32)
   exp = jax.export.export(jax.jit(lambda x: x * 2 + 1))(sd)
@@ -227,7 +229,52 @@ def test_a_compiled_kernel_file_is_loaded_only_when_trusted_and_intact(reuse, tm
   path.write_bytes(lowering_cache._header(str(path), junk, lowering_cache._COMPILED_MAGIC) + junk)
   assert not lowering_cache._load_compiled(str(path))
   assert not lowering_cache._load_compiled(str(tmp_path / "missing.xla_compiled"))
-  assert cache.info()["compiled_reads"] == 1
+  path.write_bytes(data)
+  os.chmod(path, 0o644)
+  assert lowering_cache._load_compiled(str(path))
+  real_uid = os.getuid()
+  monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)  # the file is another user's
+  assert not lowering_cache._load_compiled(str(path))
+  monkeypatch.undo()
+  link = tmp_path / "link.xla_compiled"  # a symbolic link is not followed
+  link.symlink_to(path)
+  assert not lowering_cache._payload(str(link), lowering_cache._COMPILED_MAGIC)
+  assert cache.info()["compiled_reads"] == 2
+
+
+def test_an_export_file_is_read_only_when_trusted(tmp_path, monkeypatch):
+  """An export's kernel module is compiled to code that runs: like a compiled file, an export that
+  others can write, or another user's, is not read (lowered again); each user's names differ."""
+  aval = jax.ShapeDtypeStruct((2,), jnp.float32)
+  exp = jax.export.export(jax.jit(lambda x: x * 2))(aval)
+  path = tmp_path / "k.jax_exported"
+  assert lowering_cache._write(str(path), exp)
+  assert not path.stat().st_mode & 0o022
+  assert lowering_cache._read(str(path), (aval,)) is not None
+  os.chmod(path, 0o666)
+  assert lowering_cache._read(str(path), (aval,)) is None
+  os.chmod(path, 0o644)
+  key = ("m", "f", (), (aval,), None)
+  mine = lowering_cache._file_name(key, {})
+  real_uid = os.getuid()
+  monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)
+  assert lowering_cache._read(str(path), (aval,)) is None
+  assert lowering_cache._file_name(key, {}) != mine
+
+
+def test_a_failed_compiled_write_stays_in_the_background(reuse, tmp_path, monkeypatch):
+  """A compiled file that cannot be written (here the write raises, as a warning turned into an
+  error would) leaves the background compile quietly: nothing reaches wait_for_compiles."""
+  cache = reuse()
+  sd = jax.ShapeDtypeStruct((8,), jnp.float32)
+  exp = jax.export.export(jax.jit(lambda x: x + 1))(sd)
+
+  def failing(*args, **kwargs):
+    raise RuntimeWarning("cannot write")
+
+  monkeypatch.setattr(lowering_cache, "_write_file", failing)
+  lowering_cache._compile(exp, [sd], str(tmp_path / "kernel.xla_compiled"))
+  assert cache.info()["compiled_writes"] == 0 and cache.info()["compile_errors"] == 0
 
 
 def test_a_kernel_with_a_compiled_file_is_not_compiled_again(reuse, background, monkeypatch,
@@ -254,6 +301,14 @@ def test_a_kernel_with_a_compiled_file_is_not_compiled_again(reuse, background, 
   lowering_cache.clear()
   _kernel_hashes(fwd(), sd, sd, sd)
   assert lowering_cache.wait_for_compiles() == 1 and background.paths == [path, path]
+  # JAX's persistent cache on: nothing loaded (the step, its kernels loaded, would compile too
+  # quickly for that cache to keep it) and nothing compiled in the background
+  loads.clear()
+  monkeypatch.setattr(lowering_cache, "_load_compiled", lambda p: loads.append(p) or True)
+  monkeypatch.setattr(lowering_cache, "_jax_cache_on", lambda: True)
+  lowering_cache.clear()
+  _kernel_hashes(fwd(), sd, sd, sd)
+  assert not loads and lowering_cache.wait_for_compiles() == 0 and len(background) == 2
 
 
 def test_vmap_folds_into_the_batch(reuse):

@@ -32,7 +32,8 @@ processes, as the default's per-user folder keeps them: a second process with th
 lower a kernel an earlier one ran, and finds it compiled in JAX's cache there). ``--kernels-dir DIR``
 (with ``--reuse-kernels``, without ``--cache-dir``): fa2_jax's kernel folder alone, as the default
 per-user folder is used, JAX's cache off: a second process with the same DIR neither lowers nor
-compiles a kernel an earlier one ran (it loads the compiled kernels written there).
+compiles a kernel an earlier one ran (it loads the compiled kernels written there;
+``--sequential-compiles`` then writes none, and a folder that already holds them is loaded from).
 """
 from __future__ import annotations
 
@@ -86,6 +87,8 @@ def main(argv=None):
     jax.config.update("jax_compilation_cache_dir", args.cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  if args.kernels_dir:  # fa2_jax's folder alone, even where the environment turns JAX's cache on
+    jax.config.update("jax_enable_compilation_cache", False)
   import fa2_jax
   if args.reuse_kernels:
     import os

@@ -23,7 +23,7 @@ body unbatched), and unbatched operands are broadcast in HBM.
 
 With a cache folder (``reuse_kernels_across_programs(cache_dir=...)``) each export is also written
 there (``jax.export``'s serialized form), named by a hash of its key, the JAX, jaxlib and CUDA plugin
-versions, the GPU's kind and SM count and the package's sources, and a later process reads it
+versions, the GPU's kind and SM count, the package's sources and the user, and a later process reads it
 instead of lowering the kernel. Nothing is ever removed from the folder (each version of the code
 adds its own files; a process killed while writing can leave a ``.tmp`` file). With the compiled
 kernels written there too (below), a shape that an earlier process ran costs the tracing of the call,
@@ -41,13 +41,18 @@ them in that process-wide cache. The backward rule waits for them
 compilation cache on, which keeps a program only if its compile takes a second or more.
 
 The background compile also writes the compiled kernel to the cache folder (the per-kernel program's
-XLA executable, serialized by the GPU client, in a file beside the export named also by the GPU
-runtime's version), and a later process that reads the export loads that file instead of compiling:
-loading an executable registers its Mosaic kernels in jaxlib's process-wide kernel cache, so the
-step's compile finds them (docs/measurements.md, "Compiled kernels on disk"). Loading an executable
-runs the code it holds, so a compiled file is loaded only when it is owned by the user running the
-process and writable by nobody else (it is written without group or other write permission, whatever
-the umask); any other, damaged, or unloadable file is compiled again and written anew.
+XLA executable, serialized by the GPU client, in a file beside the export named also by the export's
+module, the GPU client's platform version and the compute capability), and a later process that reads
+the export loads that file instead of compiling: loading an executable registers its Mosaic kernels in
+jaxlib's process-wide kernel cache, so the step's compile finds them (docs/measurements.md, "Compiled
+kernels on disk"). Not with the background compiles off (nothing is written) nor with JAX's
+persistent cache on (nothing is loaded: the step's compile would be too quick for that cache to keep).
+
+Reading either kind of file runs the code it holds (an export's kernel module is compiled to GPU and
+host code; an executable holds both), so a file is read only when it is a regular file owned by the
+user running the process and writable by nobody else; every file is written so, whatever the umask,
+and its name holds the user's id, so that users sharing a folder keep their files apart. Any other,
+damaged or unloadable file is a miss: lowered or compiled again and written anew.
 
 Not used in GPU interpret mode (``emulate``), nor for operands with symbolic dimensions.
 """
@@ -56,13 +61,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import stat
 import tempfile
 import threading
 import warnings
 
 import jax
 from jax._src import config as jax_config  # export_ignore_forward_compatibility: no public context form
-from jax._src.lib import xla_client  # DeviceList, for a client's deserialize_executable: no public form
 
 _STATE = {"enabled": False, "hits": 0, "misses": 0, "cache_dir": None, "reads": 0, "writes": 0,
           "warned": set(), "umask": 0o022, "background": True, "compiles": 0, "compile_errors": 0,
@@ -239,7 +244,10 @@ def _file_name(key, static: dict) -> str | None:
   variant = static.get("variant")
   if variant is not None and (variant.mask_fn is not None or variant.score_fn is not None):
     return None
-  text = repr((_environment(), _sources_hash(), key))
+  # the user's id too: a folder several users share holds each one's files apart (_payload reads a
+  # user's own files only)
+  uid = os.getuid() if hasattr(os, "getuid") else None
+  text = repr((_environment(), _sources_hash(), uid, key))
   if " at 0x" in text:
     return None
   return hashlib.sha256(text.encode()).hexdigest() + ".jax_exported"
@@ -264,13 +272,24 @@ def _header(path: str, payload: bytes, magic: bytes = _MAGIC) -> bytes:
 
 
 def _payload(path: str, magic: bytes = _MAGIC) -> bytes | None:
-  """The payload of the cache file ``path``, or None where there is none, it was written under
-  another name or it is damaged (its header)."""
+  """The payload of the cache file ``path``, or None where there is none, it is not a regular file
+  owned by this process's user and writable by nobody else (reading either kind of file runs the
+  code it holds: an export's kernel module is compiled to GPU and host code), it was written under
+  another name, or it is damaged (its header). The checks and the read use one open descriptor, so
+  the file cannot be swapped between them."""
   try:
-    with open(path, "rb") as f:
-      data = f.read()
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
   except OSError:
     return None
+  with os.fdopen(fd, "rb") as f:
+    st = os.fstat(f.fileno())
+    owner = os.getuid() if hasattr(os, "getuid") else st.st_uid
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_mode & 0o022:
+      return None
+    try:
+      data = f.read()
+    except OSError:
+      return None
   head = len(magic) + 64
   if len(data) < head or data[:head] != _header(path, data[head:], magic):
     return None
@@ -299,11 +318,11 @@ def _write(path: str, exp) -> bool:
   return _write_file(path, bytes(exp.serialize()))
 
 
-def _write_file(path: str, payload: bytes, magic: bytes = _MAGIC, mode: int = 0o666) -> bool:
+def _write_file(path: str, payload: bytes, magic: bytes = _MAGIC, warn: bool = True) -> bool:
   """Writes atomically (a reader sees the whole file or none; another process may write it too),
-  with the permissions ``mode`` less the umask: an export readable by whoever the umask lets read
-  new files, as the folder is meant to be shared. A folder that cannot be written costs a warning,
-  once per folder and process, not the user's program: False."""
+  readable by whoever the umask lets read new files and writable by this user alone, whatever the
+  umask (:func:`_payload` reads no other file). A folder that cannot be written costs a warning
+  (``warn``), once per folder and process, not the user's program: False."""
   folder = os.path.dirname(path)
   tmp = None
   try:
@@ -311,14 +330,16 @@ def _write_file(path: str, payload: bytes, magic: bytes = _MAGIC, mode: int = 0o
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
       f.write(_header(path, payload, magic) + payload)
-    os.chmod(tmp, mode & ~_STATE["umask"])
+    os.chmod(tmp, 0o644 & ~_STATE["umask"])
     os.replace(tmp, path)
     return True
   except OSError as e:
     if tmp is not None and os.path.exists(tmp):
       os.remove(tmp)
-    if folder not in _STATE["warned"]:
-      _STATE["warned"].add(folder)
+    with _LOCK:
+      first = warn and folder not in _STATE["warned"]
+      _STATE["warned"].add(folder) if first else None
+    if first:
       warnings.warn(f"fa2_jax: cannot write kernel lowerings to cache_dir {folder!r} ({e}); they "
                     "are kept for this process only", RuntimeWarning,
                     skip_file_prefixes=_internal_prefixes())
@@ -357,47 +378,38 @@ def _exported(fn, jitted, static: dict, operands):
     kept = _EXPORTED.setdefault(key, exp)
   if kept is exp:
     compiled = None if path is None else _compiled_path(path, exp)
-    if compiled is None or not _load_compiled(compiled):
+    # not with JAX's persistent cache on: the step's compile, its kernels loaded, would take well
+    # under the cache's 1 s threshold and never be kept there (start_compile)
+    if compiled is None or _jax_cache_on() or not _load_compiled(compiled):
       start_compile(exp, compiled)
   return kept
 
 
 def _compiled_path(path: str, exp) -> str | None:
-  """The compiled-kernel file of the export file ``path``: beside it, named by its name and the GPU
-  runtime's version (the CUDA driver's, which loads the kernel) and the GPU's compute capability;
-  None where the export cannot be compiled here (not on a GPU, over several devices)."""
+  """The compiled-kernel file of the export file ``path``: beside it, named by its name, the digest
+  of the export's module (an export lowered anew with other bytes names another kernel), the GPU
+  client's platform version and the GPU's compute capability; None where the export cannot be
+  compiled here (not on a GPU, over several devices)."""
   if exp.nr_devices != 1 or "cuda" not in exp.platforms or not _on_gpu():
     return None
-  device = jax.devices()[0]
-  text = repr((os.path.basename(path), device.client.platform_version,
-               getattr(device, "compute_capability", None)))
+  device = jax.local_devices()[0]
+  text = repr((os.path.basename(path), hashlib.sha256(exp.mlir_module_serialized).hexdigest(),
+               device.client.platform_version, getattr(device, "compute_capability", None)))
   return os.path.join(os.path.dirname(path),
                       hashlib.sha256(text.encode()).hexdigest() + ".xla_compiled")
 
 
-def _trusted(path: str) -> bool:
-  """Whether the file ``path`` is owned by this process's user and writable by nobody else: loading
-  an executable runs the code it holds (module docstring)."""
-  try:
-    st = os.stat(path)
-  except OSError:
-    return False
-  owner = os.getuid() if hasattr(os, "getuid") else st.st_uid
-  return st.st_uid == owner and not st.st_mode & 0o022
-
-
 def _load_compiled(path: str) -> bool:
-  """Loads the compiled kernel in ``path`` onto this process's GPU (which registers it in jaxlib's
-  kernel cache, where the program's compile finds it): False where there is no such file, it is not
-  :func:`_trusted`, it is damaged, or the GPU client cannot load it (the kernel is then compiled and
-  the file written anew)."""
-  if not _trusted(path):
-    return False
+  """Loads the compiled kernel in ``path`` onto this process's first GPU (which registers it in
+  jaxlib's kernel cache, where the program's compile finds it): False where there is no such file,
+  :func:`_payload` refuses it, or the GPU client cannot load it (the kernel is then compiled in the
+  background, :func:`start_compile`, which writes the file anew)."""
   payload = _payload(path, _COMPILED_MAGIC)
   if payload is None:
     return False
-  device = jax.devices()[0]
   try:
+    from jax._src.lib import xla_client  # DeviceList, for deserialize_executable: no public form
+    device = jax.local_devices()[0]
     loaded = device.client.deserialize_executable(
         payload, executable_devices=xla_client.DeviceList((device,)))
   except Exception:  # noqa: BLE001  a file this runtime cannot load is a miss, not an error
@@ -459,13 +471,16 @@ def _compile(exp, avals, compiled_path: str | None) -> None:
     return
   if compiled_path is None:
     return
+  # Nothing from here may reach wait_for_compiles (the user's trace): a client that cannot
+  # serialize, or a folder that cannot be written (no warning from this thread), leaves the kernel
+  # to be compiled again by a later process.
   try:
     executable = compiled.runtime_executable()
     payload = bytes(executable.client.serialize_executable(executable))
-  except Exception:  # noqa: BLE001 - a client that cannot serialize: later processes compile again
+    written = _write_file(compiled_path, payload, _COMPILED_MAGIC, warn=False)
+  except Exception:  # noqa: BLE001
     return
-  # never group- or other-writable, whatever the umask (_trusted)
-  if _write_file(compiled_path, payload, _COMPILED_MAGIC, mode=0o644):
+  if written:
     with _LOCK:
       _STATE["compiled_writes"] += 1
 
