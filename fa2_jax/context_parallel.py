@@ -30,7 +30,9 @@ or ``2C`` chunks (``"zigzag"``, the default: device ``d`` holds chunks ``d`` and
 under ``is_causal`` every device has the same number of allowed pairs). The arrays given to
 ``shard_map`` must be in that order (``to_context_layout``); ``q_segment_ids``/``kv_segment_ids``
 are local chunks like the query/key, in the same layout; ``query_seq_lengths``,
-``key_value_seq_lengths`` (``[B]``), ``q_offset`` and ``alibi_slopes`` are global and replicated.
+``key_value_seq_lengths`` (``[B]``, one per batch row of the device's q, k, v), ``q_offset`` and
+``alibi_slopes`` hold global values and are replicated over the context axis (sharded as the batch
+or heads are, where other mesh axes shard those).
 Positions (``is_causal``, ``local_window_size``, ALiBi, ``mask_fn``/``score_fn``'s ``q_idx``/
 ``kv_idx``) are absolute: global sequence indices, ``q_offset`` added for the queries.
 
@@ -282,13 +284,19 @@ def _window(local_window_size, is_causal: bool) -> tuple:
   return left, right
 
 
-def _int_array(name, x, batch):
-  """An integer argument as an int32 array (``[batch]`` for a per-row one)."""
+def _int_array(name, x, batch, scalar_ok: bool = False):
+  """An integer argument as an int32 array (``[batch]`` for a per-row one: this device's batch
+  rows, as its q, k, v hold them; a scalar broadcast where ``scalar_ok``)."""
   if x is None:
     return None
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.integer):
     raise TypeError(f"{name} must be integer, got dtype {x.dtype}")
+  if batch is not None and x.shape != (batch,) and not (scalar_ok and x.ndim == 0):
+    raise ValueError(
+        f"{name} must have shape [{batch}] (one per batch row of this device's q, k and v), got "
+        f"{list(x.shape)}: shard it as the batch is sharded (P() where the batch is replicated, "
+        "the batch's mesh axis where it is sharded), not along the context axis")
   x = x.astype(jnp.int32)
   return x if batch is None else jnp.broadcast_to(x, (batch,))
 
@@ -924,7 +932,7 @@ def _setup(axis_name, axis_size: int, layout: str, strategy: str, query, key, va
       "q_len": _int_array("query_seq_lengths", query_seq_lengths, b),
       "kv_len": _int_array("key_value_seq_lengths", key_value_seq_lengths, b),
       "q_seg": q_segment_ids, "kv_seg": kv_segment_ids,
-      "q_offset": (_int_array("q_offset", 0 if q_offset is None else q_offset, b)
+      "q_offset": (_int_array("q_offset", 0 if q_offset is None else q_offset, b, scalar_ok=True)
                    if positions else None),
       "slopes": None if alibi_slopes is None else jnp.asarray(alibi_slopes),
   }

@@ -11,31 +11,43 @@ kernels; ``FA2_JAX_CACHE_DIR=off`` turns the default off.
 from __future__ import annotations
 
 import importlib.util
+import operator
 import os
+import warnings
+
+import numpy as np
 
 from .kernels.sm90 import lowering_cache
 
 lowering_cache.add_package_folder(os.path.dirname(os.path.abspath(__file__)))
 
 _STATE = {"length_multiple": None}  # read at every traced call
-# FA2_JAX_CACHE_DIR values that turn the default off
+# FA2_JAX_CACHE_DIR values that turn the default off, and those that ask for the default folder
 _OFF = ("off", "0", "none", "false", "no", "")
+_ON = ("on", "1", "true", "yes")
 _DEFAULT = object()  # reuse_kernels_across_programs(cache_dir=...) not given: default_cache_dir()
 
 
 def default_cache_dir() -> str | None:
   """The per-user folder of kernel lowerings: ``$FA2_JAX_CACHE_DIR`` when it names one, else
-  ``$XDG_CACHE_HOME/fa2_jax/kernels`` (``~/.cache`` without XDG_CACHE_HOME); None where
-  ``FA2_JAX_CACHE_DIR`` is ``off`` (or ``0``, ``none``, ``false``, ``no``, empty) or where
-  ``jax.export``'s serialization cannot run (no ``flatbuffers`` package): then kernels are reused
-  within the process only."""
+  ``$XDG_CACHE_HOME/fa2_jax/kernels`` (``~/.cache`` without XDG_CACHE_HOME; also where
+  ``FA2_JAX_CACHE_DIR`` is ``on``, ``1``, ``true`` or ``yes``); None where ``FA2_JAX_CACHE_DIR`` is
+  ``off`` (or ``0``, ``none``, ``false``, ``no``, empty), where it names a file (with a warning),
+  or where ``jax.export``'s serialization cannot run (no ``flatbuffers`` package): then kernels are
+  reused within the process only. The variable is read when fa2_jax is imported (the default's
+  setting) and at each call of this function."""
   if not _default_enabled():
     return None
   value = os.environ.get("FA2_JAX_CACHE_DIR")
   if importlib.util.find_spec("flatbuffers") is None:
     return None
-  if value:
-    return os.path.expanduser(value)
+  if value and value.strip().lower() not in _ON:
+    folder = os.path.expanduser(value)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+      warnings.warn(f"fa2_jax: FA2_JAX_CACHE_DIR names the file {folder!r}, not a folder: kernel "
+                    "lowerings are kept for this process only", RuntimeWarning, stacklevel=2)
+      return None
+    return folder
   base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
   return os.path.join(os.path.expanduser(base), "fa2_jax", "kernels")
 
@@ -82,13 +94,16 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
   Returns the previous ``enabled`` (to restore the settings, read :func:`length_multiple` and
   ``info()["cache_dir"]`` first).
   """
-  if not isinstance(enabled, bool):
-    raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+  if not isinstance(enabled, (bool, np.bool_)):
+    raise TypeError(f"enabled must be True or False, got {type(enabled).__name__}")
+  enabled = bool(enabled)
   if cache_dir is _DEFAULT:
     cache_dir = default_cache_dir() if enabled else None
-  if length_multiple is not None and (not isinstance(length_multiple, int)
-                                      or isinstance(length_multiple, bool) or length_multiple < 1):
-    raise ValueError(f"length_multiple must be None or an int >= 1, got {length_multiple!r}")
+  if length_multiple is not None:  # an int, numpy's too
+    if (isinstance(length_multiple, (bool, np.bool_)) or not hasattr(length_multiple, "__index__")
+        or operator.index(length_multiple) < 1):
+      raise ValueError(f"length_multiple must be None or an int >= 1, got {length_multiple!r}")
+    length_multiple = operator.index(length_multiple)
   if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
     raise TypeError(f"cache_dir must be None, a str or an os.PathLike, got {type(cache_dir).__name__}")
   if cache_dir is not None and not os.fspath(cache_dir):

@@ -153,12 +153,12 @@ def _check_kwargs(kwargs: dict) -> None:
 
 
 def _check_pages(page_table, num_pages: int) -> None:
-  """ValueError for a concrete page table (a traced one is not checked) with a page outside
-  ``[0, num_pages)``."""
+  """ValueError for a concrete page table (a traced one is not checked) with a page at or past
+  ``num_pages`` (a negative entry is "no page yet": append refuses to write through one)."""
   values = _concrete(page_table)
-  if values is not None and values.size and (values.min() < 0 or values.max() >= num_pages):
-    raise ValueError(f"page_table's pages must lie in [0, {num_pages}), got values in "
-                     f"[{values.min()}, {values.max()}]")
+  if values is not None and values.size and values.max() >= num_pages:
+    raise ValueError(f"page_table's pages must lie in [0, {num_pages}) (or be negative: no page "
+                     f"yet), got values up to {values.max()}")
 
 
 def _check_written_pages(pages, written, num_pages: int) -> None:
@@ -224,6 +224,22 @@ class _Cache:
   def dtype(self) -> jnp.dtype:
     return jnp.dtype(self._keys.dtype)
 
+  def _held(self) -> jax.Array:
+    """The cache's ``lengths`` as int32 ``[batch]`` (a cache built by hand, or brought to the host
+    by ``jax.device_get``, may hold a list or a numpy array)."""
+    held = self.lengths
+    if isinstance(held, (list, tuple)):
+      held = np.asarray(held)
+    if not hasattr(held, "shape") or not hasattr(held, "dtype"):
+      raise TypeError(f"the cache's lengths must be an integer array [batch], got "
+                      f"{type(held).__name__}")
+    if np.dtype(held.dtype).kind not in "iu":
+      raise TypeError(f"the cache's lengths must be an integer array [batch], got dtype "
+                      f"{held.dtype}")
+    if held.ndim != 1:
+      raise ValueError(f"the cache's lengths must have shape [batch], got {list(held.shape)}")
+    return jnp.asarray(held).astype(jnp.int32)
+
   def _new_rows(self, k_new, v_new, lengths):
     """append's checks of ``k_new``/``v_new`` and ``lengths``: the new rows' positions ``[B, T_new]``
     (int32, from each row's length on) and the per-row count of rows they add (``[B]`` int32)."""
@@ -233,8 +249,9 @@ class _Cache:
       raise ValueError(f"k_new and v_new must have the same [batch, T_new, kv_heads], got "
                        f"{list(k_new.shape)} and {list(v_new.shape)}")
     t = k_new.shape[1]
-    added = _append_lengths(self.lengths, lengths, t, self.capacity)
-    positions = self.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    held = self._held()
+    added = _append_lengths(held, lengths, t, self.capacity)
+    positions = held[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     return positions, added
 
   def _attend(self, q, k, v, query_seq_lengths, attention_fn, kwargs, extra=None):
@@ -242,13 +259,7 @@ class _Cache:
     cache's own arrays, or the paged cache's gathered copy): the body of both caches' attend."""
     _check_kwargs(kwargs)
     _array("q", q)
-    cache_lengths, dtype, capacity = self.lengths, self.dtype, self.capacity
-    if np.dtype(cache_lengths.dtype).kind not in "iu":
-      raise TypeError(f"the cache's lengths must be an integer array [batch], got dtype "
-                      f"{cache_lengths.dtype}")
-    if cache_lengths.ndim != 1:
-      raise ValueError(f"the cache's lengths must have shape [batch], got "
-                       f"{list(cache_lengths.shape)}")
+    cache_lengths, dtype, capacity = self._held(), self.dtype, self.capacity
     batch, kv_heads, head_dim = cache_lengths.shape[0], self.kv_heads, self.head_dim
     if (q.ndim != 4 or q.shape[0] != batch or q.shape[3] != head_dim or q.shape[2] % kv_heads):
       raise ValueError(f"q must have shape [batch={batch}, T_new, num_heads, head_dim={head_dim}] "
@@ -357,11 +368,11 @@ class KVCache(_Cache):
         ``[0, T_new]`` or past the capacity (when concrete); TypeError: another dtype.
     """
     positions, added = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B]
-    rows = jnp.arange(self.batch)[:, None]
+    rows = jnp.arange(self.batch, dtype=jnp.int32)[:, None]
     # A scatter (in place under jit with donation); rows past the capacity are dropped.
-    k = self.k.at[rows, positions].set(k_new, mode="drop")
-    v = self.v.at[rows, positions].set(v_new, mode="drop")
-    return KVCache(k, v, self.lengths + added)
+    k = jnp.asarray(self.k).at[rows, positions].set(k_new, mode="drop")
+    v = jnp.asarray(self.v).at[rows, positions].set(v_new, mode="drop")
+    return KVCache(k, v, self._held() + added)
 
   def attend(self, q: jax.Array, *, query_seq_lengths=None, attention_fn: Callable | None = None,
              **kwargs):
@@ -483,13 +494,16 @@ class PagedKVCache(_Cache):
 
     Args:
       value_head_dim: the values' head_dim, default ``head_dim``.
-      page_table: int ``[batch, pages_per_row]`` with values in ``[0, num_pages)``; default: row
-        ``b`` owns pages ``b * P ... (b + 1) * P - 1`` with ``P = num_pages // batch``. Two rows
-        must not share a page they both write.
+      page_table: int ``[batch, pages_per_row]`` (an array or nested lists) with values in
+        ``[0, num_pages)``, or negative for "no page yet" (an append that would write through one
+        raises); default: row ``b`` owns pages ``b * P ... (b + 1) * P - 1`` with
+        ``P = num_pages // batch``. Two rows must not share a page they both write. (Rows that
+        share a filled prefix's pages: ``dataclasses.replace(cache, page_table=..., lengths=...)``
+        of a cache that holds the prefix.)
 
     Raises:
       ValueError: sizes that are not positive ints, a page table of another shape or with pages
-        outside ``[0, num_pages)``; TypeError: another dtype, a page table that is not integer.
+        at or past ``num_pages``; TypeError: another dtype, a page table that is not integer.
     """
     batch, num_pages, page_size, kv_heads, head_dim = (_positive_int(name, value) for name, value in (
         ("batch", batch), ("num_pages", num_pages), ("page_size", page_size),
@@ -502,6 +516,8 @@ class PagedKVCache(_Cache):
                          "page table (one share of the pages per row)")
       per_row = num_pages // batch
       page_table = np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
+    if isinstance(page_table, (list, tuple)):  # as the lengths take them
+      page_table = np.asarray(page_table)
     _array("page_table", page_table)
     if np.dtype(page_table.dtype).kind not in "iu":
       raise TypeError(f"page_table must be an integer array, got dtype {page_table.dtype}")
@@ -541,19 +557,20 @@ class PagedKVCache(_Cache):
     dropped, never written to another page."""
     num_pages = self.k_pages.shape[0]
     positions, added = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B]
-    index = jnp.minimum(positions // self.page_size, self.page_table.shape[1] - 1)
-    pages = jnp.take_along_axis(self.page_table, index, axis=1)
+    table = jnp.asarray(self.page_table).astype(jnp.int32)
+    index = jnp.minimum(positions // self.page_size, table.shape[1] - 1)
+    pages = jnp.take_along_axis(table, index, axis=1)
     # the rows each batch row appends: not its padding past lengths, nor past the capacity
-    written = ((jnp.arange(positions.shape[1])[None, :] < added[:, None])
+    written = ((jnp.arange(positions.shape[1], dtype=jnp.int32)[None, :] < added[:, None])
                & (positions < self.capacity))
     _check_written_pages(pages, written, num_pages)
     # every other row, and pages out of range, go to page num_pages, out of bounds: dropped (a
     # negative index would wrap to another row's page)
     pages = jnp.where(written & (pages >= 0) & (pages < num_pages), pages, num_pages)
     slots = positions % self.page_size
-    k = self.k_pages.at[pages, slots].set(k_new, mode="drop")
-    v = self.v_pages.at[pages, slots].set(v_new, mode="drop")
-    return PagedKVCache(k, v, self.page_table, self.lengths + added)
+    k = jnp.asarray(self.k_pages).at[pages, slots].set(k_new, mode="drop")
+    v = jnp.asarray(self.v_pages).at[pages, slots].set(v_new, mode="drop")
+    return PagedKVCache(k, v, self.page_table, self._held() + added)
 
   def gather(self) -> tuple[jax.Array, jax.Array]:
     """Each row's pages in order, as contiguous ``[batch, capacity, kv_heads, head_dim]`` keys and

@@ -438,6 +438,12 @@ def test_errors():
     _trace(query_seq_lengths=jnp.array([33]))
   with pytest.raises(TypeError, match="query_seq_lengths must be integer"):
     _trace(query_seq_lengths=jnp.array([3.0]))
+  # lengths are per batch row of the device's q, k, v: not a scalar, nor sharded along the context
+  for lengths in (jnp.array([3, 4]), jnp.array(3), 3):
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths must have shape \[1\] .* not "
+                                         "along the context axis"):
+      _trace(key_value_seq_lengths=lengths)
+  _trace(q_offset=2, is_causal=True)  # an offset may be one number for every row
 
 
 _EIGHT_DEVICES = r"""

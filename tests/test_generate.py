@@ -130,6 +130,32 @@ def test_cache_is_forward_only():
   assert jax.jit(lambda q: cache.attend(q))(q[:, 4:5]).shape == (B, 1, N, H)
 
 
+def test_caches_from_the_host_lists_and_x64():
+  """A cache brought to the host (``jax.device_get``: numpy arrays), one built by hand with a list
+  of lengths, and a paged cache under ``jax_enable_x64`` with strict dtype promotion (the suite's)
+  append and attend as the device cache does; a paged table may hold negative "no page yet"
+  entries where no row writes, and lists."""
+  q, k, v = qkv(3)
+  _, cache = prefill(q[:, :4], k[:, :4], v[:, :4], capacity=8)
+  want = cache.append(k[:, 4:5], v[:, 4:5]).attend(q[:, 4:5])
+  host = jax.device_get(cache)
+  assert isinstance(host.lengths, np.ndarray)
+  np.testing.assert_array_equal(host.append(k[:, 4:5], v[:, 4:5]).attend(q[:, 4:5]), want)
+  by_hand = KVCache(cache.k, cache.v, [4, 4])
+  np.testing.assert_array_equal(by_hand.attend(q[:, 3:4]), cache.attend(q[:, 3:4]))
+  with pytest.raises(TypeError, match="the cache's lengths must be an integer array"):
+    KVCache(cache.k, cache.v, "4").attend(q[:, 3:4])
+  table = [[0, 1, -1], [2, 3, -1]]  # the third page of each row not given yet
+  paged = PagedKVCache.create(B, 4, 2, K, H, page_table=table).append(k[:, :4], v[:, :4])
+  np.testing.assert_allclose(paged.attend(q[:, 3:4]), cache.attend(q[:, 3:4]), atol=1e-6)
+  with pytest.raises(ValueError, match="page_table gives batch row 0 page -1"):
+    paged.append(k[:, 4:5], v[:, 4:5])
+  with jax.enable_x64(True):
+    paged = PagedKVCache.create(B, 4, 2, K, H).append(k[:, :4], v[:, :4])
+    assert paged.lengths.dtype == jnp.int32
+    np.testing.assert_allclose(paged.attend(q[:, 3:4]), cache.attend(q[:, 3:4]), atol=1e-6)
+
+
 def _cache():
   return KVCache.create(B, 8, K, H)
 

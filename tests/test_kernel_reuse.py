@@ -239,6 +239,9 @@ def test_a_compiled_kernel_file_is_loaded_only_when_trusted_and_intact(reuse, tm
   link = tmp_path / "link.xla_compiled"  # a symbolic link is not followed
   link.symlink_to(path)
   assert not lowering_cache._payload(str(link), lowering_cache._COMPILED_MAGIC)
+  fifo = tmp_path / "fifo.xla_compiled"  # nor is a FIFO read (an open would wait for a writer)
+  os.mkfifo(fifo)
+  assert not lowering_cache._payload(str(fifo), lowering_cache._COMPILED_MAGIC)
   assert cache.info()["compiled_reads"] == 2
 
 
@@ -609,7 +612,7 @@ def test_cache_dir_without_flatbuffers_names_the_package(monkeypatch, tmp_path):
 
 def test_switch_arguments_are_checked(tmp_path, monkeypatch):
   before = kernel_reuse.info()
-  with pytest.raises(TypeError, match="enabled must be a bool"):
+  with pytest.raises(TypeError, match="enabled must be True or False, got str"):
     fa2_jax.reuse_kernels_across_programs("yes")
   for bad in (0, -4, 2.0, True):
     with pytest.raises(ValueError, match="length_multiple must be None or an int >= 1"):
@@ -629,9 +632,19 @@ def test_switch_arguments_are_checked(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="length_multiple needs enabled=True"):
     fa2_jax.reuse_kernels_across_programs(False, length_multiple=64)
   assert kernel_reuse.info() == before  # a rejected call changes nothing
+  try:  # numpy's bool and ints are taken as Python's
+    fa2_jax.reuse_kernels_across_programs(np.bool_(True), length_multiple=np.int64(64),
+                                          cache_dir=None)
+    assert kernel_reuse.length_multiple() == 64 and type(kernel_reuse.length_multiple()) is int
+  finally:
+    fa2_jax.reuse_kernels_across_programs(before["enabled"],
+                                          length_multiple=before["length_multiple"],
+                                          cache_dir=before["cache_dir"] if before["enabled"]
+                                          else None)
+  assert kernel_reuse.info() == before
 
 
-@pytest.mark.parametrize("setting", ["default", "xdg", "named", "off"])
+@pytest.mark.parametrize("setting", ["default", "xdg", "named", "off", "on", "file"])
 def test_a_fresh_process_reuses_kernels_in_the_per_user_folder(setting, tmp_path):
   """On by default, with the folder of FA2_JAX_CACHE_DIR, else $XDG_CACHE_HOME/fa2_jax/kernels, else
   ~/.cache/fa2_jax/kernels; FA2_JAX_CACHE_DIR=off: off."""
@@ -647,9 +660,18 @@ def test_a_fresh_process_reuses_kernels_in_the_per_user_folder(setting, tmp_path
   elif setting == "off":
     env["FA2_JAX_CACHE_DIR"] = "off"
     expected = None
+  elif setting == "on":  # the default folder, not a folder named "on"
+    env["FA2_JAX_CACHE_DIR"] = "On"
+  elif setting == "file":  # a file is no folder: reuse within the process only, and a warning
+    (tmp_path / "a_file").write_text("")
+    env["FA2_JAX_CACHE_DIR"] = str(tmp_path / "a_file")
+    expected = None
   code = ("import fa2_jax; from fa2_jax import kernel_reuse as r; i = r.info(); "
           "print(i['enabled'], i['cache_dir'], i['length_multiple'], r.default_cache_dir())")
-  got = subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True,
-                       text=True).stdout.split()
-  assert got == [str(expected is not None), str(expected), "None", str(expected)]
+  run = subprocess.run([sys.executable, "-c", code], check=True, env=env, capture_output=True,
+                       text=True)
+  got = run.stdout.split()
+  assert got == [str(expected is not None or setting == "file"), str(expected), "None",
+                 str(expected)]
+  assert ("FA2_JAX_CACHE_DIR names the file" in run.stderr) == (setting == "file")
   assert not (tmp_path / ".cache").exists()  # made when a kernel is first written

@@ -38,10 +38,11 @@ by the flag and runs the kernel. Calls the kernel cannot honour exactly (any oth
 a value head_dim different from the query's, float64) are computed with flax's own
 ``dot_product_attention`` instead, after a one-time :class:`FlashAttentionFallbackWarning` that names
 what to pass to run the kernel, where such an argument exists: the math never changes silently.
-Fully masked query rows (padding) get flax's finite value, never NaN. flax's formula has no variants:
-such a call with variant arguments and a dense mask (and nothing else the kernel lacks) runs fa2_jax's
-own XLA formula with the mask as a ``mask_fn`` (the same warning), and with a bias, dropout or the
-other reasons raises a ValueError instead of dropping the variant.
+Fully masked query rows (padding) are finite, never NaN: flax's value (the mean of V) on flax's
+formula. flax's formula has no variants: such a call with variant arguments and a dense mask (and
+nothing else the kernel lacks) runs fa2_jax's own XLA formula with the mask as a ``mask_fn`` (the same
+warning), where a fully masked row is zero, as in the kernels; with a bias, dropout or the other
+reasons it raises a ValueError instead of dropping the variant.
 """
 from __future__ import annotations
 

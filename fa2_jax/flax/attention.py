@@ -45,7 +45,8 @@ _POSITIONAL = frozenset({"local_window_size", "alibi_slopes", "mask_fn", "score_
 
 # What computes a call whose dense mask the kernels cannot take when it has variants.
 _VARIANTS_FORMULA = ("fa2_jax's XLA formula (implementation=\"xla\") with the variants and the mask "
-                     "as a mask_fn")
+                     "as a mask_fn; a query row the mask leaves no key gives zero there, not "
+                     "flax's mean of the values")
 
 _warned: set[str] = set()  # fallback messages already reported (one warning per reason per process)
 

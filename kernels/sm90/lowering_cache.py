@@ -278,7 +278,8 @@ def _payload(path: str, magic: bytes = _MAGIC) -> bytes | None:
   another name, or it is damaged (its header). The checks and the read use one open descriptor, so
   the file cannot be swapped between them."""
   try:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    # without blocking: a FIFO planted under a cache file's name would otherwise hang the open
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
   except OSError:
     return None
   with os.fdopen(fd, "rb") as f:
