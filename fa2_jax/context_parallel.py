@@ -294,9 +294,10 @@ def _int_array(name, x, batch, scalar_ok: bool = False):
     raise TypeError(f"{name} must be integer, got dtype {x.dtype}")
   if batch is not None and x.shape != (batch,) and not (scalar_ok and x.ndim == 0):
     raise ValueError(
-        f"{name} must have shape [{batch}] (one per batch row of this device's q, k and v), got "
-        f"{list(x.shape)}: shard it as the batch is sharded (P() where the batch is replicated, "
-        "the batch's mesh axis where it is sharded), not along the context axis")
+        f"{name} must have shape [{batch}] (one per batch row of this device's q, k and v"
+        f"{', or one number for every row' if scalar_ok else ''}), got {list(x.shape)}: shard it "
+        "as the batch is sharded (P() where the batch is replicated, the batch's mesh axis where "
+        "it is sharded), not along the context axis")
   x = x.astype(jnp.int32)
   return x if batch is None else jnp.broadcast_to(x, (batch,))
 

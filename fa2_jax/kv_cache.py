@@ -228,8 +228,9 @@ class _Cache:
     """The cache's ``lengths`` as int32 ``[batch]`` (a cache built by hand, or brought to the host
     by ``jax.device_get``, may hold a list or a numpy array)."""
     held = self.lengths
-    if isinstance(held, (list, tuple)):
-      held = np.asarray(held)
+    if isinstance(held, (list, tuple)):  # jnp: a list's items may be traced (a pytree's leaves)
+      held = (jnp.asarray(held) if any(isinstance(x, jax.Array) for x in held)
+              else np.asarray(held))
     if not hasattr(held, "shape") or not hasattr(held, "dtype"):
       raise TypeError(f"the cache's lengths must be an integer array [batch], got "
                       f"{type(held).__name__}")
@@ -238,6 +239,8 @@ class _Cache:
                       f"{held.dtype}")
     if held.ndim != 1:
       raise ValueError(f"the cache's lengths must have shape [batch], got {list(held.shape)}")
+    if isinstance(held, np.ndarray):  # stays concrete under jit, so its values are still checked
+      return held.astype(np.int32)
     return jnp.asarray(held).astype(jnp.int32)
 
   def _new_rows(self, k_new, v_new, lengths):
@@ -275,7 +278,9 @@ class _Cache:
     else:
       newest = query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch, t,
                                             "T_new, q's rows")
-    held, rows = _concrete(cache_lengths), _concrete(newest)
+    # (q's row count is known under jit too, where jnp.full above is traced)
+    held = _concrete(cache_lengths)
+    rows = np.full((batch,), t) if query_seq_lengths is None else _concrete(newest)
     if held is not None and held.size and held.min() < 0:
       raise ValueError(f"the cache's lengths must lie in [0, {capacity}], but batch row "
                        f"{int(np.argmin(held))} holds {int(held.min())}")

@@ -73,11 +73,12 @@ def check_paged(query, key, value, block_table, key_value_seq_lengths):
   table = _concrete(block_table)
   if table is not None:
     table = np.asarray(table, np.int64)
-    used = np.ones(table.shape, bool)
     if lens is not None and lens.ndim <= 1:  # the entries each row's keys live in
       need = -(-np.broadcast_to(np.asarray(lens, np.int64), (b,)) // page_size)
       used = np.arange(max_pages)[None, :] < need[:, None]
-    bad = used & ((table < 0) | (table >= num_pages))
+      bad = used & ((table < 0) | (table >= num_pages))
+    else:  # traced lengths: a negative entry may be a "no page yet" past a row's keys
+      bad = table >= num_pages
     if np.any(bad):
       rows, cols = np.nonzero(bad)
       raise ValueError(f"block_table holds page ids outside [0, {num_pages}) (num_pages: "

@@ -141,6 +141,7 @@ def test_caches_from_the_host_lists_and_x64():
   host = jax.device_get(cache)
   assert isinstance(host.lengths, np.ndarray)
   np.testing.assert_array_equal(host.append(k[:, 4:5], v[:, 4:5]).attend(q[:, 4:5]), want)
+  np.testing.assert_array_equal(host.attend(q[:, 3:4]), cache.attend(q[:, 3:4]))
   by_hand = KVCache(cache.k, cache.v, [4, 4])
   np.testing.assert_array_equal(by_hand.attend(q[:, 3:4]), cache.attend(q[:, 3:4]))
   with pytest.raises(TypeError, match="the cache's lengths must be an integer array"):
@@ -150,7 +151,21 @@ def test_caches_from_the_host_lists_and_x64():
   np.testing.assert_allclose(paged.attend(q[:, 3:4]), cache.attend(q[:, 3:4]), atol=1e-6)
   with pytest.raises(ValueError, match="page_table gives batch row 0 page -1"):
     paged.append(k[:, 4:5], v[:, 4:5])
+  # under jit (the lengths traced, the table a closed-over constant) the "no page yet" entries,
+  # past every row's keys, are no error either; a hand-built cache's list lengths may be traced
+  three = PagedKVCache.create(B, 4, 2, K, H, page_table=table).append(k[:, :3], v[:, :3])
+  step = jax.jit(lambda k1, v1, q: three.append(k1, v1).attend(q))
+  np.testing.assert_allclose(step(k[:, 3:4], v[:, 3:4], q[:, 3:4]), cache.attend(q[:, 3:4]),
+                             atol=1e-6)
+  traced = jax.jit(lambda n, q: KVCache(cache.k, cache.v, [n, n]).attend(q))
+  np.testing.assert_array_equal(traced(jnp.int32(4), q[:, 3:4]), cache.attend(q[:, 3:4]))
+  # a host cache closed over by a jitted step keeps its lengths' checks
+  with pytest.raises(ValueError, match="q's rows are the newest rows of the cache"):
+    jax.jit(lambda q: host.attend(q))(q[:, :5])
   with jax.enable_x64(True):
+    np.testing.assert_allclose(
+        KVCache.create(B, 8, K, H).append(k[:, :4], v[:, :4]).attend(q[:, 3:4]),
+        cache.attend(q[:, 3:4]), atol=1e-6)
     paged = PagedKVCache.create(B, 4, 2, K, H).append(k[:, :4], v[:, :4])
     assert paged.lengths.dtype == jnp.int32
     np.testing.assert_allclose(paged.attend(q[:, 3:4]), cache.attend(q[:, 3:4]), atol=1e-6)

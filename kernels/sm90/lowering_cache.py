@@ -288,9 +288,11 @@ def _payload(path: str, magic: bytes = _MAGIC) -> bytes | None:
     if not stat.S_ISREG(st.st_mode) or st.st_uid != owner or st.st_mode & 0o022:
       return None
     try:
-      data = f.read()
+      data = f.read()  # None where a non-blocking read would wait (some network file systems)
     except OSError:
       return None
+  if data is None:
+    return None
   head = len(magic) + 64
   if len(data) < head or data[:head] != _header(path, data[head:], magic):
     return None
