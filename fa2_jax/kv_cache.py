@@ -115,13 +115,19 @@ def _array(name: str, x):
   return x
 
 
+def _from_sequence(x):
+  """A list or tuple as an array (numpy's, which stays concrete under jit, unless an item is a JAX
+  array: a pytree's leaves may be traced); anything else as it is."""
+  if not isinstance(x, (list, tuple)):
+    return x
+  return jnp.asarray(x) if any(isinstance(v, jax.Array) for v in x) else np.asarray(x)
+
+
 def _lengths(name: str, x, batch: int, limit: int, limit_name: str):
   """Integer ``[batch]`` as int32; its values (when concrete) in ``[0, limit]``."""
   if isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)):
     x = np.full((batch,), int(x), np.int32)
-  if isinstance(x, (list, tuple)):  # as flash_attention's lengths take them
-    x = jnp.asarray(x)
-  x = _array(name, x)
+  x = _array(name, _from_sequence(x))  # lists as flash_attention's lengths take them
   if np.dtype(x.dtype).kind not in "iu":
     raise TypeError(f"{name} must be an integer array [batch], got dtype {x.dtype}")
   if tuple(x.shape) != (batch,):
@@ -227,10 +233,7 @@ class _Cache:
   def _held(self) -> jax.Array:
     """The cache's ``lengths`` as int32 ``[batch]`` (a cache built by hand, or brought to the host
     by ``jax.device_get``, may hold a list or a numpy array)."""
-    held = self.lengths
-    if isinstance(held, (list, tuple)):  # jnp: a list's items may be traced (a pytree's leaves)
-      held = (jnp.asarray(held) if any(isinstance(x, jax.Array) for x in held)
-              else np.asarray(held))
+    held = _from_sequence(self.lengths)
     if not hasattr(held, "shape") or not hasattr(held, "dtype"):
       raise TypeError(f"the cache's lengths must be an integer array [batch], got "
                       f"{type(held).__name__}")
@@ -245,7 +248,8 @@ class _Cache:
 
   def _new_rows(self, k_new, v_new, lengths):
     """append's checks of ``k_new``/``v_new`` and ``lengths``: the new rows' positions ``[B, T_new]``
-    (int32, from each row's length on) and the per-row count of rows they add (``[B]`` int32)."""
+    (int32, from each row's length on), the per-row count of rows they add and the cache's lengths
+    after them (``[B]`` int32 each)."""
     _check_kv("k_new", k_new, self.batch, self.kv_heads, self.head_dim, self.dtype)
     _check_kv("v_new", v_new, self.batch, self.kv_heads, self.value_head_dim, self.dtype)
     if k_new.shape[:3] != v_new.shape[:3]:
@@ -255,7 +259,7 @@ class _Cache:
     held = self._held()
     added = _append_lengths(held, lengths, t, self.capacity)
     positions = held[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    return positions, added
+    return positions, added, held + added
 
   def _attend(self, q, k, v, query_seq_lengths, attention_fn, kwargs, extra=None):
     """flash_attention of the newest rows against the cache's keys and values ``k``, ``v`` (the
@@ -372,12 +376,12 @@ class KVCache(_Cache):
       ValueError: shapes that do not match the cache, ``T_new`` above the capacity, lengths outside
         ``[0, T_new]`` or past the capacity (when concrete); TypeError: another dtype.
     """
-    positions, added = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B]
+    positions, _, new_lengths = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B], [B]
     rows = jnp.arange(self.batch, dtype=jnp.int32)[:, None]
     # A scatter (in place under jit with donation); rows past the capacity are dropped.
     k = jnp.asarray(self.k).at[rows, positions].set(k_new, mode="drop")
     v = jnp.asarray(self.v).at[rows, positions].set(v_new, mode="drop")
-    return KVCache(k, v, self._held() + added)
+    return KVCache(k, v, new_lengths)
 
   def attend(self, q: jax.Array, *, query_seq_lengths=None, attention_fn: Callable | None = None,
              **kwargs):
@@ -521,9 +525,7 @@ class PagedKVCache(_Cache):
                          "page table (one share of the pages per row)")
       per_row = num_pages // batch
       page_table = np.arange(batch * per_row, dtype=np.int32).reshape(batch, per_row)
-    if isinstance(page_table, (list, tuple)):  # as the lengths take them
-      page_table = np.asarray(page_table)
-    _array("page_table", page_table)
+    page_table = _array("page_table", _from_sequence(page_table))  # lists as the lengths
     if np.dtype(page_table.dtype).kind not in "iu":
       raise TypeError(f"page_table must be an integer array, got dtype {page_table.dtype}")
     if page_table.ndim != 2 or page_table.shape[0] != batch or page_table.shape[1] < 1:
@@ -561,7 +563,7 @@ class PagedKVCache(_Cache):
     ``jit`` such writes, the rows past each row's ``lengths`` and those past the capacity are
     dropped, never written to another page."""
     num_pages = self.k_pages.shape[0]
-    positions, added = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B]
+    positions, added, new_lengths = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B], [B]
     table = jnp.asarray(self.page_table).astype(jnp.int32)
     index = jnp.minimum(positions // self.page_size, table.shape[1] - 1)
     pages = jnp.take_along_axis(table, index, axis=1)
@@ -575,7 +577,7 @@ class PagedKVCache(_Cache):
     slots = positions % self.page_size
     k = jnp.asarray(self.k_pages).at[pages, slots].set(k_new, mode="drop")
     v = jnp.asarray(self.v_pages).at[pages, slots].set(v_new, mode="drop")
-    return PagedKVCache(k, v, self.page_table, self._held() + added)
+    return PagedKVCache(k, v, self.page_table, new_lengths)
 
   def gather(self) -> tuple[jax.Array, jax.Array]:
     """Each row's pages in order, as contiguous ``[batch, capacity, kv_heads, head_dim]`` keys and

@@ -341,7 +341,8 @@ def _write_file(path: str, payload: bytes, magic: bytes = _MAGIC, warn: bool = T
       os.remove(tmp)
     with _LOCK:
       first = warn and folder not in _STATE["warned"]
-      _STATE["warned"].add(folder) if first else None
+      if first:
+        _STATE["warned"].add(folder)
     if first:
       warnings.warn(f"fa2_jax: cannot write kernel lowerings to cache_dir {folder!r} ({e}); they "
                     "are kept for this process only", RuntimeWarning,
@@ -380,21 +381,25 @@ def _exported(fn, jitted, static: dict, operands):
   with _LOCK:
     kept = _EXPORTED.setdefault(key, exp)
   if kept is exp:
-    compiled = None if path is None else _compiled_path(path, exp)
-    # not with JAX's persistent cache on: the step's compile, its kernels loaded, would take well
-    # under the cache's 1 s threshold and never be kept there (start_compile)
-    if compiled is None or _jax_cache_on() or not _load_compiled(compiled):
+    # no compiled file with JAX's persistent cache on: the step's compile, its kernels loaded,
+    # would take well under that cache's 1 s threshold and never be kept there (start_compile)
+    compiled = (None if path is None or _jax_cache_on() or not _compilable_here(exp)
+                else _compiled_path(path, exp))
+    if compiled is None or not _load_compiled(compiled):
       start_compile(exp, compiled)
   return kept
 
 
-def _compiled_path(path: str, exp) -> str | None:
-  """The compiled-kernel file of the export file ``path``: beside it, named by its name, the digest
-  of the export's module (an export lowered anew with other bytes names another kernel), the GPU
-  client's platform version and the GPU's compute capability; None where the export cannot be
-  compiled here (not on a GPU, over several devices)."""
-  if exp.nr_devices != 1 or "cuda" not in exp.platforms or not _on_gpu():
-    return None
+def _compilable_here(exp) -> bool:
+  """Whether this process compiles ``exp`` as a program of its own: one device, CUDA, on a GPU."""
+  return exp.nr_devices == 1 and "cuda" in exp.platforms and _on_gpu()
+
+
+def _compiled_path(path: str, exp) -> str:
+  """The compiled-kernel file of the export file ``path`` (an export :func:`_compilable_here`):
+  beside it, named by its name, the digest of the export's module (an export lowered anew with
+  other bytes names another kernel), the GPU client's platform version and the GPU's compute
+  capability."""
   device = jax.local_devices()[0]
   text = repr((os.path.basename(path), hashlib.sha256(exp.mlir_module_serialized).hexdigest(),
                device.client.platform_version, getattr(device, "compute_capability", None)))
@@ -449,8 +454,7 @@ def start_compile(exp, compiled_path: str | None = None) -> None:
   and reports it. Two compiles of one kernel (a program compiled before its background compile ends)
   are safe: jaxlib keeps the first result. ``compiled_path``: where to write the compiled kernel
   (:func:`_compiled_path`), or None."""
-  if (not _STATE["background"] or exp.nr_devices != 1 or "cuda" not in exp.platforms
-      or _jax_cache_on() or not _on_gpu()):
+  if not _STATE["background"] or _jax_cache_on() or not _compilable_here(exp):
     return
   import concurrent.futures  # imported on use: only a GPU process compiles in the background
   with _LOCK:
