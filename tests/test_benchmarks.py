@@ -500,6 +500,16 @@ def test_diag_ab_checks_its_flags_before_timing():
     ab.check_arguments(ab.parse_cells("1,256,2,72,c"), {"dq_fused": False}, {})
   with pytest.raises(SystemExit, match="--cells: '0,8,2,64,c'"):
     ab.parse_cells("0,8,2,64,c")
+  # GQA cells: K KV heads after the mask, a divisor of N
+  assert ab.parse_cells("4,4096,28,128,c,4;2,512,8,64,nc") == [(4, 4096, 28, 128, True, 4),
+                                                               (2, 512, 8, 64, False, 8)]
+  assert ab.cell_name(4, 4096, 28, 128, True, 4) == "4,4096,28,128,c,4"
+  assert ab.cell_name(2, 512, 8, 64, False, 8) == "2,512,8,64,nc"
+  for bad in ("1,64,6,32,c,4", "1,64,6,32,c,0", "1,64,6,32,c,2,1"):
+    with pytest.raises(SystemExit, match="K a divisor of N"):
+      ab.parse_cells(bad)
+  with pytest.raises(SystemExit, match="--kwargs: local_window_size"):
+    ab.check_arguments(ab.parse_cells("1,256,4,64,c,2"), {}, {"local_window_size": -1})
 
 
 def test_gpu_script_rejects_an_unknown_mode(tmp_path):

@@ -488,6 +488,10 @@ print("ok", len(jax.devices()))
 """
 
 
+# slow (CI time: a subprocess importing JAX and compiling the ring, about 18 s): the ring's code does
+# not depend on the axis size, and its per-piece (window) and whole-chunk steps run in CI on the 4
+# devices of this process (test_ring_whole_chunks, test_causal_ragged_documents and others here)
+@pytest.mark.slow
 def test_ring_on_eight_devices():
   """The zigzag ring over 8 devices (a subprocess: conftest's process has 4): causal MQA with a
   window (per-piece steps) and without (whole-chunk steps), value and gradients against the float64

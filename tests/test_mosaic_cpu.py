@@ -607,12 +607,13 @@ def test_group_split():
 
 @pytest.mark.parametrize("r", [2, 3])
 def test_group_split_below_the_group_interpret(monkeypatch, r):
-  """A GQA group of 6 split over r CTAs of 6 / r heads each (r neither 1 nor G, 3 not a power of
-  two): the K/V copies' partial dK/dV summed per KV head, against the float64 formula."""
+  """GQA groups of 6 split over r CTAs of 6 / r heads each (r neither 1 nor G, 3 not a power of
+  two), two KV heads (split c reads KV head c // r): the partial dK/dV summed per KV head, against
+  the float64 formula."""
   from fa2_jax.kernels.sm90 import backward as sm90_backward
   from jax.experimental.pallas import mosaic_gpu as plgpu
   monkeypatch.setattr(sm90_backward, "group_split", lambda *a: r)
-  b, t, s, n, kh, h = 1, 72, 136, 6, 1, 64
+  b, t, s, n, kh, h = 1, 72, 136, 12, 2, 64
   scale = 1.0 / math.sqrt(h)
   ks = jax.random.split(jax.random.key(r), 4)
   q = jax.random.normal(ks[0], (b, t, n, h), jnp.float32).astype(BF16)

@@ -1,14 +1,14 @@
 """This checkout's fa2_jax against another version of it, side by side in one process.
 
     git archive REV fa2_jax kernels | tar -x -C BASE_DIR     # the other version's sources
-    python -m benchmarks.diag.ab --base BASE_DIR [--cells "32,512,16,128,c;2,8192,32,64,nc"]
+    python -m benchmarks.diag.ab --base BASE_DIR [--cells "32,512,16,128,c;2,8192,32,64,nc;4,4096,28,128,c,4"]
         [--rounds 2] [--deterministic] [--new-config compute_registers=240,memory_registers=24]
         [--kwargs '{"logits_soft_cap": 50.0, "local_window_size": (4095, 0)}']
 
 Imports the sources under ``BASE_DIR`` (its ``fa2_jax/`` and ``kernels/`` folders, as ``git archive``
 writes them) as a second package, ``fa2_base``, beside this checkout's ``fa2_jax``, and times
 ``flash_attention`` of both with the anchors' method (benchmarks/timing.py) on each cell
-``B,T,N,H,c|nc`` (bf16 random normals): forward and forward+backward, in ``--rounds`` rounds whose
+``B,T,N,H,c|nc[,K]`` (bf16 random normals; K KV heads, a divisor of N, default N): forward and forward+backward, in ``--rounds`` rounds whose
 order alternates (base, new, new, base, then new, base, base, new), so that drift during the run falls
 on both alike. Per cell: each version's median TFLOP/s, the ratio new / base (above 1: this checkout
 is faster), and the largest relative difference of the gradients (max |new − base| / max |base|).
@@ -53,16 +53,25 @@ def import_base(base_dir: str):
   return importlib.import_module(BASE_NAME)
 
 
-def parse_cells(text: str) -> list[tuple[int, int, int, int, bool]]:
-  """``"B,T,N,H,c|nc;..."`` -> ``[(B, T, N, H, causal)]``."""
+def parse_cells(text: str) -> list[tuple[int, int, int, int, bool, int]]:
+  """``"B,T,N,H,c|nc[,K];..."`` -> ``[(B, T, N, H, causal, K)]`` (K: KV heads, default N)."""
   cells = []
   for item in text.split(";"):
     parts = item.split(",")
-    if (len(parts) != 5 or parts[4] not in ("c", "nc")
-        or not all(p.isdigit() and int(p) >= 1 for p in parts[:4])):
-      raise SystemExit(f"--cells: {item!r} is not B,T,N,H,c|nc with B, T, N, H at least 1")
-    cells.append((*map(int, parts[:4]), parts[4] == "c"))
+    dims = parts[:4] + parts[5:]
+    if (len(parts) not in (5, 6) or parts[4] not in ("c", "nc")
+        or not all(p.isdigit() and int(p) >= 1 for p in dims)
+        or (len(parts) == 6 and int(parts[2]) % int(parts[5]) != 0)):
+      raise SystemExit(f"--cells: {item!r} is not B,T,N,H,c|nc[,K] with B, T, N, H, K at least 1 "
+                       "and K a divisor of N")
+    b, t, n, d = map(int, parts[:4])
+    cells.append((b, t, n, d, parts[4] == "c", int(parts[5]) if len(parts) == 6 else n))
   return cells
+
+
+def cell_name(b: int, t: int, n: int, d: int, causal: bool, kh: int) -> str:
+  """A cell as ``--cells`` writes it."""
+  return f"{b},{t},{n},{d},{'c' if causal else 'nc'}" + (f",{kh}" if kh != n else "")
 
 
 def parse_config(text: str | None) -> dict:
@@ -95,9 +104,9 @@ def check_arguments(cells, new_config: dict, kwargs: dict) -> None:
   taken = sorted({"block_sizes", "deterministic", "is_causal"} & set(kwargs))
   if taken:
     raise SystemExit(f"--kwargs: {taken} are set by --new-config, --deterministic and --cells")
-  for b, t, n, d, causal in cells:
+  for b, t, n, d, causal, kh in cells:
     if new_config:
-      cell = f"{b},{t},{n},{d},{'c' if causal else 'nc'}"
+      cell = cell_name(b, t, n, d, causal, kh)
       try:
         cfg = fa2_jax.MosaicConfig.default(d, jnp.bfloat16, causal)
       except (TypeError, ValueError) as e:
@@ -109,8 +118,9 @@ def check_arguments(cells, new_config: dict, kwargs: dict) -> None:
       if (why := cfg.check(d, 2)) is not None:
         raise SystemExit(f"--new-config: at {cell}: {why}")
     q = jax.ShapeDtypeStruct((b, t, n, d), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, t, kh, d), jnp.bfloat16)
     try:
-      fa2_jax.backend_for(q, q, is_causal=causal, **kwargs)
+      fa2_jax.backend_for(q, k, is_causal=causal, **kwargs)
     except (TypeError, ValueError) as e:
       raise SystemExit(f"--kwargs: {e}") from None
 
@@ -132,8 +142,9 @@ def compare(versions: dict, cells, *, rounds: int, deterministic: bool, iters: i
   kwargs = dict(kwargs or {})
   import jax.numpy as jnp
   rows = []
-  for b, t, n, d, causal in cells:
-    q, k, v = h.random_inputs(seed + t + d, [(b, t, n, d)] * 3, jnp.bfloat16)
+  for b, t, n, d, causal, kh in cells:
+    q, k, v = h.random_inputs(seed + t + d, [(b, t, n, d), (b, t, kh, d), (b, t, kh, d)],
+                              jnp.bfloat16)
     fns = {}
     for name, mod in versions.items():
       blocks = None
@@ -157,7 +168,7 @@ def compare(versions: dict, cells, *, rounds: int, deterministic: bool, iters: i
     rates = {name: {p: tflops(flops, p, statistics.median(s)) for p, s in by_pass.items()}
              for name, by_pass in samples.items()}
     rows.append(dict(
-        cell=f"{b},{t},{n},{d},{'c' if causal else 'nc'}", tflops=rates,
+        cell=cell_name(b, t, n, d, causal, kh), tflops=rates,
         ratio={p: rates["new"][p] / rates["base"][p] for p in ("fwd", "fwd+bwd")},
         grad_rel_diff=[_rel_diff(x, y) for x, y in zip(grads["new"], grads["base"])],
         samples_s=samples))

@@ -19,9 +19,9 @@
    GQA/MQA: the loop runs over the ``G = N / K`` query heads of the KV head *inside* the kernel, so dK/dV
    are summed over the group on chip and written once per KV head (no XLA sum, no [B, S, N, H] buffer).
    A large group on few KV heads leaves SMs idle (MQA 32/1 at 8k: 64 CTAs on 132 SMs, each looping
-   over 32 heads): :func:`group_split` then splits each group over ``r`` CTAs, which read the KV
-   head through ``r`` copies of K/V (``[B, S, K*r, H]``, the group's heads split in ``r`` runs) and
-   write ``r`` partial dK/dV that one XLA sum (f32) reduces.
+   over 32 heads): :func:`group_split` then splits each group over ``r`` CTAs, which read the same
+   KV head (the grid's head axis is ``K*r``, the group's heads split in ``r`` runs) and write ``r``
+   partial dK/dV (``[B, S, K*r, H]``) that one XLA sum (f32) reduces.
    For head_dim > 128 two 64 x H f32 accumulators do not fit in one warpgroup's registers: the
    default there is ``dkdv_roles.py`` (``MosaicConfig.dkv_roles``), whose two consumers share 64 keys
    and split each step by role (S^T, P^T, dV | dP^T, dS^T, dK).
@@ -103,8 +103,8 @@ def prologue(out, do, stats, dlse=None, *, scale: float, modifies_scores: bool =
 # last tiles see the fewest query rows), so two CTAs per SM let the scheduler even them out ...
 SPLIT_CTAS_PER_SM = 2
 # ... and until a CTA loops over at most this many query heads: a long loop per CTA (7 or 8 heads)
-# leaves the causal tail uneven even on a full grid, while at 4 or 5 heads the split's K/V copies and
-# f32 sums cost more than they even out (docs/measurements.md#dkdv-group-split).
+# leaves the causal tail uneven even on a full grid, while at 4 or 5 heads the split's partial dK/dV
+# and their f32 sums cost more than they even out (docs/measurements.md#dkdv-group-split).
 SPLIT_HEADS_PER_CTA = 5
 
 
@@ -122,7 +122,8 @@ def group_split(batch: int, kv_heads: int, group: int, key_ctas: int, sms: int) 
 
 def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool,
              deterministic: bool = True, config: MosaicConfig | None = None, variant=None,
-             arrays=None, tables=None, split_groups: bool = True, dq_accumulator=None):
+             arrays=None, tables=None, split_groups: bool = True, dq_accumulator=None,
+             kv_copies: int = 1):
   """Gradients of attention w.r.t. q, k, v on Hopper.
 
   Args:
@@ -139,6 +140,8 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
       accumulator, no scaling and rounding pass), else by an add.
     split_groups: split large GQA groups over several dK/dV CTAs where the grid is small
       (:func:`group_split`).
+    kv_copies: (internal, with ``split_groups=False``) the split chosen: dk and dv are returned as
+      the ``[B, S, K * kv_copies, H]`` partials.
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v (dk/dv already summed over each GQA group).
@@ -157,13 +160,13 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   kh = k.shape[2]
   r = group_split(b, kh, n // kh, -(-plan.s_hbm // cfg.dkv_keys()), sm_count())
   if split_groups and r > 1:
-    # Query head n reads KV head n // G; with r copies per KV head it reads copy n // (G / r), whose
+    # Query head n reads KV head n // G; its dK/dV CTA is split c = n // (G / r) of that head, whose
     # partial dK/dV sums its run of G / r heads, each partial rounded to K's dtype; their sum (in f32,
-    # then rounded) is dK/dV. The copies cost r times the K/V memory.
-    dq, dk, dv = backward(q, jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2), out, stats, do,
-                          dlse=dlse, scale=scale, is_causal=is_causal, deterministic=deterministic,
-                          config=cfg, variant=variant, arrays=arrays, tables=tables,
-                          split_groups=False, dq_accumulator=dq_accumulator)
+    # then rounded) is dK/dV.
+    dq, dk, dv = backward(q, k, v, out, stats, do, dlse=dlse, scale=scale, is_causal=is_causal,
+                          deterministic=deterministic, config=cfg, variant=variant, arrays=arrays,
+                          tables=tables, split_groups=False, dq_accumulator=dq_accumulator,
+                          kv_copies=r)
 
     def merge(g, like):
       # Elementwise adds in a fixed order (no reduction, whose order a GPU may vary): bit-identical
@@ -180,7 +183,7 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
     q, do = zero_padding(q, arrays.q_lengths), zero_padding(do, arrays.q_lengths)
     k, v = zero_padding(k, arrays.kv_lengths), zero_padding(v, arrays.kv_lengths)
   delta, row_inputs, exact = prologue(out, do, stats, dlse, scale=scale, modifies_scores=(
-      variant is not None and variant.modifies_scores), group=n // k.shape[2],
+      variant is not None and variant.modifies_scores), group=n // (kh * kv_copies),
       p_form=cfg.p_form(variant))
   # Zero rows past T: the padded query rows then contribute exactly nothing (see module docstring).
   delta = pad_axis(delta, 2, plan.t_rows)
@@ -194,20 +197,20 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   if variant is not None:
     return _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, plan=plan,
                              tables=tables or {}, deterministic=deterministic,
-                             dq_accumulator=dq_accumulator, **common)
+                             dq_accumulator=dq_accumulator, kv_copies=kv_copies, **common)
   if cfg.fuses_dq(t, deterministic=deterministic):
     init = _accumulator_operand(dq_accumulator, plan.t_hbm)
     dk, dv, dq_acc = dkv_call(qp, kp, vp, dop, *per_row, *init, fused_dq=True, seq_k=s,
-                              accumulate=bool(init), **common)
+                              accumulate=bool(init), kv_copies=kv_copies, **common)
     dq = dq_acc[:, :t] if init else (dq_acc[:, :t] * scale).astype(q.dtype)
     if plan.pad_s:
       dk, dv = dk[:, :s], dv[:, :s]
     return dq, dk, dv
   if cfg.dkv_roles:
     dk, dv = dkv_roles_call(qp, kp, vp, dop, *per_row, scale=scale, is_causal=is_causal, seq_q=t,
-                            seq_k=s, cfg=cfg, emulate=emulating())
+                            seq_k=s, cfg=cfg, emulate=emulating(), kv_copies=kv_copies)
   else:
-    dk, dv = dkv_call(qp, kp, vp, dop, *per_row, **common)
+    dk, dv = dkv_call(qp, kp, vp, dop, *per_row, kv_copies=kv_copies, **common)
   if cfg.dq_roles:
     dq = dq_roles_call(qp, kp, vp, dop, *per_row, scale=scale, is_causal=is_causal, seq_k=s,
                        cfg=cfg, seq_q=t, emulate=emulating())
@@ -230,7 +233,8 @@ def _accumulator_operand(dq_accumulator, t_hbm: int) -> tuple:
 
 
 def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables, scale,
-                      is_causal, seq_q, cfg, emulate, deterministic, dq_accumulator=None):
+                      is_causal, seq_q, cfg, emulate, deterministic, dq_accumulator=None,
+                      kv_copies=1):
   """The backward kernels of an attention variant, each reading the range table of its own tiles:
   dK/dV with the fused dQ where ``cfg.fuses_dq`` allows it (``dq_fused_variants``), else the separate
   dK/dV and dQ kernels."""
@@ -258,9 +262,9 @@ def _variant_backward(qp, kp, vp, dop, per_row, variant, arrays, *, plan, tables
     if cfg.dkv_roles:
       return dkv_roles_call(qp, kp, vp, dop, *per_row, *ops, scale=scale, is_causal=is_causal,
                             seq_q=seq_q, seq_k=s, cfg=cfg, emulate=emulate, variant=variant,
-                            names=names)
+                            names=names, kv_copies=kv_copies)
     return dkv_call(qp, kp, vp, dop, *per_row, *ops, *init, seq_q=seq_q, seq_k=s, names=names,
-                    fused_dq=fused_dq, accumulate=bool(init), **common)
+                    fused_dq=fused_dq, accumulate=bool(init), kv_copies=kv_copies, **common)
 
   if cfg.fuses_dq(t, deterministic=deterministic, variant=True):
     init = _accumulator_operand(dq_accumulator, t_hbm)

@@ -74,10 +74,14 @@ class _Dkv:
   registers: int
   memory_registers: int
   emulate: bool = False
-  n_heads: int = 1  # K (KV heads)
-  n_bh: int = 1  # B * K
+  n_heads: int = 1  # K * kv_copies (the grid's head axis)
+  n_bh: int = 1  # B * n_heads
   n_k_tiles: int = 1
   section: int = 1  # causal launch order: KV heads per LPT section (schedule.lpt_tile)
+  # A GQA group split over kv_copies CTAs (backward.group_split): grid head c reads KV head
+  # c // kv_copies, runs that group's query heads [c * group, (c + 1) * group) and writes its partial
+  # dK/dV at head c of [B, S, K * kv_copies, H] (summed by the caller).
+  kv_copies: int = 1
   # dQ inside this kernel (FA2 Alg. 2 line 15 with the paper's accumulation across key blocks): each
   # step's dS_ij K_j goes to an f32 HBM accumulator by a TMA reduce-add (no separate dQ kernel, so S
   # and dP are computed once instead of twice; not bit-reproducible: the adds' order varies).
@@ -96,6 +100,11 @@ class _Dkv:
   # The form of P (MosaicConfig.p_form): "per_head" (both forms compiled, one per CTA by exact_ref),
   # "exact" or "fast" (one loop).
   p_form: str = "per_head"
+
+
+def kv_head(head, kv_copies: int):
+  """The KV head that grid head ``head`` reads when each group is split over ``kv_copies`` CTAs."""
+  return head if kv_copies == 1 else lax.div(head, jnp.array(kv_copies, head.dtype))
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *refs, k_smem, v_smem,
@@ -163,10 +172,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
     plgpu.set_max_registers(st.registers, action="increase")
     k0 = cta_k0 + wg * bk
     k_s = k_smem.at[wg]
-    rows = (b, pl.ds(k0, bk), kvh)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_s, k_bar.at[wg])
+    rows = (b, pl.ds(k0, bk), kvh)  # this CTA's dK/dV rows (its partial's, with kv_copies)
+    kv_rows = (b, pl.ds(k0, bk), kv_head(kvh, st.kv_copies))
+    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_s, k_bar.at[wg])
     v_s = v_smem.at[wg]
-    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_s, v_bar.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_s, v_bar.at[wg])
     plgpu.barrier_wait(k_bar.at[wg])
     plgpu.barrier_wait(v_bar.at[wg])
 
@@ -379,17 +389,20 @@ def stream_queries(q_ref, do_ref, rows_ref, delta_ref, q_smem, do_smem, rows_sme
 # jit: one lowering per distinct kernel in a program (see _COMPILE_NOTE in ops.py); one per process
 # with the lowering cache on (lowering_cache.py).
 @kernel_call(('scale', 'is_causal', 'seq_q', 'cfg', 'emulate', 'fused_dq', 'seq_k', 'variant',
-              'names', 'accumulate'))
+              'names', 'accumulate', 'kv_copies'))
 def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, cfg: MosaicConfig,
-             emulate, fused_dq=False, seq_k=0, variant=None, names=(), accumulate=False):
+             emulate, fused_dq=False, seq_k=0, variant=None, names=(), accumulate=False,
+             kv_copies=1):
   # accumulate (with fused_dq): the last operand is the dQ accumulator's initial value, float32
   # [B, t_hbm, N, H] (the caller's running sum of dS K, unscaled), which the reduce-adds continue in
   # place of a zero-filled one.
+  # kv_copies: each GQA group split over that many CTAs (_Dkv.kv_copies); dK and dV are then
+  # [B, S, K * kv_copies, H] partials.
   if accumulate:
     assert fused_dq, "accumulate needs the fused dQ"
     *extras, dq_init = extras
   b, t_hbm, n, h = q.shape
-  s_hbm, kh, hv = k.shape[1], k.shape[2], v.shape[3]
+  s_hbm, kh, hv = k.shape[1], k.shape[2] * kv_copies, v.shape[3]
   bq, bk, stages, num_wgs = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv, cfg.num_wgs_dkv
   n_k_tiles = -(-s_hbm // (num_wgs * bk))
   st = _Dkv(scale=scale, is_causal=is_causal, seq_q=seq_q, group=n // kh, head_dim=h,
@@ -401,7 +414,7 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
             section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                    kv_bytes=t_hbm * (h + hv) * q.dtype.itemsize * (n // kh)),
             seq_k=seq_k, variant=variant, names=names, dp_early=fused_dq,
-            p_form=cfg.p_form(variant))
+            p_form=cfg.p_form(variant), kv_copies=kv_copies)
   # Q/K tiles (and dS^T, which meets K in the fused dQ product) take H's swizzle, V/dO tiles Hv's: a
   # wgmma's SMEM operands share one (dV: P^T from registers, dO; dP^T: V, dO; dK: dS^T, Q)
   tf, tfv = smem_transforms(h), smem_transforms(hv)
@@ -428,7 +441,8 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
     # The consumers' meeting before the dS^T exchange (ops.consumers_sync)
     if st.dq_split is not None:
       scratch["ds_bar"] = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1)
-  out_type = [out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q)]
+  dk_shape, dv_shape = (b, s_hbm, kh, h), (b, s_hbm, kh, hv)
+  out_type = [out_struct(dk_shape, k.dtype, q), out_struct(dv_shape, v.dtype, q)]
 
   def launch(out_type, operands, **extra):
     return ws_kernel(
@@ -457,8 +471,8 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
 
     # The emulation's per-CTA partials start at zero and are summed (then the initial value added).
     start = init if init is not None and not emulate else jnp.zeros(acc_shape, jnp.float32)
-    acc, dk, dv = pl.run_state(stateful)((start, jnp.empty(k.shape, k.dtype),
-                                          jnp.empty(v.shape, v.dtype)))
+    acc, dk, dv = pl.run_state(stateful)((start, jnp.empty(dk_shape, k.dtype),
+                                          jnp.empty(dv_shape, v.dtype)))
     if emulate:
       acc = acc.sum(axis=0) if init is None else init + acc.sum(axis=0)
     return dk, dv, acc
@@ -469,7 +483,7 @@ def dkv_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, 
     # vmapped axis folds into B (ops.batch_rule)
     call = functools.partial(dkv_call, scale=scale, is_causal=is_causal, seq_q=seq_q, cfg=cfg,
                              emulate=emulate, fused_dq=True, seq_k=seq_k, variant=variant, names=names,
-                             accumulate=accumulate)
+                             accumulate=accumulate, kv_copies=kv_copies)
     return batch_rule(call, axis_size, in_batched, args, variant)
 
   return fused(*operands, *([dq_init] if accumulate else []))

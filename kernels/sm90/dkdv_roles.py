@@ -31,7 +31,7 @@ from ..softmax import probabilities
 from ..vma import out_struct
 
 from .config import LOG2E, MosaicConfig
-from .dkdv import stream_queries
+from .dkdv import kv_head, stream_queries
 from .lowering_cache import kernel_call
 from .ops import (acc_loop, accumulators, bcast_cols, iota2, per_cta_choice, smem_transforms,
                   smem_transforms_f32, wgmma, wgmma_load, wgmma_wait, ws_kernel)
@@ -56,10 +56,11 @@ class _Roles:
   dtype: object
   registers: int
   memory_registers: int
-  n_heads: int = 1  # K (KV heads)
-  n_bh: int = 1  # B * K
+  n_heads: int = 1  # K * kv_copies (the grid's head axis)
+  n_bh: int = 1  # B * n_heads
   n_k_tiles: int = 1
   section: int = 1  # causal launch order (schedule.lpt_tile)
+  kv_copies: int = 1  # a GQA group split over this many CTAs (dkdv._Dkv.kv_copies)
   variant: Variant | None = None
   names: tuple[str, ...] = ()
   p_form: str = "per_head"  # MosaicConfig.p_form
@@ -96,7 +97,8 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
   q_tail = st.seq_q % bq != 0  # rows past T in a partial last query tile
   k_tail = st.n_k_tiles * bk > st.seq_k  # keys past S in the last key tile
   tile = (bk, bq)
-  key_rows = (b, pl.ds(k0, bk), kvh)
+  key_rows = (b, pl.ds(k0, bk), kvh)  # this CTA's dK/dV rows (its partial's, with kv_copies)
+  kv_rows = (b, pl.ds(k0, bk), kv_head(kvh, st.kv_copies))
 
   def keep_of(i, h):
     """The allowed (key, row) pairs of a masked step, or None."""
@@ -131,7 +133,7 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
   @pl.when(wg == P_ROLE)
   def _p_role():
     plgpu.set_max_registers(st.registers, action="increase")
-    plgpu.copy_gmem_to_smem(k_ref.at[key_rows], k_smem, k_bar)
+    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, k_bar)
     plgpu.barrier_wait(k_bar)
 
     def step(i, g, masked: bool, dv_acc, exact: bool):
@@ -187,7 +189,7 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
   @pl.when(wg == DS_ROLE)
   def _ds_role():
     plgpu.set_max_registers(st.registers, action="increase")
-    plgpu.copy_gmem_to_smem(v_ref.at[key_rows], v_smem, v_bar)
+    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, v_bar)
     plgpu.barrier_wait(v_bar)
     plgpu.barrier_arrive(pd_empty)  # the exchange tile starts free
 
@@ -230,12 +232,14 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
                    n_i=n_i, block_q=bq, stages=stages)
 
 
-@kernel_call(('scale', 'is_causal', 'seq_q', 'seq_k', 'cfg', 'emulate', 'variant', 'names'))
+@kernel_call(('scale', 'is_causal', 'seq_q', 'seq_k', 'cfg', 'emulate', 'variant', 'names',
+              'kv_copies'))
 def dkv_roles_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, seq_q, seq_k,
-                   cfg: MosaicConfig, emulate=False, variant=None, names=()):
-  """``(dk, dv)`` ``[B, S_hbm, K, H]`` of the role-split kernel; operands as ``dkdv.dkv_call``."""
+                   cfg: MosaicConfig, emulate=False, variant=None, names=(), kv_copies=1):
+  """``(dk, dv)`` ``[B, S_hbm, K * kv_copies, H]`` of the role-split kernel; operands as
+  ``dkdv.dkv_call``."""
   b, t_hbm, n, h = q.shape
-  s_hbm, kh, hv = k.shape[1], k.shape[2], v.shape[3]
+  s_hbm, kh, hv = k.shape[1], k.shape[2] * kv_copies, v.shape[3]
   bq, bk, stages = cfg.block_q_dkv, cfg.block_k_dkv, cfg.num_stages_dkv
   n_k_tiles = -(-s_hbm // bk)
   st = _Roles(scale=scale, is_causal=is_causal, seq_q=seq_q, seq_k=seq_k, group=n // kh,
@@ -244,7 +248,7 @@ def dkv_roles_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, s
               n_bh=b * kh, n_k_tiles=n_k_tiles,
               section=causal_section(cfg, n_bh=b * kh, group=1, dkv=True,
                                      kv_bytes=t_hbm * (h + hv) * q.dtype.itemsize * (n // kh)),
-              variant=variant, names=names, p_form=cfg.p_form(variant))
+              variant=variant, names=names, p_form=cfg.p_form(variant), kv_copies=kv_copies)
   # Q/K tiles take H's swizzle, V/dO tiles Hv's (a wgmma's SMEM operands share one: dV from P^T in
   # registers and dO; dP^T from V and dO; dK from dS^T in registers and Q)
   tf, tfv = smem_transforms(h), smem_transforms(hv)
@@ -267,7 +271,7 @@ def dkv_roles_call(q, k, v, do, rows, delta, exact, *extras, scale, is_causal, s
   if hv != h:
     scratch["out_smem"] = (plgpu.SMEM((bk, h), k.dtype, transforms=tf),
                            plgpu.SMEM((bk, hv), v.dtype, transforms=tfv))
-  out_type = (out_struct(k.shape, k.dtype, q), out_struct(v.shape, v.dtype, q))
+  out_type = (out_struct((b, s_hbm, kh, h), k.dtype, q), out_struct((b, s_hbm, kh, hv), v.dtype, q))
   return tuple(ws_kernel(
       functools.partial(_roles_kernel, st=st), out_type=out_type, scratch=scratch,
       grid=(b, kh, n_k_tiles), grid_names=("b", "h", "k"), num_consumers=2,
