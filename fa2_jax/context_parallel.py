@@ -85,7 +85,7 @@ from .kernels.masking import (Variant, VariantArrays, alibi_row_shift, closes_ov
 from .kernels.backend import accumulate_dq
 from .kernels.softmax import lse_from_stats, stats_from_lse
 from .kernels.vma import match_vma
-from .validation import _concrete, resolve_scale
+from .validation import _concrete, positive_int, resolve_scale
 
 STRATEGIES = ("ring", "all_to_all", "all_gather")
 LAYOUTS = ("zigzag", "contiguous")
@@ -129,21 +129,11 @@ def _permute_chunks(x, order: list[int], seq_axis: int):
                           for i in order], axis=seq_axis)
 
 
-def _axis_size_arg(axis_size) -> int:
-  """``axis_size`` as an int >= 1 (TypeError / ValueError naming it otherwise)."""
-  if not isinstance(axis_size, (int, np.integer)) or isinstance(axis_size, (bool, np.bool_)):
-    raise TypeError(f"axis_size must be a positive int, got {type(axis_size).__name__} "
-                    f"{axis_size!r}")
-  if axis_size < 1:
-    raise ValueError(f"axis_size must be a positive int, got {axis_size!r}")
-  return int(axis_size)
-
-
 def _check_global(x, axis_size, seq_axis, layout) -> tuple[int, int]:
   pieces = _check_layout(layout)
   if not hasattr(x, "shape") or not hasattr(x, "ndim"):
     raise TypeError(f"x must be an array, got {type(x).__name__}")
-  axis_size = _axis_size_arg(axis_size)
+  axis_size = positive_int("axis_size", axis_size)
   if not -x.ndim <= seq_axis < x.ndim:
     raise ValueError(f"seq_axis={seq_axis} is out of range for an array of rank {x.ndim}")
   seq_axis %= x.ndim
@@ -178,7 +168,7 @@ def context_positions(local_len: int, axis_index, axis_size: int, *, layout: str
   ``axis_index`` (an int, or ``lax.axis_index(axis_name)`` inside ``shard_map``) under ``layout``.
   Add ``q_offset`` for the queries' absolute positions."""
   pieces = _check_layout(layout)
-  axis_size = _axis_size_arg(axis_size)
+  axis_size = positive_int("axis_size", axis_size)
   if isinstance(axis_index, (int, np.integer)) and not 0 <= axis_index < axis_size:
     raise ValueError(f"axis_index must lie in [0, axis_size={axis_size}), got {axis_index}")
   if local_len % pieces:
@@ -208,7 +198,7 @@ def context_parallel_strategy(query_shape, key_shape, axis_size: int, *, dtype=j
                        f", H] (4 sizes), got {tuple(shape)}")
   b, s, kh, h = (int(d) for d in key_shape)
   n = int(query_shape[2])
-  c = _axis_size_arg(axis_size)
+  c = positive_int("axis_size", axis_size)
   if c == 1:
     return "all_gather", "one device on the axis: nothing to exchange, one kernel call"
   hv = h if value_head_dim is None else int(value_head_dim)

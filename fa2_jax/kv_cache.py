@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .attention import flash_attention
-from .validation import DTYPES
+from .validation import DTYPES, positive_int
 
 __all__ = ["KVCache", "PagedKVCache", "prefill"]
 
@@ -91,12 +91,6 @@ def _concrete(x):
   if isinstance(x, jax.Array) and not _is_tracer(x):
     return np.asarray(x)
   return None
-
-
-def _positive_int(name: str, value) -> int:
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{name} must be a positive int, got {value!r}")
-  return int(value)
 
 
 def _cache_dtype(dtype) -> jnp.dtype:
@@ -335,9 +329,9 @@ class KVCache(_Cache):
       ValueError: a size that is not a positive int; TypeError: a dtype other than bfloat16, float16
         or float32.
     """
-    shape = tuple(_positive_int(name, value) for name, value in (
+    shape = tuple(positive_int(name, value) for name, value in (
         ("batch", batch), ("capacity", capacity), ("kv_heads", kv_heads), ("head_dim", head_dim)))
-    hv = shape[3] if value_head_dim is None else _positive_int("value_head_dim", value_head_dim)
+    hv = shape[3] if value_head_dim is None else positive_int("value_head_dim", value_head_dim)
     dtype = _cache_dtype(dtype)
     return cls(jnp.zeros(shape, dtype), jnp.zeros((*shape[:3], hv), dtype),
                jnp.zeros((shape[0],), jnp.int32))
@@ -449,7 +443,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, *, lengths=None, capacity:
     raise TypeError(f"q must be bfloat16, float16 or float32, got {q.dtype}")
   if jnp.dtype(k.dtype) != dtype or jnp.dtype(v.dtype) != dtype:
     raise TypeError(f"q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-  capacity = t if capacity is None else _positive_int("capacity", capacity)
+  capacity = t if capacity is None else positive_int("capacity", capacity)
   if capacity < t:
     raise ValueError(f"capacity ({capacity}) must be >= the prompts' length T = {t}")
   if t == 0:
@@ -514,10 +508,10 @@ class PagedKVCache(_Cache):
       ValueError: sizes that are not positive ints, a page table of another shape or with pages
         at or past ``num_pages``; TypeError: another dtype, a page table that is not integer.
     """
-    batch, num_pages, page_size, kv_heads, head_dim = (_positive_int(name, value) for name, value in (
+    batch, num_pages, page_size, kv_heads, head_dim = (positive_int(name, value) for name, value in (
         ("batch", batch), ("num_pages", num_pages), ("page_size", page_size),
         ("kv_heads", kv_heads), ("head_dim", head_dim)))
-    hv = head_dim if value_head_dim is None else _positive_int("value_head_dim", value_head_dim)
+    hv = head_dim if value_head_dim is None else positive_int("value_head_dim", value_head_dim)
     dtype = _cache_dtype(dtype)
     if page_table is None:
       if num_pages < batch:

@@ -32,6 +32,16 @@ def check_bool(name, value):
   return bool(value)
 
 
+def positive_int(name: str, value, *, extra: str = "") -> int:
+  """``value`` as an int >= 1: a TypeError naming ``name`` for anything but an int (a bool, a float),
+  a ValueError for one below 1; ``extra`` is appended to the requirement (e.g. " or None")."""
+  if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a positive int{extra}, got {type(value).__name__} {value!r}")
+  if value < 1:
+    raise ValueError(f"{name} must be a positive int{extra}, got {value!r}")
+  return int(value)
+
+
 def is_static_dim(d) -> bool:
   return isinstance(d, (int, np.integer))
 

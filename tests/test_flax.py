@@ -1173,11 +1173,13 @@ def test_bad_arguments_raise_clear_errors():
       fa2_flax.rotary_embedding(jnp.ones((1, 4, 2, 8)), base=base)
   with pytest.raises(TypeError, match="rotary_base must be a real number"):
     fa2_flax.CausalSelfAttention(num_heads=4, head_dim=8, rotary_base="1e4")
-  for width in (0, -3, 2.0, True):
-    with pytest.raises(ValueError, match="out_features must be a positive int or None"):
+  for width, error in ((0, ValueError), (-3, ValueError), (2.0, TypeError), (True, TypeError)):
+    with pytest.raises(error, match="out_features must be a positive int or None"):
       fa2_flax.CausalSelfAttention(num_heads=4, head_dim=8, out_features=width)
-    with pytest.raises(ValueError, match="out_features"):
+    with pytest.raises(error, match="out_features"):
       fa2_flax.NnxCausalSelfAttention(D, 4, 8, out_features=width, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match="head_dim must be a positive int, got float 8.0"):
+    fa2_flax.CausalSelfAttention(num_heads=4, head_dim=8.0)
 
 
 def test_bad_call_arguments_raise_clear_errors():

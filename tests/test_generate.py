@@ -178,7 +178,7 @@ def _cache():
 ERRORS = {
     # create
     "capacity 0": (lambda: KVCache.create(B, 0, K, H), ValueError, "capacity must be a positive int"),
-    "batch float": (lambda: KVCache.create(2.0, 8, K, H), ValueError, "batch must be a positive int"),
+    "batch float": (lambda: KVCache.create(2.0, 8, K, H), TypeError, "batch must be a positive int"),
     "dtype int": (lambda: KVCache.create(B, 8, K, H, jnp.int32), TypeError, "dtype must be bfloat16"),
     # append
     "k_new shape": (lambda: _cache().append(jnp.zeros((B, 1, K + 1, H)), jnp.zeros((B, 1, K + 1, H))),

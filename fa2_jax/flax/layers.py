@@ -19,7 +19,7 @@ from flax import nnx
 from .attention import FlashAttentionFn, attention_fn
 from .variants import check_static_variants
 from ..kv_cache import KVCache, PagedKVCache
-from ..validation import is_real_dtype
+from ..validation import is_real_dtype, positive_int
 
 
 # --- rotary position embeddings -------------------------------------------------------------------
@@ -77,15 +77,12 @@ def _check_heads(num_heads: int, num_kv_heads: int | None, head_dim: int, rotary
                  rotary_base=10000.0, out_features=None) -> int:
   """Validates the head counts, the RoPE base and the output width; returns num_kv_heads (default:
   num_heads, plain multi-head)."""
-  if out_features is not None and (not isinstance(out_features, int) or isinstance(out_features, bool)
-                                   or out_features < 1):
-    raise ValueError(f"out_features must be a positive int or None (the input width), got "
-                     f"{out_features!r}")
+  if out_features is not None:
+    positive_int("out_features", out_features, extra=" or None (the input width)")
   _check_base(rotary_base)
   kv = num_heads if num_kv_heads is None else num_kv_heads
   for name, v in (("num_heads", num_heads), ("num_kv_heads", kv), ("head_dim", head_dim)):
-    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-      raise ValueError(f"{name} must be a positive int, got {v!r}")
+    positive_int(name, v)
   if num_heads % kv:
     raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv}) "
                      "(num_kv_heads < num_heads is grouped-query attention)")
