@@ -630,6 +630,25 @@ def test_group_split_below_the_group_interpret(monkeypatch, r):
     assert _rel(x, want) < 1e-2, (name, _rel(x, want))
 
 
+def test_split_group_reads_its_kv_head_without_copies():
+  """MQA 4/1 split over 4 dK/dV CTAs (a small grid: group_split gives one head per CTA): every
+  Mosaic kernel of the step, lowered for sm90, takes K and V as they are, [B, S, 1, H] (no r-fold
+  copies in HBM), and the dK/dV kernel returns the 4 partials [B, S, 4, H] that XLA sums."""
+  b, t, s, n, kh, h = 1, 512, 512, 4, 1, 64
+  sd = jax.ShapeDtypeStruct
+  f = _fwd_bwd(1.0 / math.sqrt(h), True, None, with_dlse=False)
+  text = jax.jit(f).trace(sd((b, t, n, h), BF16), sd((b, s, kh, h), BF16), sd((b, s, kh, h), BF16),
+                          sd((b, t, n, h), BF16), None).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if "stablehlo.custom_call @mosaic_gpu" in line]
+  kv = f"tensor<{b}x{s}x{kh}x{h}xbf16>"
+  assert len(calls) == 3, text[:2000]  # forward, dK/dV, dQ
+  for line in calls:
+    operands, results = re.search(r": \((.*?)\) -> (.*)$", line).groups()
+    assert operands.split(", ")[1:3] == [kv, kv], operands
+  assert sum(f"tensor<{b}x{s}x{n}x{h}xbf16>, tensor<{b}x{s}x{n}x{h}xbf16>" in line
+             for line in calls) == 1, calls  # the dK/dV partials, one per split
+
+
 def test_section_heads():
   mib = 1024 * 1024
   assert section_heads(4 * mib, 32, budget=32 * mib) == 8  # 8k x 128 bf16 K+V per head
