@@ -326,8 +326,8 @@ class KVCache(_Cache):
     ``head_dim``.
 
     Raises:
-      ValueError: a size that is not a positive int; TypeError: a dtype other than bfloat16, float16
-        or float32.
+      TypeError: a size that is not an int, a dtype other than bfloat16, float16 or float32;
+        ValueError: a size below 1.
     """
     shape = tuple(positive_int(name, value) for name, value in (
         ("batch", batch), ("capacity", capacity), ("kv_heads", kv_heads), ("head_dim", head_dim)))
@@ -505,8 +505,9 @@ class PagedKVCache(_Cache):
         of a cache that holds the prefix.)
 
     Raises:
-      ValueError: sizes that are not positive ints, a page table of another shape or with pages
-        at or past ``num_pages``; TypeError: another dtype, a page table that is not integer.
+      ValueError: sizes below 1, a page table of another shape or with pages at or past
+        ``num_pages``; TypeError: sizes that are not ints, another dtype, a page table that is not
+        integer.
     """
     batch, num_pages, page_size, kv_heads, head_dim = (positive_int(name, value) for name, value in (
         ("batch", batch), ("num_pages", num_pages), ("page_size", page_size),

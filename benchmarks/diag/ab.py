@@ -1,7 +1,7 @@
 """This checkout's fa2_jax against another version of it, side by side in one process.
 
     git archive REV fa2_jax kernels | tar -x -C BASE_DIR     # the other version's sources
-    python -m benchmarks.diag.ab --base BASE_DIR [--cells "32,512,16,128,c;2,8192,32,64,nc;4,4096,28,128,c,4"]
+    python -m benchmarks.diag.ab --base BASE_DIR [--cells "32,512,16,128,c;4,4096,28,128,c,4"]
         [--rounds 2] [--deterministic] [--new-config compute_registers=240,memory_registers=24]
         [--kwargs '{"logits_soft_cap": 50.0, "local_window_size": (4095, 0)}']
 
@@ -180,7 +180,7 @@ def main(argv=None):
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--base", required=True, help="folder with the other version's fa2_jax/ and kernels/")
   ap.add_argument("--cells", default="32,512,16,128,c;8,2048,16,128,c;2,8192,16,128,nc;2,8192,32,64,nc",
-                  help="B,T,N,H,c|nc;...")
+                  help="B,T,N,H,c|nc[,K];... (K: KV heads, default N)")
   ap.add_argument("--rounds", type=h.positive_int, default=2)
   ap.add_argument("--deterministic", action="store_true", help="both versions with deterministic=True")
   ap.add_argument("--new-config", default=None,

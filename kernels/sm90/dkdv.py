@@ -116,7 +116,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *re
   # head_dim, MLA's other than H); rows_ref: [B, N, 2, T_rows] the rows'
   # (r, u) (kernels/softmax.py, backward_rows); delta_ref: [B, N, T_rows]; exact_ref: [B, N] int32,
   # the heads whose rows need the exact P (kernels/softmax.py, exact_heads)
-  # outputs: dk_ref [B, S, K, H], dv_ref [B, S, K, Hv].
+  # outputs: dk_ref [B, S, K * kv_copies, H], dv_ref [B, S, K * kv_copies, Hv] (partials of a split
+  # group: _Dkv.kv_copies).
   # fused_dq: dq_acc_ref [B, T, N, H] f32, zero-initialised by the caller (a closed-over ref, so it is
   # aliased in and out of the kernel); emulation: [n_k_tiles * num_wgs, B, T, N, H], one slab per
   # consumer, summed by the caller (Pallas' GPU interpreter has no TMA reduce-add).
@@ -355,7 +356,8 @@ def stream_queries(q_ref, do_ref, rows_ref, delta_ref, q_smem, do_smem, rows_sme
                    block_q: int, stages: int):
   """The producer warpgroup of the dK/dV kernels: TMA each step's ``Q_i``, the rows' ``(r, u)_i``,
   ``dO_i`` and ``delta_i`` into a ``stages``-deep SMEM ring, over the query tiles ``[i_start,
-  i_start + n_i)`` of each of the ``group`` query heads of KV head ``kvh``.
+  i_start + n_i)`` of each of the ``group`` query heads of grid head ``kvh`` (the KV head, or with
+  a split group its partial: ``_Dkv.kv_copies``).
 
   Slot ``step % stages`` is refilled once every consumer has arrived on its ``free`` barrier for the
   step ``stages`` back; the drain at the end observes the consumers' last releases (as

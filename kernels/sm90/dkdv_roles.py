@@ -72,8 +72,8 @@ def _roles_kernel(q_ref, k_ref, v_ref, do_ref, rows_ref, delta_ref, exact_ref, *
   # q_ref: [B, T, N, H], do_ref: [B, T, N, Hv]; k_ref: [B, S, K, H], v_ref: [B, S, K, Hv] (Hv: the
   # value head_dim); rows_ref: [B, N, 2, T_rows] (r, u);
   # delta_ref: [B, N, T_rows]; exact_ref: [B, N] int32 (kernels/softmax.py: backward_rows,
-  # exact_heads); then the variant operands named by st.names; outputs dk_ref [B, S, K, H], dv_ref
-  # [B, S, K, Hv].
+  # exact_heads); then the variant operands named by st.names; outputs dk_ref [B, S, K * kv_copies,
+  # H], dv_ref [B, S, K * kv_copies, Hv] (partials of a split group: dkdv._Dkv.kv_copies).
   # k_smem [block_k, H], v_smem [block_k, Hv]; q_smem [stages, block_q, H], do_smem [stages, block_q,
   # Hv]; out_smem (Hv != H only): the staging tiles of dK [block_k, H] and dV [block_k, Hv], where
   # the dead K_j / V_j tiles are another width; rows_smem [stages, 2, block_q];
