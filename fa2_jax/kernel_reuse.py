@@ -11,13 +11,13 @@ kernels; ``FA2_JAX_CACHE_DIR=off`` turns the default off.
 from __future__ import annotations
 
 import importlib.util
-import operator
 import os
 import warnings
 
 import numpy as np
 
 from .kernels.sm90 import lowering_cache
+from .validation import positive_int
 
 lowering_cache.add_package_folder(os.path.dirname(os.path.abspath(__file__)))
 
@@ -100,10 +100,7 @@ def reuse_kernels_across_programs(enabled: bool = True, *, length_multiple: int 
   if cache_dir is _DEFAULT:
     cache_dir = default_cache_dir() if enabled else None
   if length_multiple is not None:  # an int, numpy's too
-    if (isinstance(length_multiple, (bool, np.bool_)) or not hasattr(length_multiple, "__index__")
-        or operator.index(length_multiple) < 1):
-      raise ValueError(f"length_multiple must be None or an int >= 1, got {length_multiple!r}")
-    length_multiple = operator.index(length_multiple)
+    length_multiple = positive_int("length_multiple", length_multiple, extra=" or None")
   if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
     raise TypeError(f"cache_dir must be None, a str or an os.PathLike, got {type(cache_dir).__name__}")
   if cache_dir is not None and not os.fspath(cache_dir):

@@ -614,8 +614,11 @@ def test_switch_arguments_are_checked(tmp_path, monkeypatch):
   before = kernel_reuse.info()
   with pytest.raises(TypeError, match="enabled must be True or False, got str"):
     fa2_jax.reuse_kernels_across_programs("yes")
-  for bad in (0, -4, 2.0, True):
-    with pytest.raises(ValueError, match="length_multiple must be None or an int >= 1"):
+  for bad in (0, -4):
+    with pytest.raises(ValueError, match="length_multiple must be a positive int or None"):
+      fa2_jax.reuse_kernels_across_programs(True, length_multiple=bad)
+  for bad in (2.0, True, "8"):
+    with pytest.raises(TypeError, match="length_multiple must be a positive int or None"):
       fa2_jax.reuse_kernels_across_programs(True, length_multiple=bad)
   with pytest.raises(TypeError, match="cache_dir must be None, a str or an os.PathLike"):
     fa2_jax.reuse_kernels_across_programs(True, cache_dir=3)
