@@ -356,6 +356,36 @@ def test_mosaic_dkdv_roles_matches_formula(h, causal, t, s, n, kh, dq_roles):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h, causal, fused, r", [
+    (128, True, False, 2), (128, True, True, 3), (256, False, False, 3),
+    (64, True, False, None)])  # None: group_split's own choice (one head per CTA on this small grid)
+def test_mosaic_split_group_matches_formula(monkeypatch, h, causal, fused, r):
+  """GQA groups of 6 over two KV heads, each group's dK/dV split over r CTAs that read their KV head
+  (split c: head c // r) from the un-copied K/V, the r partials summed: against the float32
+  formula's gradients (a wrong head mapping gives the other head's gradients, far outside ATOL)."""
+  from fa2_jax.kernels.sm90 import backward as sm90_backward
+  from fa2_jax.kernels.sm90.config import MosaicConfig
+  if r is not None:
+    monkeypatch.setattr(sm90_backward, "group_split", lambda *a: r)
+  operands, scale = _backward_operands(13, 1000, 777, 12, 2, h, causal)
+  cfg = MosaicConfig.default(h, is_causal=causal)
+  if fused:
+    cfg = cfg.replace(dq_fused=True, dq_fused_min_t=0)
+  got = jax.jit(lambda *a: sm90_backward.backward(*a, scale=scale, is_causal=causal, config=cfg,
+                                                  deterministic=not fused))(*operands)
+  q, k, v, _, _, do = operands
+
+  @jax.jit
+  def ref_grads(q, k, v, do):
+    f32 = lambda x: x.astype(jnp.float32)
+    attn = lambda a, b_, c_: fa2_jax.reference_attention(a, b_, c_, scale=scale, is_causal=causal)
+    return jax.vjp(attn, f32(q), f32(k), f32(v))[1](f32(do))
+
+  for a, b in zip(got, ref_grads(q, k, v, do)):
+    _close(a, b, 2 * ATOL)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("h", [16, 48, 80, 96, 112, 144, 160, 176, 208])
 @pytest.mark.parametrize("causal, t, s, deterministic", [(True, 1000, 777, True),
                                                          (False, 2048, 2048, False)])
