@@ -396,11 +396,13 @@ def backend_for(query, key, value=None, bias=None, mask=None, *, is_causal=False
                              config=block_sizes, formula_reason=call.formula_reason)
   from . import context_parallel  # it imports this module
   if (found := context_parallel.sequence_sharded(call)) is not None:
-    strategy, why = context_parallel.explicit_strategy(call, found)
+    strategy, why, layout = context_parallel.explicit_strategy(call, found)
     axis = found[2].context[0]
+    chunks = ("contiguous chunks" if layout == "contiguous" else
+              "the chunks relaid out in zigzag order and back (causal load balance)")
     chosen = dataclasses.replace(chosen, reason=(
         f"the sequence is sharded over Explicit mesh axis {axis!r}: context parallelism, strategy "
-        f"{strategy!r} ({why}), contiguous chunks; the kernels as chosen for the whole call: "
+        f"{strategy!r} ({why}), {chunks}; the kernels as chosen for the whole call: "
         f"{chosen.reason}"))
   else:  # the Explicit-sharding rules flash_attention applies
     _check_explicit(call, formula=call.backend == "xla")

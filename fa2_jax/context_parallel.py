@@ -59,7 +59,8 @@ Strategies:
 Gradients of ``"all_to_all"``/``"all_gather"`` are autodiff's (the collectives' transposes).
 
 Under ``jit``, :func:`fa2_jax.flash_attention` on q/k/v whose T and S one mesh axis shards runs this
-module on contiguous chunks (:mod:`fa2_jax.sharding`): Explicit axes through
+module on the arrays' contiguous chunks, a causal ring or all-gather relaid out in the zigzag order
+and back from :data:`BALANCE_MIN_ROWS` rows per device (:mod:`fa2_jax.sharding`): Explicit axes through
 ``context_parallel_attention`` in its ``shard_map`` (``sequence_sharded``, ``explicit_call``), Auto
 axes from the kernels' partition callbacks (``partitioned_forward``, ``partitioned_backward``: the
 strategies' forward as plain functions of an axis name, and the ring's or the all_gather strategy's
@@ -178,6 +179,53 @@ def context_positions(local_len: int, axis_index, axis_size: int, *, layout: str
   rows = jnp.arange(size, dtype=jnp.int32)
   return jnp.concatenate([jnp.asarray(c, jnp.int32) * size + rows
                           for c in _local_chunks(axis_index, axis_size, layout)])
+
+
+def _halves_home(axis_size: int, half: int) -> int:
+  """The device that holds the ``half``-th of ``2 * axis_size`` equal chunks in the zigzag layout."""
+  return half if half < axis_size else 2 * axis_size - 1 - half
+
+
+def _relayout(x, axis_name, axis_size: int, seq_axis: int, *, to_zigzag: bool):
+  """Inside ``shard_map``: this device's chunk of ``x`` along ``seq_axis`` moved from the
+  contiguous layout (device d: chunks 2d, 2d + 1 of 2C) to the zigzag one (chunks d, 2C - 1 - d),
+  or back. Two ``ppermute``s: every device holds one even and one odd chunk in either layout (d and
+  2C - 1 - d differ in parity), so the even chunks move by one permutation of the devices and the
+  odd ones by another; in the zigzag layout the even chunk is the first on an even device and the
+  second on an odd one."""
+  c = axis_size
+  even_home = [(d, _halves_home(c, 2 * d)) for d in range(c)]  # contiguous -> zigzag
+  odd_home = [(d, _halves_home(c, 2 * d + 1)) for d in range(c)]
+  size = x.shape[seq_axis] // 2
+  first = lax.slice_in_dim(x, 0, size, axis=seq_axis)
+  second = lax.slice_in_dim(x, size, 2 * size, axis=seq_axis)
+  even_first = lax.axis_index(axis_name) % 2 == 0
+  cat = functools.partial(jnp.concatenate, axis=seq_axis)
+  if to_zigzag:
+    even = lax.ppermute(first, axis_name, even_home)
+    odd = lax.ppermute(second, axis_name, odd_home)
+    return jnp.where(even_first, cat([even, odd]), cat([odd, even]))
+  even = jnp.where(even_first, first, second)
+  odd = jnp.where(even_first, second, first)
+  return cat([lax.ppermute(even, axis_name, [(b, a) for a, b in even_home]),
+              lax.ppermute(odd, axis_name, [(b, a) for a, b in odd_home])])
+
+
+# From this many query rows per device, flash_attention on sequence-sharded arrays runs a causal
+# call's ring or all-gather on chunks relaid out in the zigzag order and back: on contiguous chunks
+# device d does about (2d + 1) / C of the mean work and every device waits for the last one, 1.75x
+# the mean at C = 4; below it the relayout's collectives would cost what balancing saves (a cost
+# model, not yet measured: docs/design.md#context-parallelism, "Under jit").
+BALANCE_MIN_ROWS = 2048
+
+
+def _balances(is_causal: bool, window, t_loc: int, s_loc: int, strategy: str,
+              axis_size: int) -> bool:
+  """Whether a call on contiguous chunks runs in the zigzag layout (:data:`BALANCE_MIN_ROWS`):
+  causal self-attention (no window: a window's band gives every chunk about the same work), the
+  ring or all-gather (all_to_all runs whole sequences), chunks that halve."""
+  return (is_causal and window is None and strategy in ("ring", "all_gather") and axis_size > 1
+          and t_loc == s_loc and t_loc % 2 == 0 and t_loc >= BALANCE_MIN_ROWS)
 
 
 # --- strategy choice -----------------------------------------------------------------------------
@@ -1055,16 +1103,19 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
 
 # --- flash_attention on sequence-sharded arrays under jit ----------------------------------------
 # flash_attention runs a call whose q/k/v are sharded along T and S over one mesh axis as context
-# parallelism over that axis, on contiguous chunks (the arrays are in their natural order): under
+# parallelism over that axis, on the arrays' contiguous chunks (natural order; a causal call relaid
+# out in zigzag order and back where _balances says): under
 # Explicit axes as context_parallel_attention inside a shard_map (sequence_sharded, explicit_call);
 # under Auto axes from the kernels' partition callbacks (partitioned_forward, partitioned_backward),
 # which run the strategies' forward and backward on each device's chunks.
 
 
-def _kernel_setup(st, axis_name, q, k, extras) -> tuple[_Config, dict]:
-  """The ring's settings and operands for a kernel call (``attention._Static`` ``st``, its extra
-  operands ``extras`` in the order of ``st.fields``) split along the sequence over ``axis_name``:
-  each block runs ``st``'s kernel family with its own tuned tiles."""
+def _kernel_setup(st, axis_name, q, k, v, extras) -> tuple[_Config, dict, str]:
+  """The ring's settings, operands and strategy for a kernel call (``attention._Static`` ``st``,
+  its extra operands ``extras`` in the order of ``st.fields``) split along the sequence over
+  ``axis_name`` in contiguous chunks: each block runs ``st``'s kernel family with its own tuned
+  tiles. The settings' layout is zigzag where :func:`_balances` says (the caller relays the
+  chunks out: :func:`_to_layout`)."""
   variant = st.variant
   window = None if variant is None else variant.window
   cap = None if variant is None else variant.soft_cap
@@ -1089,7 +1140,25 @@ def _kernel_setup(st, axis_name, q, k, extras) -> tuple[_Config, dict]:
   cfg = _Config(axis_name, _axis_size(axis_name), "contiguous", kwargs, mask_fn, score_fn,
                 positions, _window(window, bool(st.is_causal)), kernel_backward=True,
                 whole_chunks=whole)
-  return cfg, ops
+  strategy = _kernel_strategy(cfg, q, k, v, ops)
+  if _balances(bool(st.is_causal), window, q.shape[1], k.shape[1], strategy, cfg.axis_size):
+    cfg = dataclasses.replace(cfg, layout="zigzag")
+  return cfg, ops, strategy
+
+
+def _to_layout(cfg: _Config, *xs, back: bool = False):
+  """``xs`` (arrays with the sequence on axis 1, or None) between this device's contiguous chunk
+  and its chunks of ``cfg.layout`` (``back``: to the contiguous one)."""
+  if cfg.layout == "contiguous":
+    return xs
+  return tuple(None if x is None else _relayout(x, cfg.axis_name, cfg.axis_size, 1,
+                                                to_zigzag=not back) for x in xs)
+
+
+def _ops_in_layout(cfg: _Config, ops: dict) -> dict:
+  """``ops`` with the per-token segment ids in ``cfg.layout`` (the rest is per batch row)."""
+  q_seg, kv_seg = _to_layout(cfg, ops["q_seg"], ops["kv_seg"])
+  return dict(ops, q_seg=q_seg, kv_seg=kv_seg)
 
 
 def _kernel_strategy(cfg: _Config, q, k, v, ops) -> str:
@@ -1121,9 +1190,10 @@ def partitioned_forward(st, axis_name, q, k, v, *extras):
   (``kernels.softmax.stats_from_lse``) in the kernels' frame (with ALiBi: the lse plus their row
   shift ``slope * near``, :func:`_kernel_row_distance`, which ``attention._lse`` removes). The
   strategy is ``strategy=None``'s."""
-  cfg, ops = _kernel_setup(st, axis_name, q, k, extras)
+  cfg, ops, strategy = _kernel_setup(st, axis_name, q, k, v, extras)
   run = {"ring": _ring_forward, "all_gather": _all_gather, "all_to_all": _all_to_all}
-  out, lse = run[_kernel_strategy(cfg, q, k, v, ops)](cfg, q, k, v, ops)
+  out, lse = run[strategy](cfg, *_to_layout(cfg, q, k, v), _ops_in_layout(cfg, ops))
+  out, lse = _to_layout(cfg, out, lse, back=True)
   if (near := _kernel_row_distance(st, cfg, ops, q, k)) is not None:
     lse = jnp.where(lse == -jnp.inf, lse, lse + ops["slopes"][:, None, :] * near)
   modifies = st.variant is not None and st.variant.modifies_scores
@@ -1137,18 +1207,19 @@ def partitioned_backward(st, axis_name, q, k, v, out, stats, dout, dlse, *extras
   the row's gradient plus ``near * dlse``, since ``rowsum(dS) = dlse``). K/V gathered again where
   the forward gathered them (all_gather), else the ring (all_to_all's memory per device stays S/C
   so)."""
-  cfg, ops = _kernel_setup(st, axis_name, q, k, extras)
+  cfg, ops, strategy = _kernel_setup(st, axis_name, q, k, v, extras)
   modifies = st.variant is not None and st.variant.modifies_scores
   lse = jnp.swapaxes(lse_from_stats(stats, st.scale, modifies), 1, 2)  # [B, T/C, N]
   near = _kernel_row_distance(st, cfg, ops, q, k)
   if near is not None:  # the softmax's own
     lse = jnp.where(lse == -jnp.inf, lse, lse - ops["slopes"][:, None, :] * near)
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)
-  run = _all_gather_backward if _kernel_strategy(cfg, q, k, v, ops) == "all_gather" else (
-      _ring_backward)
+  run = _all_gather_backward if strategy == "all_gather" else _ring_backward
+  args = (cfg, *_to_layout(cfg, q, k, v), _ops_in_layout(cfg, ops),
+          *_to_layout(cfg, out, lse, dout, dlse))
   if not st.slope_grad:  # the slopes (if any) are constants: the kernels' backward as is
-    return run(cfg, q, k, v, ops, out, lse, dout, dlse, slope_grad=False)[:3]
-  dq, dk, dv, rows = run(cfg, q, k, v, ops, out, lse, dout, dlse, slope_rows=True)
+    return _to_layout(cfg, *run(*args, slope_grad=False)[:3], back=True)
+  dq, dk, dv, rows = _to_layout(cfg, *run(*args, slope_rows=True), back=True)
   if near is not None:
     rows = rows + near * jnp.where(lse == -jnp.inf, 0.0, dlse)
   return dq, dk, dv, jnp.swapaxes(rows, 1, 2)
@@ -1186,34 +1257,47 @@ def sequence_sharded(call):
   return mesh, specs, p
 
 
-def explicit_strategy(call, found) -> tuple[str, str]:
-  """``context_parallel_strategy`` of a call that ``sequence_sharded`` found, for each device's
-  share of the batch and heads."""
+def explicit_strategy(call, found) -> tuple[str, str, str]:
+  """``(strategy, reason, layout)``: ``context_parallel_strategy`` of a call that
+  ``sequence_sharded`` found, for each device's share of the batch and heads, and the layout its
+  chunks run in (zigzag where :func:`_balances` says, else the arrays' contiguous one)."""
   mesh, _, p = found
   size = lambda axes: math.prod(mesh.shape[a] for a in axes)  # noqa: E731
   b, t, n, h = call.query.shape
   _, s, kh, _ = call.key.shape
+  c = size(p.context)
   local = lambda shape: (shape[0] // size(p.batch), shape[1], shape[2] // size(p.heads), shape[3])  # noqa: E731
-  return context_parallel_strategy(
-      local((b, t, n, h)), local((b, s, kh, call.key.shape[3])), size(p.context),
+  strategy, why = context_parallel_strategy(
+      local((b, t, n, h)), local((b, s, kh, call.key.shape[3])), c,
       dtype=call.key.dtype, has_kv_segment_ids=call.arrays.kv_segment_ids is not None,
       value_head_dim=call.value.shape[3])
+  window = None if call.variant is None else call.variant.window
+  zigzag = _balances(bool(call.is_causal), window, t // c, s // c, strategy, c)
+  return strategy, why, "zigzag" if zigzag else "contiguous"
 
 
 def explicit_call(call, found, implementation, block_sizes):
   """``(out, lse)`` of a validated call that ``sequence_sharded`` found: context parallelism over the
-  sequence's mesh axis (contiguous chunks), with the batch and heads split as the plan says, inside
-  a ``shard_map``; ``implementation`` and ``block_sizes`` as the call gave them (each block's
+  sequence's mesh axis, with the batch and heads split as the plan says, inside a ``shard_map``, on
+  the arrays' contiguous chunks or, where ``explicit_strategy`` says, relaid out in the zigzag
+  order and back; ``implementation`` and ``block_sizes`` as the call gave them (each block's
   ``flash_attention`` chooses by them)."""
   mesh, specs, p = found
   arrays, layouts, _, fields, _ = _operands(call)
-  strategy, _ = explicit_strategy(call, found)
+  strategy, _, layout = explicit_strategy(call, found)
   variant = call.variant
+  axis = p.context[0]
+  c = math.prod(mesh.shape[a] for a in p.context)
 
   def body(q, k, v, *extras):
     a = dict(zip(fields, extras))
-    return context_parallel_attention(
-        q, k, v, axis_name=p.context[0], strategy=strategy, layout="contiguous", scale=call.scale,
+    if layout == "zigzag":  # segment ids travel with their tokens; the rest is per batch row
+      q, k, v = (_relayout(x, axis, c, 1, to_zigzag=True) for x in (q, k, v))
+      for f in ("q_segment_ids", "kv_segment_ids"):
+        if a.get(f) is not None:
+          a[f] = _relayout(a[f], axis, c, 1, to_zigzag=True)
+    out, lse = context_parallel_attention(
+        q, k, v, axis_name=axis, strategy=strategy, layout=layout, scale=call.scale,
         is_causal=call.is_causal, implementation=implementation, return_residual=True,
         block_sizes=block_sizes, deterministic=call.deterministic, interpret=call.interpret,
         query_seq_lengths=a.get("q_lengths"), key_value_seq_lengths=a.get("kv_lengths"),
@@ -1221,6 +1305,9 @@ def explicit_call(call, found, implementation, block_sizes):
         kv_segment_ids=a.get("kv_segment_ids"), q_offset=a.get("q_offset"),
         logits_soft_cap=variant.soft_cap, alibi_slopes=a.get("alibi_slopes"),
         mask_fn=variant.mask_fn, score_fn=variant.score_fn)
+    if layout == "zigzag":
+      out, lse = (_relayout(x, axis, c, 1, to_zigzag=False) for x in (out, lse))
+    return out, lse
 
   return sharding.shard_map_call(body, mesh, p, arrays, specs, layouts,
                                  (sharding.O, sharding.LSE_PUBLIC))

@@ -16,9 +16,10 @@ Explicit-axes mesh the kernels' refs refuse sharded slicing outright. Which mesh
   order (``layout="contiguous"``), segment ids travel with their chunks, lengths and ``q_offset``
   stay global; ``context_parallel_strategy`` picks the strategy (``backend_for`` names it under
   Explicit axes). Only T (or only S) sharded: the replicated one is sliced to match (no
-  communication), so that case runs the same way. The causal load balance of the zigzag layout
-  needs the tokens permuted (``to_context_layout``): call ``context_parallel_attention`` inside a
-  ``shard_map`` for it.
+  communication), so that case runs the same way. A causal call from ``BALANCE_MIN_ROWS`` rows
+  per device runs in the zigzag layout, its chunks moved there and back by ``ppermute``
+  (``context_parallel._balances``); tokens laid out in zigzag order once (``to_context_layout``)
+  and ``context_parallel_attention`` inside a ``shard_map`` save those exchanges.
 * H and Hv (the query/key and value head_dims): none.
 * Neither B nor the heads where the call's ``mask_fn``/``score_fn`` reads that index: the kernels pass
   the index of their grid, which on a device's share counts from 0 (``whole`` of :func:`plan`).
@@ -132,7 +133,7 @@ class Plan:
     problems: one sentence for each input sharding the kernels cannot keep (the plan replicates
       that axis instead: gathered under Auto axes, an error under Explicit axes).
     context: the mesh axis (one name) sharding T of q and S of k/v alike: the call runs as context
-      parallelism over it (``fa2_jax.context_parallel``, contiguous chunks); ``()``: none.
+      parallelism over it (``fa2_jax.context_parallel``); ``()``: none.
   """
 
   batch: AxisNames

@@ -107,6 +107,79 @@ def test_sequence_sharded_grad_runs_context_parallel(kind, strategy, monkeypatch
     assert g.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "context")), 4), g.sharding
 
 
+def test_relayout_to_zigzag_and_back():
+  """Inside shard_map, each device's contiguous chunk moved to its zigzag chunks (two ppermutes)
+  equals to_context_layout's placement; moving back restores the input exactly."""
+  mesh = _mesh((4,), ("context",), AxisType.Explicit)
+  x = jnp.arange(2 * 40 * 3, dtype=jnp.float32).reshape(2, 40, 3)
+
+  def move(to_zigzag):
+    fn = functools.partial(context_parallel._relayout, axis_name="context", axis_size=4, seq_axis=1,
+                           to_zigzag=to_zigzag)
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(None, "context"),
+                                 out_specs=P(None, "context")))
+
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, P(None, "context"))
+    zig = move(True)(xs)
+    np.testing.assert_array_equal(zig, fa2_jax.to_context_layout(x, 4))
+    np.testing.assert_array_equal(move(False)(zig), x)
+
+
+def test_balance_rule():
+  """Causal self-attention on the ring or all-gather, from BALANCE_MIN_ROWS rows per device and
+  chunks that halve; not windows, all_to_all, T != S or one device."""
+  rows = context_parallel.BALANCE_MIN_ROWS
+  balances = context_parallel._balances
+  assert balances(True, None, rows, rows, "ring", 4)
+  assert balances(True, None, rows, rows, "all_gather", 8)
+  assert not balances(False, None, rows, rows, "ring", 4)
+  assert not balances(True, (127, 0), rows, rows, "ring", 4)
+  assert not balances(True, None, rows, rows, "all_to_all", 4)
+  assert not balances(True, None, rows, 2 * rows, "ring", 4)
+  assert not balances(True, None, rows // 2, rows // 2, "ring", 4)
+  assert not balances(True, None, rows + 1, rows + 1, "ring", 4)
+  assert not balances(True, None, rows, rows, "ring", 1)
+
+
+@KINDS
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_causal_chunks_relaid_out_in_zigzag(kind, strategy, monkeypatch):
+  """From BALANCE_MIN_ROWS rows per device (2 here) a causal call's contiguous chunks run in the
+  zigzag order (every device the same work) and come back: jit(value_and_grad) with packed
+  segment ids equals the formula, q is never gathered, the outputs and gradients keep the inputs'
+  sharding, and the relayout's collective-permutes are in the HLO (all_gather: beside its
+  all-gather of K/V); backend_for says so under Explicit axes."""
+  monkeypatch.setattr(context_parallel, "BALANCE_MIN_ROWS", 2)
+  if strategy == "ring":
+    monkeypatch.setattr(context_parallel, "GATHER_BYTES", 0)
+  mesh = _mesh((4,), ("context",), kind)
+  q, k, v = _inputs(seed=6)
+  seg = jnp.asarray(np.repeat(np.arange(3), [13, 11, 8])[None], jnp.int32)
+
+  def grad_fn(fn):
+    loss = lambda q, k, v, s: jnp.sum(jnp.tanh(fn(q, k, v, q_segment_ids=s, kv_segment_ids=s,  # noqa: E731
+                                                  is_causal=True)))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+  with jax.set_mesh(mesh) if kind == AxisType.Explicit else contextlib.nullcontext():
+    args = [jax.device_put(x, NamedSharding(mesh, P(None, "context"))) for x in (q, k, v, seg)]
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      compiled = jax.jit(grad_fn(flash)).lower(*args).compile()
+    got = compiled(*args)
+    if kind == AxisType.Explicit:
+      reason = fa2_jax.backend_for(*args[:3], is_causal=True, implementation="triton",
+                                   interpret=True).reason
+      assert "relaid out in zigzag order and back" in reason, reason
+  _check(got, grad_fn(fa2_jax.reference_attention)(q, k, v, seg))
+  hlo = compiled.as_text()
+  assert "collective-permute" in {op for op, _ in _collectives(hlo)}, _collectives(hlo)
+  assert set(_gathered(hlo)) <= {"f32[1,32,2,16]", "s32[1,32]"}, _collectives(hlo)  # K/V, ids
+  for g in got[1]:
+    assert g.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "context")), 4), g.sharding
+
+
 @KINDS
 def test_batch_and_sequence_mesh(kind, ring):
   """A 2 x 2 mesh, B over 'data' and the sequence over 'context': the heads divide 'context' (2), so
