@@ -214,18 +214,21 @@ def _relayout(x, axis_name, axis_size: int, seq_axis: int, *, to_zigzag: bool):
 # From this many query rows per device, flash_attention on sequence-sharded arrays runs a causal
 # call's ring or all-gather on chunks relaid out in the zigzag order and back: on contiguous chunks
 # device d does about (2d + 1) / C of the mean work and every device waits for the last one, 1.75x
-# the mean at C = 4; below it the relayout's collectives would cost what balancing saves (a cost
-# model, not yet measured: docs/design.md#context-parallelism, "Under jit").
-BALANCE_MIN_ROWS = 2048
+# the mean at C = 4; below it the relayout's collectives would cost about what balancing saves (a
+# cost model, not yet measured: docs/design.md#context-parallelism, "Under jit").
+BALANCE_MIN_ROWS = 4096
 
 
-def _balances(is_causal: bool, window, t_loc: int, s_loc: int, strategy: str,
-              axis_size: int) -> bool:
+def _balances(is_causal: bool, window, t_loc: int, s_loc: int, strategy: str, axis_size: int,
+              position_fns: bool) -> bool:
   """Whether a call on contiguous chunks runs in the zigzag layout (:data:`BALANCE_MIN_ROWS`):
-  causal self-attention (no window: a window's band gives every chunk about the same work), the
-  ring or all-gather (all_to_all runs whole sequences), chunks that halve."""
-  return (is_causal and window is None and strategy in ("ring", "all_gather") and axis_size > 1
-          and t_loc == s_loc and t_loc % 2 == 0 and t_loc >= BALANCE_MIN_ROWS)
+  causal self-attention without a window (a band narrower than a chunk gives every chunk about
+  the same work), the ring or all-gather (all_to_all runs whole sequences), chunks that halve; not
+  with a ``mask_fn``/``score_fn`` (``position_fns``), whose ring steps hold a kernel copy per key
+  chunk (:func:`_dispatch`): four pairs per zigzag step would compile about 8C copies, not C + 1."""
+  return (is_causal and window is None and not position_fns and axis_size > 1
+          and strategy in ("ring", "all_gather") and t_loc == s_loc and t_loc % 2 == 0
+          and t_loc >= BALANCE_MIN_ROWS)
 
 
 # --- strategy choice -----------------------------------------------------------------------------
@@ -1141,7 +1144,8 @@ def _kernel_setup(st, axis_name, q, k, v, extras) -> tuple[_Config, dict, str]:
                 positions, _window(window, bool(st.is_causal)), kernel_backward=True,
                 whole_chunks=whole)
   strategy = _kernel_strategy(cfg, q, k, v, ops)
-  if _balances(bool(st.is_causal), window, q.shape[1], k.shape[1], strategy, cfg.axis_size):
+  if _balances(bool(st.is_causal), window, q.shape[1], k.shape[1], strategy, cfg.axis_size,
+               mask_fn is not None or score_fn is not None):
     cfg = dataclasses.replace(cfg, layout="zigzag")
   return cfg, ops, strategy
 
@@ -1271,8 +1275,10 @@ def explicit_strategy(call, found) -> tuple[str, str, str]:
       local((b, t, n, h)), local((b, s, kh, call.key.shape[3])), c,
       dtype=call.key.dtype, has_kv_segment_ids=call.arrays.kv_segment_ids is not None,
       value_head_dim=call.value.shape[3])
-  window = None if call.variant is None else call.variant.window
-  zigzag = _balances(bool(call.is_causal), window, t // c, s // c, strategy, c)
+  variant = call.variant
+  window = None if variant is None else variant.window
+  fns = variant is not None and (variant.mask_fn is not None or variant.score_fn is not None)
+  zigzag = _balances(bool(call.is_causal), window, t // c, s // c, strategy, c, fns)
   return strategy, why, "zigzag" if zigzag else "contiguous"
 
 

@@ -128,13 +128,15 @@ def test_relayout_to_zigzag_and_back():
 
 def test_balance_rule():
   """Causal self-attention on the ring or all-gather, from BALANCE_MIN_ROWS rows per device and
-  chunks that halve; not windows, all_to_all, T != S or one device."""
+  chunks that halve; not windows, mask_fn/score_fn, all_to_all, T != S or one device."""
   rows = context_parallel.BALANCE_MIN_ROWS
-  balances = context_parallel._balances
+  balances = lambda causal, window, t, s, strategy, c, fns=False: (  # noqa: E731
+      context_parallel._balances(causal, window, t, s, strategy, c, fns))
   assert balances(True, None, rows, rows, "ring", 4)
-  assert balances(True, None, rows, rows, "all_gather", 8)
+  assert balances(True, None, rows, rows, "all_gather", 3)
   assert not balances(False, None, rows, rows, "ring", 4)
   assert not balances(True, (127, 0), rows, rows, "ring", 4)
+  assert not balances(True, None, rows, rows, "ring", 4, fns=True)
   assert not balances(True, None, rows, rows, "all_to_all", 4)
   assert not balances(True, None, rows, 2 * rows, "ring", 4)
   assert not balances(True, None, rows // 2, rows // 2, "ring", 4)
@@ -178,6 +180,37 @@ def test_causal_chunks_relaid_out_in_zigzag(kind, strategy, monkeypatch):
   assert set(_gathered(hlo)) <= {"f32[1,32,2,16]", "s32[1,32]"}, _collectives(hlo)  # K/V, ids
   for g in got[1]:
     assert g.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "context")), 4), g.sharding
+
+
+def test_zigzag_on_three_devices_with_alibi_and_lse(monkeypatch):
+  """The relayout on an odd axis (C = 3, Auto axes, the ring): differentiated ALiBi slopes with a
+  q_offset (the kernels' row shift is added and removed in the contiguous frame) and a loss on lse
+  as well as out (a nonzero dlse moves to the zigzag chunks too): equal to the formula."""
+  monkeypatch.setattr(context_parallel, "BALANCE_MIN_ROWS", 2)
+  monkeypatch.setattr(context_parallel, "GATHER_BYTES", 0)
+  mesh = _mesh((3,), ("context",), AxisType.Auto)
+  ks = jax.random.split(jax.random.key(7), 3)
+  t = 24  # 8 rows per device, two chunks of 4
+  q = jax.random.normal(ks[0], (B, t, N, H), jnp.float32)
+  k, v = (jax.random.normal(x, (B, t, K, H), jnp.float32) for x in ks[1:])
+  slopes = jnp.linspace(0.1, 0.7, N)
+
+  def grad_fn(fn):
+    def loss(q, k, v, sl):
+      out, lse = fn(q, k, v, alibi_slopes=sl, is_causal=True, q_offset=2, return_residual=True)
+      return jnp.sum(jnp.tanh(out)) + 0.1 * jnp.sum(jnp.sin(lse))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+
+  args = [jax.device_put(x, NamedSharding(mesh, P(None, "context"))) for x in (q, k, v)]
+  calls = []
+  relayout = context_parallel._relayout
+  monkeypatch.setattr(context_parallel, "_relayout",
+                      lambda *a, **kw: calls.append(1) or relayout(*a, **kw))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    got = jax.jit(grad_fn(flash))(*args, slopes)
+  assert calls, "the zigzag relayout did not run"
+  _check(got, grad_fn(fa2_jax.reference_attention)(q, k, v, slopes), atol=5e-5)
 
 
 @KINDS
