@@ -69,6 +69,23 @@ def _run(kind, mesh, spec, args, **kw):
     return compiled(*args), compiled.as_text()
 
 
+def _run_with_segments(kind, mesh, args, **kw):
+  """``_run`` with segment ids ``args[3]`` for both q and k/v, sharded like the sequence: (result,
+  the formula's, HLO text)."""
+  def grad_fn(fn):
+    loss = lambda q, k, v, s: jnp.sum(jnp.tanh(fn(q, k, v, q_segment_ids=s, kv_segment_ids=s,  # noqa: E731
+                                                  **kw)))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+  with jax.set_mesh(mesh) if kind == AxisType.Explicit else contextlib.nullcontext():
+    put = [jax.device_put(x, NamedSharding(mesh, P(None, "context"))) for x in args]
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      compiled = jax.jit(grad_fn(flash)).lower(*put).compile()
+    got = compiled(*put)
+  return got, grad_fn(fa2_jax.reference_attention)(*args), compiled.as_text()
+
+
 def _check(got, want, atol=2e-5):
   (loss, grads), (loss_ref, grads_ref) = got, want
   np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
@@ -158,24 +175,14 @@ def test_causal_chunks_relaid_out_in_zigzag(kind, strategy, monkeypatch):
   mesh = _mesh((4,), ("context",), kind)
   q, k, v = _inputs(seed=6)
   seg = jnp.asarray(np.repeat(np.arange(3), [13, 11, 8])[None], jnp.int32)
-
-  def grad_fn(fn):
-    loss = lambda q, k, v, s: jnp.sum(jnp.tanh(fn(q, k, v, q_segment_ids=s, kv_segment_ids=s,  # noqa: E731
-                                                  is_causal=True)))
-    return jax.value_and_grad(loss, argnums=(0, 1, 2))
-
-  with jax.set_mesh(mesh) if kind == AxisType.Explicit else contextlib.nullcontext():
-    args = [jax.device_put(x, NamedSharding(mesh, P(None, "context"))) for x in (q, k, v, seg)]
-    with warnings.catch_warnings():
-      warnings.simplefilter("error")
-      compiled = jax.jit(grad_fn(flash)).lower(*args).compile()
-    got = compiled(*args)
-    if kind == AxisType.Explicit:
-      reason = fa2_jax.backend_for(*args[:3], is_causal=True, implementation="triton",
+  got, want, hlo = _run_with_segments(kind, mesh, (q, k, v, seg), is_causal=True)
+  _check(got, want)
+  if kind == AxisType.Explicit:
+    with jax.set_mesh(mesh):
+      args = [jax.device_put(x, P(None, "context")) for x in (q, k, v)]
+      reason = fa2_jax.backend_for(*args, is_causal=True, implementation="triton",
                                    interpret=True).reason
-      assert "relaid out in zigzag order and back" in reason, reason
-  _check(got, grad_fn(fa2_jax.reference_attention)(q, k, v, seg))
-  hlo = compiled.as_text()
+    assert "relaid out in zigzag order and back" in reason, reason
   assert "collective-permute" in {op for op, _ in _collectives(hlo)}, _collectives(hlo)
   assert set(_gathered(hlo)) <= {"f32[1,32,2,16]", "s32[1,32]"}, _collectives(hlo)  # K/V, ids
   for g in got[1]:
@@ -235,19 +242,9 @@ def test_variants_travel_with_the_chunks(kind, ring):
   lengths = jnp.array([T - 5], jnp.int32)
   kw = dict(is_causal=True, logits_soft_cap=5.0, key_value_seq_lengths=lengths)
 
-  def grad_fn(fn):
-    loss = lambda q, k, v, s: jnp.sum(jnp.tanh(fn(q, k, v, q_segment_ids=s, kv_segment_ids=s,  # noqa: E731
-                                                  **kw)))
-    return jax.value_and_grad(loss, argnums=(0, 1, 2))
-
-  with jax.set_mesh(mesh) if kind == AxisType.Explicit else contextlib.nullcontext():
-    args = [jax.device_put(x, NamedSharding(mesh, P(None, "context"))) for x in (q, k, v, seg)]
-    with warnings.catch_warnings():
-      warnings.simplefilter("error")
-      compiled = jax.jit(grad_fn(flash)).lower(*args).compile()
-    got = compiled(*args)
-  _check(got, grad_fn(fa2_jax.reference_attention)(q, k, v, seg))
-  assert not _gathered(compiled.as_text())
+  got, want, hlo = _run_with_segments(kind, mesh, (q, k, v, seg), **kw)
+  _check(got, want)
+  assert not _gathered(hlo)
 
 
 def test_explicit_formula_and_alibi_slopes():

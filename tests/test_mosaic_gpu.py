@@ -300,6 +300,20 @@ def _backward_operands(seed, t, s, n, kh, h, causal):
   return (q, k, v, out, stats, do), scale
 
 
+def _formula_grads(operands, scale, causal):
+  """dq, dk, dv of the float32 formula for :func:`_backward_operands`'s operands."""
+  q, k, v, _, _, do = operands
+
+  @jax.jit
+  def grads(q, k, v, do):
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    attn = lambda a, b_, c_: fa2_jax.reference_attention(a, b_, c_, scale=scale,  # noqa: E731
+                                                         is_causal=causal)
+    return jax.vjp(attn, f32(q), f32(k), f32(v))[1](f32(do))
+
+  return grads(q, k, v, do)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("h, causal, t, s, n, kh, bq_dkv", [
     (128, True, 1000, 777, 4, 2, None),  # dq_split "cols"
@@ -339,15 +353,7 @@ def test_mosaic_dkdv_roles_matches_formula(h, causal, t, s, n, kh, dq_roles):
   roles = MosaicConfig.default(h).replace(dkv_roles=True, dq_roles=dq_roles)
   bwd = lambda cfg: jax.jit(lambda *a: backward(*a, scale=scale, is_causal=causal, config=cfg))
   got = bwd(roles)(*operands)
-  q, k, v, _, _, do = operands
-
-  @jax.jit
-  def ref_grads(q, k, v, do):
-    f32 = lambda x: x.astype(jnp.float32)
-    attn = lambda a, b_, c_: fa2_jax.reference_attention(a, b_, c_, scale=scale, is_causal=causal)
-    return jax.vjp(attn, f32(q), f32(k), f32(v))[1](f32(do))
-
-  ref = ref_grads(q, k, v, do)
+  ref = _formula_grads(operands, scale, causal)
   for a, b in zip(got, ref):
     _close(a, b, 2 * ATOL)
   if dq_roles:  # the role-split dQ kernel against the one-warpgroup dQ kernel
@@ -373,15 +379,7 @@ def test_mosaic_split_group_matches_formula(monkeypatch, h, causal, fused, r):
     cfg = cfg.replace(dq_fused=True, dq_fused_min_t=0)
   got = jax.jit(lambda *a: sm90_backward.backward(*a, scale=scale, is_causal=causal, config=cfg,
                                                   deterministic=not fused))(*operands)
-  q, k, v, _, _, do = operands
-
-  @jax.jit
-  def ref_grads(q, k, v, do):
-    f32 = lambda x: x.astype(jnp.float32)
-    attn = lambda a, b_, c_: fa2_jax.reference_attention(a, b_, c_, scale=scale, is_causal=causal)
-    return jax.vjp(attn, f32(q), f32(k), f32(v))[1](f32(do))
-
-  for a, b in zip(got, ref_grads(q, k, v, do)):
+  for a, b in zip(got, _formula_grads(operands, scale, causal)):
     _close(a, b, 2 * ATOL)
 
 
