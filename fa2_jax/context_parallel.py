@@ -285,6 +285,13 @@ class _Config:
   window: tuple  # (left, right) key bounds relative to the query position, None: unbounded
   kernel_backward: bool  # the ring's blocks run the kernels' backward (else: recompute under vjp)
   whole_chunks: bool  # each ring step is one kernel call on whole chunks (_whole_chunks)
+  # the all-gather strategy's K/V chunks in another layout than the queries' (None: ``layout``):
+  # flash_attention under jit moves only the query side to the zigzag layout for it (_balances)
+  kv_layout: str | None = None
+
+  @property
+  def kv_order(self) -> str:
+    return self.layout if self.kv_layout is None else self.kv_layout
 
   @property
   def pieces(self) -> int:
@@ -845,16 +852,17 @@ _ring_slopes.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
 
 # --- all-gather and all-to-all -------------------------------------------------------------------
 
-def _natural(x, cfg: _Config):
-  """A gathered ``[B, seq, ...]`` array (device order) in the sequence's natural order."""
-  return from_context_layout(x, cfg.axis_size, layout=cfg.layout)
+def _natural(x, cfg: _Config, layout: str | None = None):
+  """A gathered ``[B, seq, ...]`` array (device order, ``layout``, default ``cfg.layout``) in the
+  sequence's natural order."""
+  return from_context_layout(x, cfg.axis_size, layout=layout or cfg.layout)
 
 
 def _gathered(cfg: _Config, k, v, ops):
   """K, V and the key segment ids of the whole sequence (all-gathered, in natural order), and the
   global chunk indices of this device's query pieces."""
   gather = lambda x: None if x is None else _natural(  # noqa: E731
-      lax.all_gather(x, cfg.axis_name, axis=1, tiled=True), cfg)
+      lax.all_gather(x, cfg.axis_name, axis=1, tiled=True), cfg, cfg.kv_order)
   q_chunks = _local_chunks(lax.axis_index(cfg.axis_name), cfg.axis_size, cfg.layout)
   return gather(k), gather(v), gather(ops["kv_seg"]), q_chunks
 
@@ -901,7 +909,8 @@ def _all_gather_backward(cfg: _Config, q, k, v, ops, out, lse, dout, dlse,
     elif grads[3] is not None:
       dslopes = grads[3] if dslopes is None else dslopes + grads[3]
   home = lambda x: lax.psum_scatter(  # noqa: E731  [B, S, ...] natural -> this device's chunk
-      to_context_layout(x, c, layout=cfg.layout), cfg.axis_name, scatter_dimension=1, tiled=True)
+      to_context_layout(x, c, layout=cfg.kv_order), cfg.axis_name, scatter_dimension=1,
+      tiled=True)
   if slope_rows:
     dslopes = _cat(dslopes)
   elif dslopes is not None:
@@ -1146,14 +1155,17 @@ def _kernel_setup(st, axis_name, q, k, v, extras) -> tuple[_Config, dict, str]:
   strategy = _kernel_strategy(cfg, q, k, v, ops)
   if _balances(bool(st.is_causal), window, q.shape[1], k.shape[1], strategy, cfg.axis_size,
                mask_fn is not None or score_fn is not None):
-    cfg = dataclasses.replace(cfg, layout="zigzag")
+    # the all-gather gathers K/V into natural order from either layout: they stay where they are
+    cfg = dataclasses.replace(cfg, layout="zigzag",
+                              kv_layout="contiguous" if strategy == "all_gather" else None)
   return cfg, ops, strategy
 
 
-def _to_layout(cfg: _Config, *xs, back: bool = False):
+def _to_layout(cfg: _Config, *xs, back: bool = False, kv: bool = False):
   """``xs`` (arrays with the sequence on axis 1, or None) between this device's contiguous chunk
-  and its chunks of ``cfg.layout`` (``back``: to the contiguous one)."""
-  if cfg.layout == "contiguous":
+  and its chunks of ``cfg.layout`` (``kv``: of ``cfg.kv_order``; ``back``: to the contiguous
+  one)."""
+  if (cfg.kv_order if kv else cfg.layout) == "contiguous":
     return xs
   return tuple(None if x is None else _relayout(x, cfg.axis_name, cfg.axis_size, 1,
                                                 to_zigzag=not back) for x in xs)
@@ -1161,7 +1173,7 @@ def _to_layout(cfg: _Config, *xs, back: bool = False):
 
 def _ops_in_layout(cfg: _Config, ops: dict) -> dict:
   """``ops`` with the per-token segment ids in ``cfg.layout`` (the rest is per batch row)."""
-  q_seg, kv_seg = _to_layout(cfg, ops["q_seg"], ops["kv_seg"])
+  (q_seg,), (kv_seg,) = _to_layout(cfg, ops["q_seg"]), _to_layout(cfg, ops["kv_seg"], kv=True)
   return dict(ops, q_seg=q_seg, kv_seg=kv_seg)
 
 
@@ -1196,7 +1208,8 @@ def partitioned_forward(st, axis_name, q, k, v, *extras):
   strategy is ``strategy=None``'s."""
   cfg, ops, strategy = _kernel_setup(st, axis_name, q, k, v, extras)
   run = {"ring": _ring_forward, "all_gather": _all_gather, "all_to_all": _all_to_all}
-  out, lse = run[strategy](cfg, *_to_layout(cfg, q, k, v), _ops_in_layout(cfg, ops))
+  out, lse = run[strategy](cfg, *_to_layout(cfg, q), *_to_layout(cfg, k, v, kv=True),
+                           _ops_in_layout(cfg, ops))
   out, lse = _to_layout(cfg, out, lse, back=True)
   if (near := _kernel_row_distance(st, cfg, ops, q, k)) is not None:
     lse = jnp.where(lse == -jnp.inf, lse, lse + ops["slopes"][:, None, :] * near)
@@ -1219,11 +1232,16 @@ def partitioned_backward(st, axis_name, q, k, v, out, stats, dout, dlse, *extras
     lse = jnp.where(lse == -jnp.inf, lse, lse - ops["slopes"][:, None, :] * near)
   dlse = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)
   run = _all_gather_backward if strategy == "all_gather" else _ring_backward
-  args = (cfg, *_to_layout(cfg, q, k, v), _ops_in_layout(cfg, ops),
+  args = (cfg, *_to_layout(cfg, q), *_to_layout(cfg, k, v, kv=True), _ops_in_layout(cfg, ops),
           *_to_layout(cfg, out, lse, dout, dlse))
+
+  def back(dq, dk, dv, *rows):  # the gradients (and the slopes' row sums) in contiguous chunks
+    dq, *rows = _to_layout(cfg, dq, *rows, back=True)
+    return (dq, *_to_layout(cfg, dk, dv, back=True, kv=True), *rows)
+
   if not st.slope_grad:  # the slopes (if any) are constants: the kernels' backward as is
-    return _to_layout(cfg, *run(*args, slope_grad=False)[:3], back=True)
-  dq, dk, dv, rows = _to_layout(cfg, *run(*args, slope_rows=True), back=True)
+    return back(*run(*args, slope_grad=False)[:3])
+  dq, dk, dv, rows = back(*run(*args, slope_rows=True))
   if near is not None:
     rows = rows + near * jnp.where(lse == -jnp.inf, 0.0, dlse)
   return dq, dk, dv, jnp.swapaxes(rows, 1, 2)
@@ -1295,22 +1313,35 @@ def explicit_call(call, found, implementation, block_sizes):
   axis = p.context[0]
   c = math.prod(mesh.shape[a] for a in p.context)
 
+  # The all-gather gathers K/V into natural order from either layout: only the query side moves.
+  kv_moves = strategy != "all_gather"
+  to_zigzag = functools.partial(_relayout, axis_name=axis, axis_size=c, seq_axis=1,
+                                to_zigzag=True)
+
   def body(q, k, v, *extras):
     a = dict(zip(fields, extras))
     if layout == "zigzag":  # segment ids travel with their tokens; the rest is per batch row
-      q, k, v = (_relayout(x, axis, c, 1, to_zigzag=True) for x in (q, k, v))
-      for f in ("q_segment_ids", "kv_segment_ids"):
-        if a.get(f) is not None:
-          a[f] = _relayout(a[f], axis, c, 1, to_zigzag=True)
-    out, lse = context_parallel_attention(
-        q, k, v, axis_name=axis, strategy=strategy, layout=layout, scale=call.scale,
-        is_causal=call.is_causal, implementation=implementation, return_residual=True,
-        block_sizes=block_sizes, deterministic=call.deterministic, interpret=call.interpret,
-        query_seq_lengths=a.get("q_lengths"), key_value_seq_lengths=a.get("kv_lengths"),
-        local_window_size=variant.window, q_segment_ids=a.get("q_segment_ids"),
-        kv_segment_ids=a.get("kv_segment_ids"), q_offset=a.get("q_offset"),
-        logits_soft_cap=variant.soft_cap, alibi_slopes=a.get("alibi_slopes"),
-        mask_fn=variant.mask_fn, score_fn=variant.score_fn)
+      q = to_zigzag(q)
+      if a.get("q_segment_ids") is not None:
+        a["q_segment_ids"] = to_zigzag(a["q_segment_ids"])
+      if kv_moves:
+        k, v = to_zigzag(k), to_zigzag(v)
+        if a.get("kv_segment_ids") is not None:
+          a["kv_segment_ids"] = to_zigzag(a["kv_segment_ids"])
+    kw = dict(scale=call.scale, is_causal=call.is_causal, implementation=implementation,
+              block_sizes=block_sizes, deterministic=call.deterministic, interpret=call.interpret,
+              query_seq_lengths=a.get("q_lengths"), key_value_seq_lengths=a.get("kv_lengths"),
+              local_window_size=variant.window, q_segment_ids=a.get("q_segment_ids"),
+              kv_segment_ids=a.get("kv_segment_ids"), q_offset=a.get("q_offset"),
+              logits_soft_cap=variant.soft_cap, alibi_slopes=a.get("alibi_slopes"),
+              mask_fn=variant.mask_fn, score_fn=variant.score_fn)
+    if layout == "zigzag" and not kv_moves:  # context_parallel_attention's all-gather branch,
+      # with the K/V chunks in their contiguous layout
+      cfg, ops = _setup(axis, c, layout, strategy, q, k, v, **kw)
+      out, lse = _all_gather(dataclasses.replace(cfg, kv_layout="contiguous"), q, k, v, ops)
+    else:
+      out, lse = context_parallel_attention(q, k, v, axis_name=axis, strategy=strategy,
+                                            layout=layout, return_residual=True, **kw)
     if layout == "zigzag":
       out, lse = (_relayout(x, axis, c, 1, to_zigzag=False) for x in (out, lse))
     return out, lse

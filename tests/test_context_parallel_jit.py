@@ -167,8 +167,8 @@ def test_causal_chunks_relaid_out_in_zigzag(kind, strategy, monkeypatch):
   """From BALANCE_MIN_ROWS rows per device (2 here) a causal call's contiguous chunks run in the
   zigzag order (every device the same work) and come back: jit(value_and_grad) with packed
   segment ids equals the formula, q is never gathered, the outputs and gradients keep the inputs'
-  sharding, and the relayout's collective-permutes are in the HLO (all_gather: beside its
-  all-gather of K/V); backend_for says so under Explicit axes."""
+  sharding, and the relayout's collective-permutes are in the HLO (all_gather: of the query side
+  only, beside its all-gather of K/V); backend_for says so under Explicit axes."""
   monkeypatch.setattr(context_parallel, "BALANCE_MIN_ROWS", 2)
   if strategy == "ring":
     monkeypatch.setattr(context_parallel, "GATHER_BYTES", 0)
@@ -183,18 +183,23 @@ def test_causal_chunks_relaid_out_in_zigzag(kind, strategy, monkeypatch):
       reason = fa2_jax.backend_for(*args, is_causal=True, implementation="triton",
                                    interpret=True).reason
     assert "relaid out in zigzag order and back" in reason, reason
-  assert "collective-permute" in {op for op, _ in _collectives(hlo)}, _collectives(hlo)
+  permuted = {shape.split("{")[0] for op, shape in _collectives(hlo) if op == "collective-permute"}
+  assert "f32[1,4,4,16]" in permuted, _collectives(hlo)  # q / out: half of a device's chunk
+  # K/V halves: moved for the ring; the all-gather gathers them into natural order from any layout
+  assert ("f32[1,4,2,16]" in permuted) == (strategy == "ring"), _collectives(hlo)
   assert set(_gathered(hlo)) <= {"f32[1,32,2,16]", "s32[1,32]"}, _collectives(hlo)  # K/V, ids
   for g in got[1]:
     assert g.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "context")), 4), g.sharding
 
 
-def test_zigzag_on_three_devices_with_alibi_and_lse(monkeypatch):
-  """The relayout on an odd axis (C = 3, Auto axes, the ring): differentiated ALiBi slopes with a
-  q_offset (the kernels' row shift is added and removed in the contiguous frame) and a loss on lse
-  as well as out (a nonzero dlse moves to the zigzag chunks too): equal to the formula."""
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_zigzag_on_three_devices_with_alibi_and_lse(strategy, monkeypatch):
+  """The relayout on an odd axis (C = 3, Auto axes): differentiated ALiBi slopes with a q_offset
+  (the kernels' row shift is added and removed in the contiguous frame) and a loss on lse as well
+  as out (a nonzero dlse moves to the zigzag chunks too): equal to the formula."""
   monkeypatch.setattr(context_parallel, "BALANCE_MIN_ROWS", 2)
-  monkeypatch.setattr(context_parallel, "GATHER_BYTES", 0)
+  if strategy == "ring":
+    monkeypatch.setattr(context_parallel, "GATHER_BYTES", 0)
   mesh = _mesh((3,), ("context",), AxisType.Auto)
   ks = jax.random.split(jax.random.key(7), 3)
   t = 24  # 8 rows per device, two chunks of 4
