@@ -200,15 +200,15 @@ def _relayout(x, axis_name, axis_size: int, seq_axis: int, *, to_zigzag: bool):
   first = lax.slice_in_dim(x, 0, size, axis=seq_axis)
   second = lax.slice_in_dim(x, size, 2 * size, axis=seq_axis)
   even_first = lax.axis_index(axis_name) % 2 == 0
-  cat = functools.partial(jnp.concatenate, axis=seq_axis)
+  swap = lambda a, b: (jnp.where(even_first, a, b), jnp.where(even_first, b, a))  # noqa: E731
   if to_zigzag:
-    even = lax.ppermute(first, axis_name, even_home)
-    odd = lax.ppermute(second, axis_name, odd_home)
-    return jnp.where(even_first, cat([even, odd]), cat([odd, even]))
-  even = jnp.where(even_first, first, second)
-  odd = jnp.where(even_first, second, first)
-  return cat([lax.ppermute(even, axis_name, [(b, a) for a, b in even_home]),
-              lax.ppermute(odd, axis_name, [(b, a) for a, b in odd_home])])
+    first, second = swap(lax.ppermute(first, axis_name, even_home),
+                         lax.ppermute(second, axis_name, odd_home))
+  else:
+    even, odd = swap(first, second)
+    first = lax.ppermute(even, axis_name, [(b, a) for a, b in even_home])
+    second = lax.ppermute(odd, axis_name, [(b, a) for a, b in odd_home])
+  return jnp.concatenate([first, second], axis=seq_axis)
 
 
 # From this many query rows per device, flash_attention on sequence-sharded arrays runs a causal
