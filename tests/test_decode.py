@@ -116,6 +116,23 @@ def test_combine_of_a_sixteen_row_tile_at_head_dim_64():
          key_value_seq_lengths=lens, q_offset=lens - 4)
 
 
+def test_combine_loads_splits_in_chunks():
+  """A 64-row tile (T_new = 16 x 4 query heads of one KV head) over 20 splits: more partials than a
+  combine program loads at once, so it merges them in chunks (the last one part-empty), per-row
+  lengths leaving some rows fewer splits' worth of keys; the formula's result. And the tiling
+  rule: every split in one load where they fit, whole power-of-two chunks otherwise."""
+  from fa2_jax.kernels.decode.forward import COMBINE_ELEMENTS, combine_tiling
+  cols, step = combine_tiling(20, 64, 64)
+  assert step < 20 and step * 64 * cols <= COMBINE_ELEMENTS, (cols, step)
+  assert combine_tiling(32, 16, 128) == (16, 32)  # 1 x 8k GQA 32/8: every split at once
+  assert combine_tiling(17, 32, 128) == (8, 32)  # MQA 32/1: 17 splits padded to 32
+  assert combine_tiling(2, 16, 16) == (16, 2)
+  lens = jnp.array([640, 333], jnp.int32)
+  q, k, v = _inputs(2, 16, 4, 1, 64, 640, "float32", nan_past=lens, seed=7)
+  _check(q, k, v, DecodeConfig(block_k=16, num_splits=20), is_causal=True,
+         key_value_seq_lengths=lens, q_offset=lens - 16)
+
+
 def test_four_rows_mqa_window_soft_cap_query_lengths_bf16_one_split():
   """T_new = 4, MQA (one KV head), bfloat16, one split: bottom-right causal rows (q_offset =
   lengths - 4) with a sliding window, a soft cap and query lengths (a padded row)."""

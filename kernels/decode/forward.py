@@ -16,7 +16,7 @@ Each program writes its share's output, already divided by its row sum, and its 
 ``l`` the row sum relative to that logit's weight). With one split these are the result, written
 straight into ``out [B, T, N, Hv]`` (q's dtype; ``Hv`` the value's head_dim, ``H`` or another) and
 ``stats [B, N, 2, T]``; with several, float32 partials ``[B, splits, T, N, Hv]`` /
-``[B, splits, N, 2, T]`` that :func:`combine` (a second small kernel, grid ``(B, K, H / 32)``) merges exactly
+``[B, splits, N, 2, T]`` that :func:`combine` (a second small kernel, grid ``(B, K, column chunks)``) merges exactly
 by their log-sum-exp into the same two outputs. Between and around the kernels only reshapes (free)
 run.
 
@@ -302,74 +302,88 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
 
 
 def _combine_kernel(*refs, c: float, seq_q: int, group: int, heads: int, head_dim: int,
-                    rows_padded: int, splits: int, cols: int, unroll: int, by_row: bool):
+                    rows_padded: int, splits: int, cols: int, step: int, by_row: bool):
   # [counts_ref: the row's split count (by_row), a scalar;] o_ref: [splits, T * N, hp] f32, each
   # split's output over its own row sum; stats_ref: [splits, N * 2 * T]; out_ref: [T * N, hp] (q's
   # dtype); final_ref: [N * 2 * T]. Splits past the row's count were not written and are not read.
-  # One program per (b, KV head, chunk of `cols` output columns), merging its tile's rows over the
-  # splits as the online softmax merges blocks, `unroll` splits per loop step: their loads are
-  # issued together, ahead of the merge arithmetic that depends on them (every chunk's program
+  # One program per (b, KV head, chunk of `cols` output columns). It loads `step` splits' partials
+  # at a time as ONE [step, rows, cols] block (all of a row's splits where they fit: one round of
+  # loads instead of a chain of dependent ones) and merges them by their weights, the chunks of
+  # splits one after another as the online softmax merges key blocks (every column chunk's program
   # reads the rows' statistics; the first writes the merged ones).
   counts_ref, (o_ref, stats_ref, out_ref, final_ref) = (refs[0] if by_row else None), refs[-4:]
   n_split = counts_ref[()] if by_row else splits
   first = pl.program_id(2) == 0
   _, _, real, row, at = _packed_rows(pl.program_id(1), seq_q=seq_q, group=group, heads=heads,
                                      rows_padded=rows_padded)
-  col = pl.program_id(2) * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
-  mask = real[:, None] & (col < head_dim)
+  col = pl.program_id(2) * cols + jnp.arange(cols, dtype=jnp.int32)  # [cols]
+  col_ok = col < head_dim
   fill = jnp.inf if c < 0 else -jnp.inf
+  lane = jnp.arange(step, dtype=jnp.int32)[:, None]  # [step, 1]: a split's place in its chunk
 
-  def load(split):
-    """Split ``split``'s ``(r, l, o)`` of this tile; a split past the row's last (the unrolled
-    loop's tail) reads nothing and has ``l = 0``, as an empty share has."""
-    here = split < n_split
-    ok = real & here
-    r = plgpu.load(stats_ref.at[split, at], mask=ok, other=0.0)
-    l = plgpu.load(stats_ref.at[split, at + seq_q], mask=ok, other=0.0)
-    o = plgpu.load(o_ref.at[split, row[:, None], col], mask=mask & here, other=0.0)
-    return r, l, o
-
-  def merge(part, carry):
+  def chunk(i, carry):
     acc, big, total, r_top = carry
-    r, l, o = part
+    split = i * step + lane  # [step, 1]
+    ok = (split < n_split) & real[None, :]  # [step, rp]; a split past the row's count: l = 0
+    split = jnp.where(split < n_split, split, 0)
+    r = plgpu.load(stats_ref.at[split, at[None, :]], mask=ok, other=0.0)  # [step, rp]
+    l = plgpu.load(stats_ref.at[split, at[None, :] + seq_q], mask=ok, other=0.0)
+    o = plgpu.load(o_ref.at[split[:, :, None], row[None, :, None], col[None, None, :]],
+                   mask=ok[:, :, None] & col_ok[None, None, :], other=0.0)  # [step, rp, cols]
     seen = l > 0.0
-    m = jnp.where(seen, r * c, -jnp.inf)
-    big_new = jnp.maximum(big, m)
+    m = jnp.where(seen, r * c, -jnp.inf)  # each split's maximum, base-2 scaled
+    m_top = jnp.max(m, axis=0)  # [rp]
+    big_new = jnp.maximum(big, m_top)
     base = jnp.where(big_new == -jnp.inf, 0.0, big_new)
     alpha = jnp.exp2(big - base)  # 0 while nothing was seen (big = -inf)
-    w = jnp.where(seen, l * jnp.exp2(m - base), 0.0)  # the split's weight, relative to 2^base
-    acc = acc * alpha[:, None] + w[:, None] * o
-    r_top = jnp.where(m > big, r, r_top)  # the raw logit of the largest m (the first on ties)
-    return acc, big_new, total * alpha + w, r_top
-
-  def step(i, carry):
-    parts = [load(i * unroll + u) for u in range(unroll)]
-    for part in parts:
-      carry = merge(part, carry)
-    return carry
+    w = jnp.where(seen, l * jnp.exp2(m - base[None, :]), 0.0)  # weights relative to 2^base
+    acc = acc * alpha[:, None] + jnp.sum(w[:, :, None] * o, axis=0)
+    # the raw logit of the largest m: the chunk's first split attaining it, if above the running
+    first_top = jnp.min(jnp.where(m == m_top[None, :], lane, step), axis=0)  # [rp]
+    r_chunk = jnp.sum(jnp.where(lane == first_top[None, :], r, 0.0), axis=0)
+    r_top = jnp.where(m_top > big, r_chunk, r_top)
+    return acc, big_new, total * alpha + jnp.sum(w, axis=0), r_top
 
   carry = (jnp.zeros((rows_padded, cols), jnp.float32),
            jnp.full((rows_padded,), -jnp.inf, jnp.float32),
            jnp.zeros((rows_padded,), jnp.float32), jnp.full((rows_padded,), fill, jnp.float32))
-  acc, _, total, r_top = lax.fori_loop(0, cdiv(n_split, unroll), step, carry)
+  acc, _, total, r_top = lax.fori_loop(0, cdiv(n_split, step), chunk, carry)
   out = acc / jnp.where(total == 0.0, 1.0, total)[:, None]
-  plgpu.store(out_ref.at[row[:, None], col], out.astype(out_ref.dtype), mask=mask)
+  plgpu.store(out_ref.at[row[:, None], col[None, :]], out.astype(out_ref.dtype),
+              mask=real[:, None] & col_ok[None, :])
   plgpu.store(final_ref.at[at], r_top, mask=real & first)
   plgpu.store(final_ref.at[at + seq_q], total, mask=real & first)
 
 
-# Output columns per combine program: the combine's loop over the splits is a chain of dependent
-# loads, so its time is the splits' count times a load's latency unless more programs share the
-# rows (MQA: 32 rows x 32 splits in one program per (batch, KV head) before).
-COMBINE_COLS = 32
-# Splits whose partials a combine program loads per loop step, before merging them one by one.
-COMBINE_UNROLL = 4
+# A combine program's loaded partials: at most this many float32 elements (splits x rows x
+# columns) at once, 64 registers per thread of its 4 warps.
+COMBINE_ELEMENTS = 8192
+# Output columns per combine program: at least this many (a 32-byte memory sector of float32) and
+# at most this many (a program per 32 columns when the splits are few).
+COMBINE_MIN_COLS = 8
+COMBINE_MAX_COLS = 32
+
+
+def _pow2_floor(x: int) -> int:
+  return 1 << max(0, int(x).bit_length() - 1)
+
+
+def combine_tiling(splits: int, rows_padded: int, hp: int) -> tuple[int, int]:
+  """``(cols, step)`` of the combine: output columns per program and splits loaded at once. All of
+  a row's splits in one load where ``COMBINE_ELEMENTS`` holds them with ``COMBINE_MIN_COLS`` columns
+  (the columns then as many as fit, up to ``COMBINE_MAX_COLS``); else chunks of splits at the
+  minimum columns. Powers of two (Triton's block sides)."""
+  splits_p2 = 1 << max(0, (splits - 1).bit_length())
+  cols = _pow2_floor(max(1, COMBINE_ELEMENTS // (splits_p2 * rows_padded)))
+  cols = min(hp, COMBINE_MAX_COLS, max(COMBINE_MIN_COLS, cols))
+  step = min(splits_p2, _pow2_floor(max(1, COMBINE_ELEMENTS // (rows_padded * cols))))
+  return cols, step
 
 
 def combine(o, stats, *, scale: float, modifies_scores: bool, dtype, seq_q: int, kv_heads: int,
-            rows_padded: int, interpret: bool, num_warps: int = 4, unroll: int | None = None,
-            row_splits=None):
-  """Merge the splits' partials exactly (a Pallas kernel, grid ``(B, K, H / COMBINE_COLS)``).
+            rows_padded: int, interpret: bool, num_warps: int = 4, row_splits=None):
+  """Merge the splits' partials exactly (a Pallas kernel, grid ``(B, K, H / cols)``,
+  :func:`combine_tiling`).
 
   ``o [B, splits, T * N, Hv]`` float32, each split's output divided by its own row sum; ``stats [B,
   splits, N * 2 * T]`` its ``(r, l)`` (the ``[N, 2, T]`` statistics flattened). Split ``c`` weighs
@@ -382,11 +396,10 @@ def combine(o, stats, *, scale: float, modifies_scores: bool, dtype, seq_q: int,
   heads = rows // seq_q
   n_2t = stats.shape[-1]
   hp = padded_head_dim(h)
-  cols = min(hp, COMBINE_COLS)
+  cols, step = combine_tiling(splits, rows_padded, hp)
   kernel = functools.partial(_combine_kernel, c=float(exponent_scale(scale, modifies_scores)),
                              seq_q=seq_q, group=heads // kv_heads, heads=heads, head_dim=h,
-                             rows_padded=rows_padded, splits=splits, cols=cols,
-                             unroll=min(splits, COMBINE_UNROLL if unroll is None else unroll),
+                             rows_padded=rows_padded, splits=splits, cols=cols, step=step,
                              by_row=row_splits is not None)
   counts = [] if row_splits is None else [row_splits.astype(jnp.int32)]
   return pl.pallas_call(
