@@ -122,8 +122,7 @@ def group_split(batch: int, kv_heads: int, group: int, key_ctas: int, sms: int) 
 
 def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: bool,
              deterministic: bool = True, config: MosaicConfig | None = None, variant=None,
-             arrays=None, tables=None, split_groups: bool = True, dq_accumulator=None,
-             kv_copies: int = 1):
+             arrays=None, tables=None, split_groups: bool = True, dq_accumulator=None):
   """Gradients of attention w.r.t. q, k, v on Hopper.
 
   Args:
@@ -140,8 +139,6 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
       accumulator, no scaling and rounding pass), else by an add.
     split_groups: split large GQA groups over several dK/dV CTAs where the grid is small
       (:func:`group_split`).
-    kv_copies: (internal, with ``split_groups=False``) the split chosen: dk and dv are returned as
-      the ``[B, S, K * kv_copies, H]`` partials.
 
   Returns:
     ``dq, dk, dv`` in the dtypes of q, k, v (dk/dv already summed over each GQA group).
@@ -154,31 +151,41 @@ def backward(q, k, v, out, stats, do, *, dlse=None, scale: float, is_causal: boo
   cfg = config or MosaicConfig.default(h, q.dtype, is_causal, value_head_dim=hv)
   if (why := cfg.check(h, q.dtype.itemsize, hv)) is not None:
     raise ValueError(why)
-  scale, is_causal = float(scale), bool(is_causal)
   q_tile, k_tile = backward_tiles(cfg)
   plan = plan_lengths(t, s, q_tile=q_tile, k_tile=k_tile, mode=cfg.ragged)
   kh = k.shape[2]
-  r = group_split(b, kh, n // kh, -(-plan.s_hbm // cfg.dkv_keys()), sm_count())
-  if split_groups and r > 1:
-    # Query head n reads KV head n // G; its dK/dV CTA is split c = n // (G / r) of that head, whose
-    # partial dK/dV sums its run of G / r heads, each partial rounded to K's dtype; their sum (in f32,
-    # then rounded) is dK/dV.
-    dq, dk, dv = backward(q, k, v, out, stats, do, dlse=dlse, scale=scale, is_causal=is_causal,
-                          deterministic=deterministic, config=cfg, variant=variant, arrays=arrays,
-                          tables=tables, split_groups=False, dq_accumulator=dq_accumulator,
-                          kv_copies=r)
+  r = 1
+  if split_groups:
+    r = group_split(b, kh, n // kh, -(-plan.s_hbm // cfg.dkv_keys()), sm_count())
+  dq, dk, dv = _backward(q, k, v, out, stats, do, dlse=dlse, scale=float(scale),
+                         is_causal=bool(is_causal), deterministic=deterministic, cfg=cfg,
+                         plan=plan, variant=variant, arrays=arrays, tables=tables,
+                         dq_accumulator=dq_accumulator, kv_copies=r)
+  if r == 1:
+    return dq, dk, dv
 
-    def merge(g, like):
-      # Elementwise adds in a fixed order (no reduction, whose order a GPU may vary): bit-identical
-      # across runs, as deterministic=True promises.
-      parts = g.reshape(b, s, kh, r, g.shape[-1]).astype(jnp.float32)
-      total = parts[:, :, :, 0]
-      for i in range(1, r):
-        total = total + parts[:, :, :, i]
-      return total.astype(like.dtype)
+  # Query head n reads KV head n // G; its dK/dV CTA is split c = n // (G / r) of that head, whose
+  # partial dK/dV sums its run of G / r heads, each partial rounded to K's dtype; their sum (in f32,
+  # then rounded) is dK/dV.
+  def merge(g, like):
+    # Elementwise adds in a fixed order (no reduction, whose order a GPU may vary): bit-identical
+    # across runs, as deterministic=True promises.
+    parts = g.reshape(b, s, kh, r, g.shape[-1]).astype(jnp.float32)
+    total = parts[:, :, :, 0]
+    for i in range(1, r):
+      total = total + parts[:, :, :, i]
+    return total.astype(like.dtype)
 
-    return dq, merge(dk, k), merge(dv, v)
+  return dq, merge(dk, k), merge(dv, v)
 
+
+def _backward(q, k, v, out, stats, do, *, dlse, scale: float, is_causal: bool, deterministic: bool,
+              cfg: MosaicConfig, plan, variant, arrays, tables, dq_accumulator, kv_copies: int):
+  """:func:`backward`'s kernels for one ``kv_copies``, the CTAs per GQA group of the dK/dV kernel
+  (:func:`group_split`): with more than one, dk and dv are the ``[B, S, K * kv_copies, H]``
+  partials."""
+  t, n = q.shape[1], q.shape[2]
+  s, kh = k.shape[1], k.shape[2]
   if variant is not None:  # padded rows read as zeros (kernels/sm90/variant.py, zero_padding)
     q, do = zero_padding(q, arrays.q_lengths), zero_padding(do, arrays.q_lengths)
     k, v = zero_padding(k, arrays.kv_lengths), zero_padding(v, arrays.kv_lengths)
