@@ -1064,6 +1064,23 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
   (zigzag: ``T/C`` and ``S/C`` even), an ``axis_name`` not bound by ``shard_map``, and a strategy
   that cannot run the call (``all_to_all`` with heads not divisible by ``C``), naming the fix.
   """
+  return _context_parallel(
+      query, key, value, axis_name=axis_name, strategy=strategy, layout=layout, kv_layout=None,
+      return_residual=return_residual, scale=scale, is_causal=is_causal,
+      implementation=implementation, block_sizes=block_sizes, deterministic=deterministic,
+      interpret=interpret, query_seq_lengths=query_seq_lengths,
+      key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
+      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
+      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, mask_fn=mask_fn,
+      score_fn=score_fn)
+
+
+def _context_parallel(query, key, value, *, axis_name, strategy, layout, kv_layout,
+                      return_residual, **kw):
+  """:func:`context_parallel_attention`, with ``kv_layout``: None, or the K/V chunks' layout where
+  it differs from the queries' (the all-gather strategy only, which gathers K/V into natural order
+  from either: ``flash_attention`` under jit moves only the query side to the zigzag layout)."""
+  kv_segment_ids, score_fn = kw["kv_segment_ids"], kw["score_fn"]
   if strategy is not None and strategy not in STRATEGIES:
     raise ValueError(f"strategy must be None or one of {STRATEGIES}, got {strategy!r}")
   pieces = _check_layout(layout)
@@ -1091,14 +1108,12 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
         "strategy='ring' does not differentiate arrays that score_fn closes over (its custom_vjp "
         "takes the function as static); use strategy='all_gather' or 'all_to_all', or a score_fn "
         "that closes over Python scalars only")
-  cfg, ops = _setup(
-      axis_name, c, layout, strategy, query, key, value, scale=scale, is_causal=is_causal,
-      implementation=implementation, block_sizes=block_sizes, deterministic=deterministic,
-      interpret=interpret, query_seq_lengths=query_seq_lengths,
-      key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
-      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_offset=q_offset,
-      logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, mask_fn=mask_fn,
-      score_fn=score_fn)
+  if kv_layout not in (None, layout) and strategy != "all_gather":
+    raise ValueError(f"K/V chunks in another layout than the queries' need strategy='all_gather', "
+                     f"got {strategy!r}")
+  cfg, ops = _setup(axis_name, c, layout, strategy, query, key, value, **kw)
+  if kv_layout not in (None, layout):
+    cfg = dataclasses.replace(cfg, kv_layout=kv_layout)
   if strategy == "ring":
     arrays = match_vma(query, key, value, *(x for x in ops.values() if x is not None))
     query, key, value = arrays[:3]
@@ -1335,13 +1350,9 @@ def explicit_call(call, found, implementation, block_sizes):
               kv_segment_ids=a.get("kv_segment_ids"), q_offset=a.get("q_offset"),
               logits_soft_cap=variant.soft_cap, alibi_slopes=a.get("alibi_slopes"),
               mask_fn=variant.mask_fn, score_fn=variant.score_fn)
-    if layout == "zigzag" and not kv_moves:  # context_parallel_attention's all-gather branch,
-      # with the K/V chunks in their contiguous layout
-      cfg, ops = _setup(axis, c, layout, strategy, q, k, v, **kw)
-      out, lse = _all_gather(dataclasses.replace(cfg, kv_layout="contiguous"), q, k, v, ops)
-    else:
-      out, lse = context_parallel_attention(q, k, v, axis_name=axis, strategy=strategy,
-                                            layout=layout, return_residual=True, **kw)
+    out, lse = _context_parallel(
+        q, k, v, axis_name=axis, strategy=strategy, layout=layout, return_residual=True,
+        kv_layout="contiguous" if layout == "zigzag" and not kv_moves else None, **kw)
     if layout == "zigzag":
       out, lse = (_relayout(x, axis, c, 1, to_zigzag=False) for x in (out, lse))
     return out, lse
