@@ -518,6 +518,11 @@ def measure_cell(run, cell, entries, recs, inputs, args, time_interleaved, t0) -
     st, outs[name] = got
     rec.update(timing=st, us=st["median_s"] * 1e6,
                tbps=rec["kv_bytes"] / st["median_s"] / 1e12 if st["median_s"] > 0 else None)
+  if outs and impls.on_gpu() and not args.smoke:  # the device's share of each call
+    from .timing import device_busy
+    for name, busy in device_busy({n: entries[n] for n in outs}, calls=args.iters).items():
+      if busy:
+        recs[name].update(busy_us=busy * 1e6, busy_tbps=recs[name]["kv_bytes"] / busy / 1e12)
   check_outputs(cell, recs, outs, inputs)
   for rec in recs.values():
     run.add(rec, t0=t0)
@@ -608,6 +613,24 @@ def table(data, cells) -> str:
        for i in cell_order(cells)])
 
 
+def busy_table(cells) -> str | None:
+  """µs of device work per call (TB/s over it), where a trace gave them (None: nowhere)."""
+  if not any(h.finite(c.get("busy_us")) for c in cells):
+    return None
+  names = main_rows(cells)
+  by = {(c["row"], c["id"]): c for c in cells}
+  firsts = {c["id"]: c for c in reversed(cells)}
+
+  def text(c):
+    if c is None or not h.finite(c.get("busy_us")):
+      return "–"
+    return f"{fmt_us(c['busy_us'])} ({fmt_tbps(c.get('busy_tbps'))})"
+
+  return h.md_table(["cell: device µs per call (TB/s)"] + [h.style(n)[0] for n in names],
+                    [[firsts[i]["label"]] + [text(by.get((n, i))) for n in names]
+                     for i in cell_order(cells)])
+
+
 def error_table(cells) -> str:
   names = main_rows(cells)
   by = {(c["row"], c["id"]): c for c in cells}
@@ -665,8 +688,15 @@ def render(data, base):
   lines += [f"- timing: {cfg.get('method', '')}; {cfg.get('reps')} × {cfg.get('iters')} calls", "",
             "Cells: µs per call (TB/s); n/a: the implementation cannot express the call; skip: left "
             "out (see below); ✗: failed; ⚠: output off (see the check below). `fa2_jax ÷ X (time)`: "
-            "fa2_jax's time over X's (below 1: fa2_jax is faster).", "", table(data, cells), "",
-            "## Output check", "",
+            "fa2_jax's time over X's (below 1: fa2_jax is faster).", "", table(data, cells), ""]
+  busy = busy_table(cells)
+  if busy:
+    lines += ["## Device time", "",
+              "The kernels' and memory operations' durations per call, summed from a `jax.profiler` "
+              "trace of each row's back-to-back calls (`benchmarks.timing.device_busy`): the device's "
+              "work without the launch gaps and the host's dispatch that the time per call above "
+              "includes. TB/s: the same K/V bytes over it.", "", busy, ""]
+  lines += ["## Output check", "",
             f"Max abs error of each output: fa2_jax against the float32 formula (rows 0 and B−1), every "
             f"other implementation against fa2_jax's output; ⚠ above {cfg.get('err_tol', ERR_TOL):g} × "
             "the compared output's largest magnitude.", "", error_table(cells), ""]

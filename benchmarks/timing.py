@@ -261,3 +261,69 @@ def copy_rate(nbytes: int = 2 ** 30) -> dict:
   st, _ = time_calls(jax.jit(lambda x: x + jnp.bfloat16(1)), (x,))
   return {"bytes": nbytes, "median_s": st["median_s"], "tbps": 2.0 * nbytes / st["median_s"] / 1e12,
           "what": f"jit(x + 1) on {nbytes / 2 ** 30:g} GiB of bf16: bytes read + written ÷ time"}
+
+
+# --- device time ---------------------------------------------------------------------------------
+
+DEVICE_PROCESS = "/device:GPU"  # a trace process whose name holds this is a GPU's (kernels, memsets)
+WINDOW_PREFIX = "device_busy:"  # the host annotation around one entry's profiled calls
+
+
+def busy_in_windows(events, windows: dict) -> dict:
+  """Seconds of device work that starts inside each window: ``{key: seconds or None}``.
+
+  ``events``: a perfetto/chrome trace's event list (dicts with ``ph``, ``pid``, ``ts``, ``dur`` in
+  µs, and ``M`` metadata naming each ``pid``); ``windows``: ``{key: (start µs, end µs)}``. A
+  device event is a complete (``X``) event of a process whose name holds :data:`DEVICE_PROCESS`;
+  None where the trace holds no device event at all (no GPU)."""
+  names = {e.get("pid"): (e.get("args") or {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  device = [e for e in events if e.get("ph") == "X" and DEVICE_PROCESS in names.get(e.get("pid"), "")]
+  if not device:
+    return {key: None for key in windows}
+  busy = {key: 0.0 for key in windows}
+  for e in device:
+    for key, (t0, t1) in windows.items():
+      if t0 <= e["ts"] < t1:
+        busy[key] += float(e.get("dur", 0.0)) * 1e-6
+        break
+  return busy
+
+
+def annotation_windows(events) -> dict:
+  """``{key: (start µs, end µs)}`` of the host annotations named ``WINDOW_PREFIX + key``."""
+  return {e["name"][len(WINDOW_PREFIX):]: (e["ts"], e["ts"] + e.get("dur", 0.0)) for e in events
+          if e.get("ph") == "X" and str(e.get("name", "")).startswith(WINDOW_PREFIX)}
+
+
+def device_busy(entries: dict, *, calls: int = 20, block=_block) -> dict:
+  """Device work per call of each entry (``{key: (fn, args)}``, already warmed up): ``{key:
+  seconds or None}``, from one ``jax.profiler`` trace in which each entry runs ``calls``
+  back-to-back calls inside a host annotation, the kernels' and memory operations' durations summed
+  and divided by ``calls``. Launch gaps and the host's dispatch are not in it: next to the
+  back-to-back time per call it tells the device's share. None without a GPU or a trace."""
+  import glob
+  import gzip
+  import json
+  import tempfile
+
+  import jax
+  with tempfile.TemporaryDirectory() as d:
+    try:
+      with jax.profiler.trace(d, create_perfetto_trace=True):
+        for key, (fn, args) in entries.items():
+          with jax.profiler.TraceAnnotation(WINDOW_PREFIX + str(key)):
+            out = None
+            for _ in range(calls):
+              out = fn(*args)
+            block(out)
+      files = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)
+      if not files:
+        return {key: None for key in entries}
+      with gzip.open(files[0]) as f:
+        trace = json.load(f)
+    except Exception:  # noqa: BLE001 - no profiler here: no device time
+      return {key: None for key in entries}
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  busy = busy_in_windows(events, annotation_windows(events))
+  return {key: None if busy.get(str(key)) is None else busy[str(key)] / calls for key in entries}

@@ -105,6 +105,38 @@ def test_time_interleaved_rotates_the_order_and_isolates_failures():
     timing.time_interleaved(entries, reps=0)
 
 
+def test_device_busy_sums_the_device_events_inside_each_window():
+  """busy_in_windows: device events (a process named /device:GPU...) that start inside an entry's
+  host annotation count towards it, host events and events outside every window do not; no device
+  process at all (a CPU trace): None for every entry."""
+  events = [
+      {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+      {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0 (pid 7)"}},
+      {"ph": "X", "pid": 1, "name": timing.WINDOW_PREFIX + "fa2", "ts": 100.0, "dur": 50.0},
+      {"ph": "X", "pid": 1, "name": timing.WINDOW_PREFIX + "cudnn", "ts": 200.0, "dur": 50.0},
+      {"ph": "X", "pid": 7, "name": "split", "ts": 110.0, "dur": 10.0},
+      {"ph": "X", "pid": 7, "name": "combine", "ts": 149.0, "dur": 4.0},  # starts inside: counts
+      {"ph": "X", "pid": 7, "name": "sdpa", "ts": 205.0, "dur": 30.0},
+      {"ph": "X", "pid": 7, "name": "stray", "ts": 170.0, "dur": 9.0},  # between the windows
+      {"ph": "X", "pid": 1, "name": "host work", "ts": 120.0, "dur": 20.0},
+  ]
+  windows = timing.annotation_windows(events)
+  assert windows == {"fa2": (100.0, 150.0), "cudnn": (200.0, 250.0)}
+  busy = timing.busy_in_windows(events, windows)
+  assert busy == pytest.approx({"fa2": 14e-6, "cudnn": 30e-6})
+  assert timing.busy_in_windows(events[:1] + events[2:4] + events[-1:], windows) == {
+      "fa2": None, "cudnn": None}
+
+
+def test_decode_report_has_a_device_time_table_only_where_measured():
+  from benchmarks import decode
+  rec = dict(row="fa2", id="1x8k", label="1 × 8k", kv_bytes=34e6, us=50.0, tbps=0.68)
+  assert decode.busy_table([rec]) is None
+  table = decode.busy_table([dict(rec, busy_us=20.0, busy_tbps=1.7),
+                             dict(rec, row="cudnn", us=80.0)])
+  assert "20.0 (1.70)" in table and "–" in table and "device µs per call" in table
+
+
 def test_time_latency_synchronises_every_call():
   costs = iter([5.0] * 5 + [1e-6 * c for c in range(1, 101)])
   dev = FakeDevice(lambda x: next(costs))
