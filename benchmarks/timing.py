@@ -266,64 +266,49 @@ def copy_rate(nbytes: int = 2 ** 30) -> dict:
 # --- device time ---------------------------------------------------------------------------------
 
 DEVICE_PROCESS = "/device:GPU"  # a trace process whose name holds this is a GPU's (kernels, memsets)
-WINDOW_PREFIX = "device_busy:"  # the host annotation around one entry's profiled calls
 
 
-def busy_in_windows(events, windows: dict) -> dict:
-  """Seconds of device work that starts inside each window: ``{key: seconds or None}``.
-
-  ``events``: a perfetto/chrome trace's event list (dicts with ``ph``, ``pid``, ``ts``, ``dur`` in
-  µs, and ``M`` metadata naming each ``pid``); ``windows``: ``{key: (start µs, end µs)}``. A
-  device event is a complete (``X``) event of a process whose name holds :data:`DEVICE_PROCESS`;
-  None where the trace holds no device event at all (no GPU)."""
+def device_seconds(events) -> float | None:
+  """Seconds of device work in a perfetto/chrome trace's event list: the summed durations (``dur``,
+  µs) of the complete (``X``) events of every process whose name (its ``process_name`` metadata)
+  holds :data:`DEVICE_PROCESS`; None where the trace has no such event (no GPU)."""
   names = {e.get("pid"): (e.get("args") or {}).get("name", "") for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   device = [e for e in events if e.get("ph") == "X" and DEVICE_PROCESS in names.get(e.get("pid"), "")]
   if not device:
-    return {key: None for key in windows}
-  busy = {key: 0.0 for key in windows}
-  for e in device:
-    for key, (t0, t1) in windows.items():
-      if t0 <= e["ts"] < t1:
-        busy[key] += float(e.get("dur", 0.0)) * 1e-6
-        break
-  return busy
-
-
-def annotation_windows(events) -> dict:
-  """``{key: (start µs, end µs)}`` of the host annotations named ``WINDOW_PREFIX + key``."""
-  return {e["name"][len(WINDOW_PREFIX):]: (e["ts"], e["ts"] + e.get("dur", 0.0)) for e in events
-          if e.get("ph") == "X" and str(e.get("name", "")).startswith(WINDOW_PREFIX)}
+    return None
+  return sum(float(e.get("dur", 0.0)) for e in device) * 1e-6
 
 
 def device_busy(entries: dict, *, calls: int = 20, block=_block) -> dict:
   """Device work per call of each entry (``{key: (fn, args)}``, already warmed up): ``{key:
-  seconds or None}``, from one ``jax.profiler`` trace in which each entry runs ``calls``
-  back-to-back calls inside a host annotation, the kernels' and memory operations' durations summed
-  and divided by ``calls``. Launch gaps and the host's dispatch are not in it: next to the
-  back-to-back time per call it tells the device's share. None without a GPU or a trace."""
+  seconds or None}``. Each entry runs ``calls`` back-to-back calls in a ``jax.profiler`` trace of its
+  own; the kernels' and memory operations' durations are summed and divided by ``calls``. Launch
+  gaps and the host's dispatch are not in it: next to the back-to-back time per call it tells the
+  device's share. None without a GPU or a trace."""
   import glob
   import gzip
   import json
   import tempfile
 
   import jax
-  with tempfile.TemporaryDirectory() as d:
-    try:
-      with jax.profiler.trace(d, create_perfetto_trace=True):
-        for key, (fn, args) in entries.items():
-          with jax.profiler.TraceAnnotation(WINDOW_PREFIX + str(key)):
-            out = None
-            for _ in range(calls):
-              out = fn(*args)
-            block(out)
-      files = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)
-      if not files:
-        return {key: None for key in entries}
-      with gzip.open(files[0]) as f:
-        trace = json.load(f)
-    except Exception:  # noqa: BLE001 - no profiler here: no device time
-      return {key: None for key in entries}
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  busy = busy_in_windows(events, annotation_windows(events))
-  return {key: None if busy.get(str(key)) is None else busy[str(key)] / calls for key in entries}
+  busy = {}
+  for key, (fn, args) in entries.items():
+    busy[key] = None
+    with tempfile.TemporaryDirectory() as d:
+      try:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+          out = None
+          for _ in range(calls):
+            out = fn(*args)
+          block(out)
+        files = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)
+        if not files:
+          continue
+        with gzip.open(files[0]) as f:
+          trace = json.load(f)
+      except Exception:  # noqa: BLE001 - no profiler here: no device time
+        continue
+    seconds = device_seconds(trace["traceEvents"] if isinstance(trace, dict) else trace)
+    busy[key] = None if seconds is None else seconds / calls
+  return busy

@@ -105,27 +105,19 @@ def test_time_interleaved_rotates_the_order_and_isolates_failures():
     timing.time_interleaved(entries, reps=0)
 
 
-def test_device_busy_sums_the_device_events_inside_each_window():
-  """busy_in_windows: device events (a process named /device:GPU...) that start inside an entry's
-  host annotation count towards it, host events and events outside every window do not; no device
-  process at all (a CPU trace): None for every entry."""
+def test_device_seconds_sums_the_gpu_process_events():
+  """device_seconds: the complete events of a process named /device:GPU... count, host events do
+  not; a trace without a device process (a CPU's): None."""
   events = [
       {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
-      {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0 (pid 7)"}},
-      {"ph": "X", "pid": 1, "name": timing.WINDOW_PREFIX + "fa2", "ts": 100.0, "dur": 50.0},
-      {"ph": "X", "pid": 1, "name": timing.WINDOW_PREFIX + "cudnn", "ts": 200.0, "dur": 50.0},
+      {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
       {"ph": "X", "pid": 7, "name": "split", "ts": 110.0, "dur": 10.0},
-      {"ph": "X", "pid": 7, "name": "combine", "ts": 149.0, "dur": 4.0},  # starts inside: counts
-      {"ph": "X", "pid": 7, "name": "sdpa", "ts": 205.0, "dur": 30.0},
-      {"ph": "X", "pid": 7, "name": "stray", "ts": 170.0, "dur": 9.0},  # between the windows
+      {"ph": "X", "pid": 7, "name": "combine", "ts": 149.0, "dur": 4.0},
+      {"ph": "i", "pid": 7, "name": "marker", "ts": 150.0},
       {"ph": "X", "pid": 1, "name": "host work", "ts": 120.0, "dur": 20.0},
   ]
-  windows = timing.annotation_windows(events)
-  assert windows == {"fa2": (100.0, 150.0), "cudnn": (200.0, 250.0)}
-  busy = timing.busy_in_windows(events, windows)
-  assert busy == pytest.approx({"fa2": 14e-6, "cudnn": 30e-6})
-  assert timing.busy_in_windows(events[:1] + events[2:4] + events[-1:], windows) == {
-      "fa2": None, "cudnn": None}
+  assert timing.device_seconds(events) == pytest.approx(14e-6)
+  assert timing.device_seconds(events[:1] + events[-1:]) is None
 
 
 def test_decode_report_has_a_device_time_table_only_where_measured():
