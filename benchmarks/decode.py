@@ -613,37 +613,36 @@ def table(data, cells) -> str:
        for i in cell_order(cells)])
 
 
+def row_table(cells, head: str, text) -> str:
+  """A cell × implementation table of ``text(record or None)``."""
+  names = main_rows(cells)
+  by = {(c["row"], c["id"]): c for c in cells}
+  firsts = {c["id"]: c for c in reversed(cells)}
+  return h.md_table([head] + [h.style(n)[0] for n in names],
+                    [[firsts[i]["label"]] + [text(by.get((n, i))) for n in names]
+                     for i in cell_order(cells)])
+
+
 def busy_table(cells) -> str | None:
   """µs of device work per call (TB/s over it), where a trace gave them (None: nowhere)."""
   if not any(h.finite(c.get("busy_us")) for c in cells):
     return None
-  names = main_rows(cells)
-  by = {(c["row"], c["id"]): c for c in cells}
-  firsts = {c["id"]: c for c in reversed(cells)}
 
   def text(c):
     if c is None or not h.finite(c.get("busy_us")):
       return "–"
     return f"{fmt_us(c['busy_us'])} ({fmt_tbps(c.get('busy_tbps'))})"
 
-  return h.md_table(["cell: device µs per call (TB/s)"] + [h.style(n)[0] for n in names],
-                    [[firsts[i]["label"]] + [text(by.get((n, i))) for n in names]
-                     for i in cell_order(cells)])
+  return row_table(cells, "cell: device µs per call (TB/s)", text)
 
 
 def error_table(cells) -> str:
-  names = main_rows(cells)
-  by = {(c["row"], c["id"]): c for c in cells}
-  firsts = {c["id"]: c for c in reversed(cells)}
-
   def text(c):
     if c is None or not h.finite(c.get("max_abs_err")):
       return "–"
     return f"{c['max_abs_err']:.1e}" + (" ⚠" if c.get("warning") else "")
 
-  return h.md_table(["cell"] + [h.style(n)[0] for n in names],
-                    [[firsts[i]["label"]] + [text(by.get((n, i))) for n in names]
-                     for i in cell_order(cells)])
+  return row_table(cells, "cell", text)
 
 
 def sweep_lines(cells) -> list[str]:
