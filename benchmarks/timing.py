@@ -272,7 +272,7 @@ def device_seconds(events) -> float | None:
   """Seconds of device work in a perfetto/chrome trace's event list: the summed durations (``dur``,
   µs) of the complete (``X``) events of every process whose name (its ``process_name`` metadata)
   holds :data:`DEVICE_PROCESS`; None where the trace has no such event (no GPU)."""
-  names = {e.get("pid"): (e.get("args") or {}).get("name", "") for e in events
+  names = {e.get("pid"): str((e.get("args") or {}).get("name", "")) for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   device = [e for e in events if e.get("ph") == "X" and DEVICE_PROCESS in names.get(e.get("pid"), "")]
   if not device:
@@ -307,8 +307,8 @@ def device_busy(entries: dict, *, calls: int = 20, block=_block) -> dict:
           continue
         with gzip.open(files[0]) as f:
           trace = json.load(f)
-      except Exception:  # noqa: BLE001 - no profiler here: no device time
+        seconds = device_seconds(trace["traceEvents"] if isinstance(trace, dict) else trace)
+      except Exception:  # noqa: BLE001 - no profiler or an unreadable trace: no device time
         continue
-    seconds = device_seconds(trace["traceEvents"] if isinstance(trace, dict) else trace)
     busy[key] = None if seconds is None else seconds / calls
   return busy
