@@ -659,10 +659,11 @@ def sweep_lines(cells) -> list[str]:
     default = next((c.get("us") for c in rows if c["row"] == "fa2"), None)
     rows = sorted(rows, key=lambda c: c.get("us") if h.finite(c.get("us")) else math.inf)
     lines += [f"### {rows[0]['label']}", "", h.md_table(
-        ["setting", "µs", "TB/s", "÷ default (time)"],
+        ["setting", "µs", "TB/s", "÷ default (time)", "device µs"],
         [[f"default ({c.get('config', '')})" if c["row"] == "fa2" else c["row"],
           fmt_us(c.get("us")) + (" ⚠" if c.get("warning") else ""),
-          fmt_tbps(c.get("tbps")), h.fmt_ratio(h.ratio(c.get("us"), default))]
+          fmt_tbps(c.get("tbps")), h.fmt_ratio(h.ratio(c.get("us"), default)),
+          fmt_us(c.get("busy_us")) if h.finite(c.get("busy_us")) else "–"]
          for c in rows]), ""]
   return ["## DecodeConfig sweep", ""] + lines if lines else []
 

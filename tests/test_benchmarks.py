@@ -981,8 +981,8 @@ def test_decode_table_and_plot_render_from_json(tmp_path, monkeypatch):
   assert "| 8 × 32k | 2.0e-04 | 2.0e-04 | 2.0e-04 | 4.0e-02 ⚠ | 2.0e-04 |" in lines
   assert any("copy rate: 4.10 TB/s" in x for x in lines) and any("9.5 µs per call" in x for x in lines)
   assert "## DecodeConfig sweep" in lines
-  assert row("| cfg bk32").endswith("| 380 | 2.83 | 0.95 |")
-  assert row("| default (bk64").endswith("| 400 | 2.68 | 1.00 |")
+  assert row("| cfg bk32").endswith("| 380 | 2.83 | 0.95 | – |")
+  assert row("| default (bk64").endswith("| 400 | 2.68 | 1.00 | – |")
   assert any(x.startswith("- **FlashAttention-3** warning (8x32k)") for x in lines)
   assert decode.summary(data).splitlines()[1].split() == ["8x32k", "fa2", "400", "(2.68)", "err", "2.0e-04"]
   (fig,) = figs
