@@ -1176,14 +1176,18 @@ def _kernel_setup(st, axis_name, q, k, v, extras) -> tuple[_Config, dict, str]:
   return cfg, ops, strategy
 
 
-def _to_layout(cfg: _Config, *xs, back: bool = False, kv: bool = False):
+def _move(xs, axis_name, axis_size: int, layout: str, *, back: bool = False) -> tuple:
   """``xs`` (arrays with the sequence on axis 1, or None) between this device's contiguous chunk
-  and its chunks of ``cfg.layout`` (``kv``: of ``cfg.kv_order``; ``back``: to the contiguous
-  one)."""
-  if (cfg.kv_order if kv else cfg.layout) == "contiguous":
-    return xs
-  return tuple(None if x is None else _relayout(x, cfg.axis_name, cfg.axis_size, 1,
-                                                to_zigzag=not back) for x in xs)
+  and its chunks of ``layout`` (``back``: to the contiguous one)."""
+  if layout == "contiguous":
+    return tuple(xs)
+  return tuple(None if x is None else _relayout(x, axis_name, axis_size, 1, to_zigzag=not back)
+               for x in xs)
+
+
+def _to_layout(cfg: _Config, *xs, back: bool = False, kv: bool = False):
+  """:func:`_move` to ``cfg.layout`` (``kv``: to ``cfg.kv_order``) or back."""
+  return _move(xs, cfg.axis_name, cfg.axis_size, cfg.kv_order if kv else cfg.layout, back=back)
 
 
 def _ops_in_layout(cfg: _Config, ops: dict) -> dict:
@@ -1329,20 +1333,13 @@ def explicit_call(call, found, implementation, block_sizes):
   c = math.prod(mesh.shape[a] for a in p.context)
 
   # The all-gather gathers K/V into natural order from either layout: only the query side moves.
-  kv_moves = strategy != "all_gather"
-  to_zigzag = functools.partial(_relayout, axis_name=axis, axis_size=c, seq_axis=1,
-                                to_zigzag=True)
+  kv_layout = "contiguous" if strategy == "all_gather" else layout
 
   def body(q, k, v, *extras):
     a = dict(zip(fields, extras))
-    if layout == "zigzag":  # segment ids travel with their tokens; the rest is per batch row
-      q = to_zigzag(q)
-      if a.get("q_segment_ids") is not None:
-        a["q_segment_ids"] = to_zigzag(a["q_segment_ids"])
-      if kv_moves:
-        k, v = to_zigzag(k), to_zigzag(v)
-        if a.get("kv_segment_ids") is not None:
-          a["kv_segment_ids"] = to_zigzag(a["kv_segment_ids"])
+    # segment ids travel with their tokens; the rest is per batch row
+    q, a["q_segment_ids"] = _move((q, a.get("q_segment_ids")), axis, c, layout)
+    k, v, a["kv_segment_ids"] = _move((k, v, a.get("kv_segment_ids")), axis, c, kv_layout)
     kw = dict(scale=call.scale, is_causal=call.is_causal, implementation=implementation,
               block_sizes=block_sizes, deterministic=call.deterministic, interpret=call.interpret,
               query_seq_lengths=a.get("q_lengths"), key_value_seq_lengths=a.get("kv_lengths"),
@@ -1350,12 +1347,9 @@ def explicit_call(call, found, implementation, block_sizes):
               kv_segment_ids=a.get("kv_segment_ids"), q_offset=a.get("q_offset"),
               logits_soft_cap=variant.soft_cap, alibi_slopes=a.get("alibi_slopes"),
               mask_fn=variant.mask_fn, score_fn=variant.score_fn)
-    out, lse = _context_parallel(
-        q, k, v, axis_name=axis, strategy=strategy, layout=layout, return_residual=True,
-        kv_layout="contiguous" if layout == "zigzag" and not kv_moves else None, **kw)
-    if layout == "zigzag":
-      out, lse = (_relayout(x, axis, c, 1, to_zigzag=False) for x in (out, lse))
-    return out, lse
+    out, lse = _context_parallel(q, k, v, axis_name=axis, strategy=strategy, layout=layout,
+                                 return_residual=True, kv_layout=kv_layout, **kw)
+    return _move((out, lse), axis, c, layout, back=True)
 
   return sharding.shard_map_call(body, mesh, p, arrays, specs, layouts,
                                  (sharding.O, sharding.LSE_PUBLIC))
