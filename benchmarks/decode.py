@@ -197,16 +197,16 @@ XLA_MAX_SCORE_BYTES = 4 * 2 ** 30  # the formula's f32 scores [B, N, T, S]: no r
 
 
 def sweep_configs() -> list:
-  """The DecodeConfig grid of ``--sweep``: block_k × warps × stages ×
-  (heuristic splits with 2 or 4 waves, or one split)."""
+  """The DecodeConfig grid of ``--sweep``: block_k × warps × stages × (the split rules' own
+  programs per SM, two per SM, or one split)."""
   from fa2_jax import DecodeConfig
   return [DecodeConfig(block_k=bk, num_splits=sp, num_warps=w, num_stages=st, waves=wv)
           for bk, w, st in itertools.product((32, 64, 128), (4, 8), (2, 3))
-          for sp, wv in ((None, 2), (None, 4), (1, 2))]
+          for sp, wv in ((None, None), (None, 2), (1, None))]
 
 
 def config_name(cfg) -> str:
-  return (f"cfg bk{cfg.block_k} splits {cfg.num_splits or 'auto'} waves {cfg.waves} "
+  return (f"cfg bk{cfg.block_k} splits {cfg.num_splits or 'auto'} waves {cfg.waves or 'auto'} "
           f"warps {cfg.num_warps} stages {cfg.num_stages}")
 
 

@@ -134,6 +134,12 @@ def reads_pages(call, kwargs) -> bool:
                                                        kwargs.get("block_sizes")).delegate_forward)
 
 
+def _paged_call(call, page_size: int):
+  """The kernel call as the decode family sees a paged cache (its split rule counts the pages'
+  lookups)."""
+  return dataclasses.replace(call.kernel_call, page_size=int(page_size))
+
+
 def _prepare_args(kwargs):
   names = ("scale", "is_causal", "implementation", "return_residual", "block_sizes",
            "deterministic", "interpret")
@@ -153,7 +159,7 @@ def _decode_forward(query, key, value, block_table, arrays, static):
   logical_k, logical_v = logical_kv(key, value, b, s)
   call = prepare(query, logical_k, logical_v, **_prepare_args(kwargs))
   family = registry.get("decode")
-  launch = family.launch_config(call.kernel_call, kwargs.get("block_sizes"))
+  launch = family.launch_config(_paged_call(call, page_size), kwargs.get("block_sizes"))
   variant = call.variant
   scale = kernel_scale(call.scale)
   with jax.enable_x64(False):
@@ -202,9 +208,11 @@ def backend_for_paged(query, key, value, block_table, **kwargs):
   b, max_pages, page_size = query.shape[0], block_table.shape[1], key.shape[1]
   logical_k, logical_v = logical_kv(key, value, b, max_pages * page_size)
   call = prepare(query, logical_k, logical_v, **_prepare_args(kwargs))
-  d = dispatch.describe(call.backend, call.kernel_call, implementation=kwargs.get("implementation"),
+  pages = reads_pages(call, kwargs)
+  d = dispatch.describe(call.backend, _paged_call(call, page_size) if pages else call.kernel_call,
+                        implementation=kwargs.get("implementation"),
                         config=kwargs.get("block_sizes"), formula_reason=call.formula_reason)
-  if reads_pages(call, kwargs):
+  if pages:
     return dataclasses.replace(d, reason=f"block_table: the kernel reads the {max_pages} pages of "
                                f"{page_size} keys per row through the table; {d.reason}")
   return dataclasses.replace(d, reason="block_table: the pages are gathered into contiguous K/V "

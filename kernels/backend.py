@@ -31,7 +31,9 @@ class KernelCall:
   ``q_shape`` ``[B, T, N, H]``, ``k_shape`` ``[B, S, K, H]`` (static ints, non-empty); ``variant`` the
   call's attention variant (``Variant(is_causal=...)`` for a plain call); ``interpret``: Pallas
   interpret mode was asked for (``interpret=True``); ``value_head_dim`` the value's (and the
-  output's) head_dim ``Hv``, value ``[B, S, K, Hv]`` (None given: ``H``, stored so).
+  output's) head_dim ``Hv``, value ``[B, S, K, Hv]`` (None given: ``H``, stored so);
+  ``page_size``: keys per page where the decode kernel reads a paged cache through its table
+  (``k_shape`` then the logical ``[B, max_pages * page_size, K, H]``), else None.
   """
 
   q_shape: tuple[int, ...]
@@ -42,6 +44,7 @@ class KernelCall:
   interpret: bool = False
   deterministic: bool = False
   value_head_dim: int | None = None
+  page_size: int | None = None
 
   def __post_init__(self):
     if self.value_head_dim is None:  # one value per call: equal calls compare (and hash) equal

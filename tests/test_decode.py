@@ -17,8 +17,8 @@ import fa2_jax
 from conftest import on_gpu
 from fa2_jax.kernels import registry
 from fa2_jax.kernels.decode.config import (DecodeConfig, DecodeLaunch, MAX_SPLITS,
-                                           grid_splits_by_length, num_splits_heuristic,
-                                           row_splits)
+                                           grid_splits_by_length, length_splits,
+                                           num_splits_heuristic, row_splits)
 
 INTERPRET = None if on_gpu() else True
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -355,6 +355,23 @@ def test_ragged_rows_take_their_own_split_counts():
   assert d.backend == "decode" and "up to" not in d.forward[0], d
 
 
+def test_rows_of_one_length_split_evenly():
+  """A batch whose rows reach as many keys (here all at 700 of 1024, NaN stored past them) takes the
+  even split count inside the by-length grid (kernels/decode/config.row_splits' ``even_splits``),
+  which ``backend_for`` names; out and lse against the float64 formula, also with a window, and a
+  batch of one different row still splitting by length."""
+  lens = jnp.full((3,), 700, jnp.int32)
+  q, k, v = _inputs(3, 1, 4, 2, 32, 1024, "float32", nan_past=lens)
+  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 1)
+  d = fa2_jax.backend_for(q, k, v, interpret=INTERPRET, **kw)
+  assert "each where every row reaches as many keys" in d.reason, d
+  _check(q, k, v, **kw)
+  _check(q, k, v, local_window_size=(300, 0), **kw)
+  lens = jnp.array([700, 700, 130], jnp.int32)
+  q, k, v = _inputs(3, 1, 4, 2, 32, 1024, "float32", seed=1, nan_past=lens)
+  _check(q, k, v, is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 1)
+
+
 def test_row_split_counts():
   # the grid: 3x the static count, at most what one row with every key of the batch would take
   assert grid_splits_by_length(8, 512, 5, sms=132, waves=2) == 15
@@ -365,9 +382,21 @@ def test_row_split_counts():
   # full rows: the static count's chunks (8 rows x 8 heads x 512 blocks over 264 programs)
   full = row_splits(jnp.full((8,), 512), kv_heads=8, grid_splits=33, target=264)
   assert list(np.asarray(full)) == [5] * 8
+  # ... unless every row reaching as many blocks takes the even count
+  even = row_splits(jnp.full((8,), 512), kv_heads=8, grid_splits=33, target=264, even_splits=2)
+  assert list(np.asarray(even)) == [2] * 8
+  one = row_splits(jnp.int32(512), kv_heads=8, grid_splits=33, target=264, total=8 * 512,
+                   even_splits=2, equal=jnp.bool_(True))
+  assert int(one) == 2
+  # short equal rows keep 2 blocks per split; empty equal rows one split
+  short = row_splits(jnp.full((3,), 3), kv_heads=8, grid_splits=33, target=264, even_splits=4)
+  assert list(np.asarray(short)) == [1] * 3
+  empty = row_splits(jnp.zeros((3,), jnp.int32), kv_heads=8, grid_splits=33, target=264,
+                     even_splits=4)
+  assert list(np.asarray(empty)) == [1] * 3
   # ragged: rows split in proportion to their blocks, an empty row once, none past the grid
   counts = np.asarray(row_splits(jnp.array([445, 0, 71, 300, 5]), kv_heads=8, grid_splits=6,
-                                 target=264))
+                                 target=264, even_splits=2))  # rows of different lengths
   chunk = -(-(445 + 71 + 300 + 5) * 8 // 264)
   assert list(counts) == [min(6, -(-445 // chunk)), 1, -(-71 // chunk), min(6, -(-300 // chunk)), 1]
   assert counts[0] > counts[2] >= 1
@@ -390,32 +419,53 @@ def test_decode_config_validates_its_fields():
   assert DecodeConfig.default(128, jnp.bfloat16).block_k == 64
   assert DecodeConfig.default(256, jnp.bfloat16) == DecodeConfig.default(128, jnp.bfloat16)
   assert DecodeConfig.default(64, jnp.float32).block_k == 32
-  assert DecodeConfig.default(128, jnp.bfloat16, rows=4).waves == 2  # GQA 32/8, one new row
-  assert DecodeConfig.default(128, jnp.bfloat16, rows=32).waves == 1  # MQA 32/1: one wave
+  # the split rules' own programs per SM unless asked (kernels/decode/backend.py)
+  assert DecodeConfig.default(128, jnp.bfloat16, rows=4).waves is None
+  assert DecodeConfig.default(128, jnp.bfloat16, rows=32).waves is None
+  assert DecodeConfig(waves=3).waves == 3
   for rows in (0, 2.0, True):
     with pytest.raises(ValueError, match="rows must be a positive int"):
       DecodeConfig.default(128, jnp.bfloat16, rows=rows)
   hash(DecodeLaunch(DecodeConfig(), 3, 4, "triton", fa2_jax.BlockSizes()))
 
 
-def test_split_heuristic_fills_the_gpu():
+def test_split_heuristic_fills_the_sms_evenly():
   # enough (batch, KV head) programs already: no split
   assert num_splits_heuristic(64 * 8, 64, sms=132) == 1
-  assert num_splits_heuristic(220, 64, sms=132) == 1
-  # one sequence, 8 KV heads, 4096 keys in 64-key blocks: 33 splits would reach 2 waves, but a
-  # split keeps 2 blocks at least: 32
-  assert num_splits_heuristic(8, 64, sms=132) == 32
-  # long cache: the split count reaching 2 waves, lowered to the least with the same chunk length
-  s = num_splits_heuristic(8, 2048, sms=132)
-  assert 8 * s >= 264 and s <= MAX_SPLITS
-  per = -(-2048 // s)
-  assert -(-2048 // per) == s
+  assert num_splits_heuristic(128, 512, sms=132) == 1  # 16 x 32k GQA 32/8: 128 of 132 SMs
+  # 8 x 32k GQA 32/8 (64 programs): 2 splits fill one round (128 of 132); 3 would double up 60 SMs
+  assert num_splits_heuristic(64, 512, sms=132) == 2
+  # a paged cache asks two programs per SM: 4 splits, 256 programs in two rounds
+  assert num_splits_heuristic(64, 512, sms=132, waves=2) == 4
+  # MQA / one sequence of 8 KV heads: 16 splits, 128 programs
+  assert num_splits_heuristic(8, 512, sms=132) == 16
+  # no count fills 95% within two rounds: the fewest splits of the best fill (3 x 40 = 120)
+  assert num_splits_heuristic(40, 512, sms=132) == 3
+  # two full rounds where one round cannot be filled evenly (24 x 11 = 264)
+  assert num_splits_heuristic(24, 512, sms=132) == 11
+  for programs, n_blocks in [(64, 512), (8, 2048), (40, 512), (3, 777), (17, 300)]:
+    for waves in (1, 2):
+      s = num_splits_heuristic(programs, n_blocks, sms=132, waves=waves)
+      assert 1 <= s <= MAX_SPLITS and programs * s <= (waves + 1) * 132
+      per = -(-n_blocks // s)
+      assert -(-n_blocks // per) == s  # no empty trailing chunk
   # short cache: never a split shorter than 2 blocks
   assert num_splits_heuristic(1, 5, sms=132) == 2
   assert num_splits_heuristic(1, 1, sms=132) == 1
-  # more waves asked: more splits
-  assert num_splits_heuristic(16, 1024, sms=132, waves=4) >= num_splits_heuristic(16, 1024,
-                                                                                  sms=132)
+
+
+def test_length_split_base_count_reaches_two_programs_per_sm():
+  assert length_splits(64 * 8, 64, sms=132) == 1
+  assert length_splits(220, 64, sms=132) == 1
+  # 8 x 32k GQA 32/8: 5 splits reach 264 programs
+  assert length_splits(64, 512, sms=132) == 5
+  # one sequence, 8 KV heads, 4096 keys in 64-key blocks: 33 splits would reach 2 waves, but a
+  # split keeps 2 blocks at least: 32
+  assert length_splits(8, 64, sms=132) == 32
+  s = length_splits(8, 2048, sms=132)
+  assert 8 * s >= 264 and s <= MAX_SPLITS
+  assert length_splits(1, 5, sms=132) == 2
+  assert length_splits(16, 1024, sms=132, waves=4) >= length_splits(16, 1024, sms=132)
 
 
 # --- the Triton lowering (no GPU needed) ---------------------------------------------------------

@@ -16,8 +16,15 @@ from .. import platform
 from ..backend import Backend, KernelCall
 from ..sm90.backend import SM90
 from ..triton.backend import TRITON, triton_refusal
-from .config import (DEFAULT_SMS, FULL_TILE_ROWS, DecodeConfig, DecodeLaunch,
-                     grid_splits_by_length, num_splits_heuristic)
+from .config import (DEFAULT_SMS, FULL_TILE_ROWS, LENGTH_WAVES, DecodeConfig, DecodeLaunch,
+                     grid_splits_by_length, length_splits, num_splits_heuristic)
+
+# Programs per SM the even split count aims at (DecodeConfig.waves None): one for a contiguous
+# cache, two for a paged one, whose per-page table lookups leave one program per SM waiting (8 x 32k,
+# 16- and 256-key pages: 2 splits 430 and 419 us of device time, 4-5 splits 346-352;
+# docs/measurements.md#decode-split-counts).
+EVEN_WAVES = 1
+PAGED_EVEN_WAVES = 2
 
 # Decode-shaped: at most MAX_NEW_ROWS new rows, at most MAX_ROWS packed rows (T * N / K) per program,
 # and keys at least MIN_KEYS and KEYS_PER_ROW times the rows.
@@ -109,16 +116,22 @@ class DecodeBackend(Backend):
     kh = call.k_shape[2]
     n_blocks = -(-call.seq_k // config.block_k)
     sms = sm_count()
+    even_waves = config.waves or (EVEN_WAVES if call.page_size is None else PAGED_EVEN_WAVES)
     splits = config.num_splits or num_splits_heuristic(b * kh, n_blocks, sms=sms,
-                                                       waves=config.waves)
-    target = None
-    if config.num_splits is None and splits > 1 and splits_by_length(call):
-      target = config.waves * sms
-      splits = grid_splits_by_length(kh, n_blocks, splits, sms=sms, waves=config.waves)
+                                                       waves=even_waves)
+    target = even = None
+    if config.num_splits is None and splits_by_length(call):
+      length_waves = config.waves or LENGTH_WAVES
+      base = length_splits(b * kh, n_blocks, sms=sms, waves=length_waves)
+      if base > 1:  # rows of different lengths split by them; rows of one length evenly
+        target, even = length_waves * sms, splits
+        splits = max(splits, grid_splits_by_length(kh, n_blocks, base, sms=sms,
+                                                   waves=length_waves))
     return DecodeLaunch(config, min(splits, n_blocks), t * (n // kh), family.name,
                         family.launch_config(call, None),
                         delegate_forward=decode_shape_refusal(call.q_shape, call.k_shape)
-                        is not None, split_target=target)
+                        is not None, split_target=target,
+                        even_splits=None if even is None else min(even, n_blocks))
 
   def clips_ranges(self, config: DecodeLaunch) -> bool:
     # The decode kernel clips its scalars (kernels/decode/forward.py); a delegated forward does not.
@@ -152,7 +165,8 @@ class DecodeBackend(Backend):
     splits = f"{config.num_splits} split{'s' if config.num_splits > 1 else ''}"
     if config.split_target:
       splits = (f"up to {splits} per row, each row's count from the rows' reachable keys at run "
-                f"time for about {config.split_target} programs in all,")
+                f"time for about {config.split_target} programs in all ({config.even_splits} "
+                f"each where every row reaches as many keys),")
     return (f"a decoding call (T={t} new rows x {n // kh} query heads per KV head = {config.rows} "
             f"rows in one {config.rows_padded}-row tile, S={call.seq_k} keys in {splits} of "
             f"{config.block_k}-key blocks); the backward is {config.backward}'s")
@@ -170,7 +184,7 @@ class DecodeBackend(Backend):
                    num_splits=config.num_splits, rows_padded=config.rows_padded,
                    num_warps=config.config.num_warps, num_stages=config.config.num_stages,
                    interpret=interpret, block_table=block_table, seq_k=seq_k,
-                   split_target=config.split_target)
+                   split_target=config.split_target, even_splits=config.even_splits)
 
   def differentiates_slopes(self, config: DecodeLaunch) -> bool:
     return self._family(config).differentiates_slopes(config.backward_config)

@@ -20,14 +20,21 @@ from ..triton.config import check_launch_field
 # shorter than MIN_BLOCKS_PER_SPLIT key blocks (each split pays its setup and a partial's write).
 MAX_SPLITS = 128
 MIN_BLOCKS_PER_SPLIT = 2
-# Packed query rows from which a decode program's tile does enough work per key block that one wave
-# of programs beats two (DecodeConfig.default).
+# Packed query rows from which a batch's rows keep one split count instead of splitting by length
+# (kernels/decode/backend.py splits_by_length: MQA's 32-row tiles were 5% slower by length).
 FULL_TILE_ROWS = 32
 # Splits by the rows' lengths (row_splits): the grid holds at most this many times the static count
 # per row, room for a row with this many times the mean row's reachable keys to split as finely as
 # the rest (a longer one takes longer chunks); the unused programs cost their launch (3 against 2
 # and 4: docs/measurements.md#decode-kernels).
 LENGTH_SPLITS_FACTOR = 3
+# The even-split rule (num_splits_heuristic): the programs reach this share of the wanted SM slots and
+# fill their last round of SMs at least this full (8 x 32k GQA 32/8: 2 splits = 128 programs on 132
+# SMs 339 us of device time, 3 = 192 programs 373, 4 = 256 programs 344, 5 = 320 programs 362).
+SPLIT_FILL = 0.95
+# Splits by length: programs per SM the rows' counts aim at (row_splits' target; 8 x 32k ragged:
+# 156 us of device time against 163 with one per SM).
+LENGTH_WAVES = 2
 # SMs of an H100 SXM: the heuristic's count where the device does not say (on CPU, interpret mode).
 DEFAULT_SMS = 132
 
@@ -45,21 +52,22 @@ class DecodeConfig:
     num_splits: programs per (batch element, KV head) that share its key range; None: the
       heuristic (:func:`num_splits_heuristic`) picks it from B, K, S and the SM count.
     num_warps, num_stages: Triton launch settings of the forward kernel.
-    waves: the heuristic's target, in programs per SM: it splits the keys until ``B * K * splits``
-      reaches ``waves`` times the SM count (or the splits would get shorter than
-      ``MIN_BLOCKS_PER_SPLIT`` key blocks).
+    waves: the split rules' target, in programs per SM; None: one for a contiguous cache's
+      even splits, two for a paged cache's (whose page lookups want a second program per SM to
+      hide) and for splits by length (:data:`LENGTH_WAVES`). See :func:`num_splits_heuristic`
+      and :func:`row_splits`.
   """
 
   block_k: int = 64
   num_splits: int | None = None
   num_warps: int = 4
   num_stages: int = 2
-  waves: int = 2
+  waves: int | None = None
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      if f.name == "num_splits" and v is None:
+      if f.name in ("num_splits", "waves") and v is None:
         continue
       if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
         raise TypeError(f"DecodeConfig.{f.name} must be an int, got {type(v).__name__} {v!r}")
@@ -69,7 +77,7 @@ class DecodeConfig:
     if self.num_splits is not None and not 1 <= self.num_splits <= 1024:
       raise ValueError(f"DecodeConfig.num_splits must be None or in [1, 1024], got "
                        f"{self.num_splits}")
-    if not 1 <= self.waves <= 64:
+    if self.waves is not None and not 1 <= self.waves <= 64:
       raise ValueError(f"DecodeConfig.waves must be in [1, 64], got {self.waves}")
 
   replace = dataclasses.replace
@@ -80,11 +88,9 @@ class DecodeConfig:
     (docs/measurements.md#decode-kernels: on an H100 three stages read 64 x 8k at 721 us against
     787 with two, 32 x 16k ragged at 461 against 507, the rest equal; at head_dim 256, [64, 256]
     K and V tiles of 32 KiB each, 8 x 32k at 751 us against 901 with 32 keys and two stages), 32
-    keys and two stages for float32. ``rows``: the
-    query rows a program packs (``T * N / K``); from :data:`FULL_TILE_ROWS` up (MQA) one wave of
-    programs: its splits each do 8x a 4-row tile's work per key, and fewer, longer splits read
-    faster (docs/measurements.md#decode-kernels: 8 x 32k MQA 32/1 75 us against 81 with two waves,
-    64 x 8k 118 against 144)."""
+    keys and two stages for float32; ``waves`` None (the split rules' own). ``rows``: the query
+    rows a program packs (``T * N / K``), checked only (the split rules see them through the
+    launch)."""
     if isinstance(head_dim, (bool, np.bool_)) or not isinstance(head_dim, (int, np.integer)):
       raise TypeError(f"head_dim must be an int, got {type(head_dim).__name__} {head_dim!r}")
     if head_dim < 1:
@@ -93,30 +99,55 @@ class DecodeConfig:
       raise ValueError(f"rows must be a positive int (the query rows a program packs), got "
                        f"{rows!r}")
     f32 = check_input_dtype(dtype) == jnp.float32
-    return cls(block_k=32 if f32 else 64, num_warps=4, num_stages=2 if f32 else 3,
-               waves=1 if rows >= FULL_TILE_ROWS else 2)
+    return cls(block_k=32 if f32 else 64, num_warps=4, num_stages=2 if f32 else 3)
 
 
-def num_splits_heuristic(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS, waves: int = 2,
+def num_splits_heuristic(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS, waves: int = 1,
                          max_splits: int = MAX_SPLITS,
                          min_blocks: int = MIN_BLOCKS_PER_SPLIT) -> int:
-  """How many splits of the key range (>= 1).
+  """How many splits of the key range (>= 1) when every row takes the same count.
 
   ``programs`` = B * K (one program per batch element and KV head before splitting), ``n_blocks``
-  the key blocks of the longest row (S_max / block_k: static; the rows' own lengths are not known
-  when the kernel is built, and each row's reachable range is split evenly among the splits at run
-  time). With at least 0.8 * ``waves * sms`` programs the GPU is full without splitting: 1.
-  Otherwise the fewest splits that reach ``waves * sms`` programs, but no more than ``max_splits``
-  and no splits shorter than ``min_blocks`` key blocks (of the longest row); then the count is
-  lowered to the least that gives the longest row the same chunk length (no empty trailing chunk).
+  the key blocks of the longest row. With at least 0.8 * ``waves * sms`` programs the GPU is full
+  without splitting: 1. Otherwise the fewest splits whose programs reach :data:`SPLIT_FILL` of
+  ``waves * sms`` and fill their last round of SMs to :data:`SPLIT_FILL` (a round that leaves SMs
+  idle or doubles up a few of them costs the whole round: docs/measurements.md#decode-split-counts),
+  or, where no count up to ``(waves + 1) * sms`` programs does, the fewest splits of the best fill;
+  never more than ``max_splits`` nor splits shorter than ``min_blocks`` key blocks. The count is then lowered to the
+  least that gives the longest row the same chunk length (no empty trailing chunk).
   """
+  programs, n_blocks, sms = max(1, int(programs)), max(1, int(n_blocks)), max(1, int(sms))
+  if programs >= 0.8 * waves * sms:
+    return 1
+  cap = max(1, min(max_splits, n_blocks // max(1, min_blocks)))
+  splits, best_fill = 1, 0.0
+  for s in range(1, cap + 1):
+    p = programs * s
+    if s > 1 and p > (waves + 1) * sms:  # past one round more than asked: more, shorter splits
+      break
+    fill = p / (-(-p // sms) * sms)  # the programs over the SM slots of their rounds
+    if p >= SPLIT_FILL * waves * sms and fill >= SPLIT_FILL:
+      splits = s
+      break
+    if fill > best_fill:  # the fewest splits of the best fill
+      splits, best_fill = s, fill
+  per = -(-n_blocks // splits)
+  return max(1, -(-n_blocks // per))
+
+
+def length_splits(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS,
+                  waves: int = LENGTH_WAVES, max_splits: int = MAX_SPLITS,
+                  min_blocks: int = MIN_BLOCKS_PER_SPLIT) -> int:
+  """The base count of splits by length (:func:`grid_splits_by_length`, :func:`row_splits`): the
+  fewest splits that reach ``waves * sms`` programs (1 from 0.8 of them), no more than
+  ``max_splits`` nor splits shorter than ``min_blocks`` blocks, lowered to the least with the same
+  chunk length. 1: the rows do not split by length."""
   programs, n_blocks, sms = max(1, int(programs)), max(1, int(n_blocks)), max(1, int(sms))
   target = waves * sms
   if programs >= 0.8 * target:
     return 1
   cap = max(1, min(max_splits, n_blocks // max(1, min_blocks)))
   splits = min(cap, -(-target // programs))
-  # the split count that leaves no trailing empty chunk for the longest row
   per = -(-n_blocks // splits)
   return max(1, -(-n_blocks // per))
 
@@ -138,7 +169,8 @@ def grid_splits_by_length(kv_heads: int, n_blocks: int, static_splits: int, *,
 
 
 def row_splits(work, *, kv_heads: int, grid_splits: int, target: int,
-               min_blocks: int = MIN_BLOCKS_PER_SPLIT, total=None):
+               min_blocks: int = MIN_BLOCKS_PER_SPLIT, total=None, even_splits: int | None = None,
+               equal=None):
   """int32: each row's split count, from its reachable key blocks ``work`` (int32, at run time;
   ``[B]``, or one row's with ``total`` the sum over the batch's rows): the batch's ``kv_heads *
   total`` blocks in chunks sized so that about ``target`` programs share them (no chunk under
@@ -147,11 +179,24 @@ def row_splits(work, *, kv_heads: int, grid_splits: int, target: int,
   finely and short rows not at all, so no program of a ragged batch runs much past the others (the
   static count splits every row alike; FlashAttention-3's ``num_splits_dynamic`` does as this
   does). The decode kernel computes it in each program (jnp arithmetic: the same in and out of a
-  kernel)."""
+  kernel).
+
+  ``even_splits``: where every row reaches the same number of blocks (``equal``, a traced bool, for
+  one row's ``work``; computed from ``[B]`` ``work`` itself), each row takes this count instead
+  (:func:`num_splits_heuristic`'s, no chunk under ``min_blocks``): chunks sized for ``target``
+  programs round each row's count up, past a round of SMs (8 x 32k at capacity: 5 splits, 320
+  programs, 354 us of device time against 339 with the even 2:
+  docs/measurements.md#decode-split-counts)."""
   work = jnp.asarray(work, jnp.int32)
+  if equal is None and even_splits is not None:
+    equal = jnp.max(work) == jnp.min(work)
   total = jnp.sum(work) if total is None else total
   chunk = jnp.maximum(jnp.int32(max(1, min_blocks)), (total * kv_heads + target - 1) // target)
-  return jnp.clip((work + chunk - 1) // chunk, 1, grid_splits).astype(jnp.int32)
+  counts = jnp.clip((work + chunk - 1) // chunk, 1, grid_splits)
+  if even_splits is not None:
+    even = jnp.clip(work // max(1, min_blocks), 1, min(even_splits, grid_splits))
+    counts = jnp.where(equal, even, counts)
+  return counts.astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +216,8 @@ class DecodeLaunch:
     split_target: None: every row runs ``num_splits`` splits. Else the rows take their own counts
       at run time (:func:`row_splits`, about this many programs in all), ``num_splits`` being the
       grid's (:func:`grid_splits_by_length`).
+    even_splits: with ``split_target``, the count every row takes where all reach the same number
+      of key blocks (:func:`row_splits`' ``even_splits``); else None.
   """
 
   config: DecodeConfig
@@ -180,6 +227,7 @@ class DecodeLaunch:
   backward_config: object
   delegate_forward: bool = False
   split_target: int | None = None
+  even_splits: int | None = None
 
   @property
   def block_k(self) -> int:
