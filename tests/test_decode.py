@@ -323,6 +323,25 @@ def test_off_gpu_without_interpret_runs_the_formula():
   assert fa2_jax.backend_for(q, k).backend == "xla"
 
 
+def test_static_split_counts_fill_the_sms_and_pages_ask_two_per_sm():
+  """Without run-time lengths (or with one row) every row takes the even count on the 132 SMs the
+  heuristic assumes off a GPU: 8 x 32k GQA 32/8 (64 programs) 2 splits; one row of 8 KV heads 16
+  splits from a contiguous cache, 32 from a paged one (kernels/decode/backend.py PAGED_EVEN_WAVES)."""
+  if on_gpu():
+    pytest.skip("counts for the 132 SMs assumed off a GPU")
+  q, k = _shapes(b=8, n=32, kh=8, h=128, s=32768)
+  d = fa2_jax.backend_for(q, k, interpret=True)
+  assert d.forward[0] == "decode split-KV forward (2 splits)", d
+  lens = jax.ShapeDtypeStruct((1,), jnp.int32)
+  kw = dict(interpret=True, is_causal=True, key_value_seq_lengths=lens, q_offset=lens)
+  q1, k1 = _shapes(b=1, n=32, kh=8, h=128, s=32768)
+  assert fa2_jax.backend_for(q1, k1, **kw).forward[0] == "decode split-KV forward (16 splits)"
+  pages = jax.ShapeDtypeStruct((256, 128, 8, 128), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((1, 256), jnp.int32)
+  d = fa2_jax.backend_for(q1, pages, pages, block_table=table, **kw)
+  assert "through the table" in d.reason and d.forward[0] == "decode split-KV forward (32 splits)", d
+
+
 def test_a_forced_split_count_shows_in_backend_for():
   q, k = _shapes(s=4096)
   for splits, names in ((1, ("decode split-KV forward (1 split)",)),
@@ -355,23 +374,6 @@ def test_ragged_rows_take_their_own_split_counts():
   assert d.backend == "decode" and "up to" not in d.forward[0], d
 
 
-def test_rows_of_one_length_split_evenly():
-  """A batch whose rows reach as many keys (here all at 700 of 1024, NaN stored past them) takes the
-  even split count inside the by-length grid (kernels/decode/config.row_splits' ``even_splits``),
-  which ``backend_for`` names; out and lse against the float64 formula, also with a window, and a
-  batch of one different row still splitting by length."""
-  lens = jnp.full((3,), 700, jnp.int32)
-  q, k, v = _inputs(3, 1, 4, 2, 32, 1024, "float32", nan_past=lens)
-  kw = dict(is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 1)
-  d = fa2_jax.backend_for(q, k, v, interpret=INTERPRET, **kw)
-  assert "each where every row reaches as many keys" in d.reason, d
-  _check(q, k, v, **kw)
-  _check(q, k, v, local_window_size=(300, 0), **kw)
-  lens = jnp.array([700, 700, 130], jnp.int32)
-  q, k, v = _inputs(3, 1, 4, 2, 32, 1024, "float32", seed=1, nan_past=lens)
-  _check(q, k, v, is_causal=True, key_value_seq_lengths=lens, q_offset=lens - 1)
-
-
 def test_row_split_counts():
   # the grid: 3x the static count, at most what one row with every key of the batch would take
   assert grid_splits_by_length(8, 512, 5, sms=132, waves=2) == 15
@@ -382,21 +384,9 @@ def test_row_split_counts():
   # full rows: the static count's chunks (8 rows x 8 heads x 512 blocks over 264 programs)
   full = row_splits(jnp.full((8,), 512), kv_heads=8, grid_splits=33, target=264)
   assert list(np.asarray(full)) == [5] * 8
-  # ... unless every row reaching as many blocks takes the even count
-  even = row_splits(jnp.full((8,), 512), kv_heads=8, grid_splits=33, target=264, even_splits=2)
-  assert list(np.asarray(even)) == [2] * 8
-  one = row_splits(jnp.int32(512), kv_heads=8, grid_splits=33, target=264, total=8 * 512,
-                   even_splits=2, equal=jnp.bool_(True))
-  assert int(one) == 2
-  # short equal rows keep 2 blocks per split; empty equal rows one split
-  short = row_splits(jnp.full((3,), 3), kv_heads=8, grid_splits=33, target=264, even_splits=4)
-  assert list(np.asarray(short)) == [1] * 3
-  empty = row_splits(jnp.zeros((3,), jnp.int32), kv_heads=8, grid_splits=33, target=264,
-                     even_splits=4)
-  assert list(np.asarray(empty)) == [1] * 3
   # ragged: rows split in proportion to their blocks, an empty row once, none past the grid
   counts = np.asarray(row_splits(jnp.array([445, 0, 71, 300, 5]), kv_heads=8, grid_splits=6,
-                                 target=264, even_splits=2))  # rows of different lengths
+                                 target=264))
   chunk = -(-(445 + 71 + 300 + 5) * 8 // 264)
   assert list(counts) == [min(6, -(-445 // chunk)), 1, -(-71 // chunk), min(6, -(-300 // chunk)), 1]
   assert counts[0] > counts[2] >= 1

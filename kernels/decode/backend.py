@@ -119,19 +119,17 @@ class DecodeBackend(Backend):
     even_waves = config.waves or (EVEN_WAVES if call.page_size is None else PAGED_EVEN_WAVES)
     splits = config.num_splits or num_splits_heuristic(b * kh, n_blocks, sms=sms,
                                                        waves=even_waves)
-    target = even = None
+    target = None
     if config.num_splits is None and splits_by_length(call):
       length_waves = config.waves or LENGTH_WAVES
       base = length_splits(b * kh, n_blocks, sms=sms, waves=length_waves)
-      if base > 1:  # rows of different lengths split by them; rows of one length evenly
-        target, even = length_waves * sms, splits
-        splits = max(splits, grid_splits_by_length(kh, n_blocks, base, sms=sms,
-                                                   waves=length_waves))
+      if base > 1:  # each row its own count, from its reachable keys at run time
+        target = length_waves * sms
+        splits = grid_splits_by_length(kh, n_blocks, base, sms=sms, waves=length_waves)
     return DecodeLaunch(config, min(splits, n_blocks), t * (n // kh), family.name,
                         family.launch_config(call, None),
                         delegate_forward=decode_shape_refusal(call.q_shape, call.k_shape)
-                        is not None, split_target=target,
-                        even_splits=None if even is None else min(even, n_blocks))
+                        is not None, split_target=target)
 
   def clips_ranges(self, config: DecodeLaunch) -> bool:
     # The decode kernel clips its scalars (kernels/decode/forward.py); a delegated forward does not.
@@ -165,8 +163,7 @@ class DecodeBackend(Backend):
     splits = f"{config.num_splits} split{'s' if config.num_splits > 1 else ''}"
     if config.split_target:
       splits = (f"up to {splits} per row, each row's count from the rows' reachable keys at run "
-                f"time for about {config.split_target} programs in all ({config.even_splits} "
-                f"each where every row reaches as many keys),")
+                f"time for about {config.split_target} programs in all,")
     return (f"a decoding call (T={t} new rows x {n // kh} query heads per KV head = {config.rows} "
             f"rows in one {config.rows_padded}-row tile, S={call.seq_k} keys in {splits} of "
             f"{config.block_k}-key blocks); the backward is {config.backward}'s")
@@ -184,7 +181,7 @@ class DecodeBackend(Backend):
                    num_splits=config.num_splits, rows_padded=config.rows_padded,
                    num_warps=config.config.num_warps, num_stages=config.config.num_stages,
                    interpret=interpret, block_table=block_table, seq_k=seq_k,
-                   split_target=config.split_target, even_splits=config.even_splits)
+                   split_target=config.split_target)
 
   def differentiates_slopes(self, config: DecodeLaunch) -> bool:
     return self._family(config).differentiates_slopes(config.backward_config)

@@ -169,8 +169,7 @@ def grid_splits_by_length(kv_heads: int, n_blocks: int, static_splits: int, *,
 
 
 def row_splits(work, *, kv_heads: int, grid_splits: int, target: int,
-               min_blocks: int = MIN_BLOCKS_PER_SPLIT, total=None, even_splits: int | None = None,
-               equal=None):
+               min_blocks: int = MIN_BLOCKS_PER_SPLIT, total=None):
   """int32: each row's split count, from its reachable key blocks ``work`` (int32, at run time;
   ``[B]``, or one row's with ``total`` the sum over the batch's rows): the batch's ``kv_heads *
   total`` blocks in chunks sized so that about ``target`` programs share them (no chunk under
@@ -179,24 +178,13 @@ def row_splits(work, *, kv_heads: int, grid_splits: int, target: int,
   finely and short rows not at all, so no program of a ragged batch runs much past the others (the
   static count splits every row alike; FlashAttention-3's ``num_splits_dynamic`` does as this
   does). The decode kernel computes it in each program (jnp arithmetic: the same in and out of a
-  kernel).
-
-  ``even_splits``: where every row reaches the same number of blocks (``equal``, a traced bool, for
-  one row's ``work``; computed from ``[B]`` ``work`` itself), each row takes this count instead
-  (:func:`num_splits_heuristic`'s, no chunk under ``min_blocks``): chunks sized for ``target``
-  programs round each row's count up, past a round of SMs (8 x 32k at capacity: 5 splits, 320
-  programs, 354 us of device time against 339 with the even 2:
+  kernel). Rows at one length round up to the count of the static 2 x SMs target, not the even
+  count (8 x 32k at capacity: 5 splits, 354 us of device time where 2 static splits take 339;
   docs/measurements.md#decode-split-counts)."""
   work = jnp.asarray(work, jnp.int32)
-  if equal is None and even_splits is not None:
-    equal = jnp.max(work) == jnp.min(work)
   total = jnp.sum(work) if total is None else total
   chunk = jnp.maximum(jnp.int32(max(1, min_blocks)), (total * kv_heads + target - 1) // target)
-  counts = jnp.clip((work + chunk - 1) // chunk, 1, grid_splits)
-  if even_splits is not None:
-    even = jnp.clip(work // max(1, min_blocks), 1, min(even_splits, grid_splits))
-    counts = jnp.where(equal, even, counts)
-  return counts.astype(jnp.int32)
+  return jnp.clip((work + chunk - 1) // chunk, 1, grid_splits).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,8 +204,6 @@ class DecodeLaunch:
     split_target: None: every row runs ``num_splits`` splits. Else the rows take their own counts
       at run time (:func:`row_splits`, about this many programs in all), ``num_splits`` being the
       grid's (:func:`grid_splits_by_length`).
-    even_splits: with ``split_target``, the count every row takes where all reach the same number
-      of key blocks (:func:`row_splits`' ``even_splits``); else None.
   """
 
   config: DecodeConfig
@@ -227,7 +213,6 @@ class DecodeLaunch:
   backward_config: object
   delegate_forward: bool = False
   split_target: int | None = None
-  even_splits: int | None = None
 
   @property
   def block_k(self) -> int:

@@ -69,7 +69,7 @@ def _packed_rows(kh, *, seq_q: int, group: int, heads: int, rows_padded: int):
 def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: tuple[str, ...],
             seq_q: int, seq_k: int, heads: int, group: int, head_dim: int, value_head_dim: int,
             block_k: int, rows_padded: int, splits: int, page_size: int | None, f32: bool,
-            batch: int, split_target: int | None, even_splits: int | None):
+            batch: int, split_target: int | None):
   # q_ref: [T * N, hp] (this batch element's rows, row t * N + head); k_ref: [S, hp] (this KV head)
   # or, paged, [pages, page_size, hp]; v_ref the same with hvp; then the variant operands named by
   # `names`; o_ref: [T * N, hvp] of this split; stats_ref: [N * 2 * T] of this split (the [N, 2, T]
@@ -126,12 +126,9 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
     lo_b, _, _, hi_b = kv_block_range(variant, jnp.int32(0), seq_q, block_k, seq_k, seq_q=seq_q,
                                       q_offset=each_row("q_offset"), q_len=each_row("q_len"),
                                       kv_len=each_row("kv_len"))
-    work_b = jnp.broadcast_to(hi_b - lo_b, every.shape)
-    total = jnp.sum(jnp.where(ok, work_b, 0))
-    equal = (jnp.max(jnp.where(ok, work_b, jnp.iinfo(jnp.int32).min))
-             == jnp.min(jnp.where(ok, work_b, jnp.iinfo(jnp.int32).max)))
+    total = jnp.sum(jnp.where(ok, jnp.broadcast_to(hi_b - lo_b, every.shape), 0))
     n_split = row_splits(hi - lo, kv_heads=heads // group, grid_splits=splits,
-                         target=split_target, total=total, even_splits=even_splits, equal=equal)
+                         target=split_target, total=total)
 
     @pl.when(split == 0)
     def _():
@@ -221,7 +218,7 @@ def _kernel(q_ref, k_ref, v_ref, *rest, scale: float, variant: Variant, names: t
 def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | None,
             block_k: int, num_splits: int, rows_padded: int, num_warps: int, num_stages: int,
             interpret: bool, block_table=None, seq_k: int | None = None,
-            split_target: int | None = None, even_splits: int | None = None):
+            split_target: int | None = None):
   """Run the decode forward (and :func:`combine` when it splits the keys).
 
   Args:
@@ -234,8 +231,7 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
       row the call spans (``max_pages * page_size``).
     split_target: None: every row runs ``num_splits`` splits; else each row its own count, at most
       ``num_splits``, from the rows' reachable key blocks (:func:`kernels.decode.config.row_splits`
-      for about ``split_target`` programs), computed in the kernel's programs; ``even_splits``
-      (with it) the count of every row where all rows reach as many key blocks.
+      for about ``split_target`` programs), computed in the kernel's programs.
 
   Returns:
     ``out [B, T, N, Hv]`` (q's dtype) and ``stats [B, N, 2, T]`` float32, as
@@ -278,8 +274,7 @@ def forward(q, k, v, *, scale: float, variant: Variant, arrays: VariantArrays | 
       _kernel, scale=float(scale), variant=variant, names=tuple(names), seq_q=t, seq_k=s,
       heads=n, group=group, head_dim=h, value_head_dim=hv, block_k=block_k,
       rows_padded=rows_padded, splits=num_splits, page_size=page_size, f32=q.dtype == jnp.float32,
-      batch=b, split_target=split_target if by_length else None,
-      even_splits=even_splits if by_length else None)
+      batch=b, split_target=split_target if by_length else None)
   counts_spec = [pl.BlockSpec((None, None), lambda bi, hi, ci: (bi, hi))] if by_length else []
   counts_shape = [out_struct((b, kh), jnp.int32, q)] if by_length else []
   outs = pl.pallas_call(
