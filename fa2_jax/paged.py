@@ -187,7 +187,9 @@ def _paged_decode_fwd(query, key, value, block_table, arrays, static, attend):
 def _paged_decode_bwd(static, attend, residuals, cotangents):
   # The gradient of the gathered form (the same function, ``attend`` = flash_attention): the
   # training family's backward on the gathered K/V, whose cotangent the gather's transpose adds back
-  # into the pages.
+  # into the pages. Its forward is recomputed on the contiguous K/V (its own split count), so its out
+  # and lse may differ from the paged forward's by rounding; the gradient is that of the recomputed
+  # forward.
   query, key, value, block_table, arrays = residuals
   kwargs = {**dict(static), **arrays, "return_residual": True}
 

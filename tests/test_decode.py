@@ -427,8 +427,11 @@ def test_split_heuristic_fills_the_sms_evenly():
   assert num_splits_heuristic(64, 512, sms=132) == 2
   # a paged cache asks two programs per SM: 4 splits, 256 programs in two rounds
   assert num_splits_heuristic(64, 512, sms=132, waves=2) == 4
-  # MQA / one sequence of 8 KV heads: 16 splits, 128 programs
+  # MQA / one sequence of 8 KV heads: 16 splits, 128 programs; one KV head 128, two 64 (counts
+  # judged as they run: 126 would run as 103 splits, 78% of a round)
   assert num_splits_heuristic(8, 512, sms=132) == 16
+  assert num_splits_heuristic(1, 512, sms=132) == 128
+  assert num_splits_heuristic(2, 512, sms=132) == 64
   # no count fills 95% within two rounds: the fewest splits of the best fill (3 x 40 = 120)
   assert num_splits_heuristic(40, 512, sms=132) == 3
   # two full rounds where one round cannot be filled evenly (24 x 11 = 264)

@@ -113,15 +113,19 @@ def num_splits_heuristic(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS
   ``waves * sms`` and fill their last round of SMs to :data:`SPLIT_FILL` (a round that leaves SMs
   idle or doubles up a few of them costs the whole round: docs/measurements.md#decode-split-counts),
   or, where no count up to ``(waves + 1) * sms`` programs does, the fewest splits of the best fill;
-  never more than ``max_splits`` nor splits shorter than ``min_blocks`` key blocks. The count is then lowered to the
-  least that gives the longest row the same chunk length (no empty trailing chunk).
+  never more than ``max_splits`` nor splits shorter than ``min_blocks`` key blocks. Only counts
+  that leave the longest row no empty trailing chunk are judged (each the least with its chunk
+  length).
   """
   programs, n_blocks, sms = max(1, int(programs)), max(1, int(n_blocks)), max(1, int(sms))
   if programs >= 0.8 * waves * sms:
     return 1
   cap = max(1, min(max_splits, n_blocks // max(1, min_blocks)))
+  # the counts that leave the longest row no empty trailing chunk (each the least with its chunk
+  # length), judged as they run
+  counts = sorted({-(-n_blocks // -(-n_blocks // s)) for s in range(1, cap + 1)})
   splits, best_fill = 1, 0.0
-  for s in range(1, cap + 1):
+  for s in counts:
     p = programs * s
     if s > 1 and p > (waves + 1) * sms:  # past one round more than asked: more, shorter splits
       break
@@ -131,8 +135,7 @@ def num_splits_heuristic(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS
       break
     if fill > best_fill:  # the fewest splits of the best fill
       splits, best_fill = s, fill
-  per = -(-n_blocks // splits)
-  return max(1, -(-n_blocks // per))
+  return splits
 
 
 def length_splits(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS,
