@@ -16,6 +16,7 @@ import pytest
 import fa2_jax
 from conftest import on_gpu
 from fa2_jax.kernels import registry
+from fa2_jax.kernels.decode import backend as decode_backend
 from fa2_jax.kernels.decode.config import (DecodeConfig, DecodeLaunch, MAX_SPLITS,
                                            grid_splits_by_length, length_splits,
                                            num_splits_heuristic, row_splits)
@@ -323,12 +324,11 @@ def test_off_gpu_without_interpret_runs_the_formula():
   assert fa2_jax.backend_for(q, k).backend == "xla"
 
 
-def test_static_split_counts_fill_the_sms_and_pages_ask_two_per_sm():
-  """Without run-time lengths (or with one row) every row takes the even count on the 132 SMs the
-  heuristic assumes off a GPU: 8 x 32k GQA 32/8 (64 programs) 2 splits; one row of 8 KV heads 16
-  splits from a contiguous cache, 32 from a paged one (kernels/decode/backend.py PAGED_EVEN_WAVES)."""
-  if on_gpu():
-    pytest.skip("counts for the 132 SMs assumed off a GPU")
+def test_static_split_counts_fill_the_sms_and_pages_ask_two_per_sm(monkeypatch):
+  """Without run-time lengths (or with one row) every row takes the even count on 132 SMs (an
+  H100's): 8 x 32k GQA 32/8 (64 programs) 2 splits; one row of 8 KV heads 16 splits from a
+  contiguous cache, 32 from a paged one (kernels/decode/backend.py PAGED_EVEN_WAVES)."""
+  monkeypatch.setattr(decode_backend, "sm_count", lambda: 132)
   q, k = _shapes(b=8, n=32, kh=8, h=128, s=32768)
   d = fa2_jax.backend_for(q, k, interpret=True)
   assert d.forward[0] == "decode split-KV forward (2 splits)", d

@@ -102,6 +102,12 @@ class DecodeConfig:
     return cls(block_k=32 if f32 else 64, num_warps=4, num_stages=2 if f32 else 3)
 
 
+def _runs_as(n_blocks: int, splits: int) -> int:
+  """The splits that ``splits`` shares of ``n_blocks`` blocks run as: the least count with the same
+  chunk length (no empty trailing chunk for the longest row)."""
+  return max(1, -(-n_blocks // -(-n_blocks // splits)))
+
+
 def num_splits_heuristic(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS, waves: int = 1,
                          max_splits: int = MAX_SPLITS,
                          min_blocks: int = MIN_BLOCKS_PER_SPLIT) -> int:
@@ -121,9 +127,7 @@ def num_splits_heuristic(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS
   if programs >= 0.8 * waves * sms:
     return 1
   cap = max(1, min(max_splits, n_blocks // max(1, min_blocks)))
-  # the counts that leave the longest row no empty trailing chunk (each the least with its chunk
-  # length), judged as they run
-  counts = sorted({-(-n_blocks // -(-n_blocks // s)) for s in range(1, cap + 1)})
+  counts = sorted({_runs_as(n_blocks, s) for s in range(1, cap + 1)})  # judged as they run
   splits, best_fill = 1, 0.0
   for s in counts:
     p = programs * s
@@ -150,9 +154,7 @@ def length_splits(programs: int, n_blocks: int, *, sms: int = DEFAULT_SMS,
   if programs >= 0.8 * target:
     return 1
   cap = max(1, min(max_splits, n_blocks // max(1, min_blocks)))
-  splits = min(cap, -(-target // programs))
-  per = -(-n_blocks // splits)
-  return max(1, -(-n_blocks // per))
+  return _runs_as(n_blocks, min(cap, -(-target // programs)))
 
 
 def grid_splits_by_length(kv_heads: int, n_blocks: int, static_splits: int, *,
