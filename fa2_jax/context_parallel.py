@@ -9,13 +9,13 @@ whole sequence::
     spec = jax.sharding.PartitionSpec(None, "context")        # [B, T, N, H] sharded along T
     q, k, v = (fa2_jax.to_context_layout(x, C) for x in (q, k, v))   # zigzag: causal load balance
     attend = functools.partial(fa2_jax.context_parallel_attention, axis_name="context",
-                               is_causal=True)
+                               layout="zigzag", is_causal=True)
     out = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
     out = fa2_jax.from_context_layout(out, C)                 # == flash_attention(q, k, v, ...)
 
 API (stable; other modules and the examples build on it):
 
-* ``context_parallel_attention(query, key, value, *, axis_name, strategy=None, layout="zigzag",
+* ``context_parallel_attention(query, key, value, *, axis_name, layout, strategy=None,
   **flash_attention's keywords)``: inside ``jax.shard_map``, on the local chunks; returns the local
   ``out`` (and ``lse [B, T/C, N]`` with ``return_residual``), in the same layout as the query.
 * ``context_parallel_strategy(query_shape, key_shape, axis_size, ...) -> (name, reason)``: the
@@ -26,7 +26,7 @@ API (stable; other modules and the examples build on it):
   of each local token (positions travel with the chunks).
 
 Layouts: the sequence is cut into ``C`` chunks (``"contiguous"``: device ``d`` holds chunk ``d``)
-or ``2C`` chunks (``"zigzag"``, the default: device ``d`` holds chunks ``d`` and ``2C-1-d``, so that
+or ``2C`` chunks (``"zigzag"``, :func:`to_context_layout`'s default: device ``d`` holds chunks ``d`` and ``2C-1-d``, so that
 under ``is_causal`` every device has the same number of allowed pairs). The arrays given to
 ``shard_map`` must be in that order (``to_context_layout``); ``q_segment_ids``/``kv_segment_ids``
 are local chunks like the query/key, in the same layout; ``query_seq_lengths``,
@@ -1029,7 +1029,7 @@ def _setup(axis_name, axis_size: int, layout: str, strategy: str, query, key, va
 
 # --- the public call -----------------------------------------------------------------------------
 
-def context_parallel_attention(query, key, value, *, axis_name, strategy=None, layout="zigzag",
+def context_parallel_attention(query, key, value, *, axis_name, layout=None, strategy=None,
                                scale=None, is_causal=False, implementation=None,
                                return_residual=False, block_sizes=None, deterministic=False,
                                interpret=None, query_seq_lengths=None, key_value_seq_lengths=None,
@@ -1045,8 +1045,10 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
     axis_name: the mesh axis the sequence is sharded along (a name ``shard_map`` binds).
     strategy: ``"ring"``, ``"all_to_all"``, ``"all_gather"``, or None:
       :func:`context_parallel_strategy` picks (and says why).
-    layout: ``"zigzag"`` (device ``d`` holds chunks ``d`` and ``2C-1-d`` of ``2C``: balanced under
-      ``is_causal``) or ``"contiguous"`` (chunk ``d`` of ``C``).
+    layout: required: ``"zigzag"`` (device ``d`` holds chunks ``d`` and ``2C-1-d`` of ``2C``:
+      balanced under ``is_causal``; the arrays put in that order by :func:`to_context_layout`) or
+      ``"contiguous"`` (chunk ``d`` of ``C``: a sequence sharded as it is). The chunks' order
+      cannot be seen in them, and the wrong one gives wrong results, so it has no default.
     q_segment_ids, kv_segment_ids: the local chunks ``[B, T/C]``, ``[B, S/C]``, in ``layout``.
     query_seq_lengths, key_value_seq_lengths: GLOBAL lengths ``[B]`` (counted in the natural order).
     q_offset: the absolute position of GLOBAL query row 0 (int, scalar or ``[B]``).
@@ -1060,10 +1062,16 @@ def context_parallel_attention(query, key, value, *, axis_name, strategy=None, l
     The local ``out [B, T/C, N, H]`` in ``layout`` (and ``lse [B, T/C, N]`` with
     ``return_residual``): ``from_context_layout`` of the gathered result is ``flash_attention``'s.
 
-  Raises ValueError for an unknown strategy or layout, local lengths that ``layout`` cannot cut
+  Raises TypeError without ``layout``; ValueError for an unknown strategy or layout, local lengths that ``layout`` cannot cut
   (zigzag: ``T/C`` and ``S/C`` even), an ``axis_name`` not bound by ``shard_map``, and a strategy
   that cannot run the call (``all_to_all`` with heads not divisible by ``C``), naming the fix.
   """
+  if layout is None:
+    raise TypeError(
+        "context_parallel_attention needs layout=: 'contiguous' for chunks sharded in sequence "
+        "order (a PartitionSpec on the sequence axis of the arrays as they are), or 'zigzag' for "
+        "arrays put in that order by fa2_jax.to_context_layout (balanced under is_causal); the "
+        "chunks' order cannot be seen in them and the wrong one gives wrong results")
   return _context_parallel(
       query, key, value, axis_name=axis_name, strategy=strategy, layout=layout, kv_layout=None,
       return_residual=return_residual, scale=scale, is_causal=is_causal,

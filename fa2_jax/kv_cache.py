@@ -50,6 +50,10 @@ FORWARD_ONLY_MESSAGE = (
     "is_causal=True) on the whole sequence (differentiable), outside the cache; for decoding, wrap "
     "the cache's inputs in jax.lax.stop_gradient if a transform differentiates around it")
 
+# ``appended`` of a batch row given all of an append's rows (append without lengths after one with):
+# attend's queries are then its newest T_new rows, as without ``appended``.
+ALL_ROWS = -1
+
 # flash_attention arguments the cache sets itself: a caller passing them would contradict it.
 _SET_BY_CACHE = ("is_causal", "q_offset", "key_value_seq_lengths", "q_segment_ids",
                  "kv_segment_ids", "block_table")
@@ -240,6 +244,24 @@ class _Cache:
       return held.astype(np.int32)
     return jnp.asarray(held).astype(jnp.int32)
 
+  def _appended(self):
+    """The cache's ``appended`` as int32 ``[batch]``, or None (see :class:`KVCache`)."""
+    if self.appended is None:
+      return None
+    held = _from_sequence(self.appended)
+    if (not hasattr(held, "shape") or np.dtype(held.dtype).kind not in "iu"
+        or held.shape != (self.batch,)):
+      raise TypeError(f"the cache's appended must be None or an integer array [batch={self.batch}], "
+                      f"got {getattr(held, 'dtype', type(held).__name__)} "
+                      f"{list(getattr(held, 'shape', ()))}")
+    return jnp.asarray(held).astype(jnp.int32)
+
+  def _next_appended(self, lengths, added):
+    """``appended`` after an append of ``added`` rows per batch row (``lengths``: append's)."""
+    if lengths is not None:
+      return added
+    return None if self.appended is None else jnp.full((self.batch,), ALL_ROWS, jnp.int32)
+
   def _new_rows(self, k_new, v_new, lengths):
     """append's checks of ``k_new``/``v_new`` and ``lengths``: the new rows' positions ``[B, T_new]``
     (int32, from each row's length on), the per-row count of rows they add and the cache's lengths
@@ -271,7 +293,10 @@ class _Cache:
     t = q.shape[1]
     if t > capacity:
       raise ValueError(f"q has T_new = {t} rows, more than the cache's capacity {capacity}")
-    if query_seq_lengths is None:
+    appended = self._appended() if query_seq_lengths is None else None
+    if appended is not None:  # the last append's rows per batch row: the queries' rows
+      newest = query_seq_lengths = jnp.where(appended == ALL_ROWS, t, jnp.clip(appended, 0, t))
+    elif query_seq_lengths is None:
       newest = jnp.full((batch,), t, jnp.int32)
     else:
       newest = query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch, t,
@@ -279,6 +304,8 @@ class _Cache:
     # (q's row count is known under jit too, where jnp.full above is traced)
     held = _concrete(cache_lengths)
     rows = np.full((batch,), t) if query_seq_lengths is None else _concrete(newest)
+    if appended is not None:
+      rows = None  # rows the cache's own append wrote: no further check
     if held is not None and held.size and held.min() < 0:
       raise ValueError(f"the cache's lengths must lie in [0, {capacity}], but batch row "
                        f"{int(np.argmin(held))} holds {int(held.min())}")
@@ -303,8 +330,8 @@ class _Cache:
 
 # --- the contiguous cache -------------------------------------------------------------------------
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "lengths"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["k", "v", "lengths", "appended"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class KVCache(_Cache):
   """Keys and values of ``batch`` sequences, up to ``capacity`` rows each: a pytree.
@@ -313,11 +340,16 @@ class KVCache(_Cache):
     k, v: ``[batch, capacity, kv_heads, head_dim]`` (v: ``value_head_dim``); rows ``>= lengths[b]``
       of row ``b`` are unused (never attended; their contents are arbitrary).
     lengths: int32 ``[batch]``: the rows held per batch row (its next row's position).
+    appended: None, or int32 ``[batch]``: the rows the last append gave each batch row where an
+      append (or :func:`prefill`) took ``lengths`` (``-1``: all of a later append's rows). Then
+      :meth:`attend` without ``query_seq_lengths`` takes them as the queries' rows, so the queries
+      of a batch row that appended fewer rows than ``T_new`` sit at its own new positions.
   """
 
   k: jax.Array
   v: jax.Array
   lengths: jax.Array
+  appended: jax.Array | None = None
 
   @classmethod
   def create(cls, batch: int, capacity: int, kv_heads: int, head_dim: int,
@@ -370,12 +402,12 @@ class KVCache(_Cache):
       ValueError: shapes that do not match the cache, ``T_new`` above the capacity, lengths outside
         ``[0, T_new]`` or past the capacity (when concrete); TypeError: another dtype.
     """
-    positions, _, new_lengths = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B], [B]
+    positions, added, new_lengths = self._new_rows(k_new, v_new, lengths)  # [B, T_new], [B], [B]
     rows = jnp.arange(self.batch, dtype=jnp.int32)[:, None]
     # A scatter (in place under jit with donation); rows past the capacity are dropped.
     k = jnp.asarray(self.k).at[rows, positions].set(k_new, mode="drop")
     v = jnp.asarray(self.v).at[rows, positions].set(v_new, mode="drop")
-    return KVCache(k, v, new_lengths)
+    return KVCache(k, v, new_lengths, self._next_appended(lengths, added))
 
   def attend(self, q: jax.Array, *, query_seq_lengths=None, attention_fn: Callable | None = None,
              **kwargs):
@@ -390,7 +422,8 @@ class KVCache(_Cache):
         ``kv_heads`` (grouped-query attention when larger).
       query_seq_lengths: optional int ``[batch]`` in ``[0, T_new]``, as ``append``'s ``lengths``:
         row ``b``'s queries are its newest ``query_seq_lengths[b]`` rows, its other query rows are
-        padding (output 0).
+        padding (output 0). Default: the rows the last append with ``lengths`` gave each batch row
+        (``appended``), else ``T_new``.
       attention_fn: called instead of :func:`fa2_jax.flash_attention` with the same arguments
         (e.g. a :func:`fa2_jax.flax.make_attention_fn` function).
       **kwargs: further arguments of flash_attention (``scale``, ``implementation``,
@@ -456,14 +489,15 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, *, lengths=None, capacity:
   out = fn(q_, k_, v_, is_causal=True, **kwargs)
   pad = ((0, 0), (0, capacity - t), (0, 0), (0, 0))
   cache = KVCache(jnp.pad(k, pad), jnp.pad(v, pad),
-                  jnp.full((batch,), t, jnp.int32) if lengths is None else lengths)
+                  jnp.full((batch,), t, jnp.int32) if lengths is None else lengths, lengths)
   return out, cache
 
 
 # --- the paged cache ------------------------------------------------------------------------------
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["k_pages", "v_pages", "page_table", "lengths"], meta_fields=[])
+                   data_fields=["k_pages", "v_pages", "page_table", "lengths", "appended"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache(_Cache):
   """Keys and values in fixed-size pages shared by every batch row: a pytree.
@@ -475,6 +509,7 @@ class PagedKVCache(_Cache):
     k_pages, v_pages: ``[num_pages, page_size, kv_heads, head_dim]`` (v_pages: ``value_head_dim``).
     page_table: int32 ``[batch, pages_per_row]``: the pages of each batch row, in order.
     lengths: int32 ``[batch]``: the positions held per batch row.
+    appended: as :class:`KVCache`'s (the rows of the last append that took ``lengths``).
 
   :meth:`attend` passes the pages and the table to flash_attention as ``block_table`` (a decode
   call's kernel reads the pages through the table; other calls gather them inside flash_attention).
@@ -488,6 +523,7 @@ class PagedKVCache(_Cache):
   v_pages: jax.Array
   page_table: jax.Array
   lengths: jax.Array
+  appended: jax.Array | None = None
 
   @classmethod
   def create(cls, batch: int, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
@@ -572,7 +608,7 @@ class PagedKVCache(_Cache):
     slots = positions % self.page_size
     k = jnp.asarray(self.k_pages).at[pages, slots].set(k_new, mode="drop")
     v = jnp.asarray(self.v_pages).at[pages, slots].set(v_new, mode="drop")
-    return PagedKVCache(k, v, self.page_table, new_lengths)
+    return PagedKVCache(k, v, self.page_table, new_lengths, self._next_appended(lengths, added))
 
   def gather(self) -> tuple[jax.Array, jax.Array]:
     """Each row's pages in order, as contiguous ``[batch, capacity, kv_heads, head_dim]`` keys and

@@ -161,7 +161,7 @@ def test_ring_fixed_alibi_slopes_on_the_hopper_kernels(monkeypatch):
 
   def loss(q, k, v, slopes, fixed):
     local = lambda q, k, v, sl: fa2_jax.context_parallel_attention(
-        q, k, v, axis_name="context", strategy="ring", is_causal=True,
+        q, k, v, axis_name="context", strategy="ring", layout="zigzag", is_causal=True,
         alibi_slopes=jax.lax.stop_gradient(sl) if fixed else sl)
     sm = jax.shard_map(local, mesh=_mesh(), in_specs=(SEQ,) * 3 + (P(),), out_specs=SEQ)
     return jnp.sum(sm(q, k, v, slopes).astype(jnp.float32))
@@ -359,7 +359,8 @@ def test_ring_compiles_to_collective_permutes():
 
   def local_loss(q, k, v):
     return fa2_jax.context_parallel_attention(q, k, v, axis_name="context", strategy="ring",
-                                              implementation="xla", is_causal=True).sum()
+                                              layout="zigzag", implementation="xla",
+                                              is_causal=True).sum()
 
   grad = jax.jit(jax.shard_map(jax.grad(local_loss, argnums=(0, 1, 2)), mesh=_mesh(),
                                in_specs=(SEQ,) * 3, out_specs=(SEQ,) * 3))
@@ -418,6 +419,8 @@ def _trace(strategy="ring", layout="zigzag", n=N, kh=K, t=T, axis_name="context"
 
 
 def test_errors():
+  with pytest.raises(TypeError, match="needs layout=: 'contiguous' for chunks sharded in sequence"):
+    _trace(layout=None)  # a sequence sharded as it is would be read as zigzag chunks: no default
   with pytest.raises(ValueError, match="strategy must be None or one of"):
     _trace(strategy="ulysses")
   with pytest.raises(ValueError, match="layout must be one of"):
@@ -474,7 +477,8 @@ def loss(f, q, k, v, dout):
 # a window: the per-piece steps; plain causal: one call per step on whole chunks
 for kw in (dict(is_causal=True, local_window_size=(20, 0), implementation="xla"),
            dict(is_causal=True, implementation="xla")):
-  local = functools.partial(fa2_jax.context_parallel_attention, axis_name="context", strategy="ring", **kw)
+  local = functools.partial(fa2_jax.context_parallel_attention, axis_name="context", strategy="ring",
+                            layout="zigzag", **kw)
   sm = jax.shard_map(local, mesh=mesh, in_specs=(P(None, "context"),) * 3, out_specs=P(None, "context"))
   ring = lambda q, k, v: unlay(sm(lay(q), lay(k), lay(v)))
   ref = lambda q, k, v: fa2_jax.reference_attention(q, k, v, **{a: b for a, b in kw.items() if a != "implementation"})

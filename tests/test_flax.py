@@ -42,10 +42,10 @@ VARIANT_FORMULA = "uses fa2_jax's XLA formula"  # a masked call with variants ru
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
-  """Fallback warnings are one-time per reason; every test starts with none reported."""
-  adapter._warned.clear()
-  yield
-  adapter._warned.clear()
+  """Python's default filter shows a warning once per message and line: every test sees them all."""
+  with warnings.catch_warnings():
+    warnings.simplefilter("always")
+    yield
 
 
 @pytest.fixture
@@ -282,7 +282,6 @@ def test_attention_fn_mask_shapes_and_gqa(caller, causal):
       assert_trees_close((y, g), (y_ref, g_ref), **FORMULA_TOL)
     except AssertionError as e:
       raise AssertionError(f"mask {name}") from e
-    adapter._warned.clear()
 
 
 # --- a mask that provably is the causal mask (or no mask) keeps the kernel ------------------------
@@ -376,7 +375,6 @@ def test_linen_decode_matches_flax_step_by_step(adapter_causal, nan_fallbacks):
                                               mask=key_mask if adapter_causal else init_mask)
   np.testing.assert_allclose(y, y_ref, **FORMULA_TOL)
   assert_trees_close(ours_variables, variables, atol=0, rtol=0)  # same params, an empty cache
-  adapter._warned.clear()
   # flax's decode step i is causal attention of query i: the full-length output's row i.
   y_full = ref.clone(decode=False).apply({"params": variables["params"]}, x, mask=init_mask)
 
@@ -511,17 +509,32 @@ def test_traced_dropout_rate():
                          dropout_rng=jax.random.PRNGKey(5)))(0.5)
 
 
-def test_fallback_warns_once_per_reason():
+def test_fallback_warning_follows_the_warning_filters():
+  """The fallback warning names the caller's line (through flax's layer too); Python's filters
+  decide its repeats: the default once per reason and line, "error" at every call."""
   q = inputs(shape=(B, T, HEADS, 8))
   rows = valid_tokens((B,), T)
   mask = nn.make_attention_mask(rows, rows)
   fn = fa2_flax.make_attention_fn(implementation="xla")
-  with pytest.warns(FlashAttentionFallbackWarning):
-    fn(q, q, q, mask=mask)
-  with no_fallback():
-    fn(q, q, q, mask=mask)
-  with pytest.warns(FlashAttentionFallbackWarning, match="bias"):  # another reason: warned
-    fn(q, q, q, bias=jnp.zeros((T, T)))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("default")
+    for _ in range(3):
+      fn(q, q, q, mask=mask)
+    fn(q, q, q, bias=jnp.zeros((T, T)))  # another reason: warned
+  assert [w.category for w in caught] == [FlashAttentionFallbackWarning] * 2
+  assert "bias" in str(caught[1].message)
+  assert all(w.filename == __file__ for w in caught), [w.filename for w in caught]
+  for _ in range(2):
+    with warnings.catch_warnings(), pytest.raises(FlashAttentionFallbackWarning):
+      warnings.simplefilter("error")
+      fn(q, q, q, mask=mask)
+  layer = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=HEADS * 8,
+                                          attention_fn=fn)
+  x = inputs(shape=(B, T, HEADS * 8))
+  params = layer.init(jax.random.PRNGKey(0), x)
+  with pytest.warns(FlashAttentionFallbackWarning) as caught:
+    layer.apply(params, x, mask=mask)
+  assert caught[0].filename == __file__  # the user's line, not flax's
 
 
 # --- nnx, no mask ---------------------------------------------------------------------------------
@@ -625,7 +638,6 @@ def test_causal_modules_with_padding_mask(batch):
   assert_rows_close(y, y_ref, rows, **FORMULA_TOL)
   assert_trees_close(g, g_ref, **FORMULA_TOL)
 
-  adapter._warned.clear()
   make = lambda fn: fa2_flax.NnxCausalSelfAttention(D, **MODULE_KW, attention_fn=fn,
                                                     rngs=nnx.Rngs(0))
   nnx_ours, nnx_ref = make(kernel_fn()), make(nnx.dot_product_attention)
@@ -780,7 +792,6 @@ def test_variants_with_a_dense_mask_run_the_variant_formula(spy):
   want = fa2_jax.reference_attention(q, q, q, local_window_size=WINDOW, query_seq_lengths=lengths,
                                      key_value_seq_lengths=lengths)
   for jit in (False, True):  # the mask's values known while tracing, and traced
-    adapter._warned.clear()
     call = lambda q, mask: fn(q, q, q, mask=mask)
     with pytest.warns(FlashAttentionFallbackWarning, match=VARIANT_FORMULA):
       out = (jax.jit(call) if jit else call)(q, nn.make_attention_mask(rows, rows))
@@ -816,7 +827,8 @@ def test_dense_mask_rows_stay_rows_under_q_offset():
   # A concrete causal mask with the per-call flag and q_offset: the mask's rows AND the shifted flag.
   causal_rows = jnp.tril(jnp.ones((4, 4), bool))
   fn = fa2_flax.make_attention_fn(implementation="xla")
-  out = fn(q, k, v, mask=causal_rows[None, None], is_causal=True, q_offset=jnp.array([2]))
+  with pytest.warns(FlashAttentionFallbackWarning, match="with q_offset"):
+    out = fn(q, k, v, mask=causal_rows[None, None], is_causal=True, q_offset=jnp.array([2]))
   want = fa2_jax.reference_attention(q, k, v, is_causal=True, q_offset=2,
                                      mask_fn=lambda b, h, i, j: causal_rows[i - 2, j])
   np.testing.assert_allclose(out, want, **FORMULA_TOL)
@@ -894,7 +906,8 @@ def test_linen_decode_with_a_window_matches_the_full_sequence():
       num_heads=HEADS, decode=True, attention_fn=kernel_fn(is_causal=True, local_window_size=(2, 0)))
   with pytest.warns(FlashAttentionFallbackWarning):
     _, variables = module.init_with_output(jax.random.PRNGKey(1), x, mask=key_mask)
-  y_full = module.clone(decode=False).apply({"params": variables["params"]}, x, mask=key_mask)
+  with pytest.warns(FlashAttentionFallbackWarning):
+    y_full = module.clone(decode=False).apply({"params": variables["params"]}, x, mask=key_mask)
 
   @jax.jit
   def step(cache, x_t):
@@ -903,7 +916,6 @@ def test_linen_decode_with_a_window_matches_the_full_sequence():
     return y, updated["cache"]
 
   cache = variables["cache"]
-  adapter._warned.clear()
   for i in range(T):
     with no_fallback():  # the padded cache's mask is a prefix too: the kernels
       y, cache = step(cache, x[:, i:i + 1])
@@ -983,14 +995,13 @@ def test_decode_without_the_factory_causal_flag_warns_that_rows_sit_at_position_
   the fix. The factory's flag decodes right and does not warn."""
   x = inputs(shape=(1, 6, D))
   for factory_causal in (False, True):
-    adapter._warned.clear()
     layer = nnx.MultiHeadAttention(HEADS, D, decode=True, rngs=nnx.Rngs(0), attention_fn=(
         fa2_flax.make_attention_fn(implementation="xla", is_causal=factory_causal,
                                    local_window_size=(2, 0))))
     y_full = layer(x, decode=False, is_causal=True)
     layer.init_cache(x.shape)
     with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter("always")
+      warnings.simplefilter("default")  # once per line: the steps' one line
       steps = jnp.concatenate([layer(x[:, i:i + 1]) for i in range(6)], axis=1)
     top_left = [w for w in caught if w.category is fa2_flax.TopLeftQueryRowWarning]
     if factory_causal:

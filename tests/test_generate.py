@@ -86,6 +86,8 @@ def test_prefill_then_append_and_attend_equals_flash_attention(paged):
   np.testing.assert_allclose(out[0], full[0][6:8], atol=1e-5)
   np.testing.assert_allclose(out[1, 0], full[1][9], atol=1e-5)
   np.testing.assert_array_equal(out[1, 1], 0)
+  # without query_seq_lengths the queries' rows are the last append's lengths (cache.appended)
+  np.testing.assert_array_equal(cache.attend(new(q), local_window_size=window), out)
   if paged:
     k_rows, v_rows = cache.gather()  # row b's positions in order
     np.testing.assert_array_equal(k_rows[0, :8], k[0, :8])
@@ -110,6 +112,43 @@ def test_cache_under_jit_and_scan_is_a_pytree():
   want = fa2_jax.flash_attention(q, k, v, is_causal=True)
   np.testing.assert_allclose(np.asarray(out.swapaxes(0, 1), np.float32),
                              np.asarray(want, np.float32), atol=2e-2)
+
+
+def test_attend_takes_the_rows_of_the_last_ragged_append():
+  """After prefill or append with lengths, attend without query_seq_lengths places each batch row's
+  queries at its own new positions (cache.appended); appends without lengths then keep the cache's
+  structure (a scan carry from a ragged prefill) and attend's newest-rows rule."""
+  q, k, v = qkv(2)
+  prompt = np.array([2, 5])
+  full = rows_alone(q, k, v, prompt)
+  _, cache = prefill(q[:, :5], k[:, :5], v[:, :5], lengths=prompt, capacity=S)
+  np.testing.assert_array_equal(np.asarray(cache.appended), prompt)
+  np.testing.assert_allclose(cache.attend(q[:, :5])[0, :2], full[0][:2], atol=1e-5)
+  np.testing.assert_array_equal(cache.attend(q[:, :5])[0, 2:], 0)  # row 0's padding queries
+
+  take = lambda x, t: jnp.stack([x[b, prompt[b] + t] for b in range(B)])[:, None]
+
+  @jax.jit
+  def steps(cache, xs):
+    def step(cache, x):
+      qt, kt, vt = (a[:, None] for a in x)
+      cache = cache.append(kt, vt)
+      return cache, cache.attend(qt)[:, 0]
+    return jax.lax.scan(step, cache, xs)
+
+  xs = tuple(jnp.concatenate([take(x, t) for t in range(3)], axis=1).swapaxes(0, 1)
+             for x in (q, k, v))
+  cache, out = steps(cache, xs)
+  np.testing.assert_array_equal(np.asarray(cache.appended), [-1, -1])
+  for b in range(B):
+    np.testing.assert_allclose(out[:, b], full[b][prompt[b]:prompt[b] + 3], atol=1e-5)
+  # a ragged append under jit: batch row 1 takes one of two rows
+  new = lambda x: jnp.stack([x[b, prompt[b] + 3:prompt[b] + 5] for b in range(B)])
+  attend = jax.jit(lambda c, qn, kn, vn: c.append(kn, vn, lengths=jnp.array([2, 1])).attend(qn))
+  out = attend(cache, new(q), new(k), new(v))
+  np.testing.assert_allclose(out[0], full[0][5:7], atol=1e-5)
+  np.testing.assert_allclose(out[1, 0], full[1][8], atol=1e-5)
+  np.testing.assert_array_equal(out[1, 1], 0)
 
 
 def test_cache_is_forward_only():

@@ -35,9 +35,11 @@ concrete array, not one computed inside ``jax.jit``) and that provably equals no
 mask (e.g. ``nn.make_causal_mask(x)`` built eagerly, or a padding mask without padding) is replaced
 by the flag and runs the kernel. Calls the kernel cannot honour exactly (any other mask: padding, a
 ``decode=True`` cache, a traced mask; a ``bias``, attention dropout, ``sow_weights``, custom einsums,
-a value head_dim different from the query's, float64) are computed with flax's own
-``dot_product_attention`` instead, after a one-time :class:`FlashAttentionFallbackWarning` that names
-what to pass to run the kernel, where such an argument exists: the math never changes silently.
+float64) are computed with flax's own ``dot_product_attention`` instead, after a
+:class:`FlashAttentionFallbackWarning` (at the caller's line; Python's default filter shows it once
+per reason and line) that names what to pass to run the kernel, where such an argument exists: the
+math never changes silently. A value head_dim other than the query's runs the kernels (flax's own
+formula refuses it).
 Fully masked query rows (padding) are finite, never NaN: flax's value (the mean of V) on flax's
 formula. flax's formula has no variants: such a call with variant arguments and a dense mask (and
 nothing else the kernel lacks) runs fa2_jax's own XLA formula with the mask as a ``mask_fn`` (the same

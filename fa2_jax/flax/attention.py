@@ -7,6 +7,8 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import os
+import pathlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +50,24 @@ _VARIANTS_FORMULA = ("fa2_jax's XLA formula (implementation=\"xla\") with the va
                      "as a mask_fn; a query row the mask leaves no key gives zero there, not "
                      "flax's mean of the values")
 
-_warned: set[str] = set()  # fallback messages already reported (one warning per reason per process)
+
+def _library_dirs() -> tuple[str, ...]:
+  """The folders of fa2_jax, flax, jax and jaxlib: a warning names the first frame outside them
+  (the user's call, through flax's layers and jax's tracing)."""
+  import flax
+  import jaxlib
+  dirs = [pathlib.Path(m.__file__).resolve().parent for m in (flax, jax, jaxlib)]
+  dirs.append(pathlib.Path(__file__).resolve().parents[1])  # fa2_jax
+  return tuple(str(d) + os.sep for d in dirs)
+
+
+def _warn(message: str, category: type[Warning]) -> None:
+  """A warning at the user's line. Python's warning filters decide its repeats: by default once per
+  message and calling line; ``"always"``, ``"error"`` and ``pytest.warns`` see every one."""
+  warnings.warn(message, category, skip_file_prefixes=_LIBRARY_DIRS)
+
+
+_LIBRARY_DIRS = _library_dirs()
 
 # What to pass instead of a causal mask, in each flax API.
 _CAUSAL_FLAG = ("pass is_causal=True and no mask instead (nnx: layer(x, is_causal=True); linen: "
@@ -65,18 +84,15 @@ _NO_BIAS_ARGUMENT = ("To run the kernel, pass alibi_slopes (ALiBi) or score_fn (
                      "function of the score and its indices) instead of a dense bias: dense biases "
                      "run the XLA formula.")
 
-def _warn_once(reason: str, advice: str, formula: str = "flax's dot_product_attention formula"
+def _warn_fallback(reason: str, advice: str, formula: str = "flax's dot_product_attention formula"
                ) -> None:
   message = (f"fa2_jax.flax.attention_fn: {reason}; the FlashAttention kernel cannot honour this, "
              f"so the call uses {formula} (the same math, with O(T*S) memory). {advice}")
-  if message in _warned:
-    return
-  _warned.add(message)
-  warnings.warn(message, FlashAttentionFallbackWarning, stacklevel=3)
+  _warn(message, FlashAttentionFallbackWarning)
 
 
 def _warn_top_left_row(variants: dict) -> None:
-  """Once per process: a lone query row with a positional variant and no causal flag or ``q_offset``
+  """A lone query row with a positional variant and no causal flag or ``q_offset``
   keeps flax's top-left position 0, right for cross-attention but not for a decode step."""
   message = (
       "fa2_jax.flax.attention_fn: a single query row with "
@@ -84,9 +100,7 @@ def _warn_top_left_row(variants: dict) -> None:
       "q_offset sits at position 0 (flax's top-left alignment, as in cross-attention). For a "
       "decode step (decode=True) make the attention_fn with make_attention_fn(is_causal=True), "
       "which places the row at the last key its cache mask allows, or pass q_offset")
-  if message not in _warned:
-    _warned.add(message)
-    warnings.warn(message, TopLeftQueryRowWarning, stacklevel=3)
+  _warn(message, TopLeftQueryRowWarning)
 
 
 def _check_arrays(query, key, value, bias, mask) -> None:
@@ -673,7 +687,7 @@ class FlashAttentionFn:
         reason = _mask_reason(mask, causal, one_row=query.shape[-3] == 1,
                               shifted="q_offset" in variants)
         out = fallback()
-        _warn_once(*reason, **({"formula": _VARIANTS_FORMULA} if variants else {}))
+        _warn_fallback(*reason, **({"formula": _VARIANTS_FORMULA} if variants else {}))
         return out
       mask, causal = None, flag
     if why is not None:
@@ -682,7 +696,7 @@ class FlashAttentionFn:
             f"fa2_jax.flax.attention_fn: {why[0]}, which only flax's dot_product_attention formula "
             f"can compute, and that formula has none of the variant arguments given "
             f"({', '.join(sorted(variants))}). {why[1]}")
-      _warn_once(*why)
+      _warn_fallback(*why)
       return flax_formula()
     if lone_row and not causal and _POSITIONAL.intersection(variants):
       # The newest position is the last (valid) key's: the window, ALiBi and mask_fn/score_fn see the
