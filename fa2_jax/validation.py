@@ -203,6 +203,8 @@ def _int_array(name, x, clip=None, clip_int32=True):
   traced value outside int32 (an int64 under x64) or near its ends cannot wrap (the value checks
   only see concrete arrays); with ``clip_int32=False`` an int32 array is left as given (no cast can
   wrap it: :func:`kernels.masking.clip_ranges` clips it later, or the kernel itself)."""
+  if isinstance(x, (list, tuple)):
+    x = _sequence_array(name, x)
   if isinstance(x, (bool, np.bool_)):
     raise TypeError(f"{name} must be an integer array, got a bool")
   if isinstance(x, (int, np.integer)):
@@ -227,21 +229,26 @@ def _shape_str(shape) -> str:
   return "[" + ", ".join(map(str, shape)) + "]"
 
 
+def _sequence_array(name, x):
+  """A list or tuple as the array it makes (as ``jax.nn.dot_product_attention`` takes them): a
+  ``jnp`` array where an element is a jax array (traced or on a device), else a numpy one (values
+  still checked); ``[]`` as int32; a ragged one is a ValueError naming ``name``."""
+  if any(isinstance(e, jax.Array) for e in jax.tree.leaves(x)):
+    return jnp.asarray(x)
+  try:
+    arr = np.asarray(x)
+  except ValueError as e:  # ragged
+    raise ValueError(f"{name} must be an integer array, got a {type(x).__name__} that is not "
+                     f"one: {e}") from None
+  return arr.astype(np.int32) if arr.size == 0 and arr.dtype.kind == "f" else arr
+
+
 def _check_lengths(name, x, b, limit, rank3: bool, clip_int32: bool = True):
   """Lengths: integer ``[B]`` (rank-3 call: scalar or ``[1]``), values in ``[0, limit]`` when known.
   A list or tuple counts as the array it makes (as in ``jax.nn.dot_product_attention``); a numeric
   dtype that is not an integer one (float, bool, complex) is a ValueError, as there."""
   if isinstance(x, (list, tuple)):
-    if any(isinstance(e, jax.Array) for e in jax.tree.leaves(x)):
-      x = jnp.asarray(x)  # traced or device elements
-    else:
-      try:
-        x = np.asarray(x)
-      except ValueError as e:  # ragged
-        raise ValueError(f"{name} must be an integer array of shape {_shape_str((b,))}, got a "
-                         f"{type(x).__name__} that is not one: {e}") from None
-      if x.size == 0 and x.dtype.kind == "f":
-        x = x.astype(np.int32)  # [] is float64 to numpy
+    x = _sequence_array(name, x)
   elif isinstance(x, (bool, np.bool_)):
     x = np.asarray(x)
   if hasattr(x, "dtype") and not isinstance(x, type) and (
@@ -269,6 +276,8 @@ def _check_segments(name, x, b, length, rank3: bool):
   joint ranks (:func:`_rank_segments`), which a plain cast would wrap (``2**32`` equal to ``0``).
   ``values``: the host copy such ids were checked on (None when traced or not wide), which the
   ranking reuses."""
+  if isinstance(x, (list, tuple)):
+    x = _sequence_array(name, x)
   raw = x
   x = _int_array(name, x)
   want = [(b, length)] + ([(length,)] if rank3 else [])
@@ -369,6 +378,8 @@ def _check_q_offset(q_offset, b, rank3: bool, clip_int32: bool = True):
     if abs(int(q_offset)) >= masking.INT32_SAFE:
       raise ValueError(f"q_offset must satisfy |q_offset| < 2**30, got {q_offset}")
     return None if int(q_offset) == 0 else jnp.full((b,), int(q_offset), jnp.int32)
+  if isinstance(q_offset, (list, tuple)):
+    q_offset = _sequence_array("q_offset", q_offset)
   raw = q_offset
   # A traced offset acts as clipped to masking.OFFSET_RANGE (here, masking.clip_ranges or the kernel).
   x = _int_array("q_offset", q_offset, clip=masking.OFFSET_RANGE, clip_int32=clip_int32)

@@ -355,6 +355,22 @@ def test_lengths_as_lists_tuples_and_numpy():
   _close(got, want, TOL[jnp.dtype(jnp.float32)], "traced list")
 
 
+def test_offsets_and_segment_ids_as_lists():
+  """q_offset and segment ids take lists as the lengths do (the arrays they make); a ragged or
+  float list is an error naming the argument."""
+  q, k, v, _ = _inputs(2, 8, 12, 2, 1, 16, jnp.float32, seed=9)
+  seg_q, seg_kv = [[0] * 4 + [1] * 4, [2] * 8], [[0] * 6 + [1] * 6, [2] * 12]
+  want = fa2_jax.flash_attention(q, k, v, is_causal=True, q_offset=jnp.array([4, 2]),
+                                 q_segment_ids=jnp.array(seg_q), kv_segment_ids=jnp.array(seg_kv))
+  got = fa2_jax.flash_attention(q, k, v, is_causal=True, q_offset=[4, 2], q_segment_ids=seg_q,
+                                kv_segment_ids=tuple(seg_kv))
+  np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match="q_offset must be an integer array, got a list"):
+    fa2_jax.flash_attention(q, k, v, q_offset=[[1, 2], [3]])
+  with pytest.raises(TypeError, match="q_segment_ids must have an integer dtype"):
+    fa2_jax.flash_attention(q, k, v, q_segment_ids=[[0.5] * 8] * 2, kv_segment_ids=seg_kv)
+
+
 Q = jnp.zeros((2, 8, 4, 16), jnp.float32)
 KV = jnp.zeros((2, 12, 2, 16), jnp.float32)
 
