@@ -15,8 +15,10 @@ in :func:`prefill`; multi-head latent attention): ``v_new`` then has ``Hv`` and 
 
 Each batch row has its own length (prompts of different lengths, left-aligned). ``attend`` is
 ``flash_attention(q, cache.k, cache.v, is_causal=True, key_value_seq_lengths=cache.lengths,
-q_offset=cache.lengths - T_new)``: query row ``i`` of batch row ``b`` sits at position
-``lengths[b] - T_new + i`` and attends the keys at positions ``<=`` it. Attention variants
+q_offset=cache.lengths - rows, query_seq_lengths=rows)`` with ``rows[b]`` the rows batch row ``b``
+appended last (``cache.appended``: ``T_new``, or fewer after an append or prefill with ``lengths``):
+query row ``i`` of batch row ``b`` sits at position ``lengths[b] - rows[b] + i`` and attends the
+keys at positions ``<=`` it; its query rows from ``rows[b]`` on are padding (output 0). Attention variants
 (``local_window_size``, ``logits_soft_cap``, ``alibi_slopes``, ``mask_fn``, ``score_fn``, ``scale``,
 ``implementation``, ...) pass through as keyword arguments; a decode-shaped call (``T_new = 1``) runs
 whatever fa2_jax runs for that shape.
@@ -50,8 +52,8 @@ FORWARD_ONLY_MESSAGE = (
     "is_causal=True) on the whole sequence (differentiable), outside the cache; for decoding, wrap "
     "the cache's inputs in jax.lax.stop_gradient if a transform differentiates around it")
 
-# ``appended`` of a batch row given all of an append's rows (append without lengths after one with):
-# attend's queries are then its newest T_new rows, as without ``appended``.
+# ``appended`` of a batch row given all of an append's rows (an append or prefill without lengths):
+# attend's queries are then its newest T_new rows.
 ALL_ROWS = -1
 
 # flash_attention arguments the cache sets itself: a caller passing them would contradict it.
@@ -254,10 +256,17 @@ class _Cache:
       raise TypeError(f"the cache's appended must be None or an integer array [batch={self.batch}], "
                       f"got {getattr(held, 'dtype', type(held).__name__)} "
                       f"{list(getattr(held, 'shape', ()))}")
+    values = _concrete(held)
+    if values is not None and values.size and values.min() < ALL_ROWS:
+      raise ValueError(f"the cache's appended must be {ALL_ROWS} (all of the last append's rows) or a "
+                       f"row count >= 0, but batch row {int(np.argmin(values))} holds "
+                       f"{int(values.min())}")
     return jnp.asarray(held).astype(jnp.int32)
 
   def _next_appended(self, lengths, added):
-    """``appended`` after an append of ``added`` rows per batch row (``lengths``: append's)."""
+    """``appended`` after an append of ``added`` rows per batch row (``lengths``: append's): an
+    array where the cache holds one (``create`` and ``prefill`` make one, so a loop's cache keeps
+    its structure), None kept for a cache built without one and appended to without lengths."""
     if lengths is not None:
       return added
     return None if self.appended is None else jnp.full((self.batch,), ALL_ROWS, jnp.int32)
@@ -294,18 +303,18 @@ class _Cache:
     if t > capacity:
       raise ValueError(f"q has T_new = {t} rows, more than the cache's capacity {capacity}")
     appended = self._appended() if query_seq_lengths is None else None
-    if appended is not None:  # the last append's rows per batch row: the queries' rows
-      newest = query_seq_lengths = jnp.where(appended == ALL_ROWS, t, jnp.clip(appended, 0, t))
+    if appended is not None:  # the last append's rows per batch row (its newest t): the queries'
+      newest = query_seq_lengths = jnp.where(appended == ALL_ROWS, t, jnp.minimum(appended, t))
+      known = _concrete(_from_sequence(self.appended))  # a host cache's, under jit too
+      rows = None if known is None else np.where(known == ALL_ROWS, t, np.minimum(known, t))
     elif query_seq_lengths is None:
       newest = jnp.full((batch,), t, jnp.int32)
+      rows = np.full((batch,), t)  # (q's row count is known under jit too)
     else:
       newest = query_seq_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch, t,
                                             "T_new, q's rows")
-    # (q's row count is known under jit too, where jnp.full above is traced)
+      rows = _concrete(newest)
     held = _concrete(cache_lengths)
-    rows = np.full((batch,), t) if query_seq_lengths is None else _concrete(newest)
-    if appended is not None:
-      rows = None  # rows the cache's own append wrote: no further check
     if held is not None and held.size and held.min() < 0:
       raise ValueError(f"the cache's lengths must lie in [0, {capacity}], but batch row "
                        f"{int(np.argmin(held))} holds {int(held.min())}")
@@ -340,10 +349,12 @@ class KVCache(_Cache):
     k, v: ``[batch, capacity, kv_heads, head_dim]`` (v: ``value_head_dim``); rows ``>= lengths[b]``
       of row ``b`` are unused (never attended; their contents are arbitrary).
     lengths: int32 ``[batch]``: the rows held per batch row (its next row's position).
-    appended: None, or int32 ``[batch]``: the rows the last append gave each batch row where an
-      append (or :func:`prefill`) took ``lengths`` (``-1``: all of a later append's rows). Then
-      :meth:`attend` without ``query_seq_lengths`` takes them as the queries' rows, so the queries
-      of a batch row that appended fewer rows than ``T_new`` sit at its own new positions.
+    appended: int32 ``[batch]``: the rows the last append (or :func:`prefill`) gave each batch row,
+      ``-1`` for all of them (no ``lengths``): :meth:`attend` without ``query_seq_lengths`` takes
+      them as the queries' rows, so the queries of a batch row that appended fewer rows than
+      ``T_new`` sit at its own new positions. None (a cache built by hand): every row took all of
+      them; such a cache gets an array at its first append with ``lengths``, which changes its
+      pytree structure (a loop carry: build it with ``appended=jnp.full((batch,), -1)``).
   """
 
   k: jax.Array
@@ -366,7 +377,7 @@ class KVCache(_Cache):
     hv = shape[3] if value_head_dim is None else positive_int("value_head_dim", value_head_dim)
     dtype = _cache_dtype(dtype)
     return cls(jnp.zeros(shape, dtype), jnp.zeros((*shape[:3], hv), dtype),
-               jnp.zeros((shape[0],), jnp.int32))
+               jnp.zeros((shape[0],), jnp.int32), jnp.full((shape[0],), ALL_ROWS, jnp.int32))
 
   @property
   def _keys(self) -> jax.Array:
@@ -414,16 +425,18 @@ class KVCache(_Cache):
     """Causal attention of the newest rows' queries against the cache.
 
     ``flash_attention(q, k, v, is_causal=True, key_value_seq_lengths=self.lengths,
-    q_offset=self.lengths - T_new, **kwargs)``: query row ``i`` of batch row ``b`` sits at position
-    ``lengths[b] - T_new + i``, so call it after :meth:`append` of the same rows' keys and values.
+    q_offset=self.lengths - rows, query_seq_lengths=rows, **kwargs)``, ``rows`` the queries' rows
+    per batch row (below): query row ``i`` of batch row ``b`` sits at position ``lengths[b] - rows[b]
+    + i``, so call it after :meth:`append` of the same rows' keys and values.
 
     Args:
       q: ``[batch, T_new, num_heads, head_dim]`` in the cache's dtype; ``num_heads`` a multiple of
         ``kv_heads`` (grouped-query attention when larger).
       query_seq_lengths: optional int ``[batch]`` in ``[0, T_new]``, as ``append``'s ``lengths``:
         row ``b``'s queries are its newest ``query_seq_lengths[b]`` rows, its other query rows are
-        padding (output 0). Default: the rows the last append with ``lengths`` gave each batch row
-        (``appended``), else ``T_new``.
+        padding (output 0). Default: the rows the last append (or prefill) gave each batch row
+        (``appended``: its ``lengths``, else ``T_new``), at most ``T_new`` (the newest of them).
+        An ``attention_fn`` receives it too.
       attention_fn: called instead of :func:`fa2_jax.flash_attention` with the same arguments
         (e.g. a :func:`fa2_jax.flax.make_attention_fn` function).
       **kwargs: further arguments of flash_attention (``scale``, ``implementation``,
@@ -489,7 +502,8 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, *, lengths=None, capacity:
   out = fn(q_, k_, v_, is_causal=True, **kwargs)
   pad = ((0, 0), (0, capacity - t), (0, 0), (0, 0))
   cache = KVCache(jnp.pad(k, pad), jnp.pad(v, pad),
-                  jnp.full((batch,), t, jnp.int32) if lengths is None else lengths, lengths)
+                  jnp.full((batch,), t, jnp.int32) if lengths is None else lengths,
+                  jnp.full((batch,), ALL_ROWS, jnp.int32) if lengths is None else lengths)
   return out, cache
 
 
@@ -565,7 +579,8 @@ class PagedKVCache(_Cache):
     _check_pages(page_table, num_pages)
     shape = (num_pages, page_size, kv_heads, head_dim)
     return cls(jnp.zeros(shape, dtype), jnp.zeros((*shape[:3], hv), dtype),
-               jnp.asarray(page_table, jnp.int32), jnp.zeros((batch,), jnp.int32))
+               jnp.asarray(page_table, jnp.int32), jnp.zeros((batch,), jnp.int32),
+               jnp.full((batch,), ALL_ROWS, jnp.int32))
 
   @property
   def _keys(self) -> jax.Array:

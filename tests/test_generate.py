@@ -149,6 +149,28 @@ def test_attend_takes_the_rows_of_the_last_ragged_append():
   np.testing.assert_allclose(out[0], full[0][5:7], atol=1e-5)
   np.testing.assert_allclose(out[1, 0], full[1][8], atol=1e-5)
   np.testing.assert_array_equal(out[1, 1], 0)
+  # more query rows than a batch row holds: an error, as without appended
+  with pytest.raises(ValueError, match="batch row 0 has 8 query rows but the cache holds only 6"):
+    cache.append(new(k)[:, :1], new(v)[:, :1]).attend(q[:, :8])
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_cache_keeps_its_structure_through_ragged_and_plain_appends(paged):
+  """create() and prefill() caches are loop carries through appends with and without lengths
+  (continuous batching: rows that take no new token)."""
+  k = jnp.ones((B, 1, K, H))
+  cache = (PagedKVCache.create(B, 4, 4, K, H, page_table=jnp.arange(4).reshape(B, 2)) if paged
+           else KVCache.create(B, 8, K, H))
+  _, prefilled = prefill(*qkv(b=B, s=3), capacity=8)
+
+  def step(c, active):
+    c = c.append(k, k, lengths=active)
+    return c.append(k, k), None
+
+  for start in (cache,) + (() if paged else (prefilled,)):
+    end, _ = jax.lax.scan(step, start, jnp.array([[1, 0], [1, 1]], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(end.lengths - start.lengths), [4, 3])
+    assert jax.tree.structure(end) == jax.tree.structure(start)
 
 
 def test_cache_is_forward_only():

@@ -56,9 +56,11 @@ def _library_dirs() -> tuple[str, ...]:
   (the user's call, through flax's layers and jax's tracing)."""
   import flax
   import jaxlib
-  dirs = [pathlib.Path(m.__file__).resolve().parent for m in (flax, jax, jaxlib)]
-  dirs.append(pathlib.Path(__file__).resolve().parents[1])  # fa2_jax
-  return tuple(str(d) + os.sep for d in dirs)
+  files = [pathlib.Path(m.__file__).parent for m in (flax, jax, jaxlib)]
+  files.append(pathlib.Path(__file__).parents[1])  # fa2_jax
+  # as imported (a frame's file name) and with links resolved
+  dirs = {str(p) for d in files for p in (d.absolute(), d.resolve())}
+  return tuple(sorted(d + os.sep for d in dirs))
 
 
 def _warn(message: str, category: type[Warning]) -> None:
