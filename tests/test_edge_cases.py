@@ -232,6 +232,11 @@ def test_config_defaults_take_numpy_ints_and_both_configs_replace():
   assert blocks == fa2_jax.BlockSizes.default(64)
   assert blocks.replace(block_q=32).block_q == 32 and blocks.block_q != 32
   assert fa2_jax.MosaicConfig.default(np.int64(128)) == fa2_jax.MosaicConfig.default(128)
+  # fields given as numpy ints, as DecodeConfig's: kept as Python ints; numpy bools refused
+  assert fa2_jax.BlockSizes(block_q=np.int32(32)) == fa2_jax.BlockSizes(block_q=32)
+  assert type(fa2_jax.MosaicConfig(num_stages=np.int64(2)).num_stages) is int
+  with pytest.raises(TypeError, match="BlockSizes.block_q must be an int, got bool"):
+    fa2_jax.BlockSizes(block_q=np.bool_(True))
   with pytest.raises(TypeError, match="dtype must be bfloat16, float16 or float32, got None"):
     fa2_jax.BlockSizes.default(64, None)
 

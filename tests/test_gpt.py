@@ -574,6 +574,12 @@ def cli_error(argv, capsys) -> str:
     (["--fsdp"], "--fsdp shards the parameters and optimizer state over the mesh axis 'data': it "
                  "needs --mesh or --data-parallel mesh, got --data-parallel none"),
     (["--fsdp", "maybe"], "argument --fsdp: expected true/false, got 'maybe'"),
+    (["--context-strategy", "ring"], "--context-strategy ring exchanges the sequence over the mesh "
+                                     "axis 'context': it needs --mesh with context=C, C > 1"),
+    (["--mesh", "context=4", "--context-strategy", "all_to_all", "--n-kv-head", "2"],
+     "--context-strategy all_to_all splits the heads over the 4 devices of the mesh axis 'context': "
+     "--n-head 4 and the 2 key/value heads (--n-kv-head) must both be divisible by it; use "
+     "--context-strategy ring or all_gather (--mesh data=1,context=4)"),
     (["--mesh", "data=2,context=2", "--data-parallel", "pmap"],
      "--mesh runs one jit step on a device mesh; it cannot be combined with --data-parallel pmap "
      "(leave --data-parallel out, or pass mesh)"),

@@ -230,6 +230,15 @@ def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_par
       raise ValueError(f"--seq-len {mc.seq_len} must be divisible by {2 * context}: twice the "
                        f"{context} devices of the mesh axis 'context', whose layout gives each "
                        f"device two chunks of the sequence (--mesh {shown})")
+    kv_heads = mc.n_kv_head or mc.n_head
+    if mc.context_strategy == "all_to_all" and (mc.n_head % context or kv_heads % context):
+      raise ValueError(f"--context-strategy all_to_all splits the heads over the {context} devices "
+                       f"of the mesh axis 'context': --n-head {mc.n_head} and the {kv_heads} "
+                       "key/value heads (--n-kv-head) must both be divisible by it; use "
+                       f"--context-strategy ring or all_gather (--mesh {shown})")
+  if mc.context_strategy is not None and context == 1:
+    raise ValueError(f"--context-strategy {mc.context_strategy} exchanges the sequence over the mesh "
+                     "axis 'context': it needs --mesh with context=C, C > 1")
   if ckpt_dir and jax.process_count() > 1:
     raise ValueError(f"--ckpt-dir with {jax.process_count()} processes: this example saves "
                      "checkpoints from one process only; run without --ckpt-dir")

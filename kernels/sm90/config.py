@@ -204,8 +204,9 @@ class MosaicConfig:
         if not isinstance(v, bool):
           raise TypeError(f"MosaicConfig.{f.name} must be a bool, got {v!r}")
         continue
-      if not isinstance(v, int) or isinstance(v, bool):
+      if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
         raise TypeError(f"MosaicConfig.{f.name} must be an int, got {type(v).__name__} {v!r}")
+      object.__setattr__(self, f.name, int(v))  # a numpy int as the int it is
     for name in ("block_q", "block_k_dkv", "block_q_dq"):
       if getattr(self, name) != WG_ROWS:
         raise ValueError(f"MosaicConfig.{name} must be {WG_ROWS} (the rows of one warpgroup's "

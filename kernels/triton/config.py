@@ -67,9 +67,10 @@ class BlockSizes:
   def __post_init__(self):
     for f in dataclasses.fields(self):
       v = getattr(self, f.name)
-      if not isinstance(v, int) or isinstance(v, bool):
+      if not isinstance(v, (int, np.integer)) or isinstance(v, (bool, np.bool_)):
         raise TypeError(f"BlockSizes.{f.name} must be an int, got {type(v).__name__} {v!r}")
-      check_launch_field("BlockSizes", f.name, v)
+      object.__setattr__(self, f.name, int(v))  # a numpy int as the int it is
+      check_launch_field("BlockSizes", f.name, int(v))
 
   @property
   def max_block_q(self) -> int:
