@@ -172,6 +172,12 @@ def plan(axis_sizes: Mapping[str, int], shapes: Sequence[Sequence[int]], specs: 
               f"needs whole rows of {_WHAT[c].split()[-1]}"
               for name, layout, d in zip(names, layouts, dims)
               for i, c in enumerate(layout) if c in "hv" and d[i] and whole_head_dims]
+  if not whole_head_dims:  # the formula: q K^T contracts H, which JAX's Explicit rules cannot
+    h_of = [set(d[layout.index("h")]) for layout, d in zip(layouts[:2], dims[:2]) if "h" in layout]
+    both = sorted(set.intersection(*h_of)) if len(h_of) == 2 else []  # split in q and k alike
+    if both:
+      problems.append(f"query and key are both sharded along head_dim H over {_show(tuple(both))}: "
+                      "the formula's q K^T would contract it across devices")
 
   def size(axes: AxisNames) -> int:
     return math.prod(axis_sizes[a] for a in axes)

@@ -399,6 +399,22 @@ def test_explicit_mesh_unsupported_sharding_raises(q_spec, k_spec, match):
 
 
 @needs4
+def test_explicit_head_dim_of_query_and_key_refused_by_the_formula_too():
+  """q and k both sharded along head_dim: the formula's q K^T would contract it across devices,
+  which JAX's Explicit rules refuse unreadably; flash_attention and backend_for name it."""
+  mesh = _mesh((4,), ("data",), AxisType.Explicit)
+  q, k, v = _qkv(seed=6)
+  spec = P(None, None, None, "data")
+  with jax.set_mesh(mesh):
+    args = [jax.device_put(x, spec) for x in (q, k, v)]
+    for call in (lambda: jax.jit(lambda a, b, c: fa2_jax.flash_attention(a, b, c))(*args),
+                 lambda: fa2_jax.backend_for(*args)):
+      with pytest.raises(ValueError, match="query and key are both sharded along head_dim H over "
+                                           "mesh axis 'data'"):
+        call()
+
+
+@needs4
 def test_export_of_an_explicit_sharded_call():
   """jax.export of a sharded jit(grad) under Explicit axes: the kernels lower per device, with no
   partitioner callback in the module (which export could not serialize)."""
