@@ -236,9 +236,6 @@ def check_run(mc: GPTConfig, tc: TrainConfig, *, data_path: str | None, data_par
                        f"of the mesh axis 'context': --n-head {mc.n_head} and the {kv_heads} "
                        "key/value heads (--n-kv-head) must both be divisible by it; use "
                        f"--context-strategy ring or all_gather (--mesh {shown})")
-  if mc.context_strategy is not None and context == 1:
-    raise ValueError(f"--context-strategy {mc.context_strategy} exchanges the sequence over the mesh "
-                     "axis 'context': it needs --mesh with context=C, C > 1")
   if ckpt_dir and jax.process_count() > 1:
     raise ValueError(f"--ckpt-dir with {jax.process_count()} processes: this example saves "
                      "checkpoints from one process only; run without --ckpt-dir")
@@ -500,6 +497,10 @@ def main(argv=None) -> dict:
   try:
     check_run(mc, tc, **run_args)
     axes = run_mesh_axes(args.data_parallel, args.mesh)
+    # the flag given for a run it would not reach (a model config may carry it to one device)
+    if args.context_strategy is not None and dict(axes or ()).get(parallel.CONTEXT, 1) == 1:
+      raise ValueError(f"--context-strategy {args.context_strategy} exchanges the sequence over "
+                       "the mesh axis 'context': it needs --mesh with context=C, C > 1")
   except ValueError as e:
     parser.error(str(e))
   lead = jax.process_index() == 0  # the process that prints
