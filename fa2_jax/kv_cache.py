@@ -247,9 +247,10 @@ class _Cache:
     return jnp.asarray(held).astype(jnp.int32)
 
   def _appended(self):
-    """The cache's ``appended`` as int32 ``[batch]``, or None (see :class:`KVCache`)."""
+    """``(appended, values)``: the cache's ``appended`` as int32 ``[batch]`` and its host values
+    (None where traced), or ``(None, None)`` (see :class:`KVCache`)."""
     if self.appended is None:
-      return None
+      return None, None
     held = _from_sequence(self.appended)
     if (not hasattr(held, "shape") or np.dtype(held.dtype).kind not in "iu"
         or held.shape != (self.batch,)):
@@ -261,7 +262,7 @@ class _Cache:
       raise ValueError(f"the cache's appended must be {ALL_ROWS} (all of the last append's rows) or a "
                        f"row count >= 0, but batch row {int(np.argmin(values))} holds "
                        f"{int(values.min())}")
-    return jnp.asarray(held).astype(jnp.int32)
+    return jnp.asarray(held).astype(jnp.int32), values
 
   def _next_appended(self, lengths, added):
     """``appended`` after an append of ``added`` rows per batch row (``lengths``: append's): an
@@ -302,10 +303,10 @@ class _Cache:
     t = q.shape[1]
     if t > capacity:
       raise ValueError(f"q has T_new = {t} rows, more than the cache's capacity {capacity}")
-    appended = self._appended() if query_seq_lengths is None else None
+    appended, known = self._appended() if query_seq_lengths is None else (None, None)
     if appended is not None:  # the last append's rows per batch row (its newest t): the queries'
       newest = query_seq_lengths = jnp.where(appended == ALL_ROWS, t, jnp.minimum(appended, t))
-      known = _concrete(_from_sequence(self.appended))  # a host cache's, under jit too
+      # rows from the host values (a host cache's too, under jit), for the check below
       rows = None if known is None else np.where(known == ALL_ROWS, t, np.minimum(known, t))
     elif query_seq_lengths is None:
       newest = jnp.full((batch,), t, jnp.int32)

@@ -203,8 +203,6 @@ def _int_array(name, x, clip=None, clip_int32=True):
   traced value outside int32 (an int64 under x64) or near its ends cannot wrap (the value checks
   only see concrete arrays); with ``clip_int32=False`` an int32 array is left as given (no cast can
   wrap it: :func:`kernels.masking.clip_ranges` clips it later, or the kernel itself)."""
-  if isinstance(x, (list, tuple)):
-    x = _sequence_array(name, x)
   if isinstance(x, (bool, np.bool_)):
     raise TypeError(f"{name} must be an integer array, got a bool")
   if isinstance(x, (int, np.integer)):
