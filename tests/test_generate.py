@@ -207,6 +207,12 @@ def test_caches_from_the_host_lists_and_x64():
   np.testing.assert_array_equal(by_hand.attend(q[:, 3:4]), cache.attend(q[:, 3:4]))
   with pytest.raises(TypeError, match="the cache's lengths must be an integer array"):
     KVCache(cache.k, cache.v, "4").attend(q[:, 3:4])
+  # appended: -1 or a row count per batch row
+  with pytest.raises(TypeError, match=r"appended must be None or an integer array \[batch=2\], got "
+                                      r"float32 \[2\]"):
+    KVCache(cache.k, cache.v, [4, 4], jnp.ones((2,))).attend(q[:, 3:4])
+  with pytest.raises(ValueError, match="appended must be -1 .* batch row 1 holds -2"):
+    KVCache(cache.k, cache.v, [4, 4], [1, -2]).attend(q[:, 3:4])
   table = [[0, 1, -1], [2, 3, -1]]  # the third page of each row not given yet
   paged = PagedKVCache.create(B, 4, 2, K, H, page_table=table).append(k[:, :4], v[:, :4])
   np.testing.assert_allclose(paged.attend(q[:, 3:4]), cache.attend(q[:, 3:4]), atol=1e-6)
